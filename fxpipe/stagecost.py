@@ -1,0 +1,95 @@
+"""Per-stage costs on plain numbers: compute, memory, transfers and allreduce, shared by planner and simulator."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fxpipe.cluster import Cluster
+from fxpipe.costgraph import Affine
+from fxpipe.plan import shared_rows, split_rows
+from fxpipe.passes.chain import CostChain
+
+# Bytes kept per parameter byte: weights + gradients (+ optimizer state).
+OPTIMIZER_STATE_FACTORS: dict[str, float] = {"sgd": 2.0, "momentum": 3.0, "adam": 4.0, "adamw": 4.0}
+
+
+def optimizer_factor(name: str) -> float:
+    key = name.lower()
+    if key not in OPTIMIZER_STATE_FACTORS:
+        raise ValueError(f"optimizer {name!r} is unknown; choose one of {sorted(OPTIMIZER_STATE_FACTORS)}")
+    return OPTIMIZER_STATE_FACTORS[key]
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage replica's costs for one micro-batch slice of ``rows`` rows (the largest slice)."""
+
+    rows: int
+    forward_s: float
+    backward_s: float
+    param_bytes: int
+    activation_bytes: float  # saved for backward, one slice
+    input_bytes: float  # activations received for one slice (0 for stage 0 except data)
+    output_bytes: float  # activations sent for one slice (0 for the last stage)
+
+
+def _block_sum(chain: CostChain, first: int, stop: int, field: str) -> Affine:
+    return Affine.total(getattr(block, field) for block in chain.blocks[first:stop])
+
+
+def stage_cost(chain: CostChain, first: int, stop: int, microbatch_rows: int, replicas: int) -> StageCost:
+    """Costs of blocks ``[first, stop)`` run on ``replicas`` devices, each taking its slice of a micro-batch."""
+    rows = max(split_rows(microbatch_rows, replicas))
+    input_bytes = chain.input_bytes if first == 0 else chain.cut_bytes[first - 1]
+    output_bytes = chain.output_bytes if stop == chain.num_blocks else chain.cut_bytes[stop - 1]
+    return StageCost(
+        rows=rows,
+        forward_s=_block_sum(chain, first, stop, "forward_s").at(rows),
+        backward_s=_block_sum(chain, first, stop, "backward_s").at(rows),
+        param_bytes=sum(block.param_bytes for block in chain.blocks[first:stop]),
+        activation_bytes=_block_sum(chain, first, stop, "saved_bytes").at(rows),
+        input_bytes=0.0 if first == 0 else input_bytes.at(rows),
+        output_bytes=0.0 if stop == chain.num_blocks else output_bytes.at(rows),
+    )
+
+
+def stage_memory_bytes(cost: StageCost, inflight_microbatches: int, optimizer: str = "adam") -> int:
+    """Peak bytes per device: weights x optimizer factor + in-flight activations + receive buffers.
+
+    Receive buffers: one activation slice in and one gradient slice back per in-flight micro-batch
+    boundary (the runtime preallocates one of each).
+    """
+    weights = cost.param_bytes * optimizer_factor(optimizer)
+    activations = inflight_microbatches * (cost.activation_bytes + cost.input_bytes)
+    buffers = cost.input_bytes + cost.output_bytes
+    return int(math.ceil(weights + activations + buffers))
+
+
+def transfer_time(
+    cluster: Cluster,
+    bytes_per_row: Affine,
+    microbatch_rows: int,
+    src_devices: Sequence[int],
+    dst_devices: Sequence[int],
+) -> float:
+    """Time to move one micro-batch's values across a cut between two replica groups.
+
+    Each sender hands each receiver the rows they share (:func:`shared_rows`). Transfers from one
+    device run one after another; the slowest device (as sender or receiver) sets the time.
+    """
+    busy: dict[tuple[str, int], float] = {}
+    for sender, receiver, start, stop in shared_rows(microbatch_rows, len(src_devices), len(dst_devices)):
+        src, dst = src_devices[sender], dst_devices[receiver]
+        if src == dst:
+            continue
+        seconds = cluster.link(src, dst).transfer_time(bytes_per_row.at(stop - start))
+        busy[("send", src)] = busy.get(("send", src), 0.0) + seconds
+        busy[("recv", dst)] = busy.get(("recv", dst), 0.0) + seconds
+    return max(busy.values(), default=0.0)
+
+
+def allreduce_time(cluster: Cluster, param_bytes: float, devices: Sequence[int]) -> float:
+    """Gradient allreduce of one stage over its replicas (ring, slowest link)."""
+    return cluster.allreduce_time(param_bytes, devices)
