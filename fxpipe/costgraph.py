@@ -63,7 +63,8 @@ class CostNode:
     ``saved_bytes`` is what autograd keeps alive for backward because of this node;
     ``param_bytes`` counts only the parameters this node is the first user of, so a tied
     parameter is counted once in the graph's total. ``param_names`` lists every parameter the
-    node uses (under the original model's names), shared ones included.
+    node uses (under the original model's names), shared ones included. Planners never cut where
+    a value with ``tensor_output=False`` would cross (sizes depend on each replica's slice).
     """
 
     name: str
@@ -78,6 +79,7 @@ class CostNode:
     module_path: str = ""
     param_names: tuple[str, ...] = ()
     op: str = ""
+    tensor_output: bool = True  # False for ints, shapes, bools: no cut may send such a value
 
 
 class CostGraphError(ValueError):
