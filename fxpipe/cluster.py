@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import os
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+CLUSTER_FORMAT_VERSION = 1
+GiB = 1024**3
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,13 @@ class LinkSpec:
     bandwidth_bytes_per_s: float
     latency_s: float = 0.0
 
+    def __post_init__(self) -> None:
+        if not self.bandwidth_bytes_per_s > 0 or self.latency_s < 0:
+            raise ValueError(
+                f"a link needs a positive bandwidth and a non-negative latency; got "
+                f"{self.bandwidth_bytes_per_s} B/s and {self.latency_s} s"
+            )
+
     def transfer_time(self, num_bytes: float) -> float:
         if num_bytes <= 0:
             return 0.0
@@ -49,7 +65,7 @@ class Cluster:
     Devices are numbered host-major: device d lives on host ``d // devices_per_host``.
     ``inter_host_collective`` is the bandwidth NCCL-style collectives reach across hosts (the
     DAPPLE authors measured 3 GB/s against 1 GB/s point-to-point); it defaults to the
-    point-to-point inter-host link.
+    point-to-point inter-host link. ``description`` records where the figures come from.
     """
 
     name: str
@@ -59,6 +75,7 @@ class Cluster:
     intra_host: LinkSpec
     inter_host: LinkSpec
     inter_host_collective: LinkSpec | None = None
+    description: str = ""
 
     def __post_init__(self) -> None:
         if self.num_hosts < 1 or self.devices_per_host < 1:
@@ -94,3 +111,356 @@ class Cluster:
         link = self.collective_link(devices)
         steps = 2 * (replicas - 1)
         return steps * link.latency_s + 2 * num_bytes * (replicas - 1) / (replicas * link.bandwidth_bytes_per_s)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict; :meth:`from_json` reads it back to an equal Cluster."""
+        data = asdict(self)
+        data["device"]["peak_flops"] = {dtype: flops for dtype, flops in self.device.peak_flops}
+        return {"format_version": CLUSTER_FORMAT_VERSION, **data}
+
+    @staticmethod
+    def from_json(data: Any) -> Cluster:
+        return _cluster_from_json(data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n")
+
+    @staticmethod
+    def load(path: str | Path) -> Cluster:
+        try:
+            return _cluster_from_json(json.loads(Path(path).read_text()))
+        except json.JSONDecodeError as error:
+            raise ClusterSpecError(f"cluster file {str(path)!r} is not valid JSON: {error}") from error
+
+
+class ClusterSpecError(ValueError):
+    """A cluster spec string or cluster JSON file is malformed."""
+
+
+def _require(data: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if not isinstance(data, dict) or key not in data or not isinstance(data[key], kind):
+        raise ClusterSpecError(f"cluster JSON: {where} needs key {key!r} of type {kind}; got {data!r:.200}")
+    return data[key]
+
+
+def _link_from_json(data: Any, where: str) -> LinkSpec:
+    return LinkSpec(
+        bandwidth_bytes_per_s=float(_require(data, "bandwidth_bytes_per_s", (int, float), where)),
+        latency_s=float(_require(data, "latency_s", (int, float), where)),
+    )
+
+
+def _cluster_from_json(data: Any) -> Cluster:
+    version = _require(data, "format_version", int, "the top level")
+    if version != CLUSTER_FORMAT_VERSION:
+        raise ClusterSpecError(f"cluster JSON format_version {version} is unknown; expected {CLUSTER_FORMAT_VERSION}")
+    device = _require(data, "device", dict, "the top level")
+    flops = _require(device, "peak_flops", dict, "device")
+    collective = data.get("inter_host_collective")
+    return Cluster(
+        name=_require(data, "name", str, "the top level"),
+        num_hosts=_require(data, "num_hosts", int, "the top level"),
+        devices_per_host=_require(data, "devices_per_host", int, "the top level"),
+        device=DeviceSpec(
+            name=_require(device, "name", str, "device"),
+            memory_bytes=int(_require(device, "memory_bytes", (int, float), "device")),
+            peak_flops=tuple(sorted((str(k), float(v)) for k, v in flops.items())),
+            memory_bandwidth_bytes_per_s=float(_require(device, "memory_bandwidth_bytes_per_s", (int, float), "device")),
+            kernel_launch_s=float(_require(device, "kernel_launch_s", (int, float), "device")),
+        ),
+        intra_host=_link_from_json(data.get("intra_host"), "intra_host"),
+        inter_host=_link_from_json(data.get("inter_host"), "inter_host"),
+        inter_host_collective=None if collective is None else _link_from_json(collective, "inter_host_collective"),
+        description=str(data.get("description", "")),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Device presets: NVIDIA datasheet dense (no sparsity) peak figures. float32 is the non-tensor-core
+# FP32 rate; bfloat16/float16 are tensor-core rates. Memory is the nominal capacity in GiB (what
+# nvidia-smi reports, within ~2%). Kernel launch ~5 us is the usual CUDA launch overhead.
+
+# Tesla V100 SXM2 datasheet: FP32 15.7 TFLOPS, tensor (FP16) 125 TFLOPS, HBM2 16 GB at 900 GB/s.
+# Volta has no bfloat16 hardware, so the preset gives no bfloat16 rate (flops_per_s raises).
+V100_16GB = DeviceSpec(
+    name="V100-16GB",
+    memory_bytes=16 * GiB,
+    peak_flops=(("float16", 125e12), ("float32", 15.7e12)),
+    memory_bandwidth_bytes_per_s=900e9,
+)
+# A100 SXM4 80GB datasheet: FP32 19.5 TFLOPS, BF16/FP16 tensor 312 TFLOPS dense, 2,039 GB/s.
+A100_80GB = DeviceSpec(
+    name="A100-80GB",
+    memory_bytes=80 * GiB,
+    peak_flops=(("bfloat16", 312e12), ("float16", 312e12), ("float32", 19.5e12)),
+    memory_bandwidth_bytes_per_s=2039e9,
+)
+# H100 SXM5 datasheet: FP32 67 TFLOPS, BF16/FP16 tensor 1,979 TFLOPS with sparsity = 989.5 dense,
+# HBM3 80 GB at 3.35 TB/s.
+H100_80GB = DeviceSpec(
+    name="H100-80GB",
+    memory_bytes=80 * GiB,
+    peak_flops=(("bfloat16", 989.5e12), ("float16", 989.5e12), ("float32", 67e12)),
+    memory_bandwidth_bytes_per_s=3.35e12,
+)
+# H200 SXM datasheet: same compute as H100 SXM (FP32 67, BF16/FP16 989.5 dense TFLOPS),
+# HBM3e 141 GB at 4.8 TB/s.
+H200_141GB = DeviceSpec(
+    name="H200-141GB",
+    memory_bytes=141 * GiB,
+    peak_flops=(("bfloat16", 989.5e12), ("float16", 989.5e12), ("float32", 67e12)),
+    memory_bandwidth_bytes_per_s=4.8e12,
+)
+
+
+def cpu_device(memory_bytes: int, *, calibrated: dict[str, float] | None = None) -> DeviceSpec:
+    """One CPU rank (one thread). Without ``calibrated`` figures: conservative defaults.
+
+    The defaults sit at or below what one thread measured here (``fxpipe.runtime.calibrate``
+    on a shared 2-core x86 VM with torch 2.13: 15-41 GFLOP/s float32 matmul, 0.4-1.4 GFLOP/s
+    bfloat16/float16 matmul without AMX, 2-5 GB/s copy, 12-15 us per tiny eager op), so plans
+    made without calibration do not promise too much.
+    """
+    figures = {"float32": 10e9, "bfloat16": 0.3e9, "float16": 0.3e9,
+               "memory_bandwidth": 2e9, "kernel_launch": 20e-6}
+    figures.update(calibrated or {})
+    return DeviceSpec(
+        name="CPU" if calibrated is None else "CPU(calibrated)",
+        memory_bytes=int(memory_bytes),
+        peak_flops=tuple(sorted((d, figures[d]) for d in ("bfloat16", "float16", "float32"))),
+        memory_bandwidth_bytes_per_s=figures["memory_bandwidth"],
+        kernel_launch_s=figures["kernel_launch"],
+    )
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this machine, from the OS (0 when the OS does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Link figures. 25 Gbps Ethernet is 3.125 GB/s nominal; the DAPPLE authors' planner used the
+# effective 1 GB/s point-to-point and 3 GB/s for NCCL collectives across servers, and 25 GB/s
+# for NVLink point-to-point inside a V100 server (REFERENCE.md 1.1). 10 Gbps Ethernet scales the
+# effective figures by 10/25. The paper's planner has no latency term, so these links have none.
+NVLINK_V100 = LinkSpec(25e9)
+ETHERNET_25G_NOMINAL = LinkSpec(25e9 / 8)
+ETHERNET_25G_P2P = LinkSpec(1e9)
+ETHERNET_25G_COLLECTIVE = LinkSpec(3e9)
+ETHERNET_10G_P2P = LinkSpec(1e9 * 10 / 25)
+ETHERNET_10G_COLLECTIVE = LinkSpec(3e9 * 10 / 25)
+# DGX A100: NVLink3 600 GB/s per GPU (300 GB/s each way), one 200 Gb/s HDR InfiniBand NIC per GPU.
+# DGX H100/H200: NVLink4 900 GB/s per GPU (450 GB/s each way), one 400 Gb/s NDR NIC per GPU.
+# Latencies are order-of-magnitude NCCL small-message figures (a few us on NVLink, ~10 us on IB).
+NVLINK_A100 = LinkSpec(300e9, 5e-6)
+NVLINK_H100 = LinkSpec(450e9, 5e-6)
+IB_HDR_200G = LinkSpec(200e9 / 8, 10e-6)
+IB_NDR_400G = LinkSpec(400e9 / 8, 10e-6)
+# Loopback gloo between CPU ranks without calibration: conservative (measured here: 0.45-2.2 GB/s,
+# 115-140 us one-way for 8 bytes).
+LOCAL_LINK_DEFAULT = LinkSpec(0.4e9, 200e-6)
+
+# Compact-spec devices: name -> (device, intra link, inter p2p link, inter collective link).
+_DEVICE_KINDS: dict[str, tuple[DeviceSpec, LinkSpec, LinkSpec, LinkSpec | None]] = {
+    "v100": (V100_16GB, NVLINK_V100, ETHERNET_25G_P2P, ETHERNET_25G_COLLECTIVE),
+    "a100": (A100_80GB, NVLINK_A100, IB_HDR_200G, None),
+    "h100": (H100_80GB, NVLINK_H100, IB_NDR_400G, None),
+    "h200": (H200_141GB, NVLINK_H100, IB_NDR_400G, None),
+}
+_DEVICE_ALIASES = {"v100-16gb": "v100", "a100-80gb": "a100", "h100-80gb": "h100", "h200-141gb": "h200"}
+
+
+def _cpu_cluster(name: str, num_hosts: int, ranks_per_host: int, device: DeviceSpec, link: LinkSpec,
+                 description: str) -> Cluster:
+    return Cluster(name, num_hosts, ranks_per_host, device, link, link, None, description)
+
+
+def dapple_cluster(config: str) -> Cluster:
+    """The DAPPLE paper's configs A, B, C (REFERENCE.md 1.6) with the authors' planner figures."""
+    key = config.upper()
+    nominal = "nominal 25 Gbps = 3.125 GB/s" if key != "C" else "nominal 10 Gbps = 1.25 GB/s"
+    if key == "A":
+        return Cluster("dapple-a", 2, 8, V100_16GB, NVLINK_V100, ETHERNET_25G_P2P, ETHERNET_25G_COLLECTIVE,
+                       f"2 servers x 8 V100; NVLink 25 GB/s p2p; Ethernet {nominal}, effective "
+                       "1 GB/s p2p and 3 GB/s collectives (DAPPLE planner)")
+    if key in ("B", "C"):
+        p2p, coll = (ETHERNET_25G_P2P, ETHERNET_25G_COLLECTIVE) if key == "B" else (
+            ETHERNET_10G_P2P, ETHERNET_10G_COLLECTIVE)
+        return Cluster(f"dapple-{key.lower()}", 16, 1, V100_16GB, NVLINK_V100, p2p, coll,
+                       f"16 servers x 1 V100; Ethernet {nominal}, effective "
+                       f"{p2p.bandwidth_bytes_per_s / 1e9:g} GB/s p2p and "
+                       f"{coll.bandwidth_bytes_per_s / 1e9:g} GB/s collectives")
+    raise ClusterSpecError(f"DAPPLE config {config!r} is unknown; choose A, B or C")
+
+
+def compact_cluster(num_hosts: int, devices_per_host: int, kind: str, name: str = "") -> Cluster:
+    """``num_hosts x devices_per_host`` devices of ``kind`` (v100, a100, h100, h200, cpu) with its default links."""
+    key = _DEVICE_ALIASES.get(kind.lower(), kind.lower())
+    name = name or f"{num_hosts}x{devices_per_host}:{key}"
+    if key == "cpu":
+        memory = host_memory_bytes() // devices_per_host
+        return _cpu_cluster(name, num_hosts, devices_per_host, cpu_device(memory), LOCAL_LINK_DEFAULT,
+                            "CPU ranks with conservative default figures")
+    if key not in _DEVICE_KINDS:
+        raise ClusterSpecError(f"device kind {kind!r} is unknown; choose one of {sorted([*_DEVICE_KINDS, 'cpu'])}")
+    device, intra, inter, collective = _DEVICE_KINDS[key]
+    return Cluster(name, num_hosts, devices_per_host, device, intra, inter, collective,
+                   f"{num_hosts} hosts x {devices_per_host} {device.name}")
+
+
+def calibration_enabled(calibrate: bool | None) -> bool:
+    """``calibrate`` when given, else the environment: ``FXPIPE_CALIBRATE=0`` turns measuring off (CI)."""
+    if calibrate is not None:
+        return calibrate
+    return os.environ.get("FXPIPE_CALIBRATE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def local_cluster(num_ranks: int | None = None, *, calibrate: bool | None = None, refresh: bool = False) -> Cluster:
+    """This machine's CPU ranks: 1 host x ``num_ranks`` (default: CPU count, at most 8).
+
+    With calibration (the default unless ``calibrate=False`` or ``FXPIPE_CALIBRATE=0``) the device
+    and link figures come from a short measurement, cached per hostname and torch version under
+    ``~/.cache/fxpipe`` (``$FXPIPE_CACHE_DIR``; see :mod:`fxpipe.runtime.calibrate`); otherwise
+    conservative defaults. Memory per rank is the host's physical memory divided by the ranks.
+    """
+    ranks = num_ranks if num_ranks is not None else max(1, min(os.cpu_count() or 1, 8))
+    if ranks < 1:
+        raise ClusterSpecError(f"local cluster needs at least 1 rank; got {ranks}")
+    memory = host_memory_bytes() // ranks
+    name = f"local:{ranks}"
+    if not calibration_enabled(calibrate):
+        return _cpu_cluster(name, 1, ranks, cpu_device(memory), LOCAL_LINK_DEFAULT,
+                            "local CPU ranks, uncalibrated conservative defaults")
+    from fxpipe.runtime.calibrate import calibrate_local  # lazy: keeps planning imports light
+
+    figures = calibrate_local(refresh=refresh)
+    link = LinkSpec(figures["link_bandwidth"], figures["link_latency"])
+    device_figures = {k: figures[k] for k in
+                      ("float32", "bfloat16", "float16", "memory_bandwidth", "kernel_launch")}
+    return _cpu_cluster(name, 1, ranks, cpu_device(memory, calibrated=device_figures), link,
+                        "local CPU ranks, calibrated (fxpipe.runtime.calibrate)")
+
+
+def dgx_h100_cluster(num_nodes: int = 1) -> Cluster:
+    """DGX H100 nodes: 8 H100 each, NVLink 450 GB/s each way, 400 Gb/s InfiniBand per GPU."""
+    return compact_cluster(num_nodes, 8, "h100", name=f"dgx-h100:{num_nodes}")
+
+
+PRESET_NAMES = ("dapple-a", "dapple-b", "dapple-c", "dgx-h100[:NODES]", "local[:RANKS]")
+
+_GRAMMAR = """cluster spec grammar:
+  SPEC     := BASE ("," OVERRIDE)*
+  BASE     := PRESET | HOSTS "x" DEVICES ":" KIND | PATH.json
+  PRESET   := dapple-a | dapple-b | dapple-c | dgx-h100[:NODES] | local[:RANKS]
+  KIND     := v100 | a100 | h100 | h200 | cpu
+  OVERRIDE := (intra | inter | collective) "=" BANDWIDTH ["@" LATENCY]
+            | memory "=" SIZE
+  BANDWIDTH: number + GB/s, MB/s, GiB/s, MiB/s, Gb/s, Gbps, Mb/s, Mbps, B/s
+  LATENCY  : number + s, ms, us, ns          SIZE: number + GB, GiB, MB, MiB, B
+  examples : dapple-a   4x8:h100   4x8:h100,intra=450GB/s,inter=50GB/s@5us   local:4   cluster.json"""
+
+# Decimal scales keep "5us" exactly 5e-6 (float 5 * 1e-6 is not). Bit units end in "bps" or are
+# spelled with a lower-case b ("Gb/s"); "GB/s" and "gb/s" are bytes.
+_D = Decimal
+_BANDWIDTH_UNITS = {"b/s": _D(1), "kb/s": _D("1e3"), "mb/s": _D("1e6"), "gb/s": _D("1e9"), "tb/s": _D("1e12"),
+                    "kib/s": _D(2**10), "mib/s": _D(2**20), "gib/s": _D(2**30), "bps": _D(1) / 8,
+                    "kbps": _D("1e3") / 8, "mbps": _D("1e6") / 8, "gbps": _D("1e9") / 8, "tbps": _D("1e12") / 8}
+_BIT_UNITS = {"Kb/s": _D("1e3") / 8, "Mb/s": _D("1e6") / 8, "Gb/s": _D("1e9") / 8, "Tb/s": _D("1e12") / 8}
+_TIME_UNITS = {"s": _D(1), "ms": _D("1e-3"), "us": _D("1e-6"), "ns": _D("1e-9")}
+_SIZE_UNITS = {"b": _D(1), "kb": _D("1e3"), "mb": _D("1e6"), "gb": _D("1e9"), "tb": _D("1e12"), "kib": _D(2**10),
+               "mib": _D(2**20), "gib": _D(2**30), "tib": _D(2**40)}
+_NUMBER_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z/]+)\s*$", re.IGNORECASE)
+
+
+def _spec_error(spec: str, part: str, why: str) -> ClusterSpecError:
+    return ClusterSpecError(f"bad cluster spec {spec!r}: {part!r} {why}\n{_GRAMMAR}\npresets: {', '.join(PRESET_NAMES)}")
+
+
+def _quantity(spec: str, part: str, text: str, units: dict[str, Decimal], what: str) -> float:
+    match = _NUMBER_UNIT.match(text)
+    if not match:
+        raise _spec_error(spec, part, f"needs a {what} like 12GB/s (number then unit)")
+    number, unit = Decimal(match.group(1)), match.group(2)
+    scale = (_BIT_UNITS.get(unit) if units is _BANDWIDTH_UNITS else None) or units.get(unit.lower())
+    if scale is None or (number <= 0 and what != "latency"):
+        raise _spec_error(spec, part, f"has an unknown {what} unit {unit!r} (or a non-positive value); "
+                                      f"units: {', '.join(units)}")
+    return float(number * scale)
+
+
+def _parse_base(spec: str, base: str, calibrate: bool | None) -> Cluster:
+    key = base.strip().lower()
+    if key in ("dapple-a", "dapple-b", "dapple-c"):
+        return dapple_cluster(key[-1])
+    preset_count = re.fullmatch(r"(dgx-h100|local)(?::([0-9]+))?", key)
+    if preset_count:
+        count = int(preset_count.group(2)) if preset_count.group(2) else None
+        if count == 0:
+            raise _spec_error(spec, base, "needs a count of at least 1")
+        if preset_count.group(1) == "dgx-h100":
+            return dgx_h100_cluster(count or 1)
+        return local_cluster(count, calibrate=calibrate)
+    compact = re.fullmatch(r"([0-9]+)x([0-9]+):([a-z0-9-]+)", key)
+    if compact:
+        hosts, devices = int(compact.group(1)), int(compact.group(2))
+        if hosts < 1 or devices < 1:
+            raise _spec_error(spec, base, "needs at least 1 host and 1 device per host")
+        try:
+            return compact_cluster(hosts, devices, compact.group(3))
+        except ClusterSpecError as error:
+            raise _spec_error(spec, base, str(error)) from None
+    if key.endswith(".json") or Path(base.strip()).is_file():
+        path = Path(base.strip()).expanduser()
+        if not path.is_file():
+            raise _spec_error(spec, base, "looks like a JSON file path but no such file exists")
+        return Cluster.load(path)
+    raise _spec_error(spec, base, "is not a preset, a HOSTSxDEVICES:KIND spec or a JSON file")
+
+
+def _apply_override(spec: str, cluster: Cluster, part: str) -> Cluster:
+    key, sep, value = part.partition("=")
+    key = key.strip().lower()
+    if not sep or not value.strip():
+        raise _spec_error(spec, part, "is not KEY=VALUE")
+    if key == "memory":
+        memory = int(_quantity(spec, part, value, _SIZE_UNITS, "size"))
+        return replace(cluster, device=replace(cluster.device, memory_bytes=memory))
+    fields = {"intra": "intra_host", "inter": "inter_host", "collective": "inter_host_collective"}
+    if key not in fields:
+        raise _spec_error(spec, part, f"has an unknown key {key!r}; keys: intra, inter, collective, memory")
+    bandwidth_text, _, latency_text = value.partition("@")
+    current = getattr(cluster, fields[key]) or cluster.inter_host
+    link = LinkSpec(
+        _quantity(spec, part, bandwidth_text, _BANDWIDTH_UNITS, "bandwidth"),
+        _quantity(spec, part, latency_text, _TIME_UNITS, "latency") if latency_text else current.latency_s,
+    )
+    if key == "intra":
+        updated = replace(cluster, intra_host=link)
+    elif key == "inter":
+        updated = replace(cluster, inter_host=link)
+    else:
+        updated = replace(cluster, inter_host_collective=link)
+    if key == "inter" and cluster.inter_host_collective is not None and "collective=" not in spec.lower():
+        updated = replace(updated, inter_host_collective=None)  # a new inter link replaces the old effective pair
+    return updated
+
+
+def parse_cluster(spec: str, *, calibrate: bool | None = None) -> Cluster:
+    """A Cluster from a preset name, a compact ``HOSTSxDEVICES:KIND`` spec or a JSON file, plus overrides.
+
+    ``calibrate`` only matters for ``local``: False (or ``FXPIPE_CALIBRATE=0`` when it is None)
+    skips the measurement and uses conservative defaults.
+    Malformed specs raise :class:`ClusterSpecError` quoting the bad part and the grammar.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise _spec_error(str(spec), str(spec), "is empty")
+    base, *overrides = spec.split(",")
+    cluster = _parse_base(spec, base, calibrate)
+    for part in overrides:
+        cluster = _apply_override(spec, cluster, part)
+    if overrides:
+        cluster = replace(cluster, name=spec.strip())
+    return cluster

@@ -1,0 +1,160 @@
+"""Short measurements of this machine's CPU ranks (compute, memory, gloo link) for the ``local`` cluster, cached."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+CALIBRATION_VERSION = 1
+# Bytes for the bandwidth ping: big enough that latency is small next to it, small enough to be quick.
+PING_LARGE_BYTES = 8 * 2**20
+PING_SMALL_BYTES = 8
+PING_REPEATS = 20
+
+
+class CalibrationError(RuntimeError):
+    """The local calibration could not run (the gloo ping failed or timed out)."""
+
+
+def cache_path() -> Path:
+    """``$FXPIPE_CACHE_DIR`` or ``~/.cache/fxpipe``, one file per hostname and torch version."""
+    folder = Path(os.environ.get("FXPIPE_CACHE_DIR") or Path.home() / ".cache" / "fxpipe")
+    safe_version = torch.__version__.replace("+", "_")
+    return folder / f"calibration-{socket.gethostname()}-torch{safe_version}.json"
+
+
+def _rate(work: Callable[[], object], seconds: float) -> tuple[int, float]:
+    """Run ``work`` repeatedly for about ``seconds``; return (calls, elapsed)."""
+    work()  # warm-up: first-call allocation and dispatch caches
+    calls, start = 0, time.perf_counter()
+    while True:
+        work()
+        calls += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return calls, elapsed
+
+
+def measure_matmul_flops(dtype: torch.dtype, size: int = 256, seconds: float = 0.1) -> float:
+    """FLOP/s of one thread on a ``size`` x ``size`` matmul (2 size^3 FLOPs per call)."""
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    calls, elapsed = _rate(lambda: torch.mm(a, b), seconds)
+    return 2.0 * size**3 * calls / elapsed
+
+
+def measure_memory_bandwidth(num_bytes: int = 32 * 2**20, seconds: float = 0.1) -> float:
+    """Bytes/s of one thread copying a buffer (a copy reads and writes: 2 x bytes moved)."""
+    src = torch.empty(num_bytes // 4, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    calls, elapsed = _rate(lambda: dst.copy_(src), seconds)
+    return 2.0 * num_bytes * calls / elapsed
+
+
+def measure_op_overhead(seconds: float = 0.05) -> float:
+    """Seconds of one tiny eager op (dispatch overhead, the CPU's 'kernel launch')."""
+    x = torch.ones(4)
+    calls, elapsed = _rate(lambda: torch.add(x, x), seconds)
+    return elapsed / calls
+
+
+def measure_device() -> dict[str, float]:
+    """One-thread compute, memory bandwidth and op overhead of this CPU."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # one rank = one thread, as the local cluster runs them
+    try:
+        return {
+            "float32": measure_matmul_flops(torch.float32),
+            "bfloat16": measure_matmul_flops(torch.bfloat16, size=128),
+            "float16": measure_matmul_flops(torch.float16, size=128),
+            "memory_bandwidth": measure_memory_bandwidth(),
+            "kernel_launch": measure_op_overhead(),
+        }
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _round_trip_s(dist: object, rank: int, tensor: torch.Tensor, repeats: int) -> list[float]:
+    """Per-repeat round-trip times of ``tensor`` rank 0 -> 1 -> 0."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(tensor, dst=1)  # type: ignore[attr-defined]
+            dist.recv(tensor, src=1)  # type: ignore[attr-defined]
+        else:
+            dist.recv(tensor, src=0)  # type: ignore[attr-defined]
+            dist.send(tensor, dst=0)  # type: ignore[attr-defined]
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _ping_worker(rank: int, init_file: str, queue: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    import torch.distributed as dist  # only the worker processes touch process groups
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        small = torch.zeros(PING_SMALL_BYTES // 4, dtype=torch.float32)
+        large = torch.zeros(PING_LARGE_BYTES // 4, dtype=torch.float32)
+        _round_trip_s(dist, rank, large, 2)  # warm-up: connection setup and buffer allocation
+        small_times = _round_trip_s(dist, rank, small, PING_REPEATS)
+        large_times = _round_trip_s(dist, rank, large, 5)
+        if rank == 0:
+            # The fastest repeat: what the link can do, without another process's scheduling noise
+            # (the cached figure outlives any momentary load on the machine).
+            queue.put((min(small_times), min(large_times)))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_link(timeout_s: float = 60.0) -> dict[str, float]:
+    """Latency (s) and bandwidth (B/s) of a gloo send/recv between two local processes."""
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    with tempfile.TemporaryDirectory(prefix="fxpipe-calibrate-") as folder:
+        init_file = str(Path(folder) / "rendezvous")
+        workers = [context.Process(target=_ping_worker, args=(rank, init_file, queue)) for rank in range(2)]
+        for worker in workers:
+            worker.start()
+        try:
+            small_rt, large_rt = queue.get(timeout=timeout_s)
+        except Exception as error:  # queue.Empty, or a worker died before reporting
+            raise CalibrationError(f"gloo ping between 2 local processes gave no result in {timeout_s} s; "
+                                   "pass calibrate=False to use default figures") from error
+        finally:
+            for worker in workers:
+                worker.join(timeout=timeout_s)
+                if worker.is_alive():
+                    worker.terminate()
+    latency = small_rt / 2
+    one_way = max(large_rt / 2 - latency, 1e-9)
+    return {"link_latency": latency, "link_bandwidth": PING_LARGE_BYTES / one_way}
+
+
+def calibrate_local(*, refresh: bool = False) -> dict[str, float]:
+    """Device and link figures for this machine, from the cache file or a fresh ~5 s measurement."""
+    path = cache_path()
+    if not refresh and path.is_file():
+        try:
+            cached = json.loads(path.read_text())
+            if cached.get("version") == CALIBRATION_VERSION:
+                return {str(key): float(value) for key, value in cached["figures"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # a damaged cache file is re-measured and overwritten below
+    figures = {**measure_device(), **measure_link()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"version": CALIBRATION_VERSION, "hostname": socket.gethostname(), "torch": torch.__version__,
+               "figures": figures}
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)  # atomic: concurrent ranks never read a half-written file
+    return figures

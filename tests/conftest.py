@@ -1,0 +1,11 @@
+"""Test-wide settings: one thread per process, no machine calibration unless a test asks for it."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Calibration measures this machine (tens of seconds); tests use the documented defaults.
+os.environ.setdefault("FXPIPE_CALIBRATE", "0")
+torch.set_num_threads(1)

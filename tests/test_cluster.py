@@ -1,0 +1,176 @@
+"""Cluster presets, spec parsing, JSON round trip, link and allreduce math, local calibration."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from fxpipe.cluster import (
+    Cluster,
+    ClusterSpecError,
+    GiB,
+    LinkSpec,
+    host_memory_bytes,
+    local_cluster,
+    parse_cluster,
+)
+
+
+def test_dapple_a_matches_the_papers_planner_figures() -> None:
+    cluster = parse_cluster("dapple-a")
+    assert (cluster.num_hosts, cluster.devices_per_host, cluster.num_devices) == (2, 8, 16)
+    assert cluster.intra_host.bandwidth_bytes_per_s == 25e9
+    assert cluster.inter_host.bandwidth_bytes_per_s == 1e9
+    assert cluster.inter_host_collective is not None
+    assert cluster.inter_host_collective.bandwidth_bytes_per_s == 3e9
+    assert cluster.device.name == "V100-16GB"
+    assert cluster.device.memory_bytes == 16 * GiB
+    assert cluster.device.flops_per_s("float32") == 15.7e12
+    assert cluster.device.flops_per_s("float16") == 125e12
+    assert "3.125 GB/s" in cluster.description  # the nominal 25 Gbps figure is documented too
+
+
+def test_dapple_b_and_c_scale_ethernet_by_ten_over_twenty_five() -> None:
+    b, c = parse_cluster("dapple-b"), parse_cluster("dapple-c")
+    assert (b.num_hosts, b.devices_per_host) == (16, 1) == (c.num_hosts, c.devices_per_host)
+    assert b.inter_host.bandwidth_bytes_per_s == 1e9
+    assert c.inter_host.bandwidth_bytes_per_s == pytest.approx(0.4e9)
+    assert b.inter_host_collective is not None and c.inter_host_collective is not None
+    assert c.inter_host_collective.bandwidth_bytes_per_s == pytest.approx(1.2e9)
+
+
+def test_dgx_h100_preset_and_device_datasheets() -> None:
+    cluster = parse_cluster("dgx-h100:4")
+    assert (cluster.num_hosts, cluster.devices_per_host) == (4, 8)
+    assert cluster.intra_host.bandwidth_bytes_per_s == 450e9
+    assert cluster.inter_host.bandwidth_bytes_per_s == 50e9  # 400 Gb/s per GPU
+    assert cluster.device.flops_per_s("bfloat16") == 989.5e12
+    assert parse_cluster("dgx-h100").num_devices == 8
+    h200 = parse_cluster("1x8:h200").device
+    assert (h200.memory_bytes, h200.memory_bandwidth_bytes_per_s) == (141 * GiB, 4.8e12)
+    a100 = parse_cluster("1x8:a100-80gb").device
+    assert (a100.memory_bytes, a100.flops_per_s("bfloat16")) == (80 * GiB, 312e12)
+    with pytest.raises(ValueError, match="bfloat16"):
+        parse_cluster("dapple-a").device.flops_per_s("bfloat16")  # Volta has no bf16 units
+
+
+def test_compact_v100_spec_equals_dapple_a_links() -> None:
+    compact, preset = parse_cluster("2x8:v100"), parse_cluster("dapple-a")
+    for field in ("num_hosts", "devices_per_host", "device", "intra_host", "inter_host", "inter_host_collective"):
+        assert getattr(compact, field) == getattr(preset, field), field
+
+
+def test_link_overrides_and_units() -> None:
+    cluster = parse_cluster("4x8:h100,intra=450GB/s,inter=50GB/s@5us")
+    assert cluster.name == "4x8:h100,intra=450GB/s,inter=50GB/s@5us"
+    assert cluster.intra_host == LinkSpec(450e9, 5e-6)  # latency kept from the preset
+    assert cluster.inter_host == LinkSpec(50e9, 5e-6)
+    assert parse_cluster("2x8:v100,inter=25Gbps").inter_host.bandwidth_bytes_per_s == 25e9 / 8
+    assert parse_cluster("2x8:v100,inter=10Gb/s").inter_host.bandwidth_bytes_per_s == 10e9 / 8
+    # A new inter link drops the old effective collective figure unless one is given too.
+    assert parse_cluster("dapple-a,inter=2GB/s").inter_host_collective is None
+    both = parse_cluster("dapple-a,collective=4GB/s@1ms,inter=2GB/s")
+    assert both.inter_host_collective == LinkSpec(4e9, 1e-3)
+    assert parse_cluster("1x4:cpu,memory=2GiB").device.memory_bytes == 2 * GiB
+
+
+@pytest.mark.parametrize(
+    ("spec", "bad_part"),
+    [
+        ("3x:h100", "3x:h100"),
+        ("2x8:tpu", "2x8:tpu"),
+        ("0x8:h100", "0x8:h100"),
+        ("dapple-a,foo=1GB/s", "foo=1GB/s"),
+        ("4x8:h100,intra=fast", "intra=fast"),
+        ("4x8:h100,intra=10furlongs/s", "intra=10furlongs/s"),
+        ("4x8:h100,inter", "inter"),
+        ("missing.json", "missing.json"),
+        ("dgx-h100:0", "dgx-h100:0"),
+        ("", ""),
+    ],
+)
+def test_bad_specs_quote_the_bad_part_and_show_the_grammar(spec: str, bad_part: str) -> None:
+    with pytest.raises(ClusterSpecError) as info:
+        parse_cluster(spec, calibrate=False)
+    message = str(info.value)
+    assert repr(bad_part) in message
+    assert "SPEC     :=" in message and "dapple-a" in message and "dgx-h100" in message
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("spec", ["dapple-a", "dapple-b", "dapple-c", "dgx-h100:2", "4x8:a100", "1x4:cpu"])
+def test_json_round_trip(spec: str, tmp_path: Path) -> None:
+    cluster = parse_cluster(spec)
+    assert Cluster.from_json(json.loads(json.dumps(cluster.to_json()))) == cluster
+    path = tmp_path / "cluster.json"
+    cluster.save(path)
+    assert parse_cluster(str(path)) == cluster
+    assert parse_cluster(f"{path},inter=7GB/s").inter_host.bandwidth_bytes_per_s == 7e9
+
+
+def test_bad_json_names_the_missing_key(tmp_path: Path) -> None:
+    data = parse_cluster("dapple-a").to_json()
+    del data["num_hosts"]
+    with pytest.raises(ClusterSpecError, match="num_hosts"):
+        Cluster.from_json(data)
+    path = tmp_path / "broken.json"
+    path.write_text("{not json")
+    with pytest.raises(ClusterSpecError, match="not valid JSON"):
+        parse_cluster(str(path))
+
+
+def test_links_and_allreduce_math() -> None:
+    cluster = parse_cluster("dapple-a")
+    assert cluster.link(0, 7) is cluster.intra_host
+    assert cluster.link(7, 8) is cluster.inter_host
+    assert cluster.link(3, 12).transfer_time(2e9) == pytest.approx(2.0)
+    weights = 1e9
+    # Ring allreduce 2 W (R-1) / (R B): across hosts on the 3 GB/s collective figure, inside on NVLink.
+    assert cluster.allreduce_time(weights, range(16)) == pytest.approx(2 * weights * 15 / (16 * 3e9))
+    assert cluster.allreduce_time(weights, range(8)) == pytest.approx(2 * weights * 7 / (8 * 25e9))
+    assert cluster.allreduce_time(weights, [5]) == 0.0
+    slow = parse_cluster("2x2:h100,inter=1GB/s@1ms")
+    expected = 2 * 3 * 1e-3 + 2 * weights * 3 / (4 * 1e9)
+    assert slow.allreduce_time(weights, [0, 1, 2, 3]) == pytest.approx(expected)
+    with pytest.raises(ValueError, match="device 16"):
+        cluster.link(0, 16)
+
+
+def test_local_without_calibration_splits_host_memory() -> None:
+    cluster = parse_cluster("local:3", calibrate=False)
+    assert (cluster.num_hosts, cluster.devices_per_host) == (1, 3)
+    assert cluster.device.memory_bytes == host_memory_bytes() // 3 > 0
+    assert cluster.link(0, 2) == cluster.intra_host
+    assert parse_cluster("local", calibrate=False).num_devices >= 1
+
+
+def test_environment_turns_calibration_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FXPIPE_CALIBRATE", "0")
+    assert parse_cluster("local:2").device.name == "CPU"  # defaults, nothing measured
+
+
+def test_local_calibration_reads_its_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fxpipe.runtime import calibrate
+
+    monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
+    figures = {"float32": 2e10, "bfloat16": 1e9, "float16": 1.5e9, "memory_bandwidth": 8e9,
+               "kernel_launch": 7e-6, "link_bandwidth": 3e9, "link_latency": 4e-5}
+    path = calibrate.cache_path()
+    assert path.parent == tmp_path and "torch" in path.name
+    path.write_text(json.dumps({"version": calibrate.CALIBRATION_VERSION, "figures": figures}))
+    cluster = local_cluster(2)
+    assert cluster.intra_host == LinkSpec(3e9, 4e-5)
+    assert cluster.device.flops_per_s("float16") == 1.5e9
+    assert cluster.device.kernel_launch_s == 7e-6
+
+
+@pytest.mark.multiprocess
+def test_gloo_ping_measures_a_plausible_link() -> None:
+    from fxpipe.runtime.calibrate import measure_link
+
+    figures = measure_link(timeout_s=120)
+    assert 0 < figures["link_latency"] < 0.1
+    assert 1e7 < figures["link_bandwidth"] < 1e12 and math.isfinite(figures["link_bandwidth"])
