@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 from tabulate import tabulate
 
 
-class Op(str, Enum):
+class Op(StrEnum):
     """What one action does. FORWARD/BACKWARD compute; the others move data or gradients."""
 
     FORWARD = "F"
@@ -136,6 +136,102 @@ def lower(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
         out.append(Action(Op.ALLREDUCE))
         lowered.append(tuple(out))
     return tuple(lowered)
+
+
+def inflight_peak(schedule: Schedule, stage_index: int) -> int:
+    """Most micro-batches stage ``stage_index`` holds at once: forwards whose backward has not run yet."""
+    if not 0 <= stage_index < len(schedule.per_stage):
+        raise ScheduleError(f"stage {stage_index} is not in schedule {schedule.name!r} "
+                            f"(stages 0..{len(schedule.per_stage) - 1})")
+    inflight = peak = 0
+    for action in schedule.per_stage[stage_index]:
+        inflight += 1 if action.op is Op.FORWARD else -1 if action.op is Op.BACKWARD else 0
+        peak = max(peak, inflight)
+    return peak
+
+
+def validate_schedule(schedule: Schedule) -> None:
+    """Check that every stage runs F and B of every micro-batch once, B after F, and that it completes.
+
+    Completion is checked by abstract execution under the runtime's semantics (sends are
+    buffered, receives block): F(m) on stage s needs F(m) done on stage s-1, B(m) on stage s
+    needs B(m) done on stage s+1. Raises ScheduleError naming the problem, then the schedule.
+    """
+    problems = _shape_problems(schedule)
+    if not problems:
+        problems = _deadlock_problems(schedule)
+    if problems:
+        raise ScheduleError("invalid schedule: " + "; ".join(problems) + "\n" + format_schedule(schedule))
+
+
+def _shape_problems(schedule: Schedule) -> list[str]:
+    if schedule.num_stages < 1 or schedule.num_microbatches < 1:
+        return [f"a schedule needs >= 1 stage and >= 1 micro-batch; got S={schedule.num_stages}, "
+                f"M={schedule.num_microbatches}"]
+    if len(schedule.per_stage) != schedule.num_stages:
+        return [f"num_stages is {schedule.num_stages} but per_stage has {len(schedule.per_stage)} lists"]
+    problems: list[str] = []
+    for stage_index, actions in enumerate(schedule.per_stage):
+        problems.extend(f"stage {stage_index}: {p}" for p in _stage_problems(actions, schedule.num_microbatches))
+    return problems
+
+
+def _stage_problems(actions: tuple[Action, ...], num_microbatches: int) -> list[str]:
+    problems = []
+    done: dict[Op, set[int]] = {Op.FORWARD: set(), Op.BACKWARD: set()}
+    for step, action in enumerate(actions):
+        m = action.microbatch_index
+        if action.op not in done:
+            problems.append(f"step {step} is {action}; unlowered schedules hold only F and B")
+        elif not 0 <= m < num_microbatches:
+            problems.append(f"step {step} is {action}; micro-batch {m} is outside 0..{num_microbatches - 1}")
+        elif m in done[action.op]:
+            problems.append(f"step {step} repeats {action}")
+        elif action.op is Op.BACKWARD and m not in done[Op.FORWARD]:
+            problems.append(f"step {step} runs B{m} before F{m}")
+        else:
+            done[action.op].add(m)
+    for op, seen in done.items():
+        missing = sorted(set(range(num_microbatches)) - seen)
+        if missing and not problems:
+            problems.append(f"{op.value} of micro-batches {missing} never runs")
+    return problems
+
+
+def _waits_for(schedule: Schedule, stage_index: int, action: Action) -> int | None:
+    """The stage whose same action must finish first (None when the action needs no other stage)."""
+    if action.op is Op.FORWARD and stage_index > 0:
+        return stage_index - 1
+    if action.op is Op.BACKWARD and stage_index < schedule.num_stages - 1:
+        return stage_index + 1
+    return None
+
+
+def _deadlock_problems(schedule: Schedule) -> list[str]:
+    """Abstract execution: advance every stage as far as its dependencies allow, report who is stuck."""
+    done: set[tuple[int, Action]] = set()
+    cursor = [0] * schedule.num_stages
+    pending = list(range(schedule.num_stages))
+    while pending:
+        stage_index = pending.pop()
+        actions = schedule.per_stage[stage_index]
+        while cursor[stage_index] < len(actions):
+            action = actions[cursor[stage_index]]
+            other = _waits_for(schedule, stage_index, action)
+            if other is not None and (other, action) not in done:
+                break
+            done.add((stage_index, action))
+            cursor[stage_index] += 1
+            neighbour = stage_index + (1 if action.op is Op.FORWARD else -1)
+            if 0 <= neighbour < schedule.num_stages:
+                pending.append(neighbour)
+    stuck = []
+    for stage_index, actions in enumerate(schedule.per_stage):
+        if cursor[stage_index] < len(actions):
+            action = actions[cursor[stage_index]]
+            stuck.append(f"stage {stage_index} waits at step {cursor[stage_index]} ({action}) for {action} "
+                         f"on stage {_waits_for(schedule, stage_index, action)}")
+    return ["deadlock: " + ", ".join(stuck)] if stuck else []
 
 
 def format_schedule(schedule: Schedule) -> str:

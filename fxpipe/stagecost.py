@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from fxpipe.cluster import Cluster
 from fxpipe.costgraph import Affine
-from fxpipe.plan import shared_rows, split_rows
 from fxpipe.passes.chain import CostChain
+from fxpipe.plan import shared_rows, split_rows
 
 # Bytes kept per parameter byte: weights + gradients (+ optimizer state).
 OPTIMIZER_STATE_FACTORS: dict[str, float] = {"sgd": 2.0, "momentum": 3.0, "adam": 4.0, "adamw": 4.0}
@@ -37,6 +37,12 @@ class StageCost:
 
 def _block_sum(chain: CostChain, first: int, stop: int, field: str) -> Affine:
     return Affine.total(getattr(block, field) for block in chain.blocks[first:stop])
+
+
+def compute_times(chain: CostChain, first: int, stop: int, rows: int) -> tuple[float, float]:
+    """Forward and backward seconds of blocks ``[first, stop)`` on a slice of ``rows`` batch rows."""
+    return (_block_sum(chain, first, stop, "forward_s").at(rows),
+            _block_sum(chain, first, stop, "backward_s").at(rows))
 
 
 def stage_cost(chain: CostChain, first: int, stop: int, microbatch_rows: int, replicas: int) -> StageCost:

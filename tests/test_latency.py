@@ -1,0 +1,52 @@
+"""DAPPLE's analytic latency: pivot choice, the closed form, transfers as stages."""
+
+from __future__ import annotations
+
+import pytest
+from fxpipe.passes.chain import Block, CostChain
+
+from fxpipe.cluster import Cluster, DeviceSpec, LinkSpec
+from fxpipe.costgraph import Affine
+from fxpipe.latency import analytic_iteration_time, pipeline_latency, pivot_stage, stage_times
+from fxpipe.plan import Plan, StagePlan
+
+
+def test_pivot_is_the_last_of_equal_stages() -> None:
+    assert pivot_stage([1.0] * 4, [2.0] * 4, 8) == 3
+
+
+def test_pivot_is_a_dominant_middle_stage() -> None:
+    # stage 1 is heavy: its (M-1)(F+B) outweighs what stages 2, 3 add after it
+    assert pivot_stage([1.0, 3.0, 1.0, 1.0], [2.0, 6.0, 2.0, 2.0], 8) == 1
+    # with one micro-batch the steady phase vanishes and the last stage wins
+    assert pivot_stage([1.0, 3.0, 1.0, 1.0], [2.0, 6.0, 2.0, 2.0], 1) == 3
+
+
+def test_latency_by_hand() -> None:
+    forward, backward, allreduce = [1.0, 3.0, 1.0], [2.0, 6.0, 2.0], [5.0, 0.0, 20.0]
+    # Q = 1: warm-up 1 + 3, steady 3 * 9, ending max(5 + 2 + 6, 0 + 6, 20 - 0)
+    assert pipeline_latency(forward, backward, allreduce, 4) == 4 + 27 + 20
+
+
+def test_equal_stages_give_the_known_makespan() -> None:
+    assert pipeline_latency([0.25] * 3, [0.5] * 3, [0.125] * 3, 5) == (5 + 3 - 1) * 0.75 + 0.125
+
+
+def test_lengths_are_checked() -> None:
+    with pytest.raises(ValueError, match="one entry per stage"):
+        pipeline_latency([1.0], [1.0, 2.0], [0.0], 2)
+    with pytest.raises(ValueError, match="num_microbatches must be >= 1"):
+        pivot_stage([1.0], [1.0], 0)
+
+
+def test_transfers_become_stages() -> None:
+    device = DeviceSpec("t", 2**34, (("float32", 1e12),), 1e11)
+    net = Cluster("t", 2, 1, device, LinkSpec(2.0**20), LinkSpec(2.0**10, 2.0**-4))
+    block = Block("b", (), Affine(0, 2.0**-4), Affine(0, 2.0**-3), 0)
+    chain = CostChain((block, block), (Affine(0, 2.0**8),))
+    plan = Plan(8, 2, (StagePlan(0, 0, 1, 1, (0,)), StagePlan(1, 1, 2, 1, (1,))))
+    transfer = 2.0**-4 + 4 * 2.0**8 / 2.0**10
+    forward, backward, allreduce = stage_times(plan, chain, net)
+    assert forward == [0.25, transfer, 0.25] and backward == [0.5, transfer, 0.5]
+    assert allreduce == [0.0, 0.0, 0.0]
+    assert analytic_iteration_time(plan, chain, net) == pipeline_latency(forward, backward, allreduce, 2)
