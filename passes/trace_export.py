@@ -1,0 +1,146 @@
+"""The torch.export front end of trace(): non-strict export, unlifted to a plain fx.GraphModule."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.utils._pytree import TreeSpec
+
+from fxpipe.passes.trace_inputs import TraceInputs
+
+# ep.module() inserts this submodule call to re-check export's input guards on every call.
+_GUARDS_TARGET = "_guards_fn"
+
+
+class ExportTraceFailure(Exception):
+    """torch.export failed; `module_path`/`module_class` name the innermost module that was running."""
+
+    def __init__(self, module_path: str, module_class: str, reason: BaseException) -> None:
+        self.module_path = module_path
+        self.module_class = module_class
+        self.reason = reason
+        super().__init__(f"{module_path or '<root>'} ({module_class}): {reason}")
+
+
+def trace_export(model: nn.Module, inputs: TraceInputs) -> fx.GraphModule:
+    """torch.export the model at the example shapes and return a GraphModule with flat inputs.
+
+    The unlifted module of torch.export takes pytree-structured inputs through a custom codegen; this
+    rewrites it to plain placeholders (one per example tensor, forward() order) and plain outputs
+    (Mappings such as Hugging Face ModelOutput become dicts, sequences become tuples/lists).
+    """
+    kwargs = {**dict(zip(inputs.names, inputs.values, strict=True)), **inputs.bound}
+    with _running_modules(model) as running:
+        try:
+            exported = torch.export.export(model, (), kwargs, strict=False)
+        except Exception as error:
+            module_path = running[-1] if running else ""
+            module_class = type(model.get_submodule(module_path)).__name__
+            raise ExportTraceFailure(module_path, module_class, error) from error
+    unlifted = exported.module()
+    graph = _plain_graph(unlifted.graph, set(inputs.names), exported.call_spec.out_spec)
+    gm = fx.GraphModule(unlifted, graph, class_name=type(model).__name__)
+    _annotate_module_paths(gm.graph)
+    return gm
+
+
+@contextmanager
+def _running_modules(model: nn.Module) -> Iterator[list[str]]:
+    """Yield the stack of module paths whose forward is running (Python-side hooks, no graph ops).
+
+    A module that raises never pops itself, so after a failure the stack's top is the culprit.
+    """
+    paths = {id(module): path for path, module in model.named_modules()}
+    running: list[str] = []
+
+    def enter(module: nn.Module, args: Any) -> None:
+        if id(module) in paths:
+            running.append(paths[id(module)])
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        if id(module) in paths and running:
+            running.pop()
+
+    handles = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
+    try:
+        yield running
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _plain_graph(source: fx.Graph, input_names: set[str], out_spec: TreeSpec | None) -> fx.Graph:
+    """A copy of `source` with the default codegen, no guard call, no constant inputs, plain outputs."""
+    value_map: dict[fx.Node, fx.Node] = {}
+    graph = fx.Graph()
+    # Placeholders first (export lists the parameter reads before them), then the rest in order.
+    ordered = sorted(source.nodes, key=lambda n: n.op != "placeholder")
+    for node in ordered:
+        if node.op == "call_module" and node.target == _GUARDS_TARGET:
+            continue
+        if node.op == "placeholder" and node.target not in input_names:
+            # A bound non-tensor argument (e.g. use_cache=False): export specialised on it.
+            assert not _live_users(node), f"constant input {node.target} is used by the graph"
+            continue
+        if node.op == "get_attr" and not node.users:
+            continue  # e.g. one alias of a tied weight: the graph reads the other alias
+        if node.op == "output":
+            flat_outputs = list(node.args[0])  # type: ignore[arg-type]
+            graph.output(_structured_outputs(out_spec, flat_outputs, value_map))
+            continue
+        value_map[node] = graph.node_copy(node, lambda n: value_map[n])
+    return graph
+
+
+def _live_users(node: fx.Node) -> list[fx.Node]:
+    return [u for u in node.users if not (u.op == "call_module" and u.target == _GUARDS_TARGET)]
+
+
+def _structured_outputs(
+    out_spec: TreeSpec | None, flat_outputs: list[Any], value_map: dict[fx.Node, fx.Node]
+) -> Any:
+    mapped = [fx.map_arg(value, lambda n: value_map[n]) for value in flat_outputs]
+    if out_spec is None:
+        return tuple(mapped)
+    return _rebuild(out_spec, iter(mapped))
+
+
+def _rebuild(spec: TreeSpec, leaves: Iterator[Any]) -> Any:
+    """Unflatten `leaves` along `spec` into plain dicts, tuples and lists."""
+    if spec.is_leaf():
+        return next(leaves)
+    children = [_rebuild(child, leaves) for child in spec.children()]
+    if spec.type is list:
+        return children
+    if isinstance(spec.type, type) and issubclass(spec.type, Mapping):
+        return dict(zip(spec.context, children, strict=True))
+    if spec.type is type(None):
+        return None
+    # tuples, namedtuples and any other registered container: a plain tuple of its children.
+    return tuple(children)
+
+
+def _annotate_module_paths(graph: fx.Graph) -> None:
+    """node.meta['fxpipe.module_path'] from export's nn_module_stack (innermost module)."""
+    for node in graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            module_path, _ = list(stack.values())[-1]
+            node.meta["fxpipe.module_path"] = _clean_path(str(module_path))
+        elif node.op == "get_attr":
+            node.meta["fxpipe.module_path"] = str(node.target).rpartition(".")[0]
+        else:
+            node.meta["fxpipe.module_path"] = ""
+
+
+def _clean_path(module_path: str) -> str:
+    """Strict-mode paths look like "L['self'].blocks.0"; keep the part after the root."""
+    prefix = "L['self']"
+    if module_path.startswith(prefix):
+        return module_path[len(prefix):].lstrip(".")
+    return module_path

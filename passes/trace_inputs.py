@@ -1,0 +1,119 @@
+"""Example-input normalisation for trace(): positional tensors in forward() order plus bound constants."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+ACCEPTED_FORMS = "a Tensor, a tuple or list of Tensors, or a dict mapping forward() parameter names to Tensors"
+
+# Inputs that a training graph never wants: a KV cache is inference-only and its cache object is not a
+# tensor, so forward() parameters with these names are bound to these values unless the caller sets them.
+TRAINING_DEFAULTS: dict[str, Any] = {"use_cache": False}
+
+
+class ExampleInputsTypeError(TypeError):
+    """example_inputs (or one of its values) has a type trace() cannot turn into graph inputs."""
+
+
+@dataclass(frozen=True)
+class TraceInputs:
+    """The example inputs as graph placeholders: names and values in forward() order, plus constants.
+
+    `bound` holds forward() parameters that are not graph inputs (omitted inputs at their defaults and
+    TRAINING_DEFAULTS); the tracers specialise the graph on these values.
+    """
+
+    names: tuple[str, ...]
+    values: tuple[torch.Tensor, ...]
+    bound: dict[str, Any] = field(default_factory=dict)
+
+
+def normalize_inputs(model: nn.Module, example_inputs: object) -> TraceInputs:
+    """Check example_inputs' types and bind them to model.forward's signature (nothing is run)."""
+    if not isinstance(model, nn.Module):
+        raise ExampleInputsTypeError(
+            f"trace() needs an nn.Module, got a {type(model).__name__}; wrap plain functions in a Module"
+        )
+    parameters = _forward_parameters(model)
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    if isinstance(example_inputs, (tuple, list)):
+        given = _bind_positional(tuple(example_inputs), parameters)
+    elif isinstance(example_inputs, Mapping):
+        given = _bind_keywords(example_inputs, parameters)
+    else:
+        raise ExampleInputsTypeError(
+            f"example_inputs is a {type(example_inputs).__name__}; accepted forms: {ACCEPTED_FORMS}"
+        )
+    bound = _bound_constants(parameters, given)
+    return TraceInputs(names=tuple(given), values=tuple(given.values()), bound=bound)
+
+
+def _forward_parameters(model: nn.Module) -> list[inspect.Parameter]:
+    """forward()'s named parameters (no *args/**kwargs), in signature order."""
+    signature = inspect.signature(model.forward)
+    named_kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p for p in signature.parameters.values() if p.kind in named_kinds]
+
+
+def _check_tensor(value: object, where: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise ExampleInputsTypeError(
+            f"{where} is a {type(value).__name__}; accepted forms: {ACCEPTED_FORMS} "
+            "(bind non-tensor options in the model, e.g. with a small wrapper Module)"
+        )
+    return value
+
+
+def _bind_positional(
+    values: tuple[object, ...], parameters: list[inspect.Parameter]
+) -> dict[str, torch.Tensor]:
+    tensors = [_check_tensor(value, f"example_inputs[{index}]") for index, value in enumerate(values)]
+    positional = [p for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    if len(values) > len(positional):
+        names = [p.name for p in positional]
+        raise ExampleInputsTypeError(
+            f"example_inputs has {len(values)} positional values but forward() takes {len(positional)} "
+            f"named positional parameters {names}; pass fewer values or a dict of keyword inputs"
+        )
+    return {parameter.name: tensor for parameter, tensor in zip(positional, tensors, strict=False)}
+
+
+def _bind_keywords(
+    values: Mapping[Any, object], parameters: list[inspect.Parameter]
+) -> dict[str, torch.Tensor]:
+    known = [p.name for p in parameters]
+    for key in values:
+        if not isinstance(key, str) or key not in known:
+            raise ExampleInputsTypeError(
+                f"example_inputs has key {key!r}, which is not a parameter of forward() {known}; "
+                "use forward()'s parameter names as keys"
+            )
+    # Placeholders follow the signature's order, whatever order the dict was written in.
+    return {
+        name: _check_tensor(values[name], f"example_inputs[{name!r}]") for name in known if name in values
+    }
+
+
+def _bound_constants(parameters: list[inspect.Parameter], given: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Omitted forward() parameters -> their defaults (TRAINING_DEFAULTS first); error if required."""
+    bound: dict[str, Any] = {}
+    for parameter in parameters:
+        if parameter.name in given:
+            continue
+        if parameter.name in TRAINING_DEFAULTS:
+            bound[parameter.name] = TRAINING_DEFAULTS[parameter.name]
+        elif parameter.default is not inspect.Parameter.empty:
+            bound[parameter.name] = parameter.default
+        else:
+            raise ExampleInputsTypeError(
+                f"example_inputs gives no value for forward()'s required parameter {parameter.name!r} "
+                f"(given: {list(given)}); add it to the example inputs"
+            )
+    return bound
