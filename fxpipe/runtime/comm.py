@@ -1,0 +1,228 @@
+"""Process groups, row routes between stage replicas, and tagged point-to-point transfer of value pieces."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import IntEnum
+
+import torch
+import torch.distributed as dist
+
+from fxpipe.plan import row_ranges, shared_rows
+from fxpipe.runtime.errors import CommunicationError
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class MessageKind(IntEnum):
+    """What a message carries; part of its tag so gloo never matches a message to the wrong receive."""
+
+    ACTIVATION = 0
+    GRADIENT = 1
+    OBJECT_LENGTH = 2
+    OBJECT_BYTES = 3
+
+
+@dataclass(frozen=True)
+class Route:
+    """One piece of a value travelling from a sender replica to a receiver replica.
+
+    Rows are relative to each side's own slice; ``None`` means the whole tensor (unbatched values
+    and Python objects go whole).
+    """
+
+    value: str
+    sender_rank: int
+    receiver_rank: int
+    sender_rows: tuple[int, int] | None
+    receiver_rows: tuple[int, int] | None
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """This process's place in the default process group."""
+
+    rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+
+
+def slice_rows(microbatch_index: int, microbatch_rows: int, replica_index: int,
+               num_replicas: int) -> tuple[int, int]:
+    """Global batch rows ``[start, stop)`` that replica ``replica_index`` of a stage handles in a micro-batch."""
+    start, stop = row_ranges(microbatch_rows, num_replicas)[replica_index]
+    offset = microbatch_index * microbatch_rows
+    return offset + start, offset + stop
+
+
+def routes_between(value: str, batched: bool, microbatch_rows: int, sender_devices: Sequence[int],
+                   receiver_devices: Sequence[int]) -> tuple[Route, ...]:
+    """Every piece of ``value`` that goes from the sender stage's replicas to the receiver stage's.
+
+    Batched values: each sender gives each receiver exactly the rows they share. Unbatched values:
+    receiver replica j gets the whole value from sender replica ``j % num_senders``.
+    """
+    if not batched:
+        return tuple(Route(value, sender_devices[j % len(sender_devices)], receiver, None, None)
+                     for j, receiver in enumerate(receiver_devices))
+    sender_ranges = row_ranges(microbatch_rows, len(sender_devices))
+    receiver_ranges = row_ranges(microbatch_rows, len(receiver_devices))
+    routes = []
+    for i, j, start, stop in shared_rows(microbatch_rows, len(sender_devices), len(receiver_devices)):
+        sender_offset, receiver_offset = sender_ranges[i][0], receiver_ranges[j][0]
+        routes.append(Route(value, sender_devices[i], receiver_devices[j],
+                            (start - sender_offset, stop - sender_offset),
+                            (start - receiver_offset, stop - receiver_offset)))
+    return tuple(routes)
+
+
+def buffer_shape(plan_shape: Sequence[int], batched: bool, num_rows: int) -> tuple[int, ...]:
+    """Shape of a receive buffer: the plan-time shape with dim 0 set to ``num_rows`` for batched values."""
+    if not batched:
+        return tuple(plan_shape)
+    return (num_rows, *plan_shape[1:])
+
+
+def message_tag(kind: MessageKind, microbatch_index: int, value_index: int, num_values: int) -> int:
+    """A tag unique per (kind, micro-batch, value) within a step; (sender, tag) names one message."""
+    return (microbatch_index * num_values + value_index) * len(MessageKind) + int(kind)
+
+
+def pick_backend() -> tuple[str, torch.device]:
+    """NCCL on CUDA (device = LOCAL_RANK), gloo on CPU."""
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        return "nccl", torch.device("cuda", local_rank % torch.cuda.device_count())
+    return "gloo", torch.device("cpu")
+
+
+def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> DistContext:
+    """Join the default process group, creating it when needed.
+
+    Under torchrun (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` set) it uses ``env://``; with no such
+    environment it makes a world of one process. An existing group is used as it is.
+    """
+    if dist.is_initialized():
+        backend = str(dist.get_backend())
+        device = pick_backend()[1] if backend == "nccl" else torch.device("cpu")
+        return DistContext(dist.get_rank(), dist.get_world_size(), backend, device)
+    backend, device = pick_backend()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=timeout_s)
+    if all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return DistContext(dist.get_rank(), dist.get_world_size(), backend, device)
+
+
+def new_groups(rank_lists: Sequence[Sequence[int]]) -> list[dist.ProcessGroup | None]:
+    """One process group per rank list (None for single-rank lists); every rank must call this alike."""
+    groups: list[dist.ProcessGroup | None] = []
+    for ranks in rank_lists:
+        group = dist.new_group(sorted(ranks)) if len(ranks) > 1 else None
+        groups.append(group if dist.get_rank() in ranks else None)
+    return groups
+
+
+@dataclass
+class Pending:
+    """An in-flight send or receive and what it is, for error messages."""
+
+    work: dist.Work | None
+    peer: int
+    description: str
+    tensor: torch.Tensor
+
+
+class PeerExchange:
+    """Posts tagged sends/receives and waits on them with a timeout that names the peer on failure."""
+
+    def __init__(self, rank: int, device: torch.device, timeout_s: float) -> None:
+        self.rank = rank
+        self.device = device
+        self.timeout = timedelta(seconds=timeout_s)
+
+    def post(self, ops: Sequence[tuple[bool, torch.Tensor, int, int, str]]) -> list[Pending]:
+        """Start ``(is_send, tensor, peer, tag, description)`` operations as one batch."""
+        if not ops:
+            return []
+        p2p_ops = [dist.P2POp(dist.isend if is_send else dist.irecv, tensor, peer, tag=tag)
+                   for is_send, tensor, peer, tag, _ in ops]
+        try:
+            works = dist.batch_isend_irecv(p2p_ops)
+        except RuntimeError as error:
+            names = "; ".join(f"{d} (rank {p})" for _, _, p, _, d in ops)
+            raise CommunicationError(f"rank {self.rank}: starting transfers failed [{names}]: {error}") from error
+        if len(works) != len(ops):  # coalesced backends (NCCL) return one work for the whole batch
+            names = "; ".join(f"{d} with rank {p}" for _, _, p, _, d in ops)
+            return [Pending(works[0] if works else None, ops[0][2], names, ops[0][1])] + [
+                Pending(None, p, d, t) for _, t, p, _, d in ops[1:]]
+        return [Pending(work, peer, description, tensor)
+                for work, (_, tensor, peer, _, description) in zip(works, ops, strict=True)]
+
+    def wait(self, pending: Sequence[Pending]) -> None:
+        """Wait for every operation; a failure or timeout raises CommunicationError naming the peer."""
+        for item in pending:
+            if item.work is None:
+                continue
+            try:
+                item.work.wait(self.timeout)
+            except RuntimeError as error:
+                peer = f"rank {item.peer}" if item.peer >= 0 else "a rank of the group"
+                raise CommunicationError(
+                    f"rank {self.rank}: {item.description} with {peer} failed or timed out after "
+                    f"{self.timeout.total_seconds():.0f} s (is {peer} alive and running the same "
+                    f"plan and batch?): {error}") from error
+
+    def send_object(self, obj: object, peer: int, tags: tuple[int, int], description: str) -> list[Pending]:
+        """Send a Python object as its pickled length then its bytes (for non-tensor values)."""
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
+        length = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
+        return self.post([(True, length, peer, tags[0], description + " (length)"),
+                          (True, payload, peer, tags[1], description)])
+
+    def recv_object(self, peer: int, tags: tuple[int, int], description: str) -> object:
+        length = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.wait(self.post([(False, length, peer, tags[0], description + " (length)")]))
+        payload = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
+        self.wait(self.post([(False, payload, peer, tags[1], description)]))
+        return pickle.loads(payload.cpu().numpy().tobytes())
+
+
+def allreduce_async(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> tuple[dist.Work, torch.Tensor]:
+    """Start a SUM allreduce of ``tensors`` flattened into one buffer; returns (work, flat buffer)."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    assert work is not None
+    return work, flat
+
+
+def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy a flat buffer made by :func:`allreduce_async` back into ``tensors``."""
+    offset = 0
+    for tensor in tensors:
+        tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()
+
+
+def broadcast_text(text: str | None, source_rank: int = 0) -> str:
+    """``text`` from ``source_rank`` on every rank (plans made on one rank, so every rank runs the same one)."""
+    if dist.get_world_size() == 1:
+        assert text is not None
+        return text
+    box: list[str | None] = [text if dist.get_rank() == source_rank else None]
+    dist.broadcast_object_list(box, src=source_rank)
+    assert isinstance(box[0], str)
+    return box[0]
+
+
+def current_rank() -> int:
+    """This process's rank in the default group (0 when there is none)."""
+    return dist.get_rank() if dist.is_initialized() else 0

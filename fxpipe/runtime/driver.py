@@ -1,0 +1,353 @@
+"""Runs this rank's lowered schedule: transfers, forward/backward per slice, gradient sync, loss broadcast."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_map
+
+from fxpipe import schedule as schedules
+from fxpipe.plan import Plan
+from fxpipe.runtime.comm import (
+    DEFAULT_TIMEOUT_S,
+    DistContext,
+    MessageKind,
+    PeerExchange,
+    Pending,
+    Route,
+    allreduce_async,
+    buffer_shape,
+    message_tag,
+    new_groups,
+    routes_between,
+    slice_rows,
+    unflatten_into,
+)
+from fxpipe.runtime.errors import BatchShapeError, PipelineSetupError
+from fxpipe.runtime.stage import LossFn, StageRunner, infer_value_dtypes
+
+if TYPE_CHECKING:
+    from fxpipe.passes.codegen import SplitProgram
+
+Op = schedules.Op
+
+
+@dataclass
+class _StepState:
+    """Everything one step keeps between actions, per micro-batch."""
+
+    inputs: tuple[Any, ...]
+    targets: Any
+    received: dict[int, dict[str, Any]] = field(default_factory=dict)
+    outputs: dict[int, dict[str, Any]] = field(default_factory=dict)
+    output_grads: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    input_grads: dict[int, dict[str, Any]] = field(default_factory=dict)
+    sends: list[Pending] = field(default_factory=list)
+    reductions: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor]]] = field(default_factory=list)
+    loss_sum: float = 0.0
+
+
+def lowered_actions(plan: Plan, stage_index: int) -> tuple[schedules.Action, ...]:
+    """This stage's full action list from the plan's schedule (validated when a validator exists)."""
+    schedule = schedules.make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, plan.warmup_policy)
+    validate: Callable[..., Any] | None = getattr(schedules, "validate_schedule", None)
+    if validate is not None:
+        validate(schedule)
+    return schedules.lower(schedule)[stage_index]
+
+
+def check_world(plan: Plan, program: SplitProgram, world_size: int) -> None:
+    """The plan's devices must be exactly ranks 0..world_size-1 and match the program's stages."""
+    if plan.all_devices() != list(range(world_size)):
+        raise PipelineSetupError(
+            f"plan {plan.layout!r} runs on devices {plan.all_devices()} but the process group has {world_size} "
+            f"ranks; launch with --nproc-per-node={plan.world_size} (torchrun) or plan for {world_size} devices")
+    if len(program.stages) != plan.num_stages:
+        raise PipelineSetupError(f"program has {len(program.stages)} stages but the plan has {plan.num_stages}; "
+                                 "generate the program from this plan (split_for_plan)")
+
+
+class PipelineDriver:
+    """One rank's part of a pipelined model: its stage replica, routes, process groups and step()."""
+
+    def __init__(self, program: SplitProgram, plan: Plan, loss_fn: LossFn | None, *, context: DistContext,
+                 autocast_dtype: torch.dtype | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        check_world(plan, program, context.world_size)
+        if loss_fn is None:
+            raise PipelineSetupError("loss_fn is missing; pass loss_fn=callable(output, targets) -> scalar tensor")
+        self.program, self.plan, self.context = program, plan, context
+        self.rank = context.rank
+        self.stage_index, self.replica_index = plan.stage_of_device(self.rank)
+        self.stage = program.stages[self.stage_index]
+        self.num_replicas = plan.stages[self.stage_index].replicas
+        self.is_last = self.stage_index == plan.num_stages - 1
+        self.actions = lowered_actions(plan, self.stage_index)
+        self.value_index = {name: i for i, name in enumerate(sorted(program.values))}
+        self.dtypes = infer_value_dtypes(program, context.device, autocast_dtype)
+        self.runner = StageRunner(self.stage, program, context.device, loss_fn=loss_fn,
+                                  autocast_dtype=autocast_dtype)
+        self.in_routes = self._input_routes()
+        self.out_routes = self._output_routes()
+        self.exchange = PeerExchange(self.rank, context.device, timeout_s)
+        self.reduce_sets = self._make_reduce_sets()
+
+    # ---- setup ---------------------------------------------------------------------------------
+
+    def _routes(self, value: str, producer: int, consumer: int) -> tuple[Route, ...]:
+        spec = self.program.values[value]
+        return routes_between(value, spec.batched and spec.is_tensor, self.plan.microbatch_size,
+                              self.plan.stages[producer].devices, self.plan.stages[consumer].devices)
+
+    def _input_routes(self) -> dict[str, list[Route]]:
+        routes = {}
+        for name in sorted(set(self.stage.input_values)):
+            producer = self.program.producers[name]
+            if producer >= 0:
+                routes[name] = [r for r in self._routes(name, producer, self.stage_index)
+                                if r.receiver_rank == self.rank]
+        return routes
+
+    def _output_routes(self) -> dict[str, list[Route]]:
+        routes: dict[str, list[Route]] = {}
+        for name in sorted(set(self.stage.output_values)):
+            for consumer in sorted(self.program.consumers.get(name, ())):
+                if consumer != self.stage_index and self.program.producers.get(name) == self.stage_index:
+                    routes.setdefault(name, []).extend(
+                        r for r in self._routes(name, self.stage_index, consumer) if r.sender_rank == self.rank)
+        return routes
+
+    def _make_reduce_sets(self) -> list[tuple[dist.ProcessGroup, list[torch.nn.Parameter]]]:
+        """Process groups for gradient sums: the stage's replicas, then one per set of tied stages.
+
+        Every rank creates every group in the same order (torch.distributed requires it). Tied
+        parameters skip the replica group: one SUM over all ranks of all owner stages already adds
+        every replica's and every owner's contribution.
+        """
+        stage_ranks = [list(stage.devices) for stage in self.plan.stages]
+        tied_sets = sorted({tuple(sorted(stages)) for _, stages in self.program.tie_groups})
+        tied_ranks = [sorted(d for s in stages for d in self.plan.stages[s].devices) for stages in tied_sets]
+        groups = new_groups(stage_ranks + tied_ranks)
+        tied_names = {name: tuple(sorted(stages)) for name, stages in self.program.tie_groups}
+        own = _unique_params(self.runner.parameters())
+        sets: list[tuple[dist.ProcessGroup, list[torch.nn.Parameter]]] = []
+        plain = [p for name, p in own if name not in tied_names]
+        replica_group = groups[self.stage_index]
+        if replica_group is not None and plain:
+            sets.append((replica_group, plain))
+        for index, stages in enumerate(tied_sets):
+            tied = [p for name, p in own if tied_names.get(name) == stages]
+            group = groups[len(stage_ranks) + index]
+            if tied and group is not None:
+                sets.append((group, tied))
+        return sets
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def step(self, inputs: tuple[Any, ...], targets: Any) -> float:
+        """One iteration over the global batch; returns the batch loss (the same float on every rank)."""
+        self.check_batch(inputs, targets)
+        stash = self._stash_grads()
+        state = _StepState(inputs, targets)
+        self.runner.reset()
+        handlers = {Op.RECV_ACTIVATION: self._recv_activation, Op.FORWARD: self._forward,
+                    Op.SEND_ACTIVATION: self._send_activation, Op.RECV_GRADIENT: self._recv_gradient,
+                    Op.BACKWARD: self._backward, Op.SEND_GRADIENT: self._send_gradient}
+        for action in self.actions:
+            if action.op is Op.ALLREDUCE:
+                self._start_allreduce(state)
+            else:
+                handlers[action.op](state, action.microbatch_index)
+        self._finish(state, stash)
+        return self._broadcast_loss(state.loss_sum)
+
+    def check_batch(self, inputs: tuple[Any, ...], targets: Any) -> None:
+        """Shapes against the plan, on every rank before any communication (all ranks see the same batch)."""
+        names = self.program.model_inputs
+        if len(inputs) != len(names):
+            raise BatchShapeError(f"step got {len(inputs)} inputs but the model takes {len(names)} ({list(names)})")
+        batch = self.plan.global_batch_size
+        for name, value in zip(names, inputs, strict=True):
+            spec = self.program.values[name]
+            if not spec.is_tensor:
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise BatchShapeError(f"input {name!r} must be a tensor, got {type(value).__name__}")
+            expected = (batch, *spec.shape[1:]) if spec.batched else tuple(spec.shape)
+            if tuple(value.shape) != expected or (spec.dtype is not None and value.dtype != spec.dtype):
+                raise BatchShapeError(
+                    f"input {name!r} has shape {tuple(value.shape)} {value.dtype} but the plan expects {expected} "
+                    f"{spec.dtype} (global batch {batch}); recompile for other shapes")
+        for leaf in tree_flatten(targets)[0]:
+            if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] != batch:
+                raise BatchShapeError(f"targets have {leaf.shape[0]} rows (shape {tuple(leaf.shape)}) but the "
+                                      f"global batch is {batch} rows")
+
+    def _tag(self, kind: MessageKind, microbatch_index: int, value: str) -> int:
+        return message_tag(kind, microbatch_index, self.value_index[value], len(self.value_index))
+
+    def _recv_activation(self, state: _StepState, m: int) -> None:
+        received: dict[str, Any] = {}
+        for name, routes in self.in_routes.items():
+            if not self.program.values[name].is_tensor:
+                tags = (self._tag(MessageKind.OBJECT_LENGTH, m, name), self._tag(MessageKind.OBJECT_BYTES, m, name))
+                received[name] = self.exchange.recv_object(routes[0].sender_rank, tags,
+                                                           f"receive object {name!r} of micro-batch {m}")
+        ops: list[tuple[bool, torch.Tensor, int, int, str]] = []
+        pieces: dict[str, list[torch.Tensor]] = {}
+        for name, routes in self.in_routes.items():
+            spec = self.program.values[name]
+            if not spec.is_tensor:
+                continue
+            pieces[name] = [self._empty(name, r.receiver_rows) for r in routes]
+            ops.extend((False, buf, r.sender_rank, self._tag(MessageKind.ACTIVATION, m, name),
+                        f"receive activation {name!r} of micro-batch {m}") for r, buf in zip(routes, pieces[name], strict=True))
+        self.exchange.wait(self.exchange.post(ops))
+        for name, bufs in pieces.items():
+            received[name] = bufs[0] if len(bufs) == 1 else torch.cat(bufs)
+        state.received[m] = received
+
+    def _empty(self, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
+        spec = self.program.values[name]
+        num_rows = rows[1] - rows[0] if rows is not None else 0
+        shape = buffer_shape(spec.shape, spec.batched and rows is not None, num_rows)
+        return torch.empty(shape, dtype=self.dtypes[name], device=self.context.device)
+
+    def _forward(self, state: _StepState, m: int) -> None:
+        start, stop = slice_rows(m, self.plan.microbatch_size, self.replica_index, self.num_replicas)
+        values = dict(state.received.get(m, {}))
+        for index, name in enumerate(self.program.model_inputs):
+            if name in self.stage.input_values:
+                values[name] = self._slice(state.inputs[index], self.program.values[name].batched, start, stop)
+        if self.is_last:
+            targets = tree_map(lambda t: self._slice(t, True, start, stop), state.targets)
+            loss = self.runner.forward_loss(m, values, targets, (stop - start) / self.plan.global_batch_size)
+            state.loss_sum += float(loss)
+        else:
+            state.outputs[m] = self.runner.forward(m, values)
+
+    def _slice(self, value: Any, batched: bool, start: int, stop: int) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if batched and value.dim() > 0:
+            value = value[start:stop]
+        return value.to(self.context.device)
+
+    def _send_activation(self, state: _StepState, m: int) -> None:
+        outputs = state.outputs[m]
+        ops: list[tuple[bool, torch.Tensor, int, int, str]] = []
+        for name, routes in self.out_routes.items():
+            value = outputs[name]
+            for route in routes:
+                description = f"send activation {name!r} of micro-batch {m}"
+                if not isinstance(value, torch.Tensor):
+                    tags = (self._tag(MessageKind.OBJECT_LENGTH, m, name),
+                            self._tag(MessageKind.OBJECT_BYTES, m, name))
+                    state.sends.extend(self.exchange.send_object(value, route.receiver_rank, tags, description))
+                    continue
+                piece = value if route.sender_rows is None else value[route.sender_rows[0]:route.sender_rows[1]]
+                ops.append((True, piece.detach().contiguous(), route.receiver_rank,
+                            self._tag(MessageKind.ACTIVATION, m, name), description))
+        state.sends.extend(self.exchange.post(ops))
+
+    def _grad_routes(self, routes: dict[str, list[Route]]) -> list[tuple[str, list[Route]]]:
+        return [(name, rs) for name, rs in routes.items()
+                if self.program.values[name].is_tensor and self.program.values[name].requires_grad]
+
+    def _recv_gradient(self, state: _StepState, m: int) -> None:
+        outputs = state.outputs[m]
+        ops: list[tuple[bool, torch.Tensor, int, int, str]] = []
+        pieces: list[tuple[str, tuple[int, int] | None, torch.Tensor]] = []
+        for name, routes in self._grad_routes(self.out_routes):
+            for route in routes:
+                buf = self._empty_like_rows(outputs[name], route.sender_rows)
+                pieces.append((name, route.sender_rows, buf))
+                ops.append((False, buf, route.receiver_rank, self._tag(MessageKind.GRADIENT, m, name),
+                            f"receive gradient of {name!r} for micro-batch {m}"))
+        self.exchange.wait(self.exchange.post(ops))
+        grads: dict[str, torch.Tensor] = {}
+        for name, rows, buf in pieces:
+            grad = grads.setdefault(name, torch.zeros_like(outputs[name]))
+            target = grad if rows is None else grad[rows[0]:rows[1]]
+            target.add_(buf)
+        state.output_grads[m] = grads
+
+    def _empty_like_rows(self, value: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
+        like = value if rows is None else value[rows[0]:rows[1]]
+        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+
+    def _backward(self, state: _StepState, m: int) -> None:
+        state.input_grads[m] = self.runner.backward(m, state.output_grads.pop(m, {}))
+        state.outputs.pop(m, None)
+
+    def _send_gradient(self, state: _StepState, m: int) -> None:
+        grads, received = state.input_grads.pop(m), state.received.pop(m)
+        ops: list[tuple[bool, torch.Tensor, int, int, str]] = []
+        for name, routes in self._grad_routes(self.in_routes):
+            grad = grads.get(name)
+            if grad is None:  # the stage did not use the value on a differentiable path
+                grad = torch.zeros_like(received[name])
+            for route in routes:
+                rows = route.receiver_rows
+                piece = grad if rows is None else grad[rows[0]:rows[1]]
+                ops.append((True, piece.contiguous(), route.sender_rank, self._tag(MessageKind.GRADIENT, m, name),
+                            f"send gradient of {name!r} for micro-batch {m}"))
+        state.sends.extend(self.exchange.post(ops))
+
+    # ---- gradient sync and loss ----------------------------------------------------------------
+
+    def _stash_grads(self) -> dict[int, torch.Tensor | None]:
+        """Set aside gradients from earlier steps so the allreduce sums only this step's."""
+        stash = {}
+        for _, param in _unique_params(self.runner.parameters()):
+            stash[id(param)] = param.grad
+            param.grad = None
+        return stash
+
+    def _start_allreduce(self, state: _StepState) -> None:
+        for group, params in self.reduce_sets:
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for param in params:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                by_dtype.setdefault(param.grad.dtype, []).append(param.grad)
+            for tensors in by_dtype.values():
+                work, flat = allreduce_async(tensors, group)
+                state.reductions.append((work, flat, tensors))
+
+    def _finish(self, state: _StepState, stash: dict[int, torch.Tensor | None]) -> None:
+        for work, flat, tensors in state.reductions:
+            self.exchange.wait([Pending(work, -1, f"gradient allreduce of stage {self.stage_index}", flat)])
+            unflatten_into(flat, tensors)
+        self.exchange.wait(state.sends)
+        for _, param in _unique_params(self.runner.parameters()):
+            earlier = stash[id(param)]
+            if earlier is not None:
+                param.grad = earlier if param.grad is None else param.grad + earlier
+
+    def _broadcast_loss(self, loss_sum: float) -> float:
+        """Sum the last stage replicas' weighted losses and hand the total to every rank."""
+        total = torch.tensor([loss_sum if self.is_last else 0.0], dtype=torch.float64, device=self.context.device)
+        work = dist.all_reduce(total, op=dist.ReduceOp.SUM, async_op=True)
+        assert work is not None
+        self.exchange.wait([Pending(work, -1, "loss allreduce over all ranks", total)])
+        return float(total.item())
+
+
+def _unique_params(named: Any) -> list[tuple[str, torch.nn.Parameter]]:
+    seen: set[int] = set()
+    result = []
+    for name, param in named:
+        if id(param) not in seen and param.requires_grad:
+            seen.add(id(param))
+            result.append((name, param))
+    return result
+
+
+def describe_routes(routes: Sequence[Route]) -> str:
+    """A readable list of routes for logs and errors."""
+    return ", ".join(f"{r.value}: {r.sender_rank}->{r.receiver_rank} rows {r.sender_rows}->{r.receiver_rows}"
+                     for r in routes)

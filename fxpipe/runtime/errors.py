@@ -1,0 +1,15 @@
+"""Errors the runtime raises: bad setup, bad batches, and failed or timed-out communication."""
+
+from __future__ import annotations
+
+
+class PipelineSetupError(ValueError):
+    """The plan, program and process group do not fit together (world size, missing loss_fn, ...)."""
+
+
+class BatchShapeError(ValueError):
+    """A step's inputs or targets do not have the shapes the plan and receive buffers were made for."""
+
+
+class CommunicationError(RuntimeError):
+    """A send, receive or collective failed or timed out; the message names the peer rank and the value."""

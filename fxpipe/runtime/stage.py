@@ -1,0 +1,154 @@
+"""One stage's GraphModule on this rank: forward and backward of micro-batch slices, and the weighted loss."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+if TYPE_CHECKING:
+    from fxpipe.passes.codegen import SplitProgram, StageProgram, ValueSpec
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass
+class _Saved:
+    """What backward of one micro-batch needs: the outputs (or weighted loss) and the input leaves."""
+
+    outputs: dict[str, Any]
+    input_leaves: dict[str, torch.Tensor]
+    loss: torch.Tensor | None = None
+
+
+def rebuild_tree(tree: Any, values: Mapping[str, Any]) -> Any:
+    """The model's output structure with each leaf value name replaced by its value."""
+    if isinstance(tree, str):
+        return values[tree]
+    if isinstance(tree, tuple):
+        return tuple(rebuild_tree(item, values) for item in tree)
+    if isinstance(tree, list):
+        return [rebuild_tree(item, values) for item in tree]
+    if isinstance(tree, dict):
+        return {key: rebuild_tree(item, values) for key, item in tree.items()}
+    return tree  # a constant leaf (None, a number) is returned as it is
+
+
+def autocast_context(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def infer_value_dtypes(program: SplitProgram, device: torch.device,
+                       autocast_dtype: torch.dtype | None) -> dict[str, torch.dtype | None]:
+    """Dtype of every value as the stages produce it, under autocast when it is on.
+
+    Runs the stage modules in order on fake tensors of the plan-time shapes (no memory, no data),
+    so every rank knows its receive-buffer dtypes without asking the sender.
+    """
+    dtypes = {name: spec.dtype for name, spec in program.values.items()}
+    if autocast_dtype is None:
+        return dtypes
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        known: dict[str, Any] = {name: _fake_value(program.values[name], device) for name in program.model_inputs}
+        for stage in program.stages:
+            # weights as fake tensors on this rank's device: autocast op lists differ between CPU and CUDA
+            weights = {name: mode.from_tensor(t).to(device) for name, t in
+                       itertools.chain(stage.module.named_parameters(), stage.module.named_buffers())}
+            args = tuple(known[name] if name in known else _fake_value(program.values[name], device)
+                         for name in stage.input_values)
+            with torch.autocast(device_type=device.type, dtype=autocast_dtype):
+                outputs = torch.func.functional_call(stage.module, weights, args)
+            for name, value in zip(stage.output_values, outputs, strict=True):
+                known[name] = value
+                if isinstance(value, torch.Tensor):
+                    dtypes[name] = value.dtype
+    return dtypes
+
+
+def _fake_value(spec: ValueSpec, device: torch.device) -> Any:
+    if not spec.is_tensor or spec.dtype is None:
+        raise ValueError(f"value {spec.name!r} is not a tensor; autocast dtype inference needs tensor inputs")
+    return torch.empty(spec.shape, dtype=spec.dtype, device=device)
+
+
+class StageRunner:
+    """Runs stage ``stage.stage_index`` on micro-batch slices, keeping outputs and input leaves for backward."""
+
+    def __init__(self, stage: StageProgram, program: SplitProgram, device: torch.device, *,
+                 loss_fn: LossFn | None, autocast_dtype: torch.dtype | None) -> None:
+        self.stage = stage
+        self.program = program
+        self.device = device
+        self.module = stage.module.to(device)
+        self.loss_fn = loss_fn
+        self.autocast_dtype = autocast_dtype
+        self.is_last = stage.stage_index == len(program.stages) - 1
+        self._saved: dict[int, _Saved] = {}
+
+    def parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """``(original name, parameter)`` for every parameter of this stage."""
+        for path, original in self.stage.param_names:
+            value = self.module.get_parameter(path) if _is_parameter(self.module, path) else None
+            if value is not None:
+                yield original, value
+
+    def forward(self, microbatch_index: int, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        """Run the stage on one slice; received tensors that need gradients become leaves."""
+        leaves: dict[str, torch.Tensor] = {}
+        args = []
+        for name in self.stage.input_values:
+            value = inputs[name]
+            spec = self.program.values[name]
+            if self.program.producers[name] >= 0 and spec.requires_grad and isinstance(value, torch.Tensor):
+                value = value.detach().requires_grad_(True)
+                leaves[name] = value
+            args.append(value)
+        with autocast_context(self.device, self.autocast_dtype):
+            results = self.module(*args)
+        outputs = dict(zip(self.stage.output_values, results, strict=True))
+        self._saved[microbatch_index] = _Saved(outputs, leaves)
+        return outputs
+
+    def forward_loss(self, microbatch_index: int, inputs: Mapping[str, Any], targets: Any,
+                     weight: float) -> torch.Tensor:
+        """Last stage: forward, then ``loss_fn(output, targets) * weight``; returns the detached weighted loss."""
+        assert self.loss_fn is not None, "the driver checks loss_fn before running a last stage"
+        outputs = self.forward(microbatch_index, inputs)
+        with autocast_context(self.device, self.autocast_dtype):
+            loss = self.loss_fn(rebuild_tree(self.program.output_tree, outputs), targets)
+        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+            raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
+                            f"{getattr(loss, 'shape', '')}; reduce the loss with mean()")
+        weighted = loss.float().reshape(()) * weight
+        self._saved[microbatch_index].loss = weighted
+        return weighted.detach()
+
+    def backward(self, microbatch_index: int, output_grads: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """Backward of one micro-batch; returns the gradient of every input leaf (None when unused)."""
+        saved = self._saved.pop(microbatch_index)
+        if saved.loss is not None:
+            torch.autograd.backward(saved.loss)
+        else:
+            pairs = [(saved.outputs[name], grad) for name, grad in output_grads.items()
+                     if isinstance(saved.outputs[name], torch.Tensor) and saved.outputs[name].requires_grad]
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        return {name: leaf.grad for name, leaf in saved.input_leaves.items()}
+
+    def reset(self) -> None:
+        """Drop state a failed step may have left behind."""
+        self._saved.clear()
+
+
+def _is_parameter(module: torch.nn.Module, path: str) -> bool:
+    owner_path, _, attribute = path.rpartition(".")
+    owner = module.get_submodule(owner_path) if owner_path else module
+    return attribute in owner._parameters and owner._parameters[attribute] is not None
+

@@ -1,0 +1,112 @@
+"""Multi-process test helpers: forked gloo ranks, one fresh process group per config, plans from node lists."""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import os
+import queue
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fxpipe.plan import Plan, StagePlan
+
+torch.set_num_threads(1)  # forked ranks inherit this; 2 shared cores
+
+
+@functools.cache
+def warm_up_parent() -> None:
+    """Pay one-time import costs (the first optimizer step imports torch._dynamo, ~10 s) before forking."""
+    parameter = torch.nn.Parameter(torch.zeros(2))
+    parameter.grad = torch.ones(2)
+    torch.optim.AdamW([parameter]).step()
+    with FakeTensorMode(allow_non_fake_inputs=True):  # codegen's shape runs import fake-tensor machinery
+        torch.nn.functional.linear(torch.empty(2, 2), parameter.detach().expand(2, 2)).sum()
+
+
+def _child(fn: Callable[..., Any], rank: int, world_size: int, store_dir: str, results: Any,
+           args: tuple[Any, ...]) -> None:
+    torch.set_num_threads(1)
+    try:
+        results.put((rank, True, fn(rank, world_size, store_dir, *args)))
+    except BaseException:  # reported to the parent, which fails the test with this traceback
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, store_dir: str | Path, *args: Any,
+              timeout_s: float = 150.0) -> list[Any]:
+    """Run ``fn(rank, world_size, store_dir, *args)`` in ``world_size`` forked processes; results by rank.
+
+    A rank that raises fails the call with its traceback; a rank that hangs past ``timeout_s``
+    is terminated (only the processes started here) and the call fails.
+    """
+    warm_up_parent()
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    processes = [context.Process(target=_child, args=(fn, rank, world_size, str(store_dir), results, args))
+                 for rank in range(world_size)]
+    for process in processes:
+        process.start()
+    collected: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world_size):
+            rank, ok, payload = results.get(timeout=timeout_s)
+            (collected.__setitem__(rank, payload) if ok else errors.append(f"rank {rank}:\n{payload}"))
+    except queue.Empty:
+        errors.append(f"ranks {sorted(set(range(world_size)) - set(collected))} gave no result in {timeout_s} s")
+    finally:
+        for process in processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.terminate()
+                process.join()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [collected[rank] for rank in range(world_size)]
+
+
+def join_world(store_dir: str, name: str, rank: int, world_size: int, timeout_s: float = 30.0) -> None:
+    """A fresh default gloo group of ``world_size`` ranks, rendezvous through a file named ``name``."""
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(store_dir, name)}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+
+
+def leave_world() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def compute_nodes(gm: fx.GraphModule) -> list[str]:
+    """Names of the nodes a stage may compute, in graph order (placeholders, outputs, get_attr excluded)."""
+    return [node.name for node in gm.graph.nodes if node.op not in ("placeholder", "output", "get_attr")]
+
+
+def plan_from_cuts(gm: fx.GraphModule, replicas: Sequence[int], global_batch_size: int, num_microbatches: int,
+                   *, schedule: str = "early_backward", warmup_policy: str = "A",
+                   fractions: Sequence[float] | None = None) -> Plan:
+    """A Plan cutting the graph's compute nodes into ``len(replicas)`` contiguous stages (test fixture).
+
+    Cut points are at ``fractions`` of the node list (default: equal node counts); devices are
+    numbered stage by stage.
+    """
+    names = compute_nodes(gm)
+    num_stages = len(replicas)
+    fractions = fractions or [i / num_stages for i in range(1, num_stages)]
+    bounds = [0, *(round(f * len(names)) for f in fractions), len(names)]
+    stages, next_device = [], 0
+    for index, count in enumerate(replicas):
+        devices = tuple(range(next_device, next_device + count))
+        next_device += count
+        stages.append(StagePlan(stage_index=index, first_block=index, stop_block=index + 1, replicas=count,
+                                devices=devices, node_names=tuple(names[bounds[index]:bounds[index + 1]])))
+    return Plan(global_batch_size=global_batch_size, num_microbatches=num_microbatches, stages=tuple(stages),
+                schedule=schedule, warmup_policy=warmup_policy, planner="test-cuts")

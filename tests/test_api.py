@@ -1,0 +1,131 @@
+"""fxpipe.compile and PipelinedModule: the function and decorator forms, names, and errors on every rank."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import fxpipe
+from fxpipe import models as zoo
+from fxpipe.passes import trace
+from fxpipe.runtime.errors import BatchShapeError, CommunicationError, PipelineSetupError
+from tests.mp_utils import join_world, leave_world, plan_from_cuts, run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+ENTRY = zoo.get("mlp")
+BATCH = 8
+
+
+def _mlp(**overrides: Any) -> tuple[torch.nn.Module, tuple[Any, ...]]:
+    return zoo.build("mlp", **{**ENTRY.tiny_overrides, **overrides})
+
+
+def _plan(replicas: tuple[int, ...], **kwargs: Any) -> fxpipe.Plan:
+    model, example_inputs = _mlp()
+    return plan_from_cuts(trace(model, example_inputs), replicas, BATCH, 2, **kwargs)
+
+
+def _outcome(action: Any) -> tuple[str, str, float]:
+    start = time.perf_counter()
+    try:
+        action()
+    except Exception as error:  # the test inspects which error every rank raised, and when
+        return type(error).__name__, str(error), time.perf_counter() - start
+    return "ok", "", time.perf_counter() - start
+
+
+def _single_process_checks(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
+    """World of one process with no torchrun environment: compile makes the group itself."""
+    inputs, targets = ENTRY.make_batch(BATCH, 1, **ENTRY.tiny_overrides)
+
+    @fxpipe.compile(loss_fn=ENTRY.loss_fn, global_batch_size=BATCH, plan=_plan((1,)), schedule="gpipe")
+    def build(seed: int) -> torch.nn.Module:
+        return _mlp(seed=seed)[0]
+
+    pipe = build(0, example_inputs=_mlp()[1])
+    reference, _ = _mlp()
+    expected = ENTRY.loss_fn(reference(*inputs), targets)
+    expected.backward()
+    loss = pipe.step({pipe.program.model_inputs[0]: inputs[0]}, targets)
+    grads_match = all(torch.allclose(p.grad, dict(reference.named_parameters())[n].grad, atol=1e-6)
+                      for n, p in pipe.named_parameters())
+    missing = _outcome(lambda: fxpipe.compile(_mlp()[0], _mlp()[1], global_batch_size=BATCH, plan=_plan((1,))))
+    wrong_batch = _outcome(lambda: fxpipe.compile(_mlp()[0], _mlp()[1], loss_fn=ENTRY.loss_fn,
+                                                  global_batch_size=BATCH + 1, plan=_plan((1,))))
+    return {"loss": loss, "expected": expected.item(), "grads_match": grads_match, "schedule": pipe.plan.schedule,
+            "names": sorted(pipe.state_dict()), "model_names": sorted(reference.state_dict()),
+            "missing_loss": missing, "batch_mismatch": wrong_batch, "name": build.__name__}
+
+
+def test_decorated_factory_trains_one_process_exactly(tmp_path: Any) -> None:
+    (result,) = run_ranks(_single_process_checks, 1, tmp_path)
+    assert result["loss"] == pytest.approx(result["expected"], rel=1e-6)
+    assert result["grads_match"]
+    assert result["schedule"] == "gpipe" and result["name"] == "build"
+    assert result["names"] == result["model_names"]
+    assert result["missing_loss"][0] == "PipelineSetupError" and "loss_fn" in result["missing_loss"][1]
+    assert result["batch_mismatch"][0] == "PipelineSetupError" and "global_batch_size" in result["batch_mismatch"][1]
+
+
+def _error_cases(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
+    inputs, targets = ENTRY.make_batch(BATCH, 2, **ENTRY.tiny_overrides)
+    results: dict[str, Any] = {}
+
+    def in_world(name: str, body: Any) -> None:
+        join_world(store_dir, name, rank, world_size)
+        try:
+            results[name] = body()
+        finally:
+            leave_world()
+
+    def compile_mlp(replicas: tuple[int, ...], **kwargs: Any) -> Any:
+        model, example_inputs = _mlp()
+        return fxpipe.compile(model, example_inputs, loss_fn=ENTRY.loss_fn, global_batch_size=BATCH,
+                              plan=_plan(replicas), **kwargs)
+
+    def bad_batches() -> Any:
+        pipe = compile_mlp((1, 1))
+        short = _outcome(lambda: pipe.step(inputs[0][:6], targets[:6]))
+        wide = _outcome(lambda: pipe.step(torch.cat([inputs[0], inputs[0]], dim=1), targets))
+        good = pipe.step(inputs, targets)  # the pipeline still works after rejected batches
+        return short, wide, good
+
+    def autocast() -> Any:
+        pipe = compile_mlp((1, 1), autocast_dtype=torch.bfloat16)
+        reference, _ = _mlp()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = ENTRY.loss_fn(reference(*inputs), targets).item()
+        sent = [pipe.driver.dtypes[n] for n, s in pipe.program.producers.items() if s == 0]
+        return pipe.step(inputs, targets), expected, sent
+
+    def dead_peer() -> Any:
+        pipe = compile_mlp((1, 1), timeout_s=3.0)
+        if rank == 1:
+            return "left"  # rank 1 dies before the step
+        return _outcome(lambda: pipe.step(inputs, targets))
+
+    in_world("bad-batch", bad_batches)
+    in_world("world-mismatch", lambda: _outcome(lambda: compile_mlp((1, 1, 1, 1))))
+    in_world("autocast", autocast)
+    in_world("dead-peer", dead_peer)
+    return results
+
+
+def test_errors_reach_every_rank_quickly(tmp_path: Any) -> None:
+    results = run_ranks(_error_cases, 2, tmp_path)
+    for rank, result in enumerate(results):
+        short, wide, good = result["bad-batch"]
+        assert short[0] == BatchShapeError.__name__ and "(6, " in short[1] and short[2] < 5.0, (rank, short)
+        assert wide[0] == BatchShapeError.__name__ and "recompile" in wide[1], (rank, wide)
+        assert good == pytest.approx(results[0]["bad-batch"][2])
+        mismatch = result["world-mismatch"]
+        assert mismatch[0] == PipelineSetupError.__name__ and "2 ranks" in mismatch[1], (rank, mismatch)
+        loss, expected, sent = result["autocast"]
+        assert loss == pytest.approx(expected, rel=2e-2) and sent and set(sent) == {torch.bfloat16}
+    assert results[1]["dead-peer"] == "left"
+    kind, message, elapsed = results[0]["dead-peer"]
+    assert kind == CommunicationError.__name__ and "rank 1" in message and elapsed < 20.0, message

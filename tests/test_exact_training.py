@@ -1,0 +1,129 @@
+"""Multi-rank exact training: every plan and schedule gives one-process gradients and parameters (gloo, CPU)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+import fxpipe
+from fxpipe import models as zoo
+from fxpipe.passes import trace
+from tests.mp_utils import join_world, leave_world, plan_from_cuts, run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+WORLD_SIZE = 4
+GLOBAL_BATCH = 12
+NUM_STEPS = 3
+LEARNING_RATE = 1e-2
+
+
+@dataclass(frozen=True)
+class Config:
+    replicas: tuple[int, ...]
+    schedule: str = "early_backward"
+    warmup_policy: str = "A"
+    num_microbatches: int = 3
+
+    def __str__(self) -> str:
+        return f"{':'.join(map(str, self.replicas))}/{self.schedule}-{self.warmup_policy}/M={self.num_microbatches}"
+
+
+LAYOUTS = [(1, 1), (1, 1, 1, 1), (3, 1), (1, 3), (2, 2), (2, 1, 1), (4,)]
+CONFIGS = [Config(layout) for layout in LAYOUTS] + [
+    Config(layout, "gpipe", num_microbatches=2) for layout in [(1, 1, 1, 1), (3, 1), (2, 1, 1)]
+] + [Config(layout, "early_backward", "B", num_microbatches=4) for layout in [(1, 1, 1, 1), (1, 3), (2, 2)]]
+
+
+def _reference(entry: zoo.ModelEntry, batches: list[Any]) -> dict[str, Any]:
+    """One process, whole batch: gradients of step 1, losses, parameters after NUM_STEPS AdamW steps."""
+    model, _ = zoo.build(entry.name, **entry.tiny_overrides)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    losses, grads = [], {}
+    for step, (inputs, targets) in enumerate(batches):
+        loss = entry.loss_fn(model(*inputs), targets)
+        loss.backward()
+        losses.append(loss.item())
+        if step == 0:
+            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return {"losses": losses, "grads": grads, "params": params}
+
+
+def _mismatches(kind: str, actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], *, rtol: float,
+                atol: float) -> list[str]:
+    problems = []
+    for name, tensor in actual.items():
+        try:
+            torch.testing.assert_close(tensor, expected[name], rtol=rtol, atol=atol)
+        except AssertionError as error:
+            problems.append(f"{kind} {name}: {str(error).splitlines()[0:3]}")
+    return problems
+
+
+def _run_config(entry: zoo.ModelEntry, config: Config, batches: list[Any], reference: dict[str, Any]) -> dict[str, Any]:
+    model, example_inputs = zoo.build(entry.name, **entry.tiny_overrides)
+    plan = plan_from_cuts(trace(copy.deepcopy(model), example_inputs), config.replicas, GLOBAL_BATCH,
+                          config.num_microbatches, schedule=config.schedule, warmup_policy=config.warmup_policy)
+    pipe = fxpipe.compile(model, example_inputs, loss_fn=entry.loss_fn, global_batch_size=GLOBAL_BATCH, plan=plan)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=LEARNING_RATE)
+    losses, problems = [], []
+    for step, (inputs, targets) in enumerate(batches):
+        losses.append(pipe.step(inputs, targets))
+        if step == 0:
+            grads = {name: p.grad for name, p in pipe.named_parameters()}
+            problems += _mismatches("grad", grads, reference["grads"], rtol=1e-4, atol=1e-6)
+        optimizer.step()
+        optimizer.zero_grad()
+    params = {name: p.detach() for name, p in pipe.named_parameters()}
+    problems += _mismatches("param", params, reference["params"], rtol=0.0, atol=1e-4)
+    return {"losses": losses, "problems": problems, "names": sorted(params), "stage": pipe.stage_index}
+
+
+def _train_all_configs(rank: int, world_size: int, store_dir: str, model_name: str) -> list[dict[str, Any]]:
+    entry = zoo.get(model_name)
+    batches = [entry.make_batch(GLOBAL_BATCH, 100 + step, **entry.tiny_overrides) for step in range(NUM_STEPS)]
+    reference = _reference(entry, batches)
+    records = []
+    for index, config in enumerate(CONFIGS):
+        if rank >= sum(config.replicas):
+            continue  # this plan uses fewer ranks; this one sits it out
+        join_world(store_dir, f"{model_name}-{index}", rank, sum(config.replicas))
+        try:
+            record = _run_config(entry, config, batches, reference)
+        finally:
+            leave_world()
+        records.append({"config": str(config), "reference_losses": reference["losses"],
+                        "all_names": sorted(reference["params"]), **record})
+    return records
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "skipnet", "tied-lm"])
+def test_every_plan_trains_like_one_process(model_name: str, tmp_path: Any) -> None:
+    per_rank = run_ranks(_train_all_configs, WORLD_SIZE, tmp_path, model_name)
+    by_config: dict[str, list[dict[str, Any]]] = {}
+    for records in per_rank:
+        for record in records:
+            by_config.setdefault(record["config"], []).append(record)
+    assert len(by_config) == len(CONFIGS)
+    failures = []
+    for name, records in by_config.items():
+        problems = [p for r in records for p in r["problems"]]
+        losses = {tuple(r["losses"]) for r in records}
+        covered = sorted({n for r in records for n in r["names"]})
+        if problems:
+            failures.append(f"{name}: {problems[:4]}")
+        if len(losses) != 1:
+            failures.append(f"{name}: ranks report different losses {losses}")
+        if not torch.allclose(torch.tensor(records[0]["losses"]), torch.tensor(records[0]["reference_losses"]),
+                              rtol=1e-5, atol=1e-6):
+            failures.append(f"{name}: losses {records[0]['losses']} != reference {records[0]['reference_losses']}")
+        if covered != records[0]["all_names"]:
+            failures.append(f"{name}: parameters covered by ranks {covered} != model's {records[0]['all_names']}")
+    assert not failures, "\n".join(failures)
