@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, tuple[str, str]] = {
     "compile": ("fxpipe.api", "compile"),
     "PipelinedModule": ("fxpipe.api", "PipelinedModule"),
-    "plan": ("fxpipe.passes.partition", "plan_model"),
+    "plan": ("fxpipe.planning", "plan_model"),
     "Plan": ("fxpipe.plan", "Plan"),
     "StagePlan": ("fxpipe.plan", "StagePlan"),
     "Cluster": ("fxpipe.cluster", "Cluster"),

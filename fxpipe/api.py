@@ -17,6 +17,7 @@ from fxpipe.runtime.errors import PipelineSetupError
 
 if TYPE_CHECKING:
     from fxpipe.runtime.driver import PipelineDriver
+    from fxpipe.runtime.measure import StepStats
 
 SCHEDULE_ALIASES = {"dapple": "early_backward", "early_backward": "early_backward", "1f1b": "early_backward",
                     "gpipe": "gpipe"}
@@ -119,6 +120,25 @@ class PipelinedModule:
 
         if self.rank == 0:
             export_program(self.driver.program, directory)
+
+    @property
+    def measure(self) -> bool:
+        """When True, each step records a timeline and the exact saved-activation peak (``step_stats``)."""
+        return self.driver.measure
+
+    @measure.setter
+    def measure(self, enabled: bool) -> None:
+        self.driver.measure = enabled
+
+    def step_stats(self) -> list[StepStats]:
+        """All ranks' StepStats of the last measured step (a collective: call on every rank)."""
+        return self.driver.gather_stats()
+
+    def close(self) -> None:
+        """Wait for all ranks, then release the process group if ``compile`` created it."""
+        from fxpipe.runtime.comm import close_distributed
+
+        close_distributed(self.driver.context)
 
     def __repr__(self) -> str:
         return (f"PipelinedModule(layout={self.plan.layout!r}, rank={self.rank}, stage={self.stage_index}, "

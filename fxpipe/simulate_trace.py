@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # fxpipe.simulate re-exports this module's functions
-    from fxpipe.simulate import SimulationResult
+    from fxpipe.simulate import SimulationResult, TimelineEvent, TransferEvent
 
 _MICROSECONDS = 1e6
 
@@ -21,30 +22,37 @@ def to_chrome_trace(result: SimulationResult, *, include_transfers: bool = True)
     """
     if not result.events:
         raise ValueError("the result has no timeline events; simulate with timeline=True to trace it")
+    return events_to_chrome_trace(
+        result.events, result.transfers if include_transfers else (),
+        {"schedule": result.schedule_name, "iteration_time_s": result.iteration_time_s})
+
+
+def events_to_chrome_trace(events: Sequence[TimelineEvent], transfers: Sequence[TransferEvent] = (),
+                           other_data: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Trace-event JSON of timeline events, simulated or measured by the runtime (so the two overlay)."""
     trace: list[dict[str, Any]] = []
-    stages = sorted({event.stage_index for event in result.events})
-    device_stage = {event.device: event.stage_index for event in result.events}
+    stages = sorted({event.stage_index for event in events})
+    device_stage = {event.device: event.stage_index for event in events}
     for stage_index in stages:
         trace.append(_meta("process_name", stage_index, 0, f"stage {stage_index}"))
         trace.append(_meta("process_sort_index", stage_index, 0, stage_index))
     for device, stage_index in sorted(device_stage.items()):
         trace.append(_meta("thread_name", stage_index, device, f"device {device}"))
-    for event in result.events:
+    for event in events:
         label = event.op if event.microbatch_index < 0 else f"{event.op}{event.microbatch_index}"
         trace.append(_complete(label, event.op, event.stage_index, event.device, event.start_s, event.end_s,
                                {"microbatch": event.microbatch_index}))
-    if include_transfers and result.transfers:
-        transfers_pid = max(stages) + 1
+    if transfers:
+        transfers_pid = max(stages, default=-1) + 1
         trace.append(_meta("process_name", transfers_pid, 0, "transfers"))
         trace.append(_meta("process_sort_index", transfers_pid, 0, transfers_pid))
-        for device in sorted({t.src_device for t in result.transfers}):
+        for device in sorted({t.src_device for t in transfers}):
             trace.append(_meta("thread_name", transfers_pid, device, f"device {device} sends"))
-        for t in result.transfers:
+        for t in transfers:
             trace.append(_complete(f"{t.op}{t.microbatch_index} {t.src_device}->{t.dst_device}", "transfer",
                                    transfers_pid, t.src_device, t.start_s, t.end_s,
                                    {"microbatch": t.microbatch_index, "dst_device": t.dst_device}))
-    return {"traceEvents": trace, "displayTimeUnit": "ms",
-            "otherData": {"schedule": result.schedule_name, "iteration_time_s": result.iteration_time_s}}
+    return {"traceEvents": trace, "displayTimeUnit": "ms", "otherData": dict(other_data or {})}
 
 
 def write_chrome_trace(result: SimulationResult, path: str | Path, *, include_transfers: bool = True) -> None:

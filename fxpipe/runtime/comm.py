@@ -50,6 +50,7 @@ class DistContext:
     world_size: int
     backend: str
     device: torch.device
+    owns_group: bool = False  # fxpipe created the default group, so close() destroys it
 
 
 def slice_rows(microbatch_index: int, microbatch_rows: int, replica_index: int,
@@ -119,7 +120,16 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> DistContext:
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return DistContext(dist.get_rank(), dist.get_world_size(), backend, device)
+    return DistContext(dist.get_rank(), dist.get_world_size(), backend, device, owns_group=True)
+
+
+def close_distributed(context: DistContext) -> None:
+    """Wait for every rank, then destroy the default group if fxpipe created it."""
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    if context.owns_group:
+        dist.destroy_process_group()
 
 
 def new_groups(rank_lists: Sequence[Sequence[int]]) -> list[dist.ProcessGroup | None]:

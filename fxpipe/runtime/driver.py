@@ -28,6 +28,7 @@ from fxpipe.runtime.comm import (
     unflatten_into,
 )
 from fxpipe.runtime.errors import BatchShapeError, PipelineSetupError
+from fxpipe.runtime.measure import ActionTimer, SavedActivationMeter, StepStats
 from fxpipe.runtime.stage import LossFn, StageRunner, infer_value_dtypes
 
 if TYPE_CHECKING:
@@ -94,6 +95,9 @@ class PipelineDriver:
         self.out_routes = self._output_routes()
         self.exchange = PeerExchange(self.rank, context.device, timeout_s)
         self.reduce_sets = self._make_reduce_sets()
+        self.measure = False  # set True to record StepStats (timeline, saved-activation peak) per step
+        self.last_stats: StepStats | None = None
+        self._meter: SavedActivationMeter | None = None
 
     # ---- setup ---------------------------------------------------------------------------------
 
@@ -156,12 +160,35 @@ class PipelineDriver:
         handlers = {Op.RECV_ACTIVATION: self._recv_activation, Op.FORWARD: self._forward,
                     Op.SEND_ACTIVATION: self._send_activation, Op.RECV_GRADIENT: self._recv_gradient,
                     Op.BACKWARD: self._backward, Op.SEND_GRADIENT: self._send_gradient}
+        if self.measure:
+            return self._measured_step(state, stash, handlers)
         for action in self.actions:
             if action.op is Op.ALLREDUCE:
                 self._start_allreduce(state)
             else:
                 handlers[action.op](state, action.microbatch_index)
         self._finish(state, stash)
+        return self._broadcast_loss(state.loss_sum)
+
+    def _measured_step(self, state: _StepState, stash: dict[int, torch.Tensor | None],
+                       handlers: dict[Op, Callable[[_StepState, int], None]]) -> float:
+        """The same step with a timeline of every action and exact saved-activation bytes (StepStats)."""
+        if self._meter is None:
+            self._meter = SavedActivationMeter(p for _, p in self.runner.parameters())
+        self._meter.reset_peak()
+        timer = ActionTimer(self.rank, self.stage_index, synchronize=self.context.device.type == "cuda")
+        with self._meter.installed():
+            for action in self.actions:
+                started = timer.start()
+                if action.op is Op.ALLREDUCE:
+                    self._start_allreduce(state)
+                else:
+                    handlers[action.op](state, action.microbatch_index)
+                timer.stop(action, started)
+            self._finish(state, stash)
+        step_time = timer.start()
+        self.last_stats = StepStats(self.rank, self.stage_index, step_time, self._meter.peak_bytes,
+                                    tuple(timer.events))
         return self._broadcast_loss(state.loss_sum)
 
     def check_batch(self, inputs: tuple[Any, ...], targets: Any) -> None:
@@ -336,6 +363,14 @@ class PipelineDriver:
         self.exchange.wait([Pending(work, -1, "loss allreduce over all ranks", total)])
         return float(total.item())
 
+    def gather_stats(self) -> list[StepStats]:
+        """Every rank's StepStats of the last measured step, by rank (a collective: call on all ranks)."""
+        if self.last_stats is None:
+            raise PipelineSetupError("no measured step yet; set measure=True before step()")
+        gathered: list[StepStats | None] = [None] * self.context.world_size
+        dist.all_gather_object(gathered, self.last_stats)
+        return [stats for stats in gathered if stats is not None]
+
 
 def _unique_params(named: Any) -> list[tuple[str, torch.nn.Parameter]]:
     seen: set[int] = set()
@@ -351,3 +386,4 @@ def describe_routes(routes: Sequence[Route]) -> str:
     """A readable list of routes for logs and errors."""
     return ", ".join(f"{r.value}: {r.sender_rank}->{r.receiver_rank} rows {r.sender_rows}->{r.receiver_rows}"
                      for r in routes)
+

@@ -1,0 +1,156 @@
+"""Command line: `fxpipe plan | simulate | show | train | demo`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from fxpipe.cluster import Cluster
+
+
+def _add_planning_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cluster", default="local", help="preset (dapple-a, dapple-b, dapple-c, dgx-h100:2, local:4), "
+                        "compact spec (4x8:h100) or JSON file")
+    parser.add_argument("--global-batch", type=int, required=True, help="global batch size (rows per iteration)")
+    parser.add_argument("--planner", default="dapple",
+                        help="dapple (default), pipedream, gpipe, uniform, params, dp, exhaustive")
+    parser.add_argument("--layout", default=None, help="force replica counts per stage: 3:1, 1:1:1:1, dp")
+    parser.add_argument("--num-microbatches", type=int, default=None, help="force M (default: planner chooses)")
+    parser.add_argument("--schedule", default="early_backward", choices=["early_backward", "gpipe"])
+    parser.add_argument("--optimizer", default="adam", help="memory model: sgd, momentum, adam")
+    parser.add_argument("--compare", action="store_true", help="also run every baseline planner")
+    parser.add_argument("--json", dest="json_out", default=None, help="write the plan file here")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fxpipe", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    plan = commands.add_parser("plan", help="plan a model or a profile file for a cluster")
+    plan.add_argument("model", nargs="?", help="zoo name (gpt-mini, bert-48, ...) or package.module:factory")
+    plan.add_argument("--profile", default=None, help="PipeDream/DAPPLE profile text instead of a model")
+    plan.add_argument("--profile-batch", type=int, default=None, help="batch size the profile was measured at")
+    plan.add_argument("--costs", default="analytic", choices=["analytic", "measured"],
+                      help="model path: analytic device model or times measured on this machine")
+    plan.add_argument("--max-blocks", type=int, default=64, help="coarsen the graph to at most this many blocks")
+    _add_planning_options(plan)
+
+    simulate = commands.add_parser("simulate", help="simulate a plan file's iteration")
+    simulate.add_argument("plan_file")
+    simulate.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON here")
+
+    show = commands.add_parser("show", help="print a plan file's stage table")
+    show.add_argument("plan_file")
+    show.add_argument("--schedule", action="store_true", help="also print the schedule table")
+
+    from fxpipe.train_cli import add_train_arguments
+
+    train = commands.add_parser("train", help="train a model under torchrun (one process per device)")
+    add_train_arguments(train)
+
+    demo = commands.add_parser("demo", help="plan and train a small GPT on 4 local CPU ranks")
+    demo.add_argument("--nproc", type=int, default=4, help="number of local CPU ranks")
+    demo.add_argument("--steps", type=int, default=40)
+    demo.add_argument("--layout", default="2:1:1",
+                      help="replica layout; the default 2:1:1 shows a hybrid pipeline (the planner picks the cuts); "
+                           "'auto' lets the planner choose everything (plain DP wins for a model this small)")
+    return parser
+
+
+def _chain_for(args: argparse.Namespace, cluster: Cluster):  # type: ignore[no-untyped-def]
+    from fxpipe import planning
+
+    if args.profile:
+        if args.model:
+            raise SystemExit("fxpipe plan: give either MODEL or --profile FILE, not both")
+        if not args.profile_batch:
+            raise SystemExit("fxpipe plan: --profile needs --profile-batch N (the batch size it was measured at)")
+        return planning.profile_chain(args.profile, args.profile_batch, max_blocks=args.max_blocks)
+    if not args.model:
+        raise SystemExit("fxpipe plan: give MODEL (zoo name or package.module:factory) or --profile FILE")
+    device = "cpu" if args.costs == "measured" else "meta"
+    model, example_inputs = planning.load_model(args.model, device=device)
+    return planning.cost_model(model, example_inputs, cluster, costs=args.costs, max_blocks=args.max_blocks).chain
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from fxpipe.cluster import parse_cluster
+    from fxpipe.planfile import save_plan_file
+    from fxpipe.planning import plan_chain
+    from fxpipe.report import format_plan
+
+    cluster = parse_cluster(args.cluster)
+    chain = _chain_for(args, cluster)
+    plan = plan_chain(
+        chain, cluster, args.global_batch, planner=args.planner, layout=args.layout,
+        num_microbatches=args.num_microbatches, schedule=args.schedule, optimizer=args.optimizer,
+        compare=args.compare, progress=sys.stderr.isatty(),
+    )
+    plan = plan.with_updates(model=args.model or f"profile:{Path(args.profile).name}")
+    print(f"cluster {cluster.name}: {cluster.num_hosts} host(s) x {cluster.devices_per_host} {cluster.device.name}")
+    print(format_plan(plan, chain, cluster))
+    if args.json_out:
+        save_plan_file(args.json_out, plan, chain, cluster)
+        print(f"wrote {args.json_out}")
+    return 0
+
+
+def _load(path: str):  # type: ignore[no-untyped-def]
+    from fxpipe.planfile import load_plan_file
+
+    return load_plan_file(path)
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    from fxpipe.simulate import simulate, write_chrome_trace
+
+    plan, chain, cluster = _load(args.plan_file)
+    if chain is None or cluster is None:
+        raise SystemExit(f"{args.plan_file} holds no cost chain/cluster; write it with `fxpipe plan --json`")
+    result = simulate(plan, chain, cluster)
+    print(json.dumps({
+        "layout": plan.layout,
+        "iteration_time_s": result.iteration_time_s,
+        "throughput_samples_per_s": result.throughput_samples_per_s,
+        "bubble_fraction": result.bubble_fraction,
+        "peak_memory_bytes": list(result.peak_memory_bytes),
+    }, indent=2))
+    if args.trace:
+        write_chrome_trace(result, args.trace)
+        print(f"wrote {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
+    return 0
+
+
+def _run_show(args: argparse.Namespace) -> int:
+    from fxpipe.report import format_plan
+    from fxpipe.schedule import format_schedule, make_schedule
+
+    plan, chain, cluster = _load(args.plan_file)
+    print(format_plan(plan, chain, cluster))
+    if args.schedule:
+        print()
+        print(format_schedule(make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches,
+                                            plan.warmup_policy)))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    try:
+        if args.command == "plan":
+            return _run_plan(args)
+        if args.command == "simulate":
+            return _run_simulate(args)
+        if args.command == "show":
+            return _run_show(args)
+        from fxpipe import train_cli
+
+        if args.command == "train":
+            return train_cli.run_train(args)
+        return train_cli.run_demo(args)
+    except ValueError as error:  # user mistakes: one clear line, no traceback
+        print(f"fxpipe {args.command}: error: {error}", file=sys.stderr)
+        return 2

@@ -1,0 +1,78 @@
+"""Plan files: a plan's JSON plus the cost chain and cluster it was made for, so `simulate`/`show` stand alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from fxpipe.cluster import Cluster
+from fxpipe.costgraph import Affine
+from fxpipe.passes.chain import Block, CostChain
+from fxpipe.plan import Plan, PlanError, plan_from_dict
+
+
+def chain_to_json(chain: CostChain) -> dict[str, Any]:
+    return {
+        "source": chain.source,
+        "input_bytes": chain.input_bytes.to_json(),
+        "output_bytes": chain.output_bytes.to_json(),
+        "cut_bytes": [cut.to_json() for cut in chain.cut_bytes],
+        "blocks": [
+            {
+                "name": block.name,
+                "node_names": list(block.node_names),
+                "forward_s": block.forward_s.to_json(),
+                "backward_s": block.backward_s.to_json(),
+                "param_bytes": block.param_bytes,
+                "saved_bytes": block.saved_bytes.to_json(),
+            }
+            for block in chain.blocks
+        ],
+    }
+
+
+def chain_from_json(data: Any) -> CostChain:
+    try:
+        blocks = tuple(
+            Block(
+                name=str(item["name"]),
+                node_names=tuple(str(n) for n in item["node_names"]),
+                forward_s=Affine.from_json(item["forward_s"]),
+                backward_s=Affine.from_json(item["backward_s"]),
+                param_bytes=int(item["param_bytes"]),
+                saved_bytes=Affine.from_json(item["saved_bytes"]),
+            )
+            for item in data["blocks"]
+        )
+        return CostChain(
+            blocks=blocks,
+            cut_bytes=tuple(Affine.from_json(cut) for cut in data["cut_bytes"]),
+            input_bytes=Affine.from_json(data["input_bytes"]),
+            output_bytes=Affine.from_json(data["output_bytes"]),
+            source=str(data.get("source", "")),
+        )
+    except (KeyError, TypeError, ValueError) as error:
+        raise PlanError(f"plan file's 'cost_chain' is malformed: {error!r}") from error
+
+
+def save_plan_file(path: str | Path, plan: Plan, chain: CostChain, cluster: Cluster) -> None:
+    """Write ``plan`` with its chain and cluster as deterministic JSON."""
+    data = plan.to_json_dict()
+    data["cost_chain"] = chain_to_json(chain)
+    data["cluster_spec"] = cluster.to_json()
+    Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def load_plan_file(path: str | Path) -> tuple[Plan, CostChain | None, Cluster | None]:
+    """Read a plan file; the chain and cluster are None when the file holds only a plan."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as error:
+        raise PlanError(f"cannot read plan file {str(path)!r}: {error}") from error
+    except json.JSONDecodeError as error:
+        raise PlanError(f"plan file {str(path)!r} is not JSON: {error}") from error
+    plan = plan_from_dict(data)
+    chain = chain_from_json(data["cost_chain"]) if "cost_chain" in data else None
+    cluster = Cluster.from_json(data["cluster_spec"]) if "cluster_spec" in data else None
+    return plan, chain, cluster

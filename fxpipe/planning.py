@@ -1,0 +1,102 @@
+"""From a model or a profile file to a cost chain and a plan: the compile-time pipeline in one call."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fxpipe.cluster import Cluster
+from fxpipe.costgraph import CostGraph
+from fxpipe.passes.chain import CostChain, build_chain
+from fxpipe.plan import Plan
+
+
+class ModelSpecError(ValueError):
+    """MODEL is neither a zoo name nor an importable ``package.module:factory``."""
+
+
+@dataclass(frozen=True)
+class CostedModel:
+    """A traced model with its cost graph and chain."""
+
+    graph_module: torch.fx.GraphModule
+    cost_graph: CostGraph
+    chain: CostChain
+
+
+def load_model(spec: str, *, device: str = "cpu", **overrides: Any) -> tuple[torch.nn.Module, tuple[Any, ...]]:
+    """Build MODEL: a zoo name (``gpt-mini``) or ``package.module:factory`` returning (model, example_inputs)."""
+    if ":" not in spec:
+        from fxpipe import models
+
+        return models.build(spec, device=device, **overrides)
+    module_name, _, attribute = spec.partition(":")
+    try:
+        factory: Callable[..., Any] = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ModelSpecError(
+            f"cannot load model factory {spec!r}: {error}; use a zoo name or 'package.module:factory'"
+        ) from error
+    result = factory(**overrides)
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module)):
+        raise ModelSpecError(f"factory {spec!r} must return (nn.Module, example_inputs), got {type(result).__name__}")
+    model, example_inputs = result
+    return model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+
+
+def cost_model(
+    model: torch.nn.Module,
+    example_inputs: tuple[Any, ...],
+    cluster: Cluster,
+    *,
+    costs: str = "analytic",
+    max_blocks: int | None = 64,
+    dtype: str = "float32",
+) -> CostedModel:
+    """Trace, annotate and chain a model. ``costs="measured"`` times every block on this machine."""
+    from fxpipe import passes
+
+    graph_module = passes.annotate_costs(passes.trace(model, example_inputs))
+    if costs == "analytic":
+        graph = passes.to_cost_graph(graph_module, device=cluster.device, dtype=dtype)
+    elif costs == "measured":
+        measured = passes.measure_costs(graph_module, graph_module.meta["fxpipe.example_inputs"])
+        graph = passes.to_cost_graph(graph_module, device=cluster.device, measured=measured, dtype=dtype)
+    else:
+        raise ValueError(f"costs={costs!r} is unknown; choose 'analytic' or 'measured'")
+    return CostedModel(graph_module, graph, build_chain(graph, max_blocks=max_blocks))
+
+
+def profile_chain(path: str, profile_batch_size: int, *, max_blocks: int | None = 64) -> CostChain:
+    """Read a PipeDream/DAPPLE profile file into a cost chain."""
+    from fxpipe.passes.profiles_io import read_profile
+
+    return build_chain(read_profile(path, profile_batch_size=profile_batch_size), max_blocks=max_blocks)
+
+
+def plan_chain(chain: CostChain, cluster: Cluster, global_batch_size: int, **options: Any) -> Plan:
+    """Run a planner (``planner=`` name, default DAPPLE) over a chain."""
+    from fxpipe.passes.partition import partition
+
+    return partition(chain, cluster, global_batch_size, **options)
+
+
+def plan_model(
+    model: torch.nn.Module,
+    example_inputs: tuple[Any, ...],
+    *,
+    cluster: Cluster | str,
+    global_batch_size: int,
+    costs: str = "analytic",
+    **options: Any,
+) -> Plan:
+    """``fxpipe.plan``: trace, cost, chain and partition a model for a cluster in one call."""
+    from fxpipe.cluster import parse_cluster
+
+    resolved = parse_cluster(cluster) if isinstance(cluster, str) else cluster
+    costed = cost_model(model, example_inputs, resolved, costs=costs)
+    return plan_chain(costed.chain, resolved, global_batch_size, **options)

@@ -1,0 +1,100 @@
+"""Human-readable tables of plans and simulations (what `fxpipe plan` and `fxpipe show` print)."""
+
+from __future__ import annotations
+
+from tabulate import tabulate
+
+from fxpipe.cluster import Cluster
+from fxpipe.passes.chain import CostChain
+from fxpipe.plan import Plan
+
+
+def format_bytes(num_bytes: float) -> str:
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _device_ranges(devices: tuple[int, ...]) -> str:
+    if not devices:
+        return "-"
+    parts: list[str] = []
+    start = previous = devices[0]
+    for device in (*devices[1:], None):
+        if device is not None and device == previous + 1:
+            previous = device
+            continue
+        parts.append(str(start) if start == previous else f"{start}-{previous}")
+        if device is not None:
+            start = previous = device
+    return ",".join(parts)
+
+
+def stage_table(plan: Plan, chain: CostChain | None = None, cluster: Cluster | None = None) -> str:
+    """One row per stage: blocks, replicas, devices, forward/backward ms, params, activations, memory."""
+    capacity = cluster.device.memory_bytes if cluster is not None else 0
+    rows = []
+    for stage in plan.stages:
+        if chain is not None:
+            names = [b.name for b in chain.blocks[stage.first_block:stage.stop_block]]
+            blocks = f"{stage.first_block}-{stage.stop_block - 1} ({names[0]}..{names[-1]})" if len(names) > 1 \
+                else f"{stage.first_block} ({names[0]})"
+        else:
+            blocks = f"{stage.first_block}-{stage.stop_block - 1}"
+        memory = format_bytes(stage.peak_memory_bytes)
+        if capacity:
+            memory += f" / {format_bytes(capacity)}"
+        rows.append([
+            stage.stage_index, blocks, stage.replicas, _device_ranges(stage.devices),
+            f"{stage.forward_s * 1e3:.2f}", f"{stage.backward_s * 1e3:.2f}", f"{stage.allreduce_s * 1e3:.2f}",
+            format_bytes(stage.param_bytes), format_bytes(stage.activation_bytes), memory,
+        ])
+    headers = ["stage", "blocks", "replicas", "devices", "fwd ms", "bwd ms", "allreduce ms",
+               "params", "act/micro-batch", "memory/device"]
+    return str(tabulate(rows, headers=headers, tablefmt="simple"))
+
+
+def summary_lines(plan: Plan) -> list[str]:
+    lines = [
+        f"plan {plan.layout}  planner={plan.planner}  schedule={plan.schedule} (warm-up {plan.warmup_policy})  "
+        f"global batch={plan.global_batch_size}  micro-batches={plan.num_microbatches} "
+        f"x {plan.microbatch_size} rows",
+    ]
+    predicted = plan.predicted
+    if predicted is not None:
+        speedup = predicted.speedup_over_dp
+        lines.append(
+            f"predicted iteration {predicted.iteration_time_s * 1e3:.2f} ms, "
+            f"{predicted.throughput_samples_per_s:.1f} samples/s, bubble {predicted.bubble_fraction:.1%}, "
+            f"speedup over DP {speedup:.2f}x" if speedup == speedup else
+            f"predicted iteration {predicted.iteration_time_s * 1e3:.2f} ms, "
+            f"{predicted.throughput_samples_per_s:.1f} samples/s (DP does not fit)"
+        )
+    lines.append(f"planning time {plan.planning_time_s:.2f} s")
+    return lines
+
+
+def baseline_table(plan: Plan) -> str:
+    if not plan.baselines:
+        return ""
+    own = plan.predicted.iteration_time_s if plan.predicted else 0.0
+    rows = [[plan.planner, plan.layout, plan.num_microbatches, f"{own * 1e3:.2f}", "1.00"]]
+    for name, result in plan.baselines:
+        if not result.feasible:
+            rows.append([name, result.layout or "-", result.num_microbatches or "-", "infeasible", result.note])
+            continue
+        ratio = result.iteration_time_s / own if own > 0 else float("nan")
+        rows.append([name, result.layout, result.num_microbatches, f"{result.iteration_time_s * 1e3:.2f}",
+                     f"{ratio:.2f}"])
+    return str(tabulate(rows, headers=["planner", "layout", "M", "iteration ms", "vs chosen"], tablefmt="simple"))
+
+
+def format_plan(plan: Plan, chain: CostChain | None = None, cluster: Cluster | None = None) -> str:
+    parts = [*summary_lines(plan), "", stage_table(plan, chain, cluster)]
+    table = baseline_table(plan)
+    if table:
+        parts += ["", table]
+    return "\n".join(parts)
