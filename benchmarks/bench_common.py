@@ -1,0 +1,308 @@
+"""Shared harness of the runtime benchmarks: local gloo ranks, layer-cut plans, saved-tensor memory meter, stats."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import platform
+import queue
+import socket
+import statistics
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from fxpipe.plan import Plan, StagePlan
+
+BENCH_MODEL = "gpt-mini"
+
+
+# ---- ranks -----------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the rendezvous port)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, results: Any,
+               args: tuple[Any, ...]) -> None:
+    torch.set_num_threads(1)  # one rank = one thread, as the local cluster runs them
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=120))
+        try:
+            results.put((rank, True, fn(rank, world_size, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # reported to the parent, which raises with this traceback
+        results.put((rank, False, traceback.format_exc()))
+
+
+def warm_up_parent() -> None:
+    """Pay one-time imports (optimizer step pulls in torch._dynamo) once, before forking the ranks."""
+    parameter = torch.nn.Parameter(torch.zeros(2))
+    parameter.grad = torch.ones(2)
+    torch.optim.AdamW([parameter]).step()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 900.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks (127.0.0.1); results by rank."""
+    warm_up_parent()
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    port = free_port()
+    processes = [context.Process(target=_rank_main, args=(fn, rank, world_size, port, results, args))
+                 for rank in range(world_size)]
+    for process in processes:
+        process.start()
+    collected: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world_size):
+            rank, ok, payload = results.get(timeout=timeout_s)
+            if ok:
+                collected[rank] = payload
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+    except queue.Empty:
+        errors.append(f"ranks {sorted(set(range(world_size)) - set(collected))} gave no result in {timeout_s} s")
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.terminate()
+                process.join()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [collected[rank] for rank in range(world_size)]
+
+
+# ---- plans cut at transformer-block boundaries -------------------------------------------------------
+
+
+def layer_of(node: fx.Node) -> int | None:
+    """Index of the ``h.<i>`` block a node belongs to (GPT zoo layout), None outside the blocks."""
+    parts = str(node.meta.get("fxpipe.module_path", "")).split(".")
+    return int(parts[1]) if len(parts) >= 2 and parts[0] == "h" and parts[1].isdigit() else None
+
+
+def layer_bounds(num_layers: int, num_stages: int) -> list[int]:
+    """Even split of ``num_layers`` blocks into stages: first block index of each stage, then num_layers."""
+    if not 1 <= num_stages <= num_layers:
+        raise ValueError(f"num_stages={num_stages} must be in 1..{num_layers} (one block per stage at least)")
+    return [round(i * num_layers / num_stages) for i in range(num_stages + 1)]
+
+
+def layer_cut_stages(gm: fx.GraphModule, num_stages: int) -> list[list[str]]:
+    """Node names per stage: embeddings with stage 0, ``h.<i>`` blocks split evenly, head with the last stage."""
+    compute = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    layers = [layer_of(n) for n in compute]
+    num_layers = 1 + max(layer for layer in layers if layer is not None)
+    bounds = layer_bounds(num_layers, num_stages)
+    stage_of_layer = {layer: s for s in range(num_stages) for layer in range(bounds[s], bounds[s + 1])}
+    stages: list[list[str]] = [[] for _ in range(num_stages)]
+    seen_block = False
+    for node, layer in zip(compute, layers, strict=True):
+        if layer is not None:
+            seen_block = True
+            stages[stage_of_layer[layer]].append(node.name)
+        else:  # before the first block: embeddings (stage 0); after: final norm and head (last stage)
+            stages[-1 if seen_block else 0].append(node.name)
+    return stages
+
+
+def layer_cut_plan(gm: fx.GraphModule, num_stages: int, global_batch_size: int, num_microbatches: int, *,
+                   schedule: str = "early_backward", warmup_policy: str = "A") -> Plan:
+    """A Plan with one device per stage, cut at transformer-block boundaries (see :func:`layer_cut_stages`)."""
+    stages = tuple(StagePlan(stage_index=s, first_block=s, stop_block=s + 1, replicas=1, devices=(s,),
+                             node_names=tuple(names))
+                   for s, names in enumerate(layer_cut_stages(gm, num_stages)))
+    return Plan(global_batch_size=global_batch_size, num_microbatches=num_microbatches, stages=stages,
+                schedule=schedule, warmup_policy=warmup_policy, planner="bench-layer-cuts")
+
+
+# ---- activation memory: bytes autograd saves for backward ---------------------------------------------
+
+
+@dataclass
+class ActivationMeter:
+    """Counts the bytes autograd holds for backward, as unique storages alive at once; keeps the peak.
+
+    Inside :meth:`measure`, every tensor autograd saves passes through a pack hook that wraps it in a
+    handle; the handle lives exactly as long as autograd keeps the saved value (it is released when
+    backward consumes it or the graph is freed). A storage counts once however many saved tensors view
+    it; parameters (and anything in ``excluded`` storages) are not activations and are skipped.
+    """
+
+    excluded: set[int] = field(default_factory=set)
+    live_bytes: int = 0
+    peak_bytes: int = 0
+    _refs: dict[int, list[int]] = field(default_factory=dict)  # storage pointer -> [handle count, nbytes]
+
+    @classmethod
+    def for_parameters(cls, parameters: Iterator[torch.nn.Parameter] | Sequence[torch.nn.Parameter]) -> ActivationMeter:
+        return cls(excluded={p.untyped_storage().data_ptr() for p in parameters})
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        key = tensor.untyped_storage().data_ptr()
+        if key in self.excluded or tensor.device.type == "meta":
+            return tensor
+        entry = self._refs.get(key)
+        if entry is None:
+            entry = self._refs[key] = [0, tensor.untyped_storage().nbytes()]
+            self.live_bytes += entry[1]
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        entry[0] += 1
+        # detach: a saved output holding its own grad_fn would make a reference cycle that outlives backward
+        return _SavedHandle(tensor.detach(), key, self)
+
+    def _release(self, key: int) -> None:
+        entry = self._refs[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live_bytes -= entry[1]
+            del self._refs[key]
+
+    @staticmethod
+    def _unpack(packed: Any) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _SavedHandle) else packed
+
+    @contextmanager
+    def measure(self) -> Iterator[ActivationMeter]:
+        """Hooks on for the block; the peak covers everything saved inside it."""
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield self
+
+
+class _SavedHandle:
+    """A saved tensor as autograd stores it; dropping the last handle of a storage frees its bytes."""
+
+    __slots__ = ("tensor", "key", "meter")
+
+    def __init__(self, tensor: torch.Tensor, key: int, meter: ActivationMeter) -> None:
+        self.tensor, self.key, self.meter = tensor, key, meter
+
+    def __del__(self) -> None:
+        self.meter._release(self.key)
+
+
+# ---- timing and reporting -----------------------------------------------------------------------------
+
+
+def timed(step: Callable[[], Any], *, barrier: bool = True) -> float:
+    """Seconds of one call, between two barriers when a process group is up (all ranks start together)."""
+    if barrier and dist.is_initialized():
+        dist.barrier()
+    start = time.perf_counter()
+    step()
+    if barrier and dist.is_initialized():
+        dist.barrier()
+    return time.perf_counter() - start
+
+
+def interleaved(steps: dict[str, Callable[[], Any]], num_warmup: int, num_measured: int) -> dict[str, list[float]]:
+    """Run the steps round-robin (A B A B ...) so slow phases of a noisy machine hit all of them alike."""
+    for _ in range(num_warmup):
+        for step in steps.values():
+            timed(step)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for index in range(num_measured):
+        order = list(steps) if index % 2 == 0 else list(reversed(steps))
+        for name in order:
+            times[name].append(timed(steps[name]))
+    return times
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def machine_notes() -> str:
+    """One line on the machine the numbers come from."""
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (f"{platform.machine()} {platform.processor() or 'cpu'}, {os.cpu_count()} logical cores shared with "
+            f"other jobs (load average {load} at the end), torch {torch.__version__}, python "
+            f"{platform.python_version()}, gloo over 127.0.0.1, 1 thread per rank")
+
+
+def mib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**20:.2f}"
+
+
+# ---- workloads -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A zoo model at a CPU size, a global batch and its micro-batch count: what every system runs."""
+
+    model: str = BENCH_MODEL
+    overrides: tuple[tuple[str, Any], ...] = ()
+    global_batch_size: int = 32
+    num_microbatches: int = 8
+    seed: int = 0
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return dict(self.overrides)
+
+    def build(self) -> tuple[torch.nn.Module, tuple[Any, ...]]:
+        """The model (weights from ``seed``) and example inputs of one micro-batch."""
+        from fxpipe import models as zoo
+
+        rows = self.global_batch_size // self.num_microbatches
+        return zoo.build(self.model, batch_size=rows, seed=self.seed, **self.config)
+
+    def batch(self) -> tuple[tuple[Any, ...], Any]:
+        """The global batch every rank feeds (SPMD), the same on every rank."""
+        from fxpipe import models as zoo
+
+        return zoo.get(self.model).make_batch(self.global_batch_size, self.seed + 1, **self.config)
+
+    def loss_fn(self) -> Callable[[Any, Any], torch.Tensor]:
+        from fxpipe import models as zoo
+
+        return zoo.get(self.model).loss_fn
+
+    def describe(self) -> str:
+        sizes = ", ".join(f"{key}={value}" for key, value in self.overrides) or "zoo defaults"
+        return (f"{self.model} ({sizes}), global batch {self.global_batch_size}, "
+                f"{self.num_microbatches} micro-batches of {self.global_batch_size // self.num_microbatches}")
+
+
+def stage_names(workload: Workload, num_stages: int) -> list[list[str]]:
+    """The layer-cut stage node names for the workload's traced model (same on every rank)."""
+    from fxpipe.passes import trace
+
+    model, example_inputs = workload.build()
+    return layer_cut_stages(trace(model, example_inputs), num_stages)
+
+
+def compile_fxpipe(workload: Workload, num_stages: int, *, schedule: str = "early_backward",
+                   warmup_policy: str = "A") -> Any:
+    """fxpipe.compile of the workload with the layer-cut plan on this process group; a PipelinedModule."""
+    import fxpipe
+    from fxpipe.passes import trace
+
+    model, example_inputs = workload.build()
+    traced = trace(workload.build()[0], example_inputs)  # a separate copy: planning never touches the model
+    plan = layer_cut_plan(traced, num_stages, workload.global_batch_size, workload.num_microbatches,
+                          schedule=schedule, warmup_policy=warmup_policy)
+    return fxpipe.compile(model, example_inputs, loss_fn=workload.loss_fn(),
+                          global_batch_size=workload.global_batch_size, plan=plan)
+
+
+def zero_grads(parameters: Sequence[torch.nn.Parameter]) -> None:
+    for parameter in parameters:
+        parameter.grad = None

@@ -1,0 +1,111 @@
+"""Smoke runs of the runtime benchmarks at tiny sizes (so they cannot rot) and exact tests of the memory meter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import overhead, runtime_fidelity, schedule_memory, vs_torch_pipelining
+from benchmarks.bench_common import ActivationMeter, Workload, layer_bounds, layer_cut_stages
+
+TINY = (("n_layer", 4), ("n_embd", 16), ("block_size", 8), ("vocab_size", 32), ("n_head", 2))
+
+
+def tiny(global_batch_size: int, num_microbatches: int) -> Workload:
+    return Workload("gpt-mini", TINY, global_batch_size, num_microbatches)
+
+
+# ---- the activation meter, exactly ---------------------------------------------------------------------
+
+
+def test_meter_counts_saved_bytes_and_peak() -> None:
+    x = torch.randn(1000, requires_grad=True)  # 4000 bytes
+    meter = ActivationMeter()
+    with meter.measure():
+        y = x.sin()  # saves x
+        z = y.exp()  # saves its result z
+    assert meter.live_bytes == 8000
+    z.sum().backward()
+    del y, z
+    assert meter.live_bytes == 0
+    assert meter.peak_bytes == 8000
+
+
+def test_meter_counts_a_storage_once_and_skips_parameters() -> None:
+    weight = torch.nn.Parameter(torch.randn(10, 10))
+    x = torch.randn(4, 10, requires_grad=True)
+    meter = ActivationMeter.for_parameters([weight])
+    with meter.measure():
+        out = (x @ weight) * x  # x saved twice (matmul and mul) -> one storage; weight excluded
+        out.sum().backward()
+    assert meter.peak_bytes == 4 * 10 * 4 + 4 * 10 * 4  # x once, plus the matmul output saved by mul
+    assert meter.live_bytes == 0
+
+
+def test_meter_releases_bytes_when_the_graph_is_dropped() -> None:
+    x = torch.randn(256, requires_grad=True)
+    meter = ActivationMeter()
+    with meter.measure():
+        y = x.sigmoid()  # saves its result
+    assert meter.live_bytes == 1024
+    del y
+    assert meter.live_bytes == 0
+
+
+# ---- layer cuts ----------------------------------------------------------------------------------------
+
+
+def test_layer_bounds_are_even_and_checked() -> None:
+    assert layer_bounds(4, 2) == [0, 2, 4]
+    assert layer_bounds(6, 4) == [0, 2, 3, 4, 6]  # round half to even: blocks 2,1,1,2
+    with pytest.raises(ValueError, match="num_stages=5"):
+        layer_bounds(4, 5)
+
+
+def test_layer_cut_stages_put_embeddings_first_and_head_last() -> None:
+    from fxpipe.passes import trace
+
+    model, example_inputs = tiny(4, 2).build()
+    stages = layer_cut_stages(trace(model, example_inputs), 2)
+    assert "wte" in stages[0] and "lm_head" in stages[1] and "ln_f" in stages[1]
+    assert all(not name.startswith("h_2") for name in stages[0])
+    assert all(not name.startswith("h_1") for name in stages[1])
+
+
+# ---- each script end to end, tiny --------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_vs_torch_pipelining_smoke() -> None:
+    result = vs_torch_pipelining.run(tiny(8, 4), throughput_ranks=2, memory_ranks=2, num_warmup=1, num_steps=1)
+    assert result["gradient_gap"] < 1e-5  # both systems compute the same gradients
+    assert all(m["fxpipe"] > 0 and m["torch"] > 0 for m in result["memory"])
+    assert "Schedule1F1B" in vs_torch_pipelining.report(result)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_schedule_memory_smoke() -> None:
+    result = schedule_memory.run(tiny(8, 8), num_warmup=0, num_steps=1)
+    stage0 = result["peaks"][0]
+    assert 0 < stage0["early backward (A)"] < stage0["GPipe"]
+    assert "Stage 0" in schedule_memory.report(result)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_overhead_smoke() -> None:
+    result = overhead.run(tiny(4, 1), num_warmup=1, num_steps=2)
+    assert len(result["times"]["fxpipe"]) == len(result["times"]["eager"]) == 2
+    assert "fxpipe / eager" in overhead.report(result)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_runtime_fidelity_smoke() -> None:
+    cases = (runtime_fidelity.PlanCase(2, "1:1", 2),)
+    result = runtime_fidelity.run(tiny(4, 2), cases, num_warmup=0, num_steps=1)
+    row = result["rows"][0]
+    assert row["simulated_s"] > 0 and row["measured_s"] > 0
+    assert "local:2 1:1 M=2" in runtime_fidelity.report(result)
