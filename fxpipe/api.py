@@ -134,6 +134,19 @@ class PipelinedModule:
         """All ranks' StepStats of the last measured step (a collective: call on every rank)."""
         return self.driver.gather_stats()
 
+    def save(self, directory: str | Path, *, optimizer: torch.optim.Optimizer | None = None, step: int = 0,
+             extra: Mapping[str, Any] | None = None) -> Path:
+        """Atomic sharded checkpoint under original names (every rank calls it); see fxpipe.checkpoint."""
+        from fxpipe.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, directory, optimizer=optimizer, step=step, extra=extra)
+
+    def load(self, directory: str | Path, *, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+        """Load a checkpoint saved under any plan; returns ``{"step": ..., "extra": ...}``."""
+        from fxpipe.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, directory, optimizer=optimizer)
+
     def close(self) -> None:
         """Wait for all ranks, then release the process group if ``compile`` created it."""
         from fxpipe.runtime.comm import close_distributed

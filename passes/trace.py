@@ -177,9 +177,18 @@ def _write_meta(gm: fx.GraphModule, model: nn.Module, inputs: TraceInputs, front
     gm.meta["fxpipe.example_inputs"] = inputs.values
     gm.meta["fxpipe.input_names"] = tuple(str(node.target) for node in placeholders)
     gm.meta["fxpipe.param_names"] = param_names
+    gm.meta["fxpipe.state_dict_names"] = _state_dict_names(model)
     for node in gm.graph.nodes:
         node.meta.setdefault("fxpipe.module_path", "")
         node.meta["fxpipe.param_names"] = _names_read(node, param_names)
+
+
+def _state_dict_names(model: nn.Module) -> dict[str, str]:
+    """{key of model.state_dict() -> canonical name}: what a checkpoint must hold to load strict."""
+    canonical: dict[int, str] = {}
+    for name, tensor in chain(model.named_parameters(), model.named_buffers()):
+        canonical.setdefault(id(tensor), name)
+    return {key: canonical.get(id(value), key) for key, value in model.state_dict(keep_vars=True).items()}
 
 
 def _gm_param_names(gm: fx.GraphModule, model: nn.Module) -> dict[str, str]:

@@ -117,10 +117,26 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> DistContext:
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=timeout_s)
     if all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        _init_from_env(backend, timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return DistContext(dist.get_rank(), dist.get_world_size(), backend, device, owns_group=True)
+
+
+def _init_from_env(backend: str, timeout: timedelta) -> None:
+    """env:// rendezvous; under torchrun restarts, each attempt uses its own key prefix.
+
+    torchrun keeps one agent store across restarts, so a restarted worker would otherwise read
+    the killed attempt's gloo addresses and fail to connect.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"fxpipe-attempt-{attempt}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
 
 
 def close_distributed(context: DistContext) -> None:

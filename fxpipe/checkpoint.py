@@ -1,0 +1,193 @@
+"""Checkpoint manifests, model fingerprints, finding the newest complete checkpoint, and offline consolidation."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from fxpipe.api import PipelinedModule
+    from fxpipe.passes.codegen import SplitProgram
+
+FORMAT_NAME = "fxpipe-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "fxpipe_manifest.json"
+DCP_METADATA_NAME = ".metadata"  # written by torch.distributed.checkpoint when every rank's data is on disk
+MODEL_PREFIX = "model/"
+REQUIRED_FIELDS = ("format", "format_version", "step", "extra", "world_size", "plan", "fingerprint",
+                   "state_dict_keys", "optimizer", "files")
+TEMPORARY_MARKERS = (".tmp-", ".old-")  # names save_checkpoint uses while a write is in progress
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is incomplete, from another model, or cannot be read or written; the message says which."""
+
+
+def model_fingerprint(program: SplitProgram) -> dict[str, dict[str, Any]]:
+    """{original name -> {"shape", "dtype"}} of every parameter and buffer of the whole model, sorted by name.
+
+    Built from all stages of the program, so every rank computes the same fingerprint whatever the plan.
+    """
+    found: dict[str, dict[str, Any]] = {}
+    for stage in program.stages:
+        for path, original in stage.param_names:
+            tensor = _attribute(stage.module, path)
+            if isinstance(tensor, torch.Tensor):
+                found.setdefault(original, {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch.")})
+    return {name: found[name] for name in sorted(found)}
+
+
+def _attribute(module: torch.nn.Module, path: str) -> Any:
+    owner_path, _, attribute = path.rpartition(".")
+    owner = module.get_submodule(owner_path) if owner_path else module
+    return getattr(owner, attribute, None)
+
+
+def check_fingerprint(saved: Mapping[str, Any], current: Mapping[str, Any], directory: str | Path) -> None:
+    """Raise CheckpointError naming missing, unexpected and reshaped entries when the two models differ."""
+    missing = sorted(set(current) - set(saved))
+    unexpected = sorted(set(saved) - set(current))
+    reshaped = sorted(f"{name}: checkpoint {saved[name]['shape']} vs model {current[name]['shape']}"
+                      for name in set(saved) & set(current) if list(saved[name]["shape"]) != current[name]["shape"])
+    if missing or unexpected or reshaped:
+        raise CheckpointError(
+            f"checkpoint {str(directory)!r} is from another model: missing keys {_short(missing)}, unexpected keys "
+            f"{_short(unexpected)}, shape mismatches {_short(reshaped)}; load a checkpoint saved from this model")
+
+
+def _short(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return f"[{shown}{f', ... ({len(names)} in all)' if len(names) > limit else ''}]"
+
+
+def state_dict_keys(pipe: PipelinedModule) -> dict[str, str]:
+    """{key of the unsplit model's state_dict() -> stored (canonical) name}; tied aliases map to one name.
+
+    Uses ``graph_module.meta["fxpipe.state_dict_names"]`` when the tracer records it; otherwise derives the
+    keys from the traced module, which maps tied aliases but cannot tell non-persistent buffers apart.
+    """
+    graph_module = pipe.graph_module
+    recorded = graph_module.meta.get("fxpipe.state_dict_names")
+    if isinstance(recorded, Mapping):
+        return {str(key): str(recorded[key]) for key in sorted(recorded)}
+    canonical: Mapping[str, str] = graph_module.meta["fxpipe.param_names"]
+    keys = {}
+    for path, _ in [*graph_module.named_parameters(remove_duplicate=False),
+                    *graph_module.named_buffers(remove_duplicate=False)]:
+        if path in canonical:
+            keys[path] = canonical[path]
+    for name in model_fingerprint(pipe.program):  # canonical names are state_dict keys of the model too
+        keys.setdefault(name, name)
+    return {key: keys[key] for key in sorted(keys)}
+
+
+def write_manifest(directory: Path, manifest: Mapping[str, Any]) -> None:
+    """Write the manifest through a temporary file, fsync it, then rename it into place."""
+    text = json.dumps(manifest, indent=1, sort_keys=True)
+    partial = directory / (MANIFEST_NAME + ".partial")
+    with open(partial, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(partial, directory / MANIFEST_NAME)
+    fsync_directory(directory)
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make renames and new files in ``directory`` durable (no-op where directories cannot be opened)."""
+    try:
+        handle = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
+
+
+def read_manifest(directory: str | Path) -> dict[str, Any]:
+    """The manifest of a complete checkpoint; CheckpointError naming what is missing otherwise."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist; pass a directory written by "
+                              "save_checkpoint (latest_checkpoint(root) finds the newest complete one)")
+    manifest_path = path / MANIFEST_NAME
+    if not manifest_path.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {MANIFEST_NAME} is missing (the write was "
+                              "interrupted before it finished); use latest_checkpoint(root) to find a complete one")
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"checkpoint {str(path)!r}: {MANIFEST_NAME} is unreadable ({error})") from error
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"checkpoint {str(path)!r}: {MANIFEST_NAME} is not a JSON object")
+    _check_manifest(path, manifest)
+    return manifest
+
+
+def _check_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    missing_fields = [name for name in REQUIRED_FIELDS if name not in manifest]
+    if missing_fields:
+        raise CheckpointError(f"checkpoint {str(path)!r}: {MANIFEST_NAME} lacks fields {missing_fields}")
+    if manifest["format"] != FORMAT_NAME or manifest["format_version"] != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {str(path)!r} has format {manifest['format']!r} version "
+                              f"{manifest['format_version']!r}; this fxpipe reads {FORMAT_NAME!r} version {FORMAT_VERSION}")
+    missing_files = [name for name in [DCP_METADATA_NAME, *manifest["files"]] if not (path / name).is_file()]
+    if missing_files:
+        raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: files {missing_files} named by "
+                              f"{MANIFEST_NAME} are missing")
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The complete checkpoint under ``root`` (a direct subdirectory) with the highest step; None when there is none.
+
+    Directories left by interrupted writes (no manifest, or a temporary name) are skipped.
+    """
+    root_path = Path(root)
+    if not root_path.is_dir():
+        return None
+    best: tuple[int, str] | None = None
+    for child in sorted(root_path.iterdir()):
+        if not child.is_dir() or any(marker in child.name for marker in TEMPORARY_MARKERS):
+            continue
+        try:
+            step = int(read_manifest(child)["step"])
+        except (CheckpointError, TypeError, ValueError):
+            continue
+        if best is None or (step, child.name) > best:
+            best = (step, child.name)
+    return None if best is None else root_path / best[1]
+
+
+def consolidate(directory: str | Path) -> dict[str, torch.Tensor]:
+    """One state_dict for the original unsplit model (``model.load_state_dict(sd)`` strict) from a checkpoint.
+
+    Runs offline in one process (no process group); tensors are read weights-only.
+    """
+    from fxpipe.runtime.checkpoint_io import read_tensors
+
+    manifest = read_manifest(directory)
+    stored = read_tensors(directory, {MODEL_PREFIX + name: entry for name, entry in manifest["fingerprint"].items()})
+    keys: Mapping[str, str] = manifest["state_dict_keys"]
+    return {key: stored[MODEL_PREFIX + keys[key]] for key in sorted(keys)}
+
+
+def save_checkpoint(pipe: PipelinedModule, directory: str | Path, *, optimizer: torch.optim.Optimizer | None = None,
+                    step: int = 0, extra: Mapping[str, Any] | None = None) -> Path:
+    """See :func:`fxpipe.runtime.checkpoint_io.save_checkpoint` (collective: every rank calls it)."""
+    from fxpipe.runtime.checkpoint_io import save_checkpoint as save
+
+    return save(pipe, directory, optimizer=optimizer, step=step, extra=extra)
+
+
+def load_checkpoint(pipe: PipelinedModule, directory: str | Path, *,
+                    optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """See :func:`fxpipe.runtime.checkpoint_io.load_checkpoint` (collective: every rank calls it)."""
+    from fxpipe.runtime.checkpoint_io import load_checkpoint as load
+
+    return load(pipe, directory, optimizer=optimizer)

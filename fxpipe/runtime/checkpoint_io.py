@@ -1,0 +1,293 @@
+"""Distributed checkpoint save/load of a PipelinedModule (torch.distributed.checkpoint), atomic and weights-only."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import uuid
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from fxpipe.checkpoint import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MODEL_PREFIX,
+    CheckpointError,
+    check_fingerprint,
+    fsync_directory,
+    model_fingerprint,
+    read_manifest,
+    state_dict_keys,
+    write_manifest,
+)
+from fxpipe.runtime.comm import broadcast_text
+
+if TYPE_CHECKING:
+    from fxpipe.api import PipelinedModule
+
+OPTIM_PREFIX = "optim/"        # optim/<param name>/<state key> -> tensor
+OPTIM_META_PREFIX = "optim_meta/"  # optim_meta/<param name> -> JSON bytes (group settings, non-tensor state)
+RNG_PREFIX = "rng/"            # rng/<rank>/cpu, rng/<rank>/cuda -> uint8 generator state
+
+# The only globals a DCP .metadata pickle may name: DCP's own metadata records, torch.Size, dtypes, paths.
+_SAFE_MODULES = {"torch.distributed.checkpoint.metadata"}
+_SAFE_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"),
+                 ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("collections", "OrderedDict"),
+                 ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata refusing every global outside an allow-list, so no code in a checkpoint runs."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _SAFE_MODULES or (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata names {module}.{name}, which fxpipe does not load")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """FileSystemReader whose metadata is read with an allow-list unpickler (tensors are read weights-only)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / ".metadata"
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        except (OSError, pickle.UnpicklingError, EOFError, AttributeError) as error:
+            raise CheckpointError(f"checkpoint {str(self.path)!r}: cannot read {path.name}: {error}") from error
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"checkpoint {str(self.path)!r}: {path.name} holds {type(metadata).__name__}")
+        if metadata.storage_meta is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+# ---- save -----------------------------------------------------------------------------------------
+
+
+def save_checkpoint(pipe: PipelinedModule, directory: str | Path, *, optimizer: torch.optim.Optimizer | None = None,
+                    step: int = 0, extra: Mapping[str, Any] | None = None) -> Path:
+    """Save this rank's parameters, buffers, optimizer state and RNG state; every rank calls it.
+
+    Data goes to ``<directory>.tmp-<uuid>`` through DCP (replicated tensors written once), then rank 0
+    writes the manifest last and renames the folder to ``directory`` (replacing an older one). ``extra``
+    must be JSON-serializable. Returns ``directory``.
+    """
+    target = Path(directory)
+    _json_or_error(extra, "extra")
+    token = broadcast_text(uuid.uuid4().hex if dist.get_rank() == 0 else None)
+    temporary = target.with_name(f"{target.name}.tmp-{token}")
+    temporary.mkdir(parents=True, exist_ok=True)
+    state = {MODEL_PREFIX + name: tensor for name, tensor in pipe.state_dict().items()}
+    if optimizer is not None:
+        state.update(_optimizer_entries(pipe, optimizer))
+    state.update(_rng_entries(dist.get_rank()))
+    dcp.save(state, storage_writer=FileSystemWriter(temporary, sync_files=True))
+    dist.barrier()
+    status = "ok"
+    if dist.get_rank() == 0:
+        try:
+            _publish(pipe, temporary, target, optimizer, step, extra)
+        except (OSError, ValueError) as error:
+            status = f"rank 0 could not publish checkpoint {str(target)!r}: {error}"
+    status = broadcast_text(status)  # every rank learns whether the rename happened
+    if status != "ok":
+        raise CheckpointError(status)
+    return target
+
+
+def _publish(pipe: PipelinedModule, temporary: Path, target: Path, optimizer: torch.optim.Optimizer | None,
+             step: int, extra: Mapping[str, Any] | None) -> None:
+    """Rank 0: write the manifest last, then rename the finished folder into place."""
+    plan = pipe.plan
+    manifest = {
+        "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "step": int(step),
+        "extra": dict(extra) if extra is not None else {}, "world_size": dist.get_world_size(),
+        "plan": {"layout": plan.layout, "stages": [list(s.devices) for s in plan.stages],
+                 "global_batch_size": plan.global_batch_size, "num_microbatches": plan.num_microbatches},
+        "fingerprint": model_fingerprint(pipe.program), "state_dict_keys": state_dict_keys(pipe),
+        "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+        "files": sorted(p.name for p in temporary.iterdir() if p.is_file()),
+    }
+    write_manifest(temporary, manifest)
+    retired = target.with_name(f"{target.name}.old-{uuid.uuid4().hex}")
+    if target.exists():
+        os.replace(target, retired)
+    os.replace(temporary, target)
+    fsync_directory(target.parent)
+    if retired.exists():
+        shutil.rmtree(retired)
+
+
+def _optimizer_entries(pipe: PipelinedModule, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Optimizer state keyed by parameter name: tensors as they are, settings as JSON bytes."""
+    names = _optimizer_param_names(pipe, optimizer)
+    saved = optimizer.state_dict()
+    entries: dict[str, torch.Tensor] = {}
+    for group in saved["param_groups"]:
+        settings = {key: value for key, value in group.items() if key != "params"}
+        for index in group["params"]:
+            name = names[index]
+            scalars = {}
+            for key, value in saved["state"].get(index, {}).items():
+                if isinstance(value, torch.Tensor):
+                    entries[f"{OPTIM_PREFIX}{name}/{key}"] = value
+                else:
+                    scalars[key] = value
+            meta = {"group": settings, "scalars": scalars}
+            entries[OPTIM_META_PREFIX + name] = _json_bytes(meta, f"optimizer state of {name!r}")
+    return entries
+
+
+def _optimizer_param_names(pipe: PipelinedModule, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Original names of the optimizer's parameters, in its state_dict index order."""
+    by_id = {id(param): name for name, param in pipe.named_parameters()}
+    names = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) not in by_id:
+                raise CheckpointError(f"the optimizer holds a parameter of shape {tuple(param.shape)} that is not "
+                                      "in pipe.parameters(); build the optimizer from pipe.parameters()")
+            names.append(by_id[id(param)])
+    return names
+
+
+def _rng_entries(rank: int) -> dict[str, torch.Tensor]:
+    entries = {f"{RNG_PREFIX}{rank}/cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        entries[f"{RNG_PREFIX}{rank}/cuda"] = torch.cuda.get_rng_state().cpu()
+    return entries
+
+
+def _json_or_error(value: Any, what: str) -> str:
+    try:
+        return json.dumps(value, sort_keys=True)
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"{what} must be JSON-serializable (numbers, strings, lists, dicts): {error}") from error
+
+
+def _json_bytes(value: Any, what: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(_json_or_error(value, what).encode()), dtype=torch.uint8).clone()
+
+
+# ---- load -----------------------------------------------------------------------------------------
+
+
+def load_checkpoint(pipe: PipelinedModule, directory: str | Path, *,
+                    optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """Load parameters (and optimizer / RNG state) into this rank's stage; every rank calls it.
+
+    Works across plans and world sizes: every rank reads the entries it holds by name. RNG state is
+    restored for ranks that existed when saving. Returns ``{"step": int, "extra": dict}``.
+    """
+    manifest = read_manifest(directory)
+    check_fingerprint(manifest["fingerprint"], model_fingerprint(pipe.program), directory)
+    if optimizer is not None and manifest["optimizer"] is None:
+        raise CheckpointError(f"checkpoint {str(directory)!r} holds no optimizer state; load it with optimizer=None "
+                              "or save with optimizer=...")
+    reader = SafeFileSystemReader(directory)
+    stored = reader.read_metadata().state_dict_metadata
+    state: dict[str, torch.Tensor] = {MODEL_PREFIX + name: tensor for name, tensor in pipe.state_dict().items()}
+    names = _optimizer_param_names(pipe, optimizer) if optimizer is not None else []
+    for name in names:
+        state.update(_empty_entries(stored, f"{OPTIM_PREFIX}{name}/"))
+        state.update(_empty_entries(stored, OPTIM_META_PREFIX + name, exact=True))
+    rank = dist.get_rank()
+    state.update(_empty_entries(stored, f"{RNG_PREFIX}{rank}/"))
+    dcp.load(state, storage_reader=reader)
+    if optimizer is not None:
+        _restore_optimizer(optimizer, names, state)
+    _restore_rng(state, rank)
+    return {"step": int(manifest["step"]), "extra": manifest["extra"]}
+
+
+def _empty_entries(stored: Mapping[str, Any], prefix: str, exact: bool = False) -> dict[str, torch.Tensor]:
+    """Empty tensors of the saved shape and dtype for every stored key matching ``prefix``."""
+    entries = {}
+    for key, meta in stored.items():
+        tensor = _empty(meta) if (key == prefix if exact else key.startswith(prefix)) else None
+        if tensor is not None:
+            entries[key] = tensor
+    return entries
+
+
+def _empty(meta: Any) -> torch.Tensor | None:
+    """An empty CPU tensor matching stored tensor metadata; None for anything else (absent, bytes)."""
+    if not isinstance(meta, TensorStorageMetadata):
+        return None
+    return torch.empty(meta.size, dtype=meta.properties.dtype)
+
+
+def _restore_optimizer(optimizer: torch.optim.Optimizer, names: list[str], state: Mapping[str, torch.Tensor]) -> None:
+    """Rebuild an index-keyed optimizer state_dict from the name-keyed entries and load it."""
+    current = optimizer.state_dict()
+    by_name: dict[str, dict[str, Any]] = {}
+    for key, tensor in state.items():
+        if key.startswith(OPTIM_PREFIX):
+            name, _, state_key = key[len(OPTIM_PREFIX):].rpartition("/")
+            by_name.setdefault(name, {})[state_key] = tensor
+    restored: dict[int, dict[str, Any]] = {}
+    groups = []
+    for group in current["param_groups"]:
+        settings = dict(group)
+        for index in group["params"]:
+            meta = _decode_meta(state, names[index])
+            entries = {**by_name.get(names[index], {}), **meta["scalars"]}
+            if entries:
+                restored[index] = entries
+            settings.update({key: _like(group.get(key), value) for key, value in meta["group"].items()})
+        groups.append(settings)
+    optimizer.load_state_dict({"state": restored, "param_groups": groups})
+
+
+def _decode_meta(state: Mapping[str, torch.Tensor], name: str) -> dict[str, Any]:
+    key = OPTIM_META_PREFIX + name
+    if key not in state:
+        raise CheckpointError(f"checkpoint holds no optimizer state for parameter {name!r}; it was saved without "
+                              "an optimizer over that parameter")
+    decoded = json.loads(bytes(state[key].tolist()).decode())
+    assert isinstance(decoded, dict)
+    return decoded
+
+
+def _like(current: Any, loaded: Any) -> Any:
+    """JSON turns tuples (Adam betas) into lists; give them back the type the optimizer uses."""
+    return tuple(loaded) if isinstance(current, tuple) and isinstance(loaded, list) else loaded
+
+
+def _restore_rng(state: Mapping[str, torch.Tensor], rank: int) -> None:
+    cpu = state.get(f"{RNG_PREFIX}{rank}/cpu")
+    if cpu is not None:
+        torch.set_rng_state(cpu)
+    cuda = state.get(f"{RNG_PREFIX}{rank}/cuda")
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda)
+
+
+# ---- offline --------------------------------------------------------------------------------------
+
+
+def read_tensors(directory: str | Path, entries: Mapping[str, Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    """Read ``{key: {"shape", "dtype"}}`` from a checkpoint in this process alone (no process group)."""
+    reader = SafeFileSystemReader(directory)
+    stored = reader.read_metadata().state_dict_metadata
+    absent = sorted(key for key in entries if not isinstance(stored.get(key), TensorStorageMetadata))
+    if absent:
+        raise CheckpointError(f"checkpoint {str(directory)!r} lacks tensors {absent[:8]} its manifest names")
+    state = {key: tensor for key in entries if (tensor := _empty(stored[key])) is not None}
+    with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the point here
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return state

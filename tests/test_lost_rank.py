@@ -1,0 +1,180 @@
+"""Surviving a lost rank: the others fail fast naming it, and torchrun restarts resume from the last checkpoint."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import fxpipe
+from fxpipe import models as zoo
+from fxpipe.passes import trace
+from tests.mp_utils import join_world, plan_from_cuts, warm_up_parent
+
+pytestmark = pytest.mark.multiprocess
+
+ROOT = Path(__file__).resolve().parent.parent
+ENTRY = zoo.get("mlp")
+BATCH = 8
+LOST_RANK = 1
+KILL_STEP = 2
+
+
+def _rank_until_killed(rank: int, world_size: int, store_dir: str, results: Any) -> None:
+    """Train a 1:1:1 pipeline; rank LOST_RANK SIGKILLs itself in the middle of step KILL_STEP."""
+    torch.set_num_threads(1)
+    join_world(store_dir, "lost", rank, world_size)
+    model, example_inputs = zoo.build("mlp", **ENTRY.tiny_overrides)
+    plan = plan_from_cuts(trace(model, example_inputs), (1, 1, 1), BATCH, 4)
+    pipe = fxpipe.compile(model, example_inputs, loss_fn=ENTRY.loss_fn, global_batch_size=BATCH, plan=plan,
+                          timeout_s=20.0)
+    if rank == LOST_RANK:  # die after this rank's first forward of the step: mid-iteration for everyone
+        original = pipe.driver.runner.forward
+
+        def forward_then_die(microbatch_index: int, inputs: Any) -> Any:
+            if step_box[0] == KILL_STEP:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(microbatch_index, inputs)
+
+        pipe.driver.runner.forward = forward_then_die
+    step_box = [0]
+    try:
+        for step in range(KILL_STEP + 2):
+            step_box[0] = step
+            inputs, targets = ENTRY.make_batch(BATCH, step, **ENTRY.tiny_overrides)
+            pipe.step(inputs, targets)
+        results.put((rank, "finished without noticing the lost rank", time.monotonic()))
+    except Exception as error:  # the test checks that every survivor fails, and with which message
+        results.put((rank, f"{type(error).__name__}: {error}", time.monotonic()))
+
+
+def _descendants(pids: set[int]) -> list[str]:
+    """Live processes (not zombies) among ``pids`` and their descendants, read from /proc."""
+    parents: dict[int, int] = {}
+    states: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            states[int(entry.name)], parents[int(entry.name)] = fields[0], int(fields[1])
+    found, frontier = set(), set(pids)
+    while frontier:
+        found |= frontier
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
+    return [f"pid {pid} ({states[pid]})" for pid in sorted(found) if pid in states and states[pid] != "Z"]
+
+
+def test_survivors_exit_fast_naming_the_lost_rank(tmp_path: Path) -> None:
+    warm_up_parent()
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    processes = [context.Process(target=_rank_until_killed, args=(rank, 3, str(tmp_path), results))
+                 for rank in range(3)]
+    for process in processes:
+        process.start()
+    pids = {process.pid for process in processes if process.pid is not None}
+    processes[LOST_RANK].join(timeout=60)
+    killed_at = time.monotonic()
+    assert processes[LOST_RANK].exitcode == -signal.SIGKILL
+    outcomes = {}
+    try:
+        for _ in range(2):
+            rank, message, finished_at = results.get(timeout=60)
+            outcomes[rank] = (message, finished_at - killed_at)
+        for process in processes:
+            process.join(timeout=60 - (time.monotonic() - killed_at))
+    finally:
+        stray = _descendants(pids)
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+    assert not stray, f"processes left after the survivors should have exited: {stray}"
+    assert all(process.exitcode == 0 for index, process in enumerate(processes) if index != LOST_RANK)
+    assert time.monotonic() - killed_at < 60
+    for rank in (0, 2):
+        message, elapsed = outcomes[rank]
+        assert message.startswith("CommunicationError") and f"rank {LOST_RANK}" in message, (rank, message)
+        assert elapsed < 60, (rank, elapsed)
+
+
+JOB = textwrap.dedent("""
+    import os, signal, sys
+    from pathlib import Path
+    import torch
+    torch.set_num_threads(1)
+    import fxpipe
+    from fxpipe import models as zoo
+    from fxpipe.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from fxpipe.passes import trace
+    from tests.mp_utils import plan_from_cuts
+
+    # fxpipe.compile rendezvouses each torchrun attempt under its own store prefix.
+    root, marker, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+    kill_step, num_steps, batch = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+    entry = zoo.get("mlp")
+    model, example_inputs = zoo.build("mlp", **entry.tiny_overrides)
+    plan = plan_from_cuts(trace(model, example_inputs), (1, 1), batch, 2)
+    pipe = fxpipe.compile(model, example_inputs, loss_fn=entry.loss_fn, global_batch_size=batch, plan=plan,
+                          timeout_s=120.0)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    found = latest_checkpoint(root)
+    start = load_checkpoint(pipe, found, optimizer=optimizer)["step"] if found is not None else 0
+    print(f"rank {pipe.rank} starts at step {start}", flush=True)
+    for step in range(start, num_steps):
+        if step == kill_step and pipe.rank == 1 and not marker.exists():
+            marker.write_text("killed once")
+            os.kill(os.getpid(), signal.SIGKILL)
+        inputs, targets = entry.make_batch(batch, step, **entry.tiny_overrides)
+        pipe.step(inputs, targets)
+        optimizer.step()
+        optimizer.zero_grad()
+        save_checkpoint(pipe, root / f"step-{step + 1:04d}", optimizer=optimizer, step=step + 1)
+    torch.save(pipe.state_dict(), out / f"rank{pipe.rank}.pt")
+""")
+
+
+def _uninterrupted(num_steps: int) -> dict[str, torch.Tensor]:
+    model, _ = zoo.build("mlp", **ENTRY.tiny_overrides)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(num_steps):
+        inputs, targets = ENTRY.make_batch(BATCH, step, **ENTRY.tiny_overrides)
+        ENTRY.loss_fn(model(*inputs), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {name: tensor.detach() for name, tensor in model.state_dict().items()}
+
+
+@pytest.mark.slow  # two torchrun launches of two workers: ~25 s idle, 80 s on a loaded 2-core machine
+def test_torchrun_restart_resumes_from_last_complete_checkpoint(tmp_path: Path) -> None:
+    script, root, marker = tmp_path / "job.py", tmp_path / "checkpoints", tmp_path / "killed"
+    script.write_text(JOB)
+    num_steps, kill_step = 5, 3
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "--max-restarts", "1", "--monitor-interval", "0.2", str(script), str(root), str(marker),
+               str(tmp_path), str(kill_step), str(num_steps), str(BATCH)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "FXPIPE_CALIBRATE": "0"}
+    job = subprocess.run(command, env=env, capture_output=True, text=True, timeout=150, cwd=tmp_path)
+    log = job.stdout + job.stderr
+    (tmp_path / "torchrun.log").write_text(log)
+    assert job.returncode == 0, log[-4000:]
+    assert marker.exists(), "the job was never killed"
+    assert "rank 1 starts at step 0" in log and f"rank 1 starts at step {kill_step}" in log, log[-4000:]
+    final: dict[str, torch.Tensor] = {}
+    for rank in range(2):
+        final.update(torch.load(tmp_path / f"rank{rank}.pt", weights_only=True))
+    expected = _uninterrupted(num_steps)
+    assert sorted(final) == sorted(expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(final[name], tensor, rtol=1e-5, atol=1e-6)
