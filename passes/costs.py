@@ -1,0 +1,312 @@
+"""Cost annotation: run a traced graph node by node on fake tensors with a symbolic batch and record costs."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import sympy
+import torch
+from torch import fx
+from torch._dynamo.source import ConstantSource
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+from fxpipe.cluster import DeviceSpec
+from fxpipe.costgraph import ZERO, Affine, CostGraph, CostNode
+from fxpipe.passes.flops import NodeCost, run_fake
+
+if TYPE_CHECKING:
+    from fxpipe.passes.profile import MeasuredCosts
+
+__all__ = ["BATCH", "CostAnnotationError", "NodeCost", "annotate_costs", "to_cost_graph"]
+
+# The batch size (rows of dim 0 of every tensor input) in every cost expression.
+BATCH = sympy.Symbol("B", integer=True, positive=True)
+
+COST_KEY = "fxpipe.cost"
+EXAMPLE_INPUTS_KEY = "fxpipe.example_inputs"
+BATCH_SYMBOL_KEY = "fxpipe.batch_symbol"
+COST_MODE_KEY = "fxpipe.cost_mode"
+BATCH_HINT_KEY = "fxpipe.cost_batch_hint"
+_MIN_SYMBOLIC_BATCH = 2  # batch 0 and 1 would be specialised by the ShapeEnv
+
+
+class CostAnnotationError(ValueError):
+    """annotate_costs/to_cost_graph was given a graph or inputs it cannot cost."""
+
+
+def annotate_costs(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None) -> fx.GraphModule:
+    """Return a copy of ``gm`` whose nodes carry ``node.meta["fxpipe.cost"]`` (a NodeCost).
+
+    The graph runs once on fake tensors whose dim 0 is one symbolic batch size, so nothing is
+    allocated and the costs are exact expressions in ``BATCH`` (also stored in
+    ``gm.meta["fxpipe.batch_symbol"]``). If an op forces a concrete batch, costs are evaluated at
+    two batch sizes and fitted as affine expressions; ``gm.meta["fxpipe.cost_mode"]`` says which.
+    """
+    inputs = _example_inputs(gm, example_inputs)
+    result = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+    result.meta.update(copy.copy(gm.meta))
+    batch = _batch_hint(inputs)
+    try:
+        costs = _run_symbolic(result, inputs, batch)
+        mode = "symbolic"
+    except _NotSymbolic as error:
+        costs = _fit_affine(result, inputs, batch)
+        mode = f"affine-fit (symbolic batch failed: {error})"
+    for node in result.graph.nodes:
+        if node.name in costs:
+            node.meta[COST_KEY] = costs[node.name]
+    result.meta[BATCH_SYMBOL_KEY] = BATCH
+    result.meta[COST_MODE_KEY] = mode
+    result.meta[BATCH_HINT_KEY] = batch  # the batch the costs were sampled at (for non-affine terms)
+    return result
+
+
+class _NotSymbolic(Exception):
+    """The symbolic-batch run failed or specialised the batch; fall back to fitting."""
+
+
+def _example_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> tuple[Any, ...]:
+    if not isinstance(gm, fx.GraphModule):
+        raise CostAnnotationError(
+            f"annotate_costs needs a torch.fx.GraphModule, got {type(gm).__name__}; "
+            "run fxpipe.passes.trace(model, example_inputs) first"
+        )
+    if example_inputs is None:
+        example_inputs = gm.meta.get(EXAMPLE_INPUTS_KEY)
+    if example_inputs is None:
+        raise CostAnnotationError(
+            f"graph has no gm.meta[{EXAMPLE_INPUTS_KEY!r}] and no example_inputs were given; "
+            "run fxpipe.passes.trace(model, example_inputs) first or pass example_inputs"
+        )
+    num_placeholders = sum(1 for node in gm.graph.nodes if node.op == "placeholder")
+    if len(example_inputs) != num_placeholders:
+        raise CostAnnotationError(
+            f"graph has {num_placeholders} placeholders but {len(example_inputs)} example inputs were "
+            "given; pass one positional value per placeholder (as fxpipe.passes.trace records them)"
+        )
+    return tuple(example_inputs)
+
+
+def _batch_hint(inputs: Sequence[Any]) -> int:
+    sizes = {value.shape[0] for value in inputs if isinstance(value, torch.Tensor) and value.dim() > 0}
+    if len(sizes) > 1:
+        raise CostAnnotationError(
+            f"tensor inputs disagree on the batch size (dim 0): {sorted(sizes)}; "
+            "dim 0 of every tensor input must be the batch"
+        )
+    return max(_MIN_SYMBOLIC_BATCH, *sizes) if sizes else _MIN_SYMBOLIC_BATCH
+
+
+def _run_symbolic(gm: fx.GraphModule, inputs: Sequence[Any], batch: int) -> dict[str, NodeCost]:
+    shape_env = ShapeEnv()
+    fake_mode = FakeTensorMode(shape_env=shape_env)
+    symbol = shape_env.create_symbol(batch, ConstantSource("fxpipe_batch"))
+    batch_size = shape_env.create_symintnode(symbol, hint=batch)
+
+    def to_expr(value: Any) -> sympy.Expr:
+        if isinstance(value, torch.SymInt | torch.SymFloat):
+            expr = shape_env.replace(value.node.expr)
+            if not expr.free_symbols <= {symbol}:
+                raise _NotSymbolic(f"cost expression {expr} depends on symbols other than the batch")
+            return sympy.expand(expr.subs(symbol, BATCH))
+        return sympy.sympify(value)
+
+    try:
+        costs = run_fake(gm, inputs, fake_mode, batch_size, to_expr)
+    except _NotSymbolic:
+        raise
+    except Exception as error:  # any op that cannot take a symbolic batch: fall back, say why in meta
+        raise _NotSymbolic(f"{type(error).__name__}: {error}") from error
+    if symbol in shape_env.replacements:
+        raise _NotSymbolic(f"an op specialised the batch to {shape_env.replacements[symbol]}")
+    return costs
+
+
+def _fit_affine(gm: fx.GraphModule, inputs: Sequence[Any], batch: int) -> dict[str, NodeCost]:
+    """Cost the graph at batch sizes b and 2b with concrete fakes and join them by a line in BATCH."""
+    runs = []
+    for rows in (batch, 2 * batch):
+        fake_mode = FakeTensorMode()
+        runs.append(run_fake(gm, inputs, fake_mode, rows, sympy.sympify))
+    return {name: _fit_node(runs[0][name], runs[1][name], batch) for name in runs[0]}
+
+
+def _fit_node(low: NodeCost, high: NodeCost, batch: int) -> NodeCost:
+    def line(a: sympy.Expr, b: sympy.Expr) -> sympy.Expr:
+        slope = sympy.Rational(b - a, batch)
+        return sympy.expand(a - slope * batch + slope * BATCH)
+
+    fitted: dict[str, Any] = {}
+    for name in ("output_bytes", "forward_flops", "backward_flops", "saved_bytes"):
+        fitted[name] = line(getattr(low, name), getattr(high, name))
+    for name in ("forward_bytes_moved", "backward_bytes_moved"):
+        fitted[name] = line(getattr(low, name), getattr(high, name))
+    shapes = tuple(
+        tuple(line(a, b) for a, b in zip(shape_low, shape_high, strict=True))
+        for shape_low, shape_high in zip(low.output_shapes, high.output_shapes, strict=True)
+    )
+    return NodeCost(
+        output_shapes=shapes,
+        output_dtypes=low.output_dtypes,
+        param_bytes=low.param_bytes,
+        is_tensor=low.is_tensor,
+        num_forward_kernels=low.num_forward_kernels,
+        num_backward_kernels=low.num_backward_kernels,
+        **fitted,
+    )
+
+
+
+
+def to_cost_graph(
+    gm: fx.GraphModule,
+    *,
+    device: DeviceSpec | None = None,
+    measured: MeasuredCosts | None = None,
+    dtype: str = "float32",
+) -> CostGraph:
+    """Turn an annotated graph into a CostGraph of plain Affine numbers (per batch row and fixed).
+
+    Times come from ``measured`` (each block's time spread over its nodes in proportion to their
+    analytic FLOPs, evenly when a block has none) or else from the roofline model of ``device``:
+    ``max(flops / peak_flops[dtype], bytes_moved / bandwidth) + kernels * kernel_launch_s``, taken
+    separately for the fixed and the per-row part. Without either, times are zero. Placeholders
+    are not nodes: their bytes form ``input_bytes`` and they are dropped from ``inputs``; the
+    output node is dropped too; ``get_attr`` nodes stay (zero time, their parameter bytes).
+    """
+    annotated = _annotated_nodes(gm)
+    hint = int(gm.meta.get(BATCH_HINT_KEY, _MIN_SYMBOLIC_BATCH))
+    input_bytes = Affine.total(
+        _affine(node.meta[COST_KEY].output_bytes, hint) for node in gm.graph.nodes if node.op == "placeholder"
+    )
+    times = _measured_times(annotated, measured, hint) if measured is not None else {
+        node.name: _roofline(node.meta[COST_KEY], device, dtype, hint) for node in annotated
+    }
+    nodes = tuple(_cost_node(gm, node, times[node.name], hint) for node in annotated)
+    return CostGraph(nodes=nodes, source="fx", input_bytes=input_bytes)
+
+
+def _annotated_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    nodes = [node for node in gm.graph.nodes if node.op not in ("placeholder", "output")]
+    missing = [node.name for node in gm.graph.nodes if node.op != "output" and COST_KEY not in node.meta]
+    if missing:
+        raise CostAnnotationError(
+            f"nodes {missing[:5]} have no node.meta[{COST_KEY!r}]; run fxpipe.passes.annotate_costs(gm) first"
+        )
+    return nodes
+
+
+def _affine(expr: sympy.Expr, hint: int) -> Affine:
+    """Exact coefficients when ``expr`` is affine in BATCH, else the secant through hint and 2 x hint."""
+    expr = sympy.expand(sympy.sympify(expr))
+    poly = expr.as_poly(BATCH) if expr.free_symbols else None
+    if poly is None or poly.degree() <= 1:
+        per_sample = float(sympy.diff(expr, BATCH))
+        fixed = float(expr.subs(BATCH, 0))
+    else:
+        low, high = float(expr.subs(BATCH, hint)), float(expr.subs(BATCH, 2 * hint))
+        per_sample = (high - low) / hint
+        fixed = low - per_sample * hint
+    return Affine(max(fixed, 0.0), max(per_sample, 0.0))  # a fitted line may dip below zero at B=0
+
+
+def _roofline_time(flops: Affine, bytes_moved: Affine, num_kernels: int, device: DeviceSpec, dtype: str) -> Affine:
+    peak = device.flops_per_s(dtype)
+    bandwidth = device.memory_bandwidth_bytes_per_s
+    return Affine(
+        max(flops.fixed / peak, bytes_moved.fixed / bandwidth) + num_kernels * device.kernel_launch_s,
+        max(flops.per_sample / peak, bytes_moved.per_sample / bandwidth),
+    )
+
+
+def _roofline(cost: NodeCost, device: DeviceSpec | None, dtype: str, hint: int) -> tuple[Affine, Affine]:
+    if device is None:
+        return ZERO, ZERO
+    forward = _roofline_time(
+        _affine(cost.forward_flops, hint), _affine(cost.forward_bytes_moved, hint), cost.num_forward_kernels, device, dtype
+    )
+    backward = _roofline_time(
+        _affine(cost.backward_flops, hint), _affine(cost.backward_bytes_moved, hint), cost.num_backward_kernels, device, dtype
+    )
+    return forward, backward
+
+
+def _measured_times(nodes: Sequence[fx.Node], measured: MeasuredCosts, hint: int) -> dict[str, tuple[Affine, Affine]]:
+    by_name = {node.name: node for node in nodes}
+    times: dict[str, tuple[Affine, Affine]] = {}
+    for block in measured.blocks:
+        members = [by_name[name] for name in block.node_names if name in by_name]
+        forward = _shares([node.meta[COST_KEY].forward_flops for node in members], hint)
+        backward = _shares([node.meta[COST_KEY].backward_flops for node in members], hint)
+        for node, forward_share, backward_share in zip(members, forward, backward, strict=True):
+            times[node.name] = (block.forward_s.scaled(forward_share), block.backward_s.scaled(backward_share))
+    missing = [node.name for node in nodes if node.name not in times]
+    if missing:
+        raise CostAnnotationError(
+            f"measured costs cover no block holding nodes {missing[:5]}; "
+            "profile every node with fxpipe.passes.measure_costs(gm, example_inputs) (default blocks)"
+        )
+    return times
+
+
+def _shares(flops: Sequence[sympy.Expr], hint: int) -> list[float]:
+    """Each node's fraction of its block's FLOPs at the example batch (even split if the block has none)."""
+    values = [float(sympy.sympify(f).subs(BATCH, hint)) for f in flops]
+    total = sum(values)
+    if total <= 0:
+        return [1.0 / len(values)] * len(values) if values else []
+    return [value / total for value in values]
+
+
+def _cost_node(gm: fx.GraphModule, node: fx.Node, times: tuple[Affine, Affine], hint: int) -> CostNode:
+    cost: NodeCost = node.meta[COST_KEY]
+    return CostNode(
+        name=node.name,
+        inputs=tuple(arg.name for arg in node.all_input_nodes if arg.op != "placeholder"),
+        forward_s=times[0],
+        backward_s=times[1],
+        output_bytes=_affine(cost.output_bytes, hint),
+        saved_bytes=_affine(cost.saved_bytes, hint),
+        param_bytes=cost.param_bytes,
+        forward_flops=_affine(cost.forward_flops, hint),
+        backward_flops=_affine(cost.backward_flops, hint),
+        module_path=module_path(node),
+        param_names=_param_names(gm, node),
+        op=f"{node.op}:{_target_name(gm, node)}",
+        tensor_output=cost.is_tensor,
+    )
+
+
+def module_path(node: fx.Node) -> str:
+    """The original module path of a node: trace meta if present, else torch.fx's module stack."""
+    if "fxpipe.module_path" in node.meta:
+        return str(node.meta["fxpipe.module_path"])
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        return str(list(stack.values())[-1][0])
+    return str(node.target) if node.op == "call_module" else ""
+
+
+def _param_names(gm: fx.GraphModule, node: fx.Node) -> tuple[str, ...]:
+    if "fxpipe.param_names" in node.meta:
+        return tuple(node.meta["fxpipe.param_names"])
+    renames: Mapping[str, str] = gm.meta.get("fxpipe.param_names", {})
+    if node.op == "get_attr":
+        paths = [str(node.target)]
+    elif node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        paths = [f"{node.target}.{name}" for name, _ in module.named_parameters(remove_duplicate=False)]
+    else:
+        paths = []
+    return tuple(renames.get(path, path) for path in paths)
+
+
+def _target_name(gm: fx.GraphModule, node: fx.Node) -> str:
+    if node.op == "call_module":
+        return type(gm.get_submodule(str(node.target))).__name__
+    if callable(node.target):
+        return getattr(node.target, "__name__", str(node.target))
+    return str(node.target)

@@ -1,0 +1,400 @@
+"""Fake-tensor execution of a graph node by node, counting FLOPs, bytes moved, kernels and saved tensors."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
+
+aten = torch.ops.aten
+_FAKE_DEVICE = torch.device("cpu")  # what fakes claim to live on, so meta models mix with CPU inputs
+
+# Symbolic sizes are SymInts; plain ints when nothing depends on the batch.
+Count = Any
+
+
+def _cpu_sdpa_flop(query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> Count:
+    """FlopCounterMode has no formula for the CPU flash-attention kernel; it costs what the CUDA one does."""
+    return sdpa_flop_count(query, key, value)
+
+
+def _cpu_sdpa_backward_flop(
+    grad_out: Any, query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kwargs: Any
+) -> Count:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+# FlopCounterMode's formulas (matmul, conv, attention: what torch.utils.flop_counter counts) plus the
+# CPU attention kernels it lacks. The formulas are called directly from one dispatch mode rather than
+# by nesting FlopCounterMode, which halves the dispatch overhead on large graphs.
+FLOP_FORMULAS: dict[Any, Any] = {
+    **flop_registry,
+    aten._scaled_dot_product_flash_attention_for_cpu: shape_wrapper(_cpu_sdpa_flop),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: shape_wrapper(_cpu_sdpa_backward_flop),
+}
+
+# FLOPs per output element for ops FlopCounterMode does not count (one FLOP per arithmetic step:
+# softmax = max, subtract, exp, sum, divide; layer norm = mean, centre, square, mean, rsqrt-scale,
+# affine; their backward passes roughly double that). Any other op tagged pointwise costs 1 FLOP
+# per output element (transcendentals included, as fvcore/DeepSpeed count them), a reduction costs
+# 1 FLOP per input element, and everything else (copies, gathers, embedding lookups) costs 0 FLOPs
+# but still moves bytes and launches a kernel.
+PER_ELEMENT_FLOPS: dict[Any, int] = {
+    aten._softmax: 5,
+    aten._log_softmax: 5,
+    aten._softmax_backward_data: 4,
+    aten._log_softmax_backward_data: 4,
+    aten.native_layer_norm: 8,
+    aten.native_layer_norm_backward: 16,
+    aten.native_batch_norm: 8,
+    aten.native_batch_norm_backward: 16,
+    aten._native_batch_norm_legit: 8,
+    aten._native_batch_norm_legit_functional: 8,
+    aten.native_group_norm: 8,
+    aten.native_group_norm_backward: 16,
+    aten.gelu: 8,
+    aten.gelu_backward: 12,
+}
+
+# Ops that only touch metadata or allocate: no kernel, no bytes, no FLOPs (prim:: ops such as
+# prim.device are skipped as well).
+METADATA_OPS: frozenset[Any] = frozenset(
+    {
+        aten.detach,
+        aten.alias,
+        aten.lift_fresh,
+        aten._unsafe_view,
+        aten.empty,
+        aten.empty_strided,
+        aten.empty_like,
+        aten.new_empty,
+        aten.new_empty_strided,
+        aten.sym_size,
+        aten.sym_stride,
+        aten.sym_numel,
+        aten.sym_storage_offset,
+        aten.is_same_size,
+        aten._local_scalar_dense,
+    }
+)
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> Count:
+    return tensor.numel() * tensor.element_size()
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(tree)
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+def elementwise_flops(func: Any, args: Any, kwargs: Any, out: Any) -> Count:
+    """FLOPs of an op FlopCounterMode does not know, by the rules documented above."""
+    packet = func.overloadpacket
+    outputs = _tensors(out)
+    if not outputs:
+        return 0
+    if packet in PER_ELEMENT_FLOPS:
+        return PER_ELEMENT_FLOPS[packet] * outputs[0].numel()
+    if torch.Tag.pointwise in func.tags:
+        return outputs[0].numel()
+    if torch.Tag.reduction in func.tags:
+        inputs = _tensors((args, kwargs))
+        return inputs[0].numel() if inputs else 0
+    return 0
+
+
+@dataclass
+class OpTally:
+    """What one region of execution cost: FLOPs, bytes read plus written, and kernels launched."""
+
+    elementwise_flops: Count = 0
+    bytes_moved: Count = 0
+    num_kernels: int = 0
+    matmul_flops: Count = 0  # ops with a torch.utils.flop_counter formula
+
+    @property
+    def flops(self) -> Count:
+        return self.matmul_flops + self.elementwise_flops
+
+
+class _TallyMode(TorchDispatchMode):
+    """Adds FLOPs, memory traffic and a kernel count for every non-metadata aten op."""
+
+    def __init__(self, tally: OpTally) -> None:
+        super().__init__()
+        self.tally = tally
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func.overloadpacket
+        if func.namespace != "aten" or packet in METADATA_OPS or func.is_view:
+            return out
+        tally = self.tally
+        tally.num_kernels += 1
+        for tensor in _tensors((args, kwargs)) + _tensors(out):
+            tally.bytes_moved = tally.bytes_moved + _tensor_bytes(tensor)
+        if packet in FLOP_FORMULAS:
+            tally.matmul_flops = tally.matmul_flops + FLOP_FORMULAS[packet](*args, **kwargs, out_val=out)
+        else:
+            tally.elementwise_flops = tally.elementwise_flops + elementwise_flops(func, args, kwargs, out)
+        return out
+
+
+@contextmanager
+def count_ops() -> Iterator[OpTally]:
+    """Count FLOPs (torch.utils.flop_counter formulas plus the elementwise rules), bytes and kernels."""
+    tally = OpTally()
+    with _TallyMode(tally):
+        yield tally
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """Costs of one fx node as sympy expressions in ``BATCH`` (see ``annotate_costs``).
+
+    ``saved_bytes`` is what autograd keeps for backward because of this node (each storage counted
+    at the first node that saves it; parameters and buffers excluded); ``param_bytes`` counts the
+    parameters this node is the first user of. ``*_bytes_moved`` and ``num_*_kernels`` feed the
+    roofline time model. ``is_tensor`` is False unless the output is a tensor or a non-empty
+    container of tensors only.
+    """
+
+    output_shapes: tuple[tuple[sympy.Expr, ...], ...]
+    output_dtypes: tuple[str, ...]
+    output_bytes: sympy.Expr
+    forward_flops: sympy.Expr
+    backward_flops: sympy.Expr
+    saved_bytes: sympy.Expr
+    param_bytes: int
+    is_tensor: bool
+    forward_bytes_moved: sympy.Expr = sympy.Integer(0)
+    backward_bytes_moved: sympy.Expr = sympy.Integer(0)
+    num_forward_kernels: int = 0
+    num_backward_kernels: int = 0
+
+
+@dataclass
+class _RunState:
+    """Bookkeeping shared by all nodes of one fake run."""
+
+    to_expr: Callable[[Any], sympy.Expr]
+    fakes: dict[int, torch.Tensor]  # id(real parameter/buffer) -> its fake
+    fake_ids: set[int]  # ids of those fakes
+    weight_keys: set[int]  # storage keys of parameters and buffers (never activations)
+    counted_params: set[int] = field(default_factory=set)
+    saved_keys: set[int] = field(default_factory=set)
+    storage_alias: dict[int, int] = field(default_factory=dict)  # clone storage -> original storage
+    keep_alive: list[torch.Tensor] = field(default_factory=list)
+
+    def storage_key(self, tensor: torch.Tensor) -> int:
+        key = int(tensor.untyped_storage()._cdata)
+        while key in self.storage_alias:
+            key = self.storage_alias[key]
+        return key
+
+
+def run_fake(
+    gm: fx.GraphModule,
+    inputs: Sequence[Any],
+    fake_mode: FakeTensorMode,
+    batch_size: Any,
+    to_expr: Callable[[Any], sympy.Expr],
+) -> dict[str, NodeCost]:
+    """Run every node on fakes (batch dim = ``batch_size``) and cost it."""
+    state = _RunState(to_expr=to_expr, fakes={}, fake_ids=set(), weight_keys=set())
+    with fake_mode:
+        _fake_weights(gm, fake_mode, state)
+        env: dict[str, Any] = {}
+        placeholders = iter(inputs)
+        costs: dict[str, NodeCost] = {}
+        for node in gm.graph.nodes:
+            if node.op == "output":
+                continue
+            if node.op == "placeholder":
+                env[node.name] = _fake_input(next(placeholders), batch_size)
+                costs[node.name] = _value_cost(env[node.name], state)
+            elif node.op == "get_attr":
+                env[node.name], costs[node.name] = _run_get_attr(gm, node, state)
+            else:
+                env[node.name], costs[node.name] = _run_node(gm, node, env, state)
+    return costs
+
+
+def _fake_weights(gm: fx.GraphModule, fake_mode: FakeTensorMode, state: _RunState) -> None:
+    tensors = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
+    for _, tensor in tensors:
+        if id(tensor) in state.fakes:
+            continue
+        fake = fake_mode.from_tensor(tensor, static_shapes=True)
+        fake.fake_device = _FAKE_DEVICE  # type: ignore[attr-defined]
+        state.fakes[id(tensor)] = fake
+        state.fake_ids.add(id(fake))
+        state.weight_keys.add(state.storage_key(fake))
+
+
+def _fake_input(value: Any, batch_size: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.dim() == 0:
+        return torch.empty((), dtype=value.dtype, device=_FAKE_DEVICE)
+    return torch.empty((batch_size, *value.shape[1:]), dtype=value.dtype, device=_FAKE_DEVICE)
+
+
+def _run_get_attr(gm: fx.GraphModule, node: fx.Node, state: _RunState) -> tuple[Any, NodeCost]:
+    value = _fetch_attr(gm, str(node.target))
+    param_bytes = 0
+    if isinstance(value, torch.Tensor):
+        param_bytes = _first_use_bytes([value], state)
+        value = state.fakes.get(id(value), value)
+    return value, _value_cost(value, state, param_bytes=param_bytes)
+
+
+def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _first_use_bytes(tensors: Sequence[torch.Tensor], state: _RunState) -> int:
+    """Bytes of the parameters among ``tensors`` not counted at an earlier node (tied weights once)."""
+    total = 0
+    for tensor in tensors:
+        if isinstance(tensor, torch.nn.Parameter) and id(tensor) not in state.counted_params:
+            state.counted_params.add(id(tensor))
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _run_node(gm: fx.GraphModule, node: fx.Node, env: dict[str, Any], state: _RunState) -> tuple[Any, NodeCost]:
+    """Run one call node on detached local copies of its inputs; count forward, saved and backward."""
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda arg: env[arg.name])
+    leaves: list[torch.Tensor] = []
+    args, kwargs = tree_map(lambda value: _local_copy(value, state, leaves), (args, kwargs))
+    call, weights, param_bytes = _callable(gm, node, state)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(_pack_into(saved), lambda tensor: tensor):
+        with count_ops() as forward:
+            output = call(*args, **kwargs)
+    backward = _run_backward(output, leaves + weights)
+    state.keep_alive.extend(saved)
+    cost = _value_cost(output, state, param_bytes=param_bytes, forward=forward, backward=backward)
+    saved_bytes = _saved_bytes(saved, state)
+    return output, dataclasses.replace(cost, saved_bytes=saved_bytes)
+
+
+def _local_copy(value: Any, state: _RunState, leaves: list[torch.Tensor]) -> Any:
+    """A non-leaf clone with its own autograd root, so a node's backward stops at its inputs."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if id(value) in state.fake_ids:  # a weight read through get_attr: its own autograd leaf
+        if value.requires_grad:
+            leaves.append(value)
+        return value
+    if not (value.requires_grad and value.is_floating_point()):
+        return value.detach()
+    leaf = value.detach().requires_grad_(True)
+    local = leaf.clone()  # a clone, not the leaf, so in-place ops (ReLU(inplace=True)) are allowed
+    state.storage_alias[int(local.untyped_storage()._cdata)] = state.storage_key(value)
+    state.keep_alive.extend((leaf, local))
+    leaves.append(leaf)
+    return local
+
+
+def _callable(gm: fx.GraphModule, node: fx.Node, state: _RunState) -> tuple[Callable[..., Any], list[torch.Tensor], int]:
+    """The function a node calls, the fake parameters it uses directly, and its first-use param bytes."""
+    if node.op == "call_function":
+        return node.target, [], 0  # type: ignore[return-value]
+    if node.op == "call_method":
+        return lambda self, *args, **kwargs: getattr(self, str(node.target))(*args, **kwargs), [], 0
+    if node.op != "call_module":
+        raise AssertionError(f"node {node.name!r} has unknown op {node.op!r}")
+    module = gm.get_submodule(str(node.target))
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    fake_state = {name: state.fakes[id(tensor)] for name, tensor in named}
+    weights = [fake for name, fake in fake_state.items() if fake.requires_grad]
+    param_bytes = _first_use_bytes([tensor for _, tensor in named], state)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return torch.func.functional_call(module, fake_state, args, kwargs)
+
+    return call, weights, param_bytes
+
+
+def _pack_into(saved: list[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor)
+        return tensor
+
+    return pack
+
+
+def _run_backward(output: Any, grad_inputs: list[torch.Tensor]) -> OpTally:
+    """Count the backward ops autograd runs for this node (gradients of its inputs and parameters)."""
+    outputs = [t for t in _tensor_leaves(output) if t.requires_grad and t.is_floating_point()]
+    targets = [t for t in grad_inputs if t.requires_grad]
+    if not outputs or not targets:
+        return OpTally()
+    grad_outputs = [torch.ones_like(t) for t in outputs]
+    with count_ops() as tally:
+        torch.autograd.grad(outputs, targets, grad_outputs, retain_graph=True, allow_unused=True)
+    return tally
+
+
+def _saved_bytes(saved: Sequence[torch.Tensor], state: _RunState) -> sympy.Expr:
+    total = sympy.Integer(0)
+    for tensor in saved:
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        key = state.storage_key(tensor)
+        if key in state.weight_keys or key in state.saved_keys:
+            continue
+        state.saved_keys.add(key)
+        total += state.to_expr(tensor.untyped_storage().nbytes())
+    return sympy.expand(total)
+
+
+def _tensor_leaves(value: Any) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(value)
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+def _value_cost(
+    value: Any,
+    state: _RunState,
+    *,
+    param_bytes: int = 0,
+    forward: OpTally | None = None,
+    backward: OpTally | None = None,
+) -> NodeCost:
+    forward = forward or OpTally()
+    backward = backward or OpTally()
+    leaves, _ = tree_flatten(value)
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    to_expr = state.to_expr
+    return NodeCost(
+        output_shapes=tuple(tuple(to_expr(size) for size in t.shape) for t in tensors),
+        output_dtypes=tuple(str(t.dtype).removeprefix("torch.") for t in tensors),
+        output_bytes=sympy.expand(sum((to_expr(t.numel()) * t.element_size() for t in tensors), sympy.Integer(0))),
+        forward_flops=to_expr(forward.flops),
+        backward_flops=to_expr(backward.flops),
+        saved_bytes=sympy.Integer(0),
+        param_bytes=param_bytes,
+        is_tensor=bool(leaves) and len(tensors) == len(leaves),
+        forward_bytes_moved=to_expr(forward.bytes_moved),
+        backward_bytes_moved=to_expr(backward.bytes_moved),
+        num_forward_kernels=forward.num_kernels,
+        num_backward_kernels=backward.num_kernels,
+    )

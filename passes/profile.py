@@ -1,0 +1,251 @@
+"""Measured per-block forward/backward times on the local device, fitted as affine costs in the batch size."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils._pytree import tree_flatten
+
+from fxpipe.costgraph import Affine
+from fxpipe.passes.costs import module_path
+from fxpipe.passes.subgraph import extract_subgraph
+
+__all__ = ["BlockTime", "MeasuredCosts", "ProfileError", "default_blocks", "measure_costs", "node_values", "run_once", "time_module"]
+
+
+class ProfileError(ValueError):
+    """measure_costs was given blocks, batch sizes or inputs it cannot measure."""
+
+
+@dataclass(frozen=True)
+class BlockTime:
+    """One measured block: its nodes and its forward/backward seconds as ``fixed + per_sample * rows``."""
+
+    name: str
+    node_names: tuple[str, ...]
+    forward_s: Affine
+    backward_s: Affine
+
+
+@dataclass(frozen=True)
+class MeasuredCosts:
+    """Measured block times (consumed by ``to_cost_graph(gm, measured=...)``), in graph order."""
+
+    blocks: tuple[BlockTime, ...]
+    batch_sizes: tuple[int, int]
+    device: str = "cpu"
+
+    def by_name(self) -> dict[str, BlockTime]:
+        return {block.name: block for block in self.blocks}
+
+
+def default_blocks(gm: fx.GraphModule) -> list[tuple[str, ...]]:
+    """Runs of consecutive nodes sharing a layer path: the module path cut after its first list index.
+
+    ``transformer.h.3.attn.c_attn`` belongs to layer ``transformer.h.3``; a path without an index
+    keeps its first component (``transformer.wte`` -> ``transformer``); top-level nodes (path "")
+    and ``get_attr`` nodes join the run they appear in.
+    """
+    runs: list[tuple[str, list[str]]] = []
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        key = _layer_key(module_path(node))
+        if runs and (key == "" or node.op == "get_attr" or key == runs[-1][0]):
+            runs[-1][1].append(node.name)
+        else:
+            runs.append((key, [node.name]))
+    return [tuple(names) for _, names in runs]
+
+
+def _layer_key(path: str) -> str:
+    parts = path.split(".") if path else []
+    for index, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: index + 1])
+    return parts[0] if parts else ""
+
+
+def measure_costs(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    blocks: Sequence[Sequence[str]] | None = None,
+    batch_sizes: tuple[int, int] = (2, 8),
+    warmup: int = 2,
+    repeats: int = 5,
+) -> MeasuredCosts:
+    """Time forward and backward of every block on its own (median of ``repeats`` after ``warmup``).
+
+    Each block becomes a GraphModule (``extract_subgraph``) fed the real values the full graph
+    computes at that batch size; the two batch sizes give an affine fit per block. The harness's
+    own cost (``harness_overhead``) is subtracted from every block. Parameter
+    ``.grad`` fields are restored afterwards, so ``gm`` is left as it was.
+    """
+    block_lists = [tuple(block) for block in (blocks if blocks is not None else default_blocks(gm))]
+    _check_arguments(gm, block_lists, batch_sizes, repeats)
+    saved_grads = {id(p): p.grad for p in gm.parameters()}
+    try:
+        timings = _time_blocks(gm, example_inputs, block_lists, batch_sizes, warmup, repeats)
+    finally:
+        for parameter in gm.parameters():
+            parameter.grad = saved_grads[id(parameter)]
+    names = _block_names(gm, block_lists)
+    return MeasuredCosts(
+        blocks=tuple(
+            BlockTime(
+                name=name,
+                node_names=block,
+                forward_s=_fit(batch_sizes, timings[0][index][0], timings[1][index][0]),
+                backward_s=_fit(batch_sizes, timings[0][index][1], timings[1][index][1]),
+            )
+            for index, (name, block) in enumerate(zip(names, block_lists, strict=True))
+        ),
+        batch_sizes=(int(batch_sizes[0]), int(batch_sizes[1])),
+        device="cpu",
+    )
+
+
+def _check_arguments(
+    gm: fx.GraphModule, blocks: Sequence[tuple[str, ...]], batch_sizes: tuple[int, int], repeats: int
+) -> None:
+    if len(batch_sizes) != 2 or batch_sizes[0] == batch_sizes[1] or min(batch_sizes) < 1:
+        raise ProfileError(f"batch_sizes must be two different positive sizes such as (2, 8); got {batch_sizes}")
+    if repeats < 1:
+        raise ProfileError(f"repeats must be at least 1; got {repeats}")
+    known = {node.name for node in gm.graph.nodes if node.op not in ("placeholder", "output")}
+    unknown = sorted({name for block in blocks for name in block} - known)
+    if unknown or any(not block for block in blocks):
+        raise ProfileError(
+            f"blocks name unknown nodes {unknown[:5]} or are empty; use node names of gm (see default_blocks(gm))"
+        )
+
+
+def _block_names(gm: fx.GraphModule, blocks: Sequence[tuple[str, ...]]) -> list[str]:
+    nodes = {node.name: node for node in gm.graph.nodes}
+    names: list[str] = []
+    for block in blocks:
+        base = _layer_key(module_path(nodes[block[0]])) or block[0]
+        name, suffix = base, 1
+        while name in names:
+            suffix += 1
+            name = f"{base}#{suffix}"
+        names.append(name)
+    return names
+
+
+def _fit(batch_sizes: tuple[int, int], low_s: float, high_s: float) -> Affine:
+    """The line through two (rows, seconds) points, kept non-negative (noise can tilt it)."""
+    (low_rows, low_t), (high_rows, high_t) = sorted(zip(batch_sizes, (low_s, high_s), strict=True))
+    per_sample = (high_t - low_t) / (high_rows - low_rows)
+    if per_sample < 0:
+        return Affine((low_t + high_t) / 2, 0.0)
+    fixed = low_t - per_sample * low_rows
+    if fixed < 0:
+        return Affine(0.0, high_t / high_rows)
+    return Affine(fixed, per_sample)
+
+
+def resize_batch(value: Any, rows: int) -> Any:
+    """``value`` with dim 0 cycled or cut to ``rows`` rows (non-tensors and scalars unchanged)."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    index = torch.arange(rows) % value.shape[0]
+    return value.index_select(0, index.to(value.device))
+
+
+def _time_blocks(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    blocks: Sequence[tuple[str, ...]],
+    batch_sizes: tuple[int, int],
+    warmup: int,
+    repeats: int,
+) -> list[list[tuple[float, float]]]:
+    """Median (forward, backward) seconds per batch size and block, harness overhead subtracted.
+
+    Repeats go round-robin over all (batch size, block) pairs, so a burst of load from other
+    processes on a shared machine spoils one sample of many blocks, not all samples of a few.
+    """
+    runs: list[tuple[torch.nn.Module, list[Any]]] = []
+    for rows in batch_sizes:
+        values = node_values(gm, [resize_batch(value, rows) for value in example_inputs])
+        for block in blocks:
+            sub = extract_subgraph(gm, block)
+            runs.append((sub.module, [_block_input(values[name]) for name in sub.input_names]))
+    samples: list[list[tuple[float, float]]] = [[] for _ in runs]
+    for iteration in range(warmup + repeats):
+        for index, (module, args) in enumerate(runs):
+            sample = run_once(module, args)
+            if iteration >= warmup:
+                samples[index].append(sample)
+    overhead = harness_overhead(warmup=warmup, repeats=repeats)
+    medians = [
+        (
+            max(statistics.median(f for f, _ in block_samples) - overhead[0], 0.0),
+            max(statistics.median(b for _, b in block_samples) - overhead[1], 0.0),
+        )
+        for block_samples in samples
+    ]
+    return [medians[: len(blocks)], medians[len(blocks) :]]
+
+
+class _Identity(torch.nn.Module):
+    def forward(self, value: torch.Tensor) -> torch.Tensor:
+        return value.view_as(value)
+
+
+def harness_overhead(*, warmup: int = 2, repeats: int = 5) -> tuple[float, float]:
+    """Forward/backward seconds of an empty block: the module call and autograd start-up per block.
+
+    A block run on its own pays this once; a stage running many blocks pays it once in all, so
+    it is subtracted from every block's measurement.
+    """
+    module = fx.symbolic_trace(_Identity())
+    return time_module(module, [torch.zeros(1, requires_grad=True)], warmup=warmup, repeats=max(repeats, 9))
+
+
+def node_values(gm: fx.GraphModule, inputs: Sequence[Any]) -> dict[str, Any]:
+    """Every node's value on one real forward (with autograd on, so requires_grad is as in training)."""
+    values: dict[str, Any] = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, node: fx.Node) -> Any:
+            values[node.name] = result = super().run_node(node)
+            return result
+
+    Recorder(gm).run(*inputs)
+    return values
+
+
+def _block_input(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+        return value.detach().requires_grad_(value.requires_grad)
+    return value
+
+
+def run_once(module: torch.nn.Module, args: Sequence[Any]) -> tuple[float, float]:
+    """Forward and backward seconds of one ``module(*args)`` (backward of all its outputs needing grad)."""
+    for tensor in [*module.parameters(), *(a for a in args if isinstance(a, torch.Tensor))]:
+        tensor.grad = None
+    start = time.perf_counter()
+    output = module(*args)
+    forward_s = time.perf_counter() - start
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    grads = [torch.ones_like(t) for t in tensors]
+    start = time.perf_counter()
+    if tensors:
+        torch.autograd.backward(tensors, grads)
+    return forward_s, time.perf_counter() - start
+
+
+def time_module(module: torch.nn.Module, args: Sequence[Any], *, warmup: int = 2, repeats: int = 5) -> tuple[float, float]:
+    """Median forward and backward seconds of ``module(*args)`` over ``repeats`` after ``warmup`` runs."""
+    samples = [run_once(module, args) for _ in range(warmup + repeats)][warmup:]
+    return statistics.median(f for f, _ in samples), statistics.median(b for _, b in samples)
