@@ -10,9 +10,8 @@ import socket
 import statistics
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -21,6 +20,7 @@ import torch.distributed as dist
 from torch import fx
 
 from fxpipe.plan import Plan, StagePlan
+from fxpipe.runtime.measure import SavedActivationMeter
 
 BENCH_MODEL = "gpt-mini"
 
@@ -135,66 +135,8 @@ def layer_cut_plan(gm: fx.GraphModule, num_stages: int, global_batch_size: int, 
 # ---- activation memory: bytes autograd saves for backward ---------------------------------------------
 
 
-@dataclass
-class ActivationMeter:
-    """Counts the bytes autograd holds for backward, as unique storages alive at once; keeps the peak.
-
-    Inside :meth:`measure`, every tensor autograd saves passes through a pack hook that wraps it in a
-    handle; the handle lives exactly as long as autograd keeps the saved value (it is released when
-    backward consumes it or the graph is freed). A storage counts once however many saved tensors view
-    it; parameters (and anything in ``excluded`` storages) are not activations and are skipped.
-    """
-
-    excluded: set[int] = field(default_factory=set)
-    live_bytes: int = 0
-    peak_bytes: int = 0
-    _refs: dict[int, list[int]] = field(default_factory=dict)  # storage pointer -> [handle count, nbytes]
-
-    @classmethod
-    def for_parameters(cls, parameters: Iterator[torch.nn.Parameter] | Sequence[torch.nn.Parameter]) -> ActivationMeter:
-        return cls(excluded={p.untyped_storage().data_ptr() for p in parameters})
-
-    def _pack(self, tensor: torch.Tensor) -> Any:
-        key = tensor.untyped_storage().data_ptr()
-        if key in self.excluded or tensor.device.type == "meta":
-            return tensor
-        entry = self._refs.get(key)
-        if entry is None:
-            entry = self._refs[key] = [0, tensor.untyped_storage().nbytes()]
-            self.live_bytes += entry[1]
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        entry[0] += 1
-        # detach: a saved output holding its own grad_fn would make a reference cycle that outlives backward
-        return _SavedHandle(tensor.detach(), key, self)
-
-    def _release(self, key: int) -> None:
-        entry = self._refs[key]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.live_bytes -= entry[1]
-            del self._refs[key]
-
-    @staticmethod
-    def _unpack(packed: Any) -> torch.Tensor:
-        return packed.tensor if isinstance(packed, _SavedHandle) else packed
-
-    @contextmanager
-    def measure(self) -> Iterator[ActivationMeter]:
-        """Hooks on for the block; the peak covers everything saved inside it."""
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            yield self
-
-
-class _SavedHandle:
-    """A saved tensor as autograd stores it; dropping the last handle of a storage frees its bytes."""
-
-    __slots__ = ("tensor", "key", "meter")
-
-    def __init__(self, tensor: torch.Tensor, key: int, meter: ActivationMeter) -> None:
-        self.tensor, self.key, self.meter = tensor, key, meter
-
-    def __del__(self) -> None:
-        self.meter._release(self.key)
+# One meter serves the runtime's --measure and both sides of every benchmark.
+ActivationMeter = SavedActivationMeter
 
 
 # ---- timing and reporting -----------------------------------------------------------------------------

@@ -56,9 +56,28 @@ def _single_process_checks(rank: int, world_size: int, store_dir: str) -> dict[s
     missing = _outcome(lambda: fxpipe.compile(_mlp()[0], _mlp()[1], global_batch_size=BATCH, plan=_plan((1,))))
     wrong_batch = _outcome(lambda: fxpipe.compile(_mlp()[0], _mlp()[1], loss_fn=ENTRY.loss_fn,
                                                   global_batch_size=BATCH + 1, plan=_plan((1,))))
+    measured = _measured_step(pipe, reference, inputs, targets)
     return {"loss": loss, "expected": expected.item(), "grads_match": grads_match, "schedule": pipe.plan.schedule,
+            "measured": measured,
             "names": sorted(pipe.state_dict()), "model_names": sorted(reference.state_dict()),
             "missing_loss": missing, "batch_mismatch": wrong_batch, "name": build.__name__}
+
+
+def _measured_step(pipe: Any, reference: torch.nn.Module, inputs: Any, targets: Any) -> dict[str, Any]:
+    """A measured GPipe step (M=2) holds both half micro-batches at once: the eager whole-batch saved bytes."""
+    from fxpipe.runtime.measure import SavedActivationMeter
+    from fxpipe.schedule import lower, make_schedule
+
+    pipe.measure = True
+    pipe.step(inputs, targets)
+    (stats,) = pipe.step_stats()
+    meter = SavedActivationMeter.for_parameters(reference.parameters())
+    with meter.measure():
+        ENTRY.loss_fn(reference(*inputs), targets).backward()
+    plan = pipe.plan
+    num_actions = len(lower(make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches))[0])
+    return {"peak": stats.peak_activation_bytes, "eager_peak": meter.peak_bytes, "num_events": len(stats.events),
+            "num_actions": num_actions, "ops": sorted({event.op for event in stats.events})}
 
 
 def test_decorated_factory_trains_one_process_exactly(tmp_path: Any) -> None:
@@ -69,6 +88,10 @@ def test_decorated_factory_trains_one_process_exactly(tmp_path: Any) -> None:
     assert result["names"] == result["model_names"]
     assert result["missing_loss"][0] == "PipelineSetupError" and "loss_fn" in result["missing_loss"][1]
     assert result["batch_mismatch"][0] == "PipelineSetupError" and "global_batch_size" in result["batch_mismatch"][1]
+    measured = result["measured"]
+    assert measured["eager_peak"] > 0
+    assert 0.9 * measured["eager_peak"] <= measured["peak"] <= 1.1 * measured["eager_peak"], measured
+    assert measured["num_events"] == measured["num_actions"] and measured["ops"] == ["AR", "B", "F"]
 
 
 def _error_cases(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:

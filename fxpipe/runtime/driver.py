@@ -176,10 +176,10 @@ class PipelineDriver:
                        handlers: dict[Op, Callable[[_StepState, int], None]]) -> float:
         """The same step with a timeline of every action and exact saved-activation bytes (StepStats)."""
         if self._meter is None:
-            self._meter = SavedActivationMeter(p for _, p in self.runner.parameters())
+            self._meter = SavedActivationMeter.for_parameters(p for _, p in self.runner.parameters())
         self._meter.reset_peak()
         timer = ActionTimer(self.rank, self.stage_index, synchronize=self.context.device.type == "cuda")
-        with self._meter.installed():
+        with self._meter.measure():
             for action in self.actions:
                 started = timer.start()
                 if action.op is Op.ALLREDUCE:

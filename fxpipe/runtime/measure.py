@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -13,68 +14,69 @@ from fxpipe.schedule import Action
 from fxpipe.simulate import TimelineEvent
 
 
+@dataclass
 class SavedActivationMeter:
-    """Counts the bytes autograd holds for backward, exactly, while installed as saved-tensor hooks.
+    """Counts the bytes autograd holds for backward, exactly, as unique storages alive at once; keeps the peak.
 
-    Every saved tensor is packed into a small holder; the holder is freed when autograd drops
-    it (after the backward that used it), which decrements the live count. Storages saved
-    several times count once; parameters count as weights, not activations.
+    Inside :meth:`measure`, every tensor autograd saves passes through a pack hook that wraps it in
+    a handle; the handle lives exactly as long as autograd keeps the saved value (released when
+    backward consumes it or the graph is freed). A storage counts once however many saved tensors
+    view it; parameters (``excluded`` storages) are weights, not activations.
     """
 
-    def __init__(self, parameters: Iterable[torch.Tensor]) -> None:
-        self._weights = {_storage_key(p) for p in parameters}
-        self._live: dict[tuple[int, int], list[int]] = {}  # storage -> [holders alive, nbytes]
-        self.live_bytes = 0
-        self.peak_bytes = 0
+    excluded: set[int] = field(default_factory=set)
+    live_bytes: int = 0
+    peak_bytes: int = 0
+    _refs: dict[int, list[int]] = field(default_factory=dict)  # storage pointer -> [handles alive, nbytes]
+
+    @classmethod
+    def for_parameters(cls, parameters: Iterable[torch.Tensor]) -> SavedActivationMeter:
+        return cls(excluded={p.untyped_storage().data_ptr() for p in parameters})
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
 
-    def _pack(self, tensor: torch.Tensor) -> _Held:
-        key = _storage_key(tensor)
-        if key in self._weights:
-            return _Held(tensor, None, self)
-        entry = self._live.get(key)
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        key = tensor.untyped_storage().data_ptr()
+        if key in self.excluded or tensor.device.type == "meta":
+            return tensor
+        entry = self._refs.get(key)
         if entry is None:
-            nbytes = tensor.untyped_storage().nbytes()
-            self._live[key] = [1, nbytes]
-            self.live_bytes += nbytes
+            entry = self._refs[key] = [0, tensor.untyped_storage().nbytes()]
+            self.live_bytes += entry[1]
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        else:
-            entry[0] += 1
-        return _Held(tensor, key, self)
+        entry[0] += 1
+        # detach: a saved output holding its own grad_fn would make a reference cycle that outlives backward
+        return _SavedHandle(tensor.detach(), key, self)
 
-    def _release(self, key: tuple[int, int]) -> None:
-        entry = self._live[key]
+    def _release(self, key: int) -> None:
+        entry = self._refs[key]
         entry[0] -= 1
         if entry[0] == 0:
             self.live_bytes -= entry[1]
-            del self._live[key]
+            del self._refs[key]
+
+    @staticmethod
+    def _unpack(packed: Any) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _SavedHandle) else packed
 
     @contextmanager
-    def installed(self) -> Iterator[SavedActivationMeter]:
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+    def measure(self) -> Iterator[SavedActivationMeter]:
+        """Hooks on for the block; the peak covers everything saved inside it."""
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield self
 
 
-class _Held:
+class _SavedHandle:
+    """A saved tensor as autograd stores it; dropping the last handle of a storage frees its bytes."""
+
     __slots__ = ("tensor", "key", "meter")
 
-    def __init__(self, tensor: torch.Tensor, key: tuple[int, int] | None, meter: SavedActivationMeter) -> None:
+    def __init__(self, tensor: torch.Tensor, key: int, meter: SavedActivationMeter) -> None:
         self.tensor, self.key, self.meter = tensor, key, meter
 
     def __del__(self) -> None:
-        if self.key is not None:
-            self.meter._release(self.key)
-
-
-def _unpack(held: _Held) -> torch.Tensor:
-    return held.tensor
-
-
-def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
-    storage = tensor.untyped_storage()
-    return (storage.data_ptr(), storage.nbytes()) if storage.nbytes() else (id(storage), 0)
+        self.meter._release(self.key)
 
 
 @dataclass(frozen=True)
