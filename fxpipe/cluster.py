@@ -7,9 +7,12 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
-from decimal import Decimal
 from pathlib import Path
 from typing import Any
+
+# ClusterSpecError is re-exported: callers import it from fxpipe.cluster.
+from fxpipe.cluster_spec import COUNT_DIGITS, check_bound, json_field, quantity, spec_error
+from fxpipe.cluster_spec import ClusterSpecError as ClusterSpecError
 
 CLUSTER_FORMAT_VERSION = 1
 GiB = 1024**3
@@ -128,50 +131,52 @@ class Cluster:
     @staticmethod
     def load(path: str | Path) -> Cluster:
         try:
-            return _cluster_from_json(json.loads(Path(path).read_text()))
-        except json.JSONDecodeError as error:
+            text = Path(path).read_text()
+        except (OSError, UnicodeDecodeError) as error:
+            raise ClusterSpecError(f"cannot read cluster file {str(path)!r} as text: {error}") from error
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as error:  # JSONDecodeError, an int of too many digits, deep nesting
             raise ClusterSpecError(f"cluster file {str(path)!r} is not valid JSON: {error}") from error
-
-
-class ClusterSpecError(ValueError):
-    """A cluster spec string or cluster JSON file is malformed."""
-
-
-def _require(data: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
-    if not isinstance(data, dict) or key not in data or not isinstance(data[key], kind):
-        raise ClusterSpecError(f"cluster JSON: {where} needs key {key!r} of type {kind}; got {data!r:.200}")
-    return data[key]
+        return _cluster_from_json(data)
 
 
 def _link_from_json(data: Any, where: str) -> LinkSpec:
     return LinkSpec(
-        bandwidth_bytes_per_s=float(_require(data, "bandwidth_bytes_per_s", (int, float), where)),
-        latency_s=float(_require(data, "latency_s", (int, float), where)),
+        bandwidth_bytes_per_s=json_field(data, "bandwidth_bytes_per_s", float, where, "positive"),
+        latency_s=json_field(data, "latency_s", float, where, "non-negative"),
+    )
+
+
+def _device_from_json(data: Any) -> DeviceSpec:
+    flops = json_field(data, "peak_flops", dict[str, float], "device")
+    for dtype, rate in flops.items():
+        check_bound(rate, f"device.peak_flops[{dtype!r}]", "positive")
+    return DeviceSpec(
+        name=json_field(data, "name", str, "device"),
+        memory_bytes=json_field(data, "memory_bytes", int, "device", "non-negative"),
+        peak_flops=tuple(sorted(flops.items())),
+        memory_bandwidth_bytes_per_s=json_field(data, "memory_bandwidth_bytes_per_s", float, "device", "positive"),
+        kernel_launch_s=json_field(data, "kernel_launch_s", float, "device", "non-negative"),
     )
 
 
 def _cluster_from_json(data: Any) -> Cluster:
-    version = _require(data, "format_version", int, "the top level")
+    """A Cluster from :meth:`Cluster.to_json` output; every field is checked (ClusterSpecError names it)."""
+    version = json_field(data, "format_version", int)
     if version != CLUSTER_FORMAT_VERSION:
         raise ClusterSpecError(f"cluster JSON format_version {version} is unknown; expected {CLUSTER_FORMAT_VERSION}")
-    device = _require(data, "device", dict, "the top level")
-    flops = _require(device, "peak_flops", dict, "device")
-    collective = data.get("inter_host_collective")
+    has_collective = data.get("inter_host_collective") is not None
     return Cluster(
-        name=_require(data, "name", str, "the top level"),
-        num_hosts=_require(data, "num_hosts", int, "the top level"),
-        devices_per_host=_require(data, "devices_per_host", int, "the top level"),
-        device=DeviceSpec(
-            name=_require(device, "name", str, "device"),
-            memory_bytes=int(_require(device, "memory_bytes", (int, float), "device")),
-            peak_flops=tuple(sorted((str(k), float(v)) for k, v in flops.items())),
-            memory_bandwidth_bytes_per_s=float(_require(device, "memory_bandwidth_bytes_per_s", (int, float), "device")),
-            kernel_launch_s=float(_require(device, "kernel_launch_s", (int, float), "device")),
-        ),
-        intra_host=_link_from_json(data.get("intra_host"), "intra_host"),
-        inter_host=_link_from_json(data.get("inter_host"), "inter_host"),
-        inter_host_collective=None if collective is None else _link_from_json(collective, "inter_host_collective"),
-        description=str(data.get("description", "")),
+        device=_device_from_json(json_field(data, "device", dict)),
+        name=json_field(data, "name", str),
+        num_hosts=json_field(data, "num_hosts", int, "", "positive"),
+        devices_per_host=json_field(data, "devices_per_host", int, "", "positive"),
+        intra_host=_link_from_json(json_field(data, "intra_host", dict), "intra_host"),
+        inter_host=_link_from_json(json_field(data, "inter_host", dict), "inter_host"),
+        inter_host_collective=_link_from_json(data["inter_host_collective"], "inter_host_collective")
+        if has_collective else None,
+        description=json_field(data, "description", str) if "description" in data else "",
     )
 
 
@@ -349,93 +354,61 @@ def dgx_h100_cluster(num_nodes: int = 1) -> Cluster:
     return compact_cluster(num_nodes, 8, "h100", name=f"dgx-h100:{num_nodes}")
 
 
-PRESET_NAMES = ("dapple-a", "dapple-b", "dapple-c", "dgx-h100[:NODES]", "local[:RANKS]")
-
-_GRAMMAR = """cluster spec grammar:
-  SPEC     := BASE ("," OVERRIDE)*
-  BASE     := PRESET | HOSTS "x" DEVICES ":" KIND | PATH.json
-  PRESET   := dapple-a | dapple-b | dapple-c | dgx-h100[:NODES] | local[:RANKS]
-  KIND     := v100 | a100 | h100 | h200 | cpu
-  OVERRIDE := (intra | inter | collective) "=" BANDWIDTH ["@" LATENCY]
-            | memory "=" SIZE
-  BANDWIDTH: number + GB/s, MB/s, GiB/s, MiB/s, Gb/s, Gbps, Mb/s, Mbps, B/s
-  LATENCY  : number + s, ms, us, ns          SIZE: number + GB, GiB, MB, MiB, B
-  examples : dapple-a   4x8:h100   4x8:h100,intra=450GB/s,inter=50GB/s@5us   local:4   cluster.json"""
-
-# Decimal scales keep "5us" exactly 5e-6 (float 5 * 1e-6 is not). Bit units end in "bps" or are
-# spelled with a lower-case b ("Gb/s"); "GB/s" and "gb/s" are bytes.
-_D = Decimal
-_BANDWIDTH_UNITS = {"b/s": _D(1), "kb/s": _D("1e3"), "mb/s": _D("1e6"), "gb/s": _D("1e9"), "tb/s": _D("1e12"),
-                    "kib/s": _D(2**10), "mib/s": _D(2**20), "gib/s": _D(2**30), "bps": _D(1) / 8,
-                    "kbps": _D("1e3") / 8, "mbps": _D("1e6") / 8, "gbps": _D("1e9") / 8, "tbps": _D("1e12") / 8}
-_BIT_UNITS = {"Kb/s": _D("1e3") / 8, "Mb/s": _D("1e6") / 8, "Gb/s": _D("1e9") / 8, "Tb/s": _D("1e12") / 8}
-_TIME_UNITS = {"s": _D(1), "ms": _D("1e-3"), "us": _D("1e-6"), "ns": _D("1e-9")}
-_SIZE_UNITS = {"b": _D(1), "kb": _D("1e3"), "mb": _D("1e6"), "gb": _D("1e9"), "tb": _D("1e12"), "kib": _D(2**10),
-               "mib": _D(2**20), "gib": _D(2**30), "tib": _D(2**40)}
-_NUMBER_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z/]+)\s*$", re.IGNORECASE)
-
-
-def _spec_error(spec: str, part: str, why: str) -> ClusterSpecError:
-    return ClusterSpecError(f"bad cluster spec {spec!r}: {part!r} {why}\n{_GRAMMAR}\npresets: {', '.join(PRESET_NAMES)}")
-
-
-def _quantity(spec: str, part: str, text: str, units: dict[str, Decimal], what: str) -> float:
-    match = _NUMBER_UNIT.match(text)
-    if not match:
-        raise _spec_error(spec, part, f"needs a {what} like 12GB/s (number then unit)")
-    number, unit = Decimal(match.group(1)), match.group(2)
-    scale = (_BIT_UNITS.get(unit) if units is _BANDWIDTH_UNITS else None) or units.get(unit.lower())
-    if scale is None or (number <= 0 and what != "latency"):
-        raise _spec_error(spec, part, f"has an unknown {what} unit {unit!r} (or a non-positive value); "
-                                      f"units: {', '.join(units)}")
-    return float(number * scale)
-
-
 def _parse_base(spec: str, base: str, calibrate: bool | None) -> Cluster:
     key = base.strip().lower()
     if key in ("dapple-a", "dapple-b", "dapple-c"):
         return dapple_cluster(key[-1])
-    preset_count = re.fullmatch(r"(dgx-h100|local)(?::([0-9]+))?", key)
+    preset_count = re.fullmatch(rf"(dgx-h100|local)(?::([0-9]{{1,{COUNT_DIGITS}}}))?", key)
     if preset_count:
         count = int(preset_count.group(2)) if preset_count.group(2) else None
         if count == 0:
-            raise _spec_error(spec, base, "needs a count of at least 1")
+            raise spec_error(spec, base, "needs a count of at least 1")
         if preset_count.group(1) == "dgx-h100":
             return dgx_h100_cluster(count or 1)
         return local_cluster(count, calibrate=calibrate)
-    compact = re.fullmatch(r"([0-9]+)x([0-9]+):([a-z0-9-]+)", key)
+    compact = re.fullmatch(rf"([0-9]{{1,{COUNT_DIGITS}}})x([0-9]{{1,{COUNT_DIGITS}}}):([a-z0-9-]+)", key)
     if compact:
         hosts, devices = int(compact.group(1)), int(compact.group(2))
         if hosts < 1 or devices < 1:
-            raise _spec_error(spec, base, "needs at least 1 host and 1 device per host")
+            raise spec_error(spec, base, "needs at least 1 host and 1 device per host")
         try:
             return compact_cluster(hosts, devices, compact.group(3))
         except ClusterSpecError as error:
-            raise _spec_error(spec, base, str(error)) from None
-    if key.endswith(".json") or Path(base.strip()).is_file():
-        path = Path(base.strip()).expanduser()
-        if not path.is_file():
-            raise _spec_error(spec, base, "looks like a JSON file path but no such file exists")
+            raise spec_error(spec, base, str(error)) from None
+    path = _existing_file(base.strip())
+    if path is not None:
         return Cluster.load(path)
-    raise _spec_error(spec, base, "is not a preset, a HOSTSxDEVICES:KIND spec or a JSON file")
+    if key.endswith(".json"):
+        raise spec_error(spec, base, "looks like a JSON file path but no such file exists")
+    raise spec_error(spec, base, "is not a preset, a HOSTSxDEVICES:KIND spec or a JSON file "
+                                 f"(counts have at most {COUNT_DIGITS} digits)")
+
+
+def _existing_file(text: str) -> Path | None:
+    """The file ``text`` names (``~`` expanded), or None when there is no such file."""
+    try:
+        path = Path(text).expanduser()
+        return path if path.is_file() else None
+    except (OSError, RuntimeError):  # a name too long for the file system, an unknown ~user
+        return None
 
 
 def _apply_override(spec: str, cluster: Cluster, part: str) -> Cluster:
     key, sep, value = part.partition("=")
     key = key.strip().lower()
     if not sep or not value.strip():
-        raise _spec_error(spec, part, "is not KEY=VALUE")
+        raise spec_error(spec, part, "is not KEY=VALUE")
     if key == "memory":
-        memory = int(_quantity(spec, part, value, _SIZE_UNITS, "size"))
+        memory = int(quantity(spec, part, value, "size"))
         return replace(cluster, device=replace(cluster.device, memory_bytes=memory))
     fields = {"intra": "intra_host", "inter": "inter_host", "collective": "inter_host_collective"}
     if key not in fields:
-        raise _spec_error(spec, part, f"has an unknown key {key!r}; keys: intra, inter, collective, memory")
+        raise spec_error(spec, part, f"has an unknown key {key!r}; keys: intra, inter, collective, memory")
     bandwidth_text, _, latency_text = value.partition("@")
     current = getattr(cluster, fields[key]) or cluster.inter_host
     link = LinkSpec(
-        _quantity(spec, part, bandwidth_text, _BANDWIDTH_UNITS, "bandwidth"),
-        _quantity(spec, part, latency_text, _TIME_UNITS, "latency") if latency_text else current.latency_s,
+        quantity(spec, part, bandwidth_text, "bandwidth"),
+        quantity(spec, part, latency_text, "latency") if latency_text else current.latency_s,
     )
     if key == "intra":
         updated = replace(cluster, intra_host=link)
@@ -456,7 +429,7 @@ def parse_cluster(spec: str, *, calibrate: bool | None = None) -> Cluster:
     Malformed specs raise :class:`ClusterSpecError` quoting the bad part and the grammar.
     """
     if not isinstance(spec, str) or not spec.strip():
-        raise _spec_error(str(spec), str(spec), "is empty")
+        raise spec_error(str(spec), str(spec), "is empty")
     base, *overrides = spec.split(",")
     cluster = _parse_base(spec, base, calibrate)
     for part in overrides:

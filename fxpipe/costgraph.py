@@ -7,6 +7,8 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from fxpipe.jsonvalues import JSONValueError, conform
+
 
 @dataclass(frozen=True)
 class Affine:
@@ -43,13 +45,13 @@ class Affine:
 
     @staticmethod
     def from_json(value: object) -> Affine:
-        if (
-            not isinstance(value, list | tuple)
-            or len(value) != 2
-            or not all(isinstance(v, int | float) for v in value)
-        ):
-            raise ValueError(f"an Affine cost is [fixed, per_sample]; got {value!r}")
-        return Affine(float(value[0]), float(value[1]))
+        """``[fixed, per_sample]``: two finite numbers (not NaN, inf or a bool); ValueError otherwise."""
+        try:
+            fixed, per_sample = conform(value, tuple[float, float])
+        except JSONValueError:
+            raise ValueError(f"an Affine cost is [fixed, per_sample]; got {value!r:.80}; use two finite "
+                             "numbers (not nan, inf or a bool)") from None
+        return Affine(fixed, per_sample)
 
 
 ZERO = Affine()

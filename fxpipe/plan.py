@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from fxpipe.jsonvalues import JSONValueError, field_hints, read_field
 
 FORMAT_VERSION = 1
 SCHEDULES = ("early_backward", "gpipe")
@@ -145,7 +147,7 @@ class Plan:
     def from_json(text: str) -> Plan:
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as error:
+        except (ValueError, RecursionError) as error:  # JSONDecodeError, an int of too many digits, deep nesting
             raise PlanError(f"plan file is not JSON: {error}") from error
         return plan_from_dict(data)
 
@@ -153,7 +155,7 @@ class Plan:
     def load(path: str | Path) -> Plan:
         try:
             text = Path(path).read_text()
-        except OSError as error:
+        except (OSError, UnicodeDecodeError) as error:
             raise PlanError(f"cannot read plan file {str(path)!r}: {error}") from error
         return Plan.from_json(text)
 
@@ -168,19 +170,20 @@ def layout_string(replicas: tuple[int, ...]) -> str:
     return ":".join(str(r) for r in replicas)
 
 
-def _build(cls: type, data: Mapping[str, Any], where: str) -> Any:
+def _build(cls: type, data: Any, where: str) -> Any:
+    """``cls(**data)`` with every field checked against its annotation (PlanError names ``where.field``)."""
     if not isinstance(data, Mapping):
         raise PlanError(f"{where} must be a JSON object, got {type(data).__name__}")
-    known = {f.name for f in fields(cls)}
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        if key not in known:
-            continue  # derived keys such as "layout" are written for readers, not read back
-        kwargs[key] = tuple(value) if isinstance(value, list) else value
+    hints = field_hints(cls)
+    try:
+        # keys that are not fields (derived ones such as "layout") are written for readers, not read back
+        kwargs = {key: read_field(data, key, hints[key], where) for key in data if key in hints}
+    except JSONValueError as error:
+        raise PlanError(str(error)) from None
     try:
         return cls(**kwargs)
-    except TypeError as error:
-        raise PlanError(f"{where} is missing or has wrong fields: {error}") from error
+    except TypeError as error:  # a required field is missing
+        raise PlanError(f"{where} is missing fields: {error}") from error
 
 
 def plan_from_dict(data: Any) -> Plan:
@@ -192,16 +195,10 @@ def plan_from_dict(data: Any) -> Plan:
     stages_data = data.get("stages")
     if not isinstance(stages_data, list) or not stages_data:
         raise PlanError("plan has no 'stages' list")
-    stages = tuple(
-        _build(StagePlan, {**s, "devices": tuple(s.get("devices", ())) if isinstance(s, Mapping) else ()},
-               f"stages[{i}]")
-        for i, s in enumerate(stages_data)
-    )
+    stages = tuple(_build(StagePlan, s, f"stages[{i}]") for i, s in enumerate(stages_data))
     predicted_data = data.get("predicted")
-    predicted = None
-    if predicted_data is not None:
-        predicted = _build(Prediction, {k: v for k, v in predicted_data.items() if k != "peak_memory_bytes"},
-                           "predicted")
+    # derived "peak_memory_bytes" and "speedup_over_dp" are not Prediction fields: _build skips them
+    predicted = None if predicted_data is None else _build(Prediction, predicted_data, "predicted")
     baselines_data = data.get("baselines") or {}
     if not isinstance(baselines_data, Mapping):
         raise PlanError("plan 'baselines' must be an object keyed by planner name")
@@ -220,10 +217,10 @@ def _check(condition: bool, message: str) -> None:
 
 def validate_plan(plan: Plan) -> None:
     """Check a plan's internal consistency; raises PlanError naming the offending value."""
-    _check(isinstance(plan.global_batch_size, int) and plan.global_batch_size > 0,
-           f"global_batch_size must be a positive integer, got {plan.global_batch_size!r}")
-    _check(isinstance(plan.num_microbatches, int) and plan.num_microbatches > 0,
-           f"num_microbatches must be a positive integer, got {plan.num_microbatches!r}")
+    for name in ("global_batch_size", "num_microbatches"):
+        value = getattr(plan, name)
+        _check(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+               f"{name} must be a positive integer, got {value!r}")
     _check(plan.global_batch_size % plan.num_microbatches == 0,
            f"global batch {plan.global_batch_size} does not split into {plan.num_microbatches} equal "
            "micro-batches; choose a num_microbatches that divides it")
@@ -234,7 +231,7 @@ def validate_plan(plan: Plan) -> None:
     seen_devices: set[int] = set()
     expected_first = 0
     for index, stage in enumerate(plan.stages):
-        _check(stage.stage_index == index, f"stages[{index}] has stage_index {stage.stage_index}")
+        _check(stage.stage_index == index, f"stages[{index}] has stage_index {stage.stage_index!r}; use {index}")
         _check(stage.first_block == expected_first,
                f"stage {index} starts at block {stage.first_block}, expected {expected_first} (stages must be "
                "contiguous and in order)")

@@ -8,6 +8,7 @@ from typing import Any
 
 from fxpipe.cluster import Cluster
 from fxpipe.costgraph import Affine
+from fxpipe.jsonvalues import read_field
 from fxpipe.passes.chain import Block, CostChain
 from fxpipe.plan import Plan, PlanError, plan_from_dict
 
@@ -32,25 +33,26 @@ def chain_to_json(chain: CostChain) -> dict[str, Any]:
     }
 
 
+def _block_from_json(item: Any, where: str) -> Block:
+    return Block(
+        name=read_field(item, "name", str, where),
+        node_names=read_field(item, "node_names", tuple[str, ...], where),
+        forward_s=Affine.from_json(item["forward_s"]),
+        backward_s=Affine.from_json(item["backward_s"]),
+        param_bytes=read_field(item, "param_bytes", int, where),
+        saved_bytes=Affine.from_json(item["saved_bytes"]),
+    )
+
+
 def chain_from_json(data: Any) -> CostChain:
+    """The cost chain of a plan file (:func:`chain_to_json`); PlanError names what is malformed."""
     try:
-        blocks = tuple(
-            Block(
-                name=str(item["name"]),
-                node_names=tuple(str(n) for n in item["node_names"]),
-                forward_s=Affine.from_json(item["forward_s"]),
-                backward_s=Affine.from_json(item["backward_s"]),
-                param_bytes=int(item["param_bytes"]),
-                saved_bytes=Affine.from_json(item["saved_bytes"]),
-            )
-            for item in data["blocks"]
-        )
         return CostChain(
-            blocks=blocks,
+            blocks=tuple(_block_from_json(item, f"cost_chain.blocks[{i}]") for i, item in enumerate(data["blocks"])),
             cut_bytes=tuple(Affine.from_json(cut) for cut in data["cut_bytes"]),
             input_bytes=Affine.from_json(data["input_bytes"]),
             output_bytes=Affine.from_json(data["output_bytes"]),
-            source=str(data.get("source", "")),
+            source=read_field(data, "source", str, "cost_chain") if "source" in data else "",
         )
     except (KeyError, TypeError, ValueError) as error:
         raise PlanError(f"plan file's 'cost_chain' is malformed: {error!r}") from error
@@ -68,9 +70,9 @@ def load_plan_file(path: str | Path) -> tuple[Plan, CostChain | None, Cluster | 
     """Read a plan file; the chain and cluster are None when the file holds only a plan."""
     try:
         data = json.loads(Path(path).read_text())
-    except OSError as error:
+    except (OSError, UnicodeDecodeError) as error:
         raise PlanError(f"cannot read plan file {str(path)!r}: {error}") from error
-    except json.JSONDecodeError as error:
+    except (ValueError, RecursionError) as error:  # JSONDecodeError, an int of too many digits, deep nesting
         raise PlanError(f"plan file {str(path)!r} is not JSON: {error}") from error
     plan = plan_from_dict(data)
     chain = chain_from_json(data["cost_chain"]) if "cost_chain" in data else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,12 +12,13 @@ from fxpipe.costgraph import Affine, CostGraph, CostNode
 
 # node5 -- layer_0 -- forward_compute_time=2.69, backward_compute_time=4.47, activation_size=..., parameter_size=...
 # The label may itself contain " -- ", commas and parentheses, so the metrics are matched from the end.
+# Node ids have at most 9 digits (int() of thousands of digits is refused by Python).
 _NODE_LINE = re.compile(
-    r"^(?P<id>node(?P<number>\d+)) -- (?P<label>.*) -- "
+    r"^(?P<id>node(?P<number>[0-9]{1,9})) -- (?P<label>.*) -- "
     r"forward_compute_time=(?P<forward>[^,]+), backward_compute_time=(?P<backward>[^,]+), "
     r"activation_size=(?P<activation>\[[^\]]*\]|[^,]+), parameter_size=(?P<params>\S+)\s*$"
 )
-_EDGE_LINE = re.compile(r"^\s+(?P<src>node\d+) -- (?P<dst>node\d+)\s*$")
+_EDGE_LINE = re.compile(r"^\s+(?P<src>node[0-9]{1,9}) -- (?P<dst>node[0-9]{1,9})\s*$")
 _MS = 1e-3
 
 
@@ -39,7 +41,7 @@ class _Row:
 
 
 def _error(path: str, line_number: int, line: str, why: str) -> ProfileFormatError:
-    return ProfileFormatError(f"{path}:{line_number}: {why}\n  {line.rstrip()!r}")
+    return ProfileFormatError(f"{path}:{line_number}: {why}\n  {line.rstrip()!r:.200}")
 
 
 def _number(text: str, path: str, line_number: int, line: str, field: str) -> float:
@@ -47,8 +49,12 @@ def _number(text: str, path: str, line_number: int, line: str, field: str) -> fl
         value = float(text)
     except ValueError:
         raise _error(path, line_number, line, f"{field} {text!r} is not a number") from None
-    if not value >= 0 or value == float("inf"):
-        raise _error(path, line_number, line, f"{field} {text!r} must be a finite number >= 0")
+    return _finite(value, text, path, line_number, line, field)
+
+
+def _finite(value: float, text: str, path: str, line_number: int, line: str, field: str) -> float:
+    if not (value >= 0 and math.isfinite(value)):
+        raise _error(path, line_number, line, f"{field} {text!r:.80} must be a finite number >= 0")
     return value
 
 
@@ -56,7 +62,8 @@ def _activation_bytes(text: str, path: str, line_number: int, line: str) -> floa
     """``123`` or ``[a; b; c]`` (several outputs: their sizes add up)."""
     if text.startswith("["):
         parts = [part.strip() for part in text[1:-1].split(";")]
-        return sum(_number(part, path, line_number, line, "activation_size entry") for part in parts)
+        total = sum(_number(part, path, line_number, line, "activation_size entry") for part in parts)
+        return _finite(total, text, path, line_number, line, "activation_size (the sum of its entries)")
     return _number(text, path, line_number, line, "activation_size")
 
 
@@ -88,7 +95,7 @@ def _parse_lines(text: str, path: str) -> tuple[dict[str, _Row], list[tuple[str,
         if not node:
             raise _error(path, line_number, line, "is neither a node line 'nodeN -- label -- forward_compute_time=..., "
                          "backward_compute_time=..., activation_size=..., parameter_size=...' nor an "
-                         "indented edge line 'nodeA -- nodeB'")
+                         "indented edge line 'nodeA -- nodeB' (node ids have at most 9 digits)")
         row = _parse_node(node, path, line_number, line)
         if row.name in rows:
             raise _error(path, line_number, line, f"{row.name} is defined twice (first on line "
@@ -181,5 +188,11 @@ def read_profile(path: str | Path, *, profile_batch_size: int) -> CostGraph:
     names are the file's ids (``node5``); the label goes to ``CostNode.op``. Source nodes (no
     incoming edge) are the model inputs: their output sizes add up to ``input_bytes``.
     """
-    text = Path(path).read_text()
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ProfileFormatError(f"{path}: not a UTF-8 text profile ({error}); give the PipeDream graph.txt "
+                                 "file, not a binary or other encoding") from error
+    except OSError as error:
+        raise ProfileFormatError(f"{path}: cannot read the profile file: {error}") from error
     return parse_profile_text(text, profile_batch_size=profile_batch_size, source=str(path))

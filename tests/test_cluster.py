@@ -161,7 +161,7 @@ def test_local_calibration_reads_its_cache(tmp_path: Path, monkeypatch: pytest.M
     path = calibrate.cache_path()
     assert path.parent == tmp_path and "torch" in path.name
     path.write_text(json.dumps({"version": calibrate.CALIBRATION_VERSION, "figures": figures}))
-    cluster = local_cluster(2)
+    cluster = local_cluster(2, calibrate=True)  # tests/conftest.py turns calibration off by default
     assert cluster.intra_host == LinkSpec(3e9, 4e-5)
     assert cluster.device.flops_per_s("float16") == 1.5e9
     assert cluster.device.kernel_launch_s == 7e-6

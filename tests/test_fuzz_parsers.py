@@ -9,6 +9,7 @@ reproducer XPASSes (a failure under strict xfail): delete the entry here and the
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -46,31 +47,6 @@ T = TypeVar("T")
 Known = tuple[tuple[type[BaseException], str], ...]
 
 # Known escapes (type, message regex); reproducers: tests/test_bad_inputs.py rows named in the comment.
-KNOWN_CLUSTER_SPEC: Known = (
-    (OverflowError, r"cannot convert float infinity to integer"),  # cluster-memory-overflow
-    (ArithmeticError, r"decimal\.Overflow"),  # cluster-bandwidth-decimal-overflow
-    (ValueError, r"a link needs a positive bandwidth"),  # cluster-bandwidth-underflow
-    (ValueError, r"Exceeds the limit \(\d+ digits\) for integer string"),  # test_cluster_spec_with_huge_count
-)
-KNOWN_CLUSTER_JSON: Known = (
-    (ValueError, r"a link needs a positive bandwidth"),  # cluster-json-zero-bandwidth
-    (ValueError, r"needs at least 1 host and 1 device per host"),  # cluster-json-zero-hosts
-    (ValueError, r"could not convert string to float|cannot convert float NaN to integer"),  # ...-non-numeric-flops
-    (TypeError, r"float\(\) argument must be"),  # cluster-json-non-numeric-flops
-    (OverflowError, r"cannot convert float infinity to integer"),  # cluster-json-infinite-memory
-)
-KNOWN_PLAN: Known = (
-    (TypeError, r"object is not a mapping"),  # plan-stage-not-object
-    (AttributeError, r"object has no attribute 'items'"),  # plan-predicted-not-object
-    (TypeError, r"object is not iterable"),  # plan-devices-not-list
-)
-# A plan whose predicted figures are not numbers parses, then to_json() fails: plan-prediction-not-number.
-KNOWN_PLAN_TO_JSON: Known = ((TypeError, r"not supported between instances of"),)
-KNOWN_CHAIN: Known = ((OverflowError, r"cannot convert float infinity to integer"),)  # chain-infinite-param-bytes
-KNOWN_PROFILE: Known = (
-    (CostGraphError, r"has a non-finite"),  # profile-activation-sum-overflows
-    (ValueError, r"Exceeds the limit \(\d+ digits\)"),  # profile-huge-node-id
-)
 KNOWN_LAYOUT: Known = ((ValueError, r"invalid literal for int\(\)"),)  # planner-layout-unicode-digit
 
 
@@ -118,7 +94,7 @@ def mutated(draw: st.DrawFn, valid: Any, num_edits: int = 3) -> Any:
     for _ in range(draw(st.integers(1, num_edits))):
         path = draw(st.sampled_from(_paths(data)))
         if not path:
-            data = draw(json_values | edge_values)
+            data = copy.deepcopy(draw(json_values | edge_values))
             continue
         parent = data
         for key in path[:-1]:
@@ -126,7 +102,7 @@ def mutated(draw: st.DrawFn, valid: Any, num_edits: int = 3) -> Any:
         if draw(st.booleans()) and isinstance(parent, dict):
             del parent[path[-1]]
         else:
-            parent[path[-1]] = draw(edge_values | json_values)
+            parent[path[-1]] = copy.deepcopy(draw(edge_values | json_values))  # never edit a shared [] or {}
     return data
 
 
@@ -277,7 +253,7 @@ def _cluster_round_trips(cluster: Cluster) -> None:
 @FUZZ
 @given(st.text(max_size=40) | cluster_specs())
 def test_parse_cluster_raises_only_cluster_spec_error(spec: str) -> None:
-    cluster = _call(lambda: parse_cluster(spec, calibrate=False), (ClusterSpecError,), KNOWN_CLUSTER_SPEC)
+    cluster = _call(lambda: parse_cluster(spec, calibrate=False), (ClusterSpecError,))
     if cluster is not None:
         assert cluster.num_devices >= 1
         assert cluster.intra_host.bandwidth_bytes_per_s > 0 and cluster.inter_host.bandwidth_bytes_per_s > 0
@@ -287,7 +263,7 @@ def test_parse_cluster_raises_only_cluster_spec_error(spec: str) -> None:
 @FUZZ
 @given(json_values | mutated(compact_cluster(2, 4, "a100").to_json()) | mutated(parse_cluster("dapple-a").to_json()))
 def test_cluster_from_json_raises_only_cluster_spec_error(data: Any) -> None:
-    _call(lambda: Cluster.from_json(data), (ClusterSpecError,), KNOWN_CLUSTER_JSON)
+    _call(lambda: Cluster.from_json(data), (ClusterSpecError,))
 
 
 @FUZZ
@@ -307,15 +283,15 @@ GOOD_PLAN_JSON = json.loads(Plan(8, 2, (StagePlan(0, 0, 2, 1, (0,)), StagePlan(1
 @FUZZ
 @given(st.text(max_size=60))
 def test_plan_from_json_text_raises_only_plan_error(text: str) -> None:
-    _call(lambda: Plan.from_json(text), (PlanError,), KNOWN_PLAN)
+    _call(lambda: Plan.from_json(text), (PlanError,))
 
 
 @FUZZ
 @given(json_values | mutated(GOOD_PLAN_JSON))
 def test_plan_from_dict_raises_only_plan_error(data: Any) -> None:
-    plan = _call(lambda: plan_from_dict(data), (PlanError,), KNOWN_PLAN)
-    text = None if plan is None else _call(plan.to_json, (), KNOWN_PLAN_TO_JSON)
-    if plan is not None and text is not None:  # whatever parses must serialise and read back the same
+    plan = _call(lambda: plan_from_dict(data), (PlanError,))
+    if plan is not None:  # whatever parses must serialise and read back the same
+        text = plan.to_json()
         assert Plan.from_json(text).to_json() == text
 
 
@@ -332,7 +308,7 @@ def test_plan_json_round_trips_byte_identically(plan: Plan) -> None:
 @given(json_values | mutated(chain_to_json(build_chain(CostGraph(
     (CostNode("a", output_bytes=Affine(0, 1)), CostNode("b", ("a",)))), max_blocks=None))))
 def test_chain_from_json_raises_only_plan_error(data: Any) -> None:
-    _call(lambda: chain_from_json(data), (PlanError,), KNOWN_CHAIN)
+    _call(lambda: chain_from_json(data), (PlanError,))
 
 
 @FUZZ
@@ -367,8 +343,7 @@ def test_load_plan_file_raises_only_plan_or_cluster_errors(text: str) -> None:
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "plan.json"
         path.write_text(text)
-        _call(lambda: load_plan_file(path), (PlanError, ClusterSpecError),
-              KNOWN_PLAN + KNOWN_CHAIN + KNOWN_CLUSTER_JSON)
+        _call(lambda: load_plan_file(path), (PlanError, ClusterSpecError))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,7 +353,7 @@ def test_load_plan_file_raises_only_plan_or_cluster_errors(text: str) -> None:
 @FUZZ
 @given(st.text(max_size=200) | profile_texts() | mutated_text(VALID_PROFILE, PROFILE_ALPHABET))
 def test_parse_profile_text_raises_only_profile_format_error(text: str) -> None:
-    graph = _call(lambda: parse_profile_text(text, profile_batch_size=2), (ProfileFormatError,), KNOWN_PROFILE)
+    graph = _call(lambda: parse_profile_text(text, profile_batch_size=2), (ProfileFormatError,))
     if graph is not None:
         node_ids = {line.split(" -- ")[0] for line in text.splitlines() if line.startswith("node")}
         assert {node.name for node in graph.nodes} == node_ids
@@ -507,7 +482,6 @@ def test_trace_rejects_bad_example_inputs_with_type_error(example_inputs: Any) -
 # Reproducers of fuzz findings not covered by a row of tests/test_bad_inputs.py.
 
 
-@pytest.mark.xfail(strict=True, reason="int() of a >4300-digit host count raises a bare ValueError")
 def test_cluster_spec_with_huge_count() -> None:
-    with pytest.raises(ClusterSpecError):
+    with pytest.raises(ClusterSpecError, match="counts have at most 6 digits"):
         parse_cluster("9" * 5000 + "x1:h100")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from fxpipe.passes.profiles_io import ProfileFormatError, parse_profile_text, read_profile
 
 PROFILES = Path(__file__).resolve().parents[2] / "shared" / "profiles"
