@@ -37,23 +37,27 @@ class CostAnnotationError(ValueError):
     """annotate_costs/to_cost_graph was given a graph or inputs it cannot cost."""
 
 
-def annotate_costs(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None) -> fx.GraphModule:
+def annotate_costs(
+    gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, *, cache: bool = True
+) -> fx.GraphModule:
     """Return a copy of ``gm`` whose nodes carry ``node.meta["fxpipe.cost"]`` (a NodeCost).
 
     The graph runs once on fake tensors whose dim 0 is one symbolic batch size, so nothing is
     allocated and the costs are exact expressions in ``BATCH`` (also stored in
     ``gm.meta["fxpipe.batch_symbol"]``). If an op forces a concrete batch, costs are evaluated at
     two batch sizes and fitted as affine expressions; ``gm.meta["fxpipe.cost_mode"]`` says which.
+    With ``cache`` (the default) nodes with equal signatures (repeated layers) share one FLOP, byte
+    and kernel count; the results equal those of ``cache=False``, which measures every node.
     """
     inputs = _example_inputs(gm, example_inputs)
     result = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
     result.meta.update(copy.copy(gm.meta))
     batch = _batch_hint(inputs)
     try:
-        costs = _run_symbolic(result, inputs, batch)
+        costs = _run_symbolic(result, inputs, batch, cache)
         mode = "symbolic"
     except _NotSymbolic as error:
-        costs = _fit_affine(result, inputs, batch)
+        costs = _fit_affine(result, inputs, batch, cache)
         mode = f"affine-fit (symbolic batch failed: {error})"
     for node in result.graph.nodes:
         if node.name in costs:
@@ -100,7 +104,7 @@ def _batch_hint(inputs: Sequence[Any]) -> int:
     return max(_MIN_SYMBOLIC_BATCH, *sizes) if sizes else _MIN_SYMBOLIC_BATCH
 
 
-def _run_symbolic(gm: fx.GraphModule, inputs: Sequence[Any], batch: int) -> dict[str, NodeCost]:
+def _run_symbolic(gm: fx.GraphModule, inputs: Sequence[Any], batch: int, cache: bool) -> dict[str, NodeCost]:
     shape_env = ShapeEnv()
     fake_mode = FakeTensorMode(shape_env=shape_env)
     symbol = shape_env.create_symbol(batch, ConstantSource("fxpipe_batch"))
@@ -115,7 +119,7 @@ def _run_symbolic(gm: fx.GraphModule, inputs: Sequence[Any], batch: int) -> dict
         return sympy.sympify(value)
 
     try:
-        costs = run_fake(gm, inputs, fake_mode, batch_size, to_expr)
+        costs = run_fake(gm, inputs, fake_mode, batch_size, to_expr, cache=cache)
     except _NotSymbolic:
         raise
     except Exception as error:  # any op that cannot take a symbolic batch: fall back, say why in meta
@@ -125,12 +129,12 @@ def _run_symbolic(gm: fx.GraphModule, inputs: Sequence[Any], batch: int) -> dict
     return costs
 
 
-def _fit_affine(gm: fx.GraphModule, inputs: Sequence[Any], batch: int) -> dict[str, NodeCost]:
+def _fit_affine(gm: fx.GraphModule, inputs: Sequence[Any], batch: int, cache: bool) -> dict[str, NodeCost]:
     """Cost the graph at batch sizes b and 2b with concrete fakes and join them by a line in BATCH."""
     runs = []
     for rows in (batch, 2 * batch):
         fake_mode = FakeTensorMode()
-        runs.append(run_fake(gm, inputs, fake_mode, rows, sympy.sympify))
+        runs.append(run_fake(gm, inputs, fake_mode, rows, sympy.sympify, cache=cache))
     return {name: _fit_node(runs[0][name], runs[1][name], batch) for name in runs[0]}
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +16,18 @@ from fxpipe.costgraph import Affine
 from fxpipe.passes.costs import module_path
 from fxpipe.passes.subgraph import extract_subgraph
 
-__all__ = ["BlockTime", "MeasuredCosts", "ProfileError", "default_blocks", "measure_costs", "node_values", "run_once", "time_module"]
+__all__ = [
+    "BlockTime",
+    "MeasuredCosts",
+    "ProfileError",
+    "default_blocks",
+    "device_of",
+    "measure_costs",
+    "node_values",
+    "run_once",
+    "synchronizer",
+    "time_module",
+]
 
 
 class ProfileError(ValueError):
@@ -86,7 +97,8 @@ def measure_costs(
     Each block becomes a GraphModule (``extract_subgraph``) fed the real values the full graph
     computes at that batch size; the two batch sizes give an affine fit per block. The harness's
     own cost (``harness_overhead``) is subtracted from every block. Parameter
-    ``.grad`` fields are restored afterwards, so ``gm`` is left as it was.
+    ``.grad`` fields are restored afterwards, so ``gm`` is left as it was. Blocks run where the
+    inputs live (``MeasuredCosts.device``); on CUDA every timed region ends in a synchronize.
     """
     block_lists = [tuple(block) for block in (blocks if blocks is not None else default_blocks(gm))]
     _check_arguments(gm, block_lists, batch_sizes, repeats)
@@ -108,7 +120,7 @@ def measure_costs(
             for index, (name, block) in enumerate(zip(names, block_lists, strict=True))
         ),
         batch_sizes=(int(batch_sizes[0]), int(batch_sizes[1])),
-        device="cpu",
+        device=str(device_of(gm, example_inputs)),
     )
 
 
@@ -185,7 +197,7 @@ def _time_blocks(
             sample = run_once(module, args)
             if iteration >= warmup:
                 samples[index].append(sample)
-    overhead = harness_overhead(warmup=warmup, repeats=repeats)
+    overhead = harness_overhead(warmup=warmup, repeats=repeats, device=device_of(gm, example_inputs))
     medians = [
         (
             max(statistics.median(f for f, _ in block_samples) - overhead[0], 0.0),
@@ -201,14 +213,31 @@ class _Identity(torch.nn.Module):
         return value.view_as(value)
 
 
-def harness_overhead(*, warmup: int = 2, repeats: int = 5) -> tuple[float, float]:
-    """Forward/backward seconds of an empty block: the module call and autograd start-up per block.
+def harness_overhead(
+    *, warmup: int = 2, repeats: int = 5, device: torch.device | str = "cpu"
+) -> tuple[float, float]:
+    """Forward/backward seconds of an empty block on ``device``: the module call and autograd start-up.
 
     A block run on its own pays this once; a stage running many blocks pays it once in all, so
     it is subtracted from every block's measurement.
     """
     module = fx.symbolic_trace(_Identity())
-    return time_module(module, [torch.zeros(1, requires_grad=True)], warmup=warmup, repeats=max(repeats, 9))
+    value = torch.zeros(1, device=device, requires_grad=True)
+    return time_module(module, [value], warmup=warmup, repeats=max(repeats, 9))
+
+
+def device_of(module: torch.nn.Module, args: Sequence[Any]) -> torch.device:
+    """Where a run happens: the device of the first tensor argument, else of the first parameter."""
+    for tensor in [*(a for a in tree_flatten(list(args))[0] if isinstance(a, torch.Tensor)), *module.parameters()]:
+        return tensor.device
+    return torch.device("cpu")
+
+
+def synchronizer(device: torch.device) -> Callable[[], None]:
+    """A call that waits for ``device`` to finish queued work: ``torch.cuda.synchronize`` on CUDA, else nothing."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
 
 
 def node_values(gm: fx.GraphModule, inputs: Sequence[Any]) -> dict[str, Any]:
@@ -231,17 +260,25 @@ def _block_input(value: Any) -> Any:
 
 
 def run_once(module: torch.nn.Module, args: Sequence[Any]) -> tuple[float, float]:
-    """Forward and backward seconds of one ``module(*args)`` (backward of all its outputs needing grad)."""
+    """Forward and backward seconds of one ``module(*args)`` (backward of all its outputs needing grad).
+
+    On a CUDA device the queue is drained before each clock read, so the times are kernel times.
+    """
     for tensor in [*module.parameters(), *(a for a in args if isinstance(a, torch.Tensor))]:
         tensor.grad = None
+    synchronize = synchronizer(device_of(module, args))
+    synchronize()
     start = time.perf_counter()
     output = module(*args)
+    synchronize()
     forward_s = time.perf_counter() - start
     tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     grads = [torch.ones_like(t) for t in tensors]
+    synchronize()
     start = time.perf_counter()
     if tensors:
         torch.autograd.backward(tensors, grads)
+    synchronize()
     return forward_s, time.perf_counter() - start
 
 

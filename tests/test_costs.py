@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import resource
 import time
+from typing import Any
 
 import pytest
 import sympy
@@ -12,6 +13,7 @@ from torch import fx, nn
 
 import fxpipe.models as zoo
 from fxpipe.cluster import DeviceSpec
+from fxpipe.passes import flops
 from fxpipe.passes.costs import BATCH, COST_KEY, CostAnnotationError, NodeCost, annotate_costs, to_cost_graph
 
 torch.set_num_threads(1)
@@ -100,17 +102,6 @@ def test_nothing_allocated_for_a_10_gb_layer() -> None:
     assert _total(annotated, "forward_flops") == 2 * 50_000**2 * BATCH + 50_000 * BATCH
 
 
-@pytest.mark.slow
-def test_full_bert_48_on_meta() -> None:
-    model, inputs = zoo.build("bert-48", device="meta")
-    start = time.perf_counter()
-    annotated = annotate_costs(_trace(model, inputs))
-    assert time.perf_counter() - start < 300
-    assert sum(cost.param_bytes for cost in _costs(annotated).values()) == sum(
-        p.numel() * 4 for p in model.parameters()
-    )
-
-
 def test_annotate_costs_does_not_mutate_its_input() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
     gm = _trace(model, (torch.randn(2, 4),))
@@ -180,3 +171,63 @@ def test_non_tensor_nodes_are_marked() -> None:
     graph = to_cost_graph(annotated)
     flags = {node.op.split(":")[0] + ":" + node.name: node.tensor_output for node in graph.nodes}
     assert flags == {"call_method:size": False, "call_method:view": True}
+
+
+def _cached_and_uncached(gm: fx.GraphModule) -> tuple[dict[str, NodeCost], dict[str, NodeCost]]:
+    return _costs(annotate_costs(gm)), _costs(annotate_costs(gm, cache=False))
+
+
+@pytest.mark.parametrize("name", ["gpt-mini", "bert-48"])
+def test_cached_costs_equal_uncached_on_tiny_zoo_models(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, inputs = zoo.build(name, **zoo.get(name).tiny_overrides)
+    gm = _trace(model, inputs)
+    runs: list[str] = []
+    measure = flops._run_node
+
+    def counted(gm: fx.GraphModule, node: fx.Node, *rest: Any) -> Any:
+        runs.append(node.name)
+        return measure(gm, node, *rest)
+
+    monkeypatch.setattr(flops, "_run_node", counted)
+    cached = _costs(annotate_costs(gm))
+    num_measured = len(runs)
+    uncached = _costs(annotate_costs(gm, cache=False))
+    assert cached == uncached
+    assert num_measured < len(runs) - num_measured  # later layers were replayed, not run
+
+
+class _Repeats(nn.Module):
+    """Identical blocks, a block reading two earlier outputs, and a head after the repeats."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outputs = [x]
+        for block in self.blocks:
+            outputs.append(block(outputs[-1]) * outputs[-1])
+        pieces = torch.cat(outputs, dim=1).split(8, dim=1)
+        return self.head(pieces[2] + pieces[3]) + pieces[1].transpose(0, 1).sum()
+
+
+def test_replayed_nodes_keep_saved_bytes_deduplicated() -> None:
+    gm = fx.symbolic_trace(_Repeats())
+    gm.meta["fxpipe.example_inputs"] = (torch.randn(4, 8),)
+    cached, uncached = _cached_and_uncached(gm)
+    assert cached == uncached
+    assert sum(cost.saved_bytes for cost in cached.values()).free_symbols == {BATCH}
+
+
+def test_full_bert_48_on_meta_annotates_in_seconds() -> None:
+    model, inputs = zoo.build("bert-48", device="meta")
+    gm = _trace(model, inputs)
+    start = time.perf_counter()
+    annotated = annotate_costs(gm)
+    assert time.perf_counter() - start < 30
+    assert annotated.meta["fxpipe.cost_mode"] == "symbolic"
+    assert _total(annotated, "forward_flops").free_symbols == {BATCH}
+    assert sum(cost.param_bytes for cost in _costs(annotated).values()) == sum(
+        p.numel() * 4 for p in model.parameters()
+    )

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import fx, nn
 
+from fxpipe.passes import profile
 from fxpipe.passes.costs import annotate_costs, to_cost_graph
 from fxpipe.passes.profile import ProfileError, _fit, default_blocks, measure_costs
 
@@ -71,3 +72,37 @@ def test_fit_is_exact_on_a_line_and_non_negative_on_noise() -> None:
     noisy = _fit((2, 8), 0.5, 0.4)
     assert noisy.per_sample == 0 and noisy.fixed == pytest.approx(0.45)
     assert _fit((2, 8), 0.1, 0.8).fixed == 0
+
+
+def test_measured_costs_name_the_inputs_device() -> None:
+    gm, inputs = _model()
+    measured = measure_costs(gm, inputs, blocks=[("_0", "_1", "_2")], batch_sizes=(2, 4), warmup=0, repeats=1)
+    assert measured.device == "cpu"
+    assert profile.device_of(gm, inputs) == torch.device("cpu")
+    assert profile.device_of(gm, [1.5]) == torch.device("cpu")  # no tensor argument: the parameters' device
+
+
+def _recorded_synchronize(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    calls: list[object] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    return calls
+
+
+def test_cuda_timing_synchronizes_around_every_timed_region(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _recorded_synchronize(monkeypatch)
+    gm, inputs = _model()
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(profile, "device_of", lambda module, args: cuda)
+    forward_s, backward_s = profile.run_once(gm, inputs)
+    assert calls == [cuda] * 4  # before and after the forward, before and after the backward
+    assert forward_s > 0 and backward_s > 0
+    profile.synchronizer(torch.device("cpu"))()
+    assert len(calls) == 4  # CPU runs never synchronize
+
+
+def test_cpu_timing_never_touches_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _recorded_synchronize(monkeypatch)
+    gm, inputs = _model()
+    profile.time_module(gm, inputs, warmup=0, repeats=1)
+    assert calls == []
