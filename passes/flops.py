@@ -16,6 +16,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
+from fxpipe.passes.nodecache import (
+    Recipe,
+    input_key,
+    materialize,
+    module_tensors,
+    node_signature,
+    record_recipe,
+    replay,
+)
+
 aten = torch.ops.aten
 _FAKE_DEVICE = torch.device("cpu")  # what fakes claim to live on, so meta models mix with CPU inputs
 
@@ -185,21 +195,6 @@ class NodeCost:
     num_backward_kernels: int = 0
 
 
-@dataclass(frozen=True)
-class _Recipe:
-    """A measured node, to replay for a later node with the same signature without running it.
-
-    Storage references: ``("input", i)`` the storage of argument leaf i, ``("output", j)`` that of
-    output leaf j, ``("fresh", g)`` the node's own g-th new storage. ``saved`` lists, in order,
-    each saved tensor's storage and byte size, so the storage de-duplication replays exactly.
-    """
-
-    cost: NodeCost
-    output: Any  # the measured node's output value, shared (fakes are never mutated by a replay)
-    output_storages: tuple[tuple[str, int] | None, ...]  # per output leaf; None for non-tensors
-    saved: tuple[tuple[tuple[str, int], sympy.Expr], ...]
-
-
 @dataclass
 class _RunState:
     """Bookkeeping shared by all nodes of one fake run."""
@@ -212,7 +207,7 @@ class _RunState:
     saved_keys: set[int] = field(default_factory=set)
     storage_alias: dict[int, int] = field(default_factory=dict)  # clone storage -> original storage
     keep_alive: list[torch.Tensor] = field(default_factory=list)
-    recipes: dict[Hashable, _Recipe] | None = None  # node signature -> recipe; None: no cache
+    recipes: dict[Hashable, Recipe] | None = None  # node signature -> recipe; None: no cache
     keys: dict[str, Any] = field(default_factory=dict)  # node name -> its value with storage keys for tensors
     module_keys: dict[int, Hashable] = field(default_factory=dict)  # id(module) -> its signature part
     exprs: dict[Hashable, sympy.Expr] = field(default_factory=dict)  # memo of to_expr
@@ -322,95 +317,30 @@ def _first_use_bytes(tensors: Sequence[torch.Tensor], state: _RunState) -> int:
     return total
 
 
+def _module_param_bytes(gm: fx.GraphModule, node: fx.Node, state: _RunState) -> int:
+    """First-use parameter bytes of a ``call_module`` node's module (0 for other ops)."""
+    if node.op != "call_module":
+        return 0
+    return _first_use_bytes([tensor for _, tensor in module_tensors(gm.get_submodule(str(node.target)))], state)
+
+
 def _run_call(gm: fx.GraphModule, node: fx.Node, env: dict[str, Any], state: _RunState) -> tuple[Any, NodeCost]:
     """Replay a node whose signature was measured before, else measure it (and remember it)."""
     args = fx.node.map_arg((node.args, node.kwargs), lambda arg: env[arg.name])
     leaves, spec = tree_flatten(args)
     key_leaves, _ = tree_flatten(fx.node.map_arg((node.args, node.kwargs), lambda arg: state.keys[arg.name]))
-    keys = [_input_key(leaf, key, state) for leaf, key in zip(leaves, key_leaves, strict=True)]
+    keys = [input_key(leaf, key, state) for leaf, key in zip(leaves, key_leaves, strict=True)]
     signature = node_signature(gm, node, args, keys, state) if state.recipes is not None else None
     if state.recipes is not None and signature in state.recipes:
-        return _replay(gm, node, state.recipes[signature], keys, state)
-    leaves = [_materialize(leaf, key, state) for leaf, key in zip(leaves, keys, strict=True)]
+        return replay(node, state.recipes[signature], keys, state, _module_param_bytes(gm, node, state))
+    leaves = [materialize(leaf, key, state) for leaf, key in zip(leaves, keys, strict=True)]
     output, cost, saved = _run_node(gm, node, tree_unflatten(leaves, spec), state)
     state.keys[node.name] = state.key_tree(output)
     if state.recipes is not None and signature is not None:
-        recipe = _record(output, cost, saved, keys, state)
+        recipe = record_recipe(output, cost, saved, keys, state)
         if recipe is not None:
             state.recipes[signature] = recipe
     return output, cost
-
-
-def _input_key(leaf: Any, key: Any, state: _RunState) -> int:
-    """The storage key of one argument leaf (0 for non-tensors; constants in node.args have none recorded)."""
-    if not isinstance(leaf, torch.Tensor):
-        return 0
-    return key if type(key) is int and key != 0 else state.storage_key(leaf)
-
-
-def _materialize(leaf: Any, key: int, state: _RunState) -> Any:
-    """A fresh fake of ``leaf`` on a storage keyed ``key`` when ``leaf`` is a replayed node's shared output."""
-    if not isinstance(leaf, torch.Tensor) or state.storage_key(leaf) == key:
-        return leaf
-    storage_numel = leaf.untyped_storage().nbytes() // leaf.element_size()
-    base = torch.empty((storage_numel,), dtype=leaf.dtype, device=leaf.device, requires_grad=leaf.requires_grad)
-    state.storage_alias[int(base.untyped_storage()._cdata)] = key
-    state.keep_alive.append(base)
-    return base.as_strided(leaf.shape, leaf.stride(), leaf.storage_offset())
-
-
-def _record(
-    output: Any, cost: NodeCost, saved: Sequence[torch.Tensor], input_keys: Sequence[int], state: _RunState
-) -> _Recipe | None:
-    """The recipe of a measured node, or None if its output holds values a replay cannot share."""
-    out_leaves, _ = tree_flatten(output)
-    if not all(isinstance(leaf, (torch.Tensor, *_SYMBOLIC, *_PLAIN)) for leaf in out_leaves):
-        return None
-    fresh: dict[int, int] = {}
-
-    def storage(key: int, output_keys: Sequence[int]) -> tuple[str, int]:
-        if key in input_keys:
-            return "input", list(input_keys).index(key)
-        if key in output_keys:
-            return "output", list(output_keys).index(key)
-        return "fresh", fresh.setdefault(key, len(fresh))
-
-    out_keys = [state.storage_key(leaf) if isinstance(leaf, torch.Tensor) else 0 for leaf in out_leaves]
-    output_storages = tuple(storage(key, ()) if key else None for key in out_keys)
-    saved_storages = tuple(
-        (storage(key, out_keys), state.expr(tensor.untyped_storage().nbytes()))
-        for tensor in saved
-        if isinstance(tensor, torch.Tensor) and (key := state.storage_key(tensor)) not in state.weight_keys
-    )
-    return _Recipe(cost=cost, output=output, output_storages=output_storages, saved=saved_storages)
-
-
-def _replay(gm: fx.GraphModule, node: fx.Node, recipe: _Recipe, input_keys: Sequence[int], state: _RunState) -> tuple[Any, NodeCost]:
-    """A repeat of a measured node: its output and costs, with saved and parameter bytes redone here."""
-    fresh: dict[int, int] = {}
-
-    def key_of(storage: tuple[str, int]) -> int:
-        kind, index = storage
-        if kind == "input":
-            return input_keys[index]
-        if kind == "output":
-            return output_keys[index]
-        return fresh.setdefault(index, state.new_key())
-
-    output_keys = [0 if storage is None else key_of(storage) for storage in recipe.output_storages]
-    leaves, spec = tree_flatten(recipe.output)
-    state.keys[node.name] = tree_unflatten(output_keys, spec)
-    saved_bytes = sympy.Integer(0)
-    for storage, num_bytes in recipe.saved:
-        key = key_of(storage)
-        if key not in state.weight_keys and key not in state.saved_keys:
-            state.saved_keys.add(key)
-            saved_bytes += num_bytes
-    param_bytes = 0
-    if node.op == "call_module":
-        module = gm.get_submodule(str(node.target))
-        param_bytes = _first_use_bytes([tensor for _, tensor in _module_tensors(module)], state)
-    return recipe.output, dataclasses.replace(recipe.cost, saved_bytes=sympy.expand(saved_bytes), param_bytes=param_bytes)
 
 
 def _run_node(gm: fx.GraphModule, node: fx.Node, arguments: Any, state: _RunState) -> tuple[Any, NodeCost, list[torch.Tensor]]:
@@ -429,73 +359,6 @@ def _run_node(gm: fx.GraphModule, node: fx.Node, arguments: Any, state: _RunStat
     return output, dataclasses.replace(cost, saved_bytes=saved_bytes), saved
 
 
-class _Uncacheable(Exception):
-    """A node argument or module attribute has no safe signature: the node is costed afresh."""
-
-
-_PLAIN = (int, float, bool, str, type(None), type(Ellipsis), torch.dtype, torch.device, torch.layout, torch.memory_format)
-_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
-
-
-def node_signature(
-    gm: fx.GraphModule, node: fx.Node, arguments: Any, storage_keys: Sequence[int], state: _RunState
-) -> Hashable | None:
-    """What a node's costs depend on, or None if that cannot be told safely (the node is then run).
-
-    The op and target (for ``call_module`` the module's classes, public attributes and parameter
-    shapes), the argument structure, per argument its symbolic shape, strides, offset, storage
-    size, dtype, requires_grad and whether it is a weight (tensors) or its value (everything
-    else), and which arguments share a storage (``storage_keys``, one per leaf, 0 for non-tensors).
-    """
-    leaves, spec = tree_flatten(arguments)
-    try:
-        keys = tuple(_leaf_key(leaf, state) for leaf in leaves)
-        target = _module_key(gm.get_submodule(str(node.target)), state) if node.op == "call_module" else node.target
-        sharing = tuple(storage_keys.index(key) if key else -1 for key in storage_keys)
-        signature = node.op, target, str(spec), keys, sharing
-        hash(signature)
-    except (_Uncacheable, TypeError):  # TypeError: an unhashable target or attribute
-        return None
-    return signature
-
-
-def _leaf_key(value: Any, state: _RunState) -> Hashable:
-    if isinstance(value, torch.Tensor):
-        sizes = (*value.shape, *value.stride(), value.storage_offset(), value.untyped_storage().nbytes())
-        sizes = tuple(_leaf_key(size, state) for size in sizes)
-        return "tensor", value.dim(), sizes, value.dtype, value.requires_grad, value._is_view(), id(value) in state.fake_ids
-    if isinstance(value, _SYMBOLIC):
-        return type(value).__name__, value.node.expr
-    if isinstance(value, _PLAIN):
-        return type(value).__name__, value
-    if isinstance(value, tuple | list):
-        return type(value).__name__, tuple(_leaf_key(item, state) for item in value)
-    if isinstance(value, slice):
-        return "slice", tuple(_leaf_key(item, state) for item in (value.start, value.stop, value.step))
-    raise _Uncacheable(type(value).__name__)
-
-
-def _module_key(module: torch.nn.Module, state: _RunState) -> Hashable:
-    """Classes and public attributes of a module and its children, and its parameter/buffer metadata."""
-    if id(module) not in state.module_keys:
-        parts: list[Hashable] = []
-        for name, sub in module.named_modules(remove_duplicate=False):
-            attributes = sorted((key, _attribute_key(value)) for key, value in vars(sub).items() if not key.startswith("_"))
-            parts.append((name, type(sub), tuple(attributes)))
-        parts.extend((name, tuple(t.shape), t.dtype, t.requires_grad) for name, t in _module_tensors(module))
-        state.module_keys[id(module)] = tuple(parts)
-    return state.module_keys[id(module)]
-
-
-def _attribute_key(value: Any) -> Hashable:
-    """Plain values by value; anything else (a config object, a function) by identity."""
-    if isinstance(value, _PLAIN):
-        return type(value).__name__, value
-    if isinstance(value, tuple) and all(isinstance(item, _PLAIN) for item in value):
-        return "tuple", value
-    if isinstance(value, torch.Tensor):
-        return "tensor", tuple(value.shape), value.dtype, value.requires_grad
-    return "object", id(value)
 
 
 def _local_copy(value: Any, state: _RunState, leaves: list[torch.Tensor]) -> Any:
@@ -525,7 +388,7 @@ def _callable(gm: fx.GraphModule, node: fx.Node, state: _RunState) -> tuple[Call
     if node.op != "call_module":
         raise AssertionError(f"node {node.name!r} has unknown op {node.op!r}")
     module = gm.get_submodule(str(node.target))
-    named = _module_tensors(module)
+    named = module_tensors(module)
     fake_state = {name: state.fakes[id(tensor)] for name, tensor in named}
     weights = [fake for name, fake in fake_state.items() if fake.requires_grad]
     param_bytes = _first_use_bytes([tensor for _, tensor in named], state)
@@ -535,9 +398,6 @@ def _callable(gm: fx.GraphModule, node: fx.Node, state: _RunState) -> tuple[Call
 
     return call, weights, param_bytes
 
-
-def _module_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
 
 
 def _pack_into(saved: list[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
