@@ -10,11 +10,10 @@ import random
 import statistics
 import time
 
-from fxpipe.passes.chain import Block, CostChain
-
 from fxpipe.cluster import Cluster, DeviceSpec, LinkSpec
 from fxpipe.costgraph import Affine
 from fxpipe.latency import analytic_iteration_time
+from fxpipe.passes.chain import Block, CostChain
 from fxpipe.plan import Plan, StagePlan
 from fxpipe.simulate import simulate
 

@@ -6,12 +6,12 @@ import time
 from pathlib import Path
 
 import pytest
-from fxpipe.passes.chain import ChainError, build_chain
-from fxpipe.passes.profiles_io import read_profile
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fxpipe.costgraph import Affine, CostGraph, CostNode
+from fxpipe.passes.chain import ChainError, build_chain
+from fxpipe.passes.profiles_io import read_profile
 
 PROFILES = Path(__file__).resolve().parents[2] / "shared" / "profiles"
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from fxpipe.passes.chain import Block, CostChain
 
 from fxpipe.cluster import Cluster, DeviceSpec, LinkSpec
 from fxpipe.costgraph import Affine
 from fxpipe.latency import analytic_iteration_time, pipeline_latency, pivot_stage, stage_times
+from fxpipe.passes.chain import Block, CostChain
 from fxpipe.plan import Plan, StagePlan
 
 

@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from fxpipe.passes.chain import Block, CostChain
 
 from fxpipe.cluster import Cluster, DeviceSpec, LinkSpec
 from fxpipe.costgraph import Affine
 from fxpipe.latency import analytic_iteration_time
+from fxpipe.passes.chain import Block, CostChain
 from fxpipe.plan import Plan, StagePlan
 from fxpipe.schedule import ScheduleError, early_backward, gpipe, lower, make_schedule, warmup_forwards
 from fxpipe.simulate import SimulationResult, simulate, to_chrome_trace, write_chrome_trace

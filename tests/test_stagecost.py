@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from fxpipe.passes.chain import Block, CostChain
 
 from fxpipe.cluster import Cluster, DeviceSpec, LinkSpec
 from fxpipe.costgraph import Affine
+from fxpipe.passes.chain import Block, CostChain
 from fxpipe.stagecost import (
     allreduce_time,
     compute_times,
