@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -173,7 +173,7 @@ class PipelineDriver:
         return self._broadcast_loss(state.loss_sum)
 
     def _measured_step(self, state: _StepState, stash: dict[int, torch.Tensor | None],
-                       handlers: dict[Op, Callable[[_StepState, int], None]]) -> float:
+                       handlers: Mapping[Op, Callable[[_StepState, int], None]]) -> float:
         """The same step with a timeline of every action and exact saved-activation bytes (StepStats)."""
         if self._meter is None:
             self._meter = SavedActivationMeter.for_parameters(p for _, p in self.runner.parameters())
