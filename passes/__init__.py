@@ -5,19 +5,29 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+# `trace` and `partition` are both a submodule and a function of that name. Importing the
+# submodule would set the package attribute to the module, so bind the functions eagerly: a
+# later `import fxpipe.passes.trace` finds the module in sys.modules and leaves the name alone.
+from fxpipe.passes.partition import partition as partition
+from fxpipe.passes.trace import trace as trace
+
 _EXPORTS: dict[str, tuple[str, str]] = {
-    "trace": ("fxpipe.passes.trace", "trace"),
     "TraceError": ("fxpipe.passes.trace", "TraceError"),
+    "ExampleInputsTypeError": ("fxpipe.passes.trace", "ExampleInputsTypeError"),
+    "BATCH": ("fxpipe.passes.costs", "BATCH"),
+    "NodeCost": ("fxpipe.passes.costs", "NodeCost"),
+    "MeasuredCosts": ("fxpipe.passes.profile", "MeasuredCosts"),
+    "BlockTime": ("fxpipe.passes.profile", "BlockTime"),
+    "default_blocks": ("fxpipe.passes.profile", "default_blocks"),
     "annotate_costs": ("fxpipe.passes.costs", "annotate_costs"),
     "to_cost_graph": ("fxpipe.passes.costs", "to_cost_graph"),
     "measure_costs": ("fxpipe.passes.profile", "measure_costs"),
     "read_profile": ("fxpipe.passes.profiles_io", "read_profile"),
     "build_chain": ("fxpipe.passes.chain", "build_chain"),
-    "partition": ("fxpipe.passes.partition", "partition"),
     "split_stages": ("fxpipe.passes.codegen", "split_stages"),
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, "partition", "trace"])
 
 
 def __getattr__(name: str) -> Any:

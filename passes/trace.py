@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-import types
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from itertools import chain
-from typing import Any
 
 import torch
 from torch import fx, nn
@@ -219,14 +216,3 @@ def _names_read(node: fx.Node, param_names: dict[str, str]) -> tuple[str, ...]:
         return tuple(dict.fromkeys(found))
     return ()
 
-
-class _CallableModule(types.ModuleType):
-    """Importing this submodule rebinds the package attribute `fxpipe.passes.trace` from the lazily
-    exported function to this module; making the module callable keeps `fxpipe.passes.trace(...)` and
-    `from fxpipe.passes import trace` working whatever was imported first."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> fx.GraphModule:
-        return trace(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -369,7 +369,7 @@ ROWS: list[Any] = [
     ("planner-batch-not-dividing", lambda _: _plan_tiny(num_microbatches=3), PlanningError,
      r"global batch 16 does not divide into num_microbatches=3 .*choose a divisor of 16"),
     ("planner-zero-batch", lambda _: _plan_tiny(global_batch_size=0), PlanningError,
-     r"global_batch_size must be positive, got 0"),
+     r"global_batch_size must be (a )?positive( integer)?, got 0"),
     # --- model zoo (fxpipe.models)
     ("model-unknown", lambda _: models.build("gpt-mimi", device="meta"), models.UnknownModelError,
      r"unknown model 'gpt-mimi'\. Did you mean 'gpt-mini'\? Known models: "),

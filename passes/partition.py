@@ -1,0 +1,226 @@
+"""The DAPPLE planner over a cost chain, and ``partition``: the one entry point that dispatches to every planner."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+from tqdm import tqdm
+
+from fxpipe.cluster import Cluster
+from fxpipe.passes import baselines
+from fxpipe.passes.block_partition import balanced_cuts, coarse_boundaries, coarsen_chain, refine_cuts
+from fxpipe.passes.candidates import Candidate, CostModel, Span
+from fxpipe.passes.chain import CostChain
+from fxpipe.passes.partition_search import search
+from fxpipe.passes.placement import host_aligned
+from fxpipe.passes.plan_scoring import (
+    InfeasiblePlanError,
+    LayoutError,
+    PlanningError,
+    PlanRequest,
+    best_dp,
+    check_request,
+    finish,
+    microbatch_grid,
+    score_candidates,
+)
+from fxpipe.plan import BaselineResult, Plan
+
+__all__ = ["PLANNERS", "InfeasiblePlanError", "LayoutError", "PlanningError", "parse_layout", "partition",
+           "plan_dapple"]
+
+# Chains longer than this are searched on merged groups of blocks, then the cuts are refined.
+MAX_SEARCH_BLOCKS = 32
+MAX_SEARCH_BLOCKS_LARGE = 16  # on host-aligned (large) clusters
+
+
+def parse_layout(layout: str, num_devices: int, num_blocks: int) -> tuple[int, ...]:
+    """``"3:1"`` -> (3, 1); ``"dp"`` -> (num_devices,). Raises LayoutError naming the bad part."""
+    text = layout.strip().lower()
+    if text == "dp":
+        return (num_devices,)
+    parts = text.split(":")
+    if not all(part.isdigit() and int(part) > 0 for part in parts):
+        raise LayoutError(f"layout {layout!r} is malformed: use replica counts separated by ':' "
+                          "(e.g. '3:1', '1:1:1:1') or 'dp'")
+    counts = tuple(int(part) for part in parts)
+    if sum(counts) > num_devices:
+        raise LayoutError(f"layout {layout!r} needs {sum(counts)} devices but the cluster has {num_devices}; "
+                          "use fewer replicas or a larger cluster")
+    if len(counts) > num_blocks:
+        raise LayoutError(f"layout {layout!r} has {len(counts)} stages but the chain has only {num_blocks} "
+                          "blocks; use fewer stages")
+    return counts
+
+
+def _fine_spans(spans: Iterable[Span], stops: list[int]) -> list[Span]:
+    return [Span(stops[s.first - 1] if s.first else 0, stops[s.stop - 1], s.devices) for s in spans]
+
+
+def _refined(model: CostModel, candidate: Candidate, stops: list[int]) -> Candidate:
+    """Map a coarse candidate to the fine chain and move its cuts where the pivot model prefers."""
+    spans = _fine_spans(candidate.spans, stops)
+    rows = candidate.microbatch_rows
+
+    def rebuilt(cut_stops: list[int]) -> list[Span]:
+        return [Span(cut_stops[i - 1] if i else 0, stop, span.devices)
+                for i, (span, stop) in enumerate(zip(spans, cut_stops, strict=True))]
+
+    def score(cut_stops: list[int]) -> float:
+        trial = rebuilt(cut_stops)
+        return model.latency(trial, rows) if model.fits(trial, rows) else float("inf")
+
+    best = refine_cuts([span.stop for span in spans], model.chain.num_blocks, score)
+    return model.candidate(rebuilt(best), rows)
+
+
+def _replicated_pipelines(model: CostModel, grid: list[int]) -> list[Candidate]:
+    """Straight pipelines of S balanced stages, replicated whole: stage s on devices s, s+S, s+2S, ..."""
+    chain, num_devices = model.chain, model.cluster.num_devices
+    work = [b.forward_s.per_sample + b.backward_s.per_sample for b in chain.blocks]
+    found = []
+    for num_stages in range(2, min(chain.num_blocks, num_devices) + 1):
+        if num_devices % num_stages:
+            continue  # whole-pipeline replication uses every device
+        num_copies = num_devices // num_stages
+        stops = balanced_cuts(work, num_stages)
+        spans = [Span(stops[s - 1] if s else 0, stops[s], tuple(c * num_stages + s for c in range(num_copies)))
+                 for s in range(num_stages)]
+        for rows in grid:
+            if rows >= num_copies and model.global_batch_size // rows >= num_stages and model.fits(spans, rows):
+                found.append(model.candidate(spans, rows))
+    return found
+
+
+def _even_pipelines(model: CostModel, rows: int) -> list[Candidate]:
+    """Seeds for the search bound: S = 1, 2, 4, ... balanced stages of N/S contiguous devices each."""
+    chain, num_devices = model.chain, model.cluster.num_devices
+    work = [b.forward_s.per_sample + b.backward_s.per_sample for b in chain.blocks]
+    found = []
+    num_stages = 1
+    while num_stages <= min(chain.num_blocks, num_devices, model.global_batch_size // rows):
+        width = min(num_devices // num_stages, rows)
+        stops = balanced_cuts(work, num_stages)
+        spans = [Span(stops[s - 1] if s else 0, stops[s], tuple(range(s * width, (s + 1) * width)))
+                 for s in range(num_stages)]
+        if model.fits(spans, rows):
+            found.append(model.candidate(spans, rows))
+        num_stages *= 2
+    return found
+
+
+def _search_all(request: PlanRequest, model: CostModel, grid: list[int],
+                bound_s: float) -> tuple[list[Candidate], Candidate | None]:
+    """Run the state search for every micro-batch size; returns the candidates and the closest miss."""
+    chain = request.chain
+    stops = list(range(1, chain.num_blocks + 1))
+    search_model = model
+    max_blocks = MAX_SEARCH_BLOCKS_LARGE if host_aligned(request.cluster) else MAX_SEARCH_BLOCKS
+    if chain.num_blocks > max_blocks:
+        stops = coarse_boundaries(chain, max_blocks)
+        search_model = CostModel(coarsen_chain(chain, stops), request.cluster, request.global_batch_size,
+                                 request.optimizer, request.memory_limit_bytes, schedule=request.schedule)
+    found: list[Candidate] = []
+    closest: Candidate | None = None
+    closest_ratio = float("inf")
+    for rows in tqdm(grid, desc="dapple: micro-batch sizes", disable=not request.progress):
+        seeds = [c for c in _even_pipelines(search_model, rows) if request.layout in (None, c.layout)]
+        found.extend(seeds)
+        bound_s = min([bound_s, *(c.latency_s for c in seeds)])
+        result = search(search_model, rows, layout=request.layout, bound_s=bound_s, pool_size=request.rerank)
+        found.extend(result.candidates)
+        if result.closest_ratio < closest_ratio:
+            closest, closest_ratio = result.closest_miss, result.closest_ratio
+        bound_s = min([bound_s, *(c.latency_s for c in result.candidates)])
+    if search_model is not model:
+        found = [_refined(model, c, stops) for c in sorted(found)[: 2 * request.rerank]]
+        if closest is not None:
+            closest = model.candidate(_fine_spans(closest.spans, stops), closest.microbatch_rows)
+    return found, closest
+
+
+def _least_memory(model: CostModel, grid: list[int]) -> Candidate | None:
+    """For error messages: the plan with the least memory per device (deepest param-balanced pipeline,
+    smallest micro-batch), so the table shows how far even the best attempt is from fitting."""
+    chain, num_devices = model.chain, model.cluster.num_devices
+    rows = grid[0]
+    num_stages = min(chain.num_blocks, num_devices, model.global_batch_size // rows)
+    stops = balanced_cuts([float(b.param_bytes) for b in chain.blocks], num_stages)
+    width = num_devices // num_stages
+    spans = [Span(stops[s - 1] if s else 0, stops[s], tuple(range(s * width, s * width + min(width, rows))))
+             for s in range(num_stages)]
+    return model.candidate(spans, rows)
+
+
+def _top(candidates: Iterable[Candidate], count: int) -> list[Candidate]:
+    unique: dict[tuple[object, ...], Candidate] = {}
+    for candidate in sorted(candidates):
+        unique.setdefault(candidate.identity(), candidate)
+    return list(unique.values())[:count]
+
+
+def plan_dapple(request: PlanRequest) -> Plan:
+    """DAPPLE: state search by the pivot model, whole-pipeline replication, simulator re-ranking, DP floor."""
+    model = request.cost_model()
+    grid = [rows for rows in microbatch_grid(request) if request.layout is None or rows >= max(request.layout)]
+    forced_dp = request.layout == (request.cluster.num_devices,)
+    dp = best_dp(request, model) if request.layout is None or forced_dp else None
+    bound = dp.plan.predicted.analytic_iteration_time_s if dp and dp.plan.predicted else float("inf")
+    found, closest = _search_all(request, model, grid, bound)
+    if request.layout is None:
+        found.extend(_replicated_pipelines(model, grid))
+    best = score_candidates(request, model, _top(found, request.rerank), "dapple")
+    if dp is not None and (best is None or dp.time_s <= best.time_s):
+        best = dp.__class__(dp.time_s, dp.plan.with_updates(planner="dapple"))
+    if best is None and closest is None and grid:
+        closest = _least_memory(model, grid)
+    return finish(request, best, dp, closest, model)
+
+
+Planner = Callable[[PlanRequest], Plan]
+
+PLANNERS: dict[str, Planner] = {"dapple": plan_dapple, **baselines.BASELINES}
+
+
+def _baseline_results(request: PlanRequest) -> tuple[tuple[str, BaselineResult], ...]:
+    results = []
+    for name, planner in sorted(baselines.BASELINES.items()):
+        try:
+            plan = planner(request)
+        except PlanningError as error:
+            results.append((name, BaselineResult(layout="", iteration_time_s=0.0, feasible=False,
+                                                 note=str(error).splitlines()[0])))
+            continue
+        assert plan.predicted is not None
+        results.append((name, BaselineResult(layout=plan.layout, iteration_time_s=plan.predicted.iteration_time_s,
+                                             num_microbatches=plan.num_microbatches)))
+    return tuple(results)
+
+
+def partition(chain: CostChain, cluster: Cluster, global_batch_size: int, *, planner: str = "dapple",
+              layout: str | None = None, num_microbatches: int | None = None,
+              schedule: str = "early_backward", warmup_policy: str | None = None, optimizer: str = "adam",
+              memory_limit_bytes: int | None = None, rerank: int = 16, progress: bool = False,
+              compare: bool = False) -> Plan:
+    """Plan hybrid pipeline + data parallel training of ``chain`` on ``cluster``.
+
+    ``planner`` is a key of :data:`PLANNERS`; ``layout`` forces replica counts per stage
+    (``"3:1"``, ``"dp"``) and leaves cuts and placement to the planner; ``compare`` also runs
+    every baseline and records its simulated time in ``Plan.baselines``.
+    """
+    start = time.perf_counter()
+    if planner not in PLANNERS:
+        raise PlanningError(f"planner {planner!r} is unknown; choose one of {sorted(PLANNERS)}")
+    forced = None if layout is None else parse_layout(layout, cluster.num_devices, chain.num_blocks)
+    request = PlanRequest(
+        chain=chain, cluster=cluster, global_batch_size=global_batch_size, layout=forced,
+        num_microbatches=num_microbatches, schedule=schedule, warmup_policy=warmup_policy,
+        optimizer=optimizer, memory_limit_bytes=memory_limit_bytes or cluster.device.memory_bytes,
+        rerank=rerank, progress=progress,
+    )
+    check_request(request)
+    plan = PLANNERS[planner](request)
+    if compare:
+        plan = plan.with_updates(baselines=_baseline_results(request))
+    return plan.with_updates(planning_time_s=time.perf_counter() - start)

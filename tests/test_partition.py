@@ -1,0 +1,115 @@
+"""DAPPLE planner: exact small cases, forced layouts, the DP floor, oracle vs exhaustive, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from planner_cases import GiB, chain, cluster, random_case
+
+from fxpipe.passes.partition import PLANNERS, InfeasiblePlanError, LayoutError, PlanningError, partition
+
+torch.set_num_threads(1)
+
+
+def test_no_weights_means_plain_dp() -> None:
+    # Without parameters there is no allreduce, so DP has neither bubbles nor communication.
+    plan = partition(chain([1.0, 1.0], [0, 0]), cluster(1, 2), 8)
+    assert plan.layout == "dp"
+    assert plan.stages[0].devices == (0, 1)
+    assert plan.predicted is not None
+    # 8 rows over 2 devices, 1 + 2 ms per row and block: 4 rows * 2 blocks * 3 ms.
+    assert plan.predicted.iteration_time_s == pytest.approx(0.024)
+    assert plan.predicted.dp_iteration_time_s == pytest.approx(0.024)
+
+
+def test_heavy_weights_on_a_slow_link_make_a_pipeline() -> None:
+    # 1 GB per block over a 1 GB/s link: DP's allreduce (2 s) dwarfs compute, a 1:1 pipeline has none.
+    plan = partition(chain([1.0, 1.0], [10**9, 10**9]), cluster(1, 2, intra=1e9), 8)
+    assert plan.layout == "1:1"
+    assert [(s.first_block, s.stop_block) for s in plan.stages] == [(0, 1), (1, 2)]
+    assert plan.predicted is not None and plan.predicted.iteration_time_s < plan.predicted.dp_iteration_time_s
+
+
+def test_plan_fields_are_filled() -> None:
+    plan = partition(chain([1.0, 2.0, 1.0], [10**8, 10**6, 10**8]), cluster(1, 4), 16)
+    assert plan.planner == "dapple" and plan.cluster == "1x4" and plan.num_devices == 4
+    assert plan.num_blocks == 3 and plan.block_names == ("b0", "b1", "b2")
+    assert plan.planning_time_s > 0
+    for stage in plan.stages:
+        expected = tuple(f"n{i}{s}" for i in range(stage.first_block, stage.stop_block) for s in "ab")
+        assert stage.node_names == expected
+        assert stage.forward_s > 0 and stage.peak_memory_bytes > 0 and stage.inflight_microbatches >= 1
+    assert plan.predicted is not None and plan.predicted.analytic_iteration_time_s > 0
+
+
+@pytest.mark.parametrize("layout, replicas", [("1:1", (1, 1)), ("3:1", (3, 1)), ("dp", (4,)), ("1:1:1:1", (1,) * 4)])
+def test_forced_layouts(layout: str, replicas: tuple[int, ...]) -> None:
+    plan = partition(chain([1.0, 2.0, 1.0, 1.0], [0, 10**6, 0, 0]), cluster(1, 4), 16, layout=layout)
+    assert tuple(s.replicas for s in plan.stages) == replicas
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_never_slower_than_dp(seed: int) -> None:
+    chain_, cluster_, batch = random_case(seed, max_blocks=5, max_devices=4)
+    try:
+        dp = partition(chain_, cluster_, batch, planner="dp")
+    except InfeasiblePlanError:
+        return
+    plan = partition(chain_, cluster_, batch)
+    assert plan.predicted is not None and dp.predicted is not None
+    assert plan.predicted.iteration_time_s <= dp.predicted.iteration_time_s * (1 + 1e-9)
+
+
+def test_oracle_within_three_percent_of_exhaustive() -> None:
+    """A fast subset of benchmarks/planner_oracle.py (200 cases up to 8 blocks x 8 devices there)."""
+    gaps = []
+    for seed in range(100, 112):
+        chain_, cluster_, batch = random_case(seed, max_blocks=5, max_devices=4)
+        try:
+            best = partition(chain_, cluster_, batch, planner="exhaustive")
+        except InfeasiblePlanError:
+            with pytest.raises(InfeasiblePlanError):
+                partition(chain_, cluster_, batch)
+            continue
+        plan = partition(chain_, cluster_, batch)
+        assert plan.predicted is not None and best.predicted is not None
+        gaps.append(plan.predicted.iteration_time_s / best.predicted.iteration_time_s - 1)
+    assert gaps and max(gaps) <= 0.03, gaps
+
+
+def test_compare_fills_every_baseline() -> None:
+    plan = partition(chain([1.0, 2.0, 1.0], [10**8, 10**6, 10**8]), cluster(1, 2), 8, compare=True)
+    names = dict(plan.baselines)
+    assert set(names) == set(PLANNERS) - {"dapple"}
+    assert plan.predicted is not None
+    for result in names.values():
+        assert result.feasible and result.iteration_time_s >= plan.predicted.iteration_time_s * (1 - 1e-9)
+
+
+def test_memory_infeasible_explains_the_closest_attempt() -> None:
+    with pytest.raises(InfeasiblePlanError) as error:
+        partition(chain([1.0, 1.0], [GiB, GiB]), cluster(1, 2, memory_gib=1), 8)
+    message = str(error.value)
+    assert "need GiB" in message and "capacity GiB" in message and "OVER" in message
+    assert "more devices" in message and "optimizer" in message
+
+
+def test_memory_limit_override_changes_the_plan() -> None:
+    roomy = partition(chain([1.0, 1.0], [10**8, 10**8]), cluster(1, 2), 8)
+    assert roomy.predicted is not None
+    with pytest.raises(InfeasiblePlanError):
+        partition(chain([1.0, 1.0], [10**8, 10**8]), cluster(1, 2), 8, memory_limit_bytes=10**8)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"planner": "magic"}, "planner 'magic' is unknown"),
+    ({"layout": "3:x"}, "layout '3:x' is malformed"),
+    ({"layout": "4:4"}, "needs 8 devices but the cluster has 4"),
+    ({"num_microbatches": 3}, "does not divide into num_microbatches=3"),
+    ({"layout": "1:1:1", "num_microbatches": 2}, "fewer than the 3 stages"),
+    ({"warmup_policy": "C"}, "warmup_policy 'C' is unknown"),
+])
+def test_bad_requests_name_the_value(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(PlanningError, match=match):
+        partition(chain([1.0, 1.0, 1.0], [0, 0, 0]), cluster(1, 4), 16, **kwargs)  # type: ignore[arg-type]
+    assert issubclass(LayoutError, ValueError)
