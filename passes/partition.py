@@ -41,7 +41,7 @@ def parse_layout(layout: str, num_devices: int, num_blocks: int) -> tuple[int, .
     if text == "dp":
         return (num_devices,)
     parts = text.split(":")
-    if not all(part.isdigit() and int(part) > 0 for part in parts):
+    if not all(part.isdecimal() and part.isascii() and int(part) > 0 for part in parts):
         raise LayoutError(f"layout {layout!r} is malformed: use replica counts separated by ':' "
                           "(e.g. '3:1', '1:1:1:1') or 'dp'")
     counts = tuple(int(part) for part in parts)
