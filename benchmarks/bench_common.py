@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import platform
-import queue
 import socket
 import statistics
+import tempfile
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -21,6 +19,7 @@ from torch import fx
 
 from fxpipe.plan import Plan, StagePlan
 from fxpipe.runtime.measure import SavedActivationMeter
+from tests.mp_utils import run_ranks as run_forked
 
 BENCH_MODEL = "gpt-mini"
 
@@ -35,57 +34,24 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, results: Any,
-               args: tuple[Any, ...]) -> None:
+def _in_world(rank: int, world_size: int, store_dir: str, fn: Callable[..., Any], port: int,
+              *args: Any) -> Any:
     torch.set_num_threads(1)  # one rank = one thread, as the local cluster runs them
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=120))
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=120))
-        try:
-            results.put((rank, True, fn(rank, world_size, *args)))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # reported to the parent, which raises with this traceback
-        results.put((rank, False, traceback.format_exc()))
-
-
-def warm_up_parent() -> None:
-    """Pay one-time imports (optimizer step pulls in torch._dynamo) once, before forking the ranks."""
-    parameter = torch.nn.Parameter(torch.zeros(2))
-    parameter.grad = torch.ones(2)
-    torch.optim.AdamW([parameter]).step()
+        return fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 900.0) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks (127.0.0.1); results by rank."""
-    warm_up_parent()
-    context = multiprocessing.get_context("fork")
-    results = context.Queue()
-    port = free_port()
-    processes = [context.Process(target=_rank_main, args=(fn, rank, world_size, port, results, args))
-                 for rank in range(world_size)]
-    for process in processes:
-        process.start()
-    collected: dict[int, Any] = {}
-    errors: list[str] = []
-    try:
-        for _ in range(world_size):
-            rank, ok, payload = results.get(timeout=timeout_s)
-            if ok:
-                collected[rank] = payload
-            else:
-                errors.append(f"rank {rank}:\n{payload}")
-    except queue.Empty:
-        errors.append(f"ranks {sorted(set(range(world_size)) - set(collected))} gave no result in {timeout_s} s")
-    finally:
-        for process in processes:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.terminate()
-                process.join()
-    if errors:
-        raise RuntimeError("\n".join(errors))
-    return [collected[rank] for rank in range(world_size)]
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks (127.0.0.1); results by rank.
+
+    The fork runner is the test suite's (tests/mp_utils.py); this adds a TCP rendezvous per run.
+    """
+    with tempfile.TemporaryDirectory() as store_dir:
+        return run_forked(_in_world, world_size, store_dir, fn, free_port(), *args, timeout_s=timeout_s)
 
 
 # ---- plans cut at transformer-block boundaries -------------------------------------------------------
