@@ -389,7 +389,7 @@ def _existing_file(text: str) -> Path | None:
     try:
         path = Path(text).expanduser()
         return path if path.is_file() else None
-    except (OSError, RuntimeError):  # a name too long for the file system, an unknown ~user
+    except (OSError, RuntimeError, ValueError):  # too long for the file system, unknown ~user, NUL byte
         return None
 
 

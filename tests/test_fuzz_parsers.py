@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -40,7 +40,10 @@ from fxpipe.schedule import Action, Op, Schedule, ScheduleError, make_schedule, 
 torch.set_num_threads(1)
 # FXPIPE_FUZZ_SCALE=10 runs ten times more examples (a longer local hunt); CI keeps the default.
 _SCALE = float(os.environ.get("FXPIPE_FUZZ_SCALE", "1"))
-FUZZ = settings(max_examples=int(200 * _SCALE), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Under CI the examples are derandomized, so a submission's verdict does not depend on luck;
+# local runs explore new inputs every time (that is how the NUL-byte path crash was found).
+FUZZ = settings(max_examples=int(200 * _SCALE), deadline=None, suppress_health_check=[HealthCheck.too_slow],
+                derandomize=bool(os.environ.get("CI")))
 # Structured strategies (graphs, plans, files, tracing) cost more per example.
 FUZZ_SLOW = settings(FUZZ, max_examples=int(80 * _SCALE))
 T = TypeVar("T")
@@ -251,6 +254,7 @@ def _cluster_round_trips(cluster: Cluster) -> None:
 
 @FUZZ
 @given(st.text(max_size=40) | cluster_specs())
+@example("~\x00")  # a NUL byte in a path-like spec once escaped as a bare ValueError
 def test_parse_cluster_raises_only_cluster_spec_error(spec: str) -> None:
     cluster = _call(lambda: parse_cluster(spec, calibrate=False), (ClusterSpecError,))
     if cluster is not None:
