@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import socket
@@ -11,6 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -214,3 +216,17 @@ def compile_fxpipe(workload: Workload, num_stages: int, *, schedule: str = "earl
 def zero_grads(parameters: Sequence[torch.nn.Parameter]) -> None:
     for parameter in parameters:
         parameter.grad = None
+
+
+def bench_main(argv: list[str] | None, doc: str | None, results: Path,
+               run_and_report: Callable[[int, int], str], *, steps: int, warmup: int) -> None:
+    """The command line every runtime benchmark shares: --steps, --warmup, --write (the .md file)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0] if doc else None)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--write", action="store_true", help=f"write {results.name}")
+    args = parser.parse_args(argv)
+    text = run_and_report(args.warmup, args.steps)
+    print(text)
+    if args.write:
+        results.write_text(text)

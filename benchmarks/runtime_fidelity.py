@@ -12,7 +12,6 @@ figure is the median ``step`` time (no optimizer step, as the simulator models i
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,6 +23,7 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_common import (  # noqa: E402
     Workload,
+    bench_main,
     machine_notes,
     median,
     run_ranks,
@@ -132,15 +132,9 @@ def report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--write", action="store_true", help=f"write {RESULTS.name}")
-    args = parser.parse_args(argv)
-    text = report(run(DEFAULT_WORKLOAD, num_warmup=args.warmup, num_steps=args.steps))
-    print(text)
-    if args.write:
-        RESULTS.write_text(text)
+    bench_main(argv, __doc__, RESULTS,
+               lambda warmup, steps: report(run(DEFAULT_WORKLOAD, num_warmup=warmup, num_steps=steps)),
+               steps=5, warmup=2)
 
 
 if __name__ == "__main__":

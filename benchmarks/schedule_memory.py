@@ -10,7 +10,6 @@ at most S - s micro-batches in flight on stage s, GPipe all M, so stage 0 should
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_common import (  # noqa: E402
     ActivationMeter,
     Workload,
+    bench_main,
     compile_fxpipe,
     interleaved,
     machine_notes,
@@ -102,15 +102,9 @@ def report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--write", action="store_true", help=f"write {RESULTS.name}")
-    args = parser.parse_args(argv)
-    text = report(run(DEFAULT_WORKLOAD, num_warmup=args.warmup, num_steps=args.steps))
-    print(text)
-    if args.write:
-        RESULTS.write_text(text)
+    bench_main(argv, __doc__, RESULTS,
+               lambda warmup, steps: report(run(DEFAULT_WORKLOAD, num_warmup=warmup, num_steps=steps)),
+               steps=6, warmup=1)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ steps; no optimizer step is timed.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_common import (  # noqa: E402
     ActivationMeter,
     Workload,
+    bench_main,
     compile_fxpipe,
     interleaved,
     machine_notes,
@@ -238,16 +238,9 @@ def report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--write", action="store_true", help=f"write {RESULTS.name}")
-    args = parser.parse_args(argv)
-    result = run(DEFAULT_WORKLOAD, num_warmup=args.warmup, num_steps=args.steps)
-    text = report(result)
-    print(text)
-    if args.write:
-        RESULTS.write_text(text)
+    bench_main(argv, __doc__, RESULTS,
+               lambda warmup, steps: report(run(DEFAULT_WORKLOAD, num_warmup=warmup, num_steps=steps)),
+               steps=10, warmup=2)
 
 
 if __name__ == "__main__":
