@@ -12,6 +12,7 @@ from fxpipe.passes import baselines
 from fxpipe.passes.block_partition import balanced_cuts, coarse_boundaries, coarsen_chain, refine_cuts
 from fxpipe.passes.candidates import Candidate, CostModel, Span
 from fxpipe.passes.chain import CostChain
+from fxpipe.passes.partition_polish import polish
 from fxpipe.passes.partition_search import search
 from fxpipe.passes.placement import host_aligned
 from fxpipe.passes.plan_scoring import (
@@ -33,6 +34,7 @@ __all__ = ["PLANNERS", "InfeasiblePlanError", "LayoutError", "PlanningError", "p
 # Chains longer than this are searched on merged groups of blocks, then the cuts are refined.
 MAX_SEARCH_BLOCKS = 32
 MAX_SEARCH_BLOCKS_LARGE = 16  # on host-aligned (large) clusters
+MAX_REPLICATED_STAGES = 8
 
 
 def parse_layout(layout: str, num_devices: int, num_blocks: int) -> tuple[int, ...]:
@@ -81,8 +83,8 @@ def _replicated_pipelines(model: CostModel, grid: list[int]) -> list[Candidate]:
     work = [b.forward_s.per_sample + b.backward_s.per_sample for b in chain.blocks]
     found = []
     for num_stages in range(2, min(chain.num_blocks, num_devices) + 1):
-        if num_devices % num_stages:
-            continue  # whole-pipeline replication uses every device
+        if num_stages > MAX_REPLICATED_STAGES and num_devices % num_stages:
+            continue  # on large clusters only stage counts that use every device
         num_copies = num_devices // num_stages
         stops = balanced_cuts(work, num_stages)
         spans = [Span(stops[s - 1] if s else 0, stops[s], tuple(c * num_stages + s for c in range(num_copies)))
@@ -154,10 +156,22 @@ def _least_memory(model: CostModel, grid: list[int]) -> Candidate | None:
 
 
 def _top(candidates: Iterable[Candidate], count: int) -> list[Candidate]:
+    """The ``count`` best by the pivot model, plus the best of every other layout among the next ones.
+
+    The pivot model can misjudge one layout against another by several percent, so each layout
+    near the top gets at least one simulation.
+    """
     unique: dict[tuple[object, ...], Candidate] = {}
     for candidate in sorted(candidates):
         unique.setdefault(candidate.identity(), candidate)
-    return list(unique.values())[:count]
+    ordered = list(unique.values())
+    chosen = ordered[:count]
+    layouts = {c.layout for c in chosen}
+    for candidate in ordered[count:4 * count]:
+        if candidate.layout not in layouts and len(chosen) < count + count // 2:
+            layouts.add(candidate.layout)
+            chosen.append(candidate)
+    return chosen
 
 
 def plan_dapple(request: PlanRequest) -> Plan:
@@ -171,6 +185,8 @@ def plan_dapple(request: PlanRequest) -> Plan:
     if request.layout is None:
         found.extend(_replicated_pipelines(model, grid))
     best = score_candidates(request, model, _top(found, request.rerank), "dapple")
+    if best is not None:
+        best = polish(request, model, best, grid, "dapple")
     if dp is not None and (best is None or dp.time_s <= best.time_s):
         best = dp.__class__(dp.time_s, dp.plan.with_updates(planner="dapple"))
     if best is None and closest is None and grid:

@@ -10,7 +10,7 @@ from fxpipe.stagecost import optimizer_factor
 
 # The pivot model is within a few percent of the simulator on most plans (worst ~17%), so a branch is
 # cut only when its lower bound exceeds the best latency so far by this much.
-PRUNE_SLACK = 0.2
+PRUNE_SLACK = 0.1
 # Default beam: prefixes kept per state = BEAM_BUDGET / (blocks x devices), between 1 and MAX_BEAM_WIDTH.
 BEAM_BUDGET = 400
 MAX_BEAM_WIDTH = 8
