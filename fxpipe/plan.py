@@ -285,11 +285,17 @@ def shared_rows(num_rows: int, num_senders: int, num_receivers: int) -> tuple[tu
     Returns ``(sender_index, receiver_index, start, stop)`` for every pair whose slices overlap,
     in sender-then-receiver order; rows are micro-batch-relative.
     """
+    senders, receivers = row_ranges(num_rows, num_senders), row_ranges(num_rows, num_receivers)
     pairs = []
-    receivers = row_ranges(num_rows, num_receivers)
-    for sender_index, (s_start, s_stop) in enumerate(row_ranges(num_rows, num_senders)):
-        for receiver_index, (r_start, r_stop) in enumerate(receivers):
-            start, stop = max(s_start, r_start), min(s_stop, r_stop)
-            if start < stop:
-                pairs.append((sender_index, receiver_index, start, stop))
+    sender_index = receiver_index = 0
+    # Both slicings cover [0, num_rows) in order, so one merge pass finds every overlap (linear, not R x R).
+    while sender_index < num_senders and receiver_index < num_receivers:
+        (s_start, s_stop), (r_start, r_stop) = senders[sender_index], receivers[receiver_index]
+        start, stop = max(s_start, r_start), min(s_stop, r_stop)
+        if start < stop:
+            pairs.append((sender_index, receiver_index, start, stop))
+        if s_stop <= r_stop:
+            sender_index += 1
+        if r_stop <= s_stop:
+            receiver_index += 1
     return tuple(pairs)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from tabulate import tabulate
 
 from fxpipe.cluster import Cluster
@@ -65,14 +67,11 @@ def summary_lines(plan: Plan) -> list[str]:
     ]
     predicted = plan.predicted
     if predicted is not None:
-        speedup = predicted.speedup_over_dp
-        lines.append(
-            f"predicted iteration {predicted.iteration_time_s * 1e3:.2f} ms, "
-            f"{predicted.throughput_samples_per_s:.1f} samples/s, bubble {predicted.bubble_fraction:.1%}, "
-            f"speedup over DP {speedup:.2f}x" if speedup == speedup else
-            f"predicted iteration {predicted.iteration_time_s * 1e3:.2f} ms, "
-            f"{predicted.throughput_samples_per_s:.1f} samples/s (DP does not fit)"
-        )
+        speedup = predicted.speedup_over_dp  # NaN when DP was not evaluated (forced layout) or does not fit
+        versus_dp = f", speedup over DP {speedup:.2f}x" if math.isfinite(speedup) else ", DP not compared"
+        lines.append(f"predicted iteration {predicted.iteration_time_s * 1e3:.2f} ms, "
+                     f"{predicted.throughput_samples_per_s:.1f} samples/s, bubble {predicted.bubble_fraction:.1%}"
+                     + versus_dp)
     lines.append(f"planning time {plan.planning_time_s:.2f} s")
     return lines
 

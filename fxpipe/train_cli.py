@@ -42,7 +42,12 @@ def _batches(args: argparse.Namespace, example_inputs: tuple[Any, ...]) -> Any:
     if use_text:
         block_size = int(example_inputs[0].shape[1])
         text = TextBatches(stdlib_corpus(), block_size=block_size, batch_size=args.global_batch, seed=args.seed)
-        return lambda step: ((text.batch(step)[0],), text.batch(step)[1])
+
+        def text_batch(step: int) -> tuple[tuple[Any, ...], Any]:
+            inputs, targets = text.batch(step)
+            return (inputs,), targets
+
+        return text_batch
     entry = models.get(args.model)
     return lambda step: entry.make_batch(args.global_batch, seed=args.seed * 1_000_003 + step)
 

@@ -88,3 +88,18 @@ def test_allreduce_matches_the_ring_formula() -> None:
     assert allreduce_time(net, 1000, [0]) == 0.0
     assert allreduce_time(net, 1000, [0, 1]) == pytest.approx(2 * 1000 * 1 / (2 * 100))
     assert allreduce_time(net, 1000, [0, 1, 2]) == pytest.approx(4 * 0.5 + 2 * 1000 * 2 / (3 * 10))
+
+
+def test_shared_rows_equals_every_overlapping_pair() -> None:
+    from fxpipe.plan import row_ranges, shared_rows
+
+    for num_rows in range(1, 30):
+        for num_senders in range(1, min(num_rows, 7) + 1):
+            for num_receivers in range(1, min(num_rows, 7) + 1):
+                brute = tuple(
+                    (i, j, max(s0, r0), min(s1, r1))
+                    for i, (s0, s1) in enumerate(row_ranges(num_rows, num_senders))
+                    for j, (r0, r1) in enumerate(row_ranges(num_rows, num_receivers))
+                    if max(s0, r0) < min(s1, r1)
+                )
+                assert shared_rows(num_rows, num_senders, num_receivers) == brute
