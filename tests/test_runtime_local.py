@@ -9,9 +9,20 @@ from fxpipe import models as zoo
 from fxpipe.passes import trace
 from fxpipe.passes.codegen import split_for_plan
 from fxpipe.plan import Plan, StagePlan
-from fxpipe.runtime.comm import MessageKind, Route, buffer_shape, message_tag, routes_between, slice_rows
+from fxpipe.runtime.comm import (
+    PACK_ALIGN,
+    MessageKind,
+    Route,
+    buffer_shape,
+    message_tag,
+    pack,
+    packed_bytes,
+    routes_between,
+    slice_rows,
+    unpack,
+)
 from fxpipe.runtime.driver import check_world, lowered_actions
-from fxpipe.runtime.errors import PipelineSetupError
+from fxpipe.runtime.errors import CommunicationError, PipelineSetupError
 from fxpipe.runtime.stage import infer_value_dtypes, rebuild_tree
 from fxpipe.schedule import Action, Op
 from tests.mp_utils import plan_from_cuts
@@ -64,6 +75,28 @@ def test_buffer_shape_scales_only_batched_dim_zero() -> None:
 def test_message_tags_are_unique_per_kind_microbatch_and_value() -> None:
     tags = {message_tag(kind, m, v, 5) for kind in MessageKind for m in range(4) for v in range(5)}
     assert len(tags) == len(MessageKind) * 4 * 5
+
+
+def test_pack_then_unpack_gives_every_piece_back_bit_exact_with_its_dtype() -> None:
+    pieces = [torch.randn(2, 3, 5), torch.rand(3) > 0.5, torch.randn(4, 4).t(), torch.arange(7, dtype=torch.int64),
+              torch.randn(2, 3).to(torch.bfloat16), torch.tensor(2.5)]
+    buffer = pack(pieces)
+    layouts = [(tuple(p.shape), p.dtype) for p in pieces]
+    assert buffer.dtype == torch.uint8 and buffer.numel() == packed_bytes(layouts)
+    for got, want in zip(unpack(buffer, layouts), pieces, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+        assert (got.storage_offset() * got.element_size()) % PACK_ALIGN == 0
+        assert got.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()  # views, no copy
+
+
+def test_packed_bytes_pads_each_piece_to_the_alignment() -> None:
+    layouts = [((3,), torch.bool), ((1,), torch.float32), ((4,), torch.float64)]
+    assert packed_bytes(layouts) == PACK_ALIGN + PACK_ALIGN + 2 * PACK_ALIGN
+
+
+def test_unpack_rejects_a_message_of_the_wrong_size() -> None:
+    with pytest.raises(CommunicationError, match="packed message has 8 bytes but its pieces need 16"):
+        unpack(torch.empty(8, dtype=torch.uint8), [((2,), torch.float32)])
 
 
 def test_rebuild_tree_restores_nested_outputs() -> None:

@@ -23,9 +23,12 @@ from fxpipe.runtime.comm import (
     buffer_shape,
     message_tag,
     new_groups,
+    pack,
+    packed_bytes,
     routes_between,
     slice_rows,
     unflatten_into,
+    unpack,
 )
 from fxpipe.runtime.errors import BatchShapeError, PipelineSetupError
 from fxpipe.runtime.measure import ActionTimer, SavedActivationMeter, StepStats
@@ -225,25 +228,57 @@ class PipelineDriver:
                 tags = (self._tag(MessageKind.OBJECT_LENGTH, m, name), self._tag(MessageKind.OBJECT_BYTES, m, name))
                 received[name] = self.exchange.recv_object(routes[0].sender_rank, tags,
                                                            f"receive object {name!r} of micro-batch {m}")
-        ops: list[tuple[bool, torch.Tensor, int, int, str]] = []
-        pieces: dict[str, list[torch.Tensor]] = {}
+        wanted: list[tuple[int, tuple[str, int], tuple[int, ...], torch.dtype]] = []
         for name, routes in self.in_routes.items():
             spec = self.program.values[name]
-            if not spec.is_tensor:
-                continue
-            pieces[name] = [self._empty(name, r.receiver_rows) for r in routes]
-            ops.extend((False, buf, r.sender_rank, self._tag(MessageKind.ACTIVATION, m, name),
-                        f"receive activation {name!r} of micro-batch {m}") for r, buf in zip(routes, pieces[name], strict=True))
-        self.exchange.wait(self.exchange.post(ops))
-        for name, bufs in pieces.items():
-            received[name] = bufs[0] if len(bufs) == 1 else torch.cat(bufs)
+            dtype = self.dtypes[name] or torch.get_default_dtype()
+            if spec.is_tensor:
+                for index, route in enumerate(routes):
+                    num_rows = route.receiver_rows[1] - route.receiver_rows[0] if route.receiver_rows else 0
+                    shape = buffer_shape(spec.shape, spec.batched and route.receiver_rows is not None, num_rows)
+                    wanted.append((route.sender_rank, (name, index), shape, dtype))
+        pieces = self._receive(MessageKind.ACTIVATION, m, wanted, "activation")
+        for name, routes in self.in_routes.items():
+            if self.program.values[name].is_tensor:
+                bufs = [pieces[name, index] for index in range(len(routes))]
+                received[name] = bufs[0] if len(bufs) == 1 else torch.cat(bufs)
         state.received[m] = received
 
-    def _empty(self, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
-        spec = self.program.values[name]
-        num_rows = rows[1] - rows[0] if rows is not None else 0
-        shape = buffer_shape(spec.shape, spec.batched and rows is not None, num_rows)
-        return torch.empty(shape, dtype=self.dtypes[name], device=self.context.device)
+    def _receive(self, kind: MessageKind, m: int,
+                 wanted: Sequence[tuple[int, tuple[str, int], tuple[int, ...], torch.dtype]],
+                 what: str) -> dict[tuple[str, int], torch.Tensor]:
+        """Receive ``(peer, key, shape, dtype)`` pieces: one message per peer (packed when it holds several)."""
+        by_peer: dict[int, list[tuple[tuple[str, int], tuple[int, ...], torch.dtype]]] = {}
+        for peer, key, shape, dtype in wanted:
+            by_peer.setdefault(peer, []).append((key, shape, dtype))
+        ops: list[tuple[bool, torch.Tensor, int, int, str]] = []
+        for peer, items in by_peer.items():
+            layouts = [(shape, dtype) for _, shape, dtype in items]
+            buffer = (torch.empty(items[0][1], dtype=items[0][2], device=self.context.device) if len(items) == 1
+                      else torch.empty(packed_bytes(layouts), dtype=torch.uint8, device=self.context.device))
+            names = [key[0] for key, _, _ in items]
+            ops.append((False, buffer, peer, self._tag(kind, m, names[0]),
+                        f"receive {what} {', '.join(map(repr, names))} of micro-batch {m}"))
+        self.exchange.wait(self.exchange.post(ops))
+        pieces: dict[tuple[str, int], torch.Tensor] = {}
+        for (_, buffer, _, _, _), items in zip(ops, by_peer.values(), strict=True):
+            views = [buffer] if len(items) == 1 else unpack(buffer, [(shape, dtype) for _, shape, dtype in items])
+            pieces.update((key, view) for (key, _, _), view in zip(items, views, strict=True))
+        return pieces
+
+    def _send(self, kind: MessageKind, m: int, outgoing: Sequence[tuple[int, str, torch.Tensor]],
+              what: str) -> list[Pending]:
+        """Send ``(peer, value name, piece)``: one message per peer, packed when it holds several pieces."""
+        by_peer: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        for peer, name, piece in outgoing:
+            by_peer.setdefault(peer, []).append((name, piece))
+        ops: list[tuple[bool, torch.Tensor, int, int, str]] = []
+        for peer, items in by_peer.items():
+            names = [name for name, _ in items]
+            tensor = items[0][1].detach().contiguous() if len(items) == 1 else pack([t for _, t in items])
+            ops.append((True, tensor, peer, self._tag(kind, m, names[0]),
+                        f"send {what} {', '.join(map(repr, names))} of micro-batch {m}"))
+        return self.exchange.post(ops)
 
     def _forward(self, state: _StepState, m: int) -> None:
         start, stop = slice_rows(m, self.plan.microbatch_size, self.replica_index, self.num_replicas)
@@ -267,20 +302,19 @@ class PipelineDriver:
 
     def _send_activation(self, state: _StepState, m: int) -> None:
         outputs = state.outputs[m]
-        ops: list[tuple[bool, torch.Tensor, int, int, str]] = []
+        outgoing: list[tuple[int, str, torch.Tensor]] = []
         for name, routes in self.out_routes.items():
             value = outputs[name]
             for route in routes:
-                description = f"send activation {name!r} of micro-batch {m}"
                 if not isinstance(value, torch.Tensor):
                     tags = (self._tag(MessageKind.OBJECT_LENGTH, m, name),
                             self._tag(MessageKind.OBJECT_BYTES, m, name))
-                    state.sends.extend(self.exchange.send_object(value, route.receiver_rank, tags, description))
+                    state.sends.extend(self.exchange.send_object(
+                        value, route.receiver_rank, tags, f"send object {name!r} of micro-batch {m}"))
                     continue
                 piece = value if route.sender_rows is None else value[route.sender_rows[0]:route.sender_rows[1]]
-                ops.append((True, piece.detach().contiguous(), route.receiver_rank,
-                            self._tag(MessageKind.ACTIVATION, m, name), description))
-        state.sends.extend(self.exchange.post(ops))
+                outgoing.append((route.receiver_rank, name, piece))
+        state.sends.extend(self._send(MessageKind.ACTIVATION, m, outgoing, "activation"))
 
     def _grad_routes(self, routes: dict[str, list[Route]]) -> list[tuple[str, list[Route]]]:
         return [(name, rs) for name, rs in routes.items()
@@ -288,25 +322,22 @@ class PipelineDriver:
 
     def _recv_gradient(self, state: _StepState, m: int) -> None:
         outputs = state.outputs[m]
-        ops: list[tuple[bool, torch.Tensor, int, int, str]] = []
-        pieces: list[tuple[str, tuple[int, int] | None, torch.Tensor]] = []
+        wanted: list[tuple[int, tuple[str, int], tuple[int, ...], torch.dtype]] = []
+        rows_of: dict[tuple[str, int], tuple[int, int] | None] = {}
         for name, routes in self._grad_routes(self.out_routes):
-            for route in routes:
-                buf = self._empty_like_rows(outputs[name], route.sender_rows)
-                pieces.append((name, route.sender_rows, buf))
-                ops.append((False, buf, route.receiver_rank, self._tag(MessageKind.GRADIENT, m, name),
-                            f"receive gradient of {name!r} for micro-batch {m}"))
-        self.exchange.wait(self.exchange.post(ops))
+            for index, route in enumerate(routes):
+                like = outputs[name] if route.sender_rows is None else \
+                    outputs[name][route.sender_rows[0]:route.sender_rows[1]]
+                wanted.append((route.receiver_rank, (name, index), tuple(like.shape), like.dtype))
+                rows_of[name, index] = route.sender_rows
+        pieces = self._receive(MessageKind.GRADIENT, m, wanted, "gradient of")
         grads: dict[str, torch.Tensor] = {}
-        for name, rows, buf in pieces:
+        for (name, index), buf in pieces.items():
+            rows = rows_of[name, index]
             grad = grads.setdefault(name, torch.zeros_like(outputs[name]))
             target = grad if rows is None else grad[rows[0]:rows[1]]
             target.add_(buf)
         state.output_grads[m] = grads
-
-    def _empty_like_rows(self, value: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
-        like = value if rows is None else value[rows[0]:rows[1]]
-        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
 
     def _backward(self, state: _StepState, m: int) -> None:
         state.input_grads[m] = self.runner.backward(m, state.output_grads.pop(m, {}))
@@ -314,17 +345,15 @@ class PipelineDriver:
 
     def _send_gradient(self, state: _StepState, m: int) -> None:
         grads, received = state.input_grads.pop(m), state.received.pop(m)
-        ops: list[tuple[bool, torch.Tensor, int, int, str]] = []
+        outgoing: list[tuple[int, str, torch.Tensor]] = []
         for name, routes in self._grad_routes(self.in_routes):
             grad = grads.get(name)
             if grad is None:  # the stage did not use the value on a differentiable path
                 grad = torch.zeros_like(received[name])
             for route in routes:
                 rows = route.receiver_rows
-                piece = grad if rows is None else grad[rows[0]:rows[1]]
-                ops.append((True, piece.contiguous(), route.sender_rank, self._tag(MessageKind.GRADIENT, m, name),
-                            f"send gradient of {name!r} for micro-batch {m}"))
-        state.sends.extend(self.exchange.post(ops))
+                outgoing.append((route.sender_rank, name, grad if rows is None else grad[rows[0]:rows[1]]))
+        state.sends.extend(self._send(MessageKind.GRADIENT, m, outgoing, "gradient of"))
 
     # ---- gradient sync and loss ----------------------------------------------------------------
 
