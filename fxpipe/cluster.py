@@ -69,6 +69,11 @@ class Cluster:
     ``inter_host_collective`` is the bandwidth NCCL-style collectives reach across hosts (the
     DAPPLE authors measured 3 GB/s against 1 GB/s point-to-point); it defaults to the
     point-to-point inter-host link. ``description`` records where the figures come from.
+
+    ``cores_per_host`` is for CPU ranks that share their host's cores (0: every device computes on
+    hardware of its own). When a host runs more ranks than it has cores, each rank computes at
+    ``cores / ranks`` of its one-rank speed (:attr:`compute_slowdown`), a fair share: on a 2-core VM
+    four one-thread processes each ran a gpt-mini forward+backward 2.2x slower than one alone.
     """
 
     name: str
@@ -79,6 +84,7 @@ class Cluster:
     inter_host: LinkSpec
     inter_host_collective: LinkSpec | None = None
     description: str = ""
+    cores_per_host: int = 0
 
     def __post_init__(self) -> None:
         if self.num_hosts < 1 or self.devices_per_host < 1:
@@ -86,6 +92,16 @@ class Cluster:
                 f"cluster {self.name!r} needs at least 1 host and 1 device per host; "
                 f"got {self.num_hosts} hosts x {self.devices_per_host} devices"
             )
+        if self.cores_per_host < 0:
+            raise ValueError(f"cluster {self.name!r}: cores_per_host must be >= 0 (0: devices do not share "
+                             f"cores); got {self.cores_per_host}")
+
+    @property
+    def compute_slowdown(self) -> float:
+        """How much longer compute takes on each device because the host's ranks share too few cores (>= 1)."""
+        if self.cores_per_host <= 0 or self.devices_per_host <= self.cores_per_host:
+            return 1.0
+        return self.devices_per_host / self.cores_per_host
 
     @property
     def num_devices(self) -> int:
@@ -177,6 +193,7 @@ def _cluster_from_json(data: Any) -> Cluster:
         inter_host_collective=_link_from_json(data["inter_host_collective"], "inter_host_collective")
         if has_collective else None,
         description=json_field(data, "description", str) if "description" in data else "",
+        cores_per_host=json_field(data, "cores_per_host", int, "", "non-negative") if "cores_per_host" in data else 0,
     )
 
 
@@ -279,8 +296,14 @@ _DEVICE_ALIASES = {"v100-16gb": "v100", "a100-80gb": "a100", "h100-80gb": "h100"
 
 
 def _cpu_cluster(name: str, num_hosts: int, ranks_per_host: int, device: DeviceSpec, link: LinkSpec,
-                 description: str) -> Cluster:
-    return Cluster(name, num_hosts, ranks_per_host, device, link, link, None, description)
+                 description: str, cores_per_host: int = 0) -> Cluster:
+    return Cluster(name, num_hosts, ranks_per_host, device, link, link, None, description, cores_per_host)
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else max(1, os.cpu_count() or 1)
 
 
 def dapple_cluster(config: str) -> Cluster:
@@ -329,7 +352,9 @@ def local_cluster(num_ranks: int | None = None, *, calibrate: bool | None = None
     With calibration (the default unless ``calibrate=False`` or ``FXPIPE_CALIBRATE=0``) the device
     and link figures come from a short measurement, cached per hostname and torch version under
     ``~/.cache/fxpipe`` (``$FXPIPE_CACHE_DIR``; see :mod:`fxpipe.runtime.calibrate`); otherwise
-    conservative defaults. Memory per rank is the host's physical memory divided by the ranks.
+    conservative defaults. Memory per rank is the host's physical memory divided by the ranks;
+    the ranks share the cores this process may use (``cores_per_host``), so more ranks than cores
+    slow each rank's compute down (:attr:`Cluster.compute_slowdown`).
     """
     ranks = num_ranks if num_ranks is not None else max(1, min(os.cpu_count() or 1, 8))
     if ranks < 1:
@@ -338,7 +363,7 @@ def local_cluster(num_ranks: int | None = None, *, calibrate: bool | None = None
     name = f"local:{ranks}"
     if not calibration_enabled(calibrate):
         return _cpu_cluster(name, 1, ranks, cpu_device(memory), LOCAL_LINK_DEFAULT,
-                            "local CPU ranks, uncalibrated conservative defaults")
+                            "local CPU ranks, uncalibrated conservative defaults", usable_cores())
     from fxpipe.runtime.calibrate import calibrate_local  # lazy: keeps planning imports light
 
     figures = calibrate_local(refresh=refresh)
@@ -346,7 +371,7 @@ def local_cluster(num_ranks: int | None = None, *, calibrate: bool | None = None
     device_figures = {k: figures[k] for k in
                       ("float32", "bfloat16", "float16", "memory_bandwidth", "kernel_launch")}
     return _cpu_cluster(name, 1, ranks, cpu_device(memory, calibrated=device_figures), link,
-                        "local CPU ranks, calibrated (fxpipe.runtime.calibrate)")
+                        "local CPU ranks, calibrated (fxpipe.runtime.calibrate)", usable_cores())
 
 
 def dgx_h100_cluster(num_nodes: int = 1) -> Cluster:

@@ -77,7 +77,8 @@ def simulate(plan: Plan, chain: CostChain, cluster: Cluster, *, optimizer: str =
       order. Compute takes the time of its own slice (:func:`split_rows`; smaller slices are faster).
     - A send is asynchronous (buffered): it issues one transfer piece per receiving replica
       (:func:`shared_rows`) and the device goes on. A receive blocks until every piece of that
-      micro-batch arrived. A piece takes ``latency + cut_bytes(rows) / bandwidth`` of its link
+      micro-batch arrived. Compute is stretched by ``cluster.compute_slowdown`` (CPU ranks
+      sharing too few cores). A piece takes ``latency + cut_bytes(rows) / bandwidth`` of its link
       (:meth:`Cluster.link`); gradients are the same size as activations.
     - Each device has one send port and one receive port (full duplex). A piece holds its sender's
       send port and its receiver's receive port; ports serve pieces first come, first served in
@@ -140,7 +141,8 @@ def _replica_specs(plan: Plan, chain: CostChain, cluster: Cluster) -> dict[Repli
     nodes: dict[Replica, _Node] = {}
     for stage in plan.stages:
         for replica_index, rows in enumerate(split_rows(plan.microbatch_size, stage.replicas)):
-            forward_s, backward_s = compute_times(chain, stage.first_block, stage.stop_block, rows)
+            forward_s, backward_s = compute_times(chain, stage.first_block, stage.stop_block, rows,
+                                                  cluster.compute_slowdown)
             nodes[stage.stage_index, replica_index] = _Node(stage.stage_index, forward_s, backward_s, [], [], 0, 0)
     for stage_index in range(plan.num_stages - 1):
         for i, j, seconds in _pieces(plan, chain, cluster, stage_index):
@@ -225,7 +227,7 @@ def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule,
         ends.append(starts[-1] + cluster.allreduce_time(cost.param_bytes, stage.devices))
         peaks.append(stage_memory_bytes(cost, inflight[stage.stage_index], optimizer))
     iteration_s = max(ends)
-    busy = {device: _busy(plan, chain, stage.stage_index, replica_index)
+    busy = {device: _busy(plan, chain, stage.stage_index, replica_index, cluster.compute_slowdown)
             for stage in plan.stages for replica_index, device in enumerate(stage.devices)}
     devices = tuple(sorted(busy))
     return SimulationResult(
@@ -245,10 +247,10 @@ def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule,
     )
 
 
-def _busy(plan: Plan, chain: CostChain, stage_index: int, replica_index: int) -> float:
+def _busy(plan: Plan, chain: CostChain, stage_index: int, replica_index: int, slowdown: float) -> float:
     stage = plan.stages[stage_index]
     rows = split_rows(plan.microbatch_size, stage.replicas)[replica_index]
-    forward_s, backward_s = compute_times(chain, stage.first_block, stage.stop_block, rows)
+    forward_s, backward_s = compute_times(chain, stage.first_block, stage.stop_block, rows, slowdown)
     return plan.num_microbatches * (forward_s + backward_s)
 
 

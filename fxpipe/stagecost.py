@@ -5,11 +5,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fxpipe.cluster import Cluster
 from fxpipe.costgraph import Affine
-from fxpipe.passes.chain import CostChain
 from fxpipe.plan import shared_rows, split_rows
+
+if TYPE_CHECKING:  # fxpipe.passes imports the planner, which imports this module
+    from fxpipe.passes.chain import CostChain
 
 # Bytes kept per parameter byte: weights + gradients (+ optimizer state).
 OPTIMIZER_STATE_FACTORS: dict[str, float] = {"sgd": 2.0, "momentum": 3.0, "adam": 4.0, "adamw": 4.0}
@@ -39,21 +42,28 @@ def _block_sum(chain: CostChain, first: int, stop: int, field: str) -> Affine:
     return Affine.total(getattr(block, field) for block in chain.blocks[first:stop])
 
 
-def compute_times(chain: CostChain, first: int, stop: int, rows: int) -> tuple[float, float]:
-    """Forward and backward seconds of blocks ``[first, stop)`` on a slice of ``rows`` batch rows."""
-    return (_block_sum(chain, first, stop, "forward_s").at(rows),
-            _block_sum(chain, first, stop, "backward_s").at(rows))
+def compute_times(chain: CostChain, first: int, stop: int, rows: int, slowdown: float = 1.0) -> tuple[float, float]:
+    """Forward and backward seconds of blocks ``[first, stop)`` on a slice of ``rows`` batch rows.
+
+    ``slowdown`` stretches the chain's times (:attr:`Cluster.compute_slowdown`: ranks sharing cores).
+    """
+    return (_block_sum(chain, first, stop, "forward_s").at(rows) * slowdown,
+            _block_sum(chain, first, stop, "backward_s").at(rows) * slowdown)
 
 
-def stage_cost(chain: CostChain, first: int, stop: int, microbatch_rows: int, replicas: int) -> StageCost:
-    """Costs of blocks ``[first, stop)`` run on ``replicas`` devices, each taking its slice of a micro-batch."""
+def stage_cost(chain: CostChain, first: int, stop: int, microbatch_rows: int, replicas: int,
+               slowdown: float = 1.0) -> StageCost:
+    """Costs of blocks ``[first, stop)`` run on ``replicas`` devices, each taking its slice of a micro-batch.
+
+    ``slowdown`` stretches compute as in :func:`compute_times`.
+    """
     rows = max(split_rows(microbatch_rows, replicas))
     input_bytes = chain.input_bytes if first == 0 else chain.cut_bytes[first - 1]
     output_bytes = chain.output_bytes if stop == chain.num_blocks else chain.cut_bytes[stop - 1]
     return StageCost(
         rows=rows,
-        forward_s=_block_sum(chain, first, stop, "forward_s").at(rows),
-        backward_s=_block_sum(chain, first, stop, "backward_s").at(rows),
+        forward_s=_block_sum(chain, first, stop, "forward_s").at(rows) * slowdown,
+        backward_s=_block_sum(chain, first, stop, "backward_s").at(rows) * slowdown,
         param_bytes=sum(block.param_bytes for block in chain.blocks[first:stop]),
         activation_bytes=_block_sum(chain, first, stop, "saved_bytes").at(rows),
         input_bytes=0.0 if first == 0 else input_bytes.at(rows),

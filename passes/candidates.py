@@ -61,7 +61,7 @@ class CostModel:
         self.allreduce = lru_cache(maxsize=None)(self._allreduce)
 
     def _cost(self, first: int, stop: int, rows: int, replicas: int) -> StageCost:
-        return stage_cost(self.chain, first, stop, rows, replicas)
+        return stage_cost(self.chain, first, stop, rows, replicas, self.cluster.compute_slowdown)
 
     def _canonical_hop(self, cut: int, rows: int, src: tuple[int, ...], dst: tuple[int, ...]) -> float:
         """Transfer time across cut ``cut``; devices are relabelled host-major in order of appearance

@@ -16,6 +16,7 @@ from fxpipe.cluster import (
     host_memory_bytes,
     local_cluster,
     parse_cluster,
+    usable_cores,
 )
 
 
@@ -174,3 +175,18 @@ def test_gloo_ping_measures_a_plausible_link() -> None:
     figures = measure_link(timeout_s=120)
     assert 0 < figures["link_latency"] < 0.1
     assert 1e7 < figures["link_bandwidth"] < 1e12 and math.isfinite(figures["link_bandwidth"])
+
+
+def test_local_ranks_share_the_usable_cores() -> None:
+    cores = usable_cores()
+    assert cores >= 1
+    many = parse_cluster(f"local:{2 * cores}", calibrate=False)
+    assert many.cores_per_host == cores and many.compute_slowdown == 2.0
+    assert parse_cluster(f"local:{cores}", calibrate=False).compute_slowdown == 1.0
+    assert parse_cluster("dapple-a").cores_per_host == 0 and parse_cluster("dapple-a").compute_slowdown == 1.0
+    assert Cluster.from_json(json.loads(json.dumps(many.to_json()))) == many
+    legacy = many.to_json()
+    del legacy["cores_per_host"]  # cluster files written before the field existed still load
+    assert Cluster.from_json(legacy).cores_per_host == 0
+    with pytest.raises(ClusterSpecError, match="cores_per_host"):
+        Cluster.from_json({**many.to_json(), "cores_per_host": -1})

@@ -48,3 +48,15 @@ def test_planning_import_does_not_load_torch_distributed_modules_of_ours() -> No
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_every_fxpipe_module_imports_first_in_a_fresh_interpreter() -> None:
+    """No import cycle depends on which module a user imports first (fxpipe.latency once did)."""
+    names = sorted(f"fxpipe.{p.stem}" for p in (ROOT / "fxpipe").glob("*.py") if p.stem not in ("__init__", "__main__"))
+    code = ("import importlib, sys\nfailed = []\nfor name in sys.argv[1:]:\n"
+            "    for loaded in [m for m in sys.modules if m == 'fxpipe' or m.startswith('fxpipe.')]:\n"
+            "        del sys.modules[loaded]\n"
+            "    try:\n        importlib.import_module(name)\n"
+            "    except ImportError as error:\n        failed.append(f'{name}: {error}')\n"
+            "assert not failed, failed\n")
+    subprocess.run([sys.executable, "-c", code, *names], check=True)

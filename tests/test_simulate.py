@@ -298,3 +298,25 @@ def test_analytic_error_distribution_on_random_plans() -> None:
     assert statistics.median(errors) <= ANALYTIC_MEDIAN_ERROR
     assert statistics.mean(errors) <= ANALYTIC_MEAN_ERROR
     assert max(errors) <= ANALYTIC_WORST_ERROR
+
+
+def test_ranks_sharing_too_few_cores_stretch_compute_by_ranks_over_cores() -> None:
+    rows, num_microbatches = 4, 3
+    chain = uniform_chain(4, cut_bytes_per_row=2.0**8)
+    plan = plan_of((1, 1, 1, 1), 1, rows, num_microbatches)
+    dedicated = cluster(per_host=4, latency=2.0**-12)
+    shared = Cluster("shared", 1, 4, DEVICE, dedicated.intra_host, dedicated.inter_host, cores_per_host=2)
+    enough = Cluster("enough", 1, 4, DEVICE, dedicated.intra_host, dedicated.inter_host, cores_per_host=4)
+    assert (shared.compute_slowdown, enough.compute_slowdown, dedicated.compute_slowdown) == (2.0, 1.0, 1.0)
+    base, slow = simulate(plan, chain, dedicated), simulate(plan, chain, shared)
+    assert simulate(plan, chain, enough) == base
+    assert slow.busy_s == tuple(2 * busy for busy in base.busy_s)
+    for fast_event, slow_event in zip(base.events, slow.events, strict=True):
+        if fast_event.op in ("F", "B"):
+            assert slow_event.end_s - slow_event.start_s == 2 * (fast_event.end_s - fast_event.start_s)
+    # Transfers keep their time, so the iteration is longer but less than twice as long.
+    assert base.iteration_time_s < slow.iteration_time_s < 2 * base.iteration_time_s
+    no_transfers = uniform_chain(4)
+    assert simulate(plan, no_transfers, shared).iteration_time_s == 2 * simulate(plan, no_transfers,
+                                                                                 dedicated).iteration_time_s
+    assert analytic_iteration_time(plan, no_transfers, shared) == simulate(plan, no_transfers, shared).iteration_time_s
