@@ -191,13 +191,20 @@ def _time_blocks(
         for block in blocks:
             sub = extract_subgraph(gm, block)
             runs.append((sub.module, [_block_input(values[name]) for name in sub.input_names]))
+    # The empty block runs in the same rounds, so its overhead is measured under the same load.
+    empty = empty_block(device_of(gm, example_inputs))
     samples: list[list[tuple[float, float]]] = [[] for _ in runs]
+    empty_samples: list[tuple[float, float]] = []
     for iteration in range(warmup + repeats):
         for index, (module, args) in enumerate(runs):
             sample = run_once(module, args)
             if iteration >= warmup:
                 samples[index].append(sample)
-    overhead = harness_overhead(warmup=warmup, repeats=repeats, device=device_of(gm, example_inputs))
+            if index % EMPTY_BLOCK_EVERY == 0:
+                sample = run_once(*empty)
+                if iteration >= warmup:
+                    empty_samples.append(sample)
+    overhead = (statistics.median(f for f, _ in empty_samples), statistics.median(b for _, b in empty_samples))
     medians = [
         (
             max(statistics.median(f for f, _ in block_samples) - overhead[0], 0.0),
@@ -213,6 +220,15 @@ class _Identity(torch.nn.Module):
         return value.view_as(value)
 
 
+# How often (in blocks) the empty block is timed within each round of block measurements.
+EMPTY_BLOCK_EVERY = 4
+
+
+def empty_block(device: torch.device | str = "cpu") -> tuple[torch.nn.Module, list[torch.Tensor]]:
+    """A traced identity block and its one-element input: its time is the harness's own cost."""
+    return fx.symbolic_trace(_Identity()), [torch.zeros(1, device=device, requires_grad=True)]
+
+
 def harness_overhead(
     *, warmup: int = 2, repeats: int = 5, device: torch.device | str = "cpu"
 ) -> tuple[float, float]:
@@ -221,9 +237,8 @@ def harness_overhead(
     A block run on its own pays this once; a stage running many blocks pays it once in all, so
     it is subtracted from every block's measurement.
     """
-    module = fx.symbolic_trace(_Identity())
-    value = torch.zeros(1, device=device, requires_grad=True)
-    return time_module(module, [value], warmup=warmup, repeats=max(repeats, 9))
+    module, args = empty_block(device)
+    return time_module(module, args, warmup=warmup, repeats=max(repeats, 9))
 
 
 def device_of(module: torch.nn.Module, args: Sequence[Any]) -> torch.device:
