@@ -58,7 +58,7 @@ def _stage_memory(stats: list[Any]) -> str:
 
     peaks: dict[int, int] = {}
     for item in stats:
-        peaks[item.stage_index] = max(peaks.get(item.stage_index, 0), item.peak_activation_bytes)
+        peaks[item.stage_index] = max(peaks.get(item.stage_index, 0), item.peak_activation_bytes or 0)
     return "act " + " ".join(f"s{index}:{format_bytes(peaks[index])}" for index in sorted(peaks))
 
 

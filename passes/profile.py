@@ -24,6 +24,8 @@ __all__ = [
     "device_of",
     "measure_costs",
     "node_values",
+    "run_backward",
+    "run_forward",
     "run_once",
     "synchronizer",
     "time_module",
@@ -182,8 +184,10 @@ def _time_blocks(
 ) -> list[list[tuple[float, float]]]:
     """Median (forward, backward) seconds per batch size and block, harness overhead subtracted.
 
-    Repeats go round-robin over all (batch size, block) pairs, so a burst of load from other
-    processes on a shared machine spoils one sample of many blocks, not all samples of a few.
+    Each repeat is one sweep per batch size, as a training step runs: every block's forward in
+    order, then every backward in reverse, with an empty block timed every ``EMPTY_BLOCK_EVERY``
+    blocks. A burst of load from other processes spoils one sample of many blocks, not all samples
+    of a few, and a backward does not find its inputs hot from its own forward just before.
     """
     runs: list[tuple[torch.nn.Module, list[Any]]] = []
     for rows in batch_sizes:
@@ -195,15 +199,24 @@ def _time_blocks(
     empty = empty_block(device_of(gm, example_inputs))
     samples: list[list[tuple[float, float]]] = [[] for _ in runs]
     empty_samples: list[tuple[float, float]] = []
+    per_size = len(blocks)
     for iteration in range(warmup + repeats):
-        for index, (module, args) in enumerate(runs):
-            sample = run_once(module, args)
-            if iteration >= warmup:
-                samples[index].append(sample)
-            if index % EMPTY_BLOCK_EVERY == 0:
-                sample = run_once(*empty)
-                if iteration >= warmup:
-                    empty_samples.append(sample)
+        for first in range(0, len(runs), per_size):
+            # As in training: every block's forward in order, then every backward in reverse order, so a
+            # backward finds its saved tensors where a real step leaves them (not hot from its own forward).
+            sweep: list[tuple[torch.nn.Module, list[Any]]] = []
+            for index in range(first, first + per_size):
+                sweep.append(runs[index])
+                if index % EMPTY_BLOCK_EVERY == 0:
+                    sweep.append(empty)
+            timed = [(module, args, *run_forward(module, args)) for module, args in sweep]
+            backward = [run_backward(module, args, output) for module, args, _, output in reversed(timed)][::-1]
+            if iteration < warmup:
+                continue
+            block_times = iter(range(first, first + per_size))
+            for (module, _, forward_s, _), backward_s in zip(timed, backward, strict=True):
+                target = empty_samples if module is empty[0] else samples[next(block_times)]
+                target.append((forward_s, backward_s))
     overhead = (statistics.median(f for f, _ in empty_samples), statistics.median(b for _, b in empty_samples))
     medians = [
         (
@@ -274,11 +287,8 @@ def _block_input(value: Any) -> Any:
     return value
 
 
-def run_once(module: torch.nn.Module, args: Sequence[Any]) -> tuple[float, float]:
-    """Forward and backward seconds of one ``module(*args)`` (backward of all its outputs needing grad).
-
-    On a CUDA device the queue is drained before each clock read, so the times are kernel times.
-    """
+def run_forward(module: torch.nn.Module, args: Sequence[Any]) -> tuple[float, Any]:
+    """Seconds of one ``module(*args)`` and its output (gradients of the module and inputs cleared first)."""
     for tensor in [*module.parameters(), *(a for a in args if isinstance(a, torch.Tensor))]:
         tensor.grad = None
     synchronize = synchronizer(device_of(module, args))
@@ -286,7 +296,12 @@ def run_once(module: torch.nn.Module, args: Sequence[Any]) -> tuple[float, float
     start = time.perf_counter()
     output = module(*args)
     synchronize()
-    forward_s = time.perf_counter() - start
+    return time.perf_counter() - start, output
+
+
+def run_backward(module: torch.nn.Module, args: Sequence[Any], output: Any) -> float:
+    """Seconds of the backward of every output of ``run_forward`` that needs a gradient (ones as gradients)."""
+    synchronize = synchronizer(device_of(module, args))
     tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     grads = [torch.ones_like(t) for t in tensors]
     synchronize()
@@ -294,7 +309,16 @@ def run_once(module: torch.nn.Module, args: Sequence[Any]) -> tuple[float, float
     if tensors:
         torch.autograd.backward(tensors, grads)
     synchronize()
-    return forward_s, time.perf_counter() - start
+    return time.perf_counter() - start
+
+
+def run_once(module: torch.nn.Module, args: Sequence[Any]) -> tuple[float, float]:
+    """Forward and backward seconds of one ``module(*args)`` (backward of all its outputs needing grad).
+
+    On a CUDA device the queue is drained before each clock read, so the times are kernel times.
+    """
+    forward_s, output = run_forward(module, args)
+    return forward_s, run_backward(module, args, output)
 
 
 def time_module(module: torch.nn.Module, args: Sequence[Any], *, warmup: int = 2, repeats: int = 5) -> tuple[float, float]:

@@ -76,8 +76,18 @@ def _measured_step(pipe: Any, reference: torch.nn.Module, inputs: Any, targets: 
         ENTRY.loss_fn(reference(*inputs), targets).backward()
     plan = pipe.plan
     num_actions = len(lower(make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches))[0])
+    pipe.measure = "timeline"
+    pipe.step(inputs, targets)
+    (timeline_only,) = pipe.step_stats()
+    try:
+        pipe.measure = "memory"
+        bad_mode = ""
+    except ValueError as error:
+        bad_mode = str(error)
+    pipe.measure = False
     return {"peak": stats.peak_activation_bytes, "eager_peak": meter.peak_bytes, "num_events": len(stats.events),
-            "num_actions": num_actions, "ops": sorted({event.op for event in stats.events})}
+            "num_actions": num_actions, "ops": sorted({event.op for event in stats.events}),
+            "timeline_only": (timeline_only.peak_activation_bytes, len(timeline_only.events)), "bad_mode": bad_mode}
 
 
 def test_decorated_factory_trains_one_process_exactly(tmp_path: Any) -> None:
@@ -92,6 +102,8 @@ def test_decorated_factory_trains_one_process_exactly(tmp_path: Any) -> None:
     assert measured["eager_peak"] > 0
     assert 0.9 * measured["eager_peak"] <= measured["peak"] <= 1.1 * measured["eager_peak"], measured
     assert measured["num_events"] == measured["num_actions"] and measured["ops"] == ["AR", "B", "F"]
+    assert measured["timeline_only"] == (None, measured["num_actions"])
+    assert "True, False or 'timeline'" in measured["bad_mode"]
 
 
 def _error_cases(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:

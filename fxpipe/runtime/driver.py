@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -100,7 +101,8 @@ class PipelineDriver:
         # Walking parameters by path costs milliseconds; the set never changes, so walk once.
         self._own_params = _unique_params(self.runner.parameters())
         self.reduce_sets = self._make_reduce_sets()
-        self.measure = False  # set True to record StepStats (timeline, saved-activation peak) per step
+        # True: record StepStats (timeline, saved-activation peak) per step; "timeline": the timeline only
+        self.measure: bool | str = False
         self.last_stats: StepStats | None = None
         self._meter: SavedActivationMeter | None = None
 
@@ -178,11 +180,14 @@ class PipelineDriver:
     def _measured_step(self, state: _StepState, stash: dict[int, torch.Tensor | None],
                        handlers: Mapping[Op, Callable[[_StepState, int], None]]) -> float:
         """The same step with a timeline of every action and exact saved-activation bytes (StepStats)."""
-        if self._meter is None:
-            self._meter = SavedActivationMeter.for_parameters(p for _, p in self.runner.parameters())
-        self._meter.reset_peak()
+        meter: SavedActivationMeter | None = None
+        if self.measure != "timeline":
+            if self._meter is None:
+                self._meter = SavedActivationMeter.for_parameters(p for _, p in self.runner.parameters())
+            meter = self._meter
+            meter.reset_peak()
         timer = ActionTimer(self.rank, self.stage_index, synchronize=self.context.device.type == "cuda")
-        with self._meter.measure():
+        with meter.measure() if meter is not None else contextlib.nullcontext():
             for action in self.actions:
                 started = timer.start()
                 if action.op is Op.ALLREDUCE:
@@ -192,8 +197,8 @@ class PipelineDriver:
                 timer.stop(action, started)
             self._finish(state, stash)
         step_time = timer.start()
-        self.last_stats = StepStats(self.rank, self.stage_index, step_time, self._meter.peak_bytes,
-                                    tuple(timer.events))
+        self.last_stats = StepStats(self.rank, self.stage_index, step_time,
+                                    meter.peak_bytes if meter is not None else None, tuple(timer.events))
         return self._broadcast_loss(state.loss_sum)
 
     def check_batch(self, inputs: tuple[Any, ...], targets: Any) -> None:

@@ -86,7 +86,7 @@ class StepStats:
     rank: int
     stage_index: int
     step_time_s: float
-    peak_activation_bytes: int
+    peak_activation_bytes: int | None  # None when measured with measure='timeline'
     events: tuple[TimelineEvent, ...]
 
     @property
