@@ -199,24 +199,20 @@ def _time_blocks(
     empty = empty_block(device_of(gm, example_inputs))
     samples: list[list[tuple[float, float]]] = [[] for _ in runs]
     empty_samples: list[tuple[float, float]] = []
-    per_size = len(blocks)
     for iteration in range(warmup + repeats):
-        for first in range(0, len(runs), per_size):
-            # As in training: every block's forward in order, then every backward in reverse order, so a
-            # backward finds its saved tensors where a real step leaves them (not hot from its own forward).
-            sweep: list[tuple[torch.nn.Module, list[Any]]] = []
-            for index in range(first, first + per_size):
-                sweep.append(runs[index])
+        for first in range(0, len(runs), len(blocks)):  # one sweep per batch size
+            sweep: list[tuple[list[tuple[float, float]], torch.nn.Module, list[Any]]] = []
+            for index in range(first, first + len(blocks)):
+                sweep.append((samples[index], *runs[index]))
                 if index % EMPTY_BLOCK_EVERY == 0:
-                    sweep.append(empty)
-            timed = [(module, args, *run_forward(module, args)) for module, args in sweep]
-            backward = [run_backward(module, args, output) for module, args, _, output in reversed(timed)][::-1]
-            if iteration < warmup:
-                continue
-            block_times = iter(range(first, first + per_size))
-            for (module, _, forward_s, _), backward_s in zip(timed, backward, strict=True):
-                target = empty_samples if module is empty[0] else samples[next(block_times)]
-                target.append((forward_s, backward_s))
+                    sweep.append((empty_samples, *empty))
+            # As in training: every forward in order, then every backward in reverse, so a backward
+            # finds its saved tensors where a real step leaves them (not hot from its own forward).
+            forwards = [run_forward(module, args) for _, module, args in sweep]
+            for (target, module, args), (forward_s, output) in zip(reversed(sweep), reversed(forwards), strict=True):
+                backward_s = run_backward(module, args, output)
+                if iteration >= warmup:
+                    target.append((forward_s, backward_s))
     overhead = (statistics.median(f for f, _ in empty_samples), statistics.median(b for _, b in empty_samples))
     medians = [
         (

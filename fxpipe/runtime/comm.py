@@ -117,14 +117,18 @@ def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return buffer
 
 
+def _piece_bytes(layouts: Sequence[tuple[Sequence[int], torch.dtype]]) -> list[int]:
+    return [math.prod(shape) * dtype.itemsize for shape, dtype in layouts]
+
+
 def packed_bytes(layouts: Sequence[tuple[Sequence[int], torch.dtype]]) -> int:
     """Size of the packed message for pieces of these (shape, dtype)."""
-    return packed_offsets([math.prod(shape) * dtype.itemsize for shape, dtype in layouts])[1]
+    return packed_offsets(_piece_bytes(layouts))[1]
 
 
 def unpack(buffer: torch.Tensor, layouts: Sequence[tuple[Sequence[int], torch.dtype]]) -> list[torch.Tensor]:
     """The pieces of a packed message as views of ``buffer`` with their (shape, dtype)."""
-    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in layouts]
+    sizes = _piece_bytes(layouts)
     offsets, total = packed_offsets(sizes)
     if buffer.numel() != total:
         raise CommunicationError(f"packed message has {buffer.numel()} bytes but its pieces need {total}")

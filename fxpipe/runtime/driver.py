@@ -96,6 +96,7 @@ class PipelineDriver:
         self.runner = StageRunner(self.stage, program, context.device, loss_fn=loss_fn,
                                   autocast_dtype=autocast_dtype)
         self.in_routes = self._input_routes()
+        self.in_pieces = self._input_pieces()
         self.out_routes = self._output_routes()
         self.exchange = PeerExchange(self.rank, context.device, timeout_s)
         # Walking parameters by path costs milliseconds; the set never changes, so walk once.
@@ -121,6 +122,19 @@ class PipelineDriver:
                 routes[name] = [r for r in self._routes(name, producer, self.stage_index)
                                 if r.receiver_rank == self.rank]
         return routes
+
+    def _input_pieces(self) -> list[tuple[int, tuple[str, int], tuple[int, ...], torch.dtype]]:
+        """``(sender rank, (value, route index), shape, dtype)`` of every tensor piece received per micro-batch."""
+        pieces = []
+        for name, routes in self.in_routes.items():
+            spec = self.program.values[name]
+            if not spec.is_tensor:
+                continue
+            for index, route in enumerate(routes):
+                num_rows = route.receiver_rows[1] - route.receiver_rows[0] if route.receiver_rows else 0
+                shape = buffer_shape(spec.shape, spec.batched and route.receiver_rows is not None, num_rows)
+                pieces.append((route.sender_rank, (name, index), shape, self.dtypes[name] or torch.get_default_dtype()))
+        return pieces
 
     def _output_routes(self) -> dict[str, list[Route]]:
         routes: dict[str, list[Route]] = {}
@@ -233,16 +247,7 @@ class PipelineDriver:
                 tags = (self._tag(MessageKind.OBJECT_LENGTH, m, name), self._tag(MessageKind.OBJECT_BYTES, m, name))
                 received[name] = self.exchange.recv_object(routes[0].sender_rank, tags,
                                                            f"receive object {name!r} of micro-batch {m}")
-        wanted: list[tuple[int, tuple[str, int], tuple[int, ...], torch.dtype]] = []
-        for name, routes in self.in_routes.items():
-            spec = self.program.values[name]
-            dtype = self.dtypes[name] or torch.get_default_dtype()
-            if spec.is_tensor:
-                for index, route in enumerate(routes):
-                    num_rows = route.receiver_rows[1] - route.receiver_rows[0] if route.receiver_rows else 0
-                    shape = buffer_shape(spec.shape, spec.batched and route.receiver_rows is not None, num_rows)
-                    wanted.append((route.sender_rank, (name, index), shape, dtype))
-        pieces = self._receive(MessageKind.ACTIVATION, m, wanted, "activation")
+        pieces = self._receive(MessageKind.ACTIVATION, m, self.in_pieces, "activation")
         for name, routes in self.in_routes.items():
             if self.program.values[name].is_tensor:
                 bufs = [pieces[name, index] for index in range(len(routes))]
@@ -257,18 +262,20 @@ class PipelineDriver:
         for peer, key, shape, dtype in wanted:
             by_peer.setdefault(peer, []).append((key, shape, dtype))
         ops: list[tuple[bool, torch.Tensor, int, int, str]] = []
+        groups: list[tuple[list[tuple[str, int]], list[tuple[tuple[int, ...], torch.dtype]] | None]] = []
         for peer, items in by_peer.items():
-            layouts = [(shape, dtype) for _, shape, dtype in items]
-            buffer = (torch.empty(items[0][1], dtype=items[0][2], device=self.context.device) if len(items) == 1
+            keys = [key for key, _, _ in items]
+            layouts = [(shape, dtype) for _, shape, dtype in items] if len(items) > 1 else None
+            buffer = (torch.empty(items[0][1], dtype=items[0][2], device=self.context.device) if layouts is None
                       else torch.empty(packed_bytes(layouts), dtype=torch.uint8, device=self.context.device))
-            names = [key[0] for key, _, _ in items]
-            ops.append((False, buffer, peer, self._tag(kind, m, names[0]),
-                        f"receive {what} {', '.join(map(repr, names))} of micro-batch {m}"))
+            ops.append((False, buffer, peer, self._tag(kind, m, keys[0][0]),
+                        f"receive {what} {', '.join(repr(name) for name, _ in keys)} of micro-batch {m}"))
+            groups.append((keys, layouts))
         self.exchange.wait(self.exchange.post(ops))
         pieces: dict[tuple[str, int], torch.Tensor] = {}
-        for (_, buffer, _, _, _), items in zip(ops, by_peer.values(), strict=True):
-            views = [buffer] if len(items) == 1 else unpack(buffer, [(shape, dtype) for _, shape, dtype in items])
-            pieces.update((key, view) for (key, _, _), view in zip(items, views, strict=True))
+        for (_, buffer, _, _, _), (keys, layouts) in zip(ops, groups, strict=True):
+            views = [buffer] if layouts is None else unpack(buffer, layouts)
+            pieces.update(zip(keys, views, strict=True))
         return pieces
 
     def _send(self, kind: MessageKind, m: int, outgoing: Sequence[tuple[int, str, torch.Tensor]],
