@@ -94,11 +94,15 @@ class CostGraph:
 
     ``input_bytes`` is the per-row size of the model's own inputs (what stage 0 receives) and
     ``source`` says which front end produced the graph (``"fx"``, ``"profile:<file>"``).
+    ``shared_params`` gives ``(name, bytes)`` of every trainable parameter more than one node reads
+    (a tied embedding and head): a stage holding a later user keeps its own copy, and the copies'
+    gradients are summed across stages.
     """
 
     nodes: tuple[CostNode, ...]
     source: str = ""
     input_bytes: Affine = ZERO
+    shared_params: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
@@ -120,6 +124,9 @@ class CostGraph:
             if node.param_bytes < 0:
                 raise CostGraphError(f"node {node.name!r} has negative param_bytes {node.param_bytes}")
             seen.add(node.name)
+        for name, num_bytes in self.shared_params:
+            if num_bytes < 0:
+                raise CostGraphError(f"shared parameter {name!r} has negative size {num_bytes}")
 
     def by_name(self) -> Mapping[str, CostNode]:
         return {node.name: node for node in self.nodes}
@@ -154,4 +161,5 @@ class CostGraph:
             "source": self.source,
             "input_bytes": self.input_bytes.to_json(),
             "nodes": [node_json(node) for node in self.nodes],
+            "shared_params": [[name, num_bytes] for name, num_bytes in self.shared_params],
         }

@@ -9,7 +9,7 @@ from typing import Any
 from fxpipe.cluster import Cluster
 from fxpipe.costgraph import Affine
 from fxpipe.jsonvalues import read_field
-from fxpipe.passes.chain import Block, CostChain
+from fxpipe.passes.chain import Block, CostChain, SharedParam
 from fxpipe.plan import Plan, PlanError, plan_from_dict
 
 
@@ -30,7 +30,14 @@ def chain_to_json(chain: CostChain) -> dict[str, Any]:
             }
             for block in chain.blocks
         ],
+        "shared_params": [{"name": shared.name, "num_bytes": shared.num_bytes, "blocks": list(shared.blocks)}
+                          for shared in chain.shared_params],
     }
+
+
+def _shared_from_json(item: Any, where: str) -> SharedParam:
+    return SharedParam(name=read_field(item, "name", str, where), num_bytes=read_field(item, "num_bytes", int, where),
+                       blocks=read_field(item, "blocks", tuple[int, ...], where))
 
 
 def _block_from_json(item: Any, where: str) -> Block:
@@ -53,6 +60,8 @@ def chain_from_json(data: Any) -> CostChain:
             input_bytes=Affine.from_json(data["input_bytes"]),
             output_bytes=Affine.from_json(data["output_bytes"]),
             source=read_field(data, "source", str, "cost_chain") if "source" in data else "",
+            shared_params=tuple(_shared_from_json(item, f"cost_chain.shared_params[{i}]")
+                                for i, item in enumerate(data.get("shared_params", []))),
         )
     except (KeyError, TypeError, ValueError) as error:
         raise PlanError(f"plan file's 'cost_chain' is malformed: {error!r}") from error

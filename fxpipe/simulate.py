@@ -20,7 +20,7 @@ from fxpipe.simulate_events import (
     run_component,
 )
 from fxpipe.simulate_trace import to_chrome_trace, write_chrome_trace
-from fxpipe.stagecost import compute_times, stage_cost, stage_memory_bytes
+from fxpipe.stagecost import compute_times, stage_cost, stage_memory_bytes, tie_groups
 
 __all__ = ["SimulationResult", "TimelineEvent", "TransferEvent", "simulate", "to_chrome_trace",
            "write_chrome_trace"]
@@ -87,7 +87,10 @@ def simulate(plan: Plan, chain: CostChain, cluster: Cluster, *, optimizer: str =
       stage are modelled as relayed through the stages between (bytes per cut are exact).
       Loading inputs (every rank slices the batch itself) and the loss are local: not modelled.
     - A stage's allreduce starts when all its replicas finished their last backward and lasts
-      :meth:`Cluster.allreduce_time`; the iteration ends with the last allreduce.
+      :meth:`Cluster.allreduce_time` of its own parameters. Parameters several stages hold (tied
+      weights, :func:`tie_groups`) are summed in one allreduce over all those stages' devices,
+      starting when the last of them is ready; the stages' allreduce ends with it. The iteration
+      ends with the last allreduce (the runtime's 8-byte loss sum after it is left out).
 
     Groups of replicas that exchange nothing with each other are simulated separately, and groups
     with identical inputs once (exact: see :func:`_simulate_components`). ``timeline=False`` skips
@@ -220,12 +223,19 @@ def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule,
              runs: list[tuple[list[Replica], ComponentRun]], optimizer: str) -> SimulationResult:
     """Add the allreduces and turn component runs into per-device figures and events."""
     ready = {key: run.allreduce_ready_s[local] for members, run in runs for local, key in enumerate(members)}
+    ties = tie_groups(chain, [(stage.first_block, stage.stop_block) for stage in plan.stages])
     starts, ends, peaks = [], [], []
     for stage in plan.stages:
         cost = stage_cost(chain, stage.first_block, stage.stop_block, plan.microbatch_size, stage.replicas)
+        tied_bytes = sum(num_bytes for stages, num_bytes in ties if stage.stage_index in stages)
         starts.append(max(ready[stage.stage_index, r] for r in range(stage.replicas)))
-        ends.append(starts[-1] + cluster.allreduce_time(cost.param_bytes, stage.devices))
+        ends.append(starts[-1] + cluster.allreduce_time(cost.param_bytes - tied_bytes, stage.devices))
         peaks.append(stage_memory_bytes(cost, inflight[stage.stage_index], optimizer))
+    for stages, num_bytes in ties:  # starts when every holder is ready; its stages end with it
+        holders = sorted(d for s in stages for d in plan.stages[s].devices)
+        tie_end = max(starts[s] for s in stages) + cluster.allreduce_time(num_bytes, holders)
+        for s in stages:
+            ends[s] = max(ends[s], tie_end)
     iteration_s = max(ends)
     busy = {device: _busy(plan, chain, stage.stage_index, replica_index, cluster.compute_slowdown)
             for stage in plan.stages for replica_index, device in enumerate(stage.devices)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -64,11 +65,32 @@ def stage_cost(chain: CostChain, first: int, stop: int, microbatch_rows: int, re
         rows=rows,
         forward_s=_block_sum(chain, first, stop, "forward_s").at(rows) * slowdown,
         backward_s=_block_sum(chain, first, stop, "backward_s").at(rows) * slowdown,
-        param_bytes=sum(block.param_bytes for block in chain.blocks[first:stop]),
+        param_bytes=sum(block.param_bytes for block in chain.blocks[first:stop]) + tied_copy_bytes(chain, first, stop),
         activation_bytes=_block_sum(chain, first, stop, "saved_bytes").at(rows),
         input_bytes=0.0 if first == 0 else input_bytes.at(rows),
         output_bytes=0.0 if stop == chain.num_blocks else output_bytes.at(rows),
     )
+
+
+def tied_copy_bytes(chain: CostChain, first: int, stop: int) -> int:
+    """Bytes of shared parameters blocks ``[first, stop)`` read but an earlier block holds: this stage's copies."""
+    return sum(shared.num_bytes for shared in chain.shared_params
+               if shared.blocks[0] < first and any(first <= block < stop for block in shared.blocks))
+
+
+def tie_groups(chain: CostChain, stage_bounds: Sequence[tuple[int, int]]) -> list[tuple[tuple[int, ...], int]]:
+    """``(stage indices, bytes)`` per set of stages sharing parameters, for stages over blocks ``[first, stop)``.
+
+    The runtime sums these gradients with one allreduce over every rank of those stages (and leaves
+    them out of each stage's own replica allreduce); sets are in ascending order.
+    """
+    firsts = [first for first, _ in stage_bounds]
+    sizes: dict[tuple[int, ...], int] = {}
+    for shared in chain.shared_params:
+        stages = tuple(sorted({bisect.bisect_right(firsts, block) - 1 for block in shared.blocks}))
+        if len(stages) >= 2:
+            sizes[stages] = sizes.get(stages, 0) + shared.num_bytes
+    return sorted(sizes.items())
 
 
 def stage_memory_bytes(cost: StageCost, inflight_microbatches: int, optimizer: str = "adam") -> int:

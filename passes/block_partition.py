@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 
 from fxpipe.costgraph import Affine
-from fxpipe.passes.chain import Block, CostChain
+from fxpipe.passes.chain import Block, CostChain, regroup_shared_params
 
 # Above this many (blocks x parts) the exact O(parts x blocks^2) balance gives way to bisection.
 EXACT_BALANCE_LIMIT = 4096
@@ -114,7 +115,9 @@ def coarsen_chain(chain: CostChain, stops: Sequence[int]) -> CostChain:
         ))
         first = stop
     cuts = tuple(chain.cut_bytes[stop - 1] for stop in stops[:-1])
-    return CostChain(tuple(blocks), cuts, chain.input_bytes, chain.output_bytes, chain.source)
+    group_of_block = [bisect.bisect_right(stops, block) for block in range(chain.num_blocks)]
+    return CostChain(tuple(blocks), cuts, chain.input_bytes, chain.output_bytes, chain.source,
+                     regroup_shared_params(chain.shared_params, group_of_block))
 
 
 def refine_cuts(stops: list[int], num_blocks: int, score: Callable[[list[int]], float],

@@ -22,12 +22,26 @@ class Block:
 
 
 @dataclass(frozen=True)
+class SharedParam:
+    """A trainable parameter read by several blocks (tied weights); its bytes count in ``blocks[0]``'s ``param_bytes``.
+
+    A stage holding any of ``blocks`` but not ``blocks[0]`` keeps a copy; copies' gradients are summed
+    across the stages holding them.
+    """
+
+    name: str
+    num_bytes: int
+    blocks: tuple[int, ...]  # ascending, at least two
+
+
+@dataclass(frozen=True)
 class CostChain:
     """Ordered blocks plus, for each cut k (between block k and k+1), the bytes of every value crossing it.
 
     ``cut_bytes[k]`` counts skip connections too: a value produced in block i <= k and read in
     block j > k+... crosses every cut between them. ``input_bytes`` is what block 0 reads from
-    the data loader; ``output_bytes`` what the last block hands to the loss.
+    the data loader; ``output_bytes`` what the last block hands to the loss. ``shared_params`` are
+    the parameters several blocks read (:class:`SharedParam`).
     """
 
     blocks: tuple[Block, ...]
@@ -35,6 +49,7 @@ class CostChain:
     input_bytes: Affine = ZERO
     output_bytes: Affine = ZERO
     source: str = ""
+    shared_params: tuple[SharedParam, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.blocks:
@@ -44,6 +59,13 @@ class CostChain:
                 f"a chain of {len(self.blocks)} blocks has {len(self.blocks) - 1} cuts, "
                 f"got {len(self.cut_bytes)} cut sizes"
             )
+        for shared in self.shared_params:
+            blocks = shared.blocks
+            if len(blocks) < 2 or list(blocks) != sorted(set(blocks)) or blocks[0] < 0 or blocks[-1] >= len(self.blocks):
+                raise ValueError(f"shared parameter {shared.name!r} names blocks {list(blocks)}; it needs two or more "
+                                 f"ascending distinct block indices in [0, {len(self.blocks)})")
+            if shared.num_bytes < 0:
+                raise ValueError(f"shared parameter {shared.name!r} has negative size {shared.num_bytes}")
 
     @property
     def num_blocks(self) -> int:
@@ -221,4 +243,26 @@ def build_chain(graph: CostGraph, *, max_blocks: int | None = 64, balance_rows: 
         input_bytes=graph.input_bytes,
         output_bytes=graph.nodes[-1].output_bytes,
         source=graph.source,
+        shared_params=_shared_params(graph, bounds),
     )
+
+
+def _shared_params(graph: CostGraph, bounds: list[int]) -> tuple[SharedParam, ...]:
+    """The graph's shared parameters that blocks ``[bounds[i], bounds[i+1])`` split over two or more blocks."""
+    result = []
+    for name, num_bytes in graph.shared_params:
+        readers = [position for position, node in enumerate(graph.nodes) if name in node.param_names]
+        blocks = sorted({bisect.bisect_right(bounds, position) - 1 for position in readers})
+        if len(blocks) >= 2:
+            result.append(SharedParam(name, num_bytes, tuple(blocks)))
+    return tuple(result)
+
+
+def regroup_shared_params(shared_params: tuple[SharedParam, ...], group_of_block: list[int]) -> tuple[SharedParam, ...]:
+    """Shared parameters after merging blocks: block ``b`` becomes ``group_of_block[b]`` (ascending)."""
+    result = []
+    for shared in shared_params:
+        groups = sorted({group_of_block[block] for block in shared.blocks})
+        if len(groups) >= 2:
+            result.append(SharedParam(shared.name, shared.num_bytes, tuple(groups)))
+    return tuple(result)

@@ -190,7 +190,19 @@ def to_cost_graph(
         node.name: _roofline(node.meta[COST_KEY], device, dtype, hint) for node in annotated
     }
     nodes = tuple(_cost_node(gm, node, times[node.name], hint) for node in annotated)
-    return CostGraph(nodes=nodes, source="fx", input_bytes=input_bytes)
+    return CostGraph(nodes=nodes, source="fx", input_bytes=input_bytes, shared_params=_shared_params(gm, nodes))
+
+
+def _shared_params(gm: fx.GraphModule, nodes: Sequence[CostNode]) -> tuple[tuple[str, int], ...]:
+    """``(original name, bytes)`` of every trainable parameter read by more than one node, by name."""
+    renames: Mapping[str, str] = gm.meta.get("fxpipe.param_names", {})
+    sizes = {renames.get(path, path): param.numel() * param.element_size()
+             for path, param in gm.named_parameters(remove_duplicate=False) if param.requires_grad}
+    readers: dict[str, int] = {}
+    for node in nodes:
+        for name in set(node.param_names):
+            readers[name] = readers.get(name, 0) + 1
+    return tuple(sorted((name, sizes[name]) for name, count in readers.items() if count > 1 and name in sizes))
 
 
 def _annotated_nodes(gm: fx.GraphModule) -> list[fx.Node]:

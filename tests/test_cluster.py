@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -161,11 +162,31 @@ def test_local_calibration_reads_its_cache(tmp_path: Path, monkeypatch: pytest.M
                "kernel_launch": 7e-6, "link_bandwidth": 3e9, "link_latency": 4e-5}
     path = calibrate.cache_path()
     assert path.parent == tmp_path and "torch" in path.name
-    path.write_text(json.dumps({"version": calibrate.CALIBRATION_VERSION, "figures": figures}))
+    path.write_text(json.dumps({"version": calibrate.CALIBRATION_VERSION, "measured_at": time.time() - 60,
+                                "figures": figures}))
     cluster = local_cluster(2, calibrate=True)  # tests/conftest.py turns calibration off by default
     assert cluster.intra_host == LinkSpec(3e9, 4e-5)
     assert cluster.device.flops_per_s("float16") == 1.5e9
     assert cluster.device.kernel_launch_s == 7e-6
+
+
+@pytest.mark.parametrize("stale", [{"measured_at": 0.0}, {"measured_at": 4e9}, {"version": 1}, {"measured_at": None}])
+def test_an_old_or_foreign_calibration_is_measured_again(stale: dict[str, object], tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from fxpipe.runtime import calibrate
+
+    monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
+    fresh = {"float32": 1.0, "link_latency": 2.0}
+    monkeypatch.setattr(calibrate, "measure_device", lambda: {"float32": 1.0})
+    monkeypatch.setattr(calibrate, "measure_link", lambda: {"link_latency": 2.0})
+    cached = {"version": calibrate.CALIBRATION_VERSION, "measured_at": time.time(), "figures": {"float32": 9.0}}
+    calibrate.cache_path().write_text(json.dumps(cached))
+    assert calibrate.calibrate_local() == {"float32": 9.0}  # fresh and current: read, not measured
+    calibrate.cache_path().write_text(json.dumps({**cached, **stale}))
+    assert calibrate.calibrate_local() == fresh
+    written = json.loads(calibrate.cache_path().read_text())
+    assert written["figures"] == fresh and abs(written["measured_at"] - time.time()) < 60
+    assert calibrate.calibrate_local(refresh=True) == fresh
 
 
 @pytest.mark.multiprocess

@@ -14,6 +14,7 @@ from torch import fx, nn
 import fxpipe.models as zoo
 from fxpipe.cluster import DeviceSpec
 from fxpipe.passes import flops
+from fxpipe.passes.chain import build_chain
 from fxpipe.passes.costs import BATCH, COST_KEY, CostAnnotationError, NodeCost, annotate_costs, to_cost_graph
 
 torch.set_num_threads(1)
@@ -231,3 +232,18 @@ def test_full_bert_48_on_meta_annotates_in_seconds() -> None:
     assert sum(cost.param_bytes for cost in _costs(annotated).values()) == sum(
         p.numel() * 4 for p in model.parameters()
     )
+
+
+def test_shared_parameters_reach_the_chain_with_their_blocks() -> None:
+    model, inputs = zoo.build("gpt-mini", **zoo.get("gpt-mini").tiny_overrides)
+    graph = to_cost_graph(annotate_costs(_trace(model, inputs)))
+    tied = model.wte.weight.numel() * 4
+    assert graph.shared_params == (("wte.weight", tied),)  # the embedding and the head read it
+    readers = [i for i, node in enumerate(graph.nodes) if "wte.weight" in node.param_names]
+    chain = build_chain(graph, max_blocks=None)
+    (shared,) = chain.shared_params
+    assert (shared.name, shared.num_bytes) == ("wte.weight", tied)
+    assert len(shared.blocks) >= 2 and shared.blocks[0] == 0 and shared.blocks[-1] == chain.num_blocks - 1
+    assert readers[0] < readers[-1]
+    assert build_chain(graph, max_blocks=1).shared_params == ()  # one block: nothing to share across
+    assert to_cost_graph(annotate_costs(_trace(*zoo.build("mlp", **zoo.get("mlp").tiny_overrides)))).shared_params == ()

@@ -27,7 +27,7 @@ from torch import nn
 from fxpipe import models
 from fxpipe.cluster import Cluster, ClusterSpecError, compact_cluster, parse_cluster
 from fxpipe.costgraph import Affine, CostGraph, CostGraphError, CostNode
-from fxpipe.passes.chain import Block, ChainError, CostChain, build_chain
+from fxpipe.passes.chain import Block, ChainError, CostChain, SharedParam, build_chain
 from fxpipe.passes.partition import parse_layout
 from fxpipe.passes.plan_scoring import LayoutError, PlanningError, PlanRequest, check_request
 from fxpipe.passes.profiles_io import ProfileFormatError, parse_profile_text
@@ -171,7 +171,10 @@ def chains(draw: st.DrawFn) -> CostChain:
     blocks = tuple(Block(draw(names), tuple(draw(st.lists(names, max_size=3))), draw(affines), draw(affines),
                          draw(st.integers(0, 2**50)), draw(affines)) for _ in range(num_blocks))
     cuts = tuple(draw(affines) for _ in range(num_blocks - 1))
-    return CostChain(blocks, cuts, draw(affines), draw(affines), draw(names))
+    shared = tuple(SharedParam(draw(names), draw(st.integers(0, 2**40)), tuple(sorted(blocks_read)))
+                   for blocks_read in draw(st.lists(st.sets(st.integers(0, num_blocks - 1), min_size=2), max_size=2))
+                   ) if num_blocks >= 2 else ()
+    return CostChain(blocks, cuts, draw(affines), draw(affines), draw(names), shared)
 
 
 @st.composite
@@ -309,7 +312,8 @@ def test_plan_json_round_trips_byte_identically(plan: Plan) -> None:
 
 @FUZZ
 @given(json_values | mutated(chain_to_json(build_chain(CostGraph(
-    (CostNode("a", output_bytes=Affine(0, 1)), CostNode("b", ("a",)))), max_blocks=None))))
+    (CostNode("a", output_bytes=Affine(0, 1), param_names=("w",)), CostNode("b", ("a",), param_names=("w",))),
+    shared_params=(("w", 4),)), max_blocks=None))))
 def test_chain_from_json_raises_only_plan_error(data: Any) -> None:
     _call(lambda: chain_from_json(data), (PlanError,))
 

@@ -14,7 +14,7 @@ import pytest
 from fxpipe.cluster import Cluster, DeviceSpec, LinkSpec
 from fxpipe.costgraph import Affine
 from fxpipe.latency import analytic_iteration_time
-from fxpipe.passes.chain import Block, CostChain
+from fxpipe.passes.chain import Block, CostChain, SharedParam
 from fxpipe.plan import Plan, StagePlan
 from fxpipe.schedule import ScheduleError, early_backward, gpipe, lower, make_schedule, warmup_forwards
 from fxpipe.simulate import SimulationResult, simulate, to_chrome_trace, write_chrome_trace
@@ -320,3 +320,20 @@ def test_ranks_sharing_too_few_cores_stretch_compute_by_ranks_over_cores() -> No
     assert simulate(plan, no_transfers, shared).iteration_time_s == 2 * simulate(plan, no_transfers,
                                                                                  dedicated).iteration_time_s
     assert analytic_iteration_time(plan, no_transfers, shared) == simulate(plan, no_transfers, shared).iteration_time_s
+
+
+def test_tied_parameters_are_summed_across_their_stages_after_both_are_ready() -> None:
+    base = uniform_chain(4)
+    tied = CostChain(base.blocks, base.cut_bytes, shared_params=(SharedParam("wte", 2**18, (0, 3)),))
+    plan = plan_of((1, 1), 2, 4, 4)
+    link = cluster()
+    untied, result = simulate(plan, base, link), simulate(plan, tied, link)
+    assert result.allreduce_start_s == untied.allreduce_start_s  # stages are ready at the same times
+    tie_s = link.allreduce_time(2**18, [0, 1])
+    assert tie_s > 0
+    expected_end = max(untied.allreduce_start_s) + tie_s  # the one-replica stages have no allreduce of their own
+    assert result.allreduce_end_s == (expected_end, expected_end)
+    assert result.iteration_time_s == expected_end > untied.iteration_time_s
+    # the second stage keeps a copy of the tied weight: its memory grows by the optimizer factor x the copy
+    assert result.peak_memory_bytes[1] - untied.peak_memory_bytes[1] == 4 * 2**18
+    assert result.peak_memory_bytes[0] == untied.peak_memory_bytes[0]

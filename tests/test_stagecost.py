@@ -6,13 +6,16 @@ import pytest
 
 from fxpipe.cluster import Cluster, DeviceSpec, LinkSpec
 from fxpipe.costgraph import Affine
-from fxpipe.passes.chain import Block, CostChain
+from fxpipe.passes.block_partition import coarsen_chain
+from fxpipe.passes.chain import Block, CostChain, SharedParam
 from fxpipe.stagecost import (
     allreduce_time,
     compute_times,
     optimizer_factor,
     stage_cost,
     stage_memory_bytes,
+    tie_groups,
+    tied_copy_bytes,
     transfer_time,
 )
 
@@ -103,3 +106,35 @@ def test_shared_rows_equals_every_overlapping_pair() -> None:
                     if max(s0, r0) < min(s1, r1)
                 )
                 assert shared_rows(num_rows, num_senders, num_receivers) == brute
+
+
+def tied_chain() -> CostChain:
+    """Four blocks; a 40-byte parameter read by blocks 0 and 3 (counted in block 0), a 6-byte one by 1 and 2."""
+    blocks = tuple(Block(f"b{i}", (), Affine(0, 1.0), Affine(0, 2.0), 100, Affine(0, 1)) for i in range(4))
+    return CostChain(blocks, (Affine(0, 8),) * 3,
+                     shared_params=(SharedParam("wte", 40, (0, 3)), SharedParam("w", 6, (1, 2))))
+
+
+def test_a_stage_holding_a_later_reader_of_a_shared_parameter_keeps_a_copy() -> None:
+    chain = tied_chain()
+    assert [tied_copy_bytes(chain, a, b) for a, b in ((0, 2), (2, 4), (0, 4), (1, 2), (2, 3), (3, 4))] == \
+        [0, 46, 0, 0, 6, 40]
+    assert stage_cost(chain, 2, 4, 4, 1).param_bytes == 200 + 46
+    assert stage_cost(chain, 0, 4, 4, 1).param_bytes == 400  # one stage: one copy
+    assert tie_groups(chain, [(0, 2), (2, 4)]) == [((0, 1), 46)]
+    assert tie_groups(chain, [(0, 1), (1, 2), (2, 4)]) == [((0, 2), 40), ((1, 2), 6)]
+    assert tie_groups(chain, [(0, 4)]) == []
+
+
+def test_shared_parameters_must_name_two_ascending_blocks() -> None:
+    blocks = tied_chain().blocks
+    for bad in ((0,), (3, 0), (0, 0), (0, 4)):
+        with pytest.raises(ValueError, match="shared parameter 'p' names blocks"):
+            CostChain(blocks, (Affine(),) * 3, shared_params=(SharedParam("p", 4, bad),))
+
+
+def test_coarsening_regroups_shared_parameters() -> None:
+    chain = tied_chain()
+    assert coarsen_chain(chain, [2, 4]).shared_params == (SharedParam("wte", 40, (0, 1)), SharedParam("w", 6, (0, 1)))
+    assert coarsen_chain(chain, [1, 3, 4]).shared_params == (SharedParam("wte", 40, (0, 2)),)  # w: one block now
+    assert coarsen_chain(chain, [4]).shared_params == ()
