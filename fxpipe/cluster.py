@@ -68,7 +68,9 @@ class Cluster:
     Devices are numbered host-major: device d lives on host ``d // devices_per_host``.
     ``inter_host_collective`` is the bandwidth NCCL-style collectives reach across hosts (the
     DAPPLE authors measured 3 GB/s against 1 GB/s point-to-point); it defaults to the
-    point-to-point inter-host link. ``description`` records where the figures come from.
+    point-to-point inter-host link; ``intra_host_collective`` likewise within a host (local CPU ranks:
+    gloo's allreduce reached 45-60% of its send/recv bandwidth here, with its own copies and sums), by
+    default the intra-host link. ``description`` records where the figures come from.
 
     ``cores_per_host`` is for CPU ranks that share their host's cores (0: every device computes on
     hardware of its own). When a host runs more ranks than it has cores, each rank computes at
@@ -85,6 +87,7 @@ class Cluster:
     inter_host_collective: LinkSpec | None = None
     description: str = ""
     cores_per_host: int = 0
+    intra_host_collective: LinkSpec | None = None
 
     def __post_init__(self) -> None:
         if self.num_hosts < 1 or self.devices_per_host < 1:
@@ -119,7 +122,7 @@ class Cluster:
     def collective_link(self, devices: Sequence[int]) -> LinkSpec:
         """The slowest link a ring collective over ``devices`` crosses."""
         if len({self.host_of(d) for d in devices}) <= 1:
-            return self.intra_host
+            return self.intra_host_collective or self.intra_host
         return self.inter_host_collective or self.inter_host
 
     def allreduce_time(self, num_bytes: float, devices: Sequence[int]) -> float:
@@ -194,6 +197,8 @@ def _cluster_from_json(data: Any) -> Cluster:
         if has_collective else None,
         description=json_field(data, "description", str) if "description" in data else "",
         cores_per_host=json_field(data, "cores_per_host", int, "", "non-negative") if "cores_per_host" in data else 0,
+        intra_host_collective=_link_from_json(data["intra_host_collective"], "intra_host_collective")
+        if data.get("intra_host_collective") is not None else None,
     )
 
 
@@ -296,8 +301,9 @@ _DEVICE_ALIASES = {"v100-16gb": "v100", "a100-80gb": "a100", "h100-80gb": "h100"
 
 
 def _cpu_cluster(name: str, num_hosts: int, ranks_per_host: int, device: DeviceSpec, link: LinkSpec,
-                 description: str, cores_per_host: int = 0) -> Cluster:
-    return Cluster(name, num_hosts, ranks_per_host, device, link, link, None, description, cores_per_host)
+                 description: str, cores_per_host: int = 0, collective: LinkSpec | None = None) -> Cluster:
+    return Cluster(name, num_hosts, ranks_per_host, device, link, link, None, description, cores_per_host,
+                   collective)
 
 
 def usable_cores() -> int:
@@ -368,10 +374,11 @@ def local_cluster(num_ranks: int | None = None, *, calibrate: bool | None = None
 
     figures = calibrate_local(refresh=refresh)
     link = LinkSpec(figures["link_bandwidth"], figures["link_latency"])
+    collective = LinkSpec(figures["allreduce_bandwidth"], figures["allreduce_latency"])
     device_figures = {k: figures[k] for k in
                       ("float32", "bfloat16", "float16", "memory_bandwidth", "kernel_launch")}
     return _cpu_cluster(name, 1, ranks, cpu_device(memory, calibrated=device_figures), link,
-                        "local CPU ranks, calibrated (fxpipe.runtime.calibrate)", usable_cores())
+                        "local CPU ranks, calibrated (fxpipe.runtime.calibrate)", usable_cores(), collective)
 
 
 def dgx_h100_cluster(num_nodes: int = 1) -> Cluster:
@@ -435,8 +442,8 @@ def _apply_override(spec: str, cluster: Cluster, part: str) -> Cluster:
         quantity(spec, part, bandwidth_text, "bandwidth"),
         quantity(spec, part, latency_text, "latency") if latency_text else current.latency_s,
     )
-    if key == "intra":
-        updated = replace(cluster, intra_host=link)
+    if key == "intra":  # a new intra link replaces the calibrated collective figure too (local:N)
+        updated = replace(cluster, intra_host=link, intra_host_collective=None)
     elif key == "inter":
         updated = replace(cluster, inter_host=link)
     else:

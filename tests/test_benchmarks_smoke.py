@@ -105,7 +105,8 @@ def test_overhead_smoke() -> None:
 @pytest.mark.slow
 def test_runtime_fidelity_smoke() -> None:
     cases = (runtime_fidelity.PlanCase(2, "1:1", 2),)
-    result = runtime_fidelity.run(tiny(4, 2), cases, num_warmup=0, num_steps=1)
+    result = runtime_fidelity.run(tiny(4, 2), cases, num_warmup=0, num_steps=1, num_rounds=2)
     row = result["rows"][0]
     assert row["simulated_s"] > 0 and row["measured_s"] > 0
+    assert len(row["round_errors"]) == 2 and len(row["chain_s"]) == 3  # a chain before, between and after
     assert "local:2 1:1 M=2" in runtime_fidelity.report(result)

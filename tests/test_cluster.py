@@ -159,13 +159,19 @@ def test_local_calibration_reads_its_cache(tmp_path: Path, monkeypatch: pytest.M
 
     monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
     figures = {"float32": 2e10, "bfloat16": 1e9, "float16": 1.5e9, "memory_bandwidth": 8e9,
-               "kernel_launch": 7e-6, "link_bandwidth": 3e9, "link_latency": 4e-5}
+               "kernel_launch": 7e-6, "link_bandwidth": 3e9, "link_latency": 4e-5,
+               "allreduce_bandwidth": 1.5e9, "allreduce_latency": 6e-5}
     path = calibrate.cache_path()
     assert path.parent == tmp_path and "torch" in path.name
     path.write_text(json.dumps({"version": calibrate.CALIBRATION_VERSION, "measured_at": time.time() - 60,
                                 "figures": figures}))
     cluster = local_cluster(2, calibrate=True)  # tests/conftest.py turns calibration off by default
     assert cluster.intra_host == LinkSpec(3e9, 4e-5)
+    assert cluster.collective_link([0, 1]) == cluster.intra_host_collective == LinkSpec(1.5e9, 6e-5)
+    assert cluster.allreduce_time(3e9, [0, 1]) == 2 * 6e-5 + 2.0  # ring: 2 latencies + W / bandwidth
+    assert Cluster.from_json(json.loads(json.dumps(cluster.to_json()))) == cluster
+    overridden = parse_cluster("local:2,intra=1GB/s@1ms", calibrate=True)
+    assert overridden.collective_link([0, 1]) == overridden.intra_host == LinkSpec(1e9, 1e-3)
     assert cluster.device.flops_per_s("float16") == 1.5e9
     assert cluster.device.kernel_launch_s == 7e-6
 
@@ -196,6 +202,8 @@ def test_gloo_ping_measures_a_plausible_link() -> None:
     figures = measure_link(timeout_s=120)
     assert 0 < figures["link_latency"] < 0.1
     assert 1e7 < figures["link_bandwidth"] < 1e12 and math.isfinite(figures["link_bandwidth"])
+    assert 0 < figures["allreduce_latency"] < 0.1
+    assert 1e7 < figures["allreduce_bandwidth"] < 1e12 and math.isfinite(figures["allreduce_bandwidth"])
 
 
 def test_local_ranks_share_the_usable_cores() -> None:

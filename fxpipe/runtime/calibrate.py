@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-CALIBRATION_VERSION = 2  # 2: link figures are medians (typical), not the fastest ping; files carry their age
+CALIBRATION_VERSION = 3  # 2: link figures are medians, not the fastest ping; files carry their age. 3: allreduce
 # A cached calibration older than this is measured again (the machine, its load or its neighbours change).
 CALIBRATION_MAX_AGE_S = 7 * 24 * 3600.0
 # Bytes for the bandwidth ping: big enough that latency is small next to it, small enough to be quick.
@@ -100,6 +100,17 @@ def _round_trip_s(dist: object, rank: int, tensor: torch.Tensor, repeats: int) -
     return times
 
 
+def _allreduce_s(dist: object, tensor: torch.Tensor, repeats: int) -> list[float]:
+    """Per-repeat times of a SUM allreduce of ``tensor`` over both ranks, each started together."""
+    times = []
+    for _ in range(repeats):
+        dist.barrier()  # type: ignore[attr-defined]
+        start = time.perf_counter()
+        dist.all_reduce(tensor)  # type: ignore[attr-defined]
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def _ping_worker(rank: int, init_file: str, queue: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
     import torch.distributed as dist  # only the worker processes touch process groups
 
@@ -111,17 +122,24 @@ def _ping_worker(rank: int, init_file: str, queue: multiprocessing.Queue) -> Non
         _round_trip_s(dist, rank, large, 2)  # warm-up: connection setup and buffer allocation
         small_times = _round_trip_s(dist, rank, small, PING_REPEATS)
         large_times = _round_trip_s(dist, rank, large, 5)
+        small_reduce = _allreduce_s(dist, small, PING_REPEATS)
+        large_reduce = _allreduce_s(dist, large, 5)
         if rank == 0:
             # Medians: what a pipeline's transfers typically see, waking a blocked receiver included
             # (the fastest repeat promised 73 us and 2.9 GB/s here where the medians were 150-190 us
             # and 1.6-2.0 GB/s, and a step's many transfers pay the typical figure, not the best).
-            queue.put((statistics.median(small_times), statistics.median(large_times)))
+            queue.put((statistics.median(small_times), statistics.median(large_times),
+                       statistics.median(small_reduce), statistics.median(large_reduce)))
     finally:
         dist.destroy_process_group()
 
 
 def measure_link(timeout_s: float = 60.0) -> dict[str, float]:
-    """Latency (s) and bandwidth (B/s) of a gloo send/recv between two local processes."""
+    """Latency (s) and bandwidth (B/s) of a gloo send/recv between two local processes, and of its allreduce.
+
+    The allreduce figures are what :meth:`fxpipe.cluster.Cluster.allreduce_time`'s ring formula needs
+    to give the measured two-rank times (gloo's allreduce copies and sums besides sending).
+    """
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     with tempfile.TemporaryDirectory(prefix="fxpipe-calibrate-") as folder:
@@ -130,7 +148,7 @@ def measure_link(timeout_s: float = 60.0) -> dict[str, float]:
         for worker in workers:
             worker.start()
         try:
-            small_rt, large_rt = queue.get(timeout=timeout_s)
+            small_rt, large_rt, small_ar, large_ar = queue.get(timeout=timeout_s)
         except Exception as error:  # queue.Empty, or a worker died before reporting
             raise CalibrationError(f"gloo ping between 2 local processes gave no result in {timeout_s} s; "
                                    "pass calibrate=False to use default figures") from error
@@ -141,7 +159,9 @@ def measure_link(timeout_s: float = 60.0) -> dict[str, float]:
                     worker.terminate()
     latency = small_rt / 2
     one_way = max(large_rt / 2 - latency, 1e-9)
-    return {"link_latency": latency, "link_bandwidth": PING_LARGE_BYTES / one_way}
+    # Two-rank ring allreduce (Cluster.allreduce_time): 2 latencies + W / bandwidth.
+    return {"link_latency": latency, "link_bandwidth": PING_LARGE_BYTES / one_way,
+            "allreduce_latency": small_ar / 2, "allreduce_bandwidth": PING_LARGE_BYTES / max(large_ar - small_ar, 1e-9)}
 
 
 def calibrate_local(*, refresh: bool = False) -> dict[str, float]:
