@@ -135,7 +135,7 @@ def _report(table: str, device: DeviceSpec, args: argparse.Namespace) -> str:
         "For each model, `measure_costs` times the blocks (`default_blocks`, one per layer) and >= 20 random "
         "contiguous block ranges, each run as one module, in the same round-robin rounds (so load from other "
         f"processes hits both alike) at batch sizes {PROFILE_BATCHES}, subtracting the cost of an empty block "
-        "(`harness_overhead`) and fitting affine costs. At batch "
+        "(`empty_block`) and fitting affine costs. At batch "
         f"{EVAL_BATCH} each range's forward+backward time is compared with (a) the sum of its blocks' measured "
         "costs and (b) the analytic roofline model of "
         "`to_cost_graph(annotate_costs(gm), device=...)` with a CPU DeviceSpec calibrated on this machine: "

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from fxpipe.passes.block_partition import balanced_cuts
-from fxpipe.passes.candidates import Candidate, CostModel, Span
+from fxpipe.passes.block_partition import balanced_cuts, param_weights, uniform_cuts
+from fxpipe.passes.candidates import Candidate, CostModel, Span, spans_from_stops
 from fxpipe.passes.exhaustive import plan_exhaustive
 from fxpipe.passes.pipedream_planner import pipedream_layout
 from fxpipe.passes.plan_scoring import (
@@ -22,10 +22,6 @@ from fxpipe.plan import Plan
 
 __all__ = ["BASELINES", "plan_dp", "plan_exhaustive", "plan_gpipe", "plan_params", "plan_pipedream",
            "plan_uniform"]
-
-
-def _spans(stops: list[int], devices: list[tuple[int, ...]]) -> list[Span]:
-    return [Span(stops[s - 1] if s else 0, stop, devices[s]) for s, stop in enumerate(stops)]
 
 
 def _valid(model: CostModel, spans: list[Span], rows: int) -> bool:
@@ -57,7 +53,7 @@ def _straight_pipelines(request: PlanRequest, model: CostModel,
         for num_stages in range(1, min(num_blocks, num_devices) + 1):
             copies = num_devices // num_stages
             devices = [tuple(k * num_stages + s for k in range(copies)) for s in range(num_stages)]
-            spans = _spans(balanced_cuts(weights, num_stages), devices)
+            spans = spans_from_stops(balanced_cuts(weights, num_stages), devices)
             if _valid(model, spans, rows):
                 yield model.candidate(spans, rows)
 
@@ -81,7 +77,8 @@ def _uniform_dp_pipelines(request: PlanRequest, model: CostModel, stops_for: Cal
         if num_devices % num_stages:
             continue
         width = num_devices // num_stages
-        spans = _spans(stops_for(num_stages), [tuple(range(s * width, (s + 1) * width)) for s in range(num_stages)])
+        spans = spans_from_stops(stops_for(num_stages),
+                                 [tuple(range(s * width, (s + 1) * width)) for s in range(num_stages)])
         for rows in microbatch_grid(request):
             if _valid(model, spans, rows):
                 yield model.candidate(spans, rows)
@@ -90,17 +87,14 @@ def _uniform_dp_pipelines(request: PlanRequest, model: CostModel, stops_for: Cal
 def plan_uniform(request: PlanRequest) -> Plan:
     """Equal block counts per stage (DeepSpeed ``partition_method='uniform'``); best S and M."""
     num_blocks = request.chain.num_blocks
-
-    def stops(num_stages: int) -> list[int]:
-        return [round(num_blocks * (s + 1) / num_stages) for s in range(num_stages)]
-
     model = request.cost_model()
-    return _best(request, model, _uniform_dp_pipelines(request, model, stops), "uniform")
+    return _best(request, model, _uniform_dp_pipelines(request, model, lambda s: uniform_cuts(num_blocks, s)),
+                 "uniform")
 
 
 def plan_params(request: PlanRequest) -> Plan:
     """Parameter-count balance (DeepSpeed's default ``partition_method='parameters'``); best S and M."""
-    weights = [float(b.param_bytes) for b in request.chain.blocks]
+    weights = param_weights(request.chain)
     model = request.cost_model()
     return _best(request, model, _uniform_dp_pipelines(request, model, lambda s: balanced_cuts(weights, s)),
                  "params")

@@ -12,6 +12,21 @@ from fxpipe.passes.chain import Block, CostChain, regroup_shared_params
 EXACT_BALANCE_LIMIT = 4096
 
 
+def uniform_cuts(num_blocks: int, num_parts: int) -> list[int]:
+    """Stop indices of ``num_parts`` parts with (nearly) equal block counts (DeepSpeed's ``uniform``)."""
+    return [round(num_blocks * (part + 1) / num_parts) for part in range(num_parts)]
+
+
+def param_weights(chain: CostChain) -> list[float]:
+    """Each block's parameter bytes, as weights for :func:`balanced_cuts`."""
+    return [float(block.param_bytes) for block in chain.blocks]
+
+
+def work_weights(chain: CostChain) -> list[float]:
+    """Each block's per-sample forward + backward seconds, as weights for :func:`balanced_cuts`."""
+    return [block.forward_s.per_sample + block.backward_s.per_sample for block in chain.blocks]
+
+
 def balanced_cuts(weights: Sequence[float], num_parts: int) -> list[int]:
     """Stop indices of ``num_parts`` non-empty contiguous parts minimising the largest part sum.
 

@@ -24,6 +24,11 @@ class Span:
     devices: tuple[int, ...]
 
 
+def spans_from_stops(stops: Sequence[int], devices: Sequence[tuple[int, ...]]) -> list[Span]:
+    """Stages over blocks ``[stops[s-1], stops[s])`` (the first from 0) on ``devices[s]``."""
+    return [Span(stops[s - 1] if s else 0, stop, devices[s]) for s, stop in enumerate(stops)]
+
+
 @dataclass(frozen=True, order=True)
 class Candidate:
     """A complete plan in planner terms, ordered by its pivot-model latency."""

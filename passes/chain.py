@@ -249,17 +249,13 @@ def build_chain(graph: CostGraph, *, max_blocks: int | None = 64, balance_rows: 
 
 def _shared_params(graph: CostGraph, bounds: list[int]) -> tuple[SharedParam, ...]:
     """The graph's shared parameters that blocks ``[bounds[i], bounds[i+1])`` split over two or more blocks."""
-    result = []
-    for name, num_bytes in graph.shared_params:
-        readers = [position for position, node in enumerate(graph.nodes) if name in node.param_names]
-        blocks = sorted({bisect.bisect_right(bounds, position) - 1 for position in readers})
-        if len(blocks) >= 2:
-            result.append(SharedParam(name, num_bytes, tuple(blocks)))
-    return tuple(result)
+    by_node = tuple(SharedParam(name, num_bytes, tuple(i for i, node in enumerate(graph.nodes) if name in node.param_names))
+                    for name, num_bytes in graph.shared_params)
+    return regroup_shared_params(by_node, [bisect.bisect_right(bounds, i) - 1 for i in range(len(graph.nodes))])
 
 
 def regroup_shared_params(shared_params: tuple[SharedParam, ...], group_of_block: list[int]) -> tuple[SharedParam, ...]:
-    """Shared parameters after merging blocks: block ``b`` becomes ``group_of_block[b]`` (ascending)."""
+    """Shared parameters after merging blocks (or nodes into blocks): ``b`` becomes ``group_of_block[b]`` (ascending)."""
     result = []
     for shared in shared_params:
         groups = sorted({group_of_block[block] for block in shared.blocks})

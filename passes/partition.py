@@ -9,8 +9,15 @@ from tqdm import tqdm
 
 from fxpipe.cluster import Cluster
 from fxpipe.passes import baselines
-from fxpipe.passes.block_partition import balanced_cuts, coarse_boundaries, coarsen_chain, refine_cuts
-from fxpipe.passes.candidates import Candidate, CostModel, Span
+from fxpipe.passes.block_partition import (
+    balanced_cuts,
+    coarse_boundaries,
+    coarsen_chain,
+    param_weights,
+    refine_cuts,
+    work_weights,
+)
+from fxpipe.passes.candidates import Candidate, CostModel, Span, spans_from_stops
 from fxpipe.passes.chain import CostChain
 from fxpipe.passes.partition_polish import polish
 from fxpipe.passes.partition_search import search
@@ -65,9 +72,10 @@ def _refined(model: CostModel, candidate: Candidate, stops: list[int]) -> Candid
     spans = _fine_spans(candidate.spans, stops)
     rows = candidate.microbatch_rows
 
+    devices = [span.devices for span in spans]
+
     def rebuilt(cut_stops: list[int]) -> list[Span]:
-        return [Span(cut_stops[i - 1] if i else 0, stop, span.devices)
-                for i, (span, stop) in enumerate(zip(spans, cut_stops, strict=True))]
+        return spans_from_stops(cut_stops, devices)
 
     def score(cut_stops: list[int]) -> float:
         trial = rebuilt(cut_stops)
@@ -80,15 +88,14 @@ def _refined(model: CostModel, candidate: Candidate, stops: list[int]) -> Candid
 def _replicated_pipelines(model: CostModel, grid: list[int]) -> list[Candidate]:
     """Straight pipelines of S balanced stages, replicated whole: stage s on devices s, s+S, s+2S, ..."""
     chain, num_devices = model.chain, model.cluster.num_devices
-    work = [b.forward_s.per_sample + b.backward_s.per_sample for b in chain.blocks]
+    work = work_weights(chain)
     found = []
     for num_stages in range(2, min(chain.num_blocks, num_devices) + 1):
         if num_stages > MAX_REPLICATED_STAGES and num_devices % num_stages:
             continue  # on large clusters only stage counts that use every device
         num_copies = num_devices // num_stages
-        stops = balanced_cuts(work, num_stages)
-        spans = [Span(stops[s - 1] if s else 0, stops[s], tuple(c * num_stages + s for c in range(num_copies)))
-                 for s in range(num_stages)]
+        spans = spans_from_stops(balanced_cuts(work, num_stages),
+                                 [tuple(c * num_stages + s for c in range(num_copies)) for s in range(num_stages)])
         for rows in grid:
             if rows >= num_copies and model.global_batch_size // rows >= num_stages and model.fits(spans, rows):
                 found.append(model.candidate(spans, rows))
@@ -98,14 +105,13 @@ def _replicated_pipelines(model: CostModel, grid: list[int]) -> list[Candidate]:
 def _even_pipelines(model: CostModel, rows: int) -> list[Candidate]:
     """Seeds for the search bound: S = 1, 2, 4, ... balanced stages of N/S contiguous devices each."""
     chain, num_devices = model.chain, model.cluster.num_devices
-    work = [b.forward_s.per_sample + b.backward_s.per_sample for b in chain.blocks]
+    work = work_weights(chain)
     found = []
     num_stages = 1
     while num_stages <= min(chain.num_blocks, num_devices, model.global_batch_size // rows):
         width = min(num_devices // num_stages, rows)
-        stops = balanced_cuts(work, num_stages)
-        spans = [Span(stops[s - 1] if s else 0, stops[s], tuple(range(s * width, (s + 1) * width)))
-                 for s in range(num_stages)]
+        spans = spans_from_stops(balanced_cuts(work, num_stages),
+                                 [tuple(range(s * width, (s + 1) * width)) for s in range(num_stages)])
         if model.fits(spans, rows):
             found.append(model.candidate(spans, rows))
         num_stages *= 2
@@ -148,10 +154,9 @@ def _least_memory(model: CostModel, grid: list[int]) -> Candidate | None:
     chain, num_devices = model.chain, model.cluster.num_devices
     rows = grid[0]
     num_stages = min(chain.num_blocks, num_devices, model.global_batch_size // rows)
-    stops = balanced_cuts([float(b.param_bytes) for b in chain.blocks], num_stages)
     width = num_devices // num_stages
-    spans = [Span(stops[s - 1] if s else 0, stops[s], tuple(range(s * width, s * width + min(width, rows))))
-             for s in range(num_stages)]
+    spans = spans_from_stops(balanced_cuts(param_weights(chain), num_stages),
+                             [tuple(range(s * width, s * width + min(width, rows))) for s in range(num_stages)])
     return model.candidate(spans, rows)
 
 

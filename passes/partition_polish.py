@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from fxpipe.passes.block_partition import balanced_cuts
-from fxpipe.passes.candidates import Candidate, CostModel, Span
+from fxpipe.passes.block_partition import balanced_cuts, param_weights, uniform_cuts, work_weights
+from fxpipe.passes.candidates import Candidate, CostModel, Span, spans_from_stops
 from fxpipe.passes.plan_scoring import PlanRequest, Scored, score_candidates
 
 # The pivot model misjudges some transfer-heavy plans by tens of percent (it serialises transfers the
@@ -64,19 +64,11 @@ def as_candidate(model: CostModel, scored: Scored) -> Candidate:
 def _alternative_cuts(model: CostModel, candidate: Candidate) -> list[Candidate]:
     """The same stages and devices with the baselines' cut rules: equal block counts, balanced
     parameters, balanced per-sample compute (starting points the pivot model may have misranked)."""
-    blocks = model.chain.blocks
-    num_stages, num_blocks = len(candidate.spans), len(blocks)
-    rules = [
-        [round(num_blocks * (s + 1) / num_stages) for s in range(num_stages)],
-        balanced_cuts([float(b.param_bytes) for b in blocks], num_stages),
-        balanced_cuts([b.forward_s.per_sample + b.backward_s.per_sample for b in blocks], num_stages),
-    ]
-    found = []
-    for stops in rules:
-        spans = tuple(Span(stops[i - 1] if i else 0, stop, span.devices)
-                      for i, (span, stop) in enumerate(zip(candidate.spans, stops, strict=True)))
-        found.append(model.candidate(spans, candidate.microbatch_rows))
-    return found
+    chain, num_stages = model.chain, len(candidate.spans)
+    rules = [uniform_cuts(chain.num_blocks, num_stages), balanced_cuts(param_weights(chain), num_stages),
+             balanced_cuts(work_weights(chain), num_stages)]
+    devices = [span.devices for span in candidate.spans]
+    return [model.candidate(spans_from_stops(stops, devices), candidate.microbatch_rows) for stops in rules]
 
 
 def polish(request: PlanRequest, model: CostModel, best: Scored, grid: list[int], planner: str) -> Scored:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fxpipe.passes.block_partition import param_weights
 from fxpipe.passes.candidates import CostModel
 
 # Legend (PipeDream section 3.1): A^k(i->j, m) is the time of the slowest stage of the best pipeline
@@ -71,7 +72,7 @@ def pipedream_layout(model: CostModel, rows: int) -> list[tuple[int, int, tuple[
         for stop in range(first + 1, num_blocks + 1):
             cost = model.cost(first, stop, rows, 1)
             compute[first][stop] = cost.forward_s + cost.backward_s
-    params = [float(b.param_bytes) for b in chain.blocks]
+    params = param_weights(chain)
     cuts = [c.at(rows) for c in chain.cut_bytes]
     per_host = cluster.devices_per_host
     level1 = _Level(compute, params, cuts, cluster.intra_host.bandwidth_bytes_per_s, per_host)

@@ -98,7 +98,8 @@ def measure_costs(
 
     Each block becomes a GraphModule (``extract_subgraph``) fed the real values the full graph
     computes at that batch size; the two batch sizes give an affine fit per block. The harness's
-    own cost (``harness_overhead``) is subtracted from every block. Parameter
+    own cost (an ``empty_block`` timed in the same rounds) is subtracted from every block: a block
+    run on its own pays it once, a stage running many blocks once in all. Parameter
     ``.grad`` fields are restored afterwards, so ``gm`` is left as it was. Blocks run where the
     inputs live (``MeasuredCosts.device``); on CUDA every timed region ends in a synchronize.
     """
@@ -236,18 +237,6 @@ EMPTY_BLOCK_EVERY = 4
 def empty_block(device: torch.device | str = "cpu") -> tuple[torch.nn.Module, list[torch.Tensor]]:
     """A traced identity block and its one-element input: its time is the harness's own cost."""
     return fx.symbolic_trace(_Identity()), [torch.zeros(1, device=device, requires_grad=True)]
-
-
-def harness_overhead(
-    *, warmup: int = 2, repeats: int = 5, device: torch.device | str = "cpu"
-) -> tuple[float, float]:
-    """Forward/backward seconds of an empty block on ``device``: the module call and autograd start-up.
-
-    A block run on its own pays this once; a stage running many blocks pays it once in all, so
-    it is subtracted from every block's measurement.
-    """
-    module, args = empty_block(device)
-    return time_module(module, args, warmup=warmup, repeats=max(repeats, 9))
 
 
 def device_of(module: torch.nn.Module, args: Sequence[Any]) -> torch.device:
