@@ -141,7 +141,9 @@ def _error_cases(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
         pipe = compile_mlp((1, 1), timeout_s=3.0)
         if rank == 1:
             return "left"  # rank 1 dies before the step
-        return _outcome(lambda: pipe.step(inputs, targets))
+        failed = _outcome(lambda: pipe.step(inputs, targets))
+        # the failed step left a receive posted ahead (gloo): a second step must refuse, not mix messages
+        return failed, _outcome(lambda: pipe.step(inputs, targets))
 
     in_world("bad-batch", bad_batches)
     in_world("world-mismatch", lambda: _outcome(lambda: compile_mlp((1, 1, 1, 1))))
@@ -162,5 +164,6 @@ def test_errors_reach_every_rank_quickly(tmp_path: Any) -> None:
         loss, expected, sent = result["autocast"]
         assert loss == pytest.approx(expected, rel=2e-2) and sent and set(sent) == {torch.bfloat16}
     assert results[1]["dead-peer"] == "left"
-    kind, message, elapsed = results[0]["dead-peer"]
+    (kind, message, elapsed), again = results[0]["dead-peer"]
     assert kind == CommunicationError.__name__ and "rank 1" in message and elapsed < 20.0, message
+    assert again[0] == PipelineSetupError.__name__ and "still posted" in again[1] and again[2] < 1.0, again

@@ -42,6 +42,17 @@ Op = schedules.Op
 
 
 @dataclass
+class _PostedReceive:
+    """Receives of one micro-batch's pieces, posted and not yet waited on (one message per peer)."""
+
+    pending: list[Pending]
+    groups: list[tuple[list[tuple[str, int]], list[tuple[tuple[int, ...], torch.dtype]] | None]]
+
+
+Piece = tuple[int, tuple[str, int], tuple[int, ...], torch.dtype]  # (peer rank, (value, route index), shape, dtype)
+
+
+@dataclass
 class _StepState:
     """Everything one step keeps between actions, per micro-batch."""
 
@@ -52,6 +63,7 @@ class _StepState:
     output_grads: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     input_grads: dict[int, dict[str, Any]] = field(default_factory=dict)
     sends: list[Pending] = field(default_factory=list)
+    posted: dict[tuple[MessageKind, int], _PostedReceive] = field(default_factory=dict)
     reductions: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor]]] = field(default_factory=list)
     loss_sum: float = 0.0
 
@@ -98,6 +110,16 @@ class PipelineDriver:
         self.in_routes = self._input_routes()
         self.in_pieces = self._input_pieces()
         self.out_routes = self._output_routes()
+        self.grad_pieces, self.grad_rows = self._gradient_pieces()
+        # Each kind's receives in the order this rank's actions take them. On gloo a receive is
+        # posted one receive ahead, so its data can flow as soon as the sender sends (see _receive).
+        # Not on NCCL: its point-to-point operations between two ranks run in order on one stream,
+        # so a receive posted early would hold back this rank's sends to that peer behind it.
+        self.receive_order = {kind: [a.microbatch_index for a in self.actions if a.op is op]
+                              for kind, op in ((MessageKind.ACTIVATION, Op.RECV_ACTIVATION),
+                                               (MessageKind.GRADIENT, Op.RECV_GRADIENT))}
+        self.prefetch_receives = context.backend == "gloo"
+        self._stale_receives = 0
         self.exchange = PeerExchange(self.rank, context.device, timeout_s)
         # Walking parameters by path costs milliseconds; the set never changes, so walk once.
         self._own_params = _unique_params(self.runner.parameters())
@@ -123,7 +145,7 @@ class PipelineDriver:
                                 if r.receiver_rank == self.rank]
         return routes
 
-    def _input_pieces(self) -> list[tuple[int, tuple[str, int], tuple[int, ...], torch.dtype]]:
+    def _input_pieces(self) -> list[Piece]:
         """``(sender rank, (value, route index), shape, dtype)`` of every tensor piece received per micro-batch."""
         pieces = []
         for name, routes in self.in_routes.items():
@@ -135,6 +157,21 @@ class PipelineDriver:
                 shape = buffer_shape(spec.shape, spec.batched and route.receiver_rows is not None, num_rows)
                 pieces.append((route.sender_rank, (name, index), shape, self.dtypes[name] or torch.get_default_dtype()))
         return pieces
+
+    def _gradient_pieces(self) -> tuple[list[Piece], dict[tuple[str, int], tuple[int, int] | None]]:
+        """Every gradient piece received per micro-batch (from the consumers of this stage's outputs),
+        and the rows of this replica's output each piece covers (None: all of it)."""
+        pieces, rows_of = [], {}
+        for name, routes in self._grad_routes(self.out_routes):
+            spec = self.program.values[name]
+            for index, route in enumerate(routes):
+                rows = route.sender_rows
+                shape = buffer_shape(spec.shape, spec.batched and rows is not None,
+                                     rows[1] - rows[0] if rows is not None else 0)
+                pieces.append((route.receiver_rank, (name, index), shape,
+                               self.dtypes[name] or torch.get_default_dtype()))
+                rows_of[name, index] = rows
+        return pieces, rows_of
 
     def _output_routes(self) -> dict[str, list[Route]]:
         routes: dict[str, list[Route]] = {}
@@ -175,24 +212,34 @@ class PipelineDriver:
     def step(self, inputs: tuple[Any, ...], targets: Any) -> float:
         """One iteration over the global batch; returns the batch loss (the same float on every rank)."""
         self.check_batch(inputs, targets)
+        if self._stale_receives:
+            raise PipelineSetupError(
+                f"rank {self.rank}: an earlier step failed with {self._stale_receives} receive(s) still posted; "
+                "they would take this step's messages. Build the pipeline again (fxpipe.compile) to go on")
         stash = self._stash_grads()
         state = _StepState(inputs, targets)
         self.runner.reset()
         handlers = {Op.RECV_ACTIVATION: self._recv_activation, Op.FORWARD: self._forward,
                     Op.SEND_ACTIVATION: self._send_activation, Op.RECV_GRADIENT: self._recv_gradient,
                     Op.BACKWARD: self._backward, Op.SEND_GRADIENT: self._send_gradient}
-        if self.measure:
-            return self._measured_step(state, stash, handlers)
-        for action in self.actions:
-            if action.op is Op.ALLREDUCE:
-                self._start_allreduce(state)
+        try:
+            for kind in self.receive_order:
+                self._prefetch(state, kind, -1)
+            if self.measure:
+                self._measured_step(state, stash, handlers)
             else:
-                handlers[action.op](state, action.microbatch_index)
-        self._finish(state, stash)
+                for action in self.actions:
+                    if action.op is Op.ALLREDUCE:
+                        self._start_allreduce(state)
+                    else:
+                        handlers[action.op](state, action.microbatch_index)
+                self._finish(state, stash)
+        finally:
+            self._stale_receives = len(state.posted)
         return self._broadcast_loss(state.loss_sum)
 
     def _measured_step(self, state: _StepState, stash: dict[int, torch.Tensor | None],
-                       handlers: Mapping[Op, Callable[[_StepState, int], None]]) -> float:
+                       handlers: Mapping[Op, Callable[[_StepState, int], None]]) -> None:
         """The same step with a timeline of every action and exact saved-activation bytes (StepStats)."""
         meter: SavedActivationMeter | None = None
         if self.measure != "timeline":
@@ -213,7 +260,6 @@ class PipelineDriver:
         step_time = timer.start()
         self.last_stats = StepStats(self.rank, self.stage_index, step_time,
                                     meter.peak_bytes if meter is not None else None, tuple(timer.events))
-        return self._broadcast_loss(state.loss_sum)
 
     def check_batch(self, inputs: tuple[Any, ...], targets: Any) -> None:
         """Shapes against the plan, on every rank before any communication (all ranks see the same batch)."""
@@ -247,17 +293,45 @@ class PipelineDriver:
                 tags = (self._tag(MessageKind.OBJECT_LENGTH, m, name), self._tag(MessageKind.OBJECT_BYTES, m, name))
                 received[name] = self.exchange.recv_object(routes[0].sender_rank, tags,
                                                            f"receive object {name!r} of micro-batch {m}")
-        pieces = self._receive(MessageKind.ACTIVATION, m, self.in_pieces, "activation")
+        pieces = self._receive(state, MessageKind.ACTIVATION, m)
         for name, routes in self.in_routes.items():
             if self.program.values[name].is_tensor:
                 bufs = [pieces[name, index] for index in range(len(routes))]
                 received[name] = bufs[0] if len(bufs) == 1 else torch.cat(bufs)
         state.received[m] = received
 
-    def _receive(self, kind: MessageKind, m: int,
-                 wanted: Sequence[tuple[int, tuple[str, int], tuple[int, ...], torch.dtype]],
-                 what: str) -> dict[tuple[str, int], torch.Tensor]:
-        """Receive ``(peer, key, shape, dtype)`` pieces: one message per peer (packed when it holds several)."""
+    def _receive(self, state: _StepState, kind: MessageKind, m: int) -> dict[tuple[str, int], torch.Tensor]:
+        """This micro-batch's tensor pieces of ``kind``, after posting the next receive of that kind.
+
+        gloo moves a message only once its receive is posted (the sender waits for the receiver's
+        notice), so a receive posted when the action comes costs a round trip that needs the
+        sender's transport thread to get a core, even when the data was sent long before (here
+        4-5 ms when both ranks compute, against 0.02-0.04 ms when the receive was already posted).
+        """
+        posted = state.posted.pop((kind, m), None) or self._post_receive(kind, m)
+        self._prefetch(state, kind, m)
+        self.exchange.wait(posted.pending)
+        pieces: dict[tuple[str, int], torch.Tensor] = {}
+        for item, (keys, layouts) in zip(posted.pending, posted.groups, strict=True):
+            views = [item.tensor] if layouts is None else unpack(item.tensor, layouts)
+            pieces.update(zip(keys, views, strict=True))
+        return pieces
+
+    def _prefetch(self, state: _StepState, kind: MessageKind, m: int) -> None:
+        """Post the receive of ``kind`` that follows micro-batch ``m`` in this rank's actions (-1: the first)."""
+        if not self.prefetch_receives:
+            return
+        order = self.receive_order[kind]
+        position = order.index(m) + 1 if m >= 0 else 0
+        if position < len(order) and (kind, order[position]) not in state.posted:
+            posted = self._post_receive(kind, order[position])
+            if posted.pending:
+                state.posted[kind, order[position]] = posted
+
+    def _post_receive(self, kind: MessageKind, m: int) -> _PostedReceive:
+        """Post one receive per peer for micro-batch ``m``'s pieces of ``kind`` (packed when a peer sends several)."""
+        wanted, what = ((self.in_pieces, "activation") if kind is MessageKind.ACTIVATION
+                        else (self.grad_pieces, "gradient of"))
         by_peer: dict[int, list[tuple[tuple[str, int], tuple[int, ...], torch.dtype]]] = {}
         for peer, key, shape, dtype in wanted:
             by_peer.setdefault(peer, []).append((key, shape, dtype))
@@ -271,12 +345,7 @@ class PipelineDriver:
             ops.append((False, buffer, peer, self._tag(kind, m, keys[0][0]),
                         f"receive {what} {', '.join(repr(name) for name, _ in keys)} of micro-batch {m}"))
             groups.append((keys, layouts))
-        self.exchange.wait(self.exchange.post(ops))
-        pieces: dict[tuple[str, int], torch.Tensor] = {}
-        for (_, buffer, _, _, _), (keys, layouts) in zip(ops, groups, strict=True):
-            views = [buffer] if layouts is None else unpack(buffer, layouts)
-            pieces.update(zip(keys, views, strict=True))
-        return pieces
+        return _PostedReceive(self.exchange.post(ops), groups)
 
     def _send(self, kind: MessageKind, m: int, outgoing: Sequence[tuple[int, str, torch.Tensor]],
               what: str) -> list[Pending]:
@@ -334,18 +403,9 @@ class PipelineDriver:
 
     def _recv_gradient(self, state: _StepState, m: int) -> None:
         outputs = state.outputs[m]
-        wanted: list[tuple[int, tuple[str, int], tuple[int, ...], torch.dtype]] = []
-        rows_of: dict[tuple[str, int], tuple[int, int] | None] = {}
-        for name, routes in self._grad_routes(self.out_routes):
-            for index, route in enumerate(routes):
-                like = outputs[name] if route.sender_rows is None else \
-                    outputs[name][route.sender_rows[0]:route.sender_rows[1]]
-                wanted.append((route.receiver_rank, (name, index), tuple(like.shape), like.dtype))
-                rows_of[name, index] = route.sender_rows
-        pieces = self._receive(MessageKind.GRADIENT, m, wanted, "gradient of")
         grads: dict[str, torch.Tensor] = {}
-        for (name, index), buf in pieces.items():
-            rows = rows_of[name, index]
+        for (name, index), buf in self._receive(state, MessageKind.GRADIENT, m).items():
+            rows = self.grad_rows[name, index]
             grad = grads.setdefault(name, torch.zeros_like(outputs[name]))
             target = grad if rows is None else grad[rows[0]:rows[1]]
             target.add_(buf)
