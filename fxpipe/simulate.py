@@ -70,7 +70,8 @@ class SimulationResult:
 
 
 def simulate(plan: Plan, chain: CostChain, cluster: Cluster, *, optimizer: str = "adam",
-             schedule: Schedule | None = None, timeline: bool = True) -> SimulationResult:
+             schedule: Schedule | None = None, timeline: bool = True,
+             compute_scale: Sequence[float] | None = None) -> SimulationResult:
     """Simulate one iteration of ``plan`` exactly under this model (deterministic):
 
     - Every replica device runs its stage's lowered action list (:func:`fxpipe.schedule.lower`) in
@@ -78,7 +79,9 @@ def simulate(plan: Plan, chain: CostChain, cluster: Cluster, *, optimizer: str =
     - A send is asynchronous (buffered): it issues one transfer piece per receiving replica
       (:func:`shared_rows`) and the device goes on. A receive blocks until every piece of that
       micro-batch arrived. Compute is stretched by ``cluster.compute_slowdown`` (CPU ranks
-      sharing too few cores). A piece takes ``latency + cut_bytes(rows) / bandwidth`` of its link
+      sharing too few cores) and, when ``compute_scale`` is given, by ``compute_scale[d]`` on
+      device ``d`` (one factor per cluster device: a slower or straggling device; see
+      :mod:`fxpipe.stragglers`). A piece takes ``latency + cut_bytes(rows) / bandwidth`` of its link
       (:meth:`Cluster.link`); gradients are the same size as activations.
     - Each device has one send port and one receive port (full duplex). A piece holds its sender's
       send port and its receiver's receive port; ports serve pieces first come, first served in
@@ -99,10 +102,22 @@ def simulate(plan: Plan, chain: CostChain, cluster: Cluster, *, optimizer: str =
     schedule = schedule or _default_schedule(plan.schedule, plan.num_stages, plan.num_microbatches,
                                              plan.warmup_policy)
     _check_schedule(plan, chain, schedule)
+    slowdowns = _slowdowns(cluster, compute_scale)
     programs, inflight = _prepared(schedule)
-    specs = _replica_specs(plan, chain, cluster)
+    specs = _replica_specs(plan, chain, cluster, slowdowns)
     runs = _simulate_components(specs, programs, plan.num_microbatches, timeline)
-    return _collect(plan, chain, cluster, schedule, inflight, runs, optimizer)
+    return _collect(plan, chain, cluster, schedule, inflight, runs, optimizer, slowdowns)
+
+
+def _slowdowns(cluster: Cluster, compute_scale: Sequence[float] | None) -> tuple[float, ...]:
+    """Each cluster device's compute stretch: the cluster's core sharing times ``compute_scale``."""
+    if compute_scale is None:
+        return (cluster.compute_slowdown,) * cluster.num_devices
+    scale = tuple(float(factor) for factor in compute_scale)
+    if len(scale) != cluster.num_devices or not all(factor > 0 for factor in scale):
+        raise ValueError(f"compute_scale needs one positive factor per device of cluster {cluster.name!r} "
+                         f"({cluster.num_devices}); got {list(compute_scale)}")
+    return tuple(cluster.compute_slowdown * factor for factor in scale)
 
 
 # The planner simulates hundreds of plans with the same few schedules: build, validate and lower once.
@@ -139,13 +154,15 @@ def _pieces(plan: Plan, chain: CostChain, cluster: Cluster, stage_index: int) ->
     ]
 
 
-def _replica_specs(plan: Plan, chain: CostChain, cluster: Cluster) -> dict[Replica, _Node]:
+def _replica_specs(plan: Plan, chain: CostChain, cluster: Cluster,
+                   slowdowns: Sequence[float] | None = None) -> dict[Replica, _Node]:
     """Every replica's compute times and transfer pieces, keyed by (stage, replica), globally indexed."""
+    slowdowns = slowdowns or _slowdowns(cluster, None)
     nodes: dict[Replica, _Node] = {}
     for stage in plan.stages:
         for replica_index, rows in enumerate(split_rows(plan.microbatch_size, stage.replicas)):
             forward_s, backward_s = compute_times(chain, stage.first_block, stage.stop_block, rows,
-                                                  cluster.compute_slowdown)
+                                                  slowdowns[stage.devices[replica_index]])
             nodes[stage.stage_index, replica_index] = _Node(stage.stage_index, forward_s, backward_s, [], [], 0, 0)
     for stage_index in range(plan.num_stages - 1):
         for i, j, seconds in _pieces(plan, chain, cluster, stage_index):
@@ -220,7 +237,8 @@ def _simulate_components(nodes: dict[Replica, _Node], programs: Sequence[Program
 
 
 def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule, inflight: tuple[int, ...],
-             runs: list[tuple[list[Replica], ComponentRun]], optimizer: str) -> SimulationResult:
+             runs: list[tuple[list[Replica], ComponentRun]], optimizer: str,
+             slowdowns: Sequence[float]) -> SimulationResult:
     """Add the allreduces and turn component runs into per-device figures and events."""
     ready = {key: run.allreduce_ready_s[local] for members, run in runs for local, key in enumerate(members)}
     ties = tie_groups(chain, [(stage.first_block, stage.stop_block) for stage in plan.stages])
@@ -237,7 +255,7 @@ def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule,
         for s in stages:
             ends[s] = max(ends[s], tie_end)
     iteration_s = max(ends)
-    busy = {device: _busy(plan, chain, stage.stage_index, replica_index, cluster.compute_slowdown)
+    busy = {device: _busy(plan, chain, stage.stage_index, replica_index, slowdowns[device])
             for stage in plan.stages for replica_index, device in enumerate(stage.devices)}
     devices = tuple(sorted(busy))
     return SimulationResult(

@@ -337,3 +337,23 @@ def test_tied_parameters_are_summed_across_their_stages_after_both_are_ready() -
     # the second stage keeps a copy of the tied weight: its memory grows by the optimizer factor x the copy
     assert result.peak_memory_bytes[1] - untied.peak_memory_bytes[1] == 4 * 2**18
     assert result.peak_memory_bytes[0] == untied.peak_memory_bytes[0]
+
+
+def test_compute_scale_stretches_each_device_alone() -> None:
+    rows, num_microbatches = 4, 3
+    chain, net = uniform_chain(4), cluster()
+    plan = plan_of((1, 1), 2, rows, num_microbatches)
+    plain = simulate(plan, chain, net)
+    assert simulate(plan, chain, net, compute_scale=[1.0] * net.num_devices) == plain
+    stage = 2 * rows * (FORWARD_PER_ROW + BACKWARD_PER_ROW)
+    # stage 1 three times slower: it is the bottleneck of every micro-batch after the first forward
+    slow_last = simulate(plan, chain, net, compute_scale=[1.0, 3.0] + [1.0] * (net.num_devices - 2))
+    assert slow_last.busy_s == (num_microbatches * stage, 3 * num_microbatches * stage)
+    forward = 2 * rows * FORWARD_PER_ROW
+    assert slow_last.iteration_time_s == pytest.approx(forward + 3 * num_microbatches * stage + 2 * rows * BACKWARD_PER_ROW)
+
+
+@pytest.mark.parametrize("scale", [[1.0], [1.0] * 7 + [0.0], [1.0] * 7 + [-2.0]])
+def test_compute_scale_needs_one_positive_factor_per_device(scale: list[float]) -> None:
+    with pytest.raises(ValueError, match=r"one positive factor per device of cluster 'test' \(8\)"):
+        simulate(plan_of((1,), 1, 2, 2), uniform_chain(1), cluster(), compute_scale=scale)
