@@ -27,16 +27,23 @@ synchronous step waits for the slower one. The error and the 20% verdict use the
 
 What the model covers: measured block costs (blocks timed in training order, empty-block overhead timed
 in the same rounds), ranks sharing too few cores compute at cores/ranks speed (4 ranks on 2 cores: 2x),
-one packed message per peer per micro-batch, gloo send/recv latency and bandwidth calibrated as medians
+one packed message per peer per micro-batch and its cost to both ranks, gloo send/recv latency and
+bandwidth calibrated as medians
 of a two-rank ping and gloo's allreduce calibrated on its own (``Cluster.intra_host_collective``),
 each stage's gradient allreduce, the tied embedding's allreduce across its stages once every holder is
 ready, and the spread of device speeds. What it does not cover, as measured on this VM: with 4 ranks
 on 2 cores, the CPU time a straight pipeline's forward + backward took (thread CPU time per action) was
-1.3-1.8x the chain in two of three rounds (1.04-1.19x in the third), so fair sharing at cores/ranks speed
-is optimistic there; packing and posting a send and taking a received message cost the rank 0.1-0.8 ms
-of its own time each, which the simulator gives the link instead; the 8-byte loss sum that ends every
-step (0.3-1 ms). Pinning each rank's threads to a core of its own changed nothing measurable (two plans,
-one run each way).
+1.3-1.8x the chain measured just before in two of three rounds (1.04-1.19x in the third), so fair sharing
+at cores/ranks speed is optimistic there; the cause is not found (4 ranks on 2 cores passing tokens
+round a ring, each computing an MLP forward + backward per token, used the same CPU time per unit of
+work as one process alone, and chains measured under the full 4-rank load scattered too widely to
+use); the 8-byte loss sum that ends every step (0.3-1 ms). Pinning each rank's threads to a core of its
+own changed nothing measurable (two plans, one run each way).
+
+Each message also costs its two ranks time of their own (``Cluster.message_overhead_s``, calibrated
+with the gloo ping: packing and posting right after some compute): in steps of the 1:1 M=4 plan a send
+took 0.74-0.88 ms (a 0.17-0.21 ms pack of 256 KB and 0.28-0.36 ms in ``batch_isend_irecv``) and a receive
+0.34-0.56 ms, about 2-4x what the same calls took back to back without compute in between.
 """
 
 from __future__ import annotations
@@ -171,6 +178,7 @@ def fidelity_rank(rank: int, world_size: int, plan_json: str, workload: Workload
         if chain is not None:
             chains.append(chain)
         if round_index == num_rounds:
+            dist.barrier()  # rank 0 holds the store: it must not leave while a busy rank still polls it
             break
         for _ in range(num_warmup):
             from_common_start(step)
@@ -218,7 +226,7 @@ def chain_under_load(rank: int, world_size: int, workload: Workload, round_index
 
 
 def run(workload: Workload, cases: tuple[PlanCase, ...] = DEFAULT_CASES, *, num_warmup: int = 1,
-        num_steps: int = 5, num_rounds: int = 4) -> dict[str, Any]:
+        num_steps: int = 5, num_rounds: int = 8) -> dict[str, Any]:
     from fxpipe.stagecost import compute_times
 
     rows_per_microbatch = workload.global_batch_size // workload.num_microbatches

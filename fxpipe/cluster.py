@@ -76,6 +76,11 @@ class Cluster:
     hardware of its own). When a host runs more ranks than it has cores, each rank computes at
     ``cores / ranks`` of its one-rank speed (:attr:`compute_slowdown`), a fair share: on a 2-core VM
     four one-thread processes each ran a gpt-mini forward+backward 2.2x slower than one alone.
+
+    ``message_overhead_s`` is the device's own time per message at each end: packing and posting a
+    send, posting a receive and taking its data, in the rank's process (stretched like compute when
+    ranks share cores). 0 where a copy engine does the work (GPUs); gloo on this project's CPU VM
+    took 0.3-0.9 ms per message after a stretch of compute.
     """
 
     name: str
@@ -88,6 +93,7 @@ class Cluster:
     description: str = ""
     cores_per_host: int = 0
     intra_host_collective: LinkSpec | None = None
+    message_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_hosts < 1 or self.devices_per_host < 1:
@@ -98,6 +104,9 @@ class Cluster:
         if self.cores_per_host < 0:
             raise ValueError(f"cluster {self.name!r}: cores_per_host must be >= 0 (0: devices do not share "
                              f"cores); got {self.cores_per_host}")
+        if not self.message_overhead_s >= 0:
+            raise ValueError(f"cluster {self.name!r}: message_overhead_s must be >= 0 seconds; "
+                             f"got {self.message_overhead_s}")
 
     @property
     def compute_slowdown(self) -> float:
@@ -199,6 +208,8 @@ def _cluster_from_json(data: Any) -> Cluster:
         cores_per_host=json_field(data, "cores_per_host", int, "", "non-negative") if "cores_per_host" in data else 0,
         intra_host_collective=_link_from_json(data["intra_host_collective"], "intra_host_collective")
         if data.get("intra_host_collective") is not None else None,
+        message_overhead_s=json_field(data, "message_overhead_s", float, "", "non-negative")
+        if "message_overhead_s" in data else 0.0,
     )
 
 
@@ -301,9 +312,10 @@ _DEVICE_ALIASES = {"v100-16gb": "v100", "a100-80gb": "a100", "h100-80gb": "h100"
 
 
 def _cpu_cluster(name: str, num_hosts: int, ranks_per_host: int, device: DeviceSpec, link: LinkSpec,
-                 description: str, cores_per_host: int = 0, collective: LinkSpec | None = None) -> Cluster:
+                 description: str, cores_per_host: int = 0, collective: LinkSpec | None = None,
+                 message_overhead_s: float = 0.0) -> Cluster:
     return Cluster(name, num_hosts, ranks_per_host, device, link, link, None, description, cores_per_host,
-                   collective)
+                   collective, message_overhead_s)
 
 
 def usable_cores() -> int:
@@ -378,7 +390,8 @@ def local_cluster(num_ranks: int | None = None, *, calibrate: bool | None = None
     device_figures = {k: figures[k] for k in
                       ("float32", "bfloat16", "float16", "memory_bandwidth", "kernel_launch")}
     return _cpu_cluster(name, 1, ranks, cpu_device(memory, calibrated=device_figures), link,
-                        "local CPU ranks, calibrated (fxpipe.runtime.calibrate)", usable_cores(), collective)
+                        "local CPU ranks, calibrated (fxpipe.runtime.calibrate)", usable_cores(), collective,
+                        figures["message_overhead"])
 
 
 def dgx_h100_cluster(num_nodes: int = 1) -> Cluster:

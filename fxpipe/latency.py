@@ -7,7 +7,8 @@ for one micro-batch (its largest replica slice), AR_s its gradient allreduce, Q 
     Delta_s = sum_{t=s..Q} B_t (s <= Q),  -sum_{t=Q+1..s-1} B_t (s > Q)
 
 Every cut between stages becomes an extra stage whose F/B is the activation/gradient transfer
-(:func:`fxpipe.stagecost.transfer_time`) and whose AR is 0. The formula is exact for equal
+(:func:`fxpipe.stagecost.transfer_time`) and whose AR is 0; a stage's F and B include its own time
+per message (:attr:`Cluster.message_overhead_s`). The formula is exact for equal
 stages without communication (it gives (M+S-1)(F+B) + AR) and approximate otherwise; the exact
 simulator (:func:`fxpipe.simulate.simulate`) re-ranks the best candidates.
 
@@ -25,7 +26,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from fxpipe.cluster import Cluster
-from fxpipe.plan import Plan
+from fxpipe.plan import Plan, shared_rows
 from fxpipe.stagecost import stage_cost, transfer_time
 
 if TYPE_CHECKING:  # fxpipe.passes imports the planner, which imports this module
@@ -80,10 +81,24 @@ def stage_times(plan: Plan, chain: CostChain, cluster: Cluster) -> tuple[list[fl
                 allreduce.append(0.0)
         cost = stage_cost(chain, stage.first_block, stage.stop_block, plan.microbatch_size, stage.replicas,
                           cluster.compute_slowdown)
-        forward.append(cost.forward_s)
-        backward.append(cost.backward_s)
+        # the busiest replica's own time per message (packing, posting), forward and backward alike
+        messages = cluster.message_overhead_s * cluster.compute_slowdown * _messages(plan, stage.stage_index)
+        forward.append(cost.forward_s + messages)
+        backward.append(cost.backward_s + messages)
         allreduce.append(cluster.allreduce_time(cost.param_bytes, stage.devices))
     return forward, backward, allreduce
+
+
+def _messages(plan: Plan, stage_index: int) -> int:
+    """Most messages one replica of the stage sends and receives per micro-batch in one direction."""
+    stage, counts = plan.stages[stage_index], [0] * plan.stages[stage_index].replicas
+    if stage_index > 0:
+        for _, j, _, _ in shared_rows(plan.microbatch_size, plan.stages[stage_index - 1].replicas, stage.replicas):
+            counts[j] += 1
+    if stage_index < plan.num_stages - 1:
+        for i, _, _, _ in shared_rows(plan.microbatch_size, stage.replicas, plan.stages[stage_index + 1].replicas):
+            counts[i] += 1
+    return max(counts)
 
 
 def analytic_iteration_time(plan: Plan, chain: CostChain, cluster: Cluster) -> float:

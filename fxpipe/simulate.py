@@ -29,7 +29,8 @@ Replica = tuple[int, int]  # (stage_index, replica_index)
 
 
 class TimelineEvent(NamedTuple):
-    """One executed action of one device (sends take no device time: start == end == issue time)."""
+    """One executed action of one device (a send ends when it is issued; it takes the cluster's
+    ``message_overhead_s`` per message, 0 by default)."""
 
     device: int
     stage_index: int
@@ -78,7 +79,8 @@ def simulate(plan: Plan, chain: CostChain, cluster: Cluster, *, optimizer: str =
       order. Compute takes the time of its own slice (:func:`split_rows`; smaller slices are faster).
     - A send is asynchronous (buffered): it issues one transfer piece per receiving replica
       (:func:`shared_rows`) and the device goes on. A receive blocks until every piece of that
-      micro-batch arrived. Compute is stretched by ``cluster.compute_slowdown`` (CPU ranks
+      micro-batch arrived. Each piece costs its sender and its receiver
+      ``cluster.message_overhead_s`` of their own time (packing and posting; stretched like compute). Compute is stretched by ``cluster.compute_slowdown`` (CPU ranks
       sharing too few cores) and, when ``compute_scale`` is given, by ``compute_scale[d]`` on
       device ``d`` (one factor per cluster device: a slower or straggling device; see
       :mod:`fxpipe.stragglers`). A piece takes ``latency + cut_bytes(rows) / bandwidth`` of its link
@@ -163,7 +165,9 @@ def _replica_specs(plan: Plan, chain: CostChain, cluster: Cluster,
         for replica_index, rows in enumerate(split_rows(plan.microbatch_size, stage.replicas)):
             forward_s, backward_s = compute_times(chain, stage.first_block, stage.stop_block, rows,
                                                   slowdowns[stage.devices[replica_index]])
-            nodes[stage.stage_index, replica_index] = _Node(stage.stage_index, forward_s, backward_s, [], [], 0, 0)
+            slowdown = slowdowns[stage.devices[replica_index]]
+            nodes[stage.stage_index, replica_index] = _Node(stage.stage_index, forward_s, backward_s, [], [], 0, 0,
+                                                            cluster.message_overhead_s * slowdown)
     for stage_index in range(plan.num_stages - 1):
         for i, j, seconds in _pieces(plan, chain, cluster, stage_index):
             nodes[stage_index, i].activation_out.append(((stage_index + 1, j), seconds))
@@ -184,6 +188,7 @@ class _Node:
     gradient_out: list[tuple[Replica, float]]
     num_activation_in: int
     num_gradient_in: int
+    message_s: float = 0.0
 
 
 def _components(nodes: dict[Replica, _Node]) -> list[list[Replica]]:
@@ -211,7 +216,7 @@ def _local_specs(nodes: dict[Replica, _Node], members: list[Replica]) -> tuple[R
         ReplicaSpec(node.stage_index, node.forward_s, node.backward_s,
                     tuple((local[k], s) for k, s in node.activation_out),
                     tuple((local[k], s) for k, s in node.gradient_out),
-                    node.num_activation_in, node.num_gradient_in)
+                    node.num_activation_in, node.num_gradient_in, node.message_s)
         for node in (nodes[key] for key in members)
     )
 

@@ -40,6 +40,7 @@ class ReplicaSpec:
     gradient_out: tuple[tuple[int, float], ...]
     num_activation_in: int
     num_gradient_in: int
+    message_s: float = 0.0  # the device's own time per message it sends or receives (packing, posting)
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,9 @@ class _ComponentSim:
     """Runs devices that only exchange data among themselves.
 
     Model: a device executes its list in order. Compute takes its time; a receive blocks until
-    every piece of that micro-batch arrived; a send is asynchronous (costs the device nothing)
-    and issues one transfer per receiving replica. Each device has one send port and one receive
+    every piece of that micro-batch arrived, then takes ``message_s`` per piece of the device's
+    time; a send takes ``message_s`` per piece, then is asynchronous and issues one transfer per
+    receiving replica. Each device has one send port and one receive
     port (full duplex): a transfer holds the sender's send port and the receiver's receive port
     for ``latency + bytes / bandwidth``, starting when both are free. Ports are granted first come,
     first served in issue-time order (equal times: the order the events were created), without
@@ -77,6 +79,8 @@ class _ComponentSim:
                           [[r.num_gradient_in] * num_microbatches for r in replicas])
         self.latest = ([[0.0] * num_microbatches for _ in replicas], [[0.0] * num_microbatches for _ in replicas])
         self.waiting = [-1] * count  # kind * M + m of the blocking receive, -1 when not blocked
+        self.send_paid = [-1] * count  # index of the send action whose message time was already spent
+        self.send_start = [0.0] * count  # when that send action began
         self.blocked_since = [-1.0] * count
         self.ready_s = [-1.0] * count
         self.events: list[list[tuple[int, int, float, float]]] = [[] for _ in replicas]
@@ -118,12 +122,18 @@ class _ComponentSim:
                     self.blocked_since[device], self.cursor[device] = time_s, index
                     return
                 start_s = self.blocked_since[device] if self.blocked_since[device] >= 0 else time_s
-                end_s = max(time_s, self.latest[kind][device][m])
+                end_s = max(time_s, self.latest[kind][device][m]) + replica.message_s * (
+                    replica.num_activation_in if kind == ACTIVATION else replica.num_gradient_in)
                 self.blocked_since[device] = -1.0
                 if self.record:
                     events.append((code, m, start_s, end_s))
                 fresh, time_s = fresh and end_s == time_s, end_s
             elif code <= SEND_GRADIENT:
+                if self.send_paid[device] != index:  # pack and post first (once, even if the send must wait)
+                    self.send_paid[device], self.send_start[device] = index, time_s
+                    pieces = replica.activation_out if code == SEND_ACTIVATION else replica.gradient_out
+                    end_s = time_s + replica.message_s * len(pieces)
+                    fresh, time_s = fresh and end_s == time_s, end_s
                 # ports are granted in global time order: send now only if no other event comes first
                 if not fresh and self.heap and self.heap[0][0] <= time_s:
                     self.cursor[device] = index
@@ -132,7 +142,7 @@ class _ComponentSim:
                 fresh = True
                 self.issue(device, code, m, time_s)
                 if self.record:
-                    events.append((code, m, time_s, time_s))
+                    events.append((code, m, self.send_start[device], time_s))
             else:
                 self.ready_s[device], self.cursor[device] = time_s, index
                 return

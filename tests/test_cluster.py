@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,20 @@ def test_json_round_trip(spec: str, tmp_path: Path) -> None:
     assert parse_cluster(f"{path},inter=7GB/s").inter_host.bandwidth_bytes_per_s == 7e9
 
 
+def test_message_overhead_is_optional_in_json_and_checked() -> None:
+    data = parse_cluster("1x4:cpu").to_json()
+    assert data["message_overhead_s"] == 0.0
+    data["message_overhead_s"] = 5e-4
+    assert Cluster.from_json(data).message_overhead_s == 5e-4
+    del data["message_overhead_s"]  # files written before the field existed
+    assert Cluster.from_json(data).message_overhead_s == 0.0
+    data["message_overhead_s"] = -1.0
+    with pytest.raises(ClusterSpecError, match="message_overhead_s"):
+        Cluster.from_json(data)
+    with pytest.raises(ValueError, match="message_overhead_s must be >= 0 seconds; got -0.001"):
+        replace(parse_cluster("1x4:cpu"), message_overhead_s=-1e-3)
+
+
 def test_bad_json_names_the_missing_key(tmp_path: Path) -> None:
     data = parse_cluster("dapple-a").to_json()
     del data["num_hosts"]
@@ -160,7 +175,7 @@ def test_local_calibration_reads_its_cache(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
     figures = {"float32": 2e10, "bfloat16": 1e9, "float16": 1.5e9, "memory_bandwidth": 8e9,
                "kernel_launch": 7e-6, "link_bandwidth": 3e9, "link_latency": 4e-5,
-               "allreduce_bandwidth": 1.5e9, "allreduce_latency": 6e-5}
+               "allreduce_bandwidth": 1.5e9, "allreduce_latency": 6e-5, "message_overhead": 3e-4}
     path = calibrate.cache_path()
     assert path.parent == tmp_path and "torch" in path.name
     path.write_text(json.dumps({"version": calibrate.CALIBRATION_VERSION, "measured_at": time.time() - 60,
@@ -169,6 +184,7 @@ def test_local_calibration_reads_its_cache(tmp_path: Path, monkeypatch: pytest.M
     assert cluster.intra_host == LinkSpec(3e9, 4e-5)
     assert cluster.collective_link([0, 1]) == cluster.intra_host_collective == LinkSpec(1.5e9, 6e-5)
     assert cluster.allreduce_time(3e9, [0, 1]) == 2 * 6e-5 + 2.0  # ring: 2 latencies + W / bandwidth
+    assert cluster.message_overhead_s == 3e-4
     assert Cluster.from_json(json.loads(json.dumps(cluster.to_json()))) == cluster
     overridden = parse_cluster("local:2,intra=1GB/s@1ms", calibrate=True)
     assert overridden.collective_link([0, 1]) == overridden.intra_host == LinkSpec(1e9, 1e-3)

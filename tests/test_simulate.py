@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import importlib.util
 import json
@@ -207,6 +208,7 @@ def reference_iteration_time(plan: Plan, chain: CostChain, net: Cluster) -> floa
     arrived: dict[tuple[tuple[int, int], int, int], list[float]] = {}
     waiting: dict[tuple[int, int], float] = {}
     done: dict[tuple[int, int], float] = {}
+    paid: dict[tuple[int, int], int] = {}
     heap = [(0.0, i, key) for i, key in enumerate(keys)]
     sequence = len(heap)
     while heap:
@@ -221,7 +223,13 @@ def reference_iteration_time(plan: Plan, chain: CostChain, net: Cluster) -> floa
             if len(pieces) < need:
                 waiting[key] = now
                 continue
-            after = max([now, *pieces])
+            after = max([now, *pieces]) + node.message_s * need
+        elif code in (4, 5) and node.message_s > 0 and paid.get(key) != cursor[key]:
+            paid[key] = cursor[key]  # the device packs and posts first, then issues in global time order
+            heapq.heappush(heap, (now + node.message_s * len(node.activation_out if code == 4 else node.gradient_out),
+                                  sequence, key))
+            sequence += 1
+            continue
         elif code in (4, 5):
             for other, seconds in (node.activation_out if code == 4 else node.gradient_out):
                 start = max(now, port_send[key], port_recv[other]) if seconds > 0 else now
@@ -247,20 +255,29 @@ def reference_iteration_time(plan: Plan, chain: CostChain, net: Cluster) -> floa
     return max(ends)
 
 
-def check_events_consistent(result: SimulationResult) -> None:
-    """Per device, actions run back to back in order; every receive ends after its last piece arrived."""
+def check_events_consistent(result: SimulationResult, message_s: float = 0.0) -> None:
+    """Per device, actions run back to back in order; every receive ends ``message_s`` per piece after its
+    last piece arrived (or its start), every send lasts ``message_s`` per piece."""
     last_end: dict[int, float] = {}
     for event in result.events:
         assert event.start_s >= last_end.get(event.device, 0.0) - 1e-15 or event.op == "AR"
         assert event.end_s >= event.start_s
         last_end[event.device] = event.end_s
     arrivals: dict[tuple[int, str, int], float] = {}
+    pieces: dict[tuple[int, str, int], int] = {}
     for t in result.transfers:
         key = (t.dst_device, "RA" if t.op == "SA" else "RG", t.microbatch_index)
         arrivals[key] = max(arrivals.get(key, 0.0), t.end_s)
+        pieces[key] = pieces.get(key, 0) + 1
+        sent = (t.src_device, t.op, t.microbatch_index)
+        pieces[sent] = pieces.get(sent, 0) + 1
     for event in result.events:
+        key = (event.device, event.op, event.microbatch_index)
         if event.op in ("RA", "RG"):
-            assert event.end_s == max(event.start_s, arrivals[event.device, event.op, event.microbatch_index])
+            assert event.end_s == pytest.approx(max(event.start_s, arrivals[key]) + message_s * pieces[key],
+                                                rel=1e-12, abs=1e-15)
+        if event.op in ("SA", "SG"):
+            assert event.end_s - event.start_s == pytest.approx(message_s * pieces[key], rel=1e-9, abs=1e-15)
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -269,6 +286,32 @@ def test_against_reference_engine_and_invariants(seed: int) -> None:
     result = simulate(plan, chain, net)
     assert result.iteration_time_s == pytest.approx(reference_iteration_time(plan, chain, net), rel=1e-12)
     check_events_consistent(result)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_message_overhead_against_reference_engine(seed: int) -> None:
+    plan, chain, net = load_benchmark().random_case(500 + seed)
+    seconds = max(simulate(plan, chain, net).busy_s) / (50 * plan.num_microbatches)  # a few % of compute
+    net = dataclasses.replace(net, message_overhead_s=seconds)
+    result = simulate(plan, chain, net)
+    assert result.iteration_time_s == pytest.approx(reference_iteration_time(plan, chain, net), rel=1e-12)
+    check_events_consistent(result, seconds)
+
+
+def test_message_overhead_on_a_straight_pipeline_is_exact() -> None:
+    rows, cut, overhead = 4, 2.0**10, 2.0**-8
+    chain, net = uniform_chain(2, cut_bytes_per_row=cut), dataclasses.replace(cluster(latency=2.0**-10),
+                                                                               message_overhead_s=2.0**-8)
+    plan = plan_of((1, 1), 1, rows, 1)
+    transfer = 2.0**-10 + rows * cut / 2.0**20
+    forward, backward = rows * FORWARD_PER_ROW, rows * BACKWARD_PER_ROW
+    # F0, pack+post, transfer, take it, F1, B1, pack+post, transfer, take it, B0
+    expected = 2 * (forward + backward) + 2 * (2 * overhead + transfer)
+    result = simulate(plan, chain, net)
+    assert result.iteration_time_s == expected
+    sends = [(e.op, e.end_s - e.start_s) for e in result.events if e.op in ("SA", "SG")]
+    assert sends == [("SA", overhead), ("SG", overhead)]
+    assert analytic_iteration_time(plan, chain, net) == expected
 
 
 @pytest.mark.parametrize("seed", range(20))

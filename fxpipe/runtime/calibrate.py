@@ -14,13 +14,19 @@ from pathlib import Path
 
 import torch
 
-CALIBRATION_VERSION = 3  # 2: link figures are medians, not the fastest ping; files carry their age. 3: allreduce
+CALIBRATION_VERSION = 4  # 2: link figures are medians, not the fastest ping; files carry their age. 3: allreduce.
+# 4: per-message overhead
 # A cached calibration older than this is measured again (the machine, its load or its neighbours change).
 CALIBRATION_MAX_AGE_S = 7 * 24 * 3600.0
 # Bytes for the bandwidth ping: big enough that latency is small next to it, small enough to be quick.
 PING_LARGE_BYTES = 8 * 2**20
 PING_SMALL_BYTES = 8
 PING_REPEATS = 20
+# A message as a pipeline cut sends it: two activations of 4 x 64 x 128 float32, packed into one buffer.
+MESSAGE_PIECES = ((4, 64, 128), (4, 64, 128))
+# Compute run between timed messages: a step posts its transfers between forwards and backwards, whose
+# work evicts the caches the transport's code and data need (posting took 2-4x longer after compute here).
+MESSAGE_GAP_MATMULS = 10
 
 
 class CalibrationError(RuntimeError):
@@ -111,6 +117,32 @@ def _allreduce_s(dist: object, tensor: torch.Tensor, repeats: int) -> list[float
     return times
 
 
+def _message_overhead_s(dist: object, rank: int, repeats: int) -> float:
+    """Median seconds rank 0 takes to pack and post a send, or rank 1 to post a receive, right after compute.
+
+    The runtime's own path (``pack``, ``batch_isend_irecv``), each message after a few matmuls, as in a
+    step; the wait for the data is not counted (the link model has it).
+    """
+    from fxpipe.runtime.comm import pack  # the runtime's packing, timed as it runs in a step
+
+    pieces = [torch.randn(shape) for shape in MESSAGE_PIECES]
+    inbox = torch.empty(pack(pieces).numel(), dtype=torch.uint8)
+    square = torch.randn(256, 256)
+    times = []
+    for tag in range(repeats):
+        dist.barrier()  # type: ignore[attr-defined]
+        for _ in range(MESSAGE_GAP_MATMULS):
+            torch.mm(square, square)
+        start = time.perf_counter()
+        op = (dist.P2POp(dist.isend, pack(pieces), 1, tag=tag) if rank == 0  # type: ignore[attr-defined]
+              else dist.P2POp(dist.irecv, inbox, 0, tag=tag))  # type: ignore[attr-defined]
+        works = dist.batch_isend_irecv([op])  # type: ignore[attr-defined]
+        times.append(time.perf_counter() - start)
+        for work in works:
+            work.wait()
+    return statistics.median(times)
+
+
 def _ping_worker(rank: int, init_file: str, queue: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
     import torch.distributed as dist  # only the worker processes touch process groups
 
@@ -124,18 +156,22 @@ def _ping_worker(rank: int, init_file: str, queue: multiprocessing.Queue) -> Non
         large_times = _round_trip_s(dist, rank, large, 5)
         small_reduce = _allreduce_s(dist, small, PING_REPEATS)
         large_reduce = _allreduce_s(dist, large, 5)
+        # Each end's own time per message; the model charges one figure at both ends: their mean.
+        overhead = torch.tensor([_message_overhead_s(dist, rank, PING_REPEATS)], dtype=torch.float64)
+        dist.all_reduce(overhead)
         if rank == 0:
             # Medians: what a pipeline's transfers typically see, waking a blocked receiver included
             # (the fastest repeat promised 73 us and 2.9 GB/s here where the medians were 150-190 us
             # and 1.6-2.0 GB/s, and a step's many transfers pay the typical figure, not the best).
             queue.put((statistics.median(small_times), statistics.median(large_times),
-                       statistics.median(small_reduce), statistics.median(large_reduce)))
+                       statistics.median(small_reduce), statistics.median(large_reduce), float(overhead.item()) / 2))
     finally:
         dist.destroy_process_group()
 
 
 def measure_link(timeout_s: float = 60.0) -> dict[str, float]:
-    """Latency (s) and bandwidth (B/s) of a gloo send/recv between two local processes, and of its allreduce.
+    """Latency (s) and bandwidth (B/s) of a gloo send/recv between two local processes, of its allreduce, and
+    the seconds each end spends on a message of its own time (``message_overhead``).
 
     The allreduce figures are what :meth:`fxpipe.cluster.Cluster.allreduce_time`'s ring formula needs
     to give the measured two-rank times (gloo's allreduce copies and sums besides sending).
@@ -148,7 +184,7 @@ def measure_link(timeout_s: float = 60.0) -> dict[str, float]:
         for worker in workers:
             worker.start()
         try:
-            small_rt, large_rt, small_ar, large_ar = queue.get(timeout=timeout_s)
+            small_rt, large_rt, small_ar, large_ar, message_overhead = queue.get(timeout=timeout_s)
         except Exception as error:  # queue.Empty, or a worker died before reporting
             raise CalibrationError(f"gloo ping between 2 local processes gave no result in {timeout_s} s; "
                                    "pass calibrate=False to use default figures") from error
@@ -161,7 +197,8 @@ def measure_link(timeout_s: float = 60.0) -> dict[str, float]:
     one_way = max(large_rt / 2 - latency, 1e-9)
     # Two-rank ring allreduce (Cluster.allreduce_time): 2 latencies + W / bandwidth.
     return {"link_latency": latency, "link_bandwidth": PING_LARGE_BYTES / one_way,
-            "allreduce_latency": small_ar / 2, "allreduce_bandwidth": PING_LARGE_BYTES / max(large_ar - small_ar, 1e-9)}
+            "allreduce_latency": small_ar / 2, "allreduce_bandwidth": PING_LARGE_BYTES / max(large_ar - small_ar, 1e-9),
+            "message_overhead": message_overhead}
 
 
 def calibrate_local(*, refresh: bool = False) -> dict[str, float]:
