@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from fxpipe.cluster import Cluster
-from fxpipe.plan import Plan, shared_rows
-from fxpipe.stagecost import stage_cost, transfer_time
+from fxpipe.plan import Plan
+from fxpipe.stagecost import message_seconds, stage_cost, transfer_time
 
 if TYPE_CHECKING:  # fxpipe.passes imports the planner, which imports this module
     from fxpipe.passes.chain import CostChain
@@ -81,24 +81,11 @@ def stage_times(plan: Plan, chain: CostChain, cluster: Cluster) -> tuple[list[fl
                 allreduce.append(0.0)
         cost = stage_cost(chain, stage.first_block, stage.stop_block, plan.microbatch_size, stage.replicas,
                           cluster.compute_slowdown)
-        # the busiest replica's own time per message (packing, posting), forward and backward alike
-        messages = cluster.message_overhead_s * cluster.compute_slowdown * _messages(plan, stage.stage_index)
+        messages = message_seconds(cluster, plan.microbatch_size, [s.replicas for s in plan.stages], stage.stage_index)
         forward.append(cost.forward_s + messages)
         backward.append(cost.backward_s + messages)
         allreduce.append(cluster.allreduce_time(cost.param_bytes, stage.devices))
     return forward, backward, allreduce
-
-
-def _messages(plan: Plan, stage_index: int) -> int:
-    """Most messages one replica of the stage sends and receives per micro-batch in one direction."""
-    stage, counts = plan.stages[stage_index], [0] * plan.stages[stage_index].replicas
-    if stage_index > 0:
-        for _, j, _, _ in shared_rows(plan.microbatch_size, plan.stages[stage_index - 1].replicas, stage.replicas):
-            counts[j] += 1
-    if stage_index < plan.num_stages - 1:
-        for i, _, _, _ in shared_rows(plan.microbatch_size, stage.replicas, plan.stages[stage_index + 1].replicas):
-            counts[i] += 1
-    return max(counts)
 
 
 def analytic_iteration_time(plan: Plan, chain: CostChain, cluster: Cluster) -> float:

@@ -52,6 +52,25 @@ def compute_times(chain: CostChain, first: int, stop: int, rows: int, slowdown: 
             _block_sum(chain, first, stop, "backward_s").at(rows) * slowdown)
 
 
+def message_seconds(cluster: Cluster, microbatch_rows: int, replicas: Sequence[int], stage_index: int) -> float:
+    """The busiest replica's own time per micro-batch for the messages of one direction (forward or backward).
+
+    ``replicas`` are every stage's replica counts; a replica sends one message per receiving replica
+    it shares rows with and receives one per sender (:func:`shared_rows`), each costing
+    :attr:`Cluster.message_overhead_s`, stretched like compute on shared cores.
+    """
+    if cluster.message_overhead_s <= 0:
+        return 0.0
+    counts = [0] * replicas[stage_index]
+    if stage_index > 0:
+        for _, j, _, _ in shared_rows(microbatch_rows, replicas[stage_index - 1], replicas[stage_index]):
+            counts[j] += 1
+    if stage_index < len(replicas) - 1:
+        for i, _, _, _ in shared_rows(microbatch_rows, replicas[stage_index], replicas[stage_index + 1]):
+            counts[i] += 1
+    return cluster.message_overhead_s * cluster.compute_slowdown * max(counts)
+
+
 def stage_cost(chain: CostChain, first: int, stop: int, microbatch_rows: int, replicas: int,
                slowdown: float = 1.0) -> StageCost:
     """Costs of blocks ``[first, stop)`` run on ``replicas`` devices, each taking its slice of a micro-batch.

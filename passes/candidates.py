@@ -12,7 +12,14 @@ from fxpipe.latency import pipeline_latency
 from fxpipe.passes.chain import CostChain
 from fxpipe.plan import Plan, Prediction, StagePlan
 from fxpipe.schedule import warmup_forwards
-from fxpipe.stagecost import StageCost, allreduce_time, stage_cost, stage_memory_bytes, transfer_time
+from fxpipe.stagecost import (
+    StageCost,
+    allreduce_time,
+    message_seconds,
+    stage_cost,
+    stage_memory_bytes,
+    transfer_time,
+)
 
 
 @dataclass(frozen=True)
@@ -106,8 +113,9 @@ class CostModel:
                     backward.append(hop)
                     allreduce.append(0.0)
             cost = self.cost(span.first, span.stop, rows, len(span.devices))
-            forward.append(cost.forward_s)
-            backward.append(cost.backward_s)
+            messages = message_seconds(self.cluster, rows, [len(s.devices) for s in spans], index)
+            forward.append(cost.forward_s + messages)
+            backward.append(cost.backward_s + messages)
             allreduce.append(self.allreduce(span.first, span.stop, span.devices))
         return forward, backward, allreduce
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from fxpipe.cluster import Cluster, DeviceSpec, LinkSpec
@@ -9,6 +11,7 @@ from fxpipe.costgraph import Affine
 from fxpipe.latency import analytic_iteration_time, pipeline_latency, pivot_stage, stage_times
 from fxpipe.passes.chain import Block, CostChain
 from fxpipe.plan import Plan, StagePlan
+from fxpipe.stagecost import message_seconds
 
 
 def test_pivot_is_the_last_of_equal_stages() -> None:
@@ -50,3 +53,31 @@ def test_transfers_become_stages() -> None:
     assert forward == [0.25, transfer, 0.25] and backward == [0.5, transfer, 0.5]
     assert allreduce == [0.0, 0.0, 0.0]
     assert analytic_iteration_time(plan, chain, net) == pipeline_latency(forward, backward, allreduce, 2)
+
+
+@pytest.mark.parametrize(("replicas", "expected"), [((1, 1), [1, 1]), ((3, 1), [1, 3]), ((2, 3), [2, 2]),
+                                                    ((2, 1, 2), [1, 4, 1]), ((4,), [0])])
+def test_message_seconds_count_the_busiest_replicas_pieces(replicas: tuple[int, ...], expected: list[int]) -> None:
+    device = DeviceSpec("t", 2**34, (("float32", 1e12),), 1e11)
+    net = Cluster("t", 1, 8, device, LinkSpec(2.0**20), LinkSpec(2.0**20), message_overhead_s=2.0**-10)
+    got = [message_seconds(net, 12, replicas, s) / 2.0**-10 for s in range(len(replicas))]
+    assert got == expected
+    assert message_seconds(dataclasses.replace(net, message_overhead_s=0.0), 12, replicas, 0) == 0.0
+    shared = dataclasses.replace(net, cores_per_host=4)  # 8 ranks on 4 cores: stretched like compute
+    assert message_seconds(shared, 12, replicas, 0) == 2 * expected[0] * 2.0**-10
+
+
+@pytest.mark.parametrize("layout", ["1:1", "3:1", "2:2", "1:2:1"])
+def test_the_planners_model_counts_messages_like_the_plan_level_model(layout: str) -> None:
+    from fxpipe.passes.partition import partition
+
+    device = DeviceSpec("t", 2**34, (("float32", 1e12),), 1e11)
+    net = Cluster("t", 1, 4, device, LinkSpec(2.0**30, 2.0**-12), LinkSpec(2.0**30), message_overhead_s=2.0**-9)
+    block = Block("b", (), Affine(2.0**-8, 2.0**-6), Affine(2.0**-8, 2.0**-5), 2**10, Affine(0, 2.0**10))
+    chain = CostChain((block,) * 8, (Affine(0, 2.0**12),) * 7)
+    plan = partition(chain, net, 24, layout=layout, num_microbatches=4)
+    assert plan.predicted is not None
+    assert plan.predicted.analytic_iteration_time_s == pytest.approx(analytic_iteration_time(plan, chain, net),
+                                                                     rel=1e-12)
+    without = dataclasses.replace(net, message_overhead_s=0.0)
+    assert analytic_iteration_time(plan, chain, net) > analytic_iteration_time(plan, chain, without)
