@@ -141,7 +141,20 @@ def _error_cases(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
         pipe = compile_mlp((1, 1), timeout_s=3.0)
         if rank == 1:
             return "left"  # rank 1 dies before the step
+        return _outcome(lambda: pipe.step(inputs, targets))
+
+    def stale_receive() -> Any:
+        pipe = compile_mlp((1, 1), timeout_s=3.0)
+        if rank == 0:  # no gradient comes back: rank 1's step dies after taking activation 0
+            return _outcome(lambda: pipe.step(inputs, targets))
+        forward = pipe.driver._forward
+
+        def failing_forward(state: Any, m: int) -> None:
+            raise RuntimeError("injected failure in forward")
+
+        pipe.driver._forward = failing_forward  # after receiving micro-batch 0, with micro-batch 1 posted
         failed = _outcome(lambda: pipe.step(inputs, targets))
+        pipe.driver._forward = forward
         # the failed step left a receive posted ahead (gloo): a second step must refuse, not mix messages
         return failed, _outcome(lambda: pipe.step(inputs, targets))
 
@@ -149,6 +162,7 @@ def _error_cases(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
     in_world("world-mismatch", lambda: _outcome(lambda: compile_mlp((1, 1, 1, 1))))
     in_world("autocast", autocast)
     in_world("dead-peer", dead_peer)
+    in_world("stale-receive", stale_receive)
     return results
 
 
@@ -164,6 +178,10 @@ def test_errors_reach_every_rank_quickly(tmp_path: Any) -> None:
         loss, expected, sent = result["autocast"]
         assert loss == pytest.approx(expected, rel=2e-2) and sent and set(sent) == {torch.bfloat16}
     assert results[1]["dead-peer"] == "left"
-    (kind, message, elapsed), again = results[0]["dead-peer"]
+    kind, message, elapsed = results[0]["dead-peer"]
     assert kind == CommunicationError.__name__ and "rank 1" in message and elapsed < 20.0, message
-    assert again[0] == PipelineSetupError.__name__ and "still posted" in again[1] and again[2] < 1.0, again
+    timed_out = results[0]["stale-receive"]
+    assert timed_out[0] == CommunicationError.__name__ and "rank 1" in timed_out[1], timed_out
+    failed, again = results[1]["stale-receive"]
+    assert failed[:2] == ("RuntimeError", "injected failure in forward"), failed
+    assert again[0] == PipelineSetupError.__name__ and "1 receive(s) still posted" in again[1] and again[2] < 1.0, again
