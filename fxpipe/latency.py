@@ -23,11 +23,11 @@ formula optimistic by up to ~11%. tests/test_simulate.py holds these bounds.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from fxpipe.cluster import Cluster
 from fxpipe.plan import Plan
-from fxpipe.stagecost import message_seconds, stage_cost, transfer_time
+from fxpipe.stagecost import allreduce_times, message_seconds, stage_cost, transfer_time
 
 if TYPE_CHECKING:  # fxpipe.passes imports the planner, which imports this module
     from fxpipe.passes.chain import CostChain
@@ -51,47 +51,65 @@ def pivot_stage(forward_s: Sequence[float], backward_s: Sequence[float], num_mic
 
 
 def pipeline_latency(forward_s: Sequence[float], backward_s: Sequence[float], allreduce_s: Sequence[float],
-                     num_microbatches: int) -> float:
-    """L = T_warmup + T_steady + T_ending for stages given as plain numbers (transfers included as stages)."""
+                     num_microbatches: int, group_allreduce_s: Sequence[tuple[Sequence[int], float]] = ()) -> float:
+    """L = T_warmup + T_steady + T_ending for stages given as plain numbers (transfers included as stages).
+
+    ``group_allreduce_s`` holds ``(step indices, seconds)`` of allreduces over several stages (tied
+    parameters): each starts when the last of its stages is done, so it ends at max Delta_s + seconds.
+    """
     _check_lengths(forward_s, backward_s, allreduce_s, num_microbatches)
     q = pivot_stage(forward_s, backward_s, num_microbatches)
     warmup = sum(forward_s[: q + 1])
     steady = (num_microbatches - 1) * (forward_s[q] + backward_s[q])
-    ending = float("-inf")
-    for stage_index, allreduce in enumerate(allreduce_s):
-        if stage_index <= q:
-            delta = sum(backward_s[stage_index: q + 1])
-        else:
-            delta = -sum(backward_s[q + 1: stage_index])
-        ending = max(ending, allreduce + delta)
+    deltas = [sum(backward_s[s: q + 1]) if s <= q else -sum(backward_s[q + 1: s]) for s in range(len(forward_s))]
+    ending = max(allreduce + delta for allreduce, delta in zip(allreduce_s, deltas, strict=True))
+    for steps, seconds in group_allreduce_s:
+        ending = max(ending, max(deltas[s] for s in steps) + seconds)
     return warmup + steady + ending
 
 
-def stage_times(plan: Plan, chain: CostChain, cluster: Cluster) -> tuple[list[float], list[float], list[float]]:
-    """(F, B, AR) per pipeline step: stage 0, cut 0, stage 1, ..., each cut that costs time as a transfer step."""
-    forward, backward, allreduce = [], [], []
+class PipelineSteps(NamedTuple):
+    """The pivot model's input: F, B and allreduce per step (stages and costly transfers), tie allreduces."""
+
+    forward: list[float]
+    backward: list[float]
+    allreduce: list[float]
+    group_allreduce: list[tuple[tuple[int, ...], float]]  # (step indices, seconds)
+
+
+def stage_times(plan: Plan, chain: CostChain, cluster: Cluster) -> PipelineSteps:
+    """Steps in order: stage 0, cut 0, stage 1, ..., each cut that costs time as a transfer step.
+
+    A stage's allreduce leaves out parameters it shares with other stages; those are one allreduce
+    over all their stages' devices (:func:`fxpipe.stagecost.allreduce_times`), as the runtime does.
+    """
+    own, ties = allreduce_times(chain, cluster, [(s.first_block, s.stop_block, s.devices) for s in plan.stages])
+    steps = PipelineSteps([], [], [], [])
+    step_of_stage = []
     for stage in plan.stages:
         if stage.stage_index > 0:
             previous = plan.stages[stage.stage_index - 1]
             seconds = transfer_time(cluster, chain.cut_bytes[previous.stop_block - 1], plan.microbatch_size,
                                     previous.devices, stage.devices)
             if seconds > 0:  # a free hop adds nothing (and would only tie the pivot choice)
-                forward.append(seconds)
-                backward.append(seconds)
-                allreduce.append(0.0)
+                steps.forward.append(seconds)
+                steps.backward.append(seconds)
+                steps.allreduce.append(0.0)
         cost = stage_cost(chain, stage.first_block, stage.stop_block, plan.microbatch_size, stage.replicas,
                           cluster.compute_slowdown)
         messages = message_seconds(cluster, plan.microbatch_size, [s.replicas for s in plan.stages], stage.stage_index)
-        forward.append(cost.forward_s + messages)
-        backward.append(cost.backward_s + messages)
-        allreduce.append(cluster.allreduce_time(cost.param_bytes, stage.devices))
-    return forward, backward, allreduce
+        step_of_stage.append(len(steps.forward))
+        steps.forward.append(cost.forward_s + messages)
+        steps.backward.append(cost.backward_s + messages)
+        steps.allreduce.append(own[stage.stage_index])
+    steps.group_allreduce.extend((tuple(step_of_stage[s] for s in stages), seconds) for stages, seconds in ties)
+    return steps
 
 
 def analytic_iteration_time(plan: Plan, chain: CostChain, cluster: Cluster) -> float:
     """DAPPLE's latency estimate of one iteration of ``plan`` (schedule-independent)."""
-    forward, backward, allreduce = stage_times(plan, chain, cluster)
-    return pipeline_latency(forward, backward, allreduce, plan.num_microbatches)
+    forward, backward, allreduce, groups = stage_times(plan, chain, cluster)
+    return pipeline_latency(forward, backward, allreduce, plan.num_microbatches, groups)
 
 
 def _check_lengths(forward_s: Sequence[float], backward_s: Sequence[float],

@@ -20,7 +20,7 @@ from fxpipe.simulate_events import (
     run_component,
 )
 from fxpipe.simulate_trace import to_chrome_trace, write_chrome_trace
-from fxpipe.stagecost import compute_times, stage_cost, stage_memory_bytes, tie_groups
+from fxpipe.stagecost import allreduce_times, compute_times, stage_cost, stage_memory_bytes
 
 __all__ = ["SimulationResult", "TimelineEvent", "TransferEvent", "simulate", "to_chrome_trace",
            "write_chrome_trace"]
@@ -246,17 +246,15 @@ def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule,
              slowdowns: Sequence[float]) -> SimulationResult:
     """Add the allreduces and turn component runs into per-device figures and events."""
     ready = {key: run.allreduce_ready_s[local] for members, run in runs for local, key in enumerate(members)}
-    ties = tie_groups(chain, [(stage.first_block, stage.stop_block) for stage in plan.stages])
+    own, ties = allreduce_times(chain, cluster, [(s.first_block, s.stop_block, s.devices) for s in plan.stages])
     starts, ends, peaks = [], [], []
     for stage in plan.stages:
         cost = stage_cost(chain, stage.first_block, stage.stop_block, plan.microbatch_size, stage.replicas)
-        tied_bytes = sum(num_bytes for stages, num_bytes in ties if stage.stage_index in stages)
         starts.append(max(ready[stage.stage_index, r] for r in range(stage.replicas)))
-        ends.append(starts[-1] + cluster.allreduce_time(cost.param_bytes - tied_bytes, stage.devices))
+        ends.append(starts[-1] + own[stage.stage_index])
         peaks.append(stage_memory_bytes(cost, inflight[stage.stage_index], optimizer))
-    for stages, num_bytes in ties:  # starts when every holder is ready; its stages end with it
-        holders = sorted(d for s in stages for d in plan.stages[s].devices)
-        tie_end = max(starts[s] for s in stages) + cluster.allreduce_time(num_bytes, holders)
+    for stages, seconds in ties:  # starts when every holder is ready; its stages end with it
+        tie_end = max(starts[s] for s in stages) + seconds
         for s in stages:
             ends[s] = max(ends[s], tie_end)
     iteration_s = max(ends)

@@ -112,6 +112,25 @@ def tie_groups(chain: CostChain, stage_bounds: Sequence[tuple[int, int]]) -> lis
     return sorted(sizes.items())
 
 
+def allreduce_times(chain: CostChain, cluster: Cluster, stages: Sequence[tuple[int, int, Sequence[int]]],
+                    ) -> tuple[list[float], list[tuple[tuple[int, ...], float]]]:
+    """Gradient sums of stages ``(first block, stop block, devices)`` as the runtime does them.
+
+    Returns each stage's replica allreduce of its own parameters (tied ones left out) and, per set
+    of stages sharing parameters (:func:`tie_groups`), the seconds of one allreduce of those bytes
+    over every device of those stages; it can start once all of them are ready.
+    """
+    ties = tie_groups(chain, [(first, stop) for first, stop, _ in stages])
+    own = []
+    for index, (first, stop, devices) in enumerate(stages):
+        tied = sum(num_bytes for holders, num_bytes in ties if index in holders)
+        params = sum(block.param_bytes for block in chain.blocks[first:stop]) + tied_copy_bytes(chain, first, stop)
+        own.append(cluster.allreduce_time(params - tied, devices))
+    groups = [(holders, cluster.allreduce_time(num_bytes, sorted(d for s in holders for d in stages[s][2])))
+              for holders, num_bytes in ties]
+    return own, groups
+
+
 def stage_memory_bytes(cost: StageCost, inflight_microbatches: int, optimizer: str = "adam") -> int:
     """Peak bytes per device: weights x optimizer factor + in-flight activations + receive buffers.
 

@@ -8,13 +8,14 @@ from functools import lru_cache
 
 from fxpipe.cluster import Cluster
 from fxpipe.costgraph import Affine
-from fxpipe.latency import pipeline_latency
+from fxpipe.latency import PipelineSteps, pipeline_latency
 from fxpipe.passes.chain import CostChain
 from fxpipe.plan import Plan, Prediction, StagePlan
 from fxpipe.schedule import warmup_forwards
 from fxpipe.stagecost import (
     StageCost,
     allreduce_time,
+    allreduce_times,
     message_seconds,
     stage_cost,
     stage_memory_bytes,
@@ -99,29 +100,37 @@ class CostModel:
     def _allreduce(self, first: int, stop: int, devices: tuple[int, ...]) -> float:
         return allreduce_time(self.cluster, self.cost(first, stop, 1, 1).param_bytes, devices)
 
-    def steps(self, spans: Sequence[Span], rows: int) -> tuple[list[float], list[float], list[float]]:
-        """Forward, backward and allreduce time of every pipeline step (stages and transfers)."""
-        forward: list[float] = []
-        backward: list[float] = []
-        allreduce: list[float] = []
+    def stage_allreduces(self, spans: Sequence[Span]) -> tuple[list[float], list[tuple[tuple[int, ...], float]]]:
+        """Each stage's own gradient allreduce and the tie groups' allreduces (:func:`allreduce_times`)."""
+        if not self.chain.shared_params:  # the common case, memoised per span
+            return [self.allreduce(span.first, span.stop, span.devices) for span in spans], []
+        return allreduce_times(self.chain, self.cluster, [(span.first, span.stop, span.devices) for span in spans])
+
+    def steps(self, spans: Sequence[Span], rows: int) -> PipelineSteps:
+        """Forward, backward and allreduce time of every pipeline step (stages and transfers), tie allreduces."""
+        own, ties = self.stage_allreduces(spans)
+        steps = PipelineSteps([], [], [], [])
+        step_of_stage = []
         for index, span in enumerate(spans):
             if index:
                 previous = spans[index - 1]
                 hop = self.hop(previous.stop - 1, rows, previous.devices, span.devices)
                 if hop > 0:
-                    forward.append(hop)
-                    backward.append(hop)
-                    allreduce.append(0.0)
+                    steps.forward.append(hop)
+                    steps.backward.append(hop)
+                    steps.allreduce.append(0.0)
             cost = self.cost(span.first, span.stop, rows, len(span.devices))
             messages = message_seconds(self.cluster, rows, [len(s.devices) for s in spans], index)
-            forward.append(cost.forward_s + messages)
-            backward.append(cost.backward_s + messages)
-            allreduce.append(self.allreduce(span.first, span.stop, span.devices))
-        return forward, backward, allreduce
+            step_of_stage.append(len(steps.forward))
+            steps.forward.append(cost.forward_s + messages)
+            steps.backward.append(cost.backward_s + messages)
+            steps.allreduce.append(own[index])
+        steps.group_allreduce.extend((tuple(step_of_stage[s] for s in stages), seconds) for stages, seconds in ties)
+        return steps
 
     def latency(self, spans: Sequence[Span], rows: int) -> float:
-        forward, backward, allreduce = self.steps(spans, rows)
-        return pipeline_latency(forward, backward, allreduce, self.global_batch_size // rows)
+        forward, backward, allreduce, groups = self.steps(spans, rows)
+        return pipeline_latency(forward, backward, allreduce, self.global_batch_size // rows, groups)
 
     def inflight(self, stage_index: int, num_stages: int, num_microbatches: int, warmup_policy: str) -> int:
         """K_s: micro-batches stage ``stage_index`` holds at once (all of them under GPipe)."""

@@ -85,8 +85,9 @@ def exhaustive_candidates(model: CostModel, grid: list[int], layout: tuple[int, 
 
 def _lower_bound(model: CostModel, candidate: Candidate) -> float:
     """A time the simulator cannot beat: stage s waits for the first forward of every earlier stage (on
-    its smallest slice), then its slowest replica runs M forwards and backwards, then the allreduce."""
-    forward, backward, allreduce, first_forward = [], [], [], []
+    its smallest slice), then its slowest replica runs M forwards and backwards, then the allreduce of
+    its own parameters; a tie group's allreduce starts after the last of its stages got that far."""
+    forward, backward, first_forward = [], [], []
     rows = candidate.microbatch_rows
     for span in candidate.spans:
         cost = model.cost(span.first, span.stop, rows, len(span.devices))
@@ -94,10 +95,11 @@ def _lower_bound(model: CostModel, candidate: Candidate) -> float:
         first_forward.append(smallest.forward_s)
         forward.append(cost.forward_s)
         backward.append(cost.backward_s)
-        allreduce.append(model.allreduce(span.first, span.stop, span.devices))
+    own, ties = model.stage_allreduces(candidate.spans)
     num_microbatches = model.global_batch_size // candidate.microbatch_rows
-    return max(sum(first_forward[:s]) + num_microbatches * (forward[s] + backward[s]) + allreduce[s]
-               for s in range(len(forward)))
+    ready = [sum(first_forward[:s]) + num_microbatches * (forward[s] + backward[s]) for s in range(len(forward))]
+    return max([ready[s] + own[s] for s in range(len(ready))]
+               + [max(ready[s] for s in stages) + seconds for stages, seconds in ties])
 
 
 def plan_exhaustive(request: PlanRequest) -> Plan:

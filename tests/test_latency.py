@@ -49,9 +49,9 @@ def test_transfers_become_stages() -> None:
     chain = CostChain((block, block), (Affine(0, 2.0**8),))
     plan = Plan(8, 2, (StagePlan(0, 0, 1, 1, (0,)), StagePlan(1, 1, 2, 1, (1,))))
     transfer = 2.0**-4 + 4 * 2.0**8 / 2.0**10
-    forward, backward, allreduce = stage_times(plan, chain, net)
+    forward, backward, allreduce, groups = stage_times(plan, chain, net)
     assert forward == [0.25, transfer, 0.25] and backward == [0.5, transfer, 0.5]
-    assert allreduce == [0.0, 0.0, 0.0]
+    assert allreduce == [0.0, 0.0, 0.0] and groups == []
     assert analytic_iteration_time(plan, chain, net) == pipeline_latency(forward, backward, allreduce, 2)
 
 
@@ -81,3 +81,49 @@ def test_the_planners_model_counts_messages_like_the_plan_level_model(layout: st
                                                                      rel=1e-12)
     without = dataclasses.replace(net, message_overhead_s=0.0)
     assert analytic_iteration_time(plan, chain, net) > analytic_iteration_time(plan, chain, without)
+
+
+def _tied_chain(num_blocks: int, tied_bytes: int, cut_bytes_per_row: float = 2.0**8,
+                param_bytes: int = 2**16) -> CostChain:
+    from fxpipe.passes.chain import SharedParam
+
+    block = Block("b", (), Affine(2.0**-8, 2.0**-6), Affine(2.0**-8, 2.0**-5), param_bytes, Affine(0, 2.0**10))
+    return CostChain((block,) * num_blocks, (Affine(0, cut_bytes_per_row),) * (num_blocks - 1),
+                     shared_params=(SharedParam("wte", tied_bytes, (0, num_blocks - 1)),))
+
+
+def test_tied_parameters_are_one_allreduce_after_their_last_stage() -> None:
+    from fxpipe.simulate import simulate
+
+    device = DeviceSpec("t", 2**34, (("float32", 1e12),), 1e11)
+    net = Cluster("t", 1, 2, device, LinkSpec(2.0**20), LinkSpec(2.0**20))
+    tied = _tied_chain(4, 2**20, cut_bytes_per_row=0.0)
+    plan = Plan(16, 4, (StagePlan(0, 0, 2, 1, (0,)), StagePlan(1, 2, 4, 1, (1,))))
+    forward, backward, allreduce, groups = stage_times(plan, tied, net)
+    assert allreduce == [0.0, 0.0]  # one device per stage: nothing of its own to sum
+    assert groups == [((0, 1), net.allreduce_time(2**20, [0, 1]))]
+    # equal stages, free transfers: the pivot formula is exact, tie allreduce included
+    assert analytic_iteration_time(plan, tied, net) == simulate(plan, tied, net).iteration_time_s
+    untied = CostChain(tied.blocks, tied.cut_bytes)
+    assert analytic_iteration_time(plan, tied, net) - analytic_iteration_time(plan, untied, net) == groups[0][1]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_exhaustive_lower_bound_holds_with_tied_parameters(seed: int) -> None:
+    import random
+
+    from fxpipe.passes.candidates import CostModel, build_plan
+    from fxpipe.passes.exhaustive import _lower_bound, exhaustive_candidates
+    from fxpipe.simulate import simulate
+
+    rng = random.Random(seed)
+    device = DeviceSpec("t", 2**34, (("float32", 1e12),), 1e11)
+    # one host, so a tie group's allreduce runs on the links of its stages' own replica allreduces, and
+    # own parameters about as large as the tied ones: summing both in one replica allreduce overestimates
+    net = Cluster("t", 1, 4, device, LinkSpec(2.0**27, 1e-5), LinkSpec(2.0**27, 1e-5),
+                  message_overhead_s=rng.choice([0.0, 1e-4]))
+    chain = _tied_chain(rng.randint(3, 5), 2**22, param_bytes=rng.choice([2**20, 2**21]))
+    model = CostModel(chain, net, 16, "adam", 2**40)
+    for candidate in exhaustive_candidates(model, [2, 4, 8], None):
+        plan = build_plan(model, candidate, schedule="early_backward", warmup_policy="A", planner="test")
+        assert _lower_bound(model, candidate) <= simulate(plan, chain, net).iteration_time_s * (1 + 1e-12)
