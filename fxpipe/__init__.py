@@ -16,7 +16,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "Plan": ("fxpipe.plan", "Plan"),
     "StagePlan": ("fxpipe.plan", "StagePlan"),
     "Cluster": ("fxpipe.cluster", "Cluster"),
-    "DeviceSpec": ("fxpipe.cluster", "DeviceSpec"),
+    "DeviceSpec": ("fxpipe.hardware", "DeviceSpec"),
     "simulate": ("fxpipe.simulate", "simulate"),
     "consolidate": ("fxpipe.checkpoint", "consolidate"),
 }
