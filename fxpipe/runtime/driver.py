@@ -25,31 +25,19 @@ from fxpipe.runtime.comm import (
     message_tag,
     new_groups,
     pack,
-    packed_bytes,
     routes_between,
     slice_rows,
     unflatten_into,
-    unpack,
 )
 from fxpipe.runtime.errors import BatchShapeError, PipelineSetupError
 from fxpipe.runtime.measure import ActionTimer, SavedActivationMeter, StepStats
+from fxpipe.runtime.receives import Inbox, Piece
 from fxpipe.runtime.stage import LossFn, StageRunner, infer_value_dtypes
 
 if TYPE_CHECKING:
     from fxpipe.passes.codegen import SplitProgram
 
 Op = schedules.Op
-
-
-@dataclass
-class _PostedReceive:
-    """Receives of one micro-batch's pieces, posted and not yet waited on (one message per peer)."""
-
-    pending: list[Pending]
-    groups: list[tuple[list[tuple[str, int]], list[tuple[tuple[int, ...], torch.dtype]] | None]]
-
-
-Piece = tuple[int, tuple[str, int], tuple[int, ...], torch.dtype]  # (peer rank, (value, route index), shape, dtype)
 
 
 @dataclass
@@ -63,7 +51,6 @@ class _StepState:
     output_grads: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     input_grads: dict[int, dict[str, Any]] = field(default_factory=dict)
     sends: list[Pending] = field(default_factory=list)
-    posted: dict[tuple[MessageKind, int], _PostedReceive] = field(default_factory=dict)
     reductions: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor]]] = field(default_factory=list)
     loss_sum: float = 0.0
 
@@ -108,19 +95,15 @@ class PipelineDriver:
         self.runner = StageRunner(self.stage, program, context.device, loss_fn=loss_fn,
                                   autocast_dtype=autocast_dtype)
         self.in_routes = self._input_routes()
-        self.in_pieces = self._input_pieces()
         self.out_routes = self._output_routes()
-        self.grad_pieces, self.grad_rows = self._gradient_pieces()
-        # Each kind's receives in the order this rank's actions take them. On gloo a receive is
-        # posted one receive ahead, so its data can flow as soon as the sender sends (see _receive).
-        # Not on NCCL: its point-to-point operations between two ranks run in order on one stream,
-        # so a receive posted early would hold back this rank's sends to that peer behind it.
-        self.receive_order = {kind: [a.microbatch_index for a in self.actions if a.op is op]
-                              for kind, op in ((MessageKind.ACTIVATION, Op.RECV_ACTIVATION),
-                                               (MessageKind.GRADIENT, Op.RECV_GRADIENT))}
-        self.prefetch_receives = context.backend == "gloo"
-        self._stale_receives = 0
+        grad_pieces, self.grad_rows = self._gradient_pieces()
         self.exchange = PeerExchange(self.rank, context.device, timeout_s)
+        self.inbox = Inbox(self.exchange, context.device, self._tag,
+                           {MessageKind.ACTIVATION: self._input_pieces(), MessageKind.GRADIENT: grad_pieces},
+                           {kind: [a.microbatch_index for a in self.actions if a.op is op]
+                            for kind, op in ((MessageKind.ACTIVATION, Op.RECV_ACTIVATION),
+                                             (MessageKind.GRADIENT, Op.RECV_GRADIENT))},
+                           ahead=context.backend == "gloo")
         # Walking parameters by path costs milliseconds; the set never changes, so walk once.
         self._own_params = _unique_params(self.runner.parameters())
         self.reduce_sets = self._make_reduce_sets()
@@ -212,30 +195,22 @@ class PipelineDriver:
     def step(self, inputs: tuple[Any, ...], targets: Any) -> float:
         """One iteration over the global batch; returns the batch loss (the same float on every rank)."""
         self.check_batch(inputs, targets)
-        if self._stale_receives:
-            raise PipelineSetupError(
-                f"rank {self.rank}: an earlier step failed with {self._stale_receives} receive(s) still posted; "
-                "they would take this step's messages. Build the pipeline again (fxpipe.compile) to go on")
+        self.inbox.start_step()
         stash = self._stash_grads()
         state = _StepState(inputs, targets)
         self.runner.reset()
         handlers = {Op.RECV_ACTIVATION: self._recv_activation, Op.FORWARD: self._forward,
                     Op.SEND_ACTIVATION: self._send_activation, Op.RECV_GRADIENT: self._recv_gradient,
                     Op.BACKWARD: self._backward, Op.SEND_GRADIENT: self._send_gradient}
-        try:
-            for kind in self.receive_order:
-                self._prefetch(state, kind, -1)
-            if self.measure:
-                self._measured_step(state, stash, handlers)
-            else:
-                for action in self.actions:
-                    if action.op is Op.ALLREDUCE:
-                        self._start_allreduce(state)
-                    else:
-                        handlers[action.op](state, action.microbatch_index)
-                self._finish(state, stash)
-        finally:
-            self._stale_receives = len(state.posted)
+        if self.measure:
+            self._measured_step(state, stash, handlers)
+        else:
+            for action in self.actions:
+                if action.op is Op.ALLREDUCE:
+                    self._start_allreduce(state)
+                else:
+                    handlers[action.op](state, action.microbatch_index)
+            self._finish(state, stash)
         return self._broadcast_loss(state.loss_sum)
 
     def _measured_step(self, state: _StepState, stash: dict[int, torch.Tensor | None],
@@ -293,59 +268,12 @@ class PipelineDriver:
                 tags = (self._tag(MessageKind.OBJECT_LENGTH, m, name), self._tag(MessageKind.OBJECT_BYTES, m, name))
                 received[name] = self.exchange.recv_object(routes[0].sender_rank, tags,
                                                            f"receive object {name!r} of micro-batch {m}")
-        pieces = self._receive(state, MessageKind.ACTIVATION, m)
+        pieces = self.inbox.take(MessageKind.ACTIVATION, m)
         for name, routes in self.in_routes.items():
             if self.program.values[name].is_tensor:
                 bufs = [pieces[name, index] for index in range(len(routes))]
                 received[name] = bufs[0] if len(bufs) == 1 else torch.cat(bufs)
         state.received[m] = received
-
-    def _receive(self, state: _StepState, kind: MessageKind, m: int) -> dict[tuple[str, int], torch.Tensor]:
-        """This micro-batch's tensor pieces of ``kind``, after posting the next receive of that kind.
-
-        gloo moves a message only once its receive is posted (the sender waits for the receiver's
-        notice), so a receive posted when the action comes costs a round trip that needs the
-        sender's transport thread to get a core, even when the data was sent long before (here
-        4-5 ms when both ranks compute, against 0.02-0.04 ms when the receive was already posted).
-        """
-        posted = state.posted.pop((kind, m), None) or self._post_receive(kind, m)
-        self._prefetch(state, kind, m)
-        self.exchange.wait(posted.pending)
-        pieces: dict[tuple[str, int], torch.Tensor] = {}
-        for item, (keys, layouts) in zip(posted.pending, posted.groups, strict=True):
-            views = [item.tensor] if layouts is None else unpack(item.tensor, layouts)
-            pieces.update(zip(keys, views, strict=True))
-        return pieces
-
-    def _prefetch(self, state: _StepState, kind: MessageKind, m: int) -> None:
-        """Post the receive of ``kind`` that follows micro-batch ``m`` in this rank's actions (-1: the first)."""
-        if not self.prefetch_receives:
-            return
-        order = self.receive_order[kind]
-        position = order.index(m) + 1 if m >= 0 else 0
-        if position < len(order) and (kind, order[position]) not in state.posted:
-            posted = self._post_receive(kind, order[position])
-            if posted.pending:
-                state.posted[kind, order[position]] = posted
-
-    def _post_receive(self, kind: MessageKind, m: int) -> _PostedReceive:
-        """Post one receive per peer for micro-batch ``m``'s pieces of ``kind`` (packed when a peer sends several)."""
-        wanted, what = ((self.in_pieces, "activation") if kind is MessageKind.ACTIVATION
-                        else (self.grad_pieces, "gradient of"))
-        by_peer: dict[int, list[tuple[tuple[str, int], tuple[int, ...], torch.dtype]]] = {}
-        for peer, key, shape, dtype in wanted:
-            by_peer.setdefault(peer, []).append((key, shape, dtype))
-        ops: list[tuple[bool, torch.Tensor, int, int, str]] = []
-        groups: list[tuple[list[tuple[str, int]], list[tuple[tuple[int, ...], torch.dtype]] | None]] = []
-        for peer, items in by_peer.items():
-            keys = [key for key, _, _ in items]
-            layouts = [(shape, dtype) for _, shape, dtype in items] if len(items) > 1 else None
-            buffer = (torch.empty(items[0][1], dtype=items[0][2], device=self.context.device) if layouts is None
-                      else torch.empty(packed_bytes(layouts), dtype=torch.uint8, device=self.context.device))
-            ops.append((False, buffer, peer, self._tag(kind, m, keys[0][0]),
-                        f"receive {what} {', '.join(repr(name) for name, _ in keys)} of micro-batch {m}"))
-            groups.append((keys, layouts))
-        return _PostedReceive(self.exchange.post(ops), groups)
 
     def _send(self, kind: MessageKind, m: int, outgoing: Sequence[tuple[int, str, torch.Tensor]],
               what: str) -> list[Pending]:
@@ -404,7 +332,7 @@ class PipelineDriver:
     def _recv_gradient(self, state: _StepState, m: int) -> None:
         outputs = state.outputs[m]
         grads: dict[str, torch.Tensor] = {}
-        for (name, index), buf in self._receive(state, MessageKind.GRADIENT, m).items():
+        for (name, index), buf in self.inbox.take(MessageKind.GRADIENT, m).items():
             rows = self.grad_rows[name, index]
             grad = grads.setdefault(name, torch.zeros_like(outputs[name]))
             target = grad if rows is None else grad[rows[0]:rows[1]]
