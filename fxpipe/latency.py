@@ -77,33 +77,46 @@ class PipelineSteps(NamedTuple):
     group_allreduce: list[tuple[tuple[int, ...], float]]  # (step indices, seconds)
 
 
+def pipeline_steps(stages: Sequence[tuple[float, float, float]], hops: Sequence[float],
+                   ties: Sequence[tuple[tuple[int, ...], float]]) -> PipelineSteps:
+    """The pivot model's steps from per-stage ``(F, B, own allreduce)``, the transfer time of each cut
+    (``hops[s]`` between stages s and s+1) and tie allreduces over stage indices.
+
+    Steps in order: stage 0, cut 0, stage 1, ...; a cut that costs nothing adds no step (it would
+    only tie the pivot choice). Tie groups are given step indices.
+    """
+    steps = PipelineSteps([], [], [], [])
+    step_of_stage = []
+    for index, (forward, backward, allreduce) in enumerate(stages):
+        if index and hops[index - 1] > 0:
+            steps.forward.append(hops[index - 1])
+            steps.backward.append(hops[index - 1])
+            steps.allreduce.append(0.0)
+        step_of_stage.append(len(steps.forward))
+        steps.forward.append(forward)
+        steps.backward.append(backward)
+        steps.allreduce.append(allreduce)
+    steps.group_allreduce.extend((tuple(step_of_stage[s] for s in group), seconds) for group, seconds in ties)
+    return steps
+
+
 def stage_times(plan: Plan, chain: CostChain, cluster: Cluster) -> PipelineSteps:
-    """Steps in order: stage 0, cut 0, stage 1, ..., each cut that costs time as a transfer step.
+    """The plan's pivot-model steps: stages with their message time, costly transfers between them.
 
     A stage's allreduce leaves out parameters it shares with other stages; those are one allreduce
     over all their stages' devices (:func:`fxpipe.stagecost.allreduce_times`), as the runtime does.
     """
     own, ties = allreduce_times(chain, cluster, [(s.first_block, s.stop_block, s.devices) for s in plan.stages])
-    steps = PipelineSteps([], [], [], [])
-    step_of_stage = []
+    replicas = [s.replicas for s in plan.stages]
+    stages = []
     for stage in plan.stages:
-        if stage.stage_index > 0:
-            previous = plan.stages[stage.stage_index - 1]
-            seconds = transfer_time(cluster, chain.cut_bytes[previous.stop_block - 1], plan.microbatch_size,
-                                    previous.devices, stage.devices)
-            if seconds > 0:  # a free hop adds nothing (and would only tie the pivot choice)
-                steps.forward.append(seconds)
-                steps.backward.append(seconds)
-                steps.allreduce.append(0.0)
         cost = stage_cost(chain, stage.first_block, stage.stop_block, plan.microbatch_size, stage.replicas,
                           cluster.compute_slowdown)
-        messages = message_seconds(cluster, plan.microbatch_size, [s.replicas for s in plan.stages], stage.stage_index)
-        step_of_stage.append(len(steps.forward))
-        steps.forward.append(cost.forward_s + messages)
-        steps.backward.append(cost.backward_s + messages)
-        steps.allreduce.append(own[stage.stage_index])
-    steps.group_allreduce.extend((tuple(step_of_stage[s] for s in stages), seconds) for stages, seconds in ties)
-    return steps
+        messages = message_seconds(cluster, plan.microbatch_size, replicas, stage.stage_index)
+        stages.append((cost.forward_s + messages, cost.backward_s + messages, own[stage.stage_index]))
+    hops = [transfer_time(cluster, chain.cut_bytes[before.stop_block - 1], plan.microbatch_size, before.devices,
+                          after.devices) for before, after in zip(plan.stages, plan.stages[1:], strict=False)]
+    return pipeline_steps(stages, hops, ties)
 
 
 def analytic_iteration_time(plan: Plan, chain: CostChain, cluster: Cluster) -> float:

@@ -80,8 +80,8 @@ def simulate(plan: Plan, chain: CostChain, cluster: Cluster, *, optimizer: str =
     - A send is asynchronous (buffered): it issues one transfer piece per receiving replica
       (:func:`shared_rows`) and the device goes on. A receive blocks until every piece of that
       micro-batch arrived. Each piece costs its sender and its receiver
-      ``cluster.message_overhead_s`` of their own time (packing and posting; stretched like compute). Compute is stretched by ``cluster.compute_slowdown`` (CPU ranks
-      sharing too few cores) and, when ``compute_scale`` is given, by ``compute_scale[d]`` on
+      ``cluster.message_overhead_s`` of their own time (packing and posting; stretched like
+      compute). Compute is stretched by ``cluster.compute_slowdown`` (CPU ranks sharing too few cores) and, when ``compute_scale`` is given, by ``compute_scale[d]`` on
       device ``d`` (one factor per cluster device: a slower or straggling device; see
       :mod:`fxpipe.stragglers`). A piece takes ``latency + cut_bytes(rows) / bandwidth`` of its link
       (:meth:`Cluster.link`); gradients are the same size as activations.
@@ -163,9 +163,8 @@ def _replica_specs(plan: Plan, chain: CostChain, cluster: Cluster,
     nodes: dict[Replica, _Node] = {}
     for stage in plan.stages:
         for replica_index, rows in enumerate(split_rows(plan.microbatch_size, stage.replicas)):
-            forward_s, backward_s = compute_times(chain, stage.first_block, stage.stop_block, rows,
-                                                  slowdowns[stage.devices[replica_index]])
             slowdown = slowdowns[stage.devices[replica_index]]
+            forward_s, backward_s = compute_times(chain, stage.first_block, stage.stop_block, rows, slowdown)
             nodes[stage.stage_index, replica_index] = _Node(stage.stage_index, forward_s, backward_s, [], [], 0, 0,
                                                             cluster.message_overhead_s * slowdown)
     for stage_index in range(plan.num_stages - 1):

@@ -84,11 +84,16 @@ def stage_cost(chain: CostChain, first: int, stop: int, microbatch_rows: int, re
         rows=rows,
         forward_s=_block_sum(chain, first, stop, "forward_s").at(rows) * slowdown,
         backward_s=_block_sum(chain, first, stop, "backward_s").at(rows) * slowdown,
-        param_bytes=sum(block.param_bytes for block in chain.blocks[first:stop]) + tied_copy_bytes(chain, first, stop),
+        param_bytes=stage_param_bytes(chain, first, stop),
         activation_bytes=_block_sum(chain, first, stop, "saved_bytes").at(rows),
         input_bytes=0.0 if first == 0 else input_bytes.at(rows),
         output_bytes=0.0 if stop == chain.num_blocks else output_bytes.at(rows),
     )
+
+
+def stage_param_bytes(chain: CostChain, first: int, stop: int) -> int:
+    """Parameter bytes a stage over blocks ``[first, stop)`` holds, its copies of tied parameters included."""
+    return sum(block.param_bytes for block in chain.blocks[first:stop]) + tied_copy_bytes(chain, first, stop)
 
 
 def tied_copy_bytes(chain: CostChain, first: int, stop: int) -> int:
@@ -124,8 +129,7 @@ def allreduce_times(chain: CostChain, cluster: Cluster, stages: Sequence[tuple[i
     own = []
     for index, (first, stop, devices) in enumerate(stages):
         tied = sum(num_bytes for holders, num_bytes in ties if index in holders)
-        params = sum(block.param_bytes for block in chain.blocks[first:stop]) + tied_copy_bytes(chain, first, stop)
-        own.append(cluster.allreduce_time(params - tied, devices))
+        own.append(cluster.allreduce_time(stage_param_bytes(chain, first, stop) - tied, devices))
     groups = [(holders, cluster.allreduce_time(num_bytes, sorted(d for s in holders for d in stages[s][2])))
               for holders, num_bytes in ties]
     return own, groups

@@ -8,7 +8,7 @@ from functools import lru_cache
 
 from fxpipe.cluster import Cluster
 from fxpipe.costgraph import Affine
-from fxpipe.latency import PipelineSteps, pipeline_latency
+from fxpipe.latency import PipelineSteps, pipeline_latency, pipeline_steps
 from fxpipe.passes.chain import CostChain
 from fxpipe.plan import Plan, Prediction, StagePlan
 from fxpipe.schedule import warmup_forwards
@@ -109,24 +109,15 @@ class CostModel:
     def steps(self, spans: Sequence[Span], rows: int) -> PipelineSteps:
         """Forward, backward and allreduce time of every pipeline step (stages and transfers), tie allreduces."""
         own, ties = self.stage_allreduces(spans)
-        steps = PipelineSteps([], [], [], [])
-        step_of_stage = []
+        replicas = [len(span.devices) for span in spans]
+        stages = []
         for index, span in enumerate(spans):
-            if index:
-                previous = spans[index - 1]
-                hop = self.hop(previous.stop - 1, rows, previous.devices, span.devices)
-                if hop > 0:
-                    steps.forward.append(hop)
-                    steps.backward.append(hop)
-                    steps.allreduce.append(0.0)
             cost = self.cost(span.first, span.stop, rows, len(span.devices))
-            messages = message_seconds(self.cluster, rows, [len(s.devices) for s in spans], index)
-            step_of_stage.append(len(steps.forward))
-            steps.forward.append(cost.forward_s + messages)
-            steps.backward.append(cost.backward_s + messages)
-            steps.allreduce.append(own[index])
-        steps.group_allreduce.extend((tuple(step_of_stage[s] for s in stages), seconds) for stages, seconds in ties)
-        return steps
+            messages = message_seconds(self.cluster, rows, replicas, index)
+            stages.append((cost.forward_s + messages, cost.backward_s + messages, own[index]))
+        hops = [self.hop(before.stop - 1, rows, before.devices, after.devices)
+                for before, after in zip(spans, spans[1:], strict=False)]
+        return pipeline_steps(stages, hops, ties)
 
     def latency(self, spans: Sequence[Span], rows: int) -> float:
         forward, backward, allreduce, groups = self.steps(spans, rows)
