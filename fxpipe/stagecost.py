@@ -108,12 +108,15 @@ def tie_groups(chain: CostChain, stage_bounds: Sequence[tuple[int, int]]) -> lis
     The runtime sums these gradients with one allreduce over every rank of those stages (and leaves
     them out of each stage's own replica allreduce); sets are in ascending order.
     """
+    if not chain.shared_params:
+        return []
+    from fxpipe.passes.chain import regroup_shared_params  # here: fxpipe.passes imports this module
+
     firsts = [first for first, _ in stage_bounds]
+    stage_of_block = [bisect.bisect_right(firsts, block) - 1 for block in range(chain.num_blocks)]
     sizes: dict[tuple[int, ...], int] = {}
-    for shared in chain.shared_params:
-        stages = tuple(sorted({bisect.bisect_right(firsts, block) - 1 for block in shared.blocks}))
-        if len(stages) >= 2:
-            sizes[stages] = sizes.get(stages, 0) + shared.num_bytes
+    for shared in regroup_shared_params(chain.shared_params, stage_of_block):
+        sizes[shared.blocks] = sizes.get(shared.blocks, 0) + shared.num_bytes
     return sorted(sizes.items())
 
 
