@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -261,10 +262,21 @@ def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: An
 
     if options.global_batch_size is None:
         raise PipelineSetupError("global_batch_size is missing; it is required unless a Plan is given")
+    options = _with_cluster(options, world_size)
     text = None
     if _rank() == 0:
         text = _run_planner(options, model, example_inputs, world_size).to_json()
     return Plan.from_json(broadcast_text(text))
+
+
+def _with_cluster(options: CompileOptions, world_size: int) -> CompileOptions:
+    """The cluster spec resolved on every rank: ``local`` calibrates over the process group, all ranks together."""
+    from fxpipe.cluster import parse_cluster
+
+    spec = options.cluster if options.cluster is not None else f"local:{world_size}"
+    if isinstance(spec, Cluster):
+        return options
+    return dataclasses.replace(options, cluster=parse_cluster(spec, collective=True))
 
 
 def _run_planner(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, world_size: int) -> Plan:

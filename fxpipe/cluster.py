@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fxpipe.cluster_spec import COUNT_DIGITS, ClusterSpecError, check_bound, json_field, quantity, spec_error
 from fxpipe.hardware import (
@@ -19,6 +20,7 @@ from fxpipe.hardware import (
     ETHERNET_10G_P2P,
     ETHERNET_25G_COLLECTIVE,
     ETHERNET_25G_P2P,
+    GPU_DEFAULT_FIGURES,
     H100_80GB,
     H200_141GB,
     IB_HDR_200G,
@@ -27,14 +29,20 @@ from fxpipe.hardware import (
     NVLINK_A100,
     NVLINK_H100,
     NVLINK_V100,
+    PCIE_GPU_P2P,
     V100_16GB,
     DeviceSpec,
     GiB,
     LinkSpec,
     cpu_device,
+    gpu_preset,
     host_memory_bytes,
+    measured_device,
     usable_cores,
 )
+
+if TYPE_CHECKING:
+    from fxpipe.runtime.calibrate import Calibration
 
 # ClusterSpecError and the hardware names are re-exported: callers import them from fxpipe.cluster.
 __all__ = ["A100_80GB", "CLUSTER_FORMAT_VERSION", "H100_80GB", "H200_141GB", "V100_16GB", "Cluster",
@@ -254,34 +262,77 @@ def calibration_enabled(calibrate: bool | None) -> bool:
     return os.environ.get("FXPIPE_CALIBRATE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def local_cluster(num_ranks: int | None = None, *, calibrate: bool | None = None, refresh: bool = False) -> Cluster:
-    """This machine's CPU ranks: 1 host x ``num_ranks`` (default: CPU count, at most 8).
+def local_cluster(num_ranks: int | None = None, *, calibrate: bool | None = None, refresh: bool = False,
+                  collective: bool = False) -> Cluster:
+    """This machine's ranks, 1 host x ``num_ranks``: its GPUs when CUDA is there, else CPU ranks.
 
-    With calibration (the default unless ``calibrate=False`` or ``FXPIPE_CALIBRATE=0``) the device
-    and link figures come from a short measurement, cached per hostname and torch version under
-    ``~/.cache/fxpipe`` (``$FXPIPE_CACHE_DIR``; see :mod:`fxpipe.runtime.calibrate`); otherwise
-    conservative defaults. Memory per rank is the host's physical memory divided by the ranks;
-    the ranks share the cores this process may use (``cores_per_host``), so more ranks than cores
-    slow each rank's compute down (:attr:`Cluster.compute_slowdown`).
+    Default count: the visible GPUs, else the CPU count (at most 8). With calibration (the default
+    unless ``calibrate=False`` or ``FXPIPE_CALIBRATE=0``) the figures come from
+    :mod:`fxpipe.runtime.calibrate`, cached per host, torch version and device kind under
+    ``~/.cache/fxpipe`` (``$FXPIPE_CACHE_DIR``). ``collective=True`` means every rank of the process
+    group calls this (``fxpipe.compile`` does): then the ranks measure together and agree on the
+    figures, and the group's device decides CPU or GPU. Otherwise this process measures its own device
+    only and link figures come from the cache or the defaults. Nothing ever starts a process. See
+    docs/clusters.md.
     """
-    ranks = num_ranks if num_ranks is not None else max(1, min(os.cpu_count() or 1, 8))
+    from fxpipe.runtime import calibrate as calibration  # lazy: keeps planning imports light
+
+    device = calibration.local_device(collective)
+    gpu = calibration.gpu_properties(device) if device.type == "cuda" else None
+    default_ranks = gpu[2] if gpu is not None else max(1, min(os.cpu_count() or 1, 8))
+    ranks = num_ranks if num_ranks is not None else default_ranks
     if ranks < 1:
         raise ClusterSpecError(f"local cluster needs at least 1 rank; got {ranks}")
+    measured = (calibration.calibrate(device, collective=collective, refresh=refresh)
+                if calibration_enabled(calibrate) else None)
+    if measured is not None and measured.links is None and ranks > 1:
+        _warn_default_links(ranks, collective)
+    if gpu is not None:
+        return _local_gpu_cluster(f"local:{ranks}", ranks, gpu[0], gpu[1], measured)
+    return _local_cpu_cluster(f"local:{ranks}", ranks, measured)
+
+
+def _warn_default_links(ranks: int, collective: bool) -> None:
+    how = ("the process group has one rank" if collective else
+           "measuring links needs the ranks themselves: run under torchrun (fxpipe.compile measures over the "
+           "process group) or run `fxpipe calibrate` once")
+    warnings.warn(f"fxpipe: local:{ranks} plans with default link figures ({LOCAL_LINK_DEFAULT} between CPU "
+                  f"ranks): {how}; see docs/clusters.md", RuntimeWarning, stacklevel=3)
+
+
+def _local_cpu_cluster(name: str, ranks: int, measured: Calibration | None) -> Cluster:
     memory = host_memory_bytes() // ranks
-    name = f"local:{ranks}"
-    if not calibration_enabled(calibrate):
+    if measured is None:
         return _cpu_cluster(name, 1, ranks, cpu_device(memory), LOCAL_LINK_DEFAULT,
                             "local CPU ranks, uncalibrated conservative defaults", usable_cores())
-    from fxpipe.runtime.calibrate import calibrate_local  # lazy: keeps planning imports light
+    links = measured.links
+    link = LinkSpec(links["link_bandwidth"], links["link_latency"]) if links else LOCAL_LINK_DEFAULT
+    collective = LinkSpec(links["allreduce_bandwidth"], links["allreduce_latency"]) if links else None
+    return _cpu_cluster(name, 1, ranks, cpu_device(memory, calibrated=measured.device), link,
+                        f"local CPU ranks, calibrated: {measured.source}", usable_cores(), collective,
+                        links["message_overhead"] if links else 0.0)
 
-    figures = calibrate_local(refresh=refresh)
-    link = LinkSpec(figures["link_bandwidth"], figures["link_latency"])
-    collective = LinkSpec(figures["allreduce_bandwidth"], figures["allreduce_latency"])
-    device_figures = {k: figures[k] for k in
-                      ("float32", "bfloat16", "float16", "memory_bandwidth", "kernel_launch")}
-    return _cpu_cluster(name, 1, ranks, cpu_device(memory, calibrated=device_figures), link,
-                        "local CPU ranks, calibrated (fxpipe.runtime.calibrate)", usable_cores(), collective,
-                        figures["message_overhead"])
+
+def _local_gpu_cluster(name: str, ranks: int, model: str, memory: int, measured: Calibration | None) -> Cluster:
+    """Visible GPUs: a datasheet preset for a known model, else measured figures, else conservative defaults."""
+    preset = gpu_preset(model, memory)
+    if preset is not None:
+        device, link = preset
+        source = "datasheet preset"
+    elif measured is not None and measured.device is not None:
+        device, link, source = measured_device(model, memory, measured.device), PCIE_GPU_P2P, "measured"
+    else:
+        warnings.warn(f"fxpipe: GPU model {model!r} has no preset and was not measured; planning with "
+                      f"conservative default figures {GPU_DEFAULT_FIGURES}", RuntimeWarning, stacklevel=3)
+        device, link, source = measured_device(model, memory, GPU_DEFAULT_FIGURES), PCIE_GPU_P2P, "defaults"
+    collective = None
+    if measured is not None and measured.links is not None:
+        links = measured.links
+        link = LinkSpec(links["link_bandwidth"], links["link_latency"])
+        collective = LinkSpec(links["allreduce_bandwidth"], links["allreduce_latency"])
+        source += f"; links {measured.source}"
+    return Cluster(name, 1, ranks, device, link, link, None, f"local GPUs ({model}), {source}",
+                   intra_host_collective=collective)
 
 
 def dgx_h100_cluster(num_nodes: int = 1) -> Cluster:
@@ -289,7 +340,7 @@ def dgx_h100_cluster(num_nodes: int = 1) -> Cluster:
     return compact_cluster(num_nodes, 8, "h100", name=f"dgx-h100:{num_nodes}")
 
 
-def _parse_base(spec: str, base: str, calibrate: bool | None) -> Cluster:
+def _parse_base(spec: str, base: str, calibrate: bool | None, collective: bool = False) -> Cluster:
     key = base.strip().lower()
     if key in ("dapple-a", "dapple-b", "dapple-c"):
         return dapple_cluster(key[-1])
@@ -300,7 +351,7 @@ def _parse_base(spec: str, base: str, calibrate: bool | None) -> Cluster:
             raise spec_error(spec, base, "needs a count of at least 1")
         if preset_count.group(1) == "dgx-h100":
             return dgx_h100_cluster(count or 1)
-        return local_cluster(count, calibrate=calibrate)
+        return local_cluster(count, calibrate=calibrate, collective=collective)
     compact = re.fullmatch(rf"([0-9]{{1,{COUNT_DIGITS}}})x([0-9]{{1,{COUNT_DIGITS}}}):([a-z0-9-]+)", key)
     if compact:
         hosts, devices = int(compact.group(1)), int(compact.group(2))
@@ -356,17 +407,18 @@ def _apply_override(spec: str, cluster: Cluster, part: str) -> Cluster:
     return updated
 
 
-def parse_cluster(spec: str, *, calibrate: bool | None = None) -> Cluster:
+def parse_cluster(spec: str, *, calibrate: bool | None = None, collective: bool = False) -> Cluster:
     """A Cluster from a preset name, a compact ``HOSTSxDEVICES:KIND`` spec or a JSON file, plus overrides.
 
-    ``calibrate`` only matters for ``local``: False (or ``FXPIPE_CALIBRATE=0`` when it is None)
-    skips the measurement and uses conservative defaults.
+    ``calibrate`` and ``collective`` only matter for ``local`` (see :func:`local_cluster`): False (or
+    ``FXPIPE_CALIBRATE=0`` when it is None) skips the measurement and uses conservative defaults;
+    ``collective=True`` when every rank of the process group makes this call, to measure together.
     Malformed specs raise :class:`ClusterSpecError` quoting the bad part and the grammar.
     """
     if not isinstance(spec, str) or not spec.strip():
         raise spec_error(str(spec), str(spec), "is empty")
     base, *overrides = spec.split(",")
-    cluster = _parse_base(spec, base, calibrate)
+    cluster = _parse_base(spec, base, calibrate, collective)
     for part in overrides:
         cluster = _apply_override(spec, cluster, part)
     if overrides:

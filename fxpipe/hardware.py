@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 
 GiB = 1024**3
 
@@ -88,6 +89,30 @@ H200_141GB = DeviceSpec(
     memory_bandwidth_bytes_per_s=4.8e12,
 )
 
+# H100 PCIe datasheet: FP32 51 TFLOPS, BF16/FP16 tensor 1,513 TFLOPS with sparsity = 756.5 dense,
+# HBM2e 80 GB at 2.0 TB/s (the PCIe card runs at a lower clock and power than the SXM part).
+H100_PCIE_80GB = DeviceSpec(
+    name="H100-PCIe-80GB",
+    memory_bytes=80 * GiB,
+    peak_flops=(("bfloat16", 756.5e12), ("float16", 756.5e12), ("float32", 51e12)),
+    memory_bandwidth_bytes_per_s=2.0e12,
+)
+# An unknown GPU when nothing measured it: well below any data-centre GPU of the last years, so a plan
+# made from it does not promise too much (calibration measures the real rates).
+GPU_DEFAULT_FIGURES = {"float32": 5e12, "bfloat16": 20e12, "float16": 20e12, "memory_bandwidth": 300e9,
+                       "kernel_launch": 10e-6}
+
+
+def measured_device(name: str, memory_bytes: int, figures: dict[str, float]) -> DeviceSpec:
+    """A DeviceSpec from measured (or default) ``figures``: the keys of ``GPU_DEFAULT_FIGURES``."""
+    return DeviceSpec(
+        name=name,
+        memory_bytes=int(memory_bytes),
+        peak_flops=tuple(sorted((d, float(figures[d])) for d in ("bfloat16", "float16", "float32"))),
+        memory_bandwidth_bytes_per_s=float(figures["memory_bandwidth"]),
+        kernel_launch_s=float(figures["kernel_launch"]),
+    )
+
 
 def cpu_device(memory_bytes: int, *, calibrated: dict[str, float] | None = None) -> DeviceSpec:
     """One CPU rank (one thread). Without ``calibrated`` figures: conservative defaults.
@@ -100,13 +125,7 @@ def cpu_device(memory_bytes: int, *, calibrated: dict[str, float] | None = None)
     figures = {"float32": 10e9, "bfloat16": 0.3e9, "float16": 0.3e9,
                "memory_bandwidth": 2e9, "kernel_launch": 20e-6}
     figures.update(calibrated or {})
-    return DeviceSpec(
-        name="CPU" if calibrated is None else "CPU(calibrated)",
-        memory_bytes=int(memory_bytes),
-        peak_flops=tuple(sorted((d, figures[d]) for d in ("bfloat16", "float16", "float32"))),
-        memory_bandwidth_bytes_per_s=figures["memory_bandwidth"],
-        kernel_launch_s=figures["kernel_launch"],
-    )
+    return measured_device("CPU" if calibrated is None else "CPU(calibrated)", memory_bytes, figures)
 
 
 def host_memory_bytes() -> int:
@@ -144,3 +163,31 @@ def usable_cores() -> int:
     """CPU cores this process may run on (its affinity mask where the OS has one)."""
     affinity = getattr(os, "sched_getaffinity", None)
     return len(affinity(0)) if affinity is not None else max(1, os.cpu_count() or 1)
+
+
+# Effective GPU-to-GPU copies over PCIe 4.0 x16 (32 GB/s nominal each way): GPUs without NVLink.
+PCIE_GPU_P2P = LinkSpec(20e9, 10e-6)
+# GPU model names as torch.cuda.get_device_properties reports them ("NVIDIA H100 80GB HBM3",
+# "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-40GB", "Tesla V100-SXM2-32GB", "NVIDIA H200"): first match wins.
+# SXM parts sit on NVLink boards; PCIe cards talk over PCIe unless bridged (calibration measures that).
+_GPU_MODELS: tuple[tuple[str, DeviceSpec, LinkSpec], ...] = (
+    (r"h200", H200_141GB, NVLINK_H100),
+    (r"h100.*pcie", H100_PCIE_80GB, PCIE_GPU_P2P),
+    (r"h100", H100_80GB, NVLINK_H100),
+    (r"a100.*pcie", A100_80GB, PCIE_GPU_P2P),
+    (r"a100", A100_80GB, NVLINK_A100),
+    (r"v100.*pcie", V100_16GB, PCIE_GPU_P2P),
+    (r"v100", V100_16GB, NVLINK_V100),
+)
+
+
+def gpu_preset(name: str, total_memory_bytes: int) -> tuple[DeviceSpec, LinkSpec] | None:
+    """The datasheet DeviceSpec and GPU-to-GPU link of a known GPU model, or None for an unknown one.
+
+    ``name`` and ``total_memory_bytes`` are what ``torch.cuda.get_device_properties`` reports; the
+    spec keeps the datasheet rates but takes the device's own name and memory (a 40 GB A100, a 32 GB V100).
+    """
+    for pattern, spec, link in _GPU_MODELS:
+        if re.search(pattern, name.lower()):
+            return replace(spec, name=name, memory_bytes=int(total_memory_bytes)), link
+    return None

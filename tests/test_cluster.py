@@ -3,23 +3,26 @@
 from __future__ import annotations
 
 import json
-import math
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from fxpipe.cluster import (
     Cluster,
     ClusterSpecError,
     GiB,
     LinkSpec,
+    cpu_device,
     host_memory_bytes,
     local_cluster,
     parse_cluster,
     usable_cores,
 )
+from fxpipe.hardware import LOCAL_LINK_DEFAULT
 
 
 def test_dapple_a_matches_the_papers_planner_figures() -> None:
@@ -156,6 +159,28 @@ def test_links_and_allreduce_math() -> None:
         cluster.link(0, 16)
 
 
+@pytest.fixture(autouse=True)
+def cpu_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``local`` means CPU ranks in these tests, also on a machine with CUDA (the GPU tests patch it back)."""
+    from fxpipe.runtime import calibrate
+
+    monkeypatch.setattr(calibrate, "local_device", lambda collective=False: torch.device("cpu"))
+
+
+DEVICE_FIGURES = {"float32": 2e10, "bfloat16": 1e9, "float16": 1.5e9, "memory_bandwidth": 8e9, "kernel_launch": 7e-6}
+LINK_FIGURES = {"link_bandwidth": 3e9, "link_latency": 4e-5, "allreduce_bandwidth": 1.5e9, "allreduce_latency": 6e-5,
+                "message_overhead": 3e-4}
+
+
+def _no_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fxpipe.runtime import calibrate
+
+    def refuse(device: object = None) -> dict[str, float]:
+        raise AssertionError("measured although the cache holds the figures")
+
+    monkeypatch.setattr(calibrate, "measure_device", refuse)
+
+
 def test_local_without_calibration_splits_host_memory() -> None:
     cluster = parse_cluster("local:3", calibrate=False)
     assert (cluster.num_hosts, cluster.devices_per_host) == (1, 3)
@@ -166,6 +191,7 @@ def test_local_without_calibration_splits_host_memory() -> None:
 
 def test_environment_turns_calibration_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FXPIPE_CALIBRATE", "0")
+    _no_measuring(monkeypatch)
     assert parse_cluster("local:2").device.name == "CPU"  # defaults, nothing measured
 
 
@@ -173,13 +199,10 @@ def test_local_calibration_reads_its_cache(tmp_path: Path, monkeypatch: pytest.M
     from fxpipe.runtime import calibrate
 
     monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
-    figures = {"float32": 2e10, "bfloat16": 1e9, "float16": 1.5e9, "memory_bandwidth": 8e9,
-               "kernel_launch": 7e-6, "link_bandwidth": 3e9, "link_latency": 4e-5,
-               "allreduce_bandwidth": 1.5e9, "allreduce_latency": 6e-5, "message_overhead": 3e-4}
-    path = calibrate.cache_path()
-    assert path.parent == tmp_path and "torch" in path.name
-    path.write_text(json.dumps({"version": calibrate.CALIBRATION_VERSION, "measured_at": time.time() - 60,
-                                "figures": figures}))
+    path = calibrate.cache_path("cpu")
+    assert path.parent == tmp_path and "torch" in path.name and path.name.endswith("-cpu.json")
+    calibrate.write_cache(path, {"device": DEVICE_FIGURES, "link": LINK_FIGURES})
+    _no_measuring(monkeypatch)
     cluster = local_cluster(2, calibrate=True)  # tests/conftest.py turns calibration off by default
     assert cluster.intra_host == LinkSpec(3e9, 4e-5)
     assert cluster.collective_link([0, 1]) == cluster.intra_host_collective == LinkSpec(1.5e9, 6e-5)
@@ -192,34 +215,64 @@ def test_local_calibration_reads_its_cache(tmp_path: Path, monkeypatch: pytest.M
     assert cluster.device.kernel_launch_s == 7e-6
 
 
-@pytest.mark.parametrize("stale", [{"measured_at": 0.0}, {"measured_at": 4e9}, {"version": 1}, {"measured_at": None}])
-def test_an_old_or_foreign_calibration_is_measured_again(stale: dict[str, object], tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("stale", [{"measured_at": 0.0}, {"measured_at": 4e9}, {"measured_at": None},
+                                   {"figures": {"float32": 9.0}}])
+def test_an_old_or_damaged_calibration_is_measured_again(stale: dict[str, object], tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     from fxpipe.runtime import calibrate
 
     monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
-    fresh = {"float32": 1.0, "link_latency": 2.0}
-    monkeypatch.setattr(calibrate, "measure_device", lambda: {"float32": 1.0})
-    monkeypatch.setattr(calibrate, "measure_link", lambda: {"link_latency": 2.0})
-    cached = {"version": calibrate.CALIBRATION_VERSION, "measured_at": time.time(), "figures": {"float32": 9.0}}
-    calibrate.cache_path().write_text(json.dumps(cached))
-    assert calibrate.calibrate_local() == {"float32": 9.0}  # fresh and current: read, not measured
-    calibrate.cache_path().write_text(json.dumps({**cached, **stale}))
-    assert calibrate.calibrate_local() == fresh
-    written = json.loads(calibrate.cache_path().read_text())
-    assert written["figures"] == fresh and abs(written["measured_at"] - time.time()) < 60
-    assert calibrate.calibrate_local(refresh=True) == fresh
+    fresh = {key: value * 2 for key, value in DEVICE_FIGURES.items()}
+    monkeypatch.setattr(calibrate, "measure_device", lambda device=None: fresh)
+    path = calibrate.cache_path("cpu")
+    calibrate.write_cache(path, {"device": DEVICE_FIGURES, "link": LINK_FIGURES})
+    assert calibrate.calibrate_here() == calibrate.Calibration(DEVICE_FIGURES, LINK_FIGURES,
+                                                               "device cached; links cached")
+    written = json.loads(path.read_text())
+    written["sections"]["device"].update(stale)
+    path.write_text(json.dumps(written))
+    assert calibrate.calibrate_here().device == fresh
+    rewritten = json.loads(path.read_text())["sections"]
+    assert rewritten["device"]["figures"] == fresh and abs(rewritten["device"]["measured_at"] - time.time()) < 60
+    assert rewritten["link"]["figures"] == LINK_FIGURES  # the fresh link section is kept
+    monkeypatch.setattr(calibrate, "measure_device", lambda device=None: DEVICE_FIGURES)
+    assert calibrate.calibrate_here(refresh=True).device == DEVICE_FIGURES
+    path.write_text(json.dumps({**written, "version": 1}))  # another format: all of it measured again
+    assert calibrate.calibrate_here() == calibrate.Calibration(DEVICE_FIGURES, None,
+                                                               "device measured in this process; links not measured")
 
 
-@pytest.mark.multiprocess
-def test_gloo_ping_measures_a_plausible_link() -> None:
-    from fxpipe.runtime.calibrate import measure_link
+def test_links_nothing_measured_are_defaults_with_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside a process group nothing can time a link (fxpipe never starts processes): defaults and a note."""
+    from fxpipe.runtime import calibrate
 
-    figures = measure_link(timeout_s=120)
-    assert 0 < figures["link_latency"] < 0.1
-    assert 1e7 < figures["link_bandwidth"] < 1e12 and math.isfinite(figures["link_bandwidth"])
-    assert 0 < figures["allreduce_latency"] < 0.1
-    assert 1e7 < figures["allreduce_bandwidth"] < 1e12 and math.isfinite(figures["allreduce_bandwidth"])
+    monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
+    calibrate.write_cache(calibrate.cache_path("cpu"), {"device": DEVICE_FIGURES})
+    _no_measuring(monkeypatch)
+    with pytest.warns(RuntimeWarning, match=r"local:3 plans with default link figures.*fxpipe calibrate"):
+        cluster = local_cluster(3, calibrate=True)
+    assert cluster.intra_host == LOCAL_LINK_DEFAULT and cluster.intra_host_collective is None
+    assert cluster.device.flops_per_s("float32") == DEVICE_FIGURES["float32"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one rank needs no link: no warning
+        assert local_cluster(1, calibrate=True).device.peak_flops == cluster.device.peak_flops
+
+
+def test_a_failing_measurement_degrades_to_defaults_with_a_warning(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from fxpipe.runtime import calibrate
+
+    monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
+
+    def broken(device: object = None) -> dict[str, float]:
+        raise RuntimeError("no timer today")
+
+    monkeypatch.setattr(calibrate, "measure_device", broken)
+    with pytest.warns(RuntimeWarning, match=r"measuring this device failed \(RuntimeError: no timer today\)"):
+        cluster = local_cluster(1, calibrate=True)
+    assert cluster.device == cpu_device(host_memory_bytes())  # the documented defaults
+    assert "defaults (measurement failed)" in cluster.description
+    assert not calibrate.cache_path("cpu").exists()  # nothing wrong is cached
 
 
 def test_local_ranks_share_the_usable_cores() -> None:

@@ -1,0 +1,186 @@
+"""Short timings of one device (compute, memory, op overhead) and of the link between ranks 0 and 1 of a process group."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+# Bytes for the bandwidth ping: big enough that latency is small next to it, small enough to be quick.
+PING_LARGE_BYTES = 8 * 2**20
+PING_SMALL_BYTES = 8
+PING_REPEATS = 20
+# A message as a pipeline cut sends it: two activations of 4 x 64 x 128 float32, packed into one buffer.
+MESSAGE_PIECES = ((4, 64, 128), (4, 64, 128))
+# Compute run between timed messages: a step posts its transfers between forwards and backwards, whose
+# work evicts the caches the transport's code and data need (posting took 2-4x longer after compute here).
+MESSAGE_GAP_MATMULS = 10
+# Matmul side for timing a GPU: large enough to reach the tensor cores' rate, ~0.1 ms per call on an H100.
+GPU_MATMUL_SIZE = 4096
+
+DEVICE_KEYS = ("float32", "bfloat16", "float16", "memory_bandwidth", "kernel_launch")
+LINK_KEYS = ("link_latency", "link_bandwidth", "allreduce_latency", "allreduce_bandwidth", "message_overhead")
+
+
+def synchronizer(device: torch.device) -> Callable[[], None]:
+    """A call that waits for ``device``'s queued work (CUDA), or does nothing (CPU)."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def _rate(work: Callable[[], object], seconds: float, sync: Callable[[], None] = lambda: None) -> tuple[int, float]:
+    """Run ``work`` repeatedly for about ``seconds`` (waiting for the device each time); return (calls, elapsed)."""
+    work()  # warm-up: first-call allocation and dispatch caches
+    sync()
+    calls, start = 0, time.perf_counter()
+    while True:
+        work()
+        sync()
+        calls += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return calls, elapsed
+
+
+def measure_matmul_flops(dtype: torch.dtype, size: int = 256, seconds: float = 0.1,
+                         device: torch.device | None = None) -> float:
+    """FLOP/s of a ``size`` x ``size`` matmul (2 size^3 FLOPs per call) on ``device`` (default: CPU)."""
+    device = device or torch.device("cpu")
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    calls, elapsed = _rate(lambda: torch.mm(a, b), seconds, synchronizer(device))
+    return 2.0 * size**3 * calls / elapsed
+
+
+def measure_memory_bandwidth(num_bytes: int = 32 * 2**20, seconds: float = 0.1,
+                             device: torch.device | None = None) -> float:
+    """Bytes/s of copying a buffer on ``device`` (a copy reads and writes: 2 x bytes moved)."""
+    src = torch.empty(num_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    calls, elapsed = _rate(lambda: dst.copy_(src), seconds, synchronizer(src.device))
+    return 2.0 * num_bytes * calls / elapsed
+
+
+def measure_op_overhead(seconds: float = 0.05, device: torch.device | None = None) -> float:
+    """Seconds of one tiny eager op (dispatch overhead, the CPU's 'kernel launch'; queued launches on a GPU)."""
+    x = torch.ones(4, device=device)
+    calls, elapsed = _rate(lambda: torch.add(x, x), seconds)
+    synchronizer(x.device)()
+    return elapsed / calls
+
+
+def measure_device(device: torch.device | None = None) -> dict[str, float]:
+    """Compute (FLOP/s per dtype), memory bandwidth and op overhead: one CPU thread, or one GPU."""
+    device = device or torch.device("cpu")
+    if device.type == "cuda":
+        return {
+            "float32": measure_matmul_flops(torch.float32, GPU_MATMUL_SIZE, device=device),
+            "bfloat16": measure_matmul_flops(torch.bfloat16, GPU_MATMUL_SIZE, device=device),
+            "float16": measure_matmul_flops(torch.float16, GPU_MATMUL_SIZE, device=device),
+            "memory_bandwidth": measure_memory_bandwidth(256 * 2**20, device=device),
+            "kernel_launch": measure_op_overhead(device=device),
+        }
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # one rank = one thread, as the local cluster runs them
+    try:
+        return {
+            "float32": measure_matmul_flops(torch.float32),
+            "bfloat16": measure_matmul_flops(torch.bfloat16, size=128),
+            "float16": measure_matmul_flops(torch.float16, size=128),
+            "memory_bandwidth": measure_memory_bandwidth(),
+            "kernel_launch": measure_op_overhead(),
+        }
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _round_trip_s(rank: int, tensor: torch.Tensor, repeats: int) -> list[float]:
+    """Per-repeat round-trip times of ``tensor`` rank 0 -> 1 -> 0."""
+    sync = synchronizer(tensor.device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(tensor, dst=1)
+            dist.recv(tensor, src=1)
+        else:
+            dist.recv(tensor, src=0)
+            dist.send(tensor, dst=0)
+        sync()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _allreduce_s(tensor: torch.Tensor, repeats: int, group: dist.ProcessGroup | None) -> list[float]:
+    """Per-repeat times of a SUM allreduce of ``tensor`` over ``group``'s two ranks, each started together."""
+    sync = synchronizer(tensor.device)
+    times = []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        sync()
+        start = time.perf_counter()
+        dist.all_reduce(tensor, group=group)
+        sync()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _message_overhead_s(rank: int, repeats: int, group: dist.ProcessGroup | None) -> float:
+    """Median seconds rank 0 takes to pack and post a send, or rank 1 to post a receive, right after compute.
+
+    The runtime's own path (``pack``, ``batch_isend_irecv``), each message after a few matmuls, as in a
+    step; the wait for the data is not counted (the link model has it).
+    """
+    from fxpipe.runtime.comm import pack  # the runtime's packing, timed as it runs in a step
+
+    pieces = [torch.randn(shape) for shape in MESSAGE_PIECES]
+    inbox = torch.empty(pack(pieces).numel(), dtype=torch.uint8)
+    square = torch.randn(256, 256)
+    times = []
+    for tag in range(repeats):
+        dist.barrier(group=group)
+        for _ in range(MESSAGE_GAP_MATMULS):
+            torch.mm(square, square)
+        start = time.perf_counter()
+        op = (dist.P2POp(dist.isend, pack(pieces), 1, tag=tag) if rank == 0
+              else dist.P2POp(dist.irecv, inbox, 0, tag=tag))
+        works = dist.batch_isend_irecv([op])
+        times.append(time.perf_counter() - start)
+        for work in works:
+            work.wait()
+    return statistics.median(times)
+
+
+def measure_pair_link(rank: int, device: torch.device, group: dist.ProcessGroup | None) -> dict[str, float]:
+    """Link figures between global ranks 0 and 1 (call on both; ``group`` holds just those two).
+
+    Latency (s) and bandwidth (B/s) of send/recv and of a two-rank allreduce (what
+    :meth:`fxpipe.cluster.Cluster.allreduce_time`'s ring formula needs to give the measured times), and
+    the seconds each end spends on a message of its own time (``message_overhead``; 0 on CUDA, where
+    copy engines move the data).
+    """
+    small = torch.zeros(PING_SMALL_BYTES // 4, dtype=torch.float32, device=device)
+    large = torch.zeros(PING_LARGE_BYTES // 4, dtype=torch.float32, device=device)
+    _round_trip_s(rank, large, 2)  # warm-up: connection setup and buffer allocation
+    # Medians: what a pipeline's transfers typically see, waking a blocked receiver included (the
+    # fastest repeat promised 73 us and 2.9 GB/s here where the medians were 150-190 us and 1.6-2.0 GB/s).
+    small_rt = statistics.median(_round_trip_s(rank, small, PING_REPEATS))
+    large_rt = statistics.median(_round_trip_s(rank, large, 5))
+    small_ar = statistics.median(_allreduce_s(small, PING_REPEATS, group))
+    large_ar = statistics.median(_allreduce_s(large, 5, group))
+    overhead = 0.0
+    if device.type == "cpu":
+        # Each end's own time per message; the model charges one figure at both ends: their mean.
+        mine = torch.tensor([_message_overhead_s(rank, PING_REPEATS, group)], dtype=torch.float64)
+        dist.all_reduce(mine, group=group)
+        overhead = float(mine.item()) / 2
+    latency = small_rt / 2
+    one_way = max(large_rt / 2 - latency, 1e-9)
+    # Two-rank ring allreduce (Cluster.allreduce_time): 2 latencies + W / bandwidth.
+    return {"link_latency": latency, "link_bandwidth": PING_LARGE_BYTES / one_way,
+            "allreduce_latency": small_ar / 2, "allreduce_bandwidth": PING_LARGE_BYTES / max(large_ar - small_ar, 1e-9),
+            "message_overhead": overhead}
