@@ -1,13 +1,14 @@
-"""Multi-process test helpers: forked gloo ranks, one fresh process group per config, plans from node lists."""
+"""Multi-process test helpers: forked (spawned once CUDA is initialised) gloo ranks, one fresh process group per config, plans from node lists."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing
 import os
 import queue
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,31 @@ def warm_up_parent() -> None:
         torch.nn.functional.linear(torch.empty(2, 2), parameter.detach().expand(2, 2)).sum()
 
 
+def start_method() -> str:
+    """``fork`` (fast: children share the parent's imported torch), or ``spawn`` once this process initialised CUDA.
+
+    A forked child cannot use CUDA after its parent initialised it ("CUDA error: initialization error",
+    e.g. inside ``optimizer.step``); a spawned child starts a fresh interpreter (~3 s to import torch).
+    """
+    return "spawn" if torch.cuda.is_initialized() else "fork"
+
+
+@contextlib.contextmanager
+def _cuda_hidden(hide: bool) -> Iterator[None]:
+    """While starting spawned children: ``CUDA_VISIBLE_DEVICES=""`` so these CPU ranks never touch a GPU."""
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if hide:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if hide:
+            if saved is None:
+                del os.environ["CUDA_VISIBLE_DEVICES"]
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
 def _child(fn: Callable[..., Any], rank: int, world_size: int, store_dir: str, results: Any,
            args: tuple[Any, ...]) -> None:
     torch.set_num_threads(1)
@@ -43,18 +69,24 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, store_dir: str, r
 
 def run_ranks(fn: Callable[..., Any], world_size: int, store_dir: str | Path, *args: Any,
               timeout_s: float = 150.0) -> list[Any]:
-    """Run ``fn(rank, world_size, store_dir, *args)`` in ``world_size`` forked processes; results by rank.
+    """Run ``fn(rank, world_size, store_dir, *args)`` in ``world_size`` processes; results by rank.
+
+    Processes are forked, or spawned when CUDA is initialised here (:func:`start_method`; ``fn`` and
+    ``args`` must then be picklable: module-level functions).
 
     A rank that raises fails the call with its traceback; a rank that hangs past ``timeout_s``
     is terminated (only the processes started here) and the call fails.
     """
-    warm_up_parent()
-    context = multiprocessing.get_context("fork")
+    method = start_method()
+    if method == "fork":
+        warm_up_parent()
+    context = multiprocessing.get_context(method)
     results = context.Queue()
     processes = [context.Process(target=_child, args=(fn, rank, world_size, str(store_dir), results, args))
                  for rank in range(world_size)]
-    for process in processes:
-        process.start()
+    with _cuda_hidden(method == "spawn"):
+        for process in processes:
+            process.start()
     collected: dict[int, Any] = {}
     errors: list[str] = []
     try:

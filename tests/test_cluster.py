@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -22,7 +25,25 @@ from fxpipe.cluster import (
     parse_cluster,
     usable_cores,
 )
-from fxpipe.hardware import LOCAL_LINK_DEFAULT
+from fxpipe.hardware import (
+    A100_80GB,
+    GPU_DEFAULT_FIGURES,
+    H100_80GB,
+    H100_PCIE_80GB,
+    H200_141GB,
+    LOCAL_LINK_DEFAULT,
+    NVLINK_A100,
+    NVLINK_H100,
+    NVLINK_V100,
+    PCIE_GPU_P2P,
+    V100_16GB,
+    DeviceSpec,
+    gpu_preset,
+    measured_device,
+)
+from fxpipe.runtime.calibrate import local_device as REAL_LOCAL_DEVICE
+
+CPU = torch.device("cpu")
 
 
 def test_dapple_a_matches_the_papers_planner_figures() -> None:
@@ -288,3 +309,96 @@ def test_local_ranks_share_the_usable_cores() -> None:
     assert Cluster.from_json(legacy).cores_per_host == 0
     with pytest.raises(ClusterSpecError, match="cores_per_host"):
         Cluster.from_json({**many.to_json(), "cores_per_host": -1})
+
+
+# --- GPUs: torch.cuda's answers in, a DeviceSpec out (no GPU here: torch.cuda is patched)
+@pytest.mark.parametrize(("name", "memory", "preset", "link"), [
+    ("NVIDIA H100 80GB HBM3", 80 * GiB, H100_80GB, NVLINK_H100),
+    ("NVIDIA H100 PCIe", 80 * GiB, H100_PCIE_80GB, PCIE_GPU_P2P),
+    ("NVIDIA H200", 141 * GiB, H200_141GB, NVLINK_H100),
+    ("NVIDIA A100-SXM4-40GB", 40 * GiB, A100_80GB, NVLINK_A100),
+    ("NVIDIA A100-PCIE-40GB", 40 * GiB, A100_80GB, PCIE_GPU_P2P),
+    ("Tesla V100-SXM2-32GB", 32 * GiB, V100_16GB, NVLINK_V100),
+    ("Tesla V100-PCIE-16GB", 16 * GiB, V100_16GB, PCIE_GPU_P2P),
+])
+def test_known_gpus_map_to_their_datasheet_preset(name: str, memory: int, preset: DeviceSpec, link: LinkSpec) -> None:
+    found = gpu_preset(name, memory)
+    assert found is not None
+    device, found_link = found
+    assert (device.peak_flops, device.memory_bandwidth_bytes_per_s) == (preset.peak_flops,
+                                                                        preset.memory_bandwidth_bytes_per_s)
+    assert (device.name, device.memory_bytes, found_link) == (name, memory, link)  # the device's own memory
+
+
+@pytest.mark.parametrize("name", ["NVIDIA GeForce RTX 4090", "AMD Instinct MI300X", "NVIDIA L40S", ""])
+def test_unknown_gpus_have_no_preset(name: str) -> None:
+    assert gpu_preset(name, 24 * GiB) is None
+
+
+def _fake_gpus(monkeypatch: pytest.MonkeyPatch, name: str, memory: int, count: int) -> None:
+    from fxpipe.runtime import calibrate
+
+    monkeypatch.setattr(calibrate, "local_device", lambda collective=False: torch.device("cuda", 0))
+    monkeypatch.setattr(calibrate, "gpu_properties", lambda device: (name, memory, count))
+
+
+def test_local_on_cuda_describes_the_visible_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_gpus(monkeypatch, "NVIDIA H100 80GB HBM3", 85520809984, 4)
+    cluster = parse_cluster("local", calibrate=False)
+    assert (cluster.num_hosts, cluster.devices_per_host) == (1, 4)  # default: every visible GPU
+    assert cluster.device.flops_per_s("bfloat16") == 989.5e12 and cluster.device.memory_bytes == 85520809984
+    assert cluster.intra_host == NVLINK_H100 and cluster.cores_per_host == 0 and cluster.message_overhead_s == 0
+    assert "local GPUs (NVIDIA H100 80GB HBM3), datasheet preset" == cluster.description
+    assert parse_cluster("local:2", calibrate=False).num_devices == 2
+
+
+def test_an_unknown_gpu_is_measured_or_gets_conservative_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fxpipe.runtime import calibrate
+
+    _fake_gpus(monkeypatch, "NVIDIA GeForce RTX 4090", 24 * GiB, 2)
+    figures = {"float32": 80e12, "bfloat16": 160e12, "float16": 160e12, "memory_bandwidth": 9e11,
+               "kernel_launch": 4e-6}
+    seen: list[tuple[torch.device, bool]] = []
+
+    def measured(device: torch.device, *, collective: bool = False, refresh: bool = False) -> Any:
+        seen.append((device, collective))
+        return calibrate.Calibration(figures, LINK_FIGURES, "measured over the nccl process group of 2 rank(s)")
+
+    monkeypatch.setattr(calibrate, "calibrate", measured)
+    cluster = local_cluster(2, calibrate=True, collective=True)
+    assert seen == [(torch.device("cuda", 0), True)]
+    assert cluster.device == measured_device("NVIDIA GeForce RTX 4090", 24 * GiB, figures)
+    assert cluster.intra_host == LinkSpec(3e9, 4e-5) and cluster.intra_host_collective == LinkSpec(1.5e9, 6e-5)
+    with pytest.warns(RuntimeWarning, match="'NVIDIA GeForce RTX 4090' has no preset and was not measured"):
+        guessed = local_cluster(2, calibrate=False)
+    assert guessed.device == measured_device("NVIDIA GeForce RTX 4090", 24 * GiB, GPU_DEFAULT_FIGURES)
+    assert guessed.intra_host == PCIE_GPU_P2P
+
+
+def test_device_kind_and_gpu_properties_read_torch_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fxpipe.runtime import calibrate
+
+    properties = SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=80 * GiB)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: properties)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    cuda = torch.device("cuda", 0)
+    assert calibrate.device_kind(cuda) == "cuda-nvidia-h100-80gb-hbm3" and calibrate.device_kind(CPU) == "cpu"
+    assert calibrate.gpu_properties(cuda) == ("NVIDIA H100 80GB HBM3", 80 * GiB, 8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert REAL_LOCAL_DEVICE() == CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert REAL_LOCAL_DEVICE() == torch.device("cuda", 3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_local_on_a_real_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fxpipe.runtime import calibrate
+    from fxpipe.runtime.calibrate_measure import measure_device
+
+    monkeypatch.setattr(calibrate, "local_device", REAL_LOCAL_DEVICE)
+    cluster = local_cluster(calibrate=False)
+    properties = torch.cuda.get_device_properties(torch.cuda.current_device())
+    assert cluster.num_devices == torch.cuda.device_count() and cluster.device.memory_bytes == properties.total_memory
+    figures = measure_device(torch.device("cuda", torch.cuda.current_device()))
+    assert all(value > 0 and math.isfinite(value) for value in figures.values())

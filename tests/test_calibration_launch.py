@@ -1,0 +1,139 @@
+"""Calibration as users meet it: unguarded scripts (file, -c, stdin), ranks of a process group, failures, CUDA parents."""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fxpipe.hardware import LOCAL_LINK_DEFAULT
+from tests import mp_utils
+from tests.mp_utils import join_world, leave_world, run_ranks
+
+# A training script as most are written: no `if __name__ == "__main__":` guard. It makes starting a
+# process fail loudly, so a library that spawns (the old calibration did) cannot pass unnoticed.
+UNGUARDED_SCRIPT = """
+import multiprocessing, subprocess
+import torch, fxpipe
+
+def refuse(*args, **kwargs):
+    raise AssertionError("fxpipe started a process from the user's script")
+
+multiprocessing.Process.start = refuse
+subprocess.Popen.__init__ = refuse
+model, example_inputs = fxpipe.models.build("mlp")
+entry = fxpipe.models.get("mlp")
+pipe = fxpipe.compile(model, example_inputs, loss_fn=entry.loss_fn, global_batch_size=8)
+opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+inputs, targets = entry.make_batch(8, seed=0)
+loss = pipe.step(inputs, targets)
+opt.step()
+print("fxpipe-step-loss", loss)
+"""
+
+
+@pytest.mark.parametrize("how", ["file", "-c", "stdin"])
+def test_an_unguarded_script_calibrates_and_trains_quickly(how: str, tmp_path: Path) -> None:
+    cache = tmp_path / "empty-cache"
+    env = {key: value for key, value in os.environ.items() if key != "FXPIPE_CALIBRATE"}  # calibration on
+    env.update(FXPIPE_CACHE_DIR=str(cache), CUDA_VISIBLE_DEVICES="")  # a world of one CPU rank
+    script = tmp_path / "train.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    command = {"file": [sys.executable, str(script)], "-c": [sys.executable, "-c", UNGUARDED_SCRIPT],
+               "stdin": [sys.executable, "-"]}[how]
+    start = time.perf_counter()
+    done = subprocess.run(command, input=UNGUARDED_SCRIPT if how == "stdin" else None, capture_output=True,
+                          text=True, cwd=tmp_path, env=env, timeout=120)
+    elapsed = time.perf_counter() - start
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "fxpipe-step-loss" in done.stdout and "fxpipe:" not in done.stderr, done.stderr[-3000:]
+    assert math.isfinite(float(done.stdout.split("fxpipe-step-loss")[1].split()[0]))
+    assert elapsed < 40, f"{how}: {elapsed:.1f} s"
+    (written,) = cache.glob("calibration-*-cpu.json")  # it measured (in-process), not skipped
+    sections = json.loads(written.read_text())["sections"]
+    assert set(sections) == {"device"} and sections["device"]["figures"]["float32"] > 0
+
+
+def _broken(device: object = None) -> dict[str, float]:
+    raise RuntimeError("timer broke on this rank")
+
+
+def _calibrate_over_the_group(rank: int, world_size: int, store_dir: str, cache_dir: str) -> dict[str, Any]:
+    from fxpipe import models
+    from fxpipe.api import compile as fxpipe_compile
+    from fxpipe.cluster import local_cluster, parse_cluster
+    from fxpipe.runtime import calibrate
+
+    os.environ["FXPIPE_CACHE_DIR"] = cache_dir
+    join_world(store_dir, "calibrate", rank, world_size)
+    result: dict[str, Any] = {}
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result["measured"] = parse_cluster("local:2", calibrate=True, collective=True).to_json()
+            result["cached"] = parse_cluster("local:2", calibrate=True, collective=True).to_json()
+        result["warnings"] = [str(item.message) for item in caught]
+        if rank == 1:  # one rank's measurement fails: every rank must warn and fall back alike
+            calibrate.measure_device = _broken  # type: ignore[assignment]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result["failed"] = local_cluster(2, calibrate=True, collective=True, refresh=True).to_json()
+        result["failed_warnings"] = [str(item.message) for item in caught]
+        os.environ["FXPIPE_CALIBRATE"] = "1"  # compile's default cluster, calibrated over this group
+        model, example_inputs = models.build("mlp")
+        entry = models.get("mlp")
+        pipe = fxpipe_compile(model, example_inputs, loss_fn=entry.loss_fn, global_batch_size=8, plan="dp")
+        result["loss"] = pipe.step(*entry.make_batch(8, seed=0))
+        return result
+    finally:
+        leave_world()
+
+
+@pytest.mark.multiprocess
+def test_ranks_calibrate_over_their_process_group_and_agree(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    first, second = run_ranks(_calibrate_over_the_group, 2, tmp_path, str(cache))
+    assert first["measured"] == second["measured"] and first["cached"] == second["cached"]
+    measured = first["measured"]
+    assert "measured over the gloo process group of 2 rank(s)" in measured["description"]
+    assert first["warnings"] == second["warnings"] == []
+    assert 0 < measured["intra_host"]["latency_s"] < 0.1 and 1e7 < measured["intra_host"]["bandwidth_bytes_per_s"]
+    assert measured["intra_host"] != json.loads(json.dumps(LOCAL_LINK_DEFAULT.__dict__))
+    assert 0 < measured["intra_host_collective"]["latency_s"] < 0.1 and measured["message_overhead_s"] > 0
+    assert measured["device"]["name"] == "CPU(calibrated)"
+    cached = first["cached"]
+    assert "cached over the gloo process group" in cached["description"]
+    assert {**cached, "description": ""} == {**measured, "description": ""}  # the cache gives back the figures
+    (written,) = cache.glob("calibration-*-cpu.json")
+    assert set(json.loads(written.read_text())["sections"]) == {"device", "link"}
+    assert first["failed"] == second["failed"] and first["failed"]["device"]["name"] == "CPU"  # defaults
+    for messages in (first["failed_warnings"], second["failed_warnings"]):
+        assert any("measuring the devices failed" in m and "rank 1: RuntimeError: timer broke" in m for m in messages)
+    assert first["loss"] == second["loss"] and math.isfinite(first["loss"])
+
+
+def _where_am_i(rank: int, world_size: int, store_dir: str) -> tuple[str, str | None, bool]:
+    return (multiprocessing.get_start_method(allow_none=True) or "", os.environ.get("CUDA_VISIBLE_DEVICES"),
+            torch.cuda.is_initialized())
+
+
+@pytest.mark.multiprocess
+def test_ranks_are_spawned_without_cuda_once_the_parent_initialised_it(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a CUDA machine does when an earlier test touched the GPU: forked children would fail there."""
+    assert mp_utils.start_method() == ("spawn" if torch.cuda.is_initialized() else "fork")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert mp_utils.start_method() == "spawn"
+    assert run_ranks(_where_am_i, 2, tmp_path) == [("spawn", "", False)] * 2
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ  # hidden from the children only
