@@ -1,4 +1,4 @@
-"""Command line: `fxpipe plan | simulate | show | train | demo`."""
+"""Command line: `fxpipe plan | simulate | show | train | calibrate | demo`."""
 
 from __future__ import annotations
 
@@ -50,6 +50,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="train a model under torchrun (one process per device)")
     add_train_arguments(train)
+
+    calibrate = commands.add_parser("calibrate", help="measure this machine's ranks for the local cluster and cache "
+                                    "the figures (starts local ranks with torchrun's launcher)")
+    calibrate.add_argument("--nproc", type=int, default=2, help="local ranks to measure with (links: ranks 0 and 1)")
 
     demo = commands.add_parser("demo", help="plan and train a small GPT on 4 local CPU ranks")
     demo.add_argument("--nproc", type=int, default=4, help="number of local CPU ranks")
@@ -146,6 +150,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_simulate(args)
         if args.command == "show":
             return _run_show(args)
+        if args.command == "calibrate":
+            from fxpipe.runtime.launch import calibrate_command
+
+            return calibrate_command(args.nproc)
         from fxpipe import train_cli
 
         if args.command == "train":

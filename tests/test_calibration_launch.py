@@ -137,3 +137,26 @@ def test_ranks_are_spawned_without_cuda_once_the_parent_initialised_it(tmp_path:
     assert mp_utils.start_method() == "spawn"
     assert run_ranks(_where_am_i, 2, tmp_path) == [("spawn", "", False)] * 2
     assert "CUDA_VISIBLE_DEVICES" not in os.environ  # hidden from the children only
+
+
+@pytest.mark.multiprocess
+def test_fxpipe_calibrate_launches_ranks_and_fills_the_cache_plan_reads(tmp_path: Path) -> None:
+    """The CLI is the launcher: `fxpipe calibrate` starts 2 ranks; `fxpipe plan --cluster local:2` then needs none."""
+    env = {key: value for key, value in os.environ.items() if key != "FXPIPE_CALIBRATE"}
+    env.update(FXPIPE_CACHE_DIR=str(tmp_path), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "fxpipe", "calibrate"], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = json.loads(done.stdout[done.stdout.index("{"):])
+    assert printed["source"] == "measured over the gloo process group of 2 rank(s)"
+    (written,) = tmp_path.glob("calibration-*-cpu.json")
+    assert str(written) == printed["cache"]
+    sections = json.loads(written.read_text())["sections"]
+    assert sections["link"]["figures"] == printed["links"] and sections["device"]["figures"] == printed["device"]
+    plan_json = tmp_path / "plan.json"
+    planned = subprocess.run([sys.executable, "-m", "fxpipe", "plan", "mlp", "--cluster", "local:2", "--global-batch",
+                              "8", "--json", str(plan_json)], capture_output=True, text=True, env=env, cwd=tmp_path,
+                             timeout=120)
+    assert planned.returncode == 0 and "fxpipe:" not in planned.stderr, planned.stderr[-3000:]
+    cluster = json.loads(plan_json.read_text())["cluster_spec"]
+    assert cluster["intra_host"]["latency_s"] == printed["links"]["link_latency"]
