@@ -264,16 +264,12 @@ def calibration_enabled(calibrate: bool | None) -> bool:
 
 def local_cluster(num_ranks: int | None = None, *, calibrate: bool | None = None, refresh: bool = False,
                   collective: bool = False) -> Cluster:
-    """This machine's ranks, 1 host x ``num_ranks``: its GPUs when CUDA is there, else CPU ranks.
+    """This machine's ranks, 1 host x ``num_ranks`` (default: all visible GPUs, else CPUs up to 8); see docs/clusters.md.
 
-    Default count: the visible GPUs, else the CPU count (at most 8). With calibration (the default
-    unless ``calibrate=False`` or ``FXPIPE_CALIBRATE=0``) the figures come from
-    :mod:`fxpipe.runtime.calibrate`, cached per host, torch version and device kind under
-    ``~/.cache/fxpipe`` (``$FXPIPE_CACHE_DIR``). ``collective=True`` means every rank of the process
-    group calls this (``fxpipe.compile`` does): then the ranks measure together and agree on the
-    figures, and the group's device decides CPU or GPU. Otherwise this process measures its own device
-    only and link figures come from the cache or the defaults. Nothing ever starts a process. See
-    docs/clusters.md.
+    Calibrated unless ``calibrate=False`` or ``FXPIPE_CALIBRATE=0`` (:mod:`fxpipe.runtime.calibrate`,
+    cached). ``collective=True``: every rank of the process group makes this call (``fxpipe.compile``
+    does), so the ranks measure together, agree, and the group's device decides CPU or GPU. Otherwise
+    only this process's device is measured; links come from the cache or defaults. Never starts a process.
     """
     from fxpipe.runtime import calibrate as calibration  # lazy: keeps planning imports light
 
@@ -285,54 +281,54 @@ def local_cluster(num_ranks: int | None = None, *, calibrate: bool | None = None
         raise ClusterSpecError(f"local cluster needs at least 1 rank; got {ranks}")
     measured = (calibration.calibrate(device, collective=collective, refresh=refresh)
                 if calibration_enabled(calibrate) else None)
-    if measured is not None and measured.links is None and ranks > 1:
-        _warn_default_links(ranks, collective)
     if gpu is not None:
         return _local_gpu_cluster(f"local:{ranks}", ranks, gpu[0], gpu[1], measured)
-    return _local_cpu_cluster(f"local:{ranks}", ranks, measured)
+    return _local_cpu_cluster(f"local:{ranks}", ranks, measured, collective)
 
 
-def _warn_default_links(ranks: int, collective: bool) -> None:
-    how = ("the process group has one rank" if collective else
-           "measuring links needs the ranks themselves: run under torchrun (fxpipe.compile measures over the "
-           "process group) or run `fxpipe calibrate` once")
-    warnings.warn(f"fxpipe: local:{ranks} plans with default link figures ({LOCAL_LINK_DEFAULT} between CPU "
-                  f"ranks): {how}; see docs/clusters.md", RuntimeWarning, stacklevel=3)
+def _measured_links(measured: Calibration | None) -> tuple[LinkSpec, LinkSpec, float] | None:
+    """(point-to-point link, collective link, message overhead) from measured figures, None when not measured."""
+    if measured is None or measured.links is None:
+        return None
+    links = measured.links
+    return (LinkSpec(links["link_bandwidth"], links["link_latency"]),
+            LinkSpec(links["allreduce_bandwidth"], links["allreduce_latency"]), links["message_overhead"])
 
 
-def _local_cpu_cluster(name: str, ranks: int, measured: Calibration | None) -> Cluster:
+def _local_cpu_cluster(name: str, ranks: int, measured: Calibration | None, collective: bool) -> Cluster:
     memory = host_memory_bytes() // ranks
     if measured is None:
         return _cpu_cluster(name, 1, ranks, cpu_device(memory), LOCAL_LINK_DEFAULT,
                             "local CPU ranks, uncalibrated conservative defaults", usable_cores())
-    links = measured.links
-    link = LinkSpec(links["link_bandwidth"], links["link_latency"]) if links else LOCAL_LINK_DEFAULT
-    collective = LinkSpec(links["allreduce_bandwidth"], links["allreduce_latency"]) if links else None
+    links = _measured_links(measured)
+    if links is None and ranks > 1:
+        how = ("the process group has one rank" if collective else "measuring links needs the ranks themselves: "
+               "run under torchrun (fxpipe.compile measures over the process group) or run `fxpipe calibrate`")
+        warnings.warn(f"fxpipe: {name} plans with default link figures ({LOCAL_LINK_DEFAULT}): {how}; see "
+                      "docs/clusters.md", RuntimeWarning, stacklevel=3)
+    link, collective_link, overhead = links or (LOCAL_LINK_DEFAULT, None, 0.0)
     return _cpu_cluster(name, 1, ranks, cpu_device(memory, calibrated=measured.device), link,
-                        f"local CPU ranks, calibrated: {measured.source}", usable_cores(), collective,
-                        links["message_overhead"] if links else 0.0)
+                        f"local CPU ranks, calibrated: {measured.source}", usable_cores(), collective_link, overhead)
 
 
 def _local_gpu_cluster(name: str, ranks: int, model: str, memory: int, measured: Calibration | None) -> Cluster:
-    """Visible GPUs: a datasheet preset for a known model, else measured figures, else conservative defaults."""
+    """Visible GPUs: a known model's datasheet preset (as ``4x8:h100``), else measured, else conservative defaults."""
     preset = gpu_preset(model, memory)
     if preset is not None:
-        device, link = preset
-        source = "datasheet preset"
+        (device, link), source = preset, "datasheet preset"
     elif measured is not None and measured.device is not None:
         device, link, source = measured_device(model, memory, measured.device), PCIE_GPU_P2P, "measured"
     else:
         warnings.warn(f"fxpipe: GPU model {model!r} has no preset and was not measured; planning with "
                       f"conservative default figures {GPU_DEFAULT_FIGURES}", RuntimeWarning, stacklevel=3)
         device, link, source = measured_device(model, memory, GPU_DEFAULT_FIGURES), PCIE_GPU_P2P, "defaults"
-    collective = None
-    if measured is not None and measured.links is not None:
-        links = measured.links
-        link = LinkSpec(links["link_bandwidth"], links["link_latency"])
-        collective = LinkSpec(links["allreduce_bandwidth"], links["allreduce_latency"])
+    links = _measured_links(measured)
+    collective_link = None
+    if links is not None and measured is not None:
+        link, collective_link, _ = links  # copy engines move GPU messages: no per-message device time
         source += f"; links {measured.source}"
     return Cluster(name, 1, ranks, device, link, link, None, f"local GPUs ({model}), {source}",
-                   intra_host_collective=collective)
+                   intra_host_collective=collective_link)
 
 
 def dgx_h100_cluster(num_nodes: int = 1) -> Cluster:
