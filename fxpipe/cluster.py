@@ -279,7 +279,8 @@ def local_cluster(num_ranks: int | None = None, *, calibrate: bool | None = None
     ranks = num_ranks if num_ranks is not None else default_ranks
     if ranks < 1:
         raise ClusterSpecError(f"local cluster needs at least 1 rank; got {ranks}")
-    measured = (calibration.calibrate(device, collective=collective, refresh=refresh)
+    known_gpu = gpu is not None and gpu_preset(gpu[0], gpu[1]) is not None  # its datasheet figures are used
+    measured = (calibration.calibrate(device, collective=collective, refresh=refresh, need_device=not known_gpu)
                 if calibration_enabled(calibrate) else None)
     if gpu is not None:
         return _local_gpu_cluster(f"local:{ranks}", ranks, gpu[0], gpu[1], measured)

@@ -6,6 +6,7 @@ import contextlib
 import functools
 import multiprocessing
 import os
+import pickle
 import queue
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -37,8 +38,15 @@ def start_method() -> str:
     """``fork`` (fast: children share the parent's imported torch), or ``spawn`` once this process initialised CUDA.
 
     A forked child cannot use CUDA after its parent initialised it ("CUDA error: initialization error",
-    e.g. inside ``optimizer.step``); a spawned child starts a fresh interpreter (~3 s to import torch).
+    e.g. inside ``optimizer.step``); a spawned child starts a fresh interpreter (~3 s to import torch),
+    with CUDA hidden. Any optimizer step initialises CUDA where a GPU is visible (its graph-capture
+    check asks torch.accelerator for the current stream), so CUDA machines spawn and CPU-only ones fork.
     """
+    forced = os.environ.get("FXPIPE_TEST_START_METHOD", "")  # "spawn": try a CUDA machine's path on a CPU one
+    if forced:
+        if forced not in ("fork", "spawn"):
+            raise ValueError(f"FXPIPE_TEST_START_METHOD={forced!r}; use 'fork' or 'spawn'")
+        return forced
     return "spawn" if torch.cuda.is_initialized() else "fork"
 
 
@@ -56,6 +64,14 @@ def _cuda_hidden(hide: bool) -> Iterator[None]:
                 del os.environ["CUDA_VISIBLE_DEVICES"]
             else:
                 os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+def _check_picklable(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    try:
+        pickle.dumps((fn, args))
+    except (pickle.PicklingError, AttributeError, TypeError) as error:
+        raise TypeError(f"run_ranks spawns its ranks here (CUDA is initialised in this process), so {fn!r} and its "
+                        f"args must be picklable: define the function at module level ({error})") from error
 
 
 def _child(fn: Callable[..., Any], rank: int, world_size: int, store_dir: str, results: Any,
@@ -77,9 +93,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, store_dir: str | Path, *a
     A rank that raises fails the call with its traceback; a rank that hangs past ``timeout_s``
     is terminated (only the processes started here) and the call fails.
     """
+    warm_up_parent()  # before choosing: on a CUDA machine its optimizer step initialises CUDA (torch.accelerator)
     method = start_method()
-    if method == "fork":
-        warm_up_parent()
+    if method == "spawn":
+        _check_picklable(fn, args)
     context = multiprocessing.get_context(method)
     results = context.Queue()
     processes = [context.Process(target=_child, args=(fn, rank, world_size, str(store_dir), results, args))

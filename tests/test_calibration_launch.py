@@ -131,12 +131,18 @@ def _where_am_i(rank: int, world_size: int, store_dir: str) -> tuple[str, str | 
 def test_ranks_are_spawned_without_cuda_once_the_parent_initialised_it(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """What a CUDA machine does when an earlier test touched the GPU: forked children would fail there."""
+    monkeypatch.delenv("FXPIPE_TEST_START_METHOD", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert mp_utils.start_method() == ("spawn" if torch.cuda.is_initialized() else "fork")
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert mp_utils.start_method() == "spawn"
     assert run_ranks(_where_am_i, 2, tmp_path) == [("spawn", "", False)] * 2
     assert "CUDA_VISIBLE_DEVICES" not in os.environ  # hidden from the children only
+    monkeypatch.setenv("FXPIPE_TEST_START_METHOD", "fork")  # the variable overrides the choice either way
+    assert mp_utils.start_method() == "fork"
+    monkeypatch.setenv("FXPIPE_TEST_START_METHOD", "forkserver")
+    with pytest.raises(ValueError, match="use 'fork' or 'spawn'"):
+        mp_utils.start_method()
 
 
 @pytest.mark.multiprocess

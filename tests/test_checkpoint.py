@@ -149,16 +149,17 @@ def test_resume_reshard_and_consolidate(tmp_path: Path) -> None:
         assert "unexpected keys [layers.0.bias, layers.0.weight" in error, error
 
 
-def _complete_checkpoint(tmp_path: Path) -> Path:
-    def body(rank: int, world_size: int, store_dir: str, directory: str) -> None:
-        join_world(store_dir, "one", rank, world_size)
-        try:
-            save_checkpoint(_pipe((1,)), directory, step=5)
-        finally:
-            leave_world()
+def _save_at_step_5(rank: int, world_size: int, store_dir: str, directory: str) -> None:
+    join_world(store_dir, "one", rank, world_size)
+    try:
+        save_checkpoint(_pipe((1,)), directory, step=5)
+    finally:
+        leave_world()
 
+
+def _complete_checkpoint(tmp_path: Path) -> Path:
     directory = tmp_path / "root" / "step-5"
-    run_ranks(body, 1, tmp_path, str(directory))
+    run_ranks(_save_at_step_5, 1, tmp_path, str(directory))  # module level: picklable where ranks are spawned
     return directory
 
 

@@ -358,21 +358,30 @@ def test_an_unknown_gpu_is_measured_or_gets_conservative_defaults(monkeypatch: p
     _fake_gpus(monkeypatch, "NVIDIA GeForce RTX 4090", 24 * GiB, 2)
     figures = {"float32": 80e12, "bfloat16": 160e12, "float16": 160e12, "memory_bandwidth": 9e11,
                "kernel_launch": 4e-6}
-    seen: list[tuple[torch.device, bool]] = []
+    seen: list[tuple[torch.device, bool, bool]] = []
 
-    def measured(device: torch.device, *, collective: bool = False, refresh: bool = False) -> Any:
-        seen.append((device, collective))
-        return calibrate.Calibration(figures, LINK_FIGURES, "measured over the nccl process group of 2 rank(s)")
+    def measured(device: torch.device, *, collective: bool = False, refresh: bool = False,
+                 need_device: bool = True) -> Any:
+        seen.append((device, collective, need_device))
+        return calibrate.Calibration(figures if need_device else None, LINK_FIGURES,
+                                     "measured over the nccl process group of 2 rank(s)")
 
     monkeypatch.setattr(calibrate, "calibrate", measured)
     cluster = local_cluster(2, calibrate=True, collective=True)
-    assert seen == [(torch.device("cuda", 0), True)]
+    assert seen == [(torch.device("cuda", 0), True, True)]
     assert cluster.device == measured_device("NVIDIA GeForce RTX 4090", 24 * GiB, figures)
     assert cluster.intra_host == LinkSpec(3e9, 4e-5) and cluster.intra_host_collective == LinkSpec(1.5e9, 6e-5)
     with pytest.warns(RuntimeWarning, match="'NVIDIA GeForce RTX 4090' has no preset and was not measured"):
         guessed = local_cluster(2, calibrate=False)
     assert guessed.device == measured_device("NVIDIA GeForce RTX 4090", 24 * GiB, GPU_DEFAULT_FIGURES)
     assert guessed.intra_host == PCIE_GPU_P2P
+    _fake_gpus(monkeypatch, "NVIDIA H200", 141 * GiB, 8)  # a known model: only its links are measured
+    known = local_cluster(calibrate=True, collective=True)
+    assert seen[-1] == (torch.device("cuda", 0), True, False)
+    assert known.device.flops_per_s("bfloat16") == 989.5e12 and known.num_devices == 8
+    assert known.intra_host == LinkSpec(3e9, 4e-5) and known.message_overhead_s == 0
+    assert known.description == ("local GPUs (NVIDIA H200), datasheet preset; links measured over the nccl "
+                                 "process group of 2 rank(s)")
 
 
 def test_device_kind_and_gpu_properties_read_torch_cuda(monkeypatch: pytest.MonkeyPatch) -> None:

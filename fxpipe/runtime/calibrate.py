@@ -111,14 +111,15 @@ def _save(path: Path, measured: dict[str, dict[str, float]]) -> None:
         warnings.warn(f"fxpipe: cannot write the calibration cache {path}: {error}", RuntimeWarning, stacklevel=3)
 
 
-def calibrate_here(device: torch.device | None = None, *, refresh: bool = False) -> Calibration:
+def calibrate_here(device: torch.device | None = None, *, refresh: bool = False,
+                   need_device: bool = True) -> Calibration:
     """This process alone: device figures from the cache or measured in-process (~0.4 s); links only from the cache."""
     device = device or torch.device("cpu")
     path = cache_path(device_kind(device))
     cached = {} if refresh else read_cache(path)
     figures = cached.get("device")
-    source = "cached" if figures is not None else "measured in this process"
-    if figures is None:
+    source = "cached" if figures is not None else "measured in this process" if need_device else "not needed"
+    if figures is None and need_device:
         try:
             figures = measure_device(device)
         except Exception as error:  # noqa: BLE001 - any failure degrades to defaults, with a warning
@@ -130,7 +131,7 @@ def calibrate_here(device: torch.device | None = None, *, refresh: bool = False)
     return Calibration(figures, links, f"device {source}; links " + ("cached" if links else "not measured"))
 
 
-def calibrate_group(device: torch.device, *, refresh: bool = False) -> Calibration:
+def calibrate_group(device: torch.device, *, refresh: bool = False, need_device: bool = True) -> Calibration:
     """Every rank of the default process group calls this; all get the same figures.
 
     Rank 0's cache is shared; missing sections are measured by the ranks themselves (device: every
@@ -142,7 +143,7 @@ def calibrate_group(device: torch.device, *, refresh: bool = False) -> Calibrati
     cached = _from_rank0(None if refresh or rank != 0 else read_cache(path)) or {}
     measured: dict[str, dict[str, float]] = {}
     device_figures = cached.get("device")
-    if device_figures is None:
+    if device_figures is None and need_device:
         device_figures = _group_device_figures(device)
         if device_figures is not None:
             measured["device"] = device_figures
@@ -229,8 +230,13 @@ def gpu_properties(device: torch.device) -> tuple[str, int, int]:
     return str(properties.name), int(properties.total_memory), int(torch.cuda.device_count())
 
 
-def calibrate(device: torch.device, *, collective: bool = False, refresh: bool = False) -> Calibration:
-    """Figures for ``device``: over the process group when ``collective`` (every rank must call), else here."""
+def calibrate(device: torch.device, *, collective: bool = False, refresh: bool = False,
+              need_device: bool = True) -> Calibration:
+    """Figures for ``device``: over the process group when ``collective`` (every rank must call), else here.
+
+    ``need_device=False`` measures links only (a GPU with a datasheet preset); its device figures may still
+    come from the cache.
+    """
     if collective and dist.is_initialized():
-        return calibrate_group(device, refresh=refresh)
-    return calibrate_here(device, refresh=refresh)
+        return calibrate_group(device, refresh=refresh, need_device=need_device)
+    return calibrate_here(device, refresh=refresh, need_device=need_device)
