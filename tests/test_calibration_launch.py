@@ -105,18 +105,20 @@ def test_ranks_calibrate_over_their_process_group_and_agree(tmp_path: Path) -> N
     first, second = run_ranks(_calibrate_over_the_group, 2, tmp_path, str(cache))
     assert first["measured"] == second["measured"] and first["cached"] == second["cached"]
     measured = first["measured"]
-    assert "measured over the gloo process group of 2 rank(s)" in measured["description"]
+    assert measured["description"].endswith("over the gloo process group of 2 rank(s): device measured, "
+                                            "links measured")
     assert first["warnings"] == second["warnings"] == []
     assert 0 < measured["intra_host"]["latency_s"] < 0.1 and 1e7 < measured["intra_host"]["bandwidth_bytes_per_s"]
     assert measured["intra_host"] != json.loads(json.dumps(LOCAL_LINK_DEFAULT.__dict__))
     assert 0 < measured["intra_host_collective"]["latency_s"] < 0.1 and measured["message_overhead_s"] > 0
     assert measured["device"]["name"] == "CPU(calibrated)"
     cached = first["cached"]
-    assert "cached over the gloo process group" in cached["description"]
+    assert cached["description"].endswith("group of 2 rank(s): device cached, links cached")
     assert {**cached, "description": ""} == {**measured, "description": ""}  # the cache gives back the figures
     (written,) = cache.glob("calibration-*-cpu.json")
     assert set(json.loads(written.read_text())["sections"]) == {"device", "link"}
     assert first["failed"] == second["failed"] and first["failed"]["device"]["name"] == "CPU"  # defaults
+    assert first["failed"]["description"].endswith("device defaults (measurement failed), links measured")
     for messages in (first["failed_warnings"], second["failed_warnings"]):
         assert any("measuring the devices failed" in m and "rank 1: RuntimeError: timer broke" in m for m in messages)
     assert first["loss"] == second["loss"] and math.isfinite(first["loss"])
@@ -154,7 +156,7 @@ def test_fxpipe_calibrate_launches_ranks_and_fills_the_cache_plan_reads(tmp_path
                           env=env, cwd=tmp_path, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     printed = json.loads(done.stdout[done.stdout.index("{"):])
-    assert printed["source"] == "measured over the gloo process group of 2 rank(s)"
+    assert printed["source"] == "over the gloo process group of 2 rank(s): device measured, links measured"
     (written,) = tmp_path.glob("calibration-*-cpu.json")
     assert str(written) == printed["cache"]
     sections = json.loads(written.read_text())["sections"]

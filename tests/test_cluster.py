@@ -263,6 +263,16 @@ def test_an_old_or_damaged_calibration_is_measured_again(stale: dict[str, object
                                                                "device measured in this process; links not measured")
 
 
+def test_only_links_are_wanted_for_a_known_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fxpipe.runtime import calibrate
+
+    monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
+    _no_measuring(monkeypatch)
+    assert calibrate.calibrate_here(need_device=False) == calibrate.Calibration(
+        None, None, "device not needed; links not measured")
+    assert not any(tmp_path.iterdir())
+
+
 def test_links_nothing_measured_are_defaults_with_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Outside a process group nothing can time a link (fxpipe never starts processes): defaults and a note."""
     from fxpipe.runtime import calibrate
@@ -364,7 +374,7 @@ def test_an_unknown_gpu_is_measured_or_gets_conservative_defaults(monkeypatch: p
                  need_device: bool = True) -> Any:
         seen.append((device, collective, need_device))
         return calibrate.Calibration(figures if need_device else None, LINK_FIGURES,
-                                     "measured over the nccl process group of 2 rank(s)")
+                                     "over the nccl process group of 2 rank(s): device measured, links measured")
 
     monkeypatch.setattr(calibrate, "calibrate", measured)
     cluster = local_cluster(2, calibrate=True, collective=True)
@@ -380,8 +390,8 @@ def test_an_unknown_gpu_is_measured_or_gets_conservative_defaults(monkeypatch: p
     assert seen[-1] == (torch.device("cuda", 0), True, False)
     assert known.device.flops_per_s("bfloat16") == 989.5e12 and known.num_devices == 8
     assert known.intra_host == LinkSpec(3e9, 4e-5) and known.message_overhead_s == 0
-    assert known.description == ("local GPUs (NVIDIA H200), datasheet preset; links measured over the nccl "
-                                 "process group of 2 rank(s)")
+    assert known.description == ("local GPUs (NVIDIA H200), datasheet preset; links over the nccl process group "
+                                 "of 2 rank(s): device measured, links measured")
 
 
 def test_device_kind_and_gpu_properties_read_torch_cuda(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -142,21 +142,28 @@ def calibrate_group(device: torch.device, *, refresh: bool = False, need_device:
     path = cache_path(device_kind(device))
     cached = _from_rank0(None if refresh or rank != 0 else read_cache(path)) or {}
     measured: dict[str, dict[str, float]] = {}
-    device_figures = cached.get("device")
+    device_figures, links = cached.get("device"), cached.get("link")
     if device_figures is None and need_device:
         device_figures = _group_device_figures(device)
-        if device_figures is not None:
-            measured["device"] = device_figures
-    links = cached.get("link")
+        measured.update({"device": device_figures} if device_figures is not None else {})
     if links is None and world_size >= 2:
         links = _group_link_figures(device)
-        if links is not None:
-            measured["link"] = links
+        measured.update({"link": links} if links is not None else {})
     if measured and rank == 0:
         _save(path, measured)
-    kept = "cached" if cached else "measured"
-    return Calibration(device_figures, links, f"{kept} over the {dist.get_backend()} process group "
-                                              f"of {world_size} rank(s)")
+    device_state = _state("device" in cached, device_figures, need_device)
+    link_state = _state("link" in cached, links, world_size >= 2)
+    return Calibration(device_figures, links, f"over the {dist.get_backend()} process group of {world_size} "
+                                              f"rank(s): device {device_state}, links {link_state}")
+
+
+def _state(was_cached: bool, figures: dict[str, float] | None, needed: bool) -> str:
+    """How a section's figures came about, for the cluster's description."""
+    if was_cached:
+        return "cached"
+    if not needed:
+        return "not needed"
+    return "measured" if figures is not None else "defaults (measurement failed)"
 
 
 def _from_rank0(value: Any) -> Any:
