@@ -50,9 +50,21 @@ def start_method() -> str:
     return "spawn" if torch.cuda.is_initialized() else "fork"
 
 
+def rank_context() -> Any:
+    """The multiprocessing context for CPU rank processes, after the parent's warm-up (see :func:`start_method`)."""
+    warm_up_parent()  # before choosing: on a CUDA machine its optimizer step initialises CUDA (torch.accelerator)
+    return multiprocessing.get_context(start_method())
+
+
+def start_ranks(context: Any, processes: Sequence[Any]) -> None:
+    """Start rank processes made by ``context``; spawned ones with ``CUDA_VISIBLE_DEVICES=""`` (CPU ranks, no GPU)."""
+    with _cuda_hidden(context.get_start_method() == "spawn"):
+        for process in processes:
+            process.start()
+
+
 @contextlib.contextmanager
 def _cuda_hidden(hide: bool) -> Iterator[None]:
-    """While starting spawned children: ``CUDA_VISIBLE_DEVICES=""`` so these CPU ranks never touch a GPU."""
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
     if hide:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -93,17 +105,13 @@ def run_ranks(fn: Callable[..., Any], world_size: int, store_dir: str | Path, *a
     A rank that raises fails the call with its traceback; a rank that hangs past ``timeout_s``
     is terminated (only the processes started here) and the call fails.
     """
-    warm_up_parent()  # before choosing: on a CUDA machine its optimizer step initialises CUDA (torch.accelerator)
-    method = start_method()
-    if method == "spawn":
+    context = rank_context()
+    if context.get_start_method() == "spawn":
         _check_picklable(fn, args)
-    context = multiprocessing.get_context(method)
     results = context.Queue()
     processes = [context.Process(target=_child, args=(fn, rank, world_size, str(store_dir), results, args))
                  for rank in range(world_size)]
-    with _cuda_hidden(method == "spawn"):
-        for process in processes:
-            process.start()
+    start_ranks(context, processes)
     collected: dict[int, Any] = {}
     errors: list[str] = []
     try:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -18,7 +17,7 @@ import torch
 import fxpipe
 from fxpipe import models as zoo
 from fxpipe.passes import trace
-from tests.mp_utils import join_world, plan_from_cuts, warm_up_parent
+from tests.mp_utils import join_world, plan_from_cuts, rank_context, start_ranks
 
 pytestmark = pytest.mark.multiprocess
 
@@ -76,13 +75,11 @@ def _descendants(pids: set[int]) -> list[str]:
 
 
 def test_survivors_exit_fast_naming_the_lost_rank(tmp_path: Path) -> None:
-    warm_up_parent()
-    context = multiprocessing.get_context("fork")
+    context = rank_context()  # fork, or spawn where this process initialised CUDA
     results = context.Queue()
     processes = [context.Process(target=_rank_until_killed, args=(rank, 3, str(tmp_path), results))
                  for rank in range(3)]
-    for process in processes:
-        process.start()
+    start_ranks(context, processes)
     pids = {process.pid for process in processes if process.pid is not None}
     processes[LOST_RANK].join(timeout=60)
     killed_at = time.monotonic()
@@ -167,7 +164,8 @@ def test_torchrun_restart_resumes_from_last_complete_checkpoint(tmp_path: Path) 
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "--max-restarts", "2", "--monitor-interval", "0.2", str(script), str(root), str(marker),
                str(tmp_path), str(kill_step), str(num_steps), str(BATCH)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "FXPIPE_CALIBRATE": "0"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "FXPIPE_CALIBRATE": "0",
+           "CUDA_VISIBLE_DEVICES": ""}  # CPU ranks even where a GPU is visible (NCCL would want one GPU each)
     job = subprocess.run(command, env=env, capture_output=True, text=True, timeout=150, cwd=tmp_path)
     log = job.stdout + job.stderr
     (tmp_path / "torchrun.log").write_text(log)

@@ -20,7 +20,8 @@ def test_fxpipe_train_under_torchrun(tmp_path: Path) -> None:
         "-m", "fxpipe", "train", "mlp", "--global-batch", "8", "--steps", "4", "--plan", "1:1",
         "--num-microbatches", "2", "--data", "random", "--quiet", "--measure", "--trace", str(trace_path),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FXPIPE_CALIBRATE": "0"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FXPIPE_CALIBRATE": "0",
+           "CUDA_VISIBLE_DEVICES": ""}  # CPU ranks even where a GPU is visible (NCCL would want one GPU each)
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "plan 1:1" in result.stdout
