@@ -257,7 +257,7 @@ def _schedule_name(schedule: str) -> str:
 
 
 def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, world_size: int) -> Plan:
-    """Run the planner on rank 0 only (a calibrated cluster may measure differently per rank)."""
+    """Resolve the cluster on every rank (``local`` calibrates collectively), plan on rank 0, broadcast the plan."""
     from fxpipe.runtime.comm import broadcast_text
 
     if options.global_batch_size is None:
