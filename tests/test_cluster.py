@@ -273,6 +273,20 @@ def test_only_links_are_wanted_for_a_known_gpu(tmp_path: Path, monkeypatch: pyte
     assert not any(tmp_path.iterdir())
 
 
+def test_no_home_folder_means_no_cache_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fxpipe.runtime import calibrate
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("FXPIPE_CACHE_DIR", raising=False)
+    monkeypatch.setattr(Path, "home", no_home)
+    monkeypatch.setattr(calibrate, "measure_device", lambda device=None: DEVICE_FIGURES)
+    with pytest.warns(RuntimeWarning, match="no calibration cache .*set FXPIPE_CACHE_DIR"):
+        cluster = local_cluster(1, calibrate=True)
+    assert cluster.device.flops_per_s("float32") == DEVICE_FIGURES["float32"]  # measured, just not kept
+
+
 def test_links_nothing_measured_are_defaults_with_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Outside a process group nothing can time a link (fxpipe never starts processes): defaults and a note."""
     from fxpipe.runtime import calibrate

@@ -104,7 +104,19 @@ def _warn(what: str, error: BaseException) -> None:
                   "figures (docs/clusters.md). FXPIPE_CALIBRATE=0 skips measuring.", RuntimeWarning, stacklevel=3)
 
 
-def _save(path: Path, measured: dict[str, dict[str, float]]) -> None:
+def _cache_file(device: torch.device) -> Path | None:
+    """This device's cache file, or None (with a warning) when there is no place for one (no home folder)."""
+    try:
+        return cache_path(device_kind(device))
+    except (OSError, RuntimeError, KeyError) as error:  # Path.home() raises RuntimeError without a home
+        warnings.warn(f"fxpipe: no calibration cache ({error}); set FXPIPE_CACHE_DIR to keep the figures",
+                      RuntimeWarning, stacklevel=3)
+        return None
+
+
+def _save(path: Path | None, measured: dict[str, dict[str, float]]) -> None:
+    if path is None:
+        return
     try:
         write_cache(path, measured)
     except OSError as error:  # a read-only home: the figures still serve this run
@@ -115,8 +127,8 @@ def calibrate_here(device: torch.device | None = None, *, refresh: bool = False,
                    need_device: bool = True) -> Calibration:
     """This process alone: device figures from the cache or measured in-process (~0.4 s); links only from the cache."""
     device = device or torch.device("cpu")
-    path = cache_path(device_kind(device))
-    cached = {} if refresh else read_cache(path)
+    path = _cache_file(device)
+    cached = {} if refresh or path is None else read_cache(path)
     figures = cached.get("device")
     source = "cached" if figures is not None else "measured in this process" if need_device else "not needed"
     if figures is None and need_device:
@@ -139,8 +151,8 @@ def calibrate_group(device: torch.device, *, refresh: bool = False, need_device:
     links: ranks 0 and 1) and rank 0 writes them to its cache.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    path = cache_path(device_kind(device))
-    cached = _from_rank0(None if refresh or rank != 0 else read_cache(path)) or {}
+    path = _cache_file(device) if rank == 0 else None
+    cached = _from_rank0(None if refresh or path is None else read_cache(path)) or {}
     measured: dict[str, dict[str, float]] = {}
     device_figures, links = cached.get("device"), cached.get("link")
     if device_figures is None and need_device:
