@@ -6,6 +6,7 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import subprocess
 import sys
 import time
@@ -62,6 +63,21 @@ def test_an_unguarded_script_calibrates_and_trains_quickly(how: str, tmp_path: P
     (written,) = cache.glob("calibration-*-cpu.json")  # it measured (in-process), not skipped
     sections = json.loads(written.read_text())["sections"]
     assert set(sections) == {"device"} and sections["device"]["figures"]["float32"] > 0
+
+
+# Ways Python code starts a process. Only the CLI's launcher (fxpipe calibrate, fxpipe demo) may.
+PROCESS_STARTERS = re.compile(r"^\s*(import|from)\s+(multiprocessing|subprocess|torch\.multiprocessing|"
+                              r"torch\.distributed\.run|concurrent\.futures)\b|os\.(fork|system|spawn|exec|popen)",
+                              re.MULTILINE)
+LAUNCHERS = {"fxpipe/runtime/launch.py"}
+
+
+def test_only_the_cli_launcher_can_start_processes() -> None:
+    root = Path(__file__).resolve().parent.parent
+    sources = [path for folder in ("fxpipe", "passes", "models") for path in sorted((root / folder).rglob("*.py"))]
+    assert len(sources) > 30
+    starters = {str(path.relative_to(root)) for path in sources if PROCESS_STARTERS.search(path.read_text())}
+    assert starters == LAUNCHERS
 
 
 def _broken(device: object = None) -> dict[str, float]:
