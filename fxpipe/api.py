@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -38,6 +40,11 @@ class CompileOptions:
     optimizer: str = "adam"
     autocast_dtype: torch.dtype | None = None
     timeout_s: float = 60.0
+    # exactness options (docs/exactness.md)
+    sync_params: str = "broadcast"
+    check_batch: str = "first"
+    loss_reduction: str = "mean"
+    batch_norm: str = "microbatch"
 
 
 class PipelinedModule:
@@ -168,17 +175,24 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
             global_batch_size: int | None = None, plan: str | Path | Plan = "auto", schedule: str | None = None,
             num_microbatches: int | None = None, cluster: str | Cluster | None = None, optimizer: str = "adam",
             warmup_policy: str | None = None, autocast_dtype: torch.dtype | None = None,
-            timeout_s: float = 60.0) -> Any:
+            timeout_s: float = 60.0, sync_params: str = "broadcast", check_batch: str = "first",
+            loss_reduction: str = "mean", batch_norm: str = "microbatch") -> Any:
     """Pipeline ``model`` over the process group's ranks; returns a :class:`PipelinedModule`.
 
     ``plan``: ``"auto"`` (DAPPLE planner on ``cluster``, default ``local:<world size>``), a layout such as
     ``"3:1"`` (planner picks cuts and placement), a :class:`Plan`, or a plan JSON path. ``schedule``:
     ``"dapple"`` (early backward) or ``"gpipe"``; None keeps the plan's. ``loss_fn(output, targets)``
-    must return a batch-mean scalar. As a decorator, ``@fxpipe.compile(loss_fn=..., global_batch_size=...)``
+    returns what ``loss_reduction`` says: ``"mean"`` a per-row mean scalar, ``"sum"`` a sum over rows,
+    ``"token_mean"`` a ``(sum, count)`` pair (e.g. tokens not equal to ``ignore_index``).
+    ``sync_params``: ``"broadcast"`` (replicas and tied weights start from the lowest rank's values),
+    ``"verify"`` (fail naming the first differing tensor) or ``"off"``. ``check_batch``: ``"first"``,
+    ``"always"`` or ``"off"`` (every rank must pass the same global batch). ``batch_norm``:
+    ``"microbatch"`` or ``"deferred"`` (running statistics once per step). See docs/exactness.md. As a decorator, ``@fxpipe.compile(loss_fn=..., global_batch_size=...)``
     on a model class or factory makes ``Factory(*args, example_inputs=..., **kwargs)`` return the module.
     """
     options = CompileOptions(loss_fn, global_batch_size, plan, schedule, num_microbatches, warmup_policy,
-                             cluster, optimizer, autocast_dtype, timeout_s)
+                             cluster, optimizer, autocast_dtype, timeout_s, sync_params=sync_params,
+                             check_batch=check_batch, loss_reduction=loss_reduction, batch_norm=batch_norm)
     if model is None:
         return functools.partial(_wrap_factory, options=options)
     if isinstance(model, torch.nn.Module):
@@ -205,21 +219,50 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     """The body of :func:`compile` for a built model: trace, plan, split, and set up this rank."""
     from fxpipe.passes import trace
     from fxpipe.passes.codegen import split_for_plan
+    from fxpipe.runtime.batchnorm import check_batch_norm_mode, warn_batch_norm
     from fxpipe.runtime.comm import init_distributed
     from fxpipe.runtime.driver import PipelineDriver
+    from fxpipe.runtime.sync import check_sync_mode, synchronize_driver
 
     if options.loss_fn is None or not callable(options.loss_fn):
         raise PipelineSetupError("loss_fn is missing; pass loss_fn=callable(output, targets) -> scalar tensor "
                                  "(a batch mean, e.g. torch.nn.functional.cross_entropy)")
+    check_sync_mode(options.sync_params)
+    check_batch_norm_mode(options.batch_norm)
     inputs = example_inputs if isinstance(example_inputs, tuple | dict) else (example_inputs,)
     context = init_distributed(options.timeout_s)
-    graph_module = trace(model, inputs)
-    resolved = resolve_plan(options, model, graph_module.meta.get("fxpipe.example_inputs", inputs),
-                            context.world_size)
-    program = split_for_plan(graph_module, resolved)
+    with preserved_state(model):  # tracing, cost measurement and codegen's shape run use the real module
+        graph_module = trace(model, inputs)
+        resolved = resolve_plan(options, model, graph_module.meta.get("fxpipe.example_inputs", inputs),
+                                context.world_size)
+        program = split_for_plan(graph_module, resolved)
+    warn_batch_norm(model, resolved, options.batch_norm)
     driver = PipelineDriver(program, resolved, options.loss_fn, context=context,
-                            autocast_dtype=options.autocast_dtype, timeout_s=options.timeout_s)
+                            autocast_dtype=options.autocast_dtype, timeout_s=options.timeout_s,
+                            loss_reduction=options.loss_reduction, check_batch=options.check_batch)
+    if options.batch_norm == "deferred":
+        from fxpipe.runtime.batchnorm import DeferredCommit, install_deferred
+
+        layers = install_deferred(driver.runner.module)
+        if layers:
+            driver.step_hooks.append(DeferredCommit(layers, driver.groups[driver.stage_index]))
+    synchronize_driver(driver, options.sync_params)
     return PipelinedModule(driver, graph_module)
+
+
+@contextlib.contextmanager
+def preserved_state(model: torch.nn.Module) -> Iterator[None]:
+    """Restore the model's parameters, buffers (BatchNorm counters) and gradients after the block."""
+    tensors = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    saved = {key: (t.detach().clone(), t.grad) for key, t in tensors.items()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for key, tensor in tensors.items():
+                value, grad = saved[key]
+                tensor.copy_(value)
+                tensor.grad = grad
 
 
 def resolve_plan(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, world_size: int) -> Plan:

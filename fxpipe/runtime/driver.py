@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe import schedule as schedules
 from fxpipe.plan import Plan
+from fxpipe.runtime.batchcheck import BatchChecker
 from fxpipe.runtime.comm import (
     DEFAULT_TIMEOUT_S,
     DistContext,
@@ -53,6 +54,8 @@ class _StepState:
     sends: list[Pending] = field(default_factory=list)
     reductions: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor]]] = field(default_factory=list)
     loss_sum: float = 0.0
+    loss_count: float = 0.0  # loss_reduction="token_mean": tokens (or whatever loss_fn counts) in this rank's slices
+    loss: float = 0.0  # the global batch's loss, once the step is finished
 
 
 def lowered_actions(plan: Plan, stage_index: int) -> tuple[schedules.Action, ...]:
@@ -79,7 +82,8 @@ class PipelineDriver:
     """One rank's part of a pipelined model: its stage replica, routes, process groups and step()."""
 
     def __init__(self, program: SplitProgram, plan: Plan, loss_fn: LossFn | None, *, context: DistContext,
-                 autocast_dtype: torch.dtype | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 autocast_dtype: torch.dtype | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 loss_reduction: str = "mean", check_batch: str = "first") -> None:
         check_world(plan, program, context.world_size)
         if loss_fn is None:
             raise PipelineSetupError("loss_fn is missing; pass loss_fn=callable(output, targets) -> scalar tensor")
@@ -93,7 +97,9 @@ class PipelineDriver:
         self.value_index = {name: i for i, name in enumerate(sorted(program.values))}
         self.dtypes = infer_value_dtypes(program, context.device, autocast_dtype)
         self.runner = StageRunner(self.stage, program, context.device, loss_fn=loss_fn,
-                                  autocast_dtype=autocast_dtype)
+                                  autocast_dtype=autocast_dtype, loss_reduction=loss_reduction)
+        self.batch_checker = BatchChecker(check_batch, context.device)
+        self.step_hooks: list[Callable[[], None]] = []  # run at the end of every step (deferred BN statistics)
         self.in_routes = self._input_routes()
         self.out_routes = self._output_routes()
         grad_pieces, self.grad_rows = self._gradient_pieces()
@@ -176,6 +182,7 @@ class PipelineDriver:
         tied_sets = sorted({tuple(sorted(stages)) for _, stages in self.program.tie_groups})
         tied_ranks = [sorted(d for s in stages for d in self.plan.stages[s].devices) for stages in tied_sets]
         groups = new_groups(stage_ranks + tied_ranks)
+        self.groups = groups  # per stage, then per tied stage set; fxpipe.runtime.sync reuses them
         tied_names = {name: tuple(sorted(stages)) for name, stages in self.program.tie_groups}
         own = self._own_params
         sets: list[tuple[dist.ProcessGroup, list[torch.nn.Parameter]]] = []
@@ -194,6 +201,7 @@ class PipelineDriver:
 
     def step(self, inputs: tuple[Any, ...], targets: Any) -> float:
         """One iteration over the global batch; returns the batch loss (the same float on every rank)."""
+        self.batch_checker.check(inputs, targets)
         self.check_batch(inputs, targets)
         self.inbox.start_step()
         stash = self._stash_grads()
@@ -211,7 +219,7 @@ class PipelineDriver:
                 else:
                     handlers[action.op](state, action.microbatch_index)
             self._finish(state, stash)
-        return self._broadcast_loss(state.loss_sum)
+        return state.loss
 
     def _measured_step(self, state: _StepState, stash: dict[int, torch.Tensor | None],
                        handlers: Mapping[Op, Callable[[_StepState, int], None]]) -> None:
@@ -297,8 +305,10 @@ class PipelineDriver:
                 values[name] = self._slice(state.inputs[index], self.program.values[name].batched, start, stop)
         if self.is_last:
             targets = tree_map(lambda t: self._slice(t, True, start, stop), state.targets)
-            loss = self.runner.forward_loss(m, values, targets, (stop - start) / self.plan.global_batch_size)
+            weight = (stop - start) / self.plan.global_batch_size if self.runner.loss_reduction == "mean" else 1.0
+            loss, count = self.runner.forward_loss(m, values, targets, weight)
             state.loss_sum += float(loss)
+            state.loss_count += count
         else:
             state.outputs[m] = self.runner.forward(m, values)
 
@@ -381,18 +391,36 @@ class PipelineDriver:
             self.exchange.wait([Pending(work, -1, f"gradient allreduce of stage {self.stage_index}", flat)])
             unflatten_into(flat, tensors)
         self.exchange.wait(state.sends)
+        state.loss = self._broadcast_loss(state)
         for _, param in self._own_params:
             earlier = stash[id(param)]
             if earlier is not None:
                 param.grad = earlier if param.grad is None else param.grad + earlier
+        for hook in self.step_hooks:
+            hook()
 
-    def _broadcast_loss(self, loss_sum: float) -> float:
-        """Sum the last stage replicas' weighted losses and hand the total to every rank."""
-        total = torch.tensor([loss_sum if self.is_last else 0.0], dtype=torch.float64, device=self.context.device)
+    def _broadcast_loss(self, state: _StepState) -> float:
+        """Sum the last stage replicas' weighted losses and hand the total to every rank.
+
+        ``token_mean``: the slices' losses are sums; the total count comes with the loss, and this
+        step's gradients (already summed over ranks) are divided by it, as one process would.
+        """
+        mine = [state.loss_sum, state.loss_count] if self.is_last else [0.0, 0.0]
+        total = torch.tensor(mine, dtype=torch.float64, device=self.context.device)
         work = dist.all_reduce(total, op=dist.ReduceOp.SUM, async_op=True)
         assert work is not None
         self.exchange.wait([Pending(work, -1, "loss allreduce over all ranks", total)])
-        return float(total.item())
+        loss_sum, count = total.tolist()
+        if self.runner.loss_reduction != "token_mean":
+            return float(loss_sum)
+        if count <= 0:
+            raise BatchShapeError(f"loss_fn counted {count} tokens over the whole batch; a token_mean loss needs at "
+                                  "least one counted target (are all targets ignore_index?)")
+        with torch.no_grad():
+            for _, param in self._own_params:
+                if param.grad is not None:
+                    param.grad.div_(count)
+        return float(loss_sum / count)
 
     def gather_stats(self) -> list[StepStats]:
         """Every rank's StepStats of the last measured step, by rank (a collective: call on all ranks)."""

@@ -1,0 +1,106 @@
+"""One batch: every rank must pass ``step`` the same global batch; a cheap fingerprint exchange checks it."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten
+
+from fxpipe.runtime.errors import BatchShapeError
+
+CHECK_MODES = ("first", "always", "off")
+NUM_CHECKED_FIRST_STEPS = 2  # "first" also fingerprints the data whenever the shapes change
+
+
+class BatchMismatchError(BatchShapeError):
+    """Ranks passed ``step`` different global batches (shapes, dtypes or data); raised on every rank."""
+
+
+def check_batch_mode(mode: str) -> str:
+    if mode not in CHECK_MODES:
+        raise ValueError(f"check_batch={mode!r} is unknown; choose 'first' (data fingerprint on the first "
+                         f"{NUM_CHECKED_FIRST_STEPS} steps and when shapes change, shapes every step), 'always' "
+                         "or 'off'")
+    return mode
+
+
+def _leaf_layout(leaf: Any) -> str:
+    if isinstance(leaf, torch.Tensor):
+        return f"{leaf.dtype}{tuple(leaf.shape)}"
+    return f"{type(leaf).__name__}:{leaf!r}"
+
+
+def _digest(parts: list[bytes]) -> int:
+    digest = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        digest.update(len(part).to_bytes(8, "little"))
+        digest.update(part)
+    return int.from_bytes(digest.digest(), "little") >> 1  # fits an int64
+
+
+def layout_digest(leaves: list[Any]) -> int:
+    """Digest of the batch's structure: each leaf's dtype and shape (or a non-tensor's value)."""
+    return _digest([_leaf_layout(leaf).encode() for leaf in leaves])
+
+
+def data_digest(leaves: list[Any]) -> int:
+    """Digest of the batch's exact bytes (tensors copied to the CPU when they live elsewhere)."""
+    parts = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            data = leaf.detach().contiguous().cpu().reshape(-1)
+            parts.append(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        else:
+            parts.append(repr(leaf).encode())
+    return _digest(parts)
+
+
+class BatchChecker:
+    """Exchanges ``(layout digest, data digest)`` of each step's batch over all ranks; raises on a difference.
+
+    The layout digest goes every step (one tiny all_gather); the data digest on the first steps and
+    whenever this rank's layout changes (``"first"``) or every step (``"always"``). Every rank
+    sees the same gathered digests, so every rank raises the same error: no rank is left waiting.
+    """
+
+    def __init__(self, mode: str, device: torch.device) -> None:
+        self.mode = check_batch_mode(mode)
+        self.device = device
+        self.num_steps = 0
+        self.last_layout: int | None = None
+
+    def check(self, inputs: tuple[Any, ...], targets: Any) -> None:
+        if self.mode == "off" or not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        leaves = tree_flatten((tuple(inputs), targets))[0]
+        layout = layout_digest(leaves)
+        wants_data = self.mode == "always" or self.num_steps < NUM_CHECKED_FIRST_STEPS or layout != self.last_layout
+        data = data_digest(leaves) if wants_data else 0
+        self.num_steps += 1
+        self.last_layout = layout
+        mine = torch.tensor([layout, data], dtype=torch.int64, device=self.device)
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, mine)
+        rows = [(int(item[0]), int(item[1])) for item in gathered]
+        raise_on_difference(rows)
+
+
+def raise_on_difference(rows: list[tuple[int, int]]) -> None:
+    """``rows[rank] = (layout digest, data digest or 0)``; raise naming the ranks that differ from rank 0."""
+    layouts = [row[0] for row in rows]
+    shape_differs = [rank for rank, layout in enumerate(layouts) if layout != layouts[0]]
+    if shape_differs:
+        raise BatchMismatchError(
+            f"ranks {shape_differs} passed step() inputs/targets of other shapes or dtypes than rank 0; every rank "
+            "must pass the same global batch (not a per-rank shard: fxpipe slices rows itself)")
+    data = [row[1] for row in rows]
+    checked = [rank for rank, value in enumerate(data) if value != 0]
+    data_differs = [rank for rank in checked if data[rank] != data[checked[0]]] if checked else []
+    if data_differs:
+        raise BatchMismatchError(
+            f"ranks {data_differs} passed step() a different global batch than rank {checked[0]} (same shapes, "
+            "other data); every rank must pass the same global batch (seed the data loader alike, no "
+            "DistributedSampler: fxpipe slices rows itself)")
