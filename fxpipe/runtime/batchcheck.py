@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
+from fxpipe.runtime.comm import PeerExchange, Pending
 from fxpipe.runtime.errors import BatchShapeError
 
 CHECK_MODES = ("first", "always", "off")
@@ -66,9 +67,9 @@ class BatchChecker:
     sees the same gathered digests, so every rank raises the same error: no rank is left waiting.
     """
 
-    def __init__(self, mode: str, device: torch.device) -> None:
+    def __init__(self, mode: str, exchange: PeerExchange) -> None:
         self.mode = check_batch_mode(mode)
-        self.device = device
+        self.exchange = exchange
         self.num_steps = 0
         self.last_layout: int | None = None
 
@@ -81,9 +82,13 @@ class BatchChecker:
         data = data_digest(leaves) if wants_data else 0
         self.num_steps += 1
         self.last_layout = layout
-        mine = torch.tensor([layout, data], dtype=torch.int64, device=self.device)
-        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, mine)
+        mine = torch.tensor([layout, data], dtype=torch.int64, device=self.exchange.device)
+        world_size = dist.get_world_size()
+        gathered = [torch.empty_like(mine) for _ in range(world_size)]
+        work = dist.all_gather(gathered, mine, async_op=True)
+        # a dead rank fails the wait as a CommunicationError; with two ranks it names the other one
+        peer = 1 - self.exchange.rank if world_size == 2 else -1
+        self.exchange.wait([Pending(work, peer, "batch fingerprint all_gather over all ranks", mine)])
         rows = [(int(item[0]), int(item[1])) for item in gathered]
         raise_on_difference(rows)
 

@@ -4,7 +4,10 @@ Micro-batching cannot reproduce full-batch normalisation in train mode: each mic
 normalised with its own statistics. What can be exact is the running statistics: ``batch_norm=
 "deferred"`` normalises each slice as before but accumulates sums over every micro-batch and every
 replica of the stage, and updates ``running_mean``/``running_var``/``num_batches_tracked`` once per
-step from the whole global batch, so eval-mode results match the unsplit model trained on it.
+step from the whole global batch (momentum applied once, variance over all rows, every replica
+alike). For a batch norm whose input does not pass through an earlier batch norm in train mode, the
+running statistics then equal the unsplit model's, and so do eval-mode results; a later one sees
+activations normalised per slice, so its statistics are the pipeline's own (docs/exactness.md).
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ def warn_batch_norm(model: torch.nn.Module, plan: Plan, mode: str) -> None:
     names = [name for name, module in model.named_modules() if isinstance(module, _BatchNorm)]
     if not names or (plan.num_microbatches == 1 and all(stage.replicas == 1 for stage in plan.stages)):
         return
-    fix = ("running statistics are updated once per step over the whole batch (batch_norm='deferred'), so "
-           "eval mode matches the unsplit model" if mode == "deferred" else
+    fix = ("running statistics are updated once per step over the whole batch (batch_norm='deferred')"
+           if mode == "deferred" else
            "pass batch_norm='deferred' to update running statistics once per step over the whole batch")
     warnings.warn(
         f"the model has batch norm ({len(names)} layers, e.g. {names[0]!r}) and plan {plan.layout!r} splits each "

@@ -98,12 +98,12 @@ class PipelineDriver:
         self.dtypes = infer_value_dtypes(program, context.device, autocast_dtype)
         self.runner = StageRunner(self.stage, program, context.device, loss_fn=loss_fn,
                                   autocast_dtype=autocast_dtype, loss_reduction=loss_reduction)
-        self.batch_checker = BatchChecker(check_batch, context.device)
         self.step_hooks: list[Callable[[], None]] = []  # run at the end of every step (deferred BN statistics)
         self.in_routes = self._input_routes()
         self.out_routes = self._output_routes()
         grad_pieces, self.grad_rows = self._gradient_pieces()
         self.exchange = PeerExchange(self.rank, context.device, timeout_s)
+        self.batch_checker = BatchChecker(check_batch, self.exchange)
         self.inbox = Inbox(self.exchange, context.device, self._tag,
                            {MessageKind.ACTIVATION: self._input_pieces(), MessageKind.GRADIENT: grad_pieces},
                            {kind: [a.microbatch_index for a in self.actions if a.op is op]
@@ -201,6 +201,7 @@ class PipelineDriver:
 
     def step(self, inputs: tuple[Any, ...], targets: Any) -> float:
         """One iteration over the global batch; returns the batch loss (the same float on every rank)."""
+        self.inbox.check_clean()  # local refusals first: a collective with ranks that went on would hang
         self.batch_checker.check(inputs, targets)
         self.check_batch(inputs, targets)
         self.inbox.start_step()

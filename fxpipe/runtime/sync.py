@@ -64,14 +64,22 @@ def sync_sets(named: Sequence[tuple[str, torch.Tensor]], tied: dict[str, tuple[i
 
 
 def synchronize(sets: Sequence[SyncSet], mode: str) -> None:
-    """Broadcast each set from its lowest rank, or (``verify``) raise on every rank of a set that differs."""
+    """Broadcast each set from its lowest rank, or (``verify``) raise on every rank of a set that differs.
+
+    ``verify`` gathers every set before raising, so a rank that also belongs to a later set (a tie
+    group) is never left waiting in it.
+    """
+    problems = []
     for item in sets:
         if item.group is None or not item.tensors:
             continue
         if mode == "broadcast":
             _broadcast(item)
         elif mode == "verify":
-            _verify(item)
+            problems += _differences(item)
+    if problems:
+        raise ReplicaMismatchError(problems[0] + (f" ({len(problems) - 1} more sets differ)" if len(problems) > 1
+                                                  else ""))
 
 
 def _broadcast(item: SyncSet) -> None:
@@ -86,7 +94,8 @@ def _broadcast(item: SyncSet) -> None:
                 tensor.copy_(value)
 
 
-def _verify(item: SyncSet) -> None:
+def _differences(item: SyncSet) -> list[str]:
+    """All-gather per-tensor digests over the set's ranks; a message for the first tensor that differs."""
     mine = torch.tensor([data_digest([t]) for t in item.tensors], dtype=torch.int64)
     gathered = [torch.empty_like(mine) for _ in item.ranks]
     dist.all_gather(gathered, mine, group=item.group)
@@ -95,11 +104,10 @@ def _verify(item: SyncSet) -> None:
         differing = [rank for rank, digests in zip(item.ranks, gathered, strict=True)
                      if digests[position] != source[position]]
         if differing:
-            raise ReplicaMismatchError(
-                f"{item.what}: {name!r} on ranks {differing} differs from rank {item.ranks[0]} (ranks "
-                f"{list(item.ranks)} must start equal); seed every rank alike before building the model, or "
-                "compile with sync_params='broadcast' to copy rank "
-                f"{item.ranks[0]}'s values")
+            return [f"{item.what}: {name!r} on ranks {differing} differs from rank {item.ranks[0]} (ranks "
+                    f"{list(item.ranks)} must start equal); seed every rank alike before building the model, or "
+                    f"compile with sync_params='broadcast' to copy rank {item.ranks[0]}'s values"]
+    return []
 
 
 def stage_state(module: torch.nn.Module, param_names: Sequence[tuple[str, str]]) -> list[tuple[str, torch.Tensor]]:
