@@ -66,13 +66,30 @@ class PipelinedModule:
     replica_index = property(lambda self: self.driver.replica_index, doc="Which replica of the stage.")
     module = property(lambda self: self.driver.runner.module, doc="This rank's stage GraphModule.")
 
-    def step(self, inputs: Any, targets: Any) -> float:
-        """Forward and backward of the global batch; gradients land in ``parameters()``; returns the loss."""
-        return self.driver.step(self._positional(inputs), targets)
+    def step(self, inputs: Any, targets: Any, *, partial: bool = False) -> float:
+        """Forward and backward of the global batch; gradients land in ``parameters()``; returns the loss.
 
-    def _positional(self, inputs: Any) -> tuple[Any, ...]:
+        Every rank passes the same global batch, or with ``partial=True`` only the rows it reads:
+        ``input_rows()`` of the inputs and ``target_rows()`` of the targets, concatenated in that
+        order (None where it reads none). See docs/exactness.md.
+        """
+        if partial and inputs is None:
+            inputs = {name: None for name in self.driver.program.model_inputs}
+        return self.driver.step(self._positional(inputs, partial), targets, partial=partial)
+
+    def input_rows(self) -> tuple[tuple[int, int], ...] | None:
+        """Global-batch row ranges ``[start, stop)`` whose inputs this rank reads (None: it reads none)."""
+        return self.driver.input_rows()
+
+    def target_rows(self) -> tuple[tuple[int, int], ...] | None:
+        """Global-batch row ranges whose targets this rank reads: last-stage replicas only, else None."""
+        return self.driver.target_rows()
+
+    def _positional(self, inputs: Any, partial: bool = False) -> tuple[Any, ...]:
         if isinstance(inputs, Mapping):
             names = self.driver.program.model_inputs
+            if partial:  # a rank passes only what its stage reads
+                return tuple(inputs.get(name) for name in names)
             missing = [name for name in names if name not in inputs]
             if missing:
                 raise TypeError(f"inputs dict lacks {missing}; the model takes {list(names)}")

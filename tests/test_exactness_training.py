@@ -156,6 +156,31 @@ def _other_batch_scenario(rank: int) -> str:
     return _expect_error(BatchMismatchError, lambda: pipe.step(inputs, targets))
 
 
+def _rows_of(rows: tuple[tuple[int, int], ...] | None, tensor: torch.Tensor) -> torch.Tensor | None:
+    """What a sampler that loads only ``rows`` gives this rank."""
+    return None if rows is None else torch.cat([tensor[start:stop] for start, stop in rows])
+
+
+def _partial_scenario(rank: int, replicas: tuple[int, ...]) -> dict[str, Any]:
+    """Each rank passes only the rows it reads (partial=True); training equals one process on the whole batch."""
+    entry = zoo.get("mlp")
+    model, example_inputs = _zoo_model("mlp", 0)
+    batches = _zoo_batches("mlp", 80)
+    reference = train_reference(copy.deepcopy(model), entry.loss_fn, batches)
+    pipe = _compile(model, example_inputs, replicas, 2, loss_fn=entry.loss_fn)
+    input_rows, target_rows = pipe.input_rows(), pipe.target_rows()
+
+    class PartialPipe:  # train_and_compare calls step(inputs, targets)
+        def __getattr__(self, name: str) -> Any:
+            return getattr(pipe, name)
+
+        def step(self, inputs: Any, targets: Any) -> float:
+            return pipe.step((_rows_of(input_rows, inputs[0]),), _rows_of(target_rows, targets), partial=True)
+
+    record = _train(PartialPipe(), batches, reference)
+    return {**record, "rows": (input_rows, target_rows)}
+
+
 def _batch_norm_scenario(rank: int) -> dict[str, Any]:
     """Train-mode steps (no optimizer step) with deferred statistics, then an eval-mode step: equal to one process."""
     torch.manual_seed(3)
@@ -203,6 +228,13 @@ SCENARIOS: dict[str, Callable[[int], Any]] = {
     "padded LM 2:1": lambda rank: _seeded_scenario(rank, "tied-lm", (2, 1), padded_lm_mean, _padded_batches(50),
                                                    pipe_loss_fn=padded_lm_sum_count, loss_reduction="token_mean"),
     "batch norm deferred": _batch_norm_scenario,
+    "partial 2:1": lambda rank: _partial_scenario(rank, (2, 1)),
+    "partial 1:2": lambda rank: _partial_scenario(rank, (1, 2)),
+}
+
+EXPECTED_ROWS = {  # (input_rows, target_rows) by rank: global batch 12, 2 micro-batches of 6 rows
+    "partial 2:1": [(((0, 3), (6, 9)), None), (((3, 6), (9, 12)), None), (None, ((0, 12),))],
+    "partial 1:2": [(((0, 12),), None), (None, ((0, 3), (6, 9))), (None, ((3, 6), (9, 12)))],
 }
 
 
@@ -234,4 +266,6 @@ def test_exactness_scenarios_match_one_process(tmp_path: Any) -> None:
                 failures.append(f"{name}: {problems[:40]}")
             if "losses" in results[0] and len({tuple(r["losses"]) for r in results}) != 1:
                 failures.append(f"{name}: ranks report different losses")
+            if name in EXPECTED_ROWS and [r["rows"] for r in results] != EXPECTED_ROWS[name]:
+                failures.append(f"{name}: rows {[r['rows'] for r in results]} != {EXPECTED_ROWS[name]}")
     assert not failures, "\n".join(failures)

@@ -73,12 +73,17 @@ class BatchChecker:
         self.num_steps = 0
         self.last_layout: int | None = None
 
-    def check(self, inputs: tuple[Any, ...], targets: Any) -> None:
+    def check(self, inputs: tuple[Any, ...], targets: Any, *, partial: bool = False) -> None:
+        """Raise BatchMismatchError on every rank unless all ranks pass the same batch (all call it).
+
+        Partial data differs between ranks by design: then only the choice of partial data is compared.
+        """
         if self.mode == "off" or not dist.is_initialized() or dist.get_world_size() == 1:
             return
         leaves = tree_flatten((tuple(inputs), targets))[0]
-        layout = layout_digest(leaves)
-        wants_data = self.mode == "always" or self.num_steps < NUM_CHECKED_FIRST_STEPS or layout != self.last_layout
+        layout = layout_digest(["partial data"] if partial else leaves)
+        wants_data = not partial and (self.mode == "always" or self.num_steps < NUM_CHECKED_FIRST_STEPS
+                                      or layout != self.last_layout)
         data = data_digest(leaves) if wants_data else 0
         self.num_steps += 1
         self.last_layout = layout
@@ -99,8 +104,9 @@ def raise_on_difference(rows: list[tuple[int, int]]) -> None:
     shape_differs = [rank for rank, layout in enumerate(layouts) if layout != layouts[0]]
     if shape_differs:
         raise BatchMismatchError(
-            f"ranks {shape_differs} passed step() inputs/targets of other shapes or dtypes than rank 0; every rank "
-            "must pass the same global batch (not a per-rank shard: fxpipe slices rows itself)")
+            f"ranks {shape_differs} passed step() inputs/targets of other shapes or dtypes than rank 0 (or one side "
+            "passed partial=True); every rank must pass the same global batch, or each its own rows with "
+            "partial=True (pipe.input_rows() / pipe.target_rows())")
     data = [row[1] for row in rows]
     checked = [rank for rank, value in enumerate(data) if value != 0]
     data_differs = [rank for rank in checked if data[rank] != data[checked[0]]] if checked else []

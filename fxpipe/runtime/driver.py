@@ -27,12 +27,12 @@ from fxpipe.runtime.comm import (
     new_groups,
     pack,
     routes_between,
-    slice_rows,
     unflatten_into,
 )
 from fxpipe.runtime.errors import BatchShapeError, PipelineSetupError
 from fxpipe.runtime.measure import ActionTimer, SavedActivationMeter, StepStats
 from fxpipe.runtime.receives import Inbox, Piece
+from fxpipe.runtime.rows import RowMap
 from fxpipe.runtime.stage import LossFn, StageRunner, infer_value_dtypes
 
 if TYPE_CHECKING:
@@ -47,6 +47,7 @@ class _StepState:
 
     inputs: tuple[Any, ...]
     targets: Any
+    partial: bool = False  # inputs/targets hold only this replica's rows (RowMap), not the global batch
     received: dict[int, dict[str, Any]] = field(default_factory=dict)
     outputs: dict[int, dict[str, Any]] = field(default_factory=dict)
     output_grads: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
@@ -94,6 +95,7 @@ class PipelineDriver:
         self.num_replicas = plan.stages[self.stage_index].replicas
         self.is_last = self.stage_index == plan.num_stages - 1
         self.actions = lowered_actions(plan, self.stage_index)
+        self.rows = RowMap.of(plan, self.replica_index, self.num_replicas)
         self.value_index = {name: i for i, name in enumerate(sorted(program.values))}
         self.dtypes = infer_value_dtypes(program, context.device, autocast_dtype)
         self.runner = StageRunner(self.stage, program, context.device, loss_fn=loss_fn,
@@ -199,14 +201,18 @@ class PipelineDriver:
 
     # ---- the step ------------------------------------------------------------------------------
 
-    def step(self, inputs: tuple[Any, ...], targets: Any) -> float:
-        """One iteration over the global batch; returns the batch loss (the same float on every rank)."""
+    def step(self, inputs: tuple[Any, ...], targets: Any, *, partial: bool = False) -> float:
+        """One iteration over the global batch; returns the batch loss (the same float on every rank).
+
+        ``partial``: ``inputs``/``targets`` hold only the rows this rank reads (``input_rows()`` /
+        ``target_rows()``, in that order); values this rank does not read may be None.
+        """
         self.inbox.check_clean()  # local refusals first: a collective with ranks that went on would hang
-        self.batch_checker.check(inputs, targets)
-        self.check_batch(inputs, targets)
+        self.batch_checker.check(inputs, targets, partial=partial)
+        self.check_batch(inputs, targets, partial=partial)
         self.inbox.start_step()
         stash = self._stash_grads()
-        state = _StepState(inputs, targets)
+        state = _StepState(inputs, targets, partial)
         self.runner.reset()
         handlers = {Op.RECV_ACTIVATION: self._recv_activation, Op.FORWARD: self._forward,
                     Op.SEND_ACTIVATION: self._send_activation, Op.RECV_GRADIENT: self._recv_gradient,
@@ -245,15 +251,26 @@ class PipelineDriver:
         self.last_stats = StepStats(self.rank, self.stage_index, step_time,
                                     meter.peak_bytes if meter is not None else None, tuple(timer.events))
 
-    def check_batch(self, inputs: tuple[Any, ...], targets: Any) -> None:
+    def input_rows(self) -> tuple[tuple[int, int], ...] | None:
+        """Global-batch rows ``[start, stop)`` whose inputs this rank reads; None when it reads none."""
+        reads = any(self.program.values[name].batched for name in self.program.model_inputs
+                    if name in self.stage.input_values)
+        return self.rows.ranges() if reads else None
+
+    def target_rows(self) -> tuple[tuple[int, int], ...] | None:
+        """Global-batch rows whose targets this rank reads (last-stage replicas); None elsewhere."""
+        return self.rows.ranges() if self.is_last else None
+
+    def check_batch(self, inputs: tuple[Any, ...], targets: Any, *, partial: bool = False) -> None:
         """Shapes against the plan, on every rank before any communication (all ranks see the same batch)."""
         names = self.program.model_inputs
         if len(inputs) != len(names):
             raise BatchShapeError(f"step got {len(inputs)} inputs but the model takes {len(names)} ({list(names)})")
-        batch = self.plan.global_batch_size
+        batch = self.rows.num_rows if partial else self.plan.global_batch_size
+        rows_of = "this rank's rows" if partial else "the global batch"
         for name, value in zip(names, inputs, strict=True):
             spec = self.program.values[name]
-            if not spec.is_tensor:
+            if not spec.is_tensor or (partial and name not in self.stage.input_values):
                 continue
             if not isinstance(value, torch.Tensor):
                 raise BatchShapeError(f"input {name!r} must be a tensor, got {type(value).__name__}")
@@ -261,11 +278,11 @@ class PipelineDriver:
             if tuple(value.shape) != expected or (spec.dtype is not None and value.dtype != spec.dtype):
                 raise BatchShapeError(
                     f"input {name!r} has shape {tuple(value.shape)} {value.dtype} but the plan expects {expected} "
-                    f"{spec.dtype} (global batch {batch}); recompile for other shapes")
-        for leaf in tree_flatten(targets)[0]:
+                    f"{spec.dtype} ({rows_of}: {batch} rows); recompile for other shapes")
+        for leaf in tree_flatten(targets if self.is_last or not partial else None)[0]:
             if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] != batch:
                 raise BatchShapeError(f"targets have {leaf.shape[0]} rows (shape {tuple(leaf.shape)}) but the "
-                                      f"global batch is {batch} rows")
+                                      f"{rows_of} is {batch} rows")
 
     def _tag(self, kind: MessageKind, microbatch_index: int, value: str) -> int:
         return message_tag(kind, microbatch_index, self.value_index[value], len(self.value_index))
@@ -299,7 +316,7 @@ class PipelineDriver:
         return self.exchange.post(ops)
 
     def _forward(self, state: _StepState, m: int) -> None:
-        start, stop = slice_rows(m, self.plan.microbatch_size, self.replica_index, self.num_replicas)
+        start, stop = self.rows.local(m) if state.partial else self.rows.per_microbatch[m]
         values = dict(state.received.get(m, {}))
         for index, name in enumerate(self.program.model_inputs):
             if name in self.stage.input_values:
