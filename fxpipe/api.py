@@ -204,7 +204,8 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
     ``sync_params``: ``"broadcast"`` (replicas and tied weights start from the lowest rank's values),
     ``"verify"`` (fail naming the first differing tensor) or ``"off"``. ``check_batch``: ``"first"``,
     ``"always"`` or ``"off"`` (every rank must pass the same global batch). ``batch_norm``:
-    ``"microbatch"`` or ``"deferred"`` (running statistics once per step). See docs/exactness.md. As a decorator, ``@fxpipe.compile(loss_fn=..., global_batch_size=...)``
+    ``"microbatch"``, ``"deferred"`` (running statistics once per step) or ``"sync"`` (also normalise
+    over the stage's replicas, as SyncBatchNorm). See docs/exactness.md. As a decorator, ``@fxpipe.compile(loss_fn=..., global_batch_size=...)``
     on a model class or factory makes ``Factory(*args, example_inputs=..., **kwargs)`` return the module.
     """
     options = CompileOptions(loss_fn, global_batch_size, plan, schedule, num_microbatches, warmup_policy,
@@ -257,12 +258,13 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     driver = PipelineDriver(program, resolved, options.loss_fn, context=context,
                             autocast_dtype=options.autocast_dtype, timeout_s=options.timeout_s,
                             loss_reduction=options.loss_reduction, check_batch=options.check_batch)
-    if options.batch_norm == "deferred":
+    if options.batch_norm != "microbatch":
         from fxpipe.runtime.batchnorm import DeferredCommit, install_deferred
 
-        layers = install_deferred(driver.runner.module)
+        group = driver.groups[driver.stage_index]
+        layers = install_deferred(driver.runner.module, group if options.batch_norm == "sync" else None)
         if layers:
-            driver.step_hooks.append(DeferredCommit(layers, driver.groups[driver.stage_index]))
+            driver.step_hooks.append(DeferredCommit(layers, group))
     synchronize_driver(driver, options.sync_params)
     return PipelinedModule(driver, graph_module)
 

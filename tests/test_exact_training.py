@@ -56,7 +56,7 @@ def train_reference(model: torch.nn.Module, loss_fn: Any, batches: list[Any]) ->
         optimizer.step()
         optimizer.zero_grad()
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return {"losses": losses, "grads": grads, "params": params}
+    return {"losses": losses, "grads": grads, "params": params, "model": model}
 
 
 def _mismatches(kind: str, actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], *, rtol: float,

@@ -54,9 +54,9 @@ class SmallCNN(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(3, 4, 3, padding=1)
+        self.conv1 = nn.Conv2d(3, 4, 3, padding=1, bias=False)  # a bias before batch norm gets no gradient
         self.norm1 = nn.BatchNorm2d(4)
-        self.conv2 = nn.Conv2d(3, 4, 3, padding=1)
+        self.conv2 = nn.Conv2d(3, 4, 3, padding=1, bias=False)
         self.norm2 = nn.BatchNorm2d(4, momentum=0.3)
         self.head = nn.Linear(4 * 6 * 6, 5)
 
@@ -216,6 +216,24 @@ def _batch_norm_scenario(rank: int) -> dict[str, Any]:
     return {"problems": problems}
 
 
+def _sync_batch_norm_scenario(rank: int) -> dict[str, Any]:
+    """batch_norm="sync" with one micro-batch: every batch norm sees the whole batch, so train mode is exact."""
+    torch.manual_seed(4)
+    model = SmallCNN()
+    batches = _cnn_batches(21)
+    reference = train_reference(copy.deepcopy(model), F.cross_entropy, batches)
+    reference_buffers = dict(reference["model"].named_buffers())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe = _compile(model, (torch.randn(GLOBAL_BATCH, 3, 6, 6),), (2, 1), 1, loss_fn=F.cross_entropy,
+                        batch_norm="sync")
+    record = _train(pipe, batches, reference)
+    buffers = {name: value for name, value in pipe.state_dict().items() if name in reference_buffers}
+    record["problems"] += _mismatches("buffer", buffers, reference_buffers, rtol=1e-5, atol=1e-6)
+    record["problems"] += [f"unexpected warning {w.message}" for w in caught if isinstance(w.message, BatchNormWarning)]
+    return record
+
+
 SCENARIOS: dict[str, Callable[[int], Any]] = {
     "seeds tied 2:1": lambda rank: _seeded_scenario(rank, "tied-lm", (2, 1), zoo.get("tied-lm").loss_fn,
                                                     _zoo_batches("tied-lm", 30)),
@@ -228,6 +246,7 @@ SCENARIOS: dict[str, Callable[[int], Any]] = {
     "padded LM 2:1": lambda rank: _seeded_scenario(rank, "tied-lm", (2, 1), padded_lm_mean, _padded_batches(50),
                                                    pipe_loss_fn=padded_lm_sum_count, loss_reduction="token_mean"),
     "batch norm deferred": _batch_norm_scenario,
+    "batch norm sync 2:1": _sync_batch_norm_scenario,
     "partial 2:1": lambda rank: _partial_scenario(rank, (2, 1)),
     "partial 1:2": lambda rank: _partial_scenario(rank, (1, 2)),
 }

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from fxpipe.plan import Plan
 from fxpipe.runtime.errors import PipelineSetupError
 
-BATCH_NORM_MODES = ("microbatch", "deferred")
+BATCH_NORM_MODES = ("microbatch", "deferred", "sync")
 
 
 class BatchNormWarning(UserWarning):
@@ -33,18 +34,20 @@ class BatchNormWarning(UserWarning):
 def check_batch_norm_mode(mode: str) -> str:
     if mode not in BATCH_NORM_MODES:
         raise PipelineSetupError(f"batch_norm={mode!r} is unknown; choose 'microbatch' (each slice updates the "
-                                 "running statistics, as DDP per replica) or 'deferred' (once per step over the "
-                                 "whole global batch)")
+                                 "running statistics, as DDP per replica), 'deferred' (once per step over the "
+                                 "whole global batch) or 'sync' (deferred, and each micro-batch normalised with "
+                                 "statistics over all replicas of the stage, as SyncBatchNorm)")
     return mode
 
 
 def warn_batch_norm(model: torch.nn.Module, plan: Plan, mode: str) -> None:
     """One warning when batch statistics are computed per slice (micro-batches or replicas)."""
     names = [name for name, module in model.named_modules() if isinstance(module, _BatchNorm)]
-    if not names or (plan.num_microbatches == 1 and all(stage.replicas == 1 for stage in plan.stages)):
-        return
-    fix = ("running statistics are updated once per step over the whole batch (batch_norm='deferred')"
-           if mode == "deferred" else
+    replicated = any(stage.replicas > 1 for stage in plan.stages) and mode != "sync"
+    if not names or (plan.num_microbatches == 1 and not replicated):
+        return  # every batch norm sees the whole batch: exact
+    fix = (f"running statistics are updated once per step over the whole batch (batch_norm={mode!r})"
+           if mode != "microbatch" else
            "pass batch_norm='deferred' to update running statistics once per step over the whole batch")
     warnings.warn(
         f"the model has batch norm ({len(names)} layers, e.g. {names[0]!r}) and plan {plan.layout!r} splits each "
@@ -59,12 +62,14 @@ class DeferredBatchNorm(_BatchNorm):
     _sum: torch.Tensor
     _sum_squares: torch.Tensor
     _count: torch.Tensor
+    group: dist.ProcessGroup | None = None  # set: normalise over the stage's replicas (batch_norm="sync")
 
     @classmethod
-    def replacing(cls, original: _BatchNorm) -> DeferredBatchNorm:
+    def replacing(cls, original: _BatchNorm, group: dist.ProcessGroup | None = None) -> DeferredBatchNorm:
         """A deferred layer sharing ``original``'s parameters and buffers (the same tensor objects)."""
         layer = cls(original.num_features, original.eps, original.momentum, original.affine,
                     original.track_running_stats)
+        layer.group = group
         for name, param in original.named_parameters(recurse=False):
             setattr(layer, name, param)
         for name, buffer in original.named_buffers(recurse=False):
@@ -93,6 +98,8 @@ class DeferredBatchNorm(_BatchNorm):
             self._sum += values.sum(dims)
             self._sum_squares += (values * values).sum(dims)
             self._count += input.numel() // input.size(1)
+        if self.group is not None:
+            return _SyncedNorm.apply(input, self.weight, self.bias, self.eps, self.group)
         return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
 
     def sums(self) -> torch.Tensor:
@@ -117,14 +124,17 @@ class DeferredBatchNorm(_BatchNorm):
         self.running_var.mul_(1 - factor).add_(variance.to(self.running_var.dtype), alpha=factor)
 
 
-def install_deferred(module: torch.nn.Module) -> list[DeferredBatchNorm]:
-    """Replace every batch norm layer inside ``module`` (a stage) by a deferred one; the model's own stay."""
+def install_deferred(module: torch.nn.Module, group: dist.ProcessGroup | None = None) -> list[DeferredBatchNorm]:
+    """Replace every batch norm layer inside ``module`` (a stage) by a deferred one; the model's own stay.
+
+    ``group``: the stage's replica group, to normalise each micro-batch over all replicas (``sync``).
+    """
     layers = []
     for name, child in list(module.named_modules()):
         if isinstance(child, _BatchNorm) and not isinstance(child, DeferredBatchNorm):
             owner_path, _, attribute = name.rpartition(".")
             owner = module.get_submodule(owner_path) if owner_path else module
-            layer = DeferredBatchNorm.replacing(child)
+            layer = DeferredBatchNorm.replacing(child, group)
             setattr(owner, attribute, layer)
             layers.append(layer)
     return layers
@@ -148,3 +158,50 @@ class DeferredCommit:
         for layer, own in zip(self.layers, sums, strict=True):
             layer.commit(flat[offset:offset + own.numel()])
             offset += own.numel()
+
+
+def _channel_sums(*tensors: torch.Tensor) -> torch.Tensor:
+    """Per-channel sums of each tensor (over every dimension but 1), stacked."""
+    dims = [0, *range(2, tensors[0].dim())]
+    return torch.stack([t.sum(dims) for t in tensors])
+
+
+class _SyncedNorm(torch.autograd.Function):
+    """Train-mode batch norm whose statistics (and their gradients) are summed over a process group.
+
+    The replicas of a stage run the same schedule, so they reach each micro-batch's forward and
+    backward in the same order and the collectives pair up. Legend: x input, n values per channel
+    over the group, x_hat normalised input, dy output gradient.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+                group: dist.ProcessGroup) -> torch.Tensor:
+        values = x.double()
+        sums = torch.cat([_channel_sums(values, values * values).reshape(-1),
+                          torch.tensor([x.numel() // x.size(1)], dtype=torch.float64, device=x.device)])
+        dist.all_reduce(sums, group=group)
+        channels = x.size(1)
+        n = float(sums[-1])
+        mean = sums[:channels] / n
+        variance = sums[channels:2 * channels] / n - mean * mean  # biased, as batch norm normalises
+        shape = [1, channels, *([1] * (x.dim() - 2))]
+        invstd = torch.rsqrt(variance + eps).to(x.dtype).reshape(shape)
+        x_hat = (x - mean.to(x.dtype).reshape(shape)) * invstd
+        ctx.save_for_backward(x_hat, invstd, weight)
+        ctx.group, ctx.n = group, n
+        out = x_hat if weight is None else x_hat * weight.reshape(shape)
+        return out if bias is None else out + bias.reshape(shape)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x_hat, invstd, weight = ctx.saved_tensors
+        local = _channel_sums(dy, dy * x_hat)  # [sum dy, sum dy * x_hat] of this replica's rows
+        total = local.clone()
+        dist.all_reduce(total, group=ctx.group)
+        shape = invstd.shape
+        scale = invstd if weight is None else invstd * weight.reshape(shape)
+        dx = scale * (dy - total[0].reshape(shape) / ctx.n - x_hat * total[1].reshape(shape) / ctx.n)
+        grad_weight = local[1] if weight is not None else None  # summed over replicas with the other grads
+        grad_bias = local[0] if ctx.needs_input_grad[2] else None
+        return dx, grad_weight, grad_bias, None, None
