@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -11,6 +12,9 @@ from torch.utils._pytree import tree_flatten
 
 from fxpipe.runtime.comm import PeerExchange, Pending
 from fxpipe.runtime.errors import BatchShapeError
+
+if TYPE_CHECKING:
+    from fxpipe.passes.codegen import SplitProgram
 
 CHECK_MODES = ("first", "always", "off")
 NUM_CHECKED_FIRST_STEPS = 2  # "first" also fingerprints the data whenever the shapes change
@@ -115,3 +119,32 @@ def raise_on_difference(rows: list[tuple[int, int]]) -> None:
             f"ranks {data_differs} passed step() a different global batch than rank {checked[0]} (same shapes, "
             "other data); every rank must pass the same global batch (seed the data loader alike, no "
             "DistributedSampler: fxpipe slices rows itself)")
+
+
+def check_shapes(program: SplitProgram, inputs: tuple[Any, ...], targets: Any, *, num_rows: int,
+                 reads: Collection[str] | None, reads_targets: bool) -> None:
+    """Inputs and targets against the plan-time shapes (raises BatchShapeError; no communication).
+
+    ``reads`` None: the global batch of ``num_rows`` rows; else partial data of ``num_rows`` rows, where
+    only the inputs named in ``reads`` (and the targets when ``reads_targets``) are checked.
+    """
+    names = program.model_inputs
+    if len(inputs) != len(names):
+        raise BatchShapeError(f"step got {len(inputs)} inputs but the model takes {len(names)} ({list(names)})")
+    batch = num_rows
+    rows_of = "the global batch" if reads is None else "this rank's rows"
+    for name, value in zip(names, inputs, strict=True):
+        spec = program.values[name]
+        if not spec.is_tensor or (reads is not None and name not in reads):
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise BatchShapeError(f"input {name!r} must be a tensor, got {type(value).__name__}")
+        expected = (batch, *spec.shape[1:]) if spec.batched else tuple(spec.shape)
+        if tuple(value.shape) != expected or (spec.dtype is not None and value.dtype != spec.dtype):
+            raise BatchShapeError(
+                f"input {name!r} has shape {tuple(value.shape)} {value.dtype} but the plan expects {expected} "
+                f"{spec.dtype} ({rows_of}: {batch} rows); recompile for other shapes")
+    for leaf in tree_flatten(targets if reads_targets else None)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] != batch:
+            raise BatchShapeError(f"targets have {leaf.shape[0]} rows (shape {tuple(leaf.shape)}) but "
+                                  f"{rows_of} is {batch} rows")

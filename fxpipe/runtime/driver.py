@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from fxpipe import schedule as schedules
 from fxpipe.plan import Plan
-from fxpipe.runtime.batchcheck import BatchChecker
+from fxpipe.runtime.batchcheck import BatchChecker, check_shapes
 from fxpipe.runtime.comm import (
     DEFAULT_TIMEOUT_S,
     DistContext,
@@ -263,26 +263,9 @@ class PipelineDriver:
 
     def check_batch(self, inputs: tuple[Any, ...], targets: Any, *, partial: bool = False) -> None:
         """Shapes against the plan, on every rank before any communication (all ranks see the same batch)."""
-        names = self.program.model_inputs
-        if len(inputs) != len(names):
-            raise BatchShapeError(f"step got {len(inputs)} inputs but the model takes {len(names)} ({list(names)})")
-        batch = self.rows.num_rows if partial else self.plan.global_batch_size
-        rows_of = "this rank's rows" if partial else "the global batch"
-        for name, value in zip(names, inputs, strict=True):
-            spec = self.program.values[name]
-            if not spec.is_tensor or (partial and name not in self.stage.input_values):
-                continue
-            if not isinstance(value, torch.Tensor):
-                raise BatchShapeError(f"input {name!r} must be a tensor, got {type(value).__name__}")
-            expected = (batch, *spec.shape[1:]) if spec.batched else tuple(spec.shape)
-            if tuple(value.shape) != expected or (spec.dtype is not None and value.dtype != spec.dtype):
-                raise BatchShapeError(
-                    f"input {name!r} has shape {tuple(value.shape)} {value.dtype} but the plan expects {expected} "
-                    f"{spec.dtype} ({rows_of}: {batch} rows); recompile for other shapes")
-        for leaf in tree_flatten(targets if self.is_last or not partial else None)[0]:
-            if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] != batch:
-                raise BatchShapeError(f"targets have {leaf.shape[0]} rows (shape {tuple(leaf.shape)}) but the "
-                                      f"{rows_of} is {batch} rows")
+        check_shapes(self.program, inputs, targets,
+                     num_rows=self.rows.num_rows if partial else self.plan.global_batch_size,
+                     reads=self.stage.input_values if partial else None, reads_targets=self.is_last or not partial)
 
     def _tag(self, kind: MessageKind, microbatch_index: int, value: str) -> int:
         return message_tag(kind, microbatch_index, self.value_index[value], len(self.value_index))
