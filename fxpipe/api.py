@@ -237,9 +237,11 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     """The body of :func:`compile` for a built model: trace, plan, split, and set up this rank."""
     from fxpipe.passes import trace
     from fxpipe.passes.codegen import split_for_plan
+    from fxpipe.runtime.batchcheck import check_batch_mode
     from fxpipe.runtime.batchnorm import check_batch_norm_mode, warn_batch_norm
     from fxpipe.runtime.comm import init_distributed
     from fxpipe.runtime.driver import PipelineDriver
+    from fxpipe.runtime.stage import check_loss_reduction
     from fxpipe.runtime.sync import check_sync_mode, synchronize_driver
 
     if options.loss_fn is None or not callable(options.loss_fn):
@@ -247,6 +249,8 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
                                  "(a batch mean, e.g. torch.nn.functional.cross_entropy)")
     check_sync_mode(options.sync_params)
     check_batch_norm_mode(options.batch_norm)
+    check_loss_reduction(options.loss_reduction)
+    check_batch_mode(options.check_batch)
     inputs = example_inputs if isinstance(example_inputs, tuple | dict) else (example_inputs,)
     context = init_distributed(options.timeout_s)
     with preserved_state(model):  # tracing, cost measurement and codegen's shape run use the real module

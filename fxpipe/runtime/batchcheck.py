@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from fxpipe.runtime.comm import PeerExchange, Pending
-from fxpipe.runtime.errors import BatchShapeError
+from fxpipe.runtime.errors import BatchShapeError, PipelineSetupError
 
 if TYPE_CHECKING:
     from fxpipe.passes.codegen import SplitProgram
@@ -26,7 +26,7 @@ class BatchMismatchError(BatchShapeError):
 
 def check_batch_mode(mode: str) -> str:
     if mode not in CHECK_MODES:
-        raise ValueError(f"check_batch={mode!r} is unknown; choose 'first' (data fingerprint on the first "
+        raise PipelineSetupError(f"check_batch={mode!r} is unknown; choose 'first' (data fingerprint on the first "
                          f"{NUM_CHECKED_FIRST_STEPS} steps and when shapes change, shapes every step), 'always' "
                          "or 'off'")
     return mode

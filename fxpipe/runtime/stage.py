@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from fxpipe.runtime.errors import PipelineSetupError
+
 if TYPE_CHECKING:
     from fxpipe.passes.codegen import SplitProgram, StageProgram, ValueSpec
 
@@ -83,7 +85,7 @@ LOSS_REDUCTIONS = ("mean", "sum", "token_mean")
 
 def check_loss_reduction(reduction: str) -> str:
     if reduction not in LOSS_REDUCTIONS:
-        raise ValueError(f"loss_reduction={reduction!r} is unknown; choose 'mean' (loss_fn returns a per-row mean), "
+        raise PipelineSetupError(f"loss_reduction={reduction!r} is unknown; choose 'mean' (loss_fn returns a per-row mean), "
                          "'sum' (a sum over rows) or 'token_mean' (loss_fn returns (sum, count))")
     return reduction
 
