@@ -238,7 +238,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     from fxpipe.passes import trace
     from fxpipe.passes.codegen import split_for_plan
     from fxpipe.runtime.batchcheck import check_batch_mode
-    from fxpipe.runtime.batchnorm import check_batch_norm_mode, warn_batch_norm
+    from fxpipe.runtime.batchnorm import check_batch_norm_mode, check_layers_kept, warn_batch_norm
     from fxpipe.runtime.comm import init_distributed
     from fxpipe.runtime.driver import PipelineDriver
     from fxpipe.runtime.stage import check_loss_reduction
@@ -262,6 +262,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     driver = PipelineDriver(program, resolved, options.loss_fn, context=context,
                             autocast_dtype=options.autocast_dtype, timeout_s=options.timeout_s,
                             loss_reduction=options.loss_reduction, check_batch=options.check_batch)
+    check_layers_kept(model, [stage.module for stage in program.stages], options.batch_norm)
     if options.batch_norm != "microbatch":
         from fxpipe.runtime.batchnorm import DeferredCommit, install_deferred
 

@@ -15,7 +15,12 @@ from fxpipe.runtime.batchcheck import (
     layout_digest,
     raise_on_difference,
 )
-from fxpipe.runtime.batchnorm import DeferredBatchNorm, check_batch_norm_mode, install_deferred
+from fxpipe.runtime.batchnorm import (
+    DeferredBatchNorm,
+    check_batch_norm_mode,
+    check_layers_kept,
+    install_deferred,
+)
 from fxpipe.runtime.errors import PipelineSetupError
 from fxpipe.runtime.rows import RowMap
 from fxpipe.runtime.stage import check_loss_reduction, split_loss
@@ -95,3 +100,11 @@ def test_row_map_of_a_replica() -> None:
     assert second.ranges() == second.per_microbatch and second.num_rows == 6
     assert [second.local(m) for m in range(3)] == [(0, 2), (2, 4), (4, 6)]
     assert RowMap.of(plan, 0, 1).ranges() == ((0, 12),)
+
+
+def test_deferred_batch_norm_refuses_dissolved_layers() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3))
+    check_layers_kept(model, [model], "deferred")  # the layer is still a module: fine
+    check_layers_kept(model, [nn.Conv2d(3, 3, 1)], "microbatch")
+    with pytest.raises(PipelineSetupError, match="batch_norm='sync' needs batch norm layers as modules"):
+        check_layers_kept(model, [nn.Conv2d(3, 3, 1)], "sync")

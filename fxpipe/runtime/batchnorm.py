@@ -56,6 +56,16 @@ def warn_batch_norm(model: torch.nn.Module, plan: Plan, mode: str) -> None:
         "See docs/exactness.md", BatchNormWarning, stacklevel=3)
 
 
+def check_layers_kept(model: torch.nn.Module, stage_modules: Sequence[torch.nn.Module], mode: str) -> None:
+    """``deferred``/``sync`` replace batch norm modules in the stage code; refuse if tracing dissolved them."""
+    if mode == "microbatch" or not any(isinstance(m, _BatchNorm) for m in model.modules()):
+        return
+    if not any(isinstance(m, _BatchNorm) for module in stage_modules for m in module.modules()):
+        raise PipelineSetupError(f"batch_norm={mode!r} needs batch norm layers as modules in the stage code, but "
+                                 "tracing turned them into functional ops (torch.export fallback); make the model "
+                                 "traceable by torch.fx or use batch_norm='microbatch'")
+
+
 class DeferredBatchNorm(_BatchNorm):
     """Normalises each slice with its own statistics; running statistics wait for :meth:`commit`."""
 
