@@ -141,9 +141,11 @@ class PipelinedModule:
     def export(self, directory: str | Path) -> None:
         """Write every stage's code, weights and a manifest (codegen ``export_program``); rank 0 writes."""
         from fxpipe.passes.codegen import export_program
+        from fxpipe.runtime.batchnorm import original_layers
 
         if self.rank == 0:
-            export_program(self.driver.program, directory)
+            with original_layers(self.driver.runner.module):  # batch_norm="deferred"/"sync" layers
+                export_program(self.driver.program, directory)
 
     @property
     def measure(self) -> bool | str:

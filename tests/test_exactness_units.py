@@ -20,6 +20,7 @@ from fxpipe.runtime.batchnorm import (
     check_batch_norm_mode,
     check_layers_kept,
     install_deferred,
+    original_layers,
 )
 from fxpipe.runtime.errors import PipelineSetupError
 from fxpipe.runtime.rows import RowMap
@@ -108,3 +109,14 @@ def test_deferred_batch_norm_refuses_dissolved_layers() -> None:
     check_layers_kept(model, [nn.Conv2d(3, 3, 1)], "microbatch")
     with pytest.raises(PipelineSetupError, match="batch_norm='sync' needs batch norm layers as modules"):
         check_layers_kept(model, [nn.Conv2d(3, 3, 1)], "sync")
+
+
+def test_original_layers_come_back_for_export() -> None:
+    holder = nn.Sequential(nn.Conv2d(3, 3, 1), nn.Sequential(nn.BatchNorm2d(3)))
+    original = holder[1][0]
+    layers = install_deferred(holder)
+    assert layers[0].weight is original.weight and layers[0].running_mean is original.running_mean
+    holder.eval()
+    with original_layers(holder):
+        assert holder[1][0] is original and not original.training
+    assert holder[1][0] is layers[0]

@@ -12,8 +12,9 @@ activations normalised per slice, so its statistics are the pipeline's own (docs
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -80,6 +81,7 @@ class DeferredBatchNorm(_BatchNorm):
         layer = cls(original.num_features, original.eps, original.momentum, original.affine,
                     original.track_running_stats)
         layer.group = group
+        layer.__dict__["original"] = original  # kept out of the module tree; see original_layers
         for name, param in original.named_parameters(recurse=False):
             setattr(layer, name, param)
         for name, buffer in original.named_buffers(recurse=False):
@@ -132,6 +134,29 @@ class DeferredBatchNorm(_BatchNorm):
         factor = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
         self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
         self.running_var.mul_(1 - factor).add_(variance.to(self.running_var.dtype), alpha=factor)
+
+
+@contextlib.contextmanager
+def original_layers(module: torch.nn.Module) -> Iterator[None]:
+    """Put the model's own batch norm layers back for the block (for export, which traces into them).
+
+    They share the deferred layers' tensors, so they hold the trained values; their training flag
+    is set to the deferred layer's.
+    """
+    swapped = []
+    for name, child in list(module.named_modules()):
+        if isinstance(child, DeferredBatchNorm):
+            owner_path, _, attribute = name.rpartition(".")
+            owner = module.get_submodule(owner_path) if owner_path else module
+            original = child.__dict__["original"]
+            original.train(child.training)
+            setattr(owner, attribute, original)
+            swapped.append((owner, attribute, child))
+    try:
+        yield
+    finally:
+        for owner, attribute, child in swapped:
+            setattr(owner, attribute, child)
 
 
 def install_deferred(module: torch.nn.Module, group: dist.ProcessGroup | None = None) -> list[DeferredBatchNorm]:
