@@ -148,12 +148,19 @@ def _verify_scenario(rank: int) -> str:
                                                                 sync_params="verify"))
 
 
-def _other_batch_scenario(rank: int) -> str:
+def _other_batch_scenario(rank: int) -> tuple[str, str, float]:
+    """Rank 1 passes other data on step 1 (caught before the step) and other targets on step 3 (caught
+    by the digests folded into the loss allreduce); both raise on every rank, and training goes on."""
     entry = zoo.get("mlp")
     model, example_inputs = _zoo_model("mlp", 0)
     pipe = _compile(model, example_inputs, (2, 1), 2, loss_fn=entry.loss_fn)
-    inputs, targets = entry.make_batch(GLOBAL_BATCH, 7 if rank == 1 else 5, **entry.tiny_overrides)
-    return _expect_error(BatchMismatchError, lambda: pipe.step(inputs, targets))
+    inputs, targets = entry.make_batch(GLOBAL_BATCH, 5, **entry.tiny_overrides)
+    other_inputs, _ = entry.make_batch(GLOBAL_BATCH, 7, **entry.tiny_overrides)
+    before = _expect_error(BatchMismatchError, lambda: pipe.step(other_inputs if rank == 1 else inputs, targets))
+    pipe.step(inputs, targets)
+    other_targets = targets.double() if rank == 1 else targets
+    folded = _expect_error(BatchMismatchError, lambda: pipe.step(inputs, other_targets))
+    return before, folded, pipe.step(inputs, targets)
 
 
 def _rows_of(rows: tuple[tuple[int, int], ...] | None, tensor: torch.Tensor) -> torch.Tensor | None:
@@ -277,8 +284,12 @@ def test_exactness_scenarios_match_one_process(tmp_path: Any) -> None:
             if not all("'embedding.weight'" in r or "differs from rank" in r for r in results):
                 failures.append(f"verify: {results}")
         elif name == "other batch":
-            if not all("ranks [1]" in r for r in results):
-                failures.append(f"other batch: {results}")
+            if not all("ranks [1] passed step() a different global batch" in r[0] for r in results):
+                failures.append(f"other batch, before the step: {results}")
+            if not all("ranks [1] passed step() inputs/targets of other shapes or dtypes" in r[1] for r in results):
+                failures.append(f"other batch, folded into the loss allreduce: {results}")
+            if len({r[2] for r in results}) != 1:
+                failures.append(f"other batch: ranks report different losses after the errors {results}")
         else:
             problems = [p for r in results for p in r["problems"]]
             if problems:

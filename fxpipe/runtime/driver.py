@@ -407,11 +407,12 @@ class PipelineDriver:
         step's gradients (already summed over ranks) are divided by it, as one process would.
         """
         mine = [state.loss_sum, state.loss_count] if self.is_last else [0.0, 0.0]
-        total = torch.tensor(mine, dtype=torch.float64, device=self.context.device)
+        total = torch.tensor(mine + self.batch_checker.fold_values(), dtype=torch.float64, device=self.context.device)
         work = dist.all_reduce(total, op=dist.ReduceOp.SUM, async_op=True)
         assert work is not None
         self.exchange.wait([Pending(work, -1, "loss allreduce over all ranks", total)])
-        loss_sum, count = total.tolist()
+        loss_sum, count, *folded = total.tolist()
+        self.batch_checker.check_folded(folded)
         if self.runner.loss_reduction != "token_mean":
             return float(loss_sum)
         if count <= 0:
