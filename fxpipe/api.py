@@ -271,7 +271,9 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
         group = driver.groups[driver.stage_index]
         layers = install_deferred(driver.runner.module, group if options.batch_norm == "sync" else None)
         if layers:
-            driver.step_hooks.append(DeferredCommit(layers, group))
+            commit = DeferredCommit(layers, group)
+            driver.start_hooks.append(commit.reset)
+            driver.step_hooks.append(commit)
     synchronize_driver(driver, options.sync_params)
     return PipelinedModule(driver, graph_module)
 

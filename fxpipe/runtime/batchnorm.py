@@ -182,6 +182,11 @@ class DeferredCommit:
         self.layers = list(layers)
         self.group = group
 
+    def reset(self) -> None:
+        """Drop sums a failed step left behind (the start-of-step hook)."""
+        for layer in self.layers:
+            layer.reset_sums()
+
     def __call__(self) -> None:
         if not any(layer.training for layer in self.layers):
             return  # eval steps track nothing; every replica of a stage is in the same mode

@@ -100,7 +100,9 @@ class PipelineDriver:
         self.dtypes = infer_value_dtypes(program, context.device, autocast_dtype)
         self.runner = StageRunner(self.stage, program, context.device, loss_fn=loss_fn,
                                   autocast_dtype=autocast_dtype, loss_reduction=loss_reduction)
-        self.step_hooks: list[Callable[[], None]] = []  # run at the end of every step (deferred BN statistics)
+        # run at the start and at the end of every step (deferred BN statistics: reset, commit)
+        self.start_hooks: list[Callable[[], None]] = []
+        self.step_hooks: list[Callable[[], None]] = []
         self.in_routes = self._input_routes()
         self.out_routes = self._output_routes()
         grad_pieces, self.grad_rows = self._gradient_pieces()
@@ -211,6 +213,8 @@ class PipelineDriver:
         self.batch_checker.check(inputs, targets, partial=partial)
         self.check_batch(inputs, targets, partial=partial)
         self.inbox.start_step()
+        for hook in self.start_hooks:
+            hook()
         stash = self._stash_grads()
         state = _StepState(inputs, targets, partial)
         self.runner.reset()
