@@ -79,11 +79,15 @@ class PipelinedModule:
 
     def input_rows(self) -> tuple[tuple[int, int], ...] | None:
         """Global-batch row ranges ``[start, stop)`` whose inputs this rank reads (None: it reads none)."""
-        return self.driver.input_rows()
+        from fxpipe.runtime.rows import input_rows
+
+        return input_rows(self.driver.program, self.stage_index, self.driver.rows)
 
     def target_rows(self) -> tuple[tuple[int, int], ...] | None:
         """Global-batch row ranges whose targets this rank reads: last-stage replicas only, else None."""
-        return self.driver.target_rows()
+        from fxpipe.runtime.rows import target_rows
+
+        return target_rows(self.driver.program, self.stage_index, self.driver.rows)
 
     def _positional(self, inputs: Any, partial: bool = False) -> tuple[Any, ...]:
         if isinstance(inputs, Mapping):

@@ -29,7 +29,7 @@ from fxpipe.runtime.comm import (
     routes_between,
     unflatten_into,
 )
-from fxpipe.runtime.errors import BatchShapeError, PipelineSetupError
+from fxpipe.runtime.errors import PipelineSetupError
 from fxpipe.runtime.measure import ActionTimer, SavedActivationMeter, StepStats
 from fxpipe.runtime.receives import Inbox, Piece
 from fxpipe.runtime.rows import RowMap
@@ -255,16 +255,6 @@ class PipelineDriver:
         self.last_stats = StepStats(self.rank, self.stage_index, step_time,
                                     meter.peak_bytes if meter is not None else None, tuple(timer.events))
 
-    def input_rows(self) -> tuple[tuple[int, int], ...] | None:
-        """Global-batch rows ``[start, stop)`` whose inputs this rank reads; None when it reads none."""
-        reads = any(self.program.values[name].batched for name in self.program.model_inputs
-                    if name in self.stage.input_values)
-        return self.rows.ranges() if reads else None
-
-    def target_rows(self) -> tuple[tuple[int, int], ...] | None:
-        """Global-batch rows whose targets this rank reads (last-stage replicas); None elsewhere."""
-        return self.rows.ranges() if self.is_last else None
-
     def check_batch(self, inputs: tuple[Any, ...], targets: Any, *, partial: bool = False) -> None:
         """Shapes against the plan, on every rank before any communication (all ranks see the same batch)."""
         check_shapes(self.program, inputs, targets,
@@ -417,16 +407,7 @@ class PipelineDriver:
         self.exchange.wait([Pending(work, -1, "loss allreduce over all ranks", total)])
         loss_sum, count, *folded = total.tolist()
         self.batch_checker.check_folded(folded)
-        if self.runner.loss_reduction != "token_mean":
-            return float(loss_sum)
-        if count <= 0:
-            raise BatchShapeError(f"loss_fn counted {count} tokens over the whole batch; a token_mean loss needs at "
-                                  "least one counted target (are all targets ignore_index?)")
-        with torch.no_grad():
-            for _, param in self._own_params:
-                if param.grad is not None:
-                    param.grad.div_(count)
-        return float(loss_sum / count)
+        return self.runner.batch_loss(loss_sum, count, [param for _, param in self._own_params])
 
     def gather_stats(self) -> list[StepStats]:
         """Every rank's StepStats of the last measured step, by rank (a collective: call on all ranks)."""

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fxpipe.plan import Plan
 from fxpipe.runtime.comm import slice_rows
+
+if TYPE_CHECKING:
+    from fxpipe.passes.codegen import SplitProgram
 
 RowRanges = tuple[tuple[int, int], ...]
 
@@ -43,3 +47,15 @@ class RowMap:
             elif stop > start:
                 merged.append((start, stop))
         return tuple(merged)
+
+
+def input_rows(program: SplitProgram, stage_index: int, row_map: RowMap) -> RowRanges | None:
+    """Global-batch rows whose inputs a replica of the stage reads; None when it reads no batched input."""
+    stage_inputs = program.stages[stage_index].input_values
+    reads = any(program.values[name].batched for name in program.model_inputs if name in stage_inputs)
+    return row_map.ranges() if reads else None
+
+
+def target_rows(program: SplitProgram, stage_index: int, row_map: RowMap) -> RowRanges | None:
+    """Global-batch rows whose targets a replica of the stage reads: the last stage's; None elsewhere."""
+    return row_map.ranges() if stage_index == len(program.stages) - 1 else None

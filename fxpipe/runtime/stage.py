@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxpipe.runtime.errors import PipelineSetupError
+from fxpipe.runtime.errors import BatchShapeError, PipelineSetupError
 
 if TYPE_CHECKING:
     from fxpipe.passes.codegen import SplitProgram, StageProgram, ValueSpec
@@ -161,6 +161,23 @@ class StageRunner:
         weighted = loss.float().reshape(()) * weight
         self._saved[microbatch_index].loss = weighted
         return weighted.detach(), count
+
+    def batch_loss(self, loss_sum: float, count: float, params: Sequence[torch.nn.Parameter]) -> float:
+        """The global batch's loss from the summed slice losses (and counts, for ``token_mean``).
+
+        ``token_mean``: the slices' losses were sums; this step's gradients (already summed over
+        ranks) are divided by the global count here, as one process dividing by it would.
+        """
+        if self.loss_reduction != "token_mean":
+            return loss_sum
+        if count <= 0:
+            raise BatchShapeError(f"loss_fn counted {count} tokens over the whole batch; a token_mean loss needs at "
+                                  "least one counted target (are all targets ignore_index?)")
+        with torch.no_grad():
+            for param in params:
+                if param.grad is not None:
+                    param.grad.div_(count)
+        return loss_sum / count
 
     def backward(self, microbatch_index: int, output_grads: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """Backward of one micro-batch; returns the gradient of every input leaf (None when unused)."""
