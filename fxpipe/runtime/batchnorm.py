@@ -101,16 +101,17 @@ class DeferredBatchNorm(_BatchNorm):
         self._count = torch.zeros(1, dtype=torch.float64, device=device)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not (self.training and self.track_running_stats):
-            return super().forward(input)
+        if not self.training:
+            return super().forward(input)  # running statistics (or, without them, the slice's own)
         self._check_input_dim(input)
-        with torch.no_grad():
-            dims = [0, *range(2, input.dim())]
-            values = input.detach().double()
-            self._sum += values.sum(dims)
-            self._sum_squares += (values * values).sum(dims)
-            self._count += input.numel() // input.size(1)
-        if self.group is not None:
+        if self.track_running_stats:
+            with torch.no_grad():
+                values = input.detach().double()
+                sums = _channel_sums(values, values * values)
+                self._sum += sums[0]
+                self._sum_squares += sums[1]
+                self._count += input.numel() // input.size(1)
+        if self.group is not None:  # as SyncBatchNorm: in train mode, statistics over the replica group
             return _SyncedNorm.apply(input, self.weight, self.bias, self.eps, self.group)
         return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
 
