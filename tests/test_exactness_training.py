@@ -34,6 +34,10 @@ def sum_mse(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(output, targets, reduction="sum")
 
 
+def summed_lm(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+
+
 def padded_lm_mean(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """What the unsplit model computes: mean over the tokens that are not padding (ignore_index)."""
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
@@ -247,6 +251,8 @@ SCENARIOS: dict[str, Callable[[int], Any]] = {
     "verify": _verify_scenario,
     "other batch": _other_batch_scenario,
     "sum loss 2:1": lambda rank: _seeded_scenario(rank, "mlp", (2, 1), sum_mse, _zoo_batches("mlp", 60),
+                                                  loss_reduction="sum"),
+    "sum loss 1:2": lambda rank: _seeded_scenario(rank, "tied-lm", (1, 2), summed_lm, _zoo_batches("tied-lm", 70),
                                                   loss_reduction="sum"),
     "padded LM 1:2": lambda rank: _seeded_scenario(rank, "tied-lm", (1, 2), padded_lm_mean, _padded_batches(40),
                                                    pipe_loss_fn=padded_lm_sum_count, loss_reduction="token_mean"),
