@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -284,17 +283,21 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
 
 @contextlib.contextmanager
 def preserved_state(model: torch.nn.Module) -> Iterator[None]:
-    """Restore the model's parameters, buffers (BatchNorm counters) and gradients after the block."""
-    tensors = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
-    saved = {key: (t.detach().clone(), t.grad) for key, t in tensors.items()}
+    """Restore the model's buffers (BatchNorm statistics and counters) and gradients after the block.
+
+    Forward and backward runs change buffers and ``.grad`` but never parameter values, so only
+    buffers are copied (parameters would double the model's memory at compile).
+    """
+    buffers = {id(b): (b, b.detach().clone()) for b in model.buffers()}
+    grads = {id(p): (p, p.grad) for p in model.parameters()}
     try:
         yield
     finally:
         with torch.no_grad():
-            for key, tensor in tensors.items():
-                value, grad = saved[key]
-                tensor.copy_(value)
-                tensor.grad = grad
+            for buffer, value in buffers.values():
+                buffer.copy_(value)
+        for param, grad in grads.values():
+            param.grad = grad
 
 
 def resolve_plan(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, world_size: int) -> Plan:
