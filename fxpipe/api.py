@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import re
@@ -39,6 +40,11 @@ class CompileOptions:
     optimizer: str = "adam"
     autocast_dtype: torch.dtype | None = None
     timeout_s: float = 60.0
+    # exactness options (docs/exactness.md)
+    sync_params: str = "broadcast"
+    check_batch: str = "first"
+    loss_reduction: str = "mean"
+    batch_norm: str = "microbatch"
 
 
 class PipelinedModule:
@@ -60,13 +66,34 @@ class PipelinedModule:
     replica_index = property(lambda self: self.driver.replica_index, doc="Which replica of the stage.")
     module = property(lambda self: self.driver.runner.module, doc="This rank's stage GraphModule.")
 
-    def step(self, inputs: Any, targets: Any) -> float:
-        """Forward and backward of the global batch; gradients land in ``parameters()``; returns the loss."""
-        return self.driver.step(self._positional(inputs), targets)
+    def step(self, inputs: Any, targets: Any, *, partial: bool = False) -> float:
+        """Forward and backward of the global batch; gradients land in ``parameters()``; returns the loss.
 
-    def _positional(self, inputs: Any) -> tuple[Any, ...]:
+        Every rank passes the same global batch, or with ``partial=True`` only the rows it reads:
+        ``input_rows()`` of the inputs and ``target_rows()`` of the targets, concatenated in that
+        order (None where it reads none). See docs/exactness.md.
+        """
+        if partial and inputs is None:
+            inputs = {name: None for name in self.driver.program.model_inputs}
+        return self.driver.step(self._positional(inputs, partial), targets, partial=partial)
+
+    def input_rows(self) -> tuple[tuple[int, int], ...] | None:
+        """Global-batch row ranges ``[start, stop)`` whose inputs this rank reads (None: it reads none)."""
+        from fxpipe.runtime.rows import input_rows
+
+        return input_rows(self.driver.program, self.stage_index, self.driver.rows)
+
+    def target_rows(self) -> tuple[tuple[int, int], ...] | None:
+        """Global-batch row ranges whose targets this rank reads: last-stage replicas only, else None."""
+        from fxpipe.runtime.rows import target_rows
+
+        return target_rows(self.driver.program, self.stage_index, self.driver.rows)
+
+    def _positional(self, inputs: Any, partial: bool = False) -> tuple[Any, ...]:
         if isinstance(inputs, Mapping):
             names = self.driver.program.model_inputs
+            if partial:  # a rank passes only what its stage reads
+                return tuple(inputs.get(name) for name in names)
             missing = [name for name in names if name not in inputs]
             if missing:
                 raise TypeError(f"inputs dict lacks {missing}; the model takes {list(names)}")
@@ -118,9 +145,11 @@ class PipelinedModule:
     def export(self, directory: str | Path) -> None:
         """Write every stage's code, weights and a manifest (codegen ``export_program``); rank 0 writes."""
         from fxpipe.passes.codegen import export_program
+        from fxpipe.runtime.batchnorm import original_layers
 
         if self.rank == 0:
-            export_program(self.driver.program, directory)
+            with original_layers(self.driver.runner.module):  # batch_norm="deferred"/"sync" layers
+                export_program(self.driver.program, directory)
 
     @property
     def measure(self) -> bool | str:
@@ -169,17 +198,25 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
             global_batch_size: int | None = None, plan: str | Path | Plan = "auto", schedule: str | None = None,
             num_microbatches: int | None = None, cluster: str | Cluster | None = None, optimizer: str = "adam",
             warmup_policy: str | None = None, autocast_dtype: torch.dtype | None = None,
-            timeout_s: float = 60.0) -> Any:
+            timeout_s: float = 60.0, sync_params: str = "broadcast", check_batch: str = "first",
+            loss_reduction: str = "mean", batch_norm: str = "microbatch") -> Any:
     """Pipeline ``model`` over the process group's ranks; returns a :class:`PipelinedModule`.
 
     ``plan``: ``"auto"`` (DAPPLE planner on ``cluster``, default ``local:<world size>``), a layout such as
     ``"3:1"`` (planner picks cuts and placement), a :class:`Plan`, or a plan JSON path. ``schedule``:
     ``"dapple"`` (early backward) or ``"gpipe"``; None keeps the plan's. ``loss_fn(output, targets)``
-    must return a batch-mean scalar. As a decorator, ``@fxpipe.compile(loss_fn=..., global_batch_size=...)``
+    returns what ``loss_reduction`` says: ``"mean"`` a per-row mean scalar, ``"sum"`` a sum over rows,
+    ``"token_mean"`` a ``(sum, count)`` pair (e.g. tokens not equal to ``ignore_index``).
+    ``sync_params``: ``"broadcast"`` (replicas and tied weights start from the lowest rank's values),
+    ``"verify"`` (fail naming the first differing tensor) or ``"off"``. ``check_batch``: ``"first"``,
+    ``"always"`` or ``"off"`` (every rank must pass the same global batch). ``batch_norm``:
+    ``"microbatch"``, ``"deferred"`` (running statistics once per step) or ``"sync"`` (also normalise
+    over the stage's replicas, as SyncBatchNorm). See docs/exactness.md. As a decorator, ``@fxpipe.compile(loss_fn=..., global_batch_size=...)``
     on a model class or factory makes ``Factory(*args, example_inputs=..., **kwargs)`` return the module.
     """
     options = CompileOptions(loss_fn, global_batch_size, plan, schedule, num_microbatches, warmup_policy,
-                             cluster, optimizer, autocast_dtype, timeout_s)
+                             cluster, optimizer, autocast_dtype, timeout_s, sync_params=sync_params,
+                             check_batch=check_batch, loss_reduction=loss_reduction, batch_norm=batch_norm)
     if model is None:
         return functools.partial(_wrap_factory, options=options)
     if isinstance(model, torch.nn.Module):
@@ -206,21 +243,62 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     """The body of :func:`compile` for a built model: trace, plan, split, and set up this rank."""
     from fxpipe.passes import trace
     from fxpipe.passes.codegen import split_for_plan
+    from fxpipe.runtime.batchcheck import check_batch_mode
+    from fxpipe.runtime.batchnorm import check_batch_norm_mode, check_layers_kept, warn_batch_norm
     from fxpipe.runtime.comm import init_distributed
     from fxpipe.runtime.driver import PipelineDriver
+    from fxpipe.runtime.stage import check_loss_reduction
+    from fxpipe.runtime.sync import check_sync_mode, synchronize_driver
 
     if options.loss_fn is None or not callable(options.loss_fn):
         raise PipelineSetupError("loss_fn is missing; pass loss_fn=callable(output, targets) -> scalar tensor "
                                  "(a batch mean, e.g. torch.nn.functional.cross_entropy)")
+    check_sync_mode(options.sync_params)
+    check_batch_norm_mode(options.batch_norm)
+    check_loss_reduction(options.loss_reduction)
+    check_batch_mode(options.check_batch)
     inputs = example_inputs if isinstance(example_inputs, tuple | dict) else (example_inputs,)
     context = init_distributed(options.timeout_s)
-    graph_module = trace(model, inputs)
-    resolved = resolve_plan(options, model, graph_module.meta.get("fxpipe.example_inputs", inputs),
-                            context.world_size)
-    program = split_for_plan(graph_module, resolved)
+    with preserved_state(model):  # tracing, cost measurement and codegen's shape run use the real module
+        graph_module = trace(model, inputs)
+        resolved = resolve_plan(options, model, graph_module.meta.get("fxpipe.example_inputs", inputs),
+                                context.world_size)
+        program = split_for_plan(graph_module, resolved)
+    warn_batch_norm(model, resolved, options.batch_norm)
     driver = PipelineDriver(program, resolved, options.loss_fn, context=context,
-                            autocast_dtype=options.autocast_dtype, timeout_s=options.timeout_s)
+                            autocast_dtype=options.autocast_dtype, timeout_s=options.timeout_s,
+                            loss_reduction=options.loss_reduction, check_batch=options.check_batch)
+    check_layers_kept(model, [stage.module for stage in program.stages], options.batch_norm)
+    if options.batch_norm != "microbatch":
+        from fxpipe.runtime.batchnorm import DeferredCommit, install_deferred
+
+        group = driver.groups[driver.stage_index]
+        layers = install_deferred(driver.runner.module, group if options.batch_norm == "sync" else None)
+        if layers:
+            commit = DeferredCommit(layers, group)
+            driver.start_hooks.append(commit.reset)
+            driver.step_hooks.append(commit)
+    synchronize_driver(driver, options.sync_params)
     return PipelinedModule(driver, graph_module)
+
+
+@contextlib.contextmanager
+def preserved_state(model: torch.nn.Module) -> Iterator[None]:
+    """Restore the model's buffers (BatchNorm statistics and counters) and gradients after the block.
+
+    Forward and backward runs change buffers and ``.grad`` but never parameter values, so only
+    buffers are copied (parameters would double the model's memory at compile).
+    """
+    buffers = {id(b): (b, b.detach().clone()) for b in model.buffers()}
+    grads = {id(p): (p, p.grad) for p in model.parameters()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in buffers.values():
+                buffer.copy_(value)
+        for param, grad in grads.values():
+            param.grad = grad
 
 
 def resolve_plan(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, world_size: int) -> Plan:

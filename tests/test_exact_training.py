@@ -40,12 +40,15 @@ CONFIGS = [Config(layout) for layout in LAYOUTS] + [
 
 
 def _reference(entry: zoo.ModelEntry, batches: list[Any]) -> dict[str, Any]:
-    """One process, whole batch: gradients of step 1, losses, parameters after NUM_STEPS AdamW steps."""
-    model, _ = zoo.build(entry.name, **entry.tiny_overrides)
+    return train_reference(zoo.build(entry.name, **entry.tiny_overrides)[0], entry.loss_fn, batches)
+
+
+def train_reference(model: torch.nn.Module, loss_fn: Any, batches: list[Any]) -> dict[str, Any]:
+    """One process, whole batch: gradients of step 1, losses, parameters after len(batches) AdamW steps."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
     losses, grads = [], {}
     for step, (inputs, targets) in enumerate(batches):
-        loss = entry.loss_fn(model(*inputs), targets)
+        loss = loss_fn(model(*inputs), targets)
         loss.backward()
         losses.append(loss.item())
         if step == 0:
@@ -53,7 +56,7 @@ def _reference(entry: zoo.ModelEntry, batches: list[Any]) -> dict[str, Any]:
         optimizer.step()
         optimizer.zero_grad()
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return {"losses": losses, "grads": grads, "params": params}
+    return {"losses": losses, "grads": grads, "params": params, "model": model}
 
 
 def _mismatches(kind: str, actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], *, rtol: float,
@@ -72,6 +75,11 @@ def _run_config(entry: zoo.ModelEntry, config: Config, batches: list[Any], refer
     plan = plan_from_cuts(trace(copy.deepcopy(model), example_inputs), config.replicas, GLOBAL_BATCH,
                           config.num_microbatches, schedule=config.schedule, warmup_policy=config.warmup_policy)
     pipe = fxpipe.compile(model, example_inputs, loss_fn=entry.loss_fn, global_batch_size=GLOBAL_BATCH, plan=plan)
+    return {**train_and_compare(pipe, batches, reference), "stage": pipe.stage_index}
+
+
+def train_and_compare(pipe: Any, batches: list[Any], reference: dict[str, Any]) -> dict[str, Any]:
+    """AdamW steps on ``pipe``; step-1 gradients and final parameters against ``reference`` (problems)."""
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=LEARNING_RATE)
     losses, problems = [], []
     for step, (inputs, targets) in enumerate(batches):
@@ -83,7 +91,7 @@ def _run_config(entry: zoo.ModelEntry, config: Config, batches: list[Any], refer
         optimizer.zero_grad()
     params = {name: p.detach() for name, p in pipe.named_parameters()}
     problems += _mismatches("param", params, reference["params"], rtol=0.0, atol=1e-4)
-    return {"losses": losses, "problems": problems, "names": sorted(params), "stage": pipe.stage_index}
+    return {"losses": losses, "problems": problems, "names": sorted(params)}
 
 
 def _train_all_configs(rank: int, world_size: int, store_dir: str, model_name: str) -> list[dict[str, Any]]:

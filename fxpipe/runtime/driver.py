@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from fxpipe import schedule as schedules
 from fxpipe.plan import Plan
+from fxpipe.runtime.batchcheck import BatchChecker, check_shapes
 from fxpipe.runtime.comm import (
     DEFAULT_TIMEOUT_S,
     DistContext,
@@ -26,12 +27,12 @@ from fxpipe.runtime.comm import (
     new_groups,
     pack,
     routes_between,
-    slice_rows,
     unflatten_into,
 )
-from fxpipe.runtime.errors import BatchShapeError, PipelineSetupError
+from fxpipe.runtime.errors import PipelineSetupError
 from fxpipe.runtime.measure import ActionTimer, SavedActivationMeter, StepStats
 from fxpipe.runtime.receives import Inbox, Piece
+from fxpipe.runtime.rows import RowMap
 from fxpipe.runtime.stage import LossFn, StageRunner, infer_value_dtypes
 
 if TYPE_CHECKING:
@@ -46,6 +47,7 @@ class _StepState:
 
     inputs: tuple[Any, ...]
     targets: Any
+    partial: bool = False  # inputs/targets hold only this replica's rows (RowMap), not the global batch
     received: dict[int, dict[str, Any]] = field(default_factory=dict)
     outputs: dict[int, dict[str, Any]] = field(default_factory=dict)
     output_grads: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
@@ -53,6 +55,8 @@ class _StepState:
     sends: list[Pending] = field(default_factory=list)
     reductions: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor]]] = field(default_factory=list)
     loss_sum: float = 0.0
+    loss_count: float = 0.0  # loss_reduction="token_mean": tokens (or whatever loss_fn counts) in this rank's slices
+    loss: float = 0.0  # the global batch's loss, once the step is finished
 
 
 def lowered_actions(plan: Plan, stage_index: int) -> tuple[schedules.Action, ...]:
@@ -79,7 +83,8 @@ class PipelineDriver:
     """One rank's part of a pipelined model: its stage replica, routes, process groups and step()."""
 
     def __init__(self, program: SplitProgram, plan: Plan, loss_fn: LossFn | None, *, context: DistContext,
-                 autocast_dtype: torch.dtype | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 autocast_dtype: torch.dtype | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 loss_reduction: str = "mean", check_batch: str = "first") -> None:
         check_world(plan, program, context.world_size)
         if loss_fn is None:
             raise PipelineSetupError("loss_fn is missing; pass loss_fn=callable(output, targets) -> scalar tensor")
@@ -90,14 +95,19 @@ class PipelineDriver:
         self.num_replicas = plan.stages[self.stage_index].replicas
         self.is_last = self.stage_index == plan.num_stages - 1
         self.actions = lowered_actions(plan, self.stage_index)
+        self.rows = RowMap.of(plan, self.replica_index, self.num_replicas)
         self.value_index = {name: i for i, name in enumerate(sorted(program.values))}
         self.dtypes = infer_value_dtypes(program, context.device, autocast_dtype)
         self.runner = StageRunner(self.stage, program, context.device, loss_fn=loss_fn,
-                                  autocast_dtype=autocast_dtype)
+                                  autocast_dtype=autocast_dtype, loss_reduction=loss_reduction)
+        # run at the start and at the end of every step (deferred BN statistics: reset, commit)
+        self.start_hooks: list[Callable[[], None]] = []
+        self.step_hooks: list[Callable[[], None]] = []
         self.in_routes = self._input_routes()
         self.out_routes = self._output_routes()
         grad_pieces, self.grad_rows = self._gradient_pieces()
         self.exchange = PeerExchange(self.rank, context.device, timeout_s)
+        self.batch_checker = BatchChecker(check_batch, self.exchange)
         self.inbox = Inbox(self.exchange, context.device, self._tag,
                            {MessageKind.ACTIVATION: self._input_pieces(), MessageKind.GRADIENT: grad_pieces},
                            {kind: [a.microbatch_index for a in self.actions if a.op is op]
@@ -176,6 +186,7 @@ class PipelineDriver:
         tied_sets = sorted({tuple(sorted(stages)) for _, stages in self.program.tie_groups})
         tied_ranks = [sorted(d for s in stages for d in self.plan.stages[s].devices) for stages in tied_sets]
         groups = new_groups(stage_ranks + tied_ranks)
+        self.groups = groups  # per stage, then per tied stage set; fxpipe.runtime.sync reuses them
         tied_names = {name: tuple(sorted(stages)) for name, stages in self.program.tie_groups}
         own = self._own_params
         sets: list[tuple[dist.ProcessGroup, list[torch.nn.Parameter]]] = []
@@ -192,12 +203,20 @@ class PipelineDriver:
 
     # ---- the step ------------------------------------------------------------------------------
 
-    def step(self, inputs: tuple[Any, ...], targets: Any) -> float:
-        """One iteration over the global batch; returns the batch loss (the same float on every rank)."""
-        self.check_batch(inputs, targets)
+    def step(self, inputs: tuple[Any, ...], targets: Any, *, partial: bool = False) -> float:
+        """One iteration over the global batch; returns the batch loss (the same float on every rank).
+
+        ``partial``: ``inputs``/``targets`` hold only the rows this rank reads (``input_rows()`` /
+        ``target_rows()``, in that order); values this rank does not read may be None.
+        """
+        self.inbox.check_clean()  # local refusals first: a collective with ranks that went on would hang
+        self.batch_checker.check(inputs, targets, partial=partial)
+        self.check_batch(inputs, targets, partial=partial)
         self.inbox.start_step()
+        for hook in self.start_hooks:
+            hook()
         stash = self._stash_grads()
-        state = _StepState(inputs, targets)
+        state = _StepState(inputs, targets, partial)
         self.runner.reset()
         handlers = {Op.RECV_ACTIVATION: self._recv_activation, Op.FORWARD: self._forward,
                     Op.SEND_ACTIVATION: self._send_activation, Op.RECV_GRADIENT: self._recv_gradient,
@@ -211,7 +230,7 @@ class PipelineDriver:
                 else:
                     handlers[action.op](state, action.microbatch_index)
             self._finish(state, stash)
-        return self._broadcast_loss(state.loss_sum)
+        return state.loss
 
     def _measured_step(self, state: _StepState, stash: dict[int, torch.Tensor | None],
                        handlers: Mapping[Op, Callable[[_StepState, int], None]]) -> None:
@@ -236,27 +255,11 @@ class PipelineDriver:
         self.last_stats = StepStats(self.rank, self.stage_index, step_time,
                                     meter.peak_bytes if meter is not None else None, tuple(timer.events))
 
-    def check_batch(self, inputs: tuple[Any, ...], targets: Any) -> None:
+    def check_batch(self, inputs: tuple[Any, ...], targets: Any, *, partial: bool = False) -> None:
         """Shapes against the plan, on every rank before any communication (all ranks see the same batch)."""
-        names = self.program.model_inputs
-        if len(inputs) != len(names):
-            raise BatchShapeError(f"step got {len(inputs)} inputs but the model takes {len(names)} ({list(names)})")
-        batch = self.plan.global_batch_size
-        for name, value in zip(names, inputs, strict=True):
-            spec = self.program.values[name]
-            if not spec.is_tensor:
-                continue
-            if not isinstance(value, torch.Tensor):
-                raise BatchShapeError(f"input {name!r} must be a tensor, got {type(value).__name__}")
-            expected = (batch, *spec.shape[1:]) if spec.batched else tuple(spec.shape)
-            if tuple(value.shape) != expected or (spec.dtype is not None and value.dtype != spec.dtype):
-                raise BatchShapeError(
-                    f"input {name!r} has shape {tuple(value.shape)} {value.dtype} but the plan expects {expected} "
-                    f"{spec.dtype} (global batch {batch}); recompile for other shapes")
-        for leaf in tree_flatten(targets)[0]:
-            if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] != batch:
-                raise BatchShapeError(f"targets have {leaf.shape[0]} rows (shape {tuple(leaf.shape)}) but the "
-                                      f"global batch is {batch} rows")
+        check_shapes(self.program, inputs, targets,
+                     num_rows=self.rows.num_rows if partial else self.plan.global_batch_size,
+                     reads=self.stage.input_values if partial else None, reads_targets=self.is_last or not partial)
 
     def _tag(self, kind: MessageKind, microbatch_index: int, value: str) -> int:
         return message_tag(kind, microbatch_index, self.value_index[value], len(self.value_index))
@@ -290,15 +293,17 @@ class PipelineDriver:
         return self.exchange.post(ops)
 
     def _forward(self, state: _StepState, m: int) -> None:
-        start, stop = slice_rows(m, self.plan.microbatch_size, self.replica_index, self.num_replicas)
+        start, stop = self.rows.local(m) if state.partial else self.rows.per_microbatch[m]
         values = dict(state.received.get(m, {}))
         for index, name in enumerate(self.program.model_inputs):
             if name in self.stage.input_values:
                 values[name] = self._slice(state.inputs[index], self.program.values[name].batched, start, stop)
         if self.is_last:
             targets = tree_map(lambda t: self._slice(t, True, start, stop), state.targets)
-            loss = self.runner.forward_loss(m, values, targets, (stop - start) / self.plan.global_batch_size)
+            weight = (stop - start) / self.plan.global_batch_size if self.runner.loss_reduction == "mean" else 1.0
+            loss, count = self.runner.forward_loss(m, values, targets, weight)
             state.loss_sum += float(loss)
+            state.loss_count += count
         else:
             state.outputs[m] = self.runner.forward(m, values)
 
@@ -381,18 +386,28 @@ class PipelineDriver:
             self.exchange.wait([Pending(work, -1, f"gradient allreduce of stage {self.stage_index}", flat)])
             unflatten_into(flat, tensors)
         self.exchange.wait(state.sends)
+        state.loss = self._broadcast_loss(state)
         for _, param in self._own_params:
             earlier = stash[id(param)]
             if earlier is not None:
                 param.grad = earlier if param.grad is None else param.grad + earlier
+        for hook in self.step_hooks:
+            hook()
 
-    def _broadcast_loss(self, loss_sum: float) -> float:
-        """Sum the last stage replicas' weighted losses and hand the total to every rank."""
-        total = torch.tensor([loss_sum if self.is_last else 0.0], dtype=torch.float64, device=self.context.device)
+    def _broadcast_loss(self, state: _StepState) -> float:
+        """Sum the last stage replicas' weighted losses and hand the total to every rank.
+
+        ``token_mean``: the slices' losses are sums; the total count comes with the loss, and this
+        step's gradients (already summed over ranks) are divided by it, as one process would.
+        """
+        mine = [state.loss_sum, state.loss_count] if self.is_last else [0.0, 0.0]
+        total = torch.tensor(mine + self.batch_checker.fold_values(), dtype=torch.float64, device=self.context.device)
         work = dist.all_reduce(total, op=dist.ReduceOp.SUM, async_op=True)
         assert work is not None
         self.exchange.wait([Pending(work, -1, "loss allreduce over all ranks", total)])
-        return float(total.item())
+        loss_sum, count, *folded = total.tolist()
+        self.batch_checker.check_folded(folded)
+        return self.runner.batch_loss(loss_sum, count, [param for _, param in self._own_params])
 
     def gather_stats(self) -> list[StepStats]:
         """Every rank's StepStats of the last measured step, by rank (a collective: call on all ranks)."""

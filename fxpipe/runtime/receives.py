@@ -72,12 +72,16 @@ class Inbox:
 
     def start_step(self) -> None:
         """Post each kind's first receive; refuse if a failed step left receives posted."""
+        self.check_clean()
+        for kind in self.following:
+            self._post_following(kind, -1)
+
+    def check_clean(self) -> None:
+        """Refuse (locally, before any communication) if a failed step left receives posted."""
         if self.posted:
             raise PipelineSetupError(
                 f"rank {self.exchange.rank}: an earlier step failed with {len(self.posted)} receive(s) still "
                 "posted; they would take this step's messages. Build the pipeline again (fxpipe.compile) to go on")
-        for kind in self.following:
-            self._post_following(kind, -1)
 
     def take(self, kind: MessageKind, m: int) -> dict[tuple[str, int], torch.Tensor]:
         """Micro-batch ``m``'s pieces of ``kind`` by (value, route index), once they arrived."""

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fxpipe.runtime.errors import BatchShapeError, PipelineSetupError
 
 if TYPE_CHECKING:
     from fxpipe.passes.codegen import SplitProgram, StageProgram, ValueSpec
@@ -78,17 +80,48 @@ def _fake_value(spec: ValueSpec, device: torch.device) -> Any:
     return torch.empty(spec.shape, dtype=spec.dtype, device=device)
 
 
+LOSS_REDUCTIONS = ("mean", "sum", "token_mean")
+
+
+def check_loss_reduction(reduction: str) -> str:
+    if reduction not in LOSS_REDUCTIONS:
+        raise PipelineSetupError(f"loss_reduction={reduction!r} is unknown; choose 'mean' (loss_fn returns a per-row mean), "
+                         "'sum' (a sum over rows) or 'token_mean' (loss_fn returns (sum, count))")
+    return reduction
+
+
+def split_loss(result: Any, reduction: str) -> tuple[torch.Tensor, float]:
+    """``(scalar loss, count)`` from what loss_fn returned, checked against the loss_reduction contract."""
+    if reduction == "token_mean":
+        if not (isinstance(result, tuple | list) and len(result) == 2 and _is_scalar(result[0])):
+            raise TypeError(f"loss_reduction='token_mean' needs loss_fn to return (loss_sum, count), got "
+                            f"{type(result).__name__}; e.g. return (F.cross_entropy(..., reduction='sum'), "
+                            "(targets != -100).sum())")
+        count = result[1]
+        return result[0], float(count.item() if isinstance(count, torch.Tensor) else count)
+    if not _is_scalar(result):
+        raise TypeError(f"loss_fn must return a scalar tensor, got {type(result).__name__} "
+                        f"{getattr(result, 'shape', '')}; reduce the loss with mean() (or sum() with "
+                        "loss_reduction='sum')")
+    return result, 0.0
+
+
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.numel() == 1
+
+
 class StageRunner:
     """Runs stage ``stage.stage_index`` on micro-batch slices, keeping outputs and input leaves for backward."""
 
     def __init__(self, stage: StageProgram, program: SplitProgram, device: torch.device, *,
-                 loss_fn: LossFn | None, autocast_dtype: torch.dtype | None) -> None:
+                 loss_fn: LossFn | None, autocast_dtype: torch.dtype | None, loss_reduction: str = "mean") -> None:
         self.stage = stage
         self.program = program
         self.device = device
         self.module = stage.module.to(device)
         self.loss_fn = loss_fn
         self.autocast_dtype = autocast_dtype
+        self.loss_reduction = check_loss_reduction(loss_reduction)
         self.is_last = stage.stage_index == len(program.stages) - 1
         self._saved: dict[int, _Saved] = {}
 
@@ -117,18 +150,34 @@ class StageRunner:
         return outputs
 
     def forward_loss(self, microbatch_index: int, inputs: Mapping[str, Any], targets: Any,
-                     weight: float) -> torch.Tensor:
-        """Last stage: forward, then ``loss_fn(output, targets) * weight``; returns the detached weighted loss."""
+                     weight: float) -> tuple[torch.Tensor, float]:
+        """Last stage: forward, then the loss times ``weight``; returns the detached weighted loss and the
+        slice's count (``loss_reduction="token_mean"``: the loss_fn returns ``(sum, count)``; else 0)."""
         assert self.loss_fn is not None, "the driver checks loss_fn before running a last stage"
         outputs = self.forward(microbatch_index, inputs)
         with autocast_context(self.device, self.autocast_dtype):
-            loss = self.loss_fn(rebuild_tree(self.program.output_tree, outputs), targets)
-        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-            raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
-                            f"{getattr(loss, 'shape', '')}; reduce the loss with mean()")
+            result = self.loss_fn(rebuild_tree(self.program.output_tree, outputs), targets)
+        loss, count = split_loss(result, self.loss_reduction)
         weighted = loss.float().reshape(()) * weight
         self._saved[microbatch_index].loss = weighted
-        return weighted.detach()
+        return weighted.detach(), count
+
+    def batch_loss(self, loss_sum: float, count: float, params: Sequence[torch.nn.Parameter]) -> float:
+        """The global batch's loss from the summed slice losses (and counts, for ``token_mean``).
+
+        ``token_mean``: the slices' losses were sums; this step's gradients (already summed over
+        ranks) are divided by the global count here, as one process dividing by it would.
+        """
+        if self.loss_reduction != "token_mean":
+            return loss_sum
+        if count <= 0:
+            raise BatchShapeError(f"loss_fn counted {count} tokens over the whole batch; a token_mean loss needs at "
+                                  "least one counted target (are all targets ignore_index?)")
+        with torch.no_grad():
+            for param in params:
+                if param.grad is not None:
+                    param.grad.div_(count)
+        return loss_sum / count
 
     def backward(self, microbatch_index: int, output_grads: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """Backward of one micro-batch; returns the gradient of every input leaf (None when unused)."""

@@ -1,0 +1,61 @@
+"""Which global-batch rows a rank reads (for samplers that load only those) and where they sit in partial data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fxpipe.plan import Plan
+from fxpipe.runtime.comm import slice_rows
+
+if TYPE_CHECKING:
+    from fxpipe.passes.codegen import SplitProgram
+
+RowRanges = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class RowMap:
+    """The rows one replica of a stage handles, per micro-batch, in the global batch and in its partial data.
+
+    Partial data holds this replica's rows of every micro-batch, in micro-batch order, one after the
+    other: micro-batch ``m``'s slice is ``local(m)`` of it.
+    """
+
+    per_microbatch: RowRanges  # global [start, stop) of micro-batch m's slice
+
+    @classmethod
+    def of(cls, plan: Plan, replica_index: int, num_replicas: int) -> RowMap:
+        return cls(tuple(slice_rows(m, plan.microbatch_size, replica_index, num_replicas)
+                         for m in range(plan.num_microbatches)))
+
+    @property
+    def num_rows(self) -> int:
+        return sum(stop - start for start, stop in self.per_microbatch)
+
+    def local(self, microbatch_index: int) -> tuple[int, int]:
+        offset = sum(stop - start for start, stop in self.per_microbatch[:microbatch_index])
+        start, stop = self.per_microbatch[microbatch_index]
+        return offset, offset + stop - start
+
+    def ranges(self) -> RowRanges:
+        """The global rows as few ``[start, stop)`` ranges as possible (adjacent slices merged)."""
+        merged: list[tuple[int, int]] = []
+        for start, stop in self.per_microbatch:
+            if merged and merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], stop)
+            elif stop > start:
+                merged.append((start, stop))
+        return tuple(merged)
+
+
+def input_rows(program: SplitProgram, stage_index: int, row_map: RowMap) -> RowRanges | None:
+    """Global-batch rows whose inputs a replica of the stage reads; None when it reads no batched input."""
+    stage_inputs = program.stages[stage_index].input_values
+    reads = any(program.values[name].batched for name in program.model_inputs if name in stage_inputs)
+    return row_map.ranges() if reads else None
+
+
+def target_rows(program: SplitProgram, stage_index: int, row_map: RowMap) -> RowRanges | None:
+    """Global-batch rows whose targets a replica of the stage reads: the last stage's; None elsewhere."""
+    return row_map.ranges() if stage_index == len(program.stages) - 1 else None
