@@ -16,8 +16,10 @@ from fxpipe.plan import Plan
 from fxpipe.runtime.errors import PipelineSetupError
 
 if TYPE_CHECKING:
+    from fxpipe.runtime.comm import DistContext
     from fxpipe.runtime.driver import PipelineDriver
     from fxpipe.runtime.measure import StepStats
+    from fxpipe.runtime.topology import Topology
 
 SCHEDULE_ALIASES = {"dapple": "early_backward", "early_backward": "early_backward", "1f1b": "early_backward",
                     "gpipe": "gpipe"}
@@ -202,36 +204,49 @@ def _wrap_factory(factory: Callable[..., torch.nn.Module], options: CompileOptio
 
 
 def compile_module(model: torch.nn.Module, example_inputs: Any, options: CompileOptions) -> PipelinedModule:
-    """The body of :func:`compile` for a built model: trace, plan, split, and set up this rank."""
+    """The body of :func:`compile` for a built model: trace, plan, split, and set up this rank.
+
+    The process group comes first; every later setup phase is collective (:func:`setup_phase`), so an
+    error on any rank raises on every rank within seconds, naming the rank and the phase.
+    """
     from fxpipe.passes import trace
     from fxpipe.passes.codegen import split_for_plan
     from fxpipe.runtime.comm import init_distributed
-    from fxpipe.runtime.driver import PipelineDriver
+    from fxpipe.runtime.driver import PipelineDriver, check_world
+    from fxpipe.runtime.guard import setup_phase
 
-    if options.loss_fn is None or not callable(options.loss_fn):
-        raise PipelineSetupError("loss_fn is missing; pass loss_fn=callable(output, targets) -> scalar tensor "
-                                 "(a batch mean, e.g. torch.nn.functional.cross_entropy)")
-    inputs = example_inputs if isinstance(example_inputs, tuple | dict) else (example_inputs,)
     context = init_distributed(options.timeout_s)
-    graph_module = trace(model, inputs)
-    resolved = resolve_plan(options, model, graph_module.meta.get("fxpipe.example_inputs", inputs),
-                            context.world_size)
-    program = split_for_plan(graph_module, resolved)
+    with setup_phase("checking options"):
+        if options.loss_fn is None or not callable(options.loss_fn):
+            raise PipelineSetupError("loss_fn is missing; pass loss_fn=callable(output, targets) -> scalar tensor "
+                                     "(a batch mean, e.g. torch.nn.functional.cross_entropy)")
+    inputs = example_inputs if isinstance(example_inputs, tuple | dict) else (example_inputs,)
+    with setup_phase("tracing"):
+        graph_module = trace(model, inputs)
+    resolved = resolve_plan(options, model, graph_module.meta.get("fxpipe.example_inputs", inputs), context)
+    with setup_phase("code generation"):
+        program = split_for_plan(graph_module, resolved)
+        check_world(resolved, program, context.world_size)
     driver = PipelineDriver(program, resolved, options.loss_fn, context=context,
                             autocast_dtype=options.autocast_dtype, timeout_s=options.timeout_s)
     return PipelinedModule(driver, graph_module)
 
 
-def resolve_plan(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, world_size: int) -> Plan:
-    """The Plan to run: given, loaded from a file, or made by the planner on rank 0 and broadcast."""
-    if isinstance(options.plan, Plan):
-        plan = options.plan
-    elif isinstance(options.plan, Path) or (isinstance(options.plan, str) and options.plan != "auto"
-                                            and not _LAYOUT.fullmatch(options.plan)):
-        plan = Plan.load(options.plan)
-    else:
-        plan = _planned(options, model, example_inputs, world_size)
-    return apply_overrides(plan, options)
+def resolve_plan(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, context: DistContext) -> Plan:
+    """The Plan to run: given, loaded from a file, or made by the planner on rank 0 and broadcast.
+
+    Collective: every rank of ``context``'s group calls it alike.
+    """
+    from fxpipe.runtime.guard import setup_phase
+
+    if isinstance(options.plan, Plan) or isinstance(options.plan, Path) or (
+            isinstance(options.plan, str) and options.plan != "auto" and not _LAYOUT.fullmatch(options.plan)):
+        with setup_phase("loading the plan"):
+            plan = options.plan if isinstance(options.plan, Plan) else Plan.load(options.plan)
+            return apply_overrides(plan, options)
+    plan = _planned(options, model, example_inputs, context)
+    with setup_phase("applying plan overrides"):
+        return apply_overrides(plan, options)
 
 
 def apply_overrides(plan: Plan, options: CompileOptions) -> Plan:
@@ -255,34 +270,38 @@ def _schedule_name(schedule: str) -> str:
     return SCHEDULE_ALIASES[schedule]
 
 
-def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, world_size: int) -> Plan:
-    """Run the planner on rank 0 only (a calibrated cluster may measure differently per rank)."""
+def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, context: DistContext) -> Plan:
+    """Run the planner on rank 0 only (a calibrated cluster may measure differently per rank) for the
+    launched world: every rank gets a role, plan devices land on the ranks of the nodes planned for."""
     from fxpipe.runtime.comm import broadcast_text
+    from fxpipe.runtime.guard import setup_phase
+    from fxpipe.runtime.topology import discover_topology
 
-    if options.global_batch_size is None:
-        raise PipelineSetupError("global_batch_size is missing; it is required unless a Plan is given")
+    topology = discover_topology()  # a collective of its own, so outside any phase body
     text = None
-    if _rank() == 0:
-        text = _run_planner(options, model, example_inputs, world_size).to_json()
+    with setup_phase("planning"):
+        if options.global_batch_size is None:
+            raise PipelineSetupError("global_batch_size is missing; it is required unless a Plan is given")
+        if context.rank == 0:
+            text = _run_planner(options, model, example_inputs, topology, context.device).to_json()
     return Plan.from_json(broadcast_text(text))
 
 
-def _run_planner(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, world_size: int) -> Plan:
+def _run_planner(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, topology: Topology,
+                 device: torch.device) -> Plan:
+    """Cost the model and plan it (on rank 0) for the launched nodes, or for ``options.cluster``."""
     from fxpipe.cluster import parse_cluster
     from fxpipe.planning import cost_model, plan_chain
+    from fxpipe.runtime.topology import check_cluster_size, cluster_for, placed_plan
 
-    cluster = options.cluster if options.cluster is not None else f"local:{world_size}"
+    cluster = options.cluster if options.cluster is not None else cluster_for(topology, device)
     resolved = parse_cluster(cluster) if isinstance(cluster, str) else cluster
+    check_cluster_size(resolved, topology)
     costed = cost_model(model, tuple(example_inputs), resolved)
     layout = None if options.plan == "auto" else str(options.plan)
     assert options.global_batch_size is not None
-    return plan_chain(costed.chain, resolved, options.global_batch_size, layout=layout,
+    plan = plan_chain(costed.chain, resolved, options.global_batch_size, layout=layout,
                       num_microbatches=options.num_microbatches,
                       schedule=_schedule_name(options.schedule or "dapple"),
-                      warmup_policy=options.warmup_policy, optimizer=options.optimizer)
-
-
-def _rank() -> int:
-    from fxpipe.runtime.comm import current_rank
-
-    return current_rank()
+                      warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True)
+    return placed_plan(plan, topology, resolved)
