@@ -86,17 +86,11 @@ def _setup_failures(rank: int, world_size: int, store_dir: str) -> dict[str, Any
 
 def _auto_plan_trains_exactly(rank: int) -> dict[str, Any]:
     """After the failures the same group still works: plan='auto' gives every rank a role, gradients exact."""
+    from tests.multinode_worker import exact_step
+
     model, example_inputs = zoo.build("mlp", **ENTRY.tiny_overrides)
-    reference, _ = zoo.build("mlp", **ENTRY.tiny_overrides)
     pipe = fxpipe.compile(model, example_inputs, loss_fn=ENTRY.loss_fn, global_batch_size=BATCH, plan="auto")
-    inputs, targets = ENTRY.make_batch(BATCH, 3, **ENTRY.tiny_overrides)
-    loss = pipe.step(inputs, targets)
-    expected = ENTRY.loss_fn(reference(*inputs), targets)
-    expected.backward()
-    grads = dict(reference.named_parameters())
-    exact = all(torch.allclose(p.grad, grads[name].grad, rtol=1e-4, atol=1e-7) for name, p in pipe.named_parameters())
-    return {"devices": pipe.plan.all_devices(), "loss": loss, "expected": expected.item(), "exact": exact,
-            "num_params": len(list(pipe.parameters())), "notes": pipe.plan.notes}
+    return {"devices": pipe.plan.all_devices(), "notes": pipe.plan.notes, **exact_step(pipe, BATCH)}
 
 
 @pytest.mark.multiprocess
