@@ -242,7 +242,7 @@ def partition(chain: CostChain, cluster: Cluster, global_batch_size: int, *, pla
     if all_devices and forced is not None and sum(forced) != cluster.num_devices:
         raise LayoutError(f"layout {layout!r} uses {sum(forced)} of the {cluster.num_devices} devices, but every "
                           f"device (rank) needs a role; give the stages {cluster.num_devices} replicas in all "
-                          f"or launch {sum(forced)} ranks")
+                          "or launch that many ranks")
     request = PlanRequest(
         chain=chain, cluster=cluster, global_batch_size=global_batch_size, layout=forced,
         num_microbatches=num_microbatches, schedule=schedule, warmup_policy=warmup_policy,
