@@ -113,3 +113,23 @@ def test_setup_errors_reach_every_rank(tmp_path: Any) -> None:
         assert auto["exact"] and auto["num_params"] > 0, auto
         assert auto["loss"] == pytest.approx(auto["expected"], rel=1e-5)
         assert auto["notes"] == results[0]["auto"]["notes"]
+
+
+def _alone_in_a_world_of_two(rank: int, world_size: int, store_dir: str, port: int) -> tuple[str, str, float]:
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="2")
+    model, example_inputs = zoo.build("mlp", **ENTRY.tiny_overrides)
+    return _outcome(lambda: fxpipe.compile(model, example_inputs, loss_fn=ENTRY.loss_fn, global_batch_size=BATCH,
+                                           plan="auto", timeout_s=2.0))
+
+
+@pytest.mark.multiprocess
+def test_a_rank_that_never_joins_is_named_not_just_timed_out(tmp_path: Any) -> None:
+    """The other rank failed before fxpipe.compile (it never joins): rank 0 says so after timeout_s."""
+    from tests.test_multinode import _free_port
+
+    (outcome,) = run_ranks(_alone_in_a_world_of_two, 1, tmp_path, _free_port())
+    kind, message, elapsed = outcome
+    assert kind == "CommunicationError" and "not all 2 ranks joined the process group within 2 s" in message, outcome
+    assert elapsed < TIMELY_S, outcome
