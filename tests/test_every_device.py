@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 
 from fxpipe import models as zoo
-from fxpipe.cluster import parse_cluster
+from fxpipe.cluster import LinkSpec, parse_cluster
 from fxpipe.passes.every_device import fewer_devices_note
 from fxpipe.passes.partition import InfeasiblePlanError, LayoutError, partition
 from fxpipe.planning import cost_model
+from tests.planner_cases import random_case
 
 
 def _mlp_chain(cluster: str) -> tuple:
@@ -58,3 +60,25 @@ def test_impossible_every_device_requests_say_why() -> None:
     with pytest.raises(LayoutError, match="layout '1' uses 1 of the 2 devices"):
         partition(chain, cluster, 8, layout="1", all_devices=True)
     assert partition(chain, cluster, 8, layout="1").all_devices() == [0]  # allowed without the constraint
+
+
+def test_oracle_every_device_within_three_percent_of_exhaustive() -> None:
+    """DAPPLE with every device used vs exhaustive search under the same constraint, small random cases."""
+    gaps, constrained = [], 0
+    slow = LinkSpec(2e8, 1e-3)  # slow links make plans on fewer devices win in some cases
+    for seed in range(200, 212):
+        chain_, fast, batch = random_case(seed, max_blocks=5, max_devices=4)
+        cluster_ = replace(fast, intra_host=slow, inter_host=slow, inter_host_collective=None)
+        try:
+            best = partition(chain_, cluster_, batch, planner="exhaustive", all_devices=True)
+        except InfeasiblePlanError:
+            with pytest.raises(InfeasiblePlanError):
+                partition(chain_, cluster_, batch, all_devices=True)
+            continue
+        plan = partition(chain_, cluster_, batch, all_devices=True)
+        assert plan.world_size == best.world_size == cluster_.num_devices
+        constrained += bool(plan.notes)
+        assert plan.predicted is not None and best.predicted is not None
+        gaps.append(plan.predicted.iteration_time_s / best.predicted.iteration_time_s - 1)
+    assert gaps and max(gaps) <= 0.03, gaps
+    assert constrained, "no case where fewer devices were faster: the constraint went untested"
