@@ -18,6 +18,7 @@ from fxpipe.runtime.errors import PipelineSetupError
 if TYPE_CHECKING:
     from fxpipe.runtime.comm import DistContext
     from fxpipe.runtime.driver import PipelineDriver
+    from fxpipe.runtime.guard import SetupGroup
     from fxpipe.runtime.measure import StepStats
     from fxpipe.runtime.topology import Topology
 
@@ -213,39 +214,46 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     from fxpipe.passes.codegen import split_for_plan
     from fxpipe.runtime.comm import init_distributed
     from fxpipe.runtime.driver import PipelineDriver, check_world
-    from fxpipe.runtime.guard import setup_phase
+    from fxpipe.runtime.guard import release_group, setup_group, setup_phase
 
     context = init_distributed(options.timeout_s)
-    with setup_phase("checking options"):
-        if options.loss_fn is None or not callable(options.loss_fn):
-            raise PipelineSetupError("loss_fn is missing; pass loss_fn=callable(output, targets) -> scalar tensor "
-                                     "(a batch mean, e.g. torch.nn.functional.cross_entropy)")
-    inputs = example_inputs if isinstance(example_inputs, tuple | dict) else (example_inputs,)
-    with setup_phase("tracing"):
-        graph_module = trace(model, inputs)
-    resolved = resolve_plan(options, model, graph_module.meta.get("fxpipe.example_inputs", inputs), context)
-    with setup_phase("code generation"):
-        program = split_for_plan(graph_module, resolved)
-        check_world(resolved, program, context.world_size)
+    group = setup_group()
+    try:
+        with setup_phase("checking options", group):
+            if options.loss_fn is None or not callable(options.loss_fn):
+                raise PipelineSetupError("loss_fn is missing; pass loss_fn=callable(output, targets) -> scalar "
+                                         "tensor (a batch mean, e.g. torch.nn.functional.cross_entropy)")
+        inputs = example_inputs if isinstance(example_inputs, tuple | dict) else (example_inputs,)
+        with setup_phase("tracing", group):
+            graph_module = trace(model, inputs)
+        resolved = resolve_plan(options, model, graph_module.meta.get("fxpipe.example_inputs", inputs), context,
+                                group)
+        with setup_phase("code generation", group):
+            program = split_for_plan(graph_module, resolved)
+            check_world(resolved, program, context.world_size)
+    finally:
+        release_group(group)
     driver = PipelineDriver(program, resolved, options.loss_fn, context=context,
                             autocast_dtype=options.autocast_dtype, timeout_s=options.timeout_s)
     return PipelinedModule(driver, graph_module)
 
 
-def resolve_plan(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, context: DistContext) -> Plan:
+def resolve_plan(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, context: DistContext,
+                 group: SetupGroup = None) -> Plan:
     """The Plan to run: given, loaded from a file, or made by the planner on rank 0 and broadcast.
 
-    Collective: every rank of ``context``'s group calls it alike.
+    Collective: every rank of ``context``'s group calls it alike; ``group`` carries the setup phases
+    (:func:`fxpipe.runtime.guard.setup_group`).
     """
     from fxpipe.runtime.guard import setup_phase
 
     if isinstance(options.plan, Plan) or isinstance(options.plan, Path) or (
             isinstance(options.plan, str) and options.plan != "auto" and not _LAYOUT.fullmatch(options.plan)):
-        with setup_phase("loading the plan"):
+        with setup_phase("loading the plan", group):
             plan = options.plan if isinstance(options.plan, Plan) else Plan.load(options.plan)
             return apply_overrides(plan, options)
-    plan = _planned(options, model, example_inputs, context)
-    with setup_phase("applying plan overrides"):
+    plan = _planned(options, model, example_inputs, context, group)
+    with setup_phase("applying plan overrides", group):
         return apply_overrides(plan, options)
 
 
@@ -270,7 +278,8 @@ def _schedule_name(schedule: str) -> str:
     return SCHEDULE_ALIASES[schedule]
 
 
-def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, context: DistContext) -> Plan:
+def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, context: DistContext,
+             group: SetupGroup) -> Plan:
     """Run the planner on rank 0 only (a calibrated cluster may measure differently per rank) for the
     launched world: every rank gets a role, plan devices land on the ranks of the nodes planned for."""
     from fxpipe.runtime.comm import broadcast_text
@@ -279,7 +288,7 @@ def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: An
 
     topology = discover_topology()  # a collective of its own, so outside any phase body
     text = None
-    with setup_phase("planning"):
+    with setup_phase("planning", group):
         if options.global_batch_size is None:
             raise PipelineSetupError("global_batch_size is missing; it is required unless a Plan is given")
         if context.rank == 0:

@@ -11,7 +11,7 @@ import torch
 import fxpipe
 from fxpipe import models as zoo
 from fxpipe.runtime.errors import PipelineSetupError, RemoteSetupError
-from fxpipe.runtime.guard import describe_failures, setup_phase
+from fxpipe.runtime.guard import describe_failures, release_group, setup_group, setup_phase
 from tests.mp_utils import join_world, leave_world, run_ranks
 
 ENTRY = zoo.get("mlp")
@@ -81,7 +81,27 @@ def _setup_failures(rank: int, world_size: int, store_dir: str) -> dict[str, Any
         results["auto"] = _auto_plan_trains_exactly(rank)
     finally:
         leave_world()
+    results["slow"] = _slow_phase(rank, world_size, store_dir)
     return results
+
+
+def _slow_phase(rank: int, world_size: int, store_dir: str) -> tuple[str, str, float]:
+    """A phase longer than the group's communication timeout (planning a large model) is not a failure."""
+    join_world(store_dir, "short-timeout", rank, world_size, timeout_s=1.0)
+    try:
+        group = setup_group()
+
+        def slow_on_rank_0() -> None:
+            with setup_phase("planning", group):
+                if rank == 0:
+                    time.sleep(2.5)
+
+        try:
+            return _outcome(slow_on_rank_0)
+        finally:
+            release_group(group)
+    finally:
+        leave_world()
 
 
 def _auto_plan_trains_exactly(rank: int) -> dict[str, Any]:
@@ -108,6 +128,8 @@ def test_setup_errors_reach_every_rank(tmp_path: Any) -> None:
         assert "injected trace failure" in message and elapsed < TIMELY_S, (rank, result["trace"])
         expected_kind = "ValueError" if rank == 2 else "RemoteSetupError"
         assert kind == expected_kind and (rank == 2 or message.startswith("rank 2 failed in tracing: ValueError"))
+        kind, message, elapsed = result["slow"]
+        assert kind == "ok" and 2.0 < elapsed < TIMELY_S, (rank, result["slow"])
         auto = result["auto"]
         assert auto["devices"] == [0, 1, 2], auto  # every launched rank has a role
         assert auto["exact"] and auto["num_params"] > 0, auto
