@@ -286,7 +286,7 @@ def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: An
     from fxpipe.runtime.guard import setup_phase
     from fxpipe.runtime.topology import discover_topology
 
-    topology = discover_topology()  # a collective of its own, so outside any phase body
+    topology = discover_topology(group)  # a collective of its own, so outside any phase body
     text = None
     with setup_phase("planning", group):
         if options.global_batch_size is None:

@@ -74,14 +74,14 @@ def topology_from_records(records: Sequence[tuple[str, int]]) -> Topology:
     return Topology(tuple(sorted(nodes, key=min)))
 
 
-def discover_topology() -> Topology:
-    """All-gather ``(node name, local rank)`` over the default group (a collective; one node without one)."""
+def discover_topology(group: dist.ProcessGroup | None = None) -> Topology:
+    """All-gather ``(node name, local rank)`` over ``group`` (default: the default group; a collective)."""
     local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank() if dist.is_initialized() else 0))
     record = (node_name(), local_rank)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return topology_from_records([record])
     records: list[tuple[str, int] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(records, record)
+    dist.all_gather_object(records, record, group=group)
     return topology_from_records([entry for entry in records if entry is not None])
 
 
