@@ -149,3 +149,14 @@ def test_two_torchrun_launches_act_as_two_nodes(tmp_path: Path) -> None:
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(4)]
     assert [result["node"] for result in results] == ["agent0", "agent0", "agent1", "agent1"]
     _check_results(results, "2x2:local")
+
+
+def test_gpu_worlds_use_the_preset_of_their_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu = torch.device("cuda", 0)  # no GPU needed: only the device name is read
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    two_nodes = cluster_for(Topology(((0, 1), (2, 3))), gpu)
+    assert two_nodes == parse_cluster("2x2:h100")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce RTX 4090")
+    with pytest.raises(PipelineSetupError, match="no cluster preset for GPU 'NVIDIA GeForce RTX 4090'; pass cluster="):
+        cluster_for(Topology(((0, 1), (2, 3))), gpu)
+    assert cluster_for(Topology(((0, 1),)), gpu) == parse_cluster("local:2")  # one node: this host's figures

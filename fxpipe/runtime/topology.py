@@ -85,23 +85,29 @@ def discover_topology(group: dist.ProcessGroup | None = None) -> Topology:
     return topology_from_records([entry for entry in records if entry is not None])
 
 
+def _gpu_kind(device: torch.device) -> str | None:
+    name = torch.cuda.get_device_name(device).lower()
+    return next((kind for key, kind in _GPU_KINDS if key in name), None)
+
+
 def cluster_for(topology: Topology, device: torch.device) -> Cluster:
-    """The cluster the launched world forms when the user gives none: ``local:N`` on one node, else
-    nodes x ranks-per-node (CPU ranks: this host's figures inside a node, 10 Gb Ethernet between nodes;
-    GPUs: the compact preset of the device kind)."""
+    """The cluster the launched world forms when the user gives none: nodes x ranks-per-node.
+
+    GPUs of a known kind: its compact preset. Otherwise one node is ``local:N`` (this host's figures);
+    several nodes of CPU ranks are ``local:<ranks per node>`` nodes joined by 10 Gb Ethernet (assumed).
+    """
     per_node = topology.ranks_per_node
-    if topology.num_nodes == 1 and device.type != "cuda":
+    kind = _gpu_kind(device) if device.type == "cuda" else None
+    if kind is not None and per_node is not None:
+        return compact_cluster(topology.num_nodes, per_node, kind)
+    if topology.num_nodes == 1:
         return parse_cluster(f"local:{topology.world_size}")
     if per_node is None:
         raise PipelineSetupError(f"nodes run different numbers of ranks {[len(r) for r in topology.nodes]}; "
                                  "pass cluster= (a spec or Cluster) describing the devices fxpipe should plan for")
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device).lower()
-        kind = next((kind for key, kind in _GPU_KINDS if key in name), None)
-        if kind is None:
-            raise PipelineSetupError(f"no preset for GPU {name!r}; pass cluster= (e.g. '{topology.num_nodes}x"
-                                     f"{per_node}:h100,memory=24GB' or a cluster JSON file)")
-        return compact_cluster(topology.num_nodes, per_node, kind)
+        raise PipelineSetupError(f"no cluster preset for GPU {torch.cuda.get_device_name(device)!r}; pass cluster= "
+                                 f"(e.g. '{topology.num_nodes}x{per_node}:a100,memory=24GB' or a cluster JSON file)")
     node = parse_cluster(f"local:{per_node}")
     return replace(node, name=f"{topology.num_nodes}x{per_node}:local", num_hosts=topology.num_nodes,
                    inter_host=ETHERNET_10G_P2P, inter_host_collective=ETHERNET_10G_COLLECTIVE,
