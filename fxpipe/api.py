@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -18,8 +17,11 @@ from fxpipe.plan import Plan
 from fxpipe.runtime.errors import PipelineSetupError
 
 if TYPE_CHECKING:
+    from fxpipe.runtime.comm import DistContext
     from fxpipe.runtime.driver import PipelineDriver
+    from fxpipe.runtime.guard import SetupGroup
     from fxpipe.runtime.measure import StepStats
+    from fxpipe.runtime.topology import Topology
 
 SCHEDULE_ALIASES = {"dapple": "early_backward", "early_backward": "early_backward", "1f1b": "early_backward",
                     "gpipe": "gpipe"}
@@ -240,30 +242,43 @@ def _wrap_factory(factory: Callable[..., torch.nn.Module], options: CompileOptio
 
 
 def compile_module(model: torch.nn.Module, example_inputs: Any, options: CompileOptions) -> PipelinedModule:
-    """The body of :func:`compile` for a built model: trace, plan, split, and set up this rank."""
+    """The body of :func:`compile` for a built model: trace, plan, split, and set up this rank.
+
+    The process group comes first; every later setup phase is collective (:func:`setup_phase`), so an
+    error on any rank raises on every rank within seconds, naming the rank and the phase.
+    """
     from fxpipe.passes import trace
     from fxpipe.passes.codegen import split_for_plan
     from fxpipe.runtime.batchcheck import check_batch_mode
     from fxpipe.runtime.batchnorm import check_batch_norm_mode, check_layers_kept, warn_batch_norm
     from fxpipe.runtime.comm import init_distributed
-    from fxpipe.runtime.driver import PipelineDriver
+    from fxpipe.runtime.driver import PipelineDriver, check_world
+    from fxpipe.runtime.guard import release_group, setup_group, setup_phase
     from fxpipe.runtime.stage import check_loss_reduction
     from fxpipe.runtime.sync import check_sync_mode, synchronize_driver
 
-    if options.loss_fn is None or not callable(options.loss_fn):
-        raise PipelineSetupError("loss_fn is missing; pass loss_fn=callable(output, targets) -> scalar tensor "
-                                 "(a batch mean, e.g. torch.nn.functional.cross_entropy)")
-    check_sync_mode(options.sync_params)
-    check_batch_norm_mode(options.batch_norm)
-    check_loss_reduction(options.loss_reduction)
-    check_batch_mode(options.check_batch)
-    inputs = example_inputs if isinstance(example_inputs, tuple | dict) else (example_inputs,)
     context = init_distributed(options.timeout_s)
-    with preserved_state(model):  # tracing, cost measurement and codegen's shape run use the real module
-        graph_module = trace(model, inputs)
-        resolved = resolve_plan(options, model, graph_module.meta.get("fxpipe.example_inputs", inputs),
-                                context.world_size)
-        program = split_for_plan(graph_module, resolved)
+    group = setup_group()
+    try:
+        with setup_phase("checking options", group):
+            if options.loss_fn is None or not callable(options.loss_fn):
+                raise PipelineSetupError("loss_fn is missing; pass loss_fn=callable(output, targets) -> scalar "
+                                         "tensor (a batch mean, e.g. torch.nn.functional.cross_entropy)")
+            check_sync_mode(options.sync_params)
+            check_batch_norm_mode(options.batch_norm)
+            check_loss_reduction(options.loss_reduction)
+            check_batch_mode(options.check_batch)
+        inputs = example_inputs if isinstance(example_inputs, tuple | dict) else (example_inputs,)
+        with preserved_state(model):  # tracing, cost measurement and codegen's shape run use the real module
+            with setup_phase("tracing", group):
+                graph_module = trace(model, inputs)
+            resolved = resolve_plan(options, model, graph_module.meta.get("fxpipe.example_inputs", inputs),
+                                    context, group)
+            with setup_phase("code generation", group):
+                program = split_for_plan(graph_module, resolved)
+                check_world(resolved, program, context.world_size)
+    finally:
+        release_group(group)
     warn_batch_norm(model, resolved, options.batch_norm)
     driver = PipelineDriver(program, resolved, options.loss_fn, context=context,
                             autocast_dtype=options.autocast_dtype, timeout_s=options.timeout_s,
@@ -272,10 +287,10 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     if options.batch_norm != "microbatch":
         from fxpipe.runtime.batchnorm import DeferredCommit, install_deferred
 
-        group = driver.groups[driver.stage_index]
-        layers = install_deferred(driver.runner.module, group if options.batch_norm == "sync" else None)
+        replica_group = driver.groups[driver.stage_index]
+        layers = install_deferred(driver.runner.module, replica_group if options.batch_norm == "sync" else None)
         if layers:
-            commit = DeferredCommit(layers, group)
+            commit = DeferredCommit(layers, replica_group)
             driver.start_hooks.append(commit.reset)
             driver.step_hooks.append(commit)
     synchronize_driver(driver, options.sync_params)
@@ -301,16 +316,23 @@ def preserved_state(model: torch.nn.Module) -> Iterator[None]:
             param.grad = grad
 
 
-def resolve_plan(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, world_size: int) -> Plan:
-    """The Plan to run: given, loaded from a file, or made by the planner on rank 0 and broadcast."""
-    if isinstance(options.plan, Plan):
-        plan = options.plan
-    elif isinstance(options.plan, Path) or (isinstance(options.plan, str) and options.plan != "auto"
-                                            and not _LAYOUT.fullmatch(options.plan)):
-        plan = Plan.load(options.plan)
-    else:
-        plan = _planned(options, model, example_inputs, world_size)
-    return apply_overrides(plan, options)
+def resolve_plan(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, context: DistContext,
+                 group: SetupGroup = None) -> Plan:
+    """The Plan to run: given, loaded from a file, or made by the planner on rank 0 and broadcast.
+
+    Collective: every rank of ``context``'s group calls it alike; ``group`` carries the setup phases
+    (:func:`fxpipe.runtime.guard.setup_group`).
+    """
+    from fxpipe.runtime.guard import setup_phase
+
+    if isinstance(options.plan, Plan) or isinstance(options.plan, Path) or (
+            isinstance(options.plan, str) and options.plan != "auto" and not _LAYOUT.fullmatch(options.plan)):
+        with setup_phase("loading the plan", group):
+            plan = options.plan if isinstance(options.plan, Plan) else Plan.load(options.plan)
+            return apply_overrides(plan, options)
+    plan = _planned(options, model, example_inputs, context, group)
+    with setup_phase("applying plan overrides", group):
+        return apply_overrides(plan, options)
 
 
 def apply_overrides(plan: Plan, options: CompileOptions) -> Plan:
@@ -334,45 +356,50 @@ def _schedule_name(schedule: str) -> str:
     return SCHEDULE_ALIASES[schedule]
 
 
-def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, world_size: int) -> Plan:
-    """Resolve the cluster on every rank (``local`` calibrates collectively), plan on rank 0, broadcast the plan."""
+def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, context: DistContext,
+             group: SetupGroup) -> Plan:
+    """Plan for the launched world on rank 0 and broadcast it: every rank gets a role, plan devices land
+    on the ranks of the nodes planned for. The cluster is resolved on every rank first (``local``
+    calibrates over the process group, all ranks together), so rank 0 plans with agreed figures."""
     from fxpipe.runtime.comm import broadcast_text
+    from fxpipe.runtime.guard import setup_phase
+    from fxpipe.runtime.topology import discover_topology
 
-    if options.global_batch_size is None:
-        raise PipelineSetupError("global_batch_size is missing; it is required unless a Plan is given")
-    options = _with_cluster(options, world_size)
+    topology = discover_topology(group)  # collectives of their own, so outside any phase body
+    cluster = _resolved_cluster(options, topology, context.device)
     text = None
-    if _rank() == 0:
-        text = _run_planner(options, model, example_inputs, world_size).to_json()
+    with setup_phase("planning", group):
+        if options.global_batch_size is None:
+            raise PipelineSetupError("global_batch_size is missing; it is required unless a Plan is given")
+        if context.rank == 0:
+            text = _run_planner(options, model, example_inputs, topology, cluster).to_json()
     return Plan.from_json(broadcast_text(text))
 
 
-def _with_cluster(options: CompileOptions, world_size: int) -> CompileOptions:
-    """The cluster spec resolved on every rank: ``local`` calibrates over the process group, all ranks together."""
+def _resolved_cluster(options: CompileOptions, topology: Topology, device: torch.device) -> Cluster:
+    """The cluster to plan for, resolved alike on every rank: the user's, or the launched nodes'."""
     from fxpipe.cluster import parse_cluster
+    from fxpipe.runtime.topology import cluster_for
 
-    spec = options.cluster if options.cluster is not None else f"local:{world_size}"
-    if isinstance(spec, Cluster):
-        return options
-    return dataclasses.replace(options, cluster=parse_cluster(spec, collective=True))
+    if isinstance(options.cluster, Cluster):
+        return options.cluster
+    if options.cluster is not None:
+        return parse_cluster(options.cluster, collective=True)
+    return cluster_for(topology, device, collective=True)
 
 
-def _run_planner(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, world_size: int) -> Plan:
-    from fxpipe.cluster import parse_cluster
+def _run_planner(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, topology: Topology,
+                 cluster: Cluster) -> Plan:
+    """Cost the model and plan it (on rank 0) for ``cluster`` with every launched rank in a role."""
     from fxpipe.planning import cost_model, plan_chain
+    from fxpipe.runtime.topology import check_cluster_size, placed_plan
 
-    cluster = options.cluster if options.cluster is not None else f"local:{world_size}"
-    resolved = parse_cluster(cluster) if isinstance(cluster, str) else cluster
-    costed = cost_model(model, tuple(example_inputs), resolved)
+    check_cluster_size(cluster, topology)
+    costed = cost_model(model, tuple(example_inputs), cluster)
     layout = None if options.plan == "auto" else str(options.plan)
     assert options.global_batch_size is not None
-    return plan_chain(costed.chain, resolved, options.global_batch_size, layout=layout,
+    plan = plan_chain(costed.chain, cluster, options.global_batch_size, layout=layout,
                       num_microbatches=options.num_microbatches,
                       schedule=_schedule_name(options.schedule or "dapple"),
-                      warmup_policy=options.warmup_policy, optimizer=options.optimizer)
-
-
-def _rank() -> int:
-    from fxpipe.runtime.comm import current_rank
-
-    return current_rank()
+                      warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True)
+    return placed_plan(plan, topology, cluster)

@@ -49,6 +49,10 @@ class Candidate:
     def layout(self) -> tuple[int, ...]:
         return tuple(len(span.devices) for span in self.spans)
 
+    @property
+    def num_devices(self) -> int:
+        return sum(len(span.devices) for span in self.spans)
+
     def identity(self) -> tuple[object, ...]:
         return (self.microbatch_rows, tuple((s.first, s.stop, s.devices) for s in self.spans))
 

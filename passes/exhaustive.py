@@ -106,8 +106,8 @@ def plan_exhaustive(request: PlanRequest) -> Plan:
     """The simulated-fastest plan over all candidates, by branch and bound on a valid lower bound."""
     model = request.cost_model()
     candidates = exhaustive_candidates(model, microbatch_grid(request), request.layout)
-    feasible = [c for c in candidates if model.fits(c.spans, c.microbatch_rows, "A")
-                or model.fits(c.spans, c.microbatch_rows, "B")]
+    feasible = [c for c in candidates if request.allows(c) and (model.fits(c.spans, c.microbatch_rows, "A")
+                or model.fits(c.spans, c.microbatch_rows, "B"))]
     if not feasible:
         closest = min(candidates, key=lambda c: max(model.memory(c.spans, c.microbatch_rows, "A")), default=None)
         raise InfeasiblePlanError(f"planner 'exhaustive': {infeasible_error(request, model, closest)}")

@@ -19,6 +19,7 @@ from fxpipe.passes.block_partition import (
 )
 from fxpipe.passes.candidates import Candidate, CostModel, Span, spans_from_stops
 from fxpipe.passes.chain import CostChain
+from fxpipe.passes.every_device import plan_every_device
 from fxpipe.passes.partition_polish import polish
 from fxpipe.passes.partition_search import search
 from fxpipe.passes.placement import host_aligned
@@ -133,10 +134,12 @@ def _search_all(request: PlanRequest, model: CostModel, grid: list[int],
     closest: Candidate | None = None
     closest_ratio = float("inf")
     for rows in tqdm(grid, desc="dapple: micro-batch sizes", disable=not request.progress):
-        seeds = [c for c in _even_pipelines(search_model, rows) if request.layout in (None, c.layout)]
+        seeds = [c for c in _even_pipelines(search_model, rows)
+                 if request.layout in (None, c.layout) and request.allows(c)]
         found.extend(seeds)
         bound_s = min([bound_s, *(c.latency_s for c in seeds)])
-        result = search(search_model, rows, layout=request.layout, bound_s=bound_s, pool_size=request.rerank)
+        result = search(search_model, rows, layout=request.layout, bound_s=bound_s, pool_size=request.rerank,
+                        all_devices=request.all_devices)
         found.extend(result.candidates)
         if result.closest_ratio < closest_ratio:
             closest, closest_ratio = result.closest_miss, result.closest_ratio
@@ -188,7 +191,7 @@ def plan_dapple(request: PlanRequest) -> Plan:
     bound = dp.plan.predicted.analytic_iteration_time_s if dp and dp.plan.predicted else float("inf")
     found, closest = _search_all(request, model, grid, bound)
     if request.layout is None:
-        found.extend(_replicated_pipelines(model, grid))
+        found.extend(c for c in _replicated_pipelines(model, grid) if request.allows(c))
     best = score_candidates(request, model, _top(found, request.rerank), "dapple")
     if best is not None:
         best = polish(request, model, best, grid, "dapple")
@@ -223,25 +226,31 @@ def partition(chain: CostChain, cluster: Cluster, global_batch_size: int, *, pla
               layout: str | None = None, num_microbatches: int | None = None,
               schedule: str = "early_backward", warmup_policy: str | None = None, optimizer: str = "adam",
               memory_limit_bytes: int | None = None, rerank: int = 16, progress: bool = False,
-              compare: bool = False) -> Plan:
+              compare: bool = False, all_devices: bool = False) -> Plan:
     """Plan hybrid pipeline + data parallel training of ``chain`` on ``cluster``.
 
     ``planner`` is a key of :data:`PLANNERS`; ``layout`` forces replica counts per stage
     (``"3:1"``, ``"dp"``) and leaves cuts and placement to the planner; ``compare`` also runs
-    every baseline and records its simulated time in ``Plan.baselines``.
+    every baseline and records its simulated time in ``Plan.baselines``. ``all_devices`` (what
+    ``fxpipe.compile`` asks: every launched rank gets a role) keeps only plans using every device;
+    when a plan on fewer devices is predicted faster, the plan's ``notes`` say so.
     """
     start = time.perf_counter()
     if planner not in PLANNERS:
         raise PlanningError(f"planner {planner!r} is unknown; choose one of {sorted(PLANNERS)}")
     forced = None if layout is None else parse_layout(layout, cluster.num_devices, chain.num_blocks)
+    if all_devices and forced is not None and sum(forced) != cluster.num_devices:
+        raise LayoutError(f"layout {layout!r} uses {sum(forced)} of the {cluster.num_devices} devices, but every "
+                          f"device (rank) needs a role; give the stages {cluster.num_devices} replicas in all "
+                          "or launch that many ranks")
     request = PlanRequest(
         chain=chain, cluster=cluster, global_batch_size=global_batch_size, layout=forced,
         num_microbatches=num_microbatches, schedule=schedule, warmup_policy=warmup_policy,
         optimizer=optimizer, memory_limit_bytes=memory_limit_bytes or cluster.device.memory_bytes,
-        rerank=rerank, progress=progress,
+        rerank=rerank, progress=progress, all_devices=all_devices,
     )
     check_request(request)
-    plan = PLANNERS[planner](request)
+    plan = plan_every_device(request, PLANNERS[planner]) if all_devices else PLANNERS[planner](request)
     if compare:
         plan = plan.with_updates(baselines=_baseline_results(request))
     return plan.with_updates(planning_time_s=time.perf_counter() - start)

@@ -43,8 +43,9 @@ class _Search:
     """One run of the state search for a fixed micro-batch size ``rows``."""
 
     def __init__(self, model: CostModel, rows: int, layout: tuple[int, ...] | None,
-                 bound_s: float, beam_width: int, pool_size: int) -> None:
+                 bound_s: float, beam_width: int, pool_size: int, all_devices: bool = False) -> None:
         self.model = model
+        self.all_devices = all_devices
         self.rows = rows
         self.num_microbatches = model.global_batch_size // rows
         self.num_blocks = model.chain.num_blocks
@@ -72,6 +73,8 @@ class _Search:
     def record(self, spans: tuple[Span, ...]) -> tuple[bool, float]:
         """Score a complete plan and keep it if it fits in memory; returns (fits, pivot latency)."""
         candidate = self.model.candidate(spans, self.rows)
+        if self.all_devices and candidate.num_devices != self.model.cluster.num_devices:
+            return False, candidate.latency_s
         if self.layout is not None and candidate.layout != self.layout:
             return False, candidate.latency_s
         ratio = max(self.model.memory(spans, self.rows, "A")) / self.model.memory_limit_bytes
@@ -181,15 +184,16 @@ class _Search:
 
 
 def search(model: CostModel, rows: int, *, layout: tuple[int, ...] | None = None,
-           bound_s: float = float("inf"), beam_width: int | None = None, pool_size: int = 32) -> SearchResult:
+           bound_s: float = float("inf"), beam_width: int | None = None, pool_size: int = 32,
+           all_devices: bool = False) -> SearchResult:
     """Best memory-feasible candidates for micro-batch size ``rows`` by the pivot model.
 
     ``bound_s`` is a known achievable latency (e.g. plain DP) used to prune from the start;
     ``beam_width`` prefixes are kept per canonical state (blocks planned, sorted per-host usage); by
     default several on small problems (where it is cheap and closes gaps to exhaustive search) and
-    one on large ones.
+    one on large ones. ``all_devices`` keeps only plans that give every device of the cluster a role.
     """
     if beam_width is None:
         size = model.chain.num_blocks * model.cluster.num_devices
         beam_width = max(1, min(MAX_BEAM_WIDTH, BEAM_BUDGET // size))
-    return _Search(model, rows, layout, bound_s, beam_width, pool_size).run()
+    return _Search(model, rows, layout, bound_s, beam_width, pool_size, all_devices).run()

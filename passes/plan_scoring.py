@@ -47,6 +47,11 @@ class PlanRequest:
     memory_limit_bytes: int = 0
     rerank: int = 16
     progress: bool = False
+    all_devices: bool = False  # only plans that give every device a role (fxpipe.compile: every rank)
+
+    def allows(self, candidate: Candidate) -> bool:
+        """Whether ``candidate`` meets the request's device constraint."""
+        return not self.all_devices or candidate.num_devices == self.cluster.num_devices
 
     def cost_model(self) -> CostModel:
         return CostModel(self.chain, self.cluster, self.global_batch_size, self.optimizer,

@@ -158,6 +158,18 @@ def _error_cases(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
         # the failed step left a receive posted ahead (gloo): a second step must refuse, not mix messages
         return failed, _outcome(lambda: pipe.step(inputs, targets))
 
+    def auto_plan() -> Any:  # the case: 'auto' once returned dp on [0] of 2 ranks
+        model, example_inputs = _mlp()
+        pipe = fxpipe.compile(model, example_inputs, loss_fn=ENTRY.loss_fn, global_batch_size=BATCH, plan="auto")
+        return pipe.plan.all_devices(), pipe.step(inputs, targets), pipe.plan.notes
+
+    def cluster_too_big() -> Any:
+        model, example_inputs = _mlp()
+        return _outcome(lambda: fxpipe.compile(model, example_inputs, loss_fn=ENTRY.loss_fn, global_batch_size=BATCH,
+                                               plan="auto", cluster="local:3"))
+
+    in_world("auto-plan", auto_plan)
+    in_world("cluster-size", cluster_too_big)
     in_world("bad-batch", bad_batches)
     in_world("world-mismatch", lambda: _outcome(lambda: compile_mlp((1, 1, 1, 1))))
     in_world("autocast", autocast)
@@ -173,6 +185,12 @@ def test_errors_reach_every_rank_quickly(tmp_path: Any) -> None:
         assert short[0] == BatchShapeError.__name__ and "(6, " in short[1] and short[2] < 5.0, (rank, short)
         assert wide[0] == BatchShapeError.__name__ and "recompile" in wide[1], (rank, wide)
         assert good == pytest.approx(results[0]["bad-batch"][2])
+        devices, auto_loss, notes = result["auto-plan"]
+        assert devices == [0, 1] and auto_loss == pytest.approx(results[0]["auto-plan"][1]), result["auto-plan"]
+        assert all("predicted" in note and "launch 1 rank" in note for note in notes), notes
+        too_big = result["cluster-size"]
+        assert "'local:3' has 3 devices but the process group has 2 ranks" in too_big[1], (rank, too_big)
+        assert too_big[0] == ("PipelineSetupError" if rank == 0 else "RemoteSetupError") and too_big[2] < 10.0
         mismatch = result["world-mismatch"]
         assert mismatch[0] == PipelineSetupError.__name__ and "2 ranks" in mismatch[1], (rank, mismatch)
         loss, expected, sent = result["autocast"]

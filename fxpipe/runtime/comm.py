@@ -164,7 +164,13 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> DistContext:
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=timeout_s)
     if all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-        _init_from_env(backend, timeout)
+        try:
+            _init_from_env(backend, timeout)
+        except dist.DistError as error:  # a rank that failed before compile never joins: say so, not just "timed out"
+            raise CommunicationError(
+                f"rank {os.environ['RANK']}: not all {os.environ['WORLD_SIZE']} ranks joined the process group within "
+                f"{timeout_s:g} s (did a rank fail before fxpipe.compile, or did the launch start fewer processes "
+                f"than WORLD_SIZE?): {error}") from error
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return DistContext(dist.get_rank(), dist.get_world_size(), backend, device, owns_group=True)

@@ -13,3 +13,8 @@ class BatchShapeError(ValueError):
 
 class CommunicationError(RuntimeError):
     """A send, receive or collective failed or timed out; the message names the peer rank and the value."""
+
+
+class RemoteSetupError(PipelineSetupError):
+    """Another rank failed while the pipeline was being set up; the message names that rank, the phase and
+    its original error (every rank raises at the same phase, so none waits for a timeout)."""
