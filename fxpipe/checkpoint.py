@@ -21,6 +21,7 @@ READABLE_VERSIONS = (1, 2)
 MANIFEST_NAME = "fxpipe_manifest.json"
 DCP_METADATA_NAME = ".metadata"  # written by torch.distributed.checkpoint when every rank's data is on disk
 MODEL_PREFIX = "model/"
+MANIFEST_CHECKSUM_FIELD = "manifest_sha256"  # format 2: sha256 of the manifest's other fields
 REQUIRED_FIELDS = ("format", "format_version", "step", "extra", "world_size", "plan", "fingerprint",
                    "state_dict_keys", "optimizer", "files")
 TEMPORARY_MARKERS = (".tmp-", ".old-")  # names save_checkpoint uses while a write is in progress
@@ -88,9 +89,16 @@ def state_dict_keys(pipe: PipelinedModule) -> dict[str, str]:
     return {key: keys[key] for key in sorted(keys)}
 
 
+def manifest_checksum(manifest: Mapping[str, Any]) -> str:
+    """sha256 of the manifest's canonical JSON without its own ``manifest_sha256`` field."""
+    body = {key: value for key, value in manifest.items() if key != MANIFEST_CHECKSUM_FIELD}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def write_manifest(directory: Path, manifest: Mapping[str, Any]) -> None:
-    """Write the manifest through a temporary file, fsync it, then rename it into place."""
-    text = json.dumps(manifest, indent=1, sort_keys=True)
+    """Write the manifest (with its own checksum) through a temporary file, fsync it, then rename it into place."""
+    canonical = json.loads(json.dumps(manifest))  # as it will read back (e.g. integer keys of extra become strings)
+    text = json.dumps({**canonical, MANIFEST_CHECKSUM_FIELD: manifest_checksum(canonical)}, indent=1, sort_keys=True)
     partial = directory / (MANIFEST_NAME + ".partial")
     with open(partial, "w", encoding="utf-8") as handle:
         handle.write(text)
@@ -112,8 +120,11 @@ def fsync_directory(directory: Path) -> None:
         os.close(handle)
 
 
-def read_manifest(directory: str | Path) -> dict[str, Any]:
-    """The manifest of a complete checkpoint; CheckpointError naming what is missing otherwise."""
+def read_manifest(directory: str | Path, verify: bool = True) -> dict[str, Any]:
+    """The manifest of a complete checkpoint; CheckpointError naming what is missing otherwise.
+
+    With ``verify``, a format-2 manifest must match its own checksum (edited or damaged manifests are refused).
+    """
     path = Path(directory)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist; pass a directory written by "
@@ -129,6 +140,10 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     if not isinstance(manifest, dict):
         raise CheckpointError(f"checkpoint {str(path)!r}: {MANIFEST_NAME} is not a JSON object")
     _check_manifest(path, manifest)
+    if verify and manifest["format_version"] >= 2 and manifest.get(MANIFEST_CHECKSUM_FIELD) != manifest_checksum(manifest):
+        raise CheckpointError(f"checkpoint {str(path)!r}: {MANIFEST_NAME} was changed after saving (it does not match "
+                              f"its {MANIFEST_CHECKSUM_FIELD!r}); restore it, load another checkpoint, or load with "
+                              "verify=False to accept the edit")
     return manifest
 
 
@@ -229,7 +244,7 @@ def consolidate(directory: str | Path, *, verify: bool = True) -> dict[str, torc
     """
     from fxpipe.runtime.checkpoint_io import read_tensors
 
-    manifest = read_manifest(directory)
+    manifest = read_manifest(directory, verify)
     if verify:
         verify_files(directory, manifest)
     stored = read_tensors(directory, {MODEL_PREFIX + name: entry for name, entry in manifest["fingerprint"].items()})

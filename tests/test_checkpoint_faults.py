@@ -24,8 +24,7 @@ from tests.test_checkpoint import _pipe, _state, _train
 
 pytestmark = pytest.mark.multiprocess
 
-DAMAGED = ("flipped", "truncated", "missing", "checksum-edited", "checksums-removed", "manifest-not-json",
-           "version-1")
+DAMAGED = ("flipped", "truncated", "missing", "checksum-edited", "step-edited", "manifest-not-json", "version-1")
 
 
 def _outcome(action: Callable[[], Any]) -> dict[str, Any]:
@@ -99,9 +98,10 @@ def _damage(root: Path) -> None:
     truncated.write_bytes(truncated.read_bytes()[: truncated.stat().st_size // 2])
     (root.parent / "missing" / "__1_0.distcp").unlink()
     _edit_manifest(root.parent / "checksum-edited", lambda m: m["checksums"]["__0_0.distcp"].update(sha256="0" * 64))
-    _edit_manifest(root.parent / "checksums-removed", lambda m: m.pop("checksums"))
+    _edit_manifest(root.parent / "step-edited", lambda m: m.update(step=7))
     (root.parent / "manifest-not-json" / MANIFEST_NAME).write_text("{", encoding="utf-8")
-    _edit_manifest(root.parent / "version-1", lambda m: (m.pop("checksums"), m.update(format_version=1)))
+    _edit_manifest(root.parent / "version-1",
+                   lambda m: (m.pop("checksums"), m.pop("manifest_sha256"), m.update(format_version=1)))
 
 
 def _edit_manifest(directory: Path, edit: Callable[[dict[str, Any]], Any]) -> None:
@@ -132,6 +132,8 @@ def _faults(rank: int, world_size: int, store_dir: str, root_name: str) -> dict[
             outcomes[name] = _outcome(lambda name=name: load_checkpoint(pipe, root.parent / name, optimizer=optimizer))
         outcomes["truncated-unverified"] = _outcome(
             lambda: load_checkpoint(pipe, root.parent / "truncated", optimizer=optimizer, verify=False))
+        outcomes["checksum-edited-unverified"] = _outcome(
+            lambda: load_checkpoint(pipe, root.parent / "checksum-edited", optimizer=optimizer, verify=False))
         outcomes["version-1-unverified"] = _outcome(
             lambda: load_checkpoint(pipe, root.parent / "version-1", optimizer=optimizer, verify=False))
         return outcomes
@@ -161,8 +163,9 @@ def test_damaged_checkpoints_and_disk_faults(tmp_path: Path) -> None:
         _assert_refused(outcomes["flipped"], "'__1_0.distcp' (written by rank 1) is corrupted: sha256")
         _assert_refused(outcomes["truncated"], "'__0_0.distcp' (written by rank 0) has", "truncated")
         _assert_refused(outcomes["missing"], "is incomplete", "__1_0.distcp")
-        _assert_refused(outcomes["checksum-edited"], "'__0_0.distcp' (written by rank 0) is corrupted")
-        _assert_refused(outcomes["checksums-removed"], "field 'checksums' must map")
+        _assert_refused(outcomes["checksum-edited"], f"{MANIFEST_NAME} was changed after saving")
+        _assert_refused(outcomes["step-edited"], f"{MANIFEST_NAME} was changed after saving")
+        assert outcomes["checksum-edited-unverified"]["type"] is None  # verify=False accepts an edited manifest
         _assert_refused(outcomes["manifest-not-json"], f"{MANIFEST_NAME} is unreadable")
         _assert_refused(outcomes["version-1"], "records no checksums", "verify=False")
         _assert_refused(outcomes["truncated-unverified"], "could not load checkpoint")
@@ -177,3 +180,7 @@ def test_damaged_checkpoints_and_disk_faults(tmp_path: Path) -> None:
         fxpipe.consolidate(tmp_path / "version-1")
     assert sorted(fxpipe.consolidate(tmp_path / "version-1", verify=False)) == sorted(fxpipe.consolidate(root / "step-1"))
     assert read_manifest(root / "step-1")["step"] == 1
+    assert latest_checkpoint(tmp_path) == tmp_path / "version-1"  # step-edited (step 7) is skipped; the rest are step 1
+    _edit_manifest(tmp_path / "flipped", lambda m: m.pop("checksums"))
+    with pytest.raises(CheckpointError, match="field 'checksums' must map each of"):
+        fxpipe.consolidate(tmp_path / "flipped", verify=False)

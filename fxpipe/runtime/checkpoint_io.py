@@ -294,7 +294,7 @@ def load_checkpoint(pipe: PipelinedModule, directory: str | Path, *, optimizer: 
 def _checked_manifest(pipe: PipelinedModule, directory: str | Path, optimizer: torch.optim.Optimizer | None,
                       verify: bool) -> dict[str, Any]:
     """This rank's checks before loading: a complete manifest, the same model, and (``verify``) its share of files."""
-    manifest = read_manifest(directory)
+    manifest = read_manifest(directory, verify)
     check_fingerprint(manifest["fingerprint"], model_fingerprint(pipe.program), directory)
     if optimizer is not None and manifest["optimizer"] is None:
         raise CheckpointError(f"checkpoint {str(directory)!r} holds no optimizer state; load it with optimizer=None "
