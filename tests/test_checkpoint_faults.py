@@ -132,6 +132,9 @@ def _faults(rank: int, world_size: int, store_dir: str, root_name: str) -> dict[
             outcomes[name] = _outcome(lambda name=name: load_checkpoint(pipe, root.parent / name, optimizer=optimizer))
         outcomes["truncated-unverified"] = _outcome(
             lambda: load_checkpoint(pipe, root.parent / "truncated", optimizer=optimizer, verify=False))
+        stray = torch.optim.AdamW([*pipe.parameters(), torch.nn.Parameter(torch.zeros(3))]) if rank == 1 else optimizer
+        outcomes["stray-load"] = _outcome(lambda: load_checkpoint(pipe, root / "step-1", optimizer=stray))
+        outcomes["stray-save"] = _outcome(lambda: save_checkpoint(pipe, root / "step-5", optimizer=stray, step=5))
         outcomes["checksum-edited-unverified"] = _outcome(
             lambda: load_checkpoint(pipe, root.parent / "checksum-edited", optimizer=optimizer, verify=False))
         outcomes["version-1-unverified"] = _outcome(
@@ -171,6 +174,8 @@ def test_damaged_checkpoints_and_disk_faults(tmp_path: Path) -> None:
         _assert_refused(outcomes["truncated-unverified"], "could not load checkpoint")
         assert outcomes["truncated-unverified"]["cause"] == "CheckpointException"
         assert outcomes["version-1-unverified"]["type"] is None, outcomes["version-1-unverified"]
+        for case in ("stray-load", "stray-save"):  # a mistake on one rank only: both raise, neither waits
+            _assert_refused(outcomes[case], "rank 1: CheckpointError: the optimizer holds a parameter of shape (3,)")
     # both ranks name the same file and writer: every rank learns each rank's finding
     assert results[0]["flipped"]["message"] == results[1]["flipped"]["message"]
 
@@ -180,6 +185,7 @@ def test_damaged_checkpoints_and_disk_faults(tmp_path: Path) -> None:
         fxpipe.consolidate(tmp_path / "version-1")
     assert sorted(fxpipe.consolidate(tmp_path / "version-1", verify=False)) == sorted(fxpipe.consolidate(root / "step-1"))
     assert read_manifest(root / "step-1")["step"] == 1
+    assert not (root / "step-5").exists()
     assert latest_checkpoint(tmp_path) == tmp_path / "version-1"  # step-edited (step 7) is skipped; the rest are step 1
     _edit_manifest(tmp_path / "flipped", lambda m: m.pop("checksums"))
     with pytest.raises(CheckpointError, match="field 'checksums' must map each of"):

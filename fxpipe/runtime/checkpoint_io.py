@@ -111,10 +111,7 @@ def save_checkpoint(pipe: PipelinedModule, directory: str | Path, *, optimizer: 
     temporary = target.with_name(f"{target.name}.tmp-{token}")
     try:
         _collectively(lambda: temporary.mkdir(parents=True, exist_ok=True), f"create {str(temporary)!r}")
-        state = {MODEL_PREFIX + name: tensor for name, tensor in pipe.state_dict().items()}
-        if optimizer is not None:
-            state.update(_optimizer_entries(pipe, optimizer))
-        state.update(_rng_entries(dist.get_rank()))
+        state = _collectively(lambda: _state_to_save(pipe, optimizer), "collect the state to save")[0]
         writer = _RecordingWriter(temporary, sync_files=True)
         _dcp_call(lambda: dcp.save(state, storage_writer=writer), f"save checkpoint {str(target)!r}")
         checksums: dict[str, Any] = {}
@@ -128,6 +125,14 @@ def save_checkpoint(pipe: PipelinedModule, directory: str | Path, *, optimizer: 
             shutil.rmtree(temporary, ignore_errors=True)
         raise
     return target
+
+
+def _state_to_save(pipe: PipelinedModule, optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
+    state = {MODEL_PREFIX + name: tensor for name, tensor in pipe.state_dict().items()}
+    if optimizer is not None:
+        state.update(_optimizer_entries(pipe, optimizer))
+    state.update(_rng_entries(dist.get_rank()))
+    return state
 
 
 def _collectively(action: Callable[[], T], what: str, share: bool = False) -> list[T]:
@@ -273,27 +278,33 @@ def load_checkpoint(pipe: PipelinedModule, directory: str | Path, *, optimizer: 
     every file's size and sha256 against the manifest (each rank hashes a share of the files). Any
     failure raises CheckpointError on every rank before anything is loaded. Returns ``{"step": int, "extra": dict}``.
     """
-    manifest = _collectively(lambda: _checked_manifest(pipe, directory, optimizer, verify),
-                             f"load checkpoint {str(directory)!r}")[0]
     reader = SafeFileSystemReader(directory)
-    stored = _collectively(lambda: reader.read_metadata().state_dict_metadata, f"read {str(directory)!r}")[0]
+    manifest, stored, names = _collectively(lambda: _checked_manifest(pipe, directory, optimizer, verify, reader),
+                                            f"load checkpoint {str(directory)!r}")[0]
     state: dict[str, torch.Tensor] = {MODEL_PREFIX + name: tensor for name, tensor in pipe.state_dict().items()}
-    names = _optimizer_param_names(pipe, optimizer) if optimizer is not None else []
     for name in names:
         state.update(_empty_entries(stored, f"{OPTIM_PREFIX}{name}/"))
         state.update(_empty_entries(stored, OPTIM_META_PREFIX + name, exact=True))
     rank = dist.get_rank()
     state.update(_empty_entries(stored, f"{RNG_PREFIX}{rank}/"))
     _dcp_call(lambda: dcp.load(state, storage_reader=reader), f"load checkpoint {str(directory)!r}")
-    if optimizer is not None:
-        _restore_optimizer(optimizer, names, state)
-    _restore_rng(state, rank)
+    _collectively(lambda: _restore(optimizer, names, state, rank), f"restore checkpoint {str(directory)!r}")
     return {"step": int(manifest["step"]), "extra": manifest["extra"]}
 
 
+def _restore(optimizer: torch.optim.Optimizer | None, names: list[str], state: Mapping[str, torch.Tensor],
+             rank: int) -> None:
+    if optimizer is not None:
+        _restore_optimizer(optimizer, names, state)
+    _restore_rng(state, rank)
+
+
 def _checked_manifest(pipe: PipelinedModule, directory: str | Path, optimizer: torch.optim.Optimizer | None,
-                      verify: bool) -> dict[str, Any]:
-    """This rank's checks before loading: a complete manifest, the same model, and (``verify``) its share of files."""
+                      verify: bool, reader: SafeFileSystemReader) -> tuple[dict[str, Any], Mapping[str, Any], list[str]]:
+    """This rank's checks before loading: a complete manifest, the same model, and (``verify``) its share of files.
+
+    Returns the manifest, DCP's stored-entry metadata and the optimizer's parameter names.
+    """
     manifest = read_manifest(directory, verify)
     check_fingerprint(manifest["fingerprint"], model_fingerprint(pipe.program), directory)
     if optimizer is not None and manifest["optimizer"] is None:
@@ -302,7 +313,8 @@ def _checked_manifest(pipe: PipelinedModule, directory: str | Path, optimizer: t
     if verify:
         names = sorted(manifest.get("checksums") or [DCP_METADATA_NAME])
         verify_files(directory, manifest, names[dist.get_rank()::dist.get_world_size()])
-    return manifest
+    param_names = _optimizer_param_names(pipe, optimizer) if optimizer is not None else []
+    return manifest, reader.read_metadata().state_dict_metadata, param_names
 
 
 def _empty_entries(stored: Mapping[str, Any], prefix: str, exact: bool = False) -> dict[str, torch.Tensor]:
