@@ -89,11 +89,6 @@ def _damage(root: Path) -> None:
     good = root / "step-1"
     for name in DAMAGED:
         shutil.copytree(good, root.parent / name)
-    flipped = root.parent / "flipped" / "__1_0.distcp"
-    data = bytearray(flipped.read_bytes())
-    middle = len(data) // 2
-    data[middle:middle + 64] = bytes(byte ^ 0xFF for byte in data[middle:middle + 64])
-    flipped.write_bytes(bytes(data))
     truncated = root.parent / "truncated" / "__0_0.distcp"
     truncated.write_bytes(truncated.read_bytes()[: truncated.stat().st_size // 2])
     (root.parent / "missing" / "__1_0.distcp").unlink()
@@ -102,6 +97,16 @@ def _damage(root: Path) -> None:
     (root.parent / "manifest-not-json" / MANIFEST_NAME).write_text("{", encoding="utf-8")
     _edit_manifest(root.parent / "version-1",
                    lambda m: (m.pop("checksums"), m.pop("manifest_sha256"), m.update(format_version=1)))
+
+
+def _flip_tensor_bytes(shard: Path, state: dict[str, Any]) -> None:
+    """Flip 64 bytes inside the stored data of this rank's largest tensor (not a header torch's reader would notice)."""
+    largest = max(state.values(), key=lambda array: array.nbytes)
+    data = bytearray(shard.read_bytes())
+    start = data.find(largest.tobytes())
+    assert start >= 0 and largest.nbytes >= 64, (shard, largest.shape)
+    data[start:start + 64] = bytes(byte ^ 0xFF for byte in data[start:start + 64])
+    shard.write_bytes(bytes(data))
 
 
 def _edit_manifest(directory: Path, edit: Callable[[dict[str, Any]], Any]) -> None:
@@ -128,8 +133,14 @@ def _faults(rank: int, world_size: int, store_dir: str, root_name: str) -> dict[
         if rank == 0:
             _damage(root)
         dist.barrier()
+        if rank == 1:
+            _flip_tensor_bytes(root.parent / "flipped" / "__1_0.distcp", saved)
+        dist.barrier()
         for name in DAMAGED:
             outcomes[name] = _outcome(lambda name=name: load_checkpoint(pipe, root.parent / name, optimizer=optimizer))
+        outcomes["flipped-unverified"] = _outcome(
+            lambda: load_checkpoint(pipe, root.parent / "flipped", optimizer=optimizer, verify=False))
+        outcomes["flipped-unverified-equal"] = all((_state(pipe)[name] == saved[name]).all() for name in saved)
         outcomes["truncated-unverified"] = _outcome(
             lambda: load_checkpoint(pipe, root.parent / "truncated", optimizer=optimizer, verify=False))
         stray = torch.optim.AdamW([*pipe.parameters(), torch.nn.Parameter(torch.zeros(3))]) if rank == 1 else optimizer
@@ -173,6 +184,9 @@ def test_damaged_checkpoints_and_disk_faults(tmp_path: Path) -> None:
         _assert_refused(outcomes["version-1"], "records no checksums", "verify=False")
         _assert_refused(outcomes["truncated-unverified"], "could not load checkpoint")
         assert outcomes["truncated-unverified"]["cause"] == "CheckpointException"
+        # unverified, flipped tensor bytes load silently (issue 14): only rank 1's parameters are wrong
+        assert outcomes["flipped-unverified"]["type"] is None, outcomes["flipped-unverified"]
+        assert outcomes["flipped-unverified-equal"] == (rank == 0)
         assert outcomes["version-1-unverified"]["type"] is None, outcomes["version-1-unverified"]
         for case in ("stray-load", "stray-save"):  # a mistake on one rank only: both raise, neither waits
             _assert_refused(outcomes[case], "rank 1: CheckpointError: the optimizer holds a parameter of shape (3,)")
