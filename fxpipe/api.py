@@ -179,11 +179,12 @@ class PipelinedModule:
 
         return save_checkpoint(self, directory, optimizer=optimizer, step=step, extra=extra)
 
-    def load(self, directory: str | Path, *, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
-        """Load a checkpoint saved under any plan; returns ``{"step": ..., "extra": ...}``."""
+    def load(self, directory: str | Path, *, optimizer: torch.optim.Optimizer | None = None,
+             verify: bool = True) -> dict[str, Any]:
+        """Load a checkpoint saved under any plan (checksums checked unless ``verify=False``); returns ``{"step", "extra"}``."""
         from fxpipe.checkpoint import load_checkpoint
 
-        return load_checkpoint(self, directory, optimizer=optimizer)
+        return load_checkpoint(self, directory, optimizer=optimizer, verify=verify)
 
     def close(self) -> None:
         """Wait for all ranks, then release the process group if ``compile`` created it."""

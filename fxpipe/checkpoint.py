@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -15,10 +16,12 @@ if TYPE_CHECKING:
     from fxpipe.passes.codegen import SplitProgram
 
 FORMAT_NAME = "fxpipe-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-file checksums ("checksums"); version 1 checkpoints load with verify=False only
+READABLE_VERSIONS = (1, 2)
 MANIFEST_NAME = "fxpipe_manifest.json"
 DCP_METADATA_NAME = ".metadata"  # written by torch.distributed.checkpoint when every rank's data is on disk
 MODEL_PREFIX = "model/"
+MANIFEST_CHECKSUM_FIELD = "manifest_sha256"  # format 2: sha256 of the manifest's other fields
 REQUIRED_FIELDS = ("format", "format_version", "step", "extra", "world_size", "plan", "fingerprint",
                    "state_dict_keys", "optimizer", "files")
 TEMPORARY_MARKERS = (".tmp-", ".old-")  # names save_checkpoint uses while a write is in progress
@@ -86,9 +89,16 @@ def state_dict_keys(pipe: PipelinedModule) -> dict[str, str]:
     return {key: keys[key] for key in sorted(keys)}
 
 
+def manifest_checksum(manifest: Mapping[str, Any]) -> str:
+    """sha256 of the manifest's canonical JSON without its own ``manifest_sha256`` field."""
+    body = {key: value for key, value in manifest.items() if key != MANIFEST_CHECKSUM_FIELD}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def write_manifest(directory: Path, manifest: Mapping[str, Any]) -> None:
-    """Write the manifest through a temporary file, fsync it, then rename it into place."""
-    text = json.dumps(manifest, indent=1, sort_keys=True)
+    """Write the manifest (with its own checksum) through a temporary file, fsync it, then rename it into place."""
+    canonical = json.loads(json.dumps(manifest))  # as it will read back (e.g. integer keys of extra become strings)
+    text = json.dumps({**canonical, MANIFEST_CHECKSUM_FIELD: manifest_checksum(canonical)}, indent=1, sort_keys=True)
     partial = directory / (MANIFEST_NAME + ".partial")
     with open(partial, "w", encoding="utf-8") as handle:
         handle.write(text)
@@ -110,8 +120,11 @@ def fsync_directory(directory: Path) -> None:
         os.close(handle)
 
 
-def read_manifest(directory: str | Path) -> dict[str, Any]:
-    """The manifest of a complete checkpoint; CheckpointError naming what is missing otherwise."""
+def read_manifest(directory: str | Path, verify: bool = True) -> dict[str, Any]:
+    """The manifest of a complete checkpoint; CheckpointError naming what is missing otherwise.
+
+    With ``verify``, a format-2 manifest must match its own checksum (edited or damaged manifests are refused).
+    """
     path = Path(directory)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist; pass a directory written by "
@@ -127,6 +140,10 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     if not isinstance(manifest, dict):
         raise CheckpointError(f"checkpoint {str(path)!r}: {MANIFEST_NAME} is not a JSON object")
     _check_manifest(path, manifest)
+    if verify and manifest["format_version"] >= 2 and manifest.get(MANIFEST_CHECKSUM_FIELD) != manifest_checksum(manifest):
+        raise CheckpointError(f"checkpoint {str(path)!r}: {MANIFEST_NAME} was changed after saving (it does not match "
+                              f"its {MANIFEST_CHECKSUM_FIELD!r}); restore it, load another checkpoint, or load with "
+                              "verify=False to accept the edit")
     return manifest
 
 
@@ -134,13 +151,68 @@ def _check_manifest(path: Path, manifest: dict[str, Any]) -> None:
     missing_fields = [name for name in REQUIRED_FIELDS if name not in manifest]
     if missing_fields:
         raise CheckpointError(f"checkpoint {str(path)!r}: {MANIFEST_NAME} lacks fields {missing_fields}")
-    if manifest["format"] != FORMAT_NAME or manifest["format_version"] != FORMAT_VERSION:
+    if manifest["format"] != FORMAT_NAME or (
+            type(manifest["format_version"]) is not int or manifest["format_version"] not in READABLE_VERSIONS):
         raise CheckpointError(f"checkpoint {str(path)!r} has format {manifest['format']!r} version "
-                              f"{manifest['format_version']!r}; this fxpipe reads {FORMAT_NAME!r} version {FORMAT_VERSION}")
+                              f"{manifest['format_version']!r}; this fxpipe reads {FORMAT_NAME!r} versions "
+                              f"{list(READABLE_VERSIONS)}")
+    if not isinstance(manifest["files"], list) or not all(isinstance(name, str) for name in manifest["files"]):
+        raise CheckpointError(f"checkpoint {str(path)!r}: {MANIFEST_NAME} field 'files' is not a list of names")
+    _check_checksum_entries(path, manifest)
     missing_files = [name for name in [DCP_METADATA_NAME, *manifest["files"]] if not (path / name).is_file()]
     if missing_files:
         raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: files {missing_files} named by "
                               f"{MANIFEST_NAME} are missing")
+
+
+def _check_checksum_entries(path: Path, manifest: dict[str, Any]) -> None:
+    """Version 2 manifests list {"sha256", "bytes", "rank"} for .metadata and every data file."""
+    if manifest["format_version"] < 2:
+        return
+    checksums = manifest.get("checksums")
+    wanted = sorted({DCP_METADATA_NAME, *manifest["files"]})
+    if not isinstance(checksums, dict) or sorted(checksums) != wanted or not all(
+            isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and type(entry.get("bytes")) is int
+            and type(entry.get("rank")) is int for entry in checksums.values()):
+        raise CheckpointError(f"checkpoint {str(path)!r}: {MANIFEST_NAME} field 'checksums' must map each of {wanted} "
+                              "to {'sha256': hex, 'bytes': int, 'rank': int}; the manifest was edited or damaged, "
+                              "load an older checkpoint")
+
+
+def file_checksum(path: Path, rank: int, chunk_bytes: int = 1 << 20) -> dict[str, Any]:
+    """{"sha256", "bytes", "rank"} of one file, read in chunks (``rank``: the rank that wrote it)."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            digest.update(chunk)
+            size += len(chunk)
+    return {"sha256": digest.hexdigest(), "bytes": size, "rank": rank}
+
+
+def verify_files(directory: str | Path, manifest: Mapping[str, Any], names: list[str] | None = None) -> None:
+    """Raise CheckpointError naming the first of ``names`` (default: all) whose size or sha256 differs from the manifest."""
+    path = Path(directory)
+    checksums: Mapping[str, Mapping[str, Any]] | None = manifest.get("checksums")
+    if checksums is None:
+        raise CheckpointError(f"checkpoint {str(path)!r} has format version {manifest['format_version']}, which records "
+                              "no checksums; load or consolidate it with verify=False, then save it again")
+    for name in sorted(checksums) if names is None else names:
+        expected = checksums[name]
+        try:
+            actual = file_checksum(path / name, expected["rank"])
+        except OSError as error:
+            raise CheckpointError(f"checkpoint {str(path)!r}: cannot read {name!r} (written by rank "
+                                  f"{expected['rank']}): {error}") from error
+        if actual["bytes"] != expected["bytes"]:
+            problem = f"has {actual['bytes']} bytes where the manifest records {expected['bytes']} (truncated or extended)"
+        elif actual["sha256"] != expected["sha256"]:
+            problem = (f"is corrupted: sha256 {actual['sha256'][:16]}... differs from the manifest's "
+                       f"{expected['sha256'][:16]}...")
+        else:
+            continue
+        raise CheckpointError(f"checkpoint {str(path)!r}: file {name!r} (written by rank {expected['rank']}) {problem}; "
+                              "nothing was loaded: restore the file or load an older checkpoint")
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
@@ -164,14 +236,17 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return None if best is None else root_path / best[1]
 
 
-def consolidate(directory: str | Path) -> dict[str, torch.Tensor]:
+def consolidate(directory: str | Path, *, verify: bool = True) -> dict[str, torch.Tensor]:
     """One state_dict for the original unsplit model (``model.load_state_dict(sd)`` strict) from a checkpoint.
 
-    Runs offline in one process (no process group); tensors are read weights-only.
+    Runs offline in one process (no process group); tensors are read weights-only. With ``verify`` (the
+    default) every file's size and sha256 are checked against the manifest first.
     """
     from fxpipe.runtime.checkpoint_io import read_tensors
 
-    manifest = read_manifest(directory)
+    manifest = read_manifest(directory, verify)
+    if verify:
+        verify_files(directory, manifest)
     stored = read_tensors(directory, {MODEL_PREFIX + name: entry for name, entry in manifest["fingerprint"].items()})
     keys: Mapping[str, str] = manifest["state_dict_keys"]
     return {key: stored[MODEL_PREFIX + keys[key]] for key in sorted(keys)}
@@ -186,8 +261,8 @@ def save_checkpoint(pipe: PipelinedModule, directory: str | Path, *, optimizer: 
 
 
 def load_checkpoint(pipe: PipelinedModule, directory: str | Path, *,
-                    optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+                    optimizer: torch.optim.Optimizer | None = None, verify: bool = True) -> dict[str, Any]:
     """See :func:`fxpipe.runtime.checkpoint_io.load_checkpoint` (collective: every rank calls it)."""
     from fxpipe.runtime.checkpoint_io import load_checkpoint as load
 
-    return load(pipe, directory, optimizer=optimizer)
+    return load(pipe, directory, optimizer=optimizer, verify=verify)

@@ -9,32 +9,40 @@ import pickle
 import shutil
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.futures import Future
 
 from fxpipe.checkpoint import (
+    DCP_METADATA_NAME,
     FORMAT_NAME,
     FORMAT_VERSION,
     MODEL_PREFIX,
     CheckpointError,
     check_fingerprint,
+    file_checksum,
     fsync_directory,
     model_fingerprint,
     read_manifest,
     state_dict_keys,
+    verify_files,
     write_manifest,
 )
 from fxpipe.runtime.comm import broadcast_text
 
 if TYPE_CHECKING:
     from fxpipe.api import PipelinedModule
+
+T = TypeVar("T")
 
 OPTIM_PREFIX = "optim/"        # optim/<param name>/<state key> -> tensor
 OPTIM_META_PREFIX = "optim_meta/"  # optim_meta/<param name> -> JSON bytes (group settings, non-tensor state)
@@ -77,41 +85,106 @@ class SafeFileSystemReader(FileSystemReader):
 # ---- save -----------------------------------------------------------------------------------------
 
 
+class _RecordingWriter(FileSystemWriter):
+    """FileSystemWriter that remembers the file-name prefix DCP gave this rank (``__<rank>_``)."""
+
+    prefix: str | None = None
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[Any]:
+        self.prefix = str(plan.storage_data.prefix)
+        return super().write_data(plan, planner)
+
+
 def save_checkpoint(pipe: PipelinedModule, directory: str | Path, *, optimizer: torch.optim.Optimizer | None = None,
                     step: int = 0, extra: Mapping[str, Any] | None = None) -> Path:
     """Save this rank's parameters, buffers, optimizer state and RNG state; every rank calls it.
 
-    Data goes to ``<directory>.tmp-<uuid>`` through DCP (replicated tensors written once), then rank 0
-    writes the manifest last and renames the folder to ``directory`` (replacing an older one). ``extra``
-    must be JSON-serializable. Returns ``directory``.
+    Data goes to ``<directory>.tmp-<uuid>`` through DCP (replicated tensors written once); each rank then
+    hashes the files it wrote, and rank 0 writes the manifest (with every file's sha256) last and renames
+    the folder to ``directory`` (replacing an older one only once the new one is complete). Any failure
+    (full disk, read-only or vanished directory) raises CheckpointError on every rank, removes the partial
+    folder and leaves earlier checkpoints as they were. ``extra`` must be JSON-serializable. Returns ``directory``.
     """
     target = Path(directory)
     _json_or_error(extra, "extra")
     token = broadcast_text(uuid.uuid4().hex if dist.get_rank() == 0 else None)
     temporary = target.with_name(f"{target.name}.tmp-{token}")
-    temporary.mkdir(parents=True, exist_ok=True)
+    try:
+        _collectively(lambda: temporary.mkdir(parents=True, exist_ok=True), f"create {str(temporary)!r}")
+        state = _collectively(lambda: _state_to_save(pipe, optimizer), "collect the state to save")[0]
+        writer = _RecordingWriter(temporary, sync_files=True)
+        _dcp_call(lambda: dcp.save(state, storage_writer=writer), f"save checkpoint {str(target)!r}")
+        checksums: dict[str, Any] = {}
+        for part in _collectively(lambda: _own_checksums(temporary, writer.prefix), f"hash {str(temporary)!r}",
+                                  share=True):
+            checksums.update(part)
+        _collectively(lambda: _publish(pipe, temporary, target, optimizer, step, extra, checksums)
+                      if dist.get_rank() == 0 else None, f"publish checkpoint {str(target)!r}")
+    except CheckpointError:
+        if dist.get_rank() == 0:  # every rank knows the save failed, so nobody writes into it any more
+            shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    return target
+
+
+def _state_to_save(pipe: PipelinedModule, optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
     state = {MODEL_PREFIX + name: tensor for name, tensor in pipe.state_dict().items()}
     if optimizer is not None:
         state.update(_optimizer_entries(pipe, optimizer))
     state.update(_rng_entries(dist.get_rank()))
-    dcp.save(state, storage_writer=FileSystemWriter(temporary, sync_files=True))
-    dist.barrier()
-    status = "ok"
-    if dist.get_rank() == 0:
-        try:
-            _publish(pipe, temporary, target, optimizer, step, extra)
-        except (OSError, ValueError) as error:
-            status = f"rank 0 could not publish checkpoint {str(target)!r}: {error}"
-    status = broadcast_text(status)  # every rank learns whether the rename happened
-    if status != "ok":
-        raise CheckpointError(status)
-    return target
+    return state
+
+
+def _collectively(action: Callable[[], T], what: str, share: bool = False) -> list[T]:
+    """Run ``action`` on every rank; CheckpointError on every rank naming each rank where it failed.
+
+    Returns ``[this rank's result]``, or with ``share`` every rank's result by rank. A failure on one
+    rank (OSError, ValueError such as CheckpointError) would otherwise leave the others waiting in the
+    next collective; here every rank learns of it and raises the same error.
+    """
+    result: T | None = None
+    message: str | None = None
+    caught: Exception | None = None
+    try:
+        result = action()
+    except (OSError, ValueError) as error:  # CheckpointError is a ValueError
+        caught, message = error, f"{type(error).__name__}: {error}"
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (message, result if share else None))
+    failures = [f"rank {rank}: {failed}" for rank, (failed, _) in enumerate(gathered) if failed is not None]
+    if failures:
+        raise CheckpointError(f"could not {what}: {'; '.join(failures)}") from caught
+    return [shared for _, shared in gathered] if share else [result]  # type: ignore[list-item]
+
+
+def _dcp_call(action: Callable[[], Any], what: str) -> None:
+    """Run a collective DCP call; its CheckpointException (a BaseException) becomes CheckpointError (an Exception)."""
+    try:
+        action()
+    except CheckpointException as error:
+        failures = "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}"
+                             for rank, (exc, _) in sorted(error.failures.items()))
+        raise CheckpointError(f"could not {what}: {failures}") from error
+
+
+def _own_checksums(temporary: Path, prefix: str | None) -> dict[str, dict[str, Any]]:
+    """Checksums of the files this rank wrote (DCP names them ``<prefix><n>.distcp``; rank 0 also wrote .metadata)."""
+    rank = dist.get_rank()
+    names = sorted(p.name for p in temporary.iterdir() if prefix is not None and p.name.startswith(prefix))
+    if rank == 0:
+        names.append(DCP_METADATA_NAME)
+    return {name: file_checksum(temporary / name, rank) for name in names}
 
 
 def _publish(pipe: PipelinedModule, temporary: Path, target: Path, optimizer: torch.optim.Optimizer | None,
-             step: int, extra: Mapping[str, Any] | None) -> None:
+             step: int, extra: Mapping[str, Any] | None, checksums: Mapping[str, Any]) -> None:
     """Rank 0: write the manifest last, then rename the finished folder into place."""
     plan = pipe.plan
+    files = sorted(p.name for p in temporary.iterdir() if p.is_file())
+    unhashed = sorted(set(files) - set(checksums))
+    if unhashed:
+        raise CheckpointError(f"checkpoint {str(target)!r}: files {unhashed} were written by no rank's DCP writer; "
+                              "is another job writing into the same directory?")
     manifest = {
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "step": int(step),
         "extra": dict(extra) if extra is not None else {}, "world_size": dist.get_world_size(),
@@ -119,13 +192,24 @@ def _publish(pipe: PipelinedModule, temporary: Path, target: Path, optimizer: to
                  "global_batch_size": plan.global_batch_size, "num_microbatches": plan.num_microbatches},
         "fingerprint": model_fingerprint(pipe.program), "state_dict_keys": state_dict_keys(pipe),
         "optimizer": type(optimizer).__name__ if optimizer is not None else None,
-        "files": sorted(p.name for p in temporary.iterdir() if p.is_file()),
+        "files": files,
+        "checksums": {name: checksums[name] for name in files},
     }
     write_manifest(temporary, manifest)
+    _replace(temporary, target)
+
+
+def _replace(temporary: Path, target: Path) -> None:
+    """Rename ``temporary`` to ``target``; an older ``target`` is moved aside first and put back if that fails."""
     retired = target.with_name(f"{target.name}.old-{uuid.uuid4().hex}")
     if target.exists():
         os.replace(target, retired)
-    os.replace(temporary, target)
+    try:
+        os.replace(temporary, target)
+    except OSError:
+        if retired.exists():
+            os.replace(retired, target)
+        raise
     fsync_directory(target.parent)
     if retired.exists():
         shutil.rmtree(retired)
@@ -185,32 +269,52 @@ def _json_bytes(value: Any, what: str) -> torch.Tensor:
 # ---- load -----------------------------------------------------------------------------------------
 
 
-def load_checkpoint(pipe: PipelinedModule, directory: str | Path, *,
-                    optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+def load_checkpoint(pipe: PipelinedModule, directory: str | Path, *, optimizer: torch.optim.Optimizer | None = None,
+                    verify: bool = True) -> dict[str, Any]:
     """Load parameters (and optimizer / RNG state) into this rank's stage; every rank calls it.
 
     Works across plans and world sizes: every rank reads the entries it holds by name. RNG state is
-    restored for ranks that existed when saving. Returns ``{"step": int, "extra": dict}``.
+    restored for ranks that existed when saving. With ``verify`` (the default) the ranks first check
+    every file's size and sha256 against the manifest (each rank hashes a share of the files). Any
+    failure raises CheckpointError on every rank before anything is loaded. Returns ``{"step": int, "extra": dict}``.
     """
-    manifest = read_manifest(directory)
-    check_fingerprint(manifest["fingerprint"], model_fingerprint(pipe.program), directory)
-    if optimizer is not None and manifest["optimizer"] is None:
-        raise CheckpointError(f"checkpoint {str(directory)!r} holds no optimizer state; load it with optimizer=None "
-                              "or save with optimizer=...")
     reader = SafeFileSystemReader(directory)
-    stored = reader.read_metadata().state_dict_metadata
+    manifest, stored, names = _collectively(lambda: _checked_manifest(pipe, directory, optimizer, verify, reader),
+                                            f"load checkpoint {str(directory)!r}")[0]
     state: dict[str, torch.Tensor] = {MODEL_PREFIX + name: tensor for name, tensor in pipe.state_dict().items()}
-    names = _optimizer_param_names(pipe, optimizer) if optimizer is not None else []
     for name in names:
         state.update(_empty_entries(stored, f"{OPTIM_PREFIX}{name}/"))
         state.update(_empty_entries(stored, OPTIM_META_PREFIX + name, exact=True))
     rank = dist.get_rank()
     state.update(_empty_entries(stored, f"{RNG_PREFIX}{rank}/"))
-    dcp.load(state, storage_reader=reader)
+    _dcp_call(lambda: dcp.load(state, storage_reader=reader), f"load checkpoint {str(directory)!r}")
+    _collectively(lambda: _restore(optimizer, names, state, rank), f"restore checkpoint {str(directory)!r}")
+    return {"step": int(manifest["step"]), "extra": manifest["extra"]}
+
+
+def _restore(optimizer: torch.optim.Optimizer | None, names: list[str], state: Mapping[str, torch.Tensor],
+             rank: int) -> None:
     if optimizer is not None:
         _restore_optimizer(optimizer, names, state)
     _restore_rng(state, rank)
-    return {"step": int(manifest["step"]), "extra": manifest["extra"]}
+
+
+def _checked_manifest(pipe: PipelinedModule, directory: str | Path, optimizer: torch.optim.Optimizer | None,
+                      verify: bool, reader: SafeFileSystemReader) -> tuple[dict[str, Any], Mapping[str, Any], list[str]]:
+    """This rank's checks before loading: a complete manifest, the same model, and (``verify``) its share of files.
+
+    Returns the manifest, DCP's stored-entry metadata and the optimizer's parameter names.
+    """
+    manifest = read_manifest(directory, verify)
+    check_fingerprint(manifest["fingerprint"], model_fingerprint(pipe.program), directory)
+    if optimizer is not None and manifest["optimizer"] is None:
+        raise CheckpointError(f"checkpoint {str(directory)!r} holds no optimizer state; load it with optimizer=None "
+                              "or save with optimizer=...")
+    if verify:
+        names = sorted(manifest.get("checksums") or [DCP_METADATA_NAME])
+        verify_files(directory, manifest, names[dist.get_rank()::dist.get_world_size()])
+    param_names = _optimizer_param_names(pipe, optimizer) if optimizer is not None else []
+    return manifest, reader.read_metadata().state_dict_metadata, param_names
 
 
 def _empty_entries(stored: Mapping[str, Any], prefix: str, exact: bool = False) -> dict[str, torch.Tensor]:
@@ -289,5 +393,5 @@ def read_tensors(directory: str | Path, entries: Mapping[str, Mapping[str, Any]]
     state = {key: tensor for key in entries if (tensor := _empty(stored[key])) is not None}
     with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the point here
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load(state, storage_reader=reader, no_dist=True)
+        _dcp_call(lambda: dcp.load(state, storage_reader=reader, no_dist=True), f"read {str(directory)!r}")
     return state
