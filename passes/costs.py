@@ -292,8 +292,21 @@ def _cost_node(gm: fx.GraphModule, node: fx.Node, times: tuple[Affine, Affine], 
         module_path=module_path(node),
         param_names=_param_names(gm, node),
         op=f"{node.op}:{_target_name(gm, node)}",
-        tensor_output=cost.is_tensor,
+        tensor_output=cost.is_tensor and rows_follow_batch(cost),
     )
+
+
+def rows_follow_batch(cost: NodeCost) -> bool:
+    """Whether every output's rows are the batch rows: dim 0 is the batch, or no dim depends on it.
+
+    A value such as ``(B*T, C)`` (a flatten before a matmul) cannot be split between replicas by
+    rows, so the cost graph marks it like a non-tensor: no cut may send it (see CostNode).
+    """
+    for shape in cost.output_shapes:
+        dims = [sympy.sympify(size) for size in shape]
+        if any(BATCH in size.free_symbols for size in dims) and sympy.expand(dims[0] - BATCH) != 0:
+            return False
+    return True
 
 
 def module_path(node: fx.Node) -> str:
