@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch import fx, nn
 
 import fxpipe
+from fxpipe.cli import main as cli_main
+from fxpipe.cluster import parse_cluster
+from fxpipe.passes import annotate_costs, to_cost_graph, trace
+from fxpipe.passes.chain import build_chain
+from fxpipe.passes.codegen import CodegenError, split_stages
+from fxpipe.passes.costs import CostAnnotationError
 from fxpipe.plan import Plan
-from fxpipe.planning import plan_model
+from fxpipe.planning import cost_model, plan_chain
 from tests.mp_utils import join_world, leave_world, run_ranks
 
 transformers = pytest.importorskip("transformers")
 hf_examples = pytest.importorskip("fxpipe.hf_examples")
-
-pytestmark = pytest.mark.multiprocess
 
 WORLD_SIZE = 4
 GLOBAL_BATCH = 8
@@ -58,7 +65,7 @@ def _mismatches(kind: str, actual: dict[str, torch.Tensor], expected: dict[str, 
     return problems
 
 
-def _train(name: str, plan: str | Plan, batches: list[Any], reference: dict[str, Any]) -> dict[str, Any]:
+def _train(name: str, plan: Plan, batches: list[Any], reference: dict[str, Any]) -> dict[str, Any]:
     model, example_inputs = hf_examples.HF_FACTORIES[name]()
     pipe = fxpipe.compile(model, example_inputs, loss_fn=hf_examples.hf_loss, global_batch_size=GLOBAL_BATCH,
                           plan=plan)
@@ -76,23 +83,25 @@ def _train(name: str, plan: str | Plan, batches: list[Any], reference: dict[str,
     return {"plan": pipe.plan.layout, "losses": losses, "problems": problems, "names": sorted(params)}
 
 
-def _auto_plan(name: str, world_size: int) -> Plan:
-    """What compile(plan="auto") plans on this world; it may use fewer ranks than the world has."""
+def _plans(name: str) -> list[Plan]:
+    """The plan of every layout, as compile(plan=layout) makes it on rank 0, from one costed chain."""
     model, example_inputs = hf_examples.HF_FACTORIES[name]()
-    return plan_model(model, example_inputs, cluster=f"local:{world_size}", global_batch_size=GLOBAL_BATCH)
+    cluster = parse_cluster(f"local:{WORLD_SIZE}")
+    chain = cost_model(model, example_inputs, cluster).chain
+    return [plan_chain(chain, cluster, GLOBAL_BATCH, layout=None if layout == "auto" else layout)
+            for layout in LAYOUTS]
 
 
-def _train_all_layouts(rank: int, world_size: int, store_dir: str, name: str) -> list[dict[str, Any] | None]:
+def _train_all_layouts(rank: int, world_size: int, store_dir: str, name: str,
+                       plans: list[Plan]) -> list[dict[str, Any] | None]:
     batches = _batches(name)
     reference = _reference(name, batches)
     records: list[dict[str, Any] | None] = []
-    for index, layout in enumerate(LAYOUTS):
-        plan: str | Plan = _auto_plan(name, world_size) if layout == "auto" else layout
-        num_ranks = world_size if isinstance(plan, str) else plan.world_size
-        if rank >= num_ranks:
-            records.append(None)  # this plan uses fewer ranks; this one sits it out
+    for index, plan in enumerate(plans):
+        if rank >= plan.world_size:
+            records.append(None)  # "auto" may use fewer ranks; this one sits it out
             continue
-        join_world(store_dir, f"{name}-{index}", rank, num_ranks)
+        join_world(store_dir, f"{name}-{index}", rank, plan.world_size)
         try:
             record = _train(name, plan, batches, reference)
         finally:
@@ -101,9 +110,12 @@ def _train_all_layouts(rank: int, world_size: int, store_dir: str, name: str) ->
     return records
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["gpt2", "bert-mlm", "llama", "vit"])
 def test_hf_model_trains_like_one_process_under_every_layout(name: str, tmp_path: Any) -> None:
-    per_rank = run_ranks(_train_all_layouts, WORLD_SIZE, tmp_path, name, timeout_s=300.0)
+    plans = _plans(name)
+    assert [plan.layout for plan in plans[:-1]] == list(LAYOUTS[:-1])
+    per_rank = run_ranks(_train_all_layouts, WORLD_SIZE, tmp_path, name, plans, timeout_s=300.0)
     failures = []
     for index, layout in enumerate(LAYOUTS):
         records = [records[index] for records in per_rank if records[index] is not None]
@@ -119,3 +131,77 @@ def test_hf_model_trains_like_one_process_under_every_layout(name: str, tmp_path
         if covered != records[0]["all_names"]:
             failures.append(f"{layout}: ranks cover {covered} != model's {records[0]['all_names']}")
     assert not failures, "\n".join(failures)
+
+
+def _symbolic_scalars(gm: fx.GraphModule) -> list[fx.Node]:
+    return [node for node in gm.graph.nodes
+            if node.op == "call_function" and isinstance(node.meta.get("val"), torch.SymInt | torch.SymFloat)]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_hf_model_traces_with_a_symbolic_batch_and_costs_exactly(name: str) -> None:
+    model, example_inputs = hf_examples.HF_FACTORIES[name]()
+    gm = trace(model, example_inputs)
+    assert gm.meta["fxpipe.frontend"] == "export" and gm.meta["fxpipe.symbolic_batch"]
+    wider = {key: torch.cat([value, value]) for key, value in example_inputs.items()}  # another batch size
+    output = gm(*wider.values())
+    assert isinstance(output, dict)  # a ModelOutput comes back as a plain dict
+    torch.testing.assert_close(output["logits"], model(**wider)["logits"], rtol=0, atol=0)
+    order = {node: index for index, node in enumerate(gm.graph.nodes)}
+    for node in _symbolic_scalars(gm):  # each size sits right before its readers, so no cut separates them
+        for user in node.users:
+            between = list(gm.graph.nodes)[order[node] + 1:order[user]]
+            assert all(other in _symbolic_scalars(gm) for other in between), (node.name, user.name)
+    annotated = annotate_costs(gm)
+    assert annotated.meta["fxpipe.cost_mode"] == "symbolic"
+
+
+def test_planner_and_codegen_never_send_batch_times_sequence_rows() -> None:
+    model, example_inputs = hf_examples.gpt2()
+    gm = trace(model, example_inputs)
+    graph = to_cost_graph(annotate_costs(gm))
+    flattened = {node.name for node in graph.nodes if node.op.endswith(":addmm.default")}
+    assert flattened and not any(node.tensor_output for node in graph.nodes if node.name in flattened)
+    chain = build_chain(graph, max_blocks=None)
+    position = {node.name: index for index, node in enumerate(graph.nodes)}
+    readers = {node.name: max([position[user.name] for user in graph.nodes if node.name in user.inputs],
+                              default=position[node.name]) for node in graph.nodes}
+    ends = [position[block.node_names[-1]] for block in chain.blocks[:-1]]
+    crossing = {name for name in flattened for end in ends if position[name] <= end < readers[name]}
+    assert len(chain.blocks) > 10 and not crossing
+    addmm = next(node for node in gm.graph.nodes if node.target is torch.ops.aten.addmm.default)
+    names = [node.name for node in gm.graph.nodes if node.op not in ("placeholder", "output", "get_attr")]
+    cut = names.index(addmm.name) + 1
+    with pytest.raises(CodegenError, match=rf"{addmm.name}.*grows with the batch but dim 0 is not the batch"):
+        split_stages(gm, [names[:cut], names[cut:]])
+
+
+class _HardCodedBatch(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(4, 16) * 2  # only batch 4 fits
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(16, 16)
+        self.head = _HardCodedBatch()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(x)))
+
+
+def test_cost_error_names_the_node_op_and_module_that_fixed_the_batch() -> None:
+    gm = trace(_Net(), (torch.randn(4, 16),), frontend="export")
+    with pytest.raises(CostAnnotationError, match=r"node 'reshape' \(op reshape.default, module head\)"
+                       r".*specialised the batch to 4.*at batch 8.*fails"):
+        annotate_costs(gm)
+
+
+def test_fxpipe_plan_accepts_a_hugging_face_factory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.json"
+    assert cli_main(["plan", "fxpipe.hf_examples:gpt2", "--cluster", "local:4", "--global-batch", "8",
+                     "--layout", "2:1:1", "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert [stage["replicas"] for stage in plan["stages"]] == [2, 1, 1]
+    assert "plan 2:1:1" in capsys.readouterr().out
