@@ -205,3 +205,34 @@ def test_fxpipe_plan_accepts_a_hugging_face_factory(tmp_path: Path, capsys: pyte
     plan = json.loads(out.read_text())
     assert [stage["replicas"] for stage in plan["stages"]] == [2, 1, 1]
     assert "plan 2:1:1" in capsys.readouterr().out
+
+
+class _LogitsOnly(nn.Module):
+    """The issue's reproduction: a GPT-2 wrapped to return ``.logits`` with ``use_cache=False``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+def test_wrapped_gpt2_compiles_and_steps_exactly_in_a_world_of_one() -> None:
+    model = _LogitsOnly(hf_examples.gpt2()[0])
+    reference = _LogitsOnly(hf_examples.gpt2()[0])
+    inputs, targets = hf_examples.make_batch("gpt2", 4, seed=7)
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return hf_examples.hf_loss({"logits": output}, target)
+
+    pipe = fxpipe.compile(model, (inputs["input_ids"],), loss_fn=loss_fn, global_batch_size=4, plan="dp")
+    try:
+        loss = pipe.step((inputs["input_ids"],), targets)
+    finally:
+        pipe.close()
+    expected = loss_fn(reference(inputs["input_ids"]), targets)
+    expected.backward()
+    assert loss == pytest.approx(expected.item(), rel=1e-6)
+    grads = {key: p.grad for key, p in reference.named_parameters()}
+    assert not _mismatches("grad", {key: p.grad for key, p in pipe.named_parameters()}, grads, rtol=1e-4, atol=1e-6)
