@@ -193,6 +193,7 @@ class _Net(nn.Module):
 
 def test_cost_error_names_the_node_op_and_module_that_fixed_the_batch() -> None:
     gm = trace(_Net(), (torch.randn(4, 16),), frontend="export")
+    assert gm.meta["fxpipe.symbolic_batch"] is False  # export refused the symbolic batch: static fallback
     with pytest.raises(CostAnnotationError, match=r"node 'reshape' \(op reshape.default, module head\)"
                        r".*specialised the batch to 4.*at batch 8.*fails"):
         annotate_costs(gm)
