@@ -28,8 +28,11 @@ class CostedModel:
     chain: CostChain
 
 
-def load_model(spec: str, *, device: str = "cpu", **overrides: Any) -> tuple[torch.nn.Module, tuple[Any, ...]]:
-    """Build MODEL: a zoo name (``gpt-mini``) or ``package.module:factory`` returning (model, example_inputs)."""
+def load_model(spec: str, *, device: str = "cpu", **overrides: Any) -> tuple[torch.nn.Module, tuple[Any, ...] | dict[str, Any]]:
+    """Build MODEL: a zoo name (``gpt-mini``) or ``package.module:factory`` returning (model, example_inputs).
+
+    A factory's example_inputs may be a dict of keyword tensors (Hugging Face models); it is kept as is.
+    """
     if ":" not in spec:
         from fxpipe import models
 
@@ -45,12 +48,12 @@ def load_model(spec: str, *, device: str = "cpu", **overrides: Any) -> tuple[tor
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module)):
         raise ModelSpecError(f"factory {spec!r} must return (nn.Module, example_inputs), got {type(result).__name__}")
     model, example_inputs = result
-    return model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    return model, example_inputs if isinstance(example_inputs, tuple | dict) else (example_inputs,)
 
 
 def cost_model(
     model: torch.nn.Module,
-    example_inputs: tuple[Any, ...],
+    example_inputs: tuple[Any, ...] | dict[str, Any],
     cluster: Cluster,
     *,
     costs: str = "analytic",
@@ -87,7 +90,7 @@ def plan_chain(chain: CostChain, cluster: Cluster, global_batch_size: int, **opt
 
 def plan_model(
     model: torch.nn.Module,
-    example_inputs: tuple[Any, ...],
+    example_inputs: tuple[Any, ...] | dict[str, Any],
     *,
     cluster: Cluster | str,
     global_batch_size: int,

@@ -215,7 +215,9 @@ def build_chain(graph: CostGraph, *, max_blocks: int | None = 64, balance_rows: 
 
     Every node-level cut gets the bytes of all values produced at or before it and read after it
     (skip edges included, each value once). Cuts crossed by a non-tensor value are never block
-    boundaries. With more allowed cuts than ``max_blocks - 1`` the cuts are chosen to balance
+    boundaries, nor cuts crossed by a tensor whose rows are not the batch rows (a ``(B*T, C)``
+    flatten: it cannot be split between replicas by sample), which the cost graph also marks
+    ``tensor_output=False``. With more allowed cuts than ``max_blocks - 1`` the cuts are chosen to balance
     forward + backward time at ``balance_rows`` rows per block, preferring module boundaries and
     small cut bytes among near-equal choices (see :func:`_select_cuts`); ``None`` keeps every
     allowed cut.

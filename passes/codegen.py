@@ -87,7 +87,7 @@ def split_stages(
     last = len(stage_node_names) - 1
     members = _stage_members(gm, assignment, last)
     consumers = _consumers(gm, assignment, last)
-    _check_crossing_values(consumers, at_batch)
+    _check_crossing_values(consumers, at_batch, at_next)
     producers = {name: assignment.get(name, MODEL_INPUT) for name in consumers}
     output_tree = _output_tree(gm)
     leaves = _unique(_tree_leaves(output_tree))
@@ -191,13 +191,21 @@ def _unpack_on_producer(gm: fx.GraphModule, assignment: dict[str, int], fake_val
             assignment[node.name] = assignment[source.name]
 
 
-def _check_crossing_values(consumers: Mapping[str, tuple[int, ...]], fake_values: Mapping[str, Any]) -> None:
+def _check_crossing_values(consumers: Mapping[str, tuple[int, ...]], fake_values: Mapping[str, Any],
+                           fake_values_next: Mapping[str, Any]) -> None:
     for name in consumers:
-        value = fake_values[name]
+        value, value_next = fake_values[name], fake_values_next[name]
         if not isinstance(value, torch.Tensor) and _holds_tensor(value):
             raise CodegenError(
                 f"value {name!r} ({type(value).__name__} holding tensors) would cross a stage boundary as a Python "
                 "object without gradients; put the nodes that read it on the stage that computes it"
+            )
+        if isinstance(value, torch.Tensor) and value.shape != value_next.shape and value.dim() > 0 and \
+                value_next.shape[0] - value.shape[0] != 1:
+            raise CodegenError(
+                f"value {name!r} of shape {tuple(value.shape)} grows with the batch but dim 0 is not the batch "
+                f"(one more sample gives {tuple(value_next.shape)}), so it cannot be split between replicas by "
+                "rows; cut before or after the op that flattens the batch (the planners never cut there)"
             )
 
 

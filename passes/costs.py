@@ -15,7 +15,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from fxpipe.cluster import DeviceSpec
 from fxpipe.costgraph import ZERO, Affine, CostGraph, CostNode
-from fxpipe.passes.flops import NodeCost, run_fake
+from fxpipe.passes.flops import NodeCost, NodeRunError, run_fake
 
 if TYPE_CHECKING:
     from fxpipe.passes.profile import MeasuredCosts
@@ -57,7 +57,7 @@ def annotate_costs(
         costs = _run_symbolic(result, inputs, batch, cache)
         mode = "symbolic"
     except _NotSymbolic as error:
-        costs = _fit_affine(result, inputs, batch, cache)
+        costs = _fit_affine(result, inputs, batch, cache, str(error))
         mode = f"affine-fit (symbolic batch failed: {error})"
     for node in result.graph.nodes:
         if node.name in costs:
@@ -109,6 +109,7 @@ def _run_symbolic(gm: fx.GraphModule, inputs: Sequence[Any], batch: int, cache: 
     fake_mode = FakeTensorMode(shape_env=shape_env)
     symbol = shape_env.create_symbol(batch, ConstantSource("fxpipe_batch"))
     batch_size = shape_env.create_symintnode(symbol, hint=batch)
+    specialised_by: list[fx.Node] = []
 
     def to_expr(value: Any) -> sympy.Expr:
         if isinstance(value, torch.SymInt | torch.SymFloat):
@@ -118,23 +119,58 @@ def _run_symbolic(gm: fx.GraphModule, inputs: Sequence[Any], batch: int, cache: 
             return sympy.expand(expr.subs(symbol, BATCH))
         return sympy.sympify(value)
 
+    def watch(node: fx.Node) -> None:  # the first node after which the batch is a constant made it one
+        if not specialised_by and symbol in shape_env.replacements:
+            specialised_by.append(node)
+
     try:
-        costs = run_fake(gm, inputs, fake_mode, batch_size, to_expr, cache=cache)
-    except _NotSymbolic:
-        raise
-    except Exception as error:  # any op that cannot take a symbolic batch: fall back, say why in meta
-        raise _NotSymbolic(f"{type(error).__name__}: {error}") from error
-    if symbol in shape_env.replacements:
-        raise _NotSymbolic(f"an op specialised the batch to {shape_env.replacements[symbol]}")
+        costs = run_fake(gm, inputs, fake_mode, batch_size, to_expr, cache=cache, after_node=watch)
+    except NodeRunError as error:  # an op that cannot take a symbolic batch: fall back, say where in meta
+        if isinstance(error.reason, _NotSymbolic):
+            raise _NotSymbolic(f"{describe_node(gm, error.node)}: {error.reason}") from error
+        raise _NotSymbolic(f"{describe_node(gm, error.node)} failed: {type(error.reason).__name__}: "
+                           f"{_first_line(error.reason)}") from error
+    if specialised_by:
+        raise _NotSymbolic(f"{describe_node(gm, specialised_by[0])} specialised the batch to "
+                           f"{shape_env.replacements[symbol]}")
     return costs
 
 
-def _fit_affine(gm: fx.GraphModule, inputs: Sequence[Any], batch: int, cache: bool) -> dict[str, NodeCost]:
-    """Cost the graph at batch sizes b and 2b with concrete fakes and join them by a line in BATCH."""
+def describe_node(gm: fx.GraphModule, node: fx.Node) -> str:
+    """``node 'view_2' (op view, module transformer.h.0.attn)``: how errors name a graph node."""
+    return f"node {node.name!r} (op {_target_name(gm, node)}, module {module_path(node) or '<root>'})"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _fit_affine(gm: fx.GraphModule, inputs: Sequence[Any], batch: int, cache: bool,
+                why: str) -> dict[str, NodeCost]:
+    """Cost the graph at batch sizes b and 2b with concrete fakes and join them by a line in BATCH.
+
+    A graph that cannot run at 2b (its views hard-code the example batch) has no line to fit: the
+    error names the node that breaks and the one that fixed the batch.
+    """
     runs = []
     for rows in (batch, 2 * batch):
         fake_mode = FakeTensorMode()
-        runs.append(run_fake(gm, inputs, fake_mode, rows, sympy.sympify, cache=cache))
+        try:
+            runs.append(run_fake(gm, inputs, fake_mode, rows, sympy.sympify, cache=cache))
+        except NodeRunError as error:
+            if rows == batch:  # not about the batch at all: the graph fails at its own example
+                raise CostAnnotationError(
+                    f"cannot cost the graph: {describe_node(gm, error.node)} fails on fake inputs at the example "
+                    f"batch {batch} ({type(error.reason).__name__}: {_first_line(error.reason)})"
+                ) from error
+            raise CostAnnotationError(
+                f"cannot cost the graph: the symbolic batch failed ({why}), and at batch {rows} instead of the "
+                f"example's {batch} {describe_node(gm, error.node)} fails ({type(error.reason).__name__}: "
+                f"{_first_line(error.reason)}), so the graph only runs at the example batch and cannot be split "
+                "into micro-batches. Fix: trace with fxpipe.passes.trace (a symbolic batch), and write shapes "
+                "from the input (x.view(x.size(0), -1)) instead of fixed numbers"
+            ) from error
     return {name: _fit_node(runs[0][name], runs[1][name], batch) for name in runs[0]}
 
 
@@ -292,8 +328,21 @@ def _cost_node(gm: fx.GraphModule, node: fx.Node, times: tuple[Affine, Affine], 
         module_path=module_path(node),
         param_names=_param_names(gm, node),
         op=f"{node.op}:{_target_name(gm, node)}",
-        tensor_output=cost.is_tensor,
+        tensor_output=cost.is_tensor and rows_follow_batch(cost),
     )
+
+
+def rows_follow_batch(cost: NodeCost) -> bool:
+    """Whether every output's rows are the batch rows: dim 0 is the batch, or no dim depends on it.
+
+    A value such as ``(B*T, C)`` (a flatten before a matmul) cannot be split between replicas by
+    rows, so the cost graph marks it like a non-tensor: no cut may send it (see CostNode).
+    """
+    for shape in cost.output_shapes:
+        dims = [sympy.sympify(size) for size in shape]
+        if any(BATCH in size.free_symbols for size in dims) and sympy.expand(dims[0] - BATCH) != 0:
+            return False
+    return True
 
 
 def module_path(node: fx.Node) -> str:

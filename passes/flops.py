@@ -243,8 +243,11 @@ def run_fake(
     to_expr: Callable[[Any], sympy.Expr],
     *,
     cache: bool = True,
+    after_node: Callable[[fx.Node], None] | None = None,
 ) -> dict[str, NodeCost]:
-    """Run every node on fakes (batch dim = ``batch_size``) and cost it.
+    """Run every node on fakes (batch dim = ``batch_size``) and cost it; ``after_node`` sees each node run.
+
+    A node that fails raises :class:`NodeRunError` naming it.
 
     With ``cache``, a node whose ``node_signature`` was seen before (the next transformer layer) is
     not run: its outputs are the earlier node's, and its saved and parameter bytes are replayed
@@ -259,16 +262,30 @@ def run_fake(
         for node in gm.graph.nodes:
             if node.op == "output":
                 continue
-            if node.op == "placeholder":
-                env[node.name] = _fake_input(next(placeholders), batch_size)
-                costs[node.name] = _value_cost(env[node.name], state)
-            elif node.op == "get_attr":
-                env[node.name], costs[node.name] = _run_get_attr(gm, node, state)
-            else:
-                env[node.name], costs[node.name] = _run_call(gm, node, env, state)
+            try:
+                if node.op == "placeholder":
+                    env[node.name] = _fake_input(next(placeholders), batch_size)
+                    costs[node.name] = _value_cost(env[node.name], state)
+                elif node.op == "get_attr":
+                    env[node.name], costs[node.name] = _run_get_attr(gm, node, state)
+                else:
+                    env[node.name], costs[node.name] = _run_call(gm, node, env, state)
+            except Exception as error:
+                raise NodeRunError(node, error) from error
             if node.name not in state.keys:
                 state.keys[node.name] = state.key_tree(env[node.name])
+            if after_node is not None:
+                after_node(node)
     return costs
+
+
+class NodeRunError(RuntimeError):
+    """Running ``node`` on fakes failed; ``reason`` is the op's own error."""
+
+    def __init__(self, node: fx.Node, reason: BaseException) -> None:
+        self.node = node
+        self.reason = reason
+        super().__init__(f"{node.name}: {type(reason).__name__}: {reason}")
 
 
 def _fake_weights(gm: fx.GraphModule, fake_mode: FakeTensorMode, state: _RunState) -> None:
@@ -324,9 +341,14 @@ def _module_param_bytes(gm: fx.GraphModule, node: fx.Node, state: _RunState) -> 
     return _first_use_bytes([tensor for _, tensor in module_tensors(gm.get_submodule(str(node.target)))], state)
 
 
+def _claimed_device(value: Any) -> Any:
+    return _FAKE_DEVICE if isinstance(value, torch.device) and value.type == "meta" else value
+
+
 def _run_call(gm: fx.GraphModule, node: fx.Node, env: dict[str, Any], state: _RunState) -> tuple[Any, NodeCost]:
     """Replay a node whose signature was measured before, else measure it (and remember it)."""
     args = fx.node.map_arg((node.args, node.kwargs), lambda arg: env[arg.name])
+    args = tree_map(_claimed_device, args)  # a graph traced on meta makes its constants on meta
     leaves, spec = tree_flatten(args)
     key_leaves, _ = tree_flatten(fx.node.map_arg((node.args, node.kwargs), lambda arg: state.keys[arg.name]))
     keys = [input_key(leaf, key, state) for leaf, key in zip(leaves, key_leaves, strict=True)]

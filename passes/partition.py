@@ -60,7 +60,8 @@ def parse_layout(layout: str, num_devices: int, num_blocks: int) -> tuple[int, .
                           "use fewer replicas or a larger cluster")
     if len(counts) > num_blocks:
         raise LayoutError(f"layout {layout!r} has {len(counts)} stages but the chain has only {num_blocks} "
-                          "blocks; use fewer stages")
+                          "blocks (no cut is made where a Python value or a value whose rows are not the batch "
+                          "rows, such as a (batch*seq, hidden) flatten, would cross); use fewer stages")
     return counts
 
 

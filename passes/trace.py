@@ -73,8 +73,11 @@ def trace(
     The GraphModule shares parameter and buffer tensors with `model` (nothing is copied; a tied weight
     stays one Parameter). Outputs are plain containers: Mappings such as Hugging Face ModelOutput come
     back as dicts, tuples and lists as tuples and lists. Export graphs are specialised on the model's
-    training mode (dropout, batch statistics) and on the example shapes, batch size included; fx graphs
-    are shape-generic.
+    training mode (dropout, batch statistics) and on the example shapes except the batch: dim 0 of
+    every tensor input is one symbolic size, and each op that reads a size (a view to (B, T, C)) reads
+    its own copy, computed from the tensors at hand; gm.meta["fxpipe.symbolic_batch"] is False when
+    the model refused a symbolic batch and was exported at the example batch. fx graphs are
+    shape-generic.
     Raises ExampleInputsTypeError (a TypeError) for malformed inputs and TraceError when tracing fails.
     """
     if frontend not in FRONTENDS:

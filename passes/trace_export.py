@@ -35,18 +35,89 @@ def trace_export(model: nn.Module, inputs: TraceInputs) -> fx.GraphModule:
     (Mappings such as Hugging Face ModelOutput become dicts, sequences become tuples/lists).
     """
     kwargs = {**dict(zip(inputs.names, inputs.values, strict=True)), **inputs.bound}
+    batch_shapes = _batch_dynamic_shapes(inputs)
+    exported = None
+    if batch_shapes is not None:
+        try:  # a symbolic batch keeps every view generic in the batch size
+            exported = torch.export.export(model, (), kwargs, dynamic_shapes=batch_shapes, strict=False)
+        except Exception:  # the model specialises the batch: export it static, annotate_costs names the op
+            exported = None
+    if exported is None:
+        exported = _export_static(model, kwargs)
+    unlifted = exported.module()
+    graph = _plain_graph(unlifted.graph, set(inputs.names), exported.call_spec.out_spec)
+    _localise_symbolic_sizes(graph)
+    gm = fx.GraphModule(unlifted, graph, class_name=type(model).__name__)
+    _annotate_module_paths(gm.graph)
+    gm.meta["fxpipe.symbolic_batch"] = batch_shapes is not None and _has_symbolic_batch(gm.graph)
+    return gm
+
+
+def _export_static(model: nn.Module, kwargs: dict[str, Any]) -> torch.export.ExportedProgram:
     with _running_modules(model) as running:
         try:
-            exported = torch.export.export(model, (), kwargs, strict=False)
+            return torch.export.export(model, (), kwargs, strict=False)
         except Exception as error:
             module_path = running[-1] if running else ""
             module_class = type(model.get_submodule(module_path)).__name__
             raise ExportTraceFailure(module_path, module_class, error) from error
-    unlifted = exported.module()
-    graph = _plain_graph(unlifted.graph, set(inputs.names), exported.call_spec.out_spec)
-    gm = fx.GraphModule(unlifted, graph, class_name=type(model).__name__)
-    _annotate_module_paths(gm.graph)
-    return gm
+
+
+def _batch_dynamic_shapes(inputs: TraceInputs) -> dict[str, Any] | None:
+    """One symbolic ``Dim`` for dim 0 of every tensor input, or None when no batch can be symbolic.
+
+    A batch of 0 or 1 would be specialised by export, and inputs that disagree on dim 0 have no
+    common batch; both export static.
+    """
+    sizes = {int(value.shape[0]) for value in inputs.values if value.dim() > 0}
+    if len(sizes) != 1 or min(sizes) < 2:
+        return None
+    batch = torch.export.Dim("batch")
+    shapes: dict[str, Any] = dict.fromkeys(inputs.bound)
+    shapes.update({name: ({0: batch} if value.dim() > 0 else None)
+                   for name, value in zip(inputs.names, inputs.values, strict=True)})
+    return shapes
+
+
+def _has_symbolic_batch(graph: fx.Graph) -> bool:
+    for node in graph.nodes:
+        value = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(value, torch.Tensor) and value.dim() > 0:
+            return not isinstance(value.shape[0], int)
+    return False
+
+
+def _is_symbolic_scalar(node: fx.Node) -> bool:
+    return node.op == "call_function" and isinstance(node.meta.get("val"), torch.SymInt | torch.SymFloat | torch.SymBool)
+
+
+def _localise_symbolic_sizes(graph: fx.Graph) -> None:
+    """Give every reader of a symbolic size (``sym_size(input_ids, 0)``, ``B * T``) its own copy, just before it.
+
+    Export computes the batch size once at the top and every view reads it; a size is a Python int,
+    which cannot cross a stage boundary, so without copies no cut could be made. Each copy re-reads
+    the tensors it was computed from, so on a stage it gives that stage's own slice size.
+    """
+    for node in list(graph.nodes):
+        if _is_symbolic_scalar(node) or not any(_is_symbolic_scalar(arg) for arg in node.all_input_nodes):
+            continue
+        copies: dict[fx.Node, fx.Node] = {}
+
+        def copy_of(source: fx.Node, reader: fx.Node = node, copies: dict[fx.Node, fx.Node] = copies) -> fx.Node:
+            if not _is_symbolic_scalar(source):
+                return source
+            if source not in copies:
+                copied = graph.node_copy(source, copy_of)
+                copied.meta = {**source.meta, "nn_module_stack": reader.meta.get("nn_module_stack", {})}
+                copies[source] = copied
+            return copies[source]
+
+        with graph.inserting_before(node):
+            node.args = fx.map_arg(node.args, copy_of)
+            node.kwargs = fx.map_arg(node.kwargs, copy_of)
+    for node in reversed(list(graph.nodes)):
+        if _is_symbolic_scalar(node) and not node.users:
+            graph.erase_node(node)
 
 
 @contextmanager

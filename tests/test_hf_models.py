@@ -1,0 +1,239 @@
+"""Hugging Face transformers models (tiny configs, built offline) compile, plan and train exactly on 4 gloo ranks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import fx, nn
+
+import fxpipe
+from fxpipe.cli import main as cli_main
+from fxpipe.cluster import parse_cluster
+from fxpipe.passes import annotate_costs, to_cost_graph, trace
+from fxpipe.passes.chain import build_chain
+from fxpipe.passes.codegen import CodegenError, split_stages
+from fxpipe.passes.costs import CostAnnotationError
+from fxpipe.plan import Plan
+from fxpipe.planning import cost_model, plan_chain
+from tests.mp_utils import join_world, leave_world, run_ranks
+
+transformers = pytest.importorskip("transformers")
+hf_examples = pytest.importorskip("fxpipe.hf_examples")
+
+WORLD_SIZE = 4
+GLOBAL_BATCH = 8
+NUM_STEPS = 3
+LEARNING_RATE = 1e-2
+# Attention key biases get exactly zero gradient in exact arithmetic (softmax ignores a shift), so their
+# gradients are rounding noise that Adam would scale up to full lr steps; a larger eps keeps noise small.
+ADAM_EPS = 1e-5
+LAYOUTS = ("2:1:1", "1:3", "2:2", "1:1:1:1", "auto")
+
+
+def _batches(name: str) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    return [hf_examples.make_batch(name, GLOBAL_BATCH, 100 + step) for step in range(NUM_STEPS)]
+
+
+def _reference(name: str, batches: list[Any]) -> dict[str, Any]:
+    """One process, whole batch: step-1 gradients, losses, parameters after NUM_STEPS AdamW steps."""
+    model, _ = hf_examples.HF_FACTORIES[name]()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
+    losses, grads = [], {}
+    for step, (inputs, targets) in enumerate(batches):
+        loss = hf_examples.hf_loss(model(**inputs), targets)
+        loss.backward()
+        losses.append(loss.item())
+        if step == 0:
+            grads = {key: p.grad.clone() for key, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "grads": grads, "params": {key: p.detach().clone() for key, p in model.named_parameters()}}
+
+
+def _mismatches(kind: str, actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], *, rtol: float,
+                atol: float) -> list[str]:
+    problems = []
+    for key, tensor in actual.items():
+        try:
+            torch.testing.assert_close(tensor, expected[key], rtol=rtol, atol=atol)
+        except AssertionError as error:
+            problems.append(f"{kind} {key}: {str(error).splitlines()[0:3]}")
+    return problems
+
+
+def _train(name: str, plan: Plan, batches: list[Any], reference: dict[str, Any]) -> dict[str, Any]:
+    model, example_inputs = hf_examples.HF_FACTORIES[name]()
+    pipe = fxpipe.compile(model, example_inputs, loss_fn=hf_examples.hf_loss, global_batch_size=GLOBAL_BATCH,
+                          plan=plan)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
+    losses, problems = [], []
+    for step, (inputs, targets) in enumerate(batches):
+        losses.append(pipe.step(inputs, targets))
+        if step == 0:
+            grads = {key: p.grad for key, p in pipe.named_parameters()}
+            problems += _mismatches("grad", grads, reference["grads"], rtol=1e-4, atol=1e-6)
+        optimizer.step()
+        optimizer.zero_grad()
+    params = {key: p.detach() for key, p in pipe.named_parameters()}
+    problems += _mismatches("param", params, reference["params"], rtol=0.0, atol=1e-4)
+    return {"plan": pipe.plan.layout, "losses": losses, "problems": problems, "names": sorted(params)}
+
+
+def _plans(name: str) -> list[Plan]:
+    """The plan of every layout, as compile(plan=layout) makes it on rank 0, from one costed chain."""
+    model, example_inputs = hf_examples.HF_FACTORIES[name]()
+    cluster = parse_cluster(f"local:{WORLD_SIZE}")
+    chain = cost_model(model, example_inputs, cluster).chain
+    return [plan_chain(chain, cluster, GLOBAL_BATCH, layout=None if layout == "auto" else layout)
+            for layout in LAYOUTS]
+
+
+def _train_all_layouts(rank: int, world_size: int, store_dir: str, name: str,
+                       plans: list[Plan]) -> list[dict[str, Any] | None]:
+    batches = _batches(name)
+    reference = _reference(name, batches)
+    records: list[dict[str, Any] | None] = []
+    for index, plan in enumerate(plans):
+        if rank >= plan.world_size:
+            records.append(None)  # "auto" may use fewer ranks; this one sits it out
+            continue
+        join_world(store_dir, f"{name}-{index}", rank, plan.world_size)
+        try:
+            record = _train(name, plan, batches, reference)
+        finally:
+            leave_world()
+        records.append({**record, "reference_losses": reference["losses"], "all_names": sorted(reference["params"])})
+    return records
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["gpt2", "bert-mlm", "llama", "vit"])
+def test_hf_model_trains_like_one_process_under_every_layout(name: str, tmp_path: Any) -> None:
+    plans = _plans(name)
+    assert [plan.layout for plan in plans[:-1]] == list(LAYOUTS[:-1])
+    per_rank = run_ranks(_train_all_layouts, WORLD_SIZE, tmp_path, name, plans, timeout_s=300.0)
+    failures = []
+    for index, layout in enumerate(LAYOUTS):
+        records = [records[index] for records in per_rank if records[index] is not None]
+        problems = [p for r in records for p in r["problems"]]
+        if problems:
+            failures.append(f"{layout}: {problems[:4]}")
+        if len({tuple(r["losses"]) for r in records}) != 1:
+            failures.append(f"{layout}: ranks report different losses")
+        if not torch.allclose(torch.tensor(records[0]["losses"]), torch.tensor(records[0]["reference_losses"]),
+                              rtol=1e-5, atol=1e-6):
+            failures.append(f"{layout}: losses {records[0]['losses']} != {records[0]['reference_losses']}")
+        covered = sorted({n for r in records for n in r["names"]})
+        if covered != records[0]["all_names"]:
+            failures.append(f"{layout}: ranks cover {covered} != model's {records[0]['all_names']}")
+    assert not failures, "\n".join(failures)
+
+
+def _symbolic_scalars(gm: fx.GraphModule) -> list[fx.Node]:
+    return [node for node in gm.graph.nodes
+            if node.op == "call_function" and isinstance(node.meta.get("val"), torch.SymInt | torch.SymFloat)]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_hf_model_traces_with_a_symbolic_batch_and_costs_exactly(name: str) -> None:
+    model, example_inputs = hf_examples.HF_FACTORIES[name]()
+    gm = trace(model, example_inputs)
+    assert gm.meta["fxpipe.frontend"] == "export" and gm.meta["fxpipe.symbolic_batch"]
+    wider = {key: torch.cat([value, value]) for key, value in example_inputs.items()}  # another batch size
+    output = gm(*wider.values())
+    assert isinstance(output, dict)  # a ModelOutput comes back as a plain dict
+    torch.testing.assert_close(output["logits"], model(**wider)["logits"], rtol=0, atol=0)
+    order = {node: index for index, node in enumerate(gm.graph.nodes)}
+    for node in _symbolic_scalars(gm):  # each size sits right before its readers, so no cut separates them
+        for user in node.users:
+            between = list(gm.graph.nodes)[order[node] + 1:order[user]]
+            assert all(other in _symbolic_scalars(gm) for other in between), (node.name, user.name)
+    annotated = annotate_costs(gm)
+    assert annotated.meta["fxpipe.cost_mode"] == "symbolic"
+
+
+def test_planner_and_codegen_never_send_batch_times_sequence_rows() -> None:
+    model, example_inputs = hf_examples.gpt2()
+    gm = trace(model, example_inputs)
+    graph = to_cost_graph(annotate_costs(gm))
+    flattened = {node.name for node in graph.nodes if node.op.endswith(":addmm.default")}
+    assert flattened and not any(node.tensor_output for node in graph.nodes if node.name in flattened)
+    chain = build_chain(graph, max_blocks=None)
+    position = {node.name: index for index, node in enumerate(graph.nodes)}
+    readers = {node.name: max([position[user.name] for user in graph.nodes if node.name in user.inputs],
+                              default=position[node.name]) for node in graph.nodes}
+    ends = [position[block.node_names[-1]] for block in chain.blocks[:-1]]
+    crossing = {name for name in flattened for end in ends if position[name] <= end < readers[name]}
+    assert len(chain.blocks) > 10 and not crossing
+    addmm = next(node for node in gm.graph.nodes if node.target is torch.ops.aten.addmm.default)
+    names = [node.name for node in gm.graph.nodes if node.op not in ("placeholder", "output", "get_attr")]
+    cut = names.index(addmm.name) + 1
+    with pytest.raises(CodegenError, match=rf"{addmm.name}.*grows with the batch but dim 0 is not the batch"):
+        split_stages(gm, [names[:cut], names[cut:]])
+
+
+class _HardCodedBatch(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(4, 16) * 2  # only batch 4 fits
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(16, 16)
+        self.head = _HardCodedBatch()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(x)))
+
+
+def test_cost_error_names_the_node_op_and_module_that_fixed_the_batch() -> None:
+    gm = trace(_Net(), (torch.randn(4, 16),), frontend="export")
+    assert gm.meta["fxpipe.symbolic_batch"] is False  # export refused the symbolic batch: static fallback
+    with pytest.raises(CostAnnotationError, match=r"node 'reshape' \(op reshape.default, module head\)"
+                       r".*specialised the batch to 4.*at batch 8.*fails"):
+        annotate_costs(gm)
+
+
+def test_fxpipe_plan_accepts_a_hugging_face_factory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.json"
+    assert cli_main(["plan", "fxpipe.hf_examples:gpt2", "--cluster", "local:4", "--global-batch", "8",
+                     "--layout", "2:1:1", "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert [stage["replicas"] for stage in plan["stages"]] == [2, 1, 1]
+    assert "plan 2:1:1" in capsys.readouterr().out
+
+
+class _LogitsOnly(nn.Module):
+    """The issue's reproduction: a GPT-2 wrapped to return ``.logits`` with ``use_cache=False``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+def test_wrapped_gpt2_compiles_and_steps_exactly_in_a_world_of_one() -> None:
+    model = _LogitsOnly(hf_examples.gpt2()[0])
+    reference = _LogitsOnly(hf_examples.gpt2()[0])
+    inputs, targets = hf_examples.make_batch("gpt2", 4, seed=7)
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return hf_examples.hf_loss({"logits": output}, target)
+
+    pipe = fxpipe.compile(model, (inputs["input_ids"],), loss_fn=loss_fn, global_batch_size=4, plan="dp")
+    try:
+        loss = pipe.step((inputs["input_ids"],), targets)
+    finally:
+        pipe.close()
+    expected = loss_fn(reference(inputs["input_ids"]), targets)
+    expected.backward()
+    assert loss == pytest.approx(expected.item(), rel=1e-6)
+    grads = {key: p.grad for key, p in reference.named_parameters()}
+    assert not _mismatches("grad", {key: p.grad for key, p in pipe.named_parameters()}, grads, rtol=1e-4, atol=1e-6)
