@@ -1,7 +1,7 @@
 """fxpipe runtime overhead: a world-of-one fxpipe step (plan ``dp``, M=1) vs eager forward + loss + backward.
 
 Run: python benchmarks/overhead.py [--device cpu|cuda] [--model gpt-mini] [--batch 16] [--autocast bf16]
-     [--steps 30] [--warmup 3] [--write]
+     [--set n_layer=2] [--steps 30] [--warmup 3] [--write]
 
 Both run in one forked process (``fxpipe.compile`` makes its own world of one: gloo on CPU with 1
 thread, NCCL on CUDA) on separately built copies of the same model with the same weights and batch,
@@ -176,14 +176,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--model", default=DEFAULT_WORKLOAD.model)
     parser.add_argument("--batch", type=int, default=None, help="global batch (default: 16 for gpt-mini)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=INT",
+                        help="model config override, e.g. --set n_layer=2 (repeatable)")
     parser.add_argument("--autocast", choices=sorted(AUTOCAST), default="none")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--write", action="store_true", help=f"write {RESULTS.name} (keeps its history section)")
     args = parser.parse_args(argv)
     workload = DEFAULT_WORKLOAD if args.model == DEFAULT_WORKLOAD.model else Workload(args.model, (), 8, 1)
-    if args.batch is not None:
-        workload = Workload(workload.model, workload.overrides, args.batch, 1)
+    overrides = dict(workload.overrides) | {key: int(value) for key, value in (item.split("=", 1) for item in args.set)}
+    workload = Workload(workload.model, tuple(overrides.items()),
+                        args.batch if args.batch is not None else workload.global_batch_size, 1)
     command = "python benchmarks/overhead.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text = report(run(workload, device=args.device, autocast=args.autocast, num_warmup=args.warmup,
                       num_steps=args.steps), command.strip())

@@ -117,14 +117,11 @@ class PipelineDriver:
                            ahead=context.backend == "gloo")
         # Walking parameters by path costs milliseconds; the set never changes, so walk once.
         self._own_params = _unique_params(self.runner.parameters())
+        self._param_list = [param for _, param in self._own_params]
         self.reduce_sets = self._make_reduce_sets()
         # Earlier steps' gradients are set aside only when this step's must be reduced or divided on
         # their own; otherwise autograd accumulates into them as in eager (old + new == new + old).
         self._stashes = bool(self.reduce_sets) or loss_reduction == "token_mean"
-        self._handlers: dict[Op, Callable[[_StepState, int], None]] = {
-            Op.RECV_ACTIVATION: self._recv_activation, Op.FORWARD: self._forward,
-            Op.SEND_ACTIVATION: self._send_activation, Op.RECV_GRADIENT: self._recv_gradient,
-            Op.BACKWARD: self._backward, Op.SEND_GRADIENT: self._send_gradient}
         # True: record StepStats (timeline, saved-activation peak) per step; "timeline": the timeline only
         self.measure: bool | str = False
         self.last_stats: StepStats | None = None
@@ -226,7 +223,9 @@ class PipelineDriver:
         stash = self._stash_grads() if self._stashes else None
         state = _StepState(inputs, targets, partial)
         self.runner.reset()
-        handlers = self._handlers
+        handlers = {Op.RECV_ACTIVATION: self._recv_activation, Op.FORWARD: self._forward,
+                    Op.SEND_ACTIVATION: self._send_activation, Op.RECV_GRADIENT: self._recv_gradient,
+                    Op.BACKWARD: self._backward, Op.SEND_GRADIENT: self._send_gradient}
         if self.measure:
             self._measured_step(state, stash, handlers)
         else:
@@ -318,6 +317,8 @@ class PipelineDriver:
             return value
         if batched and value.dim() > 0 and (start, stop) != (0, value.shape[0]):
             value = value[start:stop]
+        if value.device == self.context.device:
+            return value
         # host -> GPU without waiting: the step ends by reading the loss, which waits for this copy, so the
         # caller may reuse its batch after step() (a copy to the CPU must block: CPU ops do not wait)
         return value.to(self.context.device, non_blocking=self.context.device.type == "cuda")
@@ -418,7 +419,7 @@ class PipelineDriver:
             self.exchange.wait([Pending(work, -1, "loss allreduce over all ranks", total)])
             loss_sum, count, *folded = total.tolist()
             self.batch_checker.check_folded(folded)
-        return self.runner.batch_loss(loss_sum, count, [param for _, param in self._own_params])
+        return self.runner.batch_loss(loss_sum, count, self._param_list)
 
     def gather_stats(self) -> list[StepStats]:
         """Every rank's StepStats of the last measured step, by rank (a collective: call on all ranks)."""
@@ -440,7 +441,9 @@ def _local_loss(state: _StepState) -> tuple[float, float]:
     if len(tensors) == 1:
         read = [float(tensors[0].item())]
     else:
-        read = torch.stack([t.reshape(()).to(torch.float64) for t in tensors]).tolist()
+        # a count may sit on another device than the loss (torch.tensor(n) next to a CUDA loss)
+        device = tensors[0].device
+        read = torch.stack([t.reshape(()).to(device=device, dtype=torch.float64) for t in tensors]).tolist()
     loss_sum, count = 0.0, 0.0
     for value in read[:len(state.loss_parts)]:
         loss_sum += value

@@ -168,7 +168,9 @@ class StageRunner:
             outputs = self._forward(microbatch_index, inputs)
             result = self.loss_fn(rebuild_tree(self.program.output_tree, outputs), targets)
         loss, count = split_loss(result, self.loss_reduction)
-        weighted = loss.float().reshape(())
+        # each op skipped when it would change nothing: they cost a dispatch here and in backward
+        weighted = loss if loss.dtype == torch.float32 else loss.float()
+        weighted = weighted if weighted.dim() == 0 else weighted.reshape(())
         if weight != 1.0:  # one micro-batch on one replica: x * 1.0 == x, skip the op and its backward
             weighted = weighted * weight
         self._saved[microbatch_index].loss = weighted
