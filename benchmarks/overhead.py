@@ -39,6 +39,8 @@ RESULTS = Path(__file__).with_suffix(".md")
 HISTORY_MARKER = "<!-- history: kept by --write -->"
 DEFAULT_WORKLOAD = Workload("gpt-mini", (("n_layer", 4), ("n_embd", 128), ("block_size", 64)), 16, 1)
 TARGET_RATIO = 1.02
+NUM_EXTRA_SHOWN = 8
+GENERATED = "<eval_with_key>"  # the stage GraphModule's code: the model's own work (eager: the modules' forward)
 AUTOCAST = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 COUNTED = {"operator events": lambda name: True,
            "host syncs (_local_scalar_dense)": lambda name: name == "aten::_local_scalar_dense",
@@ -77,9 +79,11 @@ def _check_same(pipe: Any, model: torch.nn.Module, fx_loss: float, eager_loss: f
             raise AssertionError(f"gradient of {name!r} differs between fxpipe and eager")
 
 
-def _budget(steps: dict[str, Callable[[], Any]]) -> dict[str, dict[str, int]]:
-    """Per side, one step's counts of profiler events by kind and of Python function calls."""
+def _budget(steps: dict[str, Callable[[], Any]]) -> tuple[dict[str, dict[str, int]], list[tuple[str, int, float]]]:
+    """Per side, one step's counts of profiler events by kind and of Python function calls; and the
+    functions only the fxpipe side calls, ``(function, calls, own seconds)`` by own time (cProfile)."""
     counts: dict[str, dict[str, int]] = {}
+    called: dict[str, dict[str, tuple[int, float]]] = {}
     for name, step in steps.items():
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             step()
@@ -87,9 +91,13 @@ def _budget(steps: dict[str, Callable[[], Any]]) -> dict[str, dict[str, int]]:
         counts[name] = {kind: sum(n for event, n in events.items() if match(event)) for kind, match in COUNTED.items()}
         profiler = cProfile.Profile()
         profiler.runcall(step)
-        counts[name]["Python function calls (cProfile)"] = sum(
-            stat[1] for stat in pstats.Stats(profiler).stats.values())  # type: ignore[attr-defined]
-    return counts
+        stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+        called[name] = {f"{Path(file).name}:{line}({function})" if line else function: (stat[1], stat[2])
+                        for (file, line, function), stat in stats.items()}
+        counts[name]["Python function calls (cProfile)"] = sum(n for n, _ in called[name].values())
+    extra = sorted(((function, n, seconds) for function, (n, seconds) in called["fxpipe"].items()
+                    if function not in called["eager"] and not function.startswith(GENERATED)), key=lambda row: -row[2])
+    return counts, extra
 
 
 def overhead_rank(rank: int, world_size: int, store_dir: str, workload: Workload, device_name: str,
@@ -110,7 +118,7 @@ def overhead_rank(rank: int, world_size: int, store_dir: str, workload: Workload
     inputs = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs)
     targets = targets.to(device) if isinstance(targets, torch.Tensor) else targets
     fx_params, eager_params = list(pipe.parameters()), list(model.parameters())
-    losses: dict[str, float] = {}
+    losses: dict[str, Any] = {}
 
     def fxpipe_step() -> None:
         zero_grads(fx_params)
@@ -134,9 +142,9 @@ def overhead_rank(rank: int, world_size: int, store_dir: str, workload: Workload
     for index in range(num_steps):
         for name in list(steps) if index % 2 == 0 else list(reversed(steps)):
             times[name].append(_timed(steps[name], device))
-    budget = _budget(steps)
+    budget, extra = _budget(steps)
     pipe.close()
-    return {"times": times, "budget": budget}
+    return {"times": times, "budget": budget, "extra_functions": extra}
 
 
 def run(workload: Workload, *, device: str = "cpu", autocast: str = "none", num_warmup: int = 3,
@@ -146,14 +154,14 @@ def run(workload: Workload, *, device: str = "cpu", autocast: str = "none", num_
                             timeout_s=1800.0)[0]
     times = result["times"]
     return {"workload": workload, "device": device, "autocast": autocast, "num_steps": num_steps,
-            "times": times, "budget": result["budget"],
+            "times": times, "budget": result["budget"], "extra_functions": result["extra_functions"],
             "median_s": {name: median(values) for name, values in times.items()},
             "paired_ratio": median([f / e for f, e in zip(times["fxpipe"], times["eager"], strict=True)])}
 
 
 def report(result: dict[str, Any], command: str = "python benchmarks/overhead.py") -> str:
     workload: Workload = result["workload"]
-    med, times, budget = result["median_s"], result["times"], result["budget"]
+    med, times, budget, extra = result["median_s"], result["times"], result["budget"], result["extra_functions"]
     ratio = med["fxpipe"] / med["eager"]
     rows = [[name, f"{med[name] * 1e3:.2f}", f"{min(times[name]) * 1e3:.2f}"] for name in ("fxpipe", "eager")]
     kinds = list(budget["fxpipe"])
@@ -168,7 +176,12 @@ def report(result: dict[str, Any], command: str = "python benchmarks/overhead.py
         f"median of per-pair ratios {result['paired_ratio']:.3f}; target <= {TARGET_RATIO} "
         f"({'met' if ratio <= TARGET_RATIO else 'MISSED'}).", "",
         "Per-step budget (one step each; counts do not depend on machine load):", "",
-        tabulate(budget_rows, ["count per step", "fxpipe", "eager", "extra"], tablefmt="github"), ""])
+        tabulate(budget_rows, ["count per step", "fxpipe", "eager", "extra"], tablefmt="github"), "",
+        f"Where the extra time goes: the functions only the fxpipe step calls take "
+        f"{sum(row[2] for row in extra) * 1e3:.2f} ms of own time in one profiled step (cProfile; "
+        f"load-dependent; the generated stage code is left out: it is the model's own forward); the largest:", "",
+        tabulate([[f"`{function}`", n, f"{seconds * 1e3:.3f}"] for function, n, seconds in extra[:NUM_EXTRA_SHOWN]],
+                 ["function", "calls", "own ms"], tablefmt="github"), ""])
 
 
 def main(argv: list[str] | None = None) -> None:
