@@ -81,10 +81,8 @@ class BatchChecker:
         self.num_steps = 0
         self.last_layout: int | None = None
         self.folded: tuple[int, int] | None = None  # full digests folded into this step's loss allreduce
-
-    @property
-    def active(self) -> bool:
-        return self.mode != "off" and dist.is_initialized() and dist.get_world_size() > 1
+        # a world of one has no other batch to compare: no digest, no collective, no cost per step
+        self.active = self.mode != "off" and dist.is_initialized() and dist.get_world_size() > 1
 
     def check(self, inputs: tuple[Any, ...], targets: Any, *, partial: bool = False) -> None:
         """Before the step: digest the batch; on the first steps, compare now (all ranks call it).

@@ -54,8 +54,9 @@ class _StepState:
     input_grads: dict[int, dict[str, Any]] = field(default_factory=dict)
     sends: list[Pending] = field(default_factory=list)
     reductions: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor]]] = field(default_factory=list)
-    loss_sum: float = 0.0
-    loss_count: float = 0.0  # loss_reduction="token_mean": tokens (or whatever loss_fn counts) in this rank's slices
+    # this rank's weighted slice losses and (loss_reduction="token_mean") counts, read once at the end
+    loss_parts: list[torch.Tensor] = field(default_factory=list)
+    count_parts: list[torch.Tensor | float] = field(default_factory=list)
     loss: float = 0.0  # the global batch's loss, once the step is finished
 
 
@@ -116,7 +117,11 @@ class PipelineDriver:
                            ahead=context.backend == "gloo")
         # Walking parameters by path costs milliseconds; the set never changes, so walk once.
         self._own_params = _unique_params(self.runner.parameters())
+        self._param_list = [param for _, param in self._own_params]
         self.reduce_sets = self._make_reduce_sets()
+        # Earlier steps' gradients are set aside only when this step's must be reduced or divided on
+        # their own; otherwise autograd accumulates into them as in eager (old + new == new + old).
+        self._stashes = bool(self.reduce_sets) or loss_reduction == "token_mean"
         # True: record StepStats (timeline, saved-activation peak) per step; "timeline": the timeline only
         self.measure: bool | str = False
         self.last_stats: StepStats | None = None
@@ -215,7 +220,7 @@ class PipelineDriver:
         self.inbox.start_step()
         for hook in self.start_hooks:
             hook()
-        stash = self._stash_grads()
+        stash = self._stash_grads() if self._stashes else None
         state = _StepState(inputs, targets, partial)
         self.runner.reset()
         handlers = {Op.RECV_ACTIVATION: self._recv_activation, Op.FORWARD: self._forward,
@@ -232,7 +237,7 @@ class PipelineDriver:
             self._finish(state, stash)
         return state.loss
 
-    def _measured_step(self, state: _StepState, stash: dict[int, torch.Tensor | None],
+    def _measured_step(self, state: _StepState, stash: dict[int, torch.Tensor | None] | None,
                        handlers: Mapping[Op, Callable[[_StepState, int], None]]) -> None:
         """The same step with a timeline of every action and exact saved-activation bytes (StepStats)."""
         meter: SavedActivationMeter | None = None
@@ -302,17 +307,21 @@ class PipelineDriver:
             targets = tree_map(lambda t: self._slice(t, True, start, stop), state.targets)
             weight = (stop - start) / self.plan.global_batch_size if self.runner.loss_reduction == "mean" else 1.0
             loss, count = self.runner.forward_loss(m, values, targets, weight)
-            state.loss_sum += float(loss)
-            state.loss_count += count
+            state.loss_parts.append(loss)  # no float(loss) here: it would wait for the device per micro-batch
+            state.count_parts.append(count)
         else:
             state.outputs[m] = self.runner.forward(m, values)
 
     def _slice(self, value: Any, batched: bool, start: int, stop: int) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
-        if batched and value.dim() > 0:
+        if batched and value.dim() > 0 and (start, stop) != (0, value.shape[0]):
             value = value[start:stop]
-        return value.to(self.context.device)
+        if value.device == self.context.device:
+            return value
+        # host -> GPU without waiting: the step ends by reading the loss, which waits for this copy, so the
+        # caller may reuse its batch after step() (a copy to the CPU must block: CPU ops do not wait)
+        return value.to(self.context.device, non_blocking=self.context.device.type == "cuda")
 
     def _send_activation(self, state: _StepState, m: int) -> None:
         outputs = state.outputs[m]
@@ -381,16 +390,17 @@ class PipelineDriver:
                 work, flat = allreduce_async(tensors, group)
                 state.reductions.append((work, flat, tensors))
 
-    def _finish(self, state: _StepState, stash: dict[int, torch.Tensor | None]) -> None:
+    def _finish(self, state: _StepState, stash: dict[int, torch.Tensor | None] | None) -> None:
         for work, flat, tensors in state.reductions:
             self.exchange.wait([Pending(work, -1, f"gradient allreduce of stage {self.stage_index}", flat)])
             unflatten_into(flat, tensors)
         self.exchange.wait(state.sends)
         state.loss = self._broadcast_loss(state)
-        for _, param in self._own_params:
-            earlier = stash[id(param)]
-            if earlier is not None:
-                param.grad = earlier if param.grad is None else param.grad + earlier
+        if stash is not None:
+            for _, param in self._own_params:
+                earlier = stash[id(param)]
+                if earlier is not None:
+                    param.grad = earlier if param.grad is None else param.grad + earlier
         for hook in self.step_hooks:
             hook()
 
@@ -400,14 +410,16 @@ class PipelineDriver:
         ``token_mean``: the slices' losses are sums; the total count comes with the loss, and this
         step's gradients (already summed over ranks) are divided by it, as one process would.
         """
-        mine = [state.loss_sum, state.loss_count] if self.is_last else [0.0, 0.0]
-        total = torch.tensor(mine + self.batch_checker.fold_values(), dtype=torch.float64, device=self.context.device)
-        work = dist.all_reduce(total, op=dist.ReduceOp.SUM, async_op=True)
-        assert work is not None
-        self.exchange.wait([Pending(work, -1, "loss allreduce over all ranks", total)])
-        loss_sum, count, *folded = total.tolist()
-        self.batch_checker.check_folded(folded)
-        return self.runner.batch_loss(loss_sum, count, [param for _, param in self._own_params])
+        loss_sum, count = _local_loss(state)
+        if self.context.world_size > 1:  # a world of one has nothing to add (and no batch to compare)
+            folds = self.batch_checker.fold_values()
+            total = torch.tensor([loss_sum, count, *folds], dtype=torch.float64, device=self.context.device)
+            work = dist.all_reduce(total, op=dist.ReduceOp.SUM, async_op=True)
+            assert work is not None
+            self.exchange.wait([Pending(work, -1, "loss allreduce over all ranks", total)])
+            loss_sum, count, *folded = total.tolist()
+            self.batch_checker.check_folded(folded)
+        return self.runner.batch_loss(loss_sum, count, self._param_list)
 
     def gather_stats(self) -> list[StepStats]:
         """Every rank's StepStats of the last measured step, by rank (a collective: call on all ranks)."""
@@ -416,6 +428,29 @@ class PipelineDriver:
         gathered: list[StepStats | None] = [None] * self.context.world_size
         dist.all_gather_object(gathered, self.last_stats)
         return [stats for stats in gathered if stats is not None]
+
+
+def _local_loss(state: _StepState) -> tuple[float, float]:
+    """This rank's summed slice losses and counts as floats, with one wait for the device.
+
+    Summed on the host in micro-batch order in float64, so the result does not depend on where it is read.
+    """
+    tensors = state.loss_parts + [c for c in state.count_parts if isinstance(c, torch.Tensor)]
+    if not tensors:
+        return 0.0, 0.0
+    if len(tensors) == 1:
+        read = [float(tensors[0].item())]
+    else:
+        # a count may sit on another device than the loss (torch.tensor(n) next to a CUDA loss)
+        device = tensors[0].device
+        read = torch.stack([t.reshape(()).to(device=device, dtype=torch.float64) for t in tensors]).tolist()
+    loss_sum, count = 0.0, 0.0
+    for value in read[:len(state.loss_parts)]:
+        loss_sum += value
+    tensor_counts = iter(read[len(state.loss_parts):])
+    for part in state.count_parts:
+        count += next(tensor_counts) if isinstance(part, torch.Tensor) else part
+    return loss_sum, count
 
 
 def _unique_params(named: Any) -> list[tuple[str, torch.nn.Parameter]]:

@@ -90,15 +90,18 @@ def check_loss_reduction(reduction: str) -> str:
     return reduction
 
 
-def split_loss(result: Any, reduction: str) -> tuple[torch.Tensor, float]:
-    """``(scalar loss, count)`` from what loss_fn returned, checked against the loss_reduction contract."""
+def split_loss(result: Any, reduction: str) -> tuple[torch.Tensor, torch.Tensor | float]:
+    """``(scalar loss, count)`` from what loss_fn returned, checked against the loss_reduction contract.
+
+    A tensor count stays a tensor: reading it here would wait for the device once per micro-batch.
+    """
     if reduction == "token_mean":
         if not (isinstance(result, tuple | list) and len(result) == 2 and _is_scalar(result[0])):
             raise TypeError(f"loss_reduction='token_mean' needs loss_fn to return (loss_sum, count), got "
                             f"{type(result).__name__}; e.g. return (F.cross_entropy(..., reduction='sum'), "
                             "(targets != -100).sum())")
         count = result[1]
-        return result[0], float(count.item() if isinstance(count, torch.Tensor) else count)
+        return result[0], count.detach() if isinstance(count, torch.Tensor) else float(count)
     if not _is_scalar(result):
         raise TypeError(f"loss_fn must return a scalar tensor, got {type(result).__name__} "
                         f"{getattr(result, 'shape', '')}; reduce the loss with mean() (or sum() with "
@@ -134,6 +137,10 @@ class StageRunner:
 
     def forward(self, microbatch_index: int, inputs: Mapping[str, Any]) -> dict[str, Any]:
         """Run the stage on one slice; received tensors that need gradients become leaves."""
+        with autocast_context(self.device, self.autocast_dtype):
+            return self._forward(microbatch_index, inputs)
+
+    def _forward(self, microbatch_index: int, inputs: Mapping[str, Any]) -> dict[str, Any]:
         leaves: dict[str, torch.Tensor] = {}
         args = []
         for name in self.stage.input_values:
@@ -143,22 +150,29 @@ class StageRunner:
                 value = value.detach().requires_grad_(True)
                 leaves[name] = value
             args.append(value)
-        with autocast_context(self.device, self.autocast_dtype):
-            results = self.module(*args)
+        results = self.module(*args)
         outputs = dict(zip(self.stage.output_values, results, strict=True))
         self._saved[microbatch_index] = _Saved(outputs, leaves)
         return outputs
 
     def forward_loss(self, microbatch_index: int, inputs: Mapping[str, Any], targets: Any,
-                     weight: float) -> tuple[torch.Tensor, float]:
+                     weight: float) -> tuple[torch.Tensor, torch.Tensor | float]:
         """Last stage: forward, then the loss times ``weight``; returns the detached weighted loss and the
-        slice's count (``loss_reduction="token_mean"``: the loss_fn returns ``(sum, count)``; else 0)."""
+        slice's count (``loss_reduction="token_mean"``: the loss_fn returns ``(sum, count)``; else 0).
+
+        One autocast region for both, as an eager loop writes it (entering one costs, and leaving it
+        drops its cache of cast weights); nothing here waits for the device.
+        """
         assert self.loss_fn is not None, "the driver checks loss_fn before running a last stage"
-        outputs = self.forward(microbatch_index, inputs)
         with autocast_context(self.device, self.autocast_dtype):
+            outputs = self._forward(microbatch_index, inputs)
             result = self.loss_fn(rebuild_tree(self.program.output_tree, outputs), targets)
         loss, count = split_loss(result, self.loss_reduction)
-        weighted = loss.float().reshape(()) * weight
+        # each op skipped when it would change nothing: they cost a dispatch here and in backward
+        weighted = loss if loss.dtype == torch.float32 else loss.float()
+        weighted = weighted if weighted.dim() == 0 else weighted.reshape(())
+        if weight != 1.0:  # one micro-batch on one replica: x * 1.0 == x, skip the op and its backward
+            weighted = weighted * weight
         self._saved[microbatch_index].loss = weighted
         return weighted.detach(), count
 
