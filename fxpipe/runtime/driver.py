@@ -30,6 +30,7 @@ from fxpipe.runtime.comm import (
     unflatten_into,
 )
 from fxpipe.runtime.errors import PipelineSetupError
+from fxpipe.runtime.failures import FailureLog
 from fxpipe.runtime.measure import ActionTimer, SavedActivationMeter, StepStats
 from fxpipe.runtime.receives import Inbox, Piece
 from fxpipe.runtime.rows import RowMap
@@ -107,6 +108,7 @@ class PipelineDriver:
         self.out_routes = self._output_routes()
         grad_pieces, self.grad_rows = self._gradient_pieces()
         self.exchange = PeerExchange(self.rank, context.device, timeout_s)
+        self.exchange.failures = self.failures = FailureLog.for_default_group(self, self.rank, context.world_size)
         self.batch_checker = BatchChecker(check_batch, self.exchange)
         self.inbox = Inbox(self.exchange, context.device, self._tag,
                            {MessageKind.ACTIVATION: self._input_pieces(), MessageKind.GRADIENT: grad_pieces},
@@ -209,6 +211,8 @@ class PipelineDriver:
         ``partial``: ``inputs``/``targets`` hold only the rows this rank reads (``input_rows()`` /
         ``target_rows()``, in that order); values this rank does not read may be None.
         """
+        if self.failures is not None:
+            self.failures.step_index += 1
         self.inbox.check_clean()  # local refusals first: a collective with ranks that went on would hang
         self.batch_checker.check(inputs, targets, partial=partial)
         self.check_batch(inputs, targets, partial=partial)
