@@ -183,6 +183,21 @@ class PipelinedModule:
 
         return load_checkpoint(self, directory, optimizer=optimizer)
 
+    def handle_preemption(self) -> None:
+        """On SIGTERM, only note it; after the step it lands in, ``preempted`` is True on every rank.
+
+        Loop: ``pipe.step(...); opt.step(); if pipe.preempted: pipe.save(...); break``. Call from the
+        main thread; see docs/faults.md (Ranks and signals).
+        """
+        from fxpipe.runtime.preemption import install
+
+        install()
+
+    @property
+    def preempted(self) -> bool:
+        """A preemption signal reached some rank before the last step ended (the same on every rank)."""
+        return bool(self.driver.preempted)
+
     def close(self) -> None:
         """Wait for all ranks, then release the process group if ``compile`` created it."""
         from fxpipe.runtime.comm import close_distributed

@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_map
 
 from fxpipe import schedule as schedules
 from fxpipe.plan import Plan
+from fxpipe.runtime import preemption
 from fxpipe.runtime.batchcheck import BatchChecker, check_shapes
 from fxpipe.runtime.comm import (
     DEFAULT_TIMEOUT_S,
@@ -108,6 +109,7 @@ class PipelineDriver:
         self.out_routes = self._output_routes()
         grad_pieces, self.grad_rows = self._gradient_pieces()
         self.exchange = PeerExchange(self.rank, context.device, timeout_s)
+        self.preempted = False  # see fxpipe.runtime.preemption
         self.exchange.failures = self.failures = FailureLog.for_default_group(self, self.rank, context.world_size)
         self.batch_checker = BatchChecker(check_batch, self.exchange)
         self.inbox = Inbox(self.exchange, context.device, self._tag,
@@ -405,11 +407,13 @@ class PipelineDriver:
         step's gradients (already summed over ranks) are divided by it, as one process would.
         """
         mine = [state.loss_sum, state.loss_count] if self.is_last else [0.0, 0.0]
-        total = torch.tensor(mine + self.batch_checker.fold_values(), dtype=torch.float64, device=self.context.device)
+        total = torch.tensor(mine + [preemption.vote()] + self.batch_checker.fold_values(), dtype=torch.float64,
+                             device=self.context.device)
         work = dist.all_reduce(total, op=dist.ReduceOp.SUM, async_op=True)
         assert work is not None
         self.exchange.wait([Pending(work, -1, "loss allreduce over all ranks", total)])
-        loss_sum, count, *folded = total.tolist()
+        loss_sum, count, stop_votes, *folded = total.tolist()
+        self.preempted = stop_votes > 0  # the same on every rank: a signal reached at least one of them
         self.batch_checker.check_folded(folded)
         return self.runner.batch_loss(loss_sum, count, [param for _, param in self._own_params])
 
