@@ -75,7 +75,12 @@ class PipelinedModule:
         """
         if partial and inputs is None:
             inputs = {name: None for name in self.driver.program.model_inputs}
-        return self.driver.step(self._positional(inputs, partial), targets, partial=partial)
+        try:
+            return self.driver.step(self._positional(inputs, partial), targets, partial=partial)
+        except Exception as error:  # the job's root cause when this rank failed first (docs/faults.md)
+            if self.driver.failures is not None:
+                self.driver.failures.note_error(error)
+            raise
 
     def input_rows(self) -> tuple[tuple[int, int], ...] | None:
         """Global-batch row ranges ``[start, stop)`` whose inputs this rank reads (None: it reads none)."""

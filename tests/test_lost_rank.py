@@ -28,8 +28,9 @@ KILL_STEP = 2
 
 
 def _rank_until_killed(rank: int, world_size: int, store_dir: str, results: Any, replicas: tuple[int, ...],
-                       lost_rank: int) -> None:
-    """Train a pipeline of ``replicas``; rank ``lost_rank`` SIGKILLs itself in the middle of step KILL_STEP."""
+                       lost_rank: int, how: str = "kill") -> None:
+    """Train a pipeline of ``replicas``; rank ``lost_rank`` SIGKILLs itself (``how="kill"``) or raises
+    RuntimeError (``"raise"``) in the middle of step KILL_STEP."""
     torch.set_num_threads(1)
     join_world(store_dir, "lost", rank, world_size)
     model, example_inputs = zoo.build("mlp", **ENTRY.tiny_overrides)
@@ -43,6 +44,8 @@ def _rank_until_killed(rank: int, world_size: int, store_dir: str, results: Any,
             original = getattr(runner, name)
 
             def forward_then_die(*args: Any, _original: Any = original) -> Any:
+                if step_box[0] == KILL_STEP and how == "raise":
+                    raise RuntimeError("loss exploded")
                 if step_box[0] == KILL_STEP:
                     os.kill(os.getpid(), signal.SIGKILL)
                 return _original(*args)
@@ -115,6 +118,28 @@ def test_survivors_exit_fast_naming_the_lost_rank(tmp_path: Path, replicas: tupl
         assert f"Root cause (the job's first failure): rank {lost_rank} unreachable" in message, (rank, message)
         assert f"at step {KILL_STEP}" in message, (rank, message)
         assert elapsed < 30, (rank, elapsed, message)
+
+
+def test_survivors_name_the_rank_that_raised(tmp_path: Path) -> None:
+    """A rank whose step raises (here its stage's forward) is the root cause the others report."""
+    context = rank_context()
+    results = context.Queue()
+    processes = [context.Process(target=_rank_until_killed, args=(rank, 3, str(tmp_path), results, (1, 1, 1), 1,
+                                                                  "raise")) for rank in range(3)]
+    start_ranks(context, processes)
+    try:
+        outcomes = dict(results.get(timeout=60)[:2] for _ in range(3))
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    assert outcomes[1] == "RuntimeError: loss exploded"
+    for rank in (0, 2):
+        assert outcomes[rank].startswith("CommunicationError"), (rank, outcomes[rank])
+        assert (f"Root cause (the job's first failure): rank 1 raised RuntimeError at step {KILL_STEP}: loss exploded"
+                in outcomes[rank]), (rank, outcomes[rank])
 
 
 JOB = textwrap.dedent("""

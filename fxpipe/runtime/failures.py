@@ -18,6 +18,12 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store
 
+from fxpipe.runtime.errors import BatchShapeError, CommunicationError, PipelineSetupError
+
+# Not root causes: communication errors explain themselves, and refusals come on every rank before
+# any transfer (the pipeline stays usable, so a record of them would blame a later failure on them).
+REFUSALS = (CommunicationError, BatchShapeError, PipelineSetupError)
+
 HEARTBEAT_S = 0.5  # how often each rank bumps its counter in the store
 DEAD_AFTER_S = 3.0  # a counter that did not move for this long belongs to a dead (or frozen) process
 POLL_S = 0.1
@@ -106,7 +112,9 @@ class FailureLog:
         return self.store.compare_set(self._key("first"), "", cause).decode()
 
     def note_error(self, error: BaseException) -> None:
-        """This rank raised ``error`` (not a communication failure): the root cause if nothing came first."""
+        """This rank raised ``error``: the root cause if nothing came first (communication errors explain themselves)."""
+        if isinstance(error, REFUSALS):
+            return
         try:
             self.record(f"rank {self.rank} raised {type(error).__name__} at step {self.step_index}: "
                         f"{_first_line(error)}")
