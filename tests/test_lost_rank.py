@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,8 @@ import torch
 import fxpipe
 from fxpipe import models as zoo
 from fxpipe.passes import trace
+from fxpipe.runtime import failures
+from fxpipe.runtime.errors import BatchShapeError
 from tests.mp_utils import join_world, plan_from_cuts, rank_context, start_ranks
 
 pytestmark = pytest.mark.multiprocess
@@ -27,12 +32,47 @@ BATCH = 8
 KILL_STEP = 2
 
 
+def test_failure_log_names_the_silent_rank_and_keeps_the_first_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exact data: the first diagnosis stands; a rank whose heartbeat stops is named over the peer that errored."""
+    monkeypatch.setattr(failures, "DEAD_AFTER_S", 0.3)
+    store = torch.distributed.HashStore()
+    log = failures.FailureLog(store, rank=0, world_size=3, namespace="t")
+    beating = threading.Event()
+
+    def beat_rank_2() -> None:
+        while not beating.wait(0.05):
+            store.add(log.prefix + "alive/2", 1)
+
+    thread = threading.Thread(target=beat_rank_2, daemon=True)
+    thread.start()
+    log.step_index = 4
+    try:
+        cause = log.explain(2, "receive gradient of 'x' of micro-batch 1 with rank 2", RuntimeError("closed"))
+    finally:
+        beating.set()
+        thread.join()
+    assert cause == ("rank 1 unreachable (no heartbeat for 0.3 s: process died or froze) at step 4, noticed by "
+                     "rank 0 during receive gradient of 'x' of micro-batch 1 with rank 2")
+    later = failures.FailureLog(store, rank=2, world_size=3, namespace="t")
+    later.note_error(ValueError("not first"))
+    assert later.explain(0, "anything", RuntimeError("x")) == cause
+    fresh = failures.FailureLog(store, rank=1, world_size=3, namespace="u")
+    fresh.note_error(BatchShapeError("every rank refuses this batch"))  # a refusal: not a root cause
+    assert fresh.recorded() is None
+    fresh.note_error(ZeroDivisionError("in the loss"))
+    assert fresh.recorded() == "rank 1 raised ZeroDivisionError at step -1: in the loss"
+
+
 def _rank_until_killed(rank: int, world_size: int, store_dir: str, results: Any, replicas: tuple[int, ...],
                        lost_rank: int, how: str = "kill") -> None:
     """Train a pipeline of ``replicas``; rank ``lost_rank`` SIGKILLs itself (``how="kill"``) or raises
     RuntimeError (``"raise"``) in the middle of step KILL_STEP."""
     torch.set_num_threads(1)
-    join_world(store_dir, "lost", rank, world_size)
+    if store_dir.startswith("tcp://"):  # rank 0 serves the store: killing it takes the store down too
+        torch.distributed.init_process_group("gloo", init_method=store_dir, rank=rank, world_size=world_size,
+                                             timeout=timedelta(seconds=30))
+    else:
+        join_world(store_dir, "lost", rank, world_size)
     model, example_inputs = zoo.build("mlp", **ENTRY.tiny_overrides)
     plan = plan_from_cuts(trace(model, example_inputs), replicas, BATCH, 4)
     pipe = fxpipe.compile(model, example_inputs, loss_fn=ENTRY.loss_fn, global_batch_size=BATCH, plan=plan,
@@ -61,6 +101,12 @@ def _rank_until_killed(rank: int, world_size: int, store_dir: str, results: Any,
         results.put((rank, f"{type(error).__name__}: {error}", time.monotonic()))
 
 
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 def _descendants(pids: set[int]) -> list[str]:
     """Live processes (not zombies) among ``pids`` and their descendants, read from /proc."""
     parents: dict[int, int] = {}
@@ -81,15 +127,20 @@ def _descendants(pids: set[int]) -> list[str]:
 
 # Each layout with its first-stage replica, middle and last rank killed (issue 14 item 2): a transport
 # error only names a neighbour (in 2:1, rank 0 used to blame rank 2, a survivor that had exited).
-@pytest.mark.parametrize(("replicas", "lost_rank"), [
-    ((2, 1), 0), ((2, 1), 1), ((2, 1), 2), ((1, 1, 1), 0), ((1, 1, 1), 1), ((1, 1, 1), 2)],
-    ids=lambda value: ":".join(map(str, value)) if isinstance(value, tuple) else f"kill{value}")
-def test_survivors_exit_fast_naming_the_lost_rank(tmp_path: Path, replicas: tuple[int, ...], lost_rank: int) -> None:
+# "tcp": rendezvous through a TCPStore served by rank 0 (env:// without torchrun), which dies with it.
+@pytest.mark.parametrize(("replicas", "lost_rank", "store"), [
+    ((2, 1), 0, "file"), ((2, 1), 1, "file"), ((2, 1), 2, "file"), ((1, 1, 1), 0, "file"), ((1, 1, 1), 1, "file"),
+    ((1, 1, 1), 2, "file"), ((2, 1), 0, "tcp")],
+    ids=lambda value: ":".join(map(str, value)) if isinstance(value, tuple) else (
+        f"kill{value}" if isinstance(value, int) else value))
+def test_survivors_exit_fast_naming_the_lost_rank(tmp_path: Path, replicas: tuple[int, ...], lost_rank: int,
+                                                  store: str) -> None:
     world_size = sum(replicas)
+    rendezvous = str(tmp_path) if store == "file" else f"tcp://127.0.0.1:{_free_port()}"
     context = rank_context()  # fork, or spawn where this process initialised CUDA
     results = context.Queue()
     processes = [context.Process(target=_rank_until_killed,
-                                 args=(rank, world_size, str(tmp_path), results, replicas, lost_rank))
+                                 args=(rank, world_size, rendezvous, results, replicas, lost_rank))
                  for rank in range(world_size)]
     start_ranks(context, processes)
     pids = {process.pid for process in processes if process.pid is not None}

@@ -10,6 +10,7 @@ through; every rank reads the record before raising, so all survivors name the s
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 import weakref
@@ -81,8 +82,13 @@ class FailureLog:
         try:
             return self._explain(peer, where, error)
         except Exception as store_error:  # the store's host may be the rank that died
-            return (f"unknown: the rendezvous store is unreachable too ({type(store_error).__name__}: "
-                    f"{store_error}); if it lived on the rank that died, that rank is the likely cause")
+            reason = f"{type(store_error).__name__}: {_first_line(store_error)}"
+            host = store_host_rank(self.store)
+            if host is not None and host != self.rank:
+                return (f"rank {host} unreachable (it hosts the rendezvous store, which is unreachable too: "
+                        f"{reason}) {where}")
+            return (f"unknown: the rendezvous store is unreachable too ({reason}); if it lived on the "
+                    "rank that died, that rank is the likely cause")
 
     def _explain(self, peer: int, where: str, error: BaseException) -> str:
         found = self.recorded()
@@ -99,7 +105,7 @@ class FailureLog:
         if dead:
             names = ", ".join(map(str, dead))
             cause = (f"rank{'s' if len(dead) > 1 else ''} {names} unreachable (no heartbeat for "
-                     f"{DEAD_AFTER_S:.0f} s: process died or froze) {where}")
+                     f"{DEAD_AFTER_S:g} s: process died or froze) {where}")
         elif peer >= 0:
             cause = (f"rank {peer} failed to communicate (its heartbeat still runs: stalled, or running "
                      f"another plan or batch) {where}: {_first_line(error)}")
@@ -120,6 +126,15 @@ class FailureLog:
                         f"{_first_line(error)}")
         except Exception:  # best effort: the error itself is raised on this rank anyway
             pass
+
+
+def store_host_rank(store: dist.Store) -> int | None:
+    """The rank whose process serves ``store``: 0 for a TCPStore outside torchrun's agent store, else None."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if isinstance(store, dist.TCPStore) and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return 0  # env:// and tcp:// start the server in rank 0 (MASTER_ADDR)
+    return None
 
 
 def _first_line(error: BaseException) -> str:
