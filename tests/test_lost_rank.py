@@ -32,30 +32,45 @@ BATCH = 8
 KILL_STEP = 2
 
 
+def _explain_while_beating(log: failures.FailureLog, beating_ranks: tuple[int, ...], peer: int,
+                           description: str, error: Exception) -> str:
+    """``log.explain(...)`` while a thread keeps the heartbeats of ``beating_ranks`` going."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(0.05):
+            for rank in beating_ranks:
+                log.store.add(log.prefix + f"alive/{rank}", 1)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        return log.explain(peer, description, error)
+    finally:
+        stop.set()
+        thread.join()
+
+
 def test_failure_log_names_the_silent_rank_and_keeps_the_first_record(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Exact data: the first diagnosis stands; a rank whose heartbeat stops is named over the peer that errored."""
+    """Exact data: a rank whose heartbeat stopped is named over the peer that errored; an alive peer is
+    named as not answering; the first record stands; refusals are not recorded."""
     monkeypatch.setattr(failures, "DEAD_AFTER_S", 0.3)
     store = torch.distributed.HashStore()
     log = failures.FailureLog(store, rank=0, world_size=3, namespace="t")
-    beating = threading.Event()
-
-    def beat_rank_2() -> None:
-        while not beating.wait(0.05):
-            store.add(log.prefix + "alive/2", 1)
-
-    thread = threading.Thread(target=beat_rank_2, daemon=True)
-    thread.start()
     log.step_index = 4
-    try:
-        cause = log.explain(2, "receive gradient of 'x' of micro-batch 1 with rank 2", RuntimeError("closed"))
-    finally:
-        beating.set()
-        thread.join()
+    cause = _explain_while_beating(log, (2,), 2, "receive gradient of 'x' of micro-batch 1 with rank 2",
+                                   RuntimeError("closed"))
     assert cause == ("rank 1 unreachable (no heartbeat for 0.3 s: process died or froze) at step 4, noticed by "
                      "rank 0 during receive gradient of 'x' of micro-batch 1 with rank 2")
     later = failures.FailureLog(store, rank=2, world_size=3, namespace="t")
     later.note_error(ValueError("not first"))
     assert later.explain(0, "anything", RuntimeError("x")) == cause
+    stalled = failures.FailureLog(store, rank=0, world_size=2, namespace="v")
+    cause = _explain_while_beating(stalled, (1,), 1, "receive activation 'h' of micro-batch 0 with rank 1",
+                                   RuntimeError("timed out"))
+    assert cause == ("rank 1 failed to communicate (its heartbeat still runs: stalled, or running another plan or "
+                     "batch) at step -1, noticed by rank 0 during receive activation 'h' of micro-batch 0 with "
+                     "rank 1: timed out")
     fresh = failures.FailureLog(store, rank=1, world_size=3, namespace="u")
     fresh.note_error(BatchShapeError("every rank refuses this batch"))  # a refusal: not a root cause
     assert fresh.recorded() is None
