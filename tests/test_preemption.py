@@ -62,6 +62,32 @@ def test_sigterm_on_one_rank_stops_all_ranks_after_the_same_step(tmp_path: Path)
     assert run_ranks(_preempted_after, 3, tmp_path) == [expected] * 3
 
 
+def test_preempted_in_one_process_and_handler_notes_only() -> None:
+    """World of one: the flag still goes through the end-of-step sum; the handler only notes the signal."""
+    saved = signal.getsignal(signal.SIGTERM)
+    model, example_inputs = zoo.build("mlp", **ENTRY.tiny_overrides)
+    pipe = fxpipe.compile(model, example_inputs, loss_fn=ENTRY.loss_fn, global_batch_size=BATCH,
+                          plan=plan_from_cuts(trace(model, example_inputs), (1,), BATCH, 2))
+    inputs, targets = ENTRY.make_batch(BATCH, 0, **ENTRY.tiny_overrides)
+    try:
+        pipe.handle_preemption()
+        pipe.step(inputs, targets)
+        assert not pipe.preempted
+        os.kill(os.getpid(), signal.SIGTERM)  # noted, the process goes on
+        assert preemption.signal_received() == signal.SIGTERM and not pipe.preempted  # until a step ends
+        pipe.step(inputs, targets)
+        assert pipe.preempted
+    finally:
+        signal.signal(signal.SIGTERM, saved)
+        preemption.clear()
+        pipe.close()
+    pipe_after = fxpipe.compile(model, example_inputs, loss_fn=ENTRY.loss_fn, global_batch_size=BATCH,
+                                plan=plan_from_cuts(trace(model, example_inputs), (1,), BATCH, 2))
+    pipe_after.step(inputs, targets)
+    assert not pipe_after.preempted
+    pipe_after.close()
+
+
 def _train_command(checkpoints: Path, num_steps: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
             "-m", "fxpipe", "train", "mlp", "--global-batch", str(BATCH), "--steps", str(num_steps), "--plan", "1:1",
