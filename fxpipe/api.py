@@ -77,7 +77,12 @@ class PipelinedModule:
         """
         if partial and inputs is None:
             inputs = {name: None for name in self.driver.program.model_inputs}
-        return self.driver.step(self._positional(inputs, partial), targets, partial=partial)
+        try:
+            return self.driver.step(self._positional(inputs, partial), targets, partial=partial)
+        except Exception as error:  # the job's root cause when this rank failed first (docs/faults.md)
+            if self.driver.failures is not None:
+                self.driver.failures.note_error(error)
+            raise
 
     def input_rows(self) -> tuple[tuple[int, int], ...] | None:
         """Global-batch row ranges ``[start, stop)`` whose inputs this rank reads (None: it reads none)."""
@@ -185,6 +190,21 @@ class PipelinedModule:
         from fxpipe.checkpoint import load_checkpoint
 
         return load_checkpoint(self, directory, optimizer=optimizer, verify=verify)
+
+    def handle_preemption(self) -> None:
+        """On SIGTERM, only note it; after the step it lands in, ``preempted`` is True on every rank.
+
+        Loop: ``pipe.step(...); opt.step(); if pipe.preempted: pipe.save(...); break``. Call from the
+        main thread; see docs/faults.md (Ranks and signals).
+        """
+        from fxpipe.runtime.preemption import install
+
+        install()
+
+    @property
+    def preempted(self) -> bool:
+        """A preemption signal reached some rank before the last step ended (the same on every rank)."""
+        return bool(self.driver.preempted)
 
     def close(self) -> None:
         """Wait for all ranks, then release the process group if ``compile`` created it."""

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +30,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--measure", action="store_true",
                         help="record per-stage saved-activation peaks and a timeline every step")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="resume from the latest checkpoint here; save one on SIGTERM (preemption), at the end "
+                             "and every --checkpoint-every steps")
+    parser.add_argument("--checkpoint-every", type=int, default=0, help="with --checkpoint-dir: steps between saves "
+                        "(0: only at the end and on preemption)")
     parser.add_argument("--trace", default=None, help="with --measure: write the last step's measured timeline "
                         "(Chrome/Perfetto trace, same format as `fxpipe simulate --trace`)")
 
@@ -78,7 +84,9 @@ def run_train(args: argparse.Namespace) -> int:
     import fxpipe
     from fxpipe import models
     from fxpipe.report import format_plan
+    from fxpipe.runtime import preemption
 
+    preemption.install()  # first: SIGTERM before the handler would kill the rank without a checkpoint
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     model, example_inputs = models.build(args.model)
@@ -86,20 +94,43 @@ def run_train(args: argparse.Namespace) -> int:
     pipe = fxpipe.compile(model, example_inputs, loss_fn=entry.loss_fn, global_batch_size=args.global_batch,
                           plan=args.plan, schedule=args.schedule, num_microbatches=args.num_microbatches)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
-    batches = _batches(args, example_inputs)
+    first_step = _resume(args, pipe, optimizer)
     leader = pipe.rank == 0
     if leader:
         print(format_plan(pipe.plan), flush=True)
+    pipe.measure = args.measure
+    start = time.perf_counter()
+    losses, stats, last_step = _train_steps(args, pipe, optimizer, _batches(args, example_inputs), first_step)
+    if leader and pipe.preempted and not args.checkpoint_dir:
+        print(f"preempted: stopped after step {last_step} (no --checkpoint-dir: nothing saved)", flush=True)
+    if leader and losses:
+        elapsed = time.perf_counter() - start
+        num_steps = last_step - first_step
+        print(f"trained {num_steps} steps in {elapsed:.1f} s: loss {losses[0]:.3f} -> {losses[-1]:.3f} "
+              f"({num_steps * args.global_batch / elapsed:.0f} samples/s)", flush=True)
+        if args.trace and stats:
+            _write_trace(args.trace, stats)
+            print(f"wrote measured timeline {args.trace}", flush=True)
+    pipe.close()
+    return 0
+
+
+def _train_steps(args: argparse.Namespace, pipe: Any, optimizer: torch.optim.Optimizer, batches: Any,
+                 first_step: int) -> tuple[list[float], list[Any], int]:
+    """Steps ``first_step..--steps`` (checkpoints as asked); stops early, saved, once every rank agrees on a preemption.
+
+    Returns the losses, the last step's stats (with --measure) and the number of steps done in all.
+    """
+    leader = pipe.rank == 0
     progress = None
     if leader and not args.quiet:
         from tqdm import tqdm
 
-        progress = tqdm(total=args.steps, unit="step", file=sys.stdout)
-    pipe.measure = args.measure
-    losses = []
+        progress = tqdm(total=args.steps, initial=first_step, unit="step", file=sys.stdout)
+    losses: list[float] = []
     stats: list[Any] = []
-    start = time.perf_counter()
-    for step in range(args.steps):
+    last_step = first_step
+    for step in range(first_step, args.steps):
         step_start = time.perf_counter()
         inputs, targets = batches(step)
         loss = pipe.step(inputs, targets)
@@ -113,17 +144,42 @@ def run_train(args: argparse.Namespace) -> int:
             memory = _stage_memory(stats) if stats else ""
             progress.set_postfix_str(f"loss {loss:.3f} {args.global_batch / step_time:.0f} samples/s {memory}")
             progress.update(1)
+        last_step = step + 1
+        if _checkpoint_due(args, pipe, last_step):
+            saved = pipe.save(Path(args.checkpoint_dir) / f"step-{last_step:06d}", optimizer=optimizer, step=last_step)
+            if leader and pipe.preempted:
+                print(f"preempted: stopped after step {last_step}, checkpoint {saved}", flush=True)
+        if pipe.preempted:  # the same on every rank after the same step
+            break
     if progress is not None:
         progress.close()
-    if leader:
-        elapsed = time.perf_counter() - start
-        print(f"trained {args.steps} steps in {elapsed:.1f} s: loss {losses[0]:.3f} -> {losses[-1]:.3f} "
-              f"({args.steps * args.global_batch / elapsed:.0f} samples/s)", flush=True)
-        if args.trace and stats:
-            _write_trace(args.trace, stats)
-            print(f"wrote measured timeline {args.trace}", flush=True)
-    pipe.close()
-    return 0
+    return losses, stats, last_step
+
+
+def _resume(args: argparse.Namespace, pipe: Any, optimizer: torch.optim.Optimizer) -> int:
+    """The step to start at: that of the latest checkpoint in ``--checkpoint-dir`` (loaded), else 0."""
+    from fxpipe.checkpoint import latest_checkpoint
+
+    if args.checkpoint_every < 0:
+        raise ValueError(f"--checkpoint-every {args.checkpoint_every} is negative; use 0 (end and preemption "
+                         "only) or a number of steps")
+    if not args.checkpoint_dir:
+        return 0
+    found = latest_checkpoint(args.checkpoint_dir)
+    if found is None:
+        return 0
+    step = int(pipe.load(found, optimizer=optimizer)["step"])
+    if pipe.rank == 0:
+        print(f"resuming at step {step} from {found}", flush=True)
+    return step
+
+
+def _checkpoint_due(args: argparse.Namespace, pipe: Any, step: int) -> bool:
+    """Save after this step? On preemption, at the last step, and every ``--checkpoint-every`` steps."""
+    if not args.checkpoint_dir:
+        return False
+    every = args.checkpoint_every
+    return bool(pipe.preempted) or step == args.steps or (every > 0 and step % every == 0)
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from fxpipe.plan import row_ranges, shared_rows
 from fxpipe.runtime.errors import CommunicationError
+from fxpipe.runtime.failures import FailureLog, root_cause_hint
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -227,6 +228,8 @@ class PeerExchange:
         self.rank = rank
         self.device = device
         self.timeout = timedelta(seconds=timeout_s)
+        # the job's first-failure record and heartbeats; set by the driver (None: name the peer only)
+        self.failures: FailureLog | None = None
 
     def post(self, ops: Sequence[tuple[bool, torch.Tensor, int, int, str]]) -> list[Pending]:
         """Start ``(is_send, tensor, peer, tag, description)`` operations as one batch."""
@@ -238,7 +241,9 @@ class PeerExchange:
             works = dist.batch_isend_irecv(p2p_ops)
         except RuntimeError as error:
             names = "; ".join(f"{d} (rank {p})" for _, _, p, _, d in ops)
-            raise CommunicationError(f"rank {self.rank}: starting transfers failed [{names}]: {error}") from error
+            hint = root_cause_hint(self.failures, ops[0][2], f"starting transfers [{names}]", error)
+            raise CommunicationError(
+                f"rank {self.rank}: starting transfers failed [{names}]: {error}.{hint}") from error
         if len(works) != len(ops):  # coalesced backends (NCCL) return one work for the whole batch
             names = "; ".join(f"{d} with rank {p}" for _, _, p, _, d in ops)
             return [Pending(works[0] if works else None, ops[0][2], names, ops[0][1])] + [
@@ -255,10 +260,11 @@ class PeerExchange:
                 item.work.wait(self.timeout)
             except RuntimeError as error:
                 peer = f"rank {item.peer}" if item.peer >= 0 else "a rank of the group"
+                hint = root_cause_hint(self.failures, item.peer, f"{item.description} with {peer}", error)
                 raise CommunicationError(
                     f"rank {self.rank}: {item.description} with {peer} failed or timed out after "
                     f"{self.timeout.total_seconds():.0f} s (is {peer} alive and running the same "
-                    f"plan and batch?): {error}") from error
+                    f"plan and batch?): {error}.{hint}") from error
 
     def send_object(self, obj: object, peer: int, tags: tuple[int, int], description: str) -> list[Pending]:
         """Send a Python object as its pickled length then its bytes (for non-tensor values)."""

@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_map
 
 from fxpipe import schedule as schedules
 from fxpipe.plan import Plan
+from fxpipe.runtime import preemption
 from fxpipe.runtime.batchcheck import BatchChecker, check_shapes
 from fxpipe.runtime.comm import (
     DEFAULT_TIMEOUT_S,
@@ -30,6 +31,7 @@ from fxpipe.runtime.comm import (
     unflatten_into,
 )
 from fxpipe.runtime.errors import PipelineSetupError
+from fxpipe.runtime.failures import FailureLog
 from fxpipe.runtime.measure import ActionTimer, SavedActivationMeter, StepStats
 from fxpipe.runtime.receives import Inbox, Piece
 from fxpipe.runtime.rows import RowMap
@@ -108,6 +110,8 @@ class PipelineDriver:
         self.out_routes = self._output_routes()
         grad_pieces, self.grad_rows = self._gradient_pieces()
         self.exchange = PeerExchange(self.rank, context.device, timeout_s)
+        self.preempted = False  # see fxpipe.runtime.preemption
+        self.exchange.failures = self.failures = FailureLog.for_default_group(self, self.rank, context.world_size)
         self.batch_checker = BatchChecker(check_batch, self.exchange)
         self.inbox = Inbox(self.exchange, context.device, self._tag,
                            {MessageKind.ACTIVATION: self._input_pieces(), MessageKind.GRADIENT: grad_pieces},
@@ -214,6 +218,8 @@ class PipelineDriver:
         ``partial``: ``inputs``/``targets`` hold only the rows this rank reads (``input_rows()`` /
         ``target_rows()``, in that order); values this rank does not read may be None.
         """
+        if self.failures is not None:
+            self.failures.step_index += 1
         self.inbox.check_clean()  # local refusals first: a collective with ranks that went on would hang
         self.batch_checker.check(inputs, targets, partial=partial)
         self.check_batch(inputs, targets, partial=partial)
@@ -413,12 +419,16 @@ class PipelineDriver:
         loss_sum, count = _local_loss(state)
         if self.context.world_size > 1:  # a world of one has nothing to add (and no batch to compare)
             folds = self.batch_checker.fold_values()
-            total = torch.tensor([loss_sum, count, *folds], dtype=torch.float64, device=self.context.device)
+            total = torch.tensor([loss_sum, count, preemption.vote(), *folds], dtype=torch.float64,
+                                 device=self.context.device)
             work = dist.all_reduce(total, op=dist.ReduceOp.SUM, async_op=True)
             assert work is not None
             self.exchange.wait([Pending(work, -1, "loss allreduce over all ranks", total)])
-            loss_sum, count, *folded = total.tolist()
+            loss_sum, count, stop_votes, *folded = total.tolist()
+            self.preempted = stop_votes > 0  # the same on every rank: a signal reached at least one of them
             self.batch_checker.check_folded(folded)
+        else:
+            self.preempted = preemption.vote() > 0
         return self.runner.batch_loss(loss_sum, count, self._param_list)
 
     def gather_stats(self) -> list[StepStats]:
