@@ -43,7 +43,7 @@ class _Search:
     """One run of the state search for a fixed micro-batch size ``rows``."""
 
     def __init__(self, model: CostModel, rows: int, layout: tuple[int, ...] | None,
-                 bound_s: float, beam_width: int, pool_size: int) -> None:
+                 bound_s: float, beam_width: int, pool_size: int, num_stages: int | None = None) -> None:
         self.model = model
         self.rows = rows
         self.num_microbatches = model.global_batch_size // rows
@@ -52,6 +52,9 @@ class _Search:
         self.max_stages = min(self.num_microbatches, self.num_blocks, model.cluster.num_devices)
         if layout is not None:
             self.max_stages = min(self.max_stages, len(layout))
+        self.num_stages = num_stages
+        if num_stages is not None:
+            self.max_stages = min(self.max_stages, num_stages)
         self.bound_s = bound_s
         self.beam_width = beam_width
         self.pool_size = pool_size
@@ -73,6 +76,8 @@ class _Search:
         """Score a complete plan and keep it if it fits in memory; returns (fits, pivot latency)."""
         candidate = self.model.candidate(spans, self.rows)
         if self.layout is not None and candidate.layout != self.layout:
+            return False, candidate.latency_s
+        if self.num_stages is not None and len(spans) != self.num_stages:
             return False, candidate.latency_s
         ratio = max(self.model.memory(spans, self.rows, "A")) / self.model.memory_limit_bytes
         if ratio > 1.0:
@@ -181,15 +186,16 @@ class _Search:
 
 
 def search(model: CostModel, rows: int, *, layout: tuple[int, ...] | None = None,
-           bound_s: float = float("inf"), beam_width: int | None = None, pool_size: int = 32) -> SearchResult:
+           bound_s: float = float("inf"), beam_width: int | None = None, pool_size: int = 32,
+           num_stages: int | None = None) -> SearchResult:
     """Best memory-feasible candidates for micro-batch size ``rows`` by the pivot model.
 
     ``bound_s`` is a known achievable latency (e.g. plain DP) used to prune from the start;
     ``beam_width`` prefixes are kept per canonical state (blocks planned, sorted per-host usage); by
     default several on small problems (where it is cheap and closes gaps to exhaustive search) and
-    one on large ones.
+    one on large ones. ``num_stages`` keeps only candidates of exactly that many stages.
     """
     if beam_width is None:
         size = model.chain.num_blocks * model.cluster.num_devices
         beam_width = max(1, min(MAX_BEAM_WIDTH, BEAM_BUDGET // size))
-    return _Search(model, rows, layout, bound_s, beam_width, pool_size).run()
+    return _Search(model, rows, layout, bound_s, beam_width, pool_size, num_stages).run()

@@ -47,6 +47,7 @@ class PlanRequest:
     memory_limit_bytes: int = 0
     rerank: int = 16
     progress: bool = False
+    num_stages: int | None = None  # exactly this many stages (cuts fixed by pipe_split markers)
 
     def cost_model(self) -> CostModel:
         return CostModel(self.chain, self.cluster, self.global_batch_size, self.optimizer,
@@ -56,6 +57,11 @@ class PlanRequest:
         if self.schedule == "gpipe":
             return ("A",)  # GPipe keeps every micro-batch in flight; K_s = M regardless of policy
         return (self.warmup_policy,) if self.warmup_policy else WARMUP_POLICIES
+
+    def allows(self, candidate: Candidate) -> bool:
+        """Whether a candidate has the forced layout and stage count (when they are forced)."""
+        return ((self.layout is None or candidate.layout == self.layout)
+                and (self.num_stages is None or len(candidate.spans) == self.num_stages))
 
 
 def check_request(request: PlanRequest) -> None:
