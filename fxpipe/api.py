@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fxpipe.cluster import Cluster
-from fxpipe.plan import Plan
+from fxpipe.plan import Plan, plan_argument_kind
 from fxpipe.runtime.errors import PipelineSetupError
 
 if TYPE_CHECKING:
@@ -21,7 +20,6 @@ if TYPE_CHECKING:
 
 SCHEDULE_ALIASES = {"dapple": "early_backward", "early_backward": "early_backward", "1f1b": "early_backward",
                     "gpipe": "gpipe"}
-_LAYOUT = re.compile(r"dp|[0-9]+(:[0-9]+)+")
 
 
 @dataclass(frozen=True)
@@ -214,21 +212,32 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     inputs = example_inputs if isinstance(example_inputs, tuple | dict) else (example_inputs,)
     context = init_distributed(options.timeout_s)
     graph_module = trace(model, inputs)
-    resolved = resolve_plan(options, model, graph_module.meta.get("fxpipe.example_inputs", inputs),
-                            context.world_size)
+    resolved = resolve_plan(options, model, _keyword_inputs(graph_module, inputs), context.world_size)
+    check_plan_matches(resolved, graph_module)
     program = split_for_plan(graph_module, resolved)
     driver = PipelineDriver(program, resolved, options.loss_fn, context=context,
                             autocast_dtype=options.autocast_dtype, timeout_s=options.timeout_s)
     return PipelinedModule(driver, graph_module)
 
 
+def _keyword_inputs(graph_module: torch.fx.GraphModule, inputs: Any) -> Any:
+    """The traced example inputs keyed by forward()'s parameter names, so a re-trace binds keyword-only ones."""
+    values = graph_module.meta.get("fxpipe.example_inputs")
+    names = graph_module.meta.get("fxpipe.input_names")
+    if values is None or names is None:
+        return inputs
+    return dict(zip(names, values, strict=True))
+
+
 def resolve_plan(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, world_size: int) -> Plan:
     """The Plan to run: given, loaded from a file, or made by the planner on rank 0 and broadcast."""
+    kind = "plan" if isinstance(options.plan, Plan) else plan_argument_kind(options.plan)
     if isinstance(options.plan, Plan):
         plan = options.plan
-    elif isinstance(options.plan, Path) or (isinstance(options.plan, str) and options.plan != "auto"
-                                            and not _LAYOUT.fullmatch(options.plan)):
+    elif kind == "file":
         plan = Plan.load(options.plan)
+    elif kind == "markers":
+        plan = _marker_plan(options, model, example_inputs, world_size)
     else:
         plan = _planned(options, model, example_inputs, world_size)
     return apply_overrides(plan, options)
@@ -273,7 +282,8 @@ def _run_planner(options: CompileOptions, model: torch.nn.Module, example_inputs
 
     cluster = options.cluster if options.cluster is not None else f"local:{world_size}"
     resolved = parse_cluster(cluster) if isinstance(cluster, str) else cluster
-    costed = cost_model(model, tuple(example_inputs), resolved)
+    costed = cost_model(model, example_inputs if isinstance(example_inputs, Mapping) else tuple(example_inputs),
+                        resolved)
     layout = None if options.plan == "auto" else str(options.plan)
     assert options.global_batch_size is not None
     return plan_chain(costed.chain, resolved, options.global_batch_size, layout=layout,
@@ -286,3 +296,34 @@ def _rank() -> int:
     from fxpipe.runtime.comm import current_rank
 
     return current_rank()
+
+
+def _marker_plan(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, world_size: int) -> Plan:
+    """``plan="markers"``: cuts at the model's pipe_split() calls, made on rank 0 and broadcast."""
+    from fxpipe.cluster import parse_cluster
+    from fxpipe.planning import plan_markers
+    from fxpipe.runtime.comm import broadcast_text
+
+    if options.global_batch_size is None:
+        raise PipelineSetupError("global_batch_size is missing; it is required unless a Plan is given")
+    text = None
+    if _rank() == 0:
+        cluster = options.cluster if options.cluster is not None else f"local:{world_size}"
+        plan, _ = plan_markers(model, example_inputs, parse_cluster(cluster) if isinstance(cluster, str) else cluster,
+                               options.global_batch_size, num_microbatches=options.num_microbatches,
+                               schedule=_schedule_name(options.schedule or "dapple"),
+                               warmup_policy=options.warmup_policy, optimizer=options.optimizer,
+                               use_all_devices=True)
+        text = plan.to_json()
+    return Plan.from_json(broadcast_text(text))
+
+
+def check_plan_matches(plan: Plan, graph_module: torch.fx.GraphModule) -> None:
+    """A plan (from a file, say) must name this model's graph nodes; say which model it was made for if not."""
+    known = {node.name for node in graph_module.graph.nodes}
+    foreign = [name for stage in plan.stages for name in stage.node_names if name not in known]
+    if foreign:
+        made_for = f"model {plan.model!r}" if plan.model else "another model"
+        raise PipelineSetupError(f"the plan was made for {made_for}: {len(foreign)} of its node names (e.g. "
+                                 f"{foreign[:3]}) are not in this {type(graph_module).__name__}'s graph; re-plan "
+                                 "for this model (fxpipe plan MODEL --json PLAN.json, or plan='auto')")

@@ -50,7 +50,7 @@ def load_model(spec: str, *, device: str = "cpu", **overrides: Any) -> tuple[tor
 
 def cost_model(
     model: torch.nn.Module,
-    example_inputs: tuple[Any, ...],
+    example_inputs: Any,
     cluster: Cluster,
     *,
     costs: str = "analytic",
@@ -100,3 +100,36 @@ def plan_model(
     resolved = parse_cluster(cluster) if isinstance(cluster, str) else cluster
     costed = cost_model(model, example_inputs, resolved, costs=costs)
     return plan_chain(costed.chain, resolved, global_batch_size, **options)
+
+
+def plan_markers(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    cluster: Cluster,
+    global_batch_size: int,
+    *,
+    costs: str = "analytic",
+    **options: Any,
+) -> tuple[Plan, CostChain]:
+    """Cut at the model's ``pipe_split()`` markers; DAPPLE picks replica counts, placement and micro-batches.
+
+    Returns the plan and the cost chain it is stated in. Every marked stage must hold parameters
+    (otherwise the README's ``torch.optim.AdamW(pipe.parameters())`` fails on its ranks): a
+    MarkerError names the stage to merge.
+    """
+    from fxpipe import passes
+    from fxpipe.passes.block_partition import coarsen_chain, holds_parameters
+    from fxpipe.passes.markers import MarkerError, marker_stages, marker_stops
+    from fxpipe.passes.partition import on_fine_chain, partition
+
+    graph_module = passes.trace(model, example_inputs)
+    groups = marker_stages(model, example_inputs, graph_module)
+    chain = cost_model(model, example_inputs, cluster, costs=costs, max_blocks=None).chain
+    stops = marker_stops(chain, groups)
+    marked = coarsen_chain(chain, stops)
+    empty = [index for index, holds in enumerate(holds_parameters(marked)) if not holds]
+    if empty:
+        raise MarkerError(f"pipe_split() markers give stage(s) {empty} no parameters, so their ranks would have "
+                          "nothing to optimise; remove the marker before or after each such stage")
+    plan = partition(marked, cluster, global_batch_size, num_stages=len(stops), **options)
+    return on_fine_chain(plan, chain, stops).with_updates(planner="markers"), chain

@@ -37,7 +37,7 @@ from fxpipe.passes.plan_scoring import (
 )
 from fxpipe.plan import BaselineResult, Plan
 
-__all__ = ["PLANNERS", "InfeasiblePlanError", "LayoutError", "PlanningError", "parse_layout", "partition",
+__all__ = ["PLANNERS", "InfeasiblePlanError", "LayoutError", "PlanningError", "on_fine_chain", "parse_layout", "partition",
            "plan_dapple"]
 
 # Chains longer than this are searched on merged groups of blocks, then the cuts are refined.
@@ -143,7 +143,7 @@ def _search_all(request: PlanRequest, model: CostModel, grid: list[int],
         found.extend(seeds)
         bound_s = min([bound_s, *(c.latency_s for c in seeds)])
         result = search(search_model, rows, layout=request.layout, bound_s=bound_s, pool_size=request.rerank,
-                        num_stages=request.num_stages)
+                        num_stages=request.num_stages, accept=request.allows)
         found.extend(result.candidates)
         if result.closest_ratio < closest_ratio:
             closest, closest_ratio = result.closest_miss, result.closest_ratio
@@ -227,7 +227,7 @@ def _baseline_results(request: PlanRequest) -> tuple[tuple[str, BaselineResult],
     return tuple(results)
 
 
-def _on_fine_chain(plan: Plan, chain: CostChain, stops: list[int]) -> Plan:
+def on_fine_chain(plan: Plan, chain: CostChain, stops: list[int]) -> Plan:
     """A plan made on the parameter-grouped chain, restated in the blocks of the original ``chain``."""
     if len(stops) == chain.num_blocks:
         return plan
@@ -255,13 +255,14 @@ def partition(chain: CostChain, cluster: Cluster, global_batch_size: int, *, pla
               layout: str | None = None, num_microbatches: int | None = None,
               schedule: str = "early_backward", warmup_policy: str | None = None, optimizer: str = "adam",
               memory_limit_bytes: int | None = None, rerank: int = 16, progress: bool = False,
-              compare: bool = False, num_stages: int | None = None) -> Plan:
+              compare: bool = False, num_stages: int | None = None, use_all_devices: bool = False) -> Plan:
     """Plan hybrid pipeline + data parallel training of ``chain`` on ``cluster``.
 
     ``planner`` is a key of :data:`PLANNERS`; ``layout`` forces replica counts per stage
     (``"3:1"``, ``"dp"``) and leaves cuts and placement to the planner; ``compare`` also runs
     every baseline and records its simulated time in ``Plan.baselines``; ``num_stages`` (DAPPLE only)
-    keeps exactly that many stages (``fxpipe.planning.plan_markers`` passes one block per stage).
+    keeps exactly that many stages (``fxpipe.planning.plan_markers`` passes one block per stage);
+    ``use_all_devices`` (DAPPLE only) keeps plans that give every device of the cluster a stage.
     Every stage holds parameters: cuts fall only between :func:`parameter_groups`, so the README's
     ``torch.optim.AdamW(pipe.parameters())`` works on every rank.
     """
@@ -276,10 +277,10 @@ def partition(chain: CostChain, cluster: Cluster, global_batch_size: int, *, pla
         chain=grouped, cluster=cluster, global_batch_size=global_batch_size, layout=forced,
         num_microbatches=num_microbatches, schedule=schedule, warmup_policy=warmup_policy,
         optimizer=optimizer, memory_limit_bytes=memory_limit_bytes or cluster.device.memory_bytes,
-        rerank=rerank, progress=progress, num_stages=num_stages,
+        rerank=rerank, progress=progress, num_stages=num_stages, use_all_devices=use_all_devices,
     )
     check_request(request)
     plan = PLANNERS[planner](request)
     if compare:
         plan = plan.with_updates(baselines=_baseline_results(request))
-    return _on_fine_chain(plan, chain, stops).with_updates(planning_time_s=time.perf_counter() - start)
+    return on_fine_chain(plan, chain, stops).with_updates(planning_time_s=time.perf_counter() - start)

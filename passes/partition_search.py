@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fxpipe.passes.candidates import Candidate, CostModel, Span
@@ -43,7 +44,8 @@ class _Search:
     """One run of the state search for a fixed micro-batch size ``rows``."""
 
     def __init__(self, model: CostModel, rows: int, layout: tuple[int, ...] | None,
-                 bound_s: float, beam_width: int, pool_size: int, num_stages: int | None = None) -> None:
+                 bound_s: float, beam_width: int, pool_size: int, num_stages: int | None = None,
+                 accept: Callable[[Candidate], bool] | None = None) -> None:
         self.model = model
         self.rows = rows
         self.num_microbatches = model.global_batch_size // rows
@@ -52,7 +54,7 @@ class _Search:
         self.max_stages = min(self.num_microbatches, self.num_blocks, model.cluster.num_devices)
         if layout is not None:
             self.max_stages = min(self.max_stages, len(layout))
-        self.num_stages = num_stages
+        self.accept = accept
         if num_stages is not None:
             self.max_stages = min(self.max_stages, num_stages)
         self.bound_s = bound_s
@@ -77,7 +79,7 @@ class _Search:
         candidate = self.model.candidate(spans, self.rows)
         if self.layout is not None and candidate.layout != self.layout:
             return False, candidate.latency_s
-        if self.num_stages is not None and len(spans) != self.num_stages:
+        if self.accept is not None and not self.accept(candidate):
             return False, candidate.latency_s
         ratio = max(self.model.memory(spans, self.rows, "A")) / self.model.memory_limit_bytes
         if ratio > 1.0:
@@ -187,15 +189,15 @@ class _Search:
 
 def search(model: CostModel, rows: int, *, layout: tuple[int, ...] | None = None,
            bound_s: float = float("inf"), beam_width: int | None = None, pool_size: int = 32,
-           num_stages: int | None = None) -> SearchResult:
+           num_stages: int | None = None, accept: Callable[[Candidate], bool] | None = None) -> SearchResult:
     """Best memory-feasible candidates for micro-batch size ``rows`` by the pivot model.
 
     ``bound_s`` is a known achievable latency (e.g. plain DP) used to prune from the start;
     ``beam_width`` prefixes are kept per canonical state (blocks planned, sorted per-host usage); by
     default several on small problems (where it is cheap and closes gaps to exhaustive search) and
-    one on large ones. ``num_stages`` keeps only candidates of exactly that many stages.
+    one on large ones. ``num_stages`` caps the stage count; ``accept`` filters complete candidates.
     """
     if beam_width is None:
         size = model.chain.num_blocks * model.cluster.num_devices
         beam_width = max(1, min(MAX_BEAM_WIDTH, BEAM_BUDGET // size))
-    return _Search(model, rows, layout, bound_s, beam_width, pool_size, num_stages).run()
+    return _Search(model, rows, layout, bound_s, beam_width, pool_size, num_stages, accept).run()
