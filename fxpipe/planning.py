@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +15,7 @@ from fxpipe.plan import Plan
 
 
 class ModelSpecError(ValueError):
-    """MODEL is neither a zoo name nor an importable ``package.module:factory``."""
+    """MODEL is neither a zoo name nor a ``package.module:factory`` returning (model, example_inputs)."""
 
 
 @dataclass(frozen=True)
@@ -28,24 +27,31 @@ class CostedModel:
     chain: CostChain
 
 
-def load_model(spec: str, *, device: str = "cpu", **overrides: Any) -> tuple[torch.nn.Module, tuple[Any, ...]]:
-    """Build MODEL: a zoo name (``gpt-mini``) or ``package.module:factory`` returning (model, example_inputs)."""
+def load_model(spec: str, *, device: str = "cpu", **overrides: Any) -> tuple[torch.nn.Module, Any]:
+    """Build MODEL: a zoo name (``gpt-mini``) or ``package.module:factory`` returning (model, example_inputs).
+
+    A factory's example inputs may be a tensor, a tuple of tensors or a dict of keyword tensors.
+    """
     if ":" not in spec:
         from fxpipe import models
 
         return models.build(spec, device=device, **overrides)
-    module_name, _, attribute = spec.partition(":")
-    try:
-        factory: Callable[..., Any] = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as error:
-        raise ModelSpecError(
-            f"cannot load model factory {spec!r}: {error}; use a zoo name or 'package.module:factory'"
-        ) from error
-    result = factory(**overrides)
+    from fxpipe.models.registry import load_callable
+
+    result = load_callable(spec, "model factory")(**overrides)
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module)):
-        raise ModelSpecError(f"factory {spec!r} must return (nn.Module, example_inputs), got {type(result).__name__}")
+        got = (f"a tuple of {[type(item).__name__ for item in result]}" if isinstance(result, tuple)
+               else type(result).__name__)
+        raise ModelSpecError(f"factory {spec!r} must return (nn.Module, example_inputs), got {got}")
     model, example_inputs = result
-    return model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    if isinstance(example_inputs, torch.Tensor):
+        return model, (example_inputs,)
+    if isinstance(example_inputs, list):
+        return model, tuple(example_inputs)
+    if not isinstance(example_inputs, tuple | Mapping):
+        raise ModelSpecError(f"factory {spec!r} returned example inputs of type {type(example_inputs).__name__}; "
+                             "return a tensor, a tuple of tensors or a dict of keyword tensors")
+    return model, example_inputs
 
 
 def cost_model(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import pytest
@@ -94,3 +95,136 @@ def test_parameter_groups_join_parameter_less_blocks_to_the_previous_group() -> 
     tied = chain([1.0] * 4, [5, 0, 0, 0])
     tied = type(tied)(tied.blocks, tied.cut_bytes, shared_params=(SharedParam("wte", 5, (0, 2)),))
     assert parameter_groups(tied) == [2, 4]  # block 2 reads a copy of the tied weight
+
+
+FACTORY_MODULE = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, x, *, scale):
+        return self.b(torch.relu(self.a(x)) * scale)
+
+
+def factory():
+    torch.manual_seed(0)
+    return Net(), {"x": torch.randn(4, 4), "scale": torch.ones(4, 1)}
+
+
+def broken():
+    return Net()
+'''
+
+
+@pytest.fixture
+def factory_folder(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A folder holding ``frontdoor_models.py``, as the current directory, and not on sys.path."""
+    (tmp_path / "frontdoor_models.py").write_text(FACTORY_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "frontdoor_models", raising=False)
+    return tmp_path
+
+
+def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    from fxpipe.cli import main
+
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_cli_plans_a_factory_from_the_current_folder(factory_folder: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _cli(["plan", "frontdoor_models:factory", "--cluster", "local:2", "--global-batch", "8",
+                           "--json", "plan.json"], capsys)
+    assert (code, err) == (0, "")
+    assert "wrote plan.json" in out
+    assert fxpipe_plan_model(factory_folder / "plan.json") == "frontdoor_models:factory"
+
+
+def fxpipe_plan_model(path: Any) -> str:
+    from fxpipe.plan import Plan
+
+    return Plan.load(path).model
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "frontdoor_models:broken", "--global-batch", "8"], "must return (nn.Module, example_inputs), got Net"),
+    (["plan", "frontdoor_models:nothing", "--global-batch", "8"], "module 'frontdoor_models' has no 'nothing'"),
+    (["plan", "no_such_module:factory", "--global-batch", "8"], "cannot import 'no_such_module'"),
+    (["plan", "frontdoor_models:factory", "--global-batch", "8", "--layout", "2-1"], "layout '2-1' is malformed"),
+    (["plan", "frontdoor_models:factory", "--global-batch", "8", "--layout", "1:1:1"],
+     "has 3 stages but the model has only 2 cuttable block"),
+    (["plan", "frontdoor_models:factory", "--global-batch", "8", "--layout", "markers"], "calls no pipe_split"),
+    (["plan", "--global-batch", "8"], "give MODEL"),
+    (["train", "frontdoor_models:factory"], "give its loss with --loss"),
+    (["train", "frontdoor_models:factory", "--loss", "hinge"], "loss 'hinge' is unknown"),
+    (["train", "frontdoor_models:factory", "--loss", "mse", "--plan", "2-1"], "plan '2-1' is not 'auto'"),
+])
+def test_cli_errors_are_one_line_and_exit_2(factory_folder: Any, capsys: pytest.CaptureFixture[str],
+                                            argv: list[str], message: str) -> None:
+    code, _, err = _cli([*argv, "--cluster", "local:4"] if argv[0] == "plan" else argv, capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith(f"fxpipe {argv[0]}: error: "), err
+    assert message in err, err
+
+
+def test_train_rejects_a_plan_file_made_for_another_model(factory_folder: Any,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli(["plan", "mlp", "--cluster", "local:2", "--global-batch", "8", "--json", "mlp.json"], capsys)[0] == 0
+    code, _, err = _cli(["train", "frontdoor_models:factory", "--loss", "mse", "--plan", "mlp.json"], capsys)
+    assert code == 2 and "was made for model 'mlp', not 'frontdoor_models:factory'" in err, err
+
+
+def test_compile_names_the_model_a_foreign_plan_was_made_for() -> None:
+    from fxpipe.api import check_plan_matches
+    from fxpipe.runtime.errors import PipelineSetupError
+
+    plan = plan_model(SkipMLP(), (torch.randn(4, 8),), cluster="local:2", global_batch_size=8, layout="1:1")
+    plan = plan.with_updates(model="skip-mlp")
+    check_plan_matches(plan, trace(SkipMLP(), (torch.randn(4, 8),)))
+    with pytest.raises(PipelineSetupError, match="the plan was made for model 'skip-mlp'"):
+        check_plan_matches(plan, trace(FourLinear(), (torch.randn(4, 4),)))
+
+
+@pytest.mark.parametrize("text, kind", [("auto", "auto"), ("markers", "markers"), ("3:1", "layout"), ("dp", "layout"),
+                                        ("plan.json", "file"), ("runs/plan", "file")])
+def test_plan_arguments_are_classified(text: str, kind: str) -> None:
+    from fxpipe.plan import plan_argument_kind
+
+    assert plan_argument_kind(text) == kind
+
+
+def test_a_dp_plan_prints_no_speedup_over_dp() -> None:
+    from fxpipe.report import format_plan
+
+    plan = plan_model(FourLinear(), (torch.randn(4, 4),), cluster="local:2", global_batch_size=8, layout="dp")
+    assert plan.layout == "dp" and "speedup over DP" not in format_plan(plan)
+    pipelined = plan_model(FourLinear(), (torch.randn(4, 4),), cluster="local:2", global_batch_size=8,
+                           layout="1:1")
+    assert "DP not compared" in format_plan(pipelined)
+
+
+def _train_factory(rank: int, world_size: int, store_dir: str) -> int:
+    from fxpipe.cli import main
+    from tests.mp_utils import join_world, leave_world
+
+    join_world(store_dir, "train-factory", rank, world_size)
+    try:
+        return main(["train", "frontdoor_models:factory", "--loss", "cross_entropy", "--steps", "2",
+                     "--global-batch", "8", "--num-microbatches", "2", "--plan", "1:1", "--quiet"])
+    finally:
+        leave_world()
+
+
+@pytest.mark.multiprocess
+def test_train_runs_a_factory_with_a_named_loss(factory_folder: Any) -> None:
+    from tests.mp_utils import run_ranks
+
+    assert run_ranks(_train_factory, 2, factory_folder) == [0, 0]

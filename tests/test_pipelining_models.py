@@ -106,6 +106,7 @@ def _plain_inputs(rows: int, seed: int) -> torch.Tensor:
 CASES: list[tuple[str, Callable[[], nn.Module], Callable[[int, int], Any], str, int]] = [
     ("buffer", BufferModel, _plain_inputs, "markers", 3),
     ("kwargs", KwargsModel, _kwargs_inputs, "markers", 2),
+    ("kwargs-layout", KwargsModel, _kwargs_inputs, "2:2", 2),  # keyword-only input through the planner
     ("alias", AliasModel, _plain_inputs, "markers", 2),
     ("multi-mlp", MultiMLP, _plain_inputs, "markers", 4),
     ("multi-mlp-auto", MultiMLP, _plain_inputs, "1:1:2", 3),
