@@ -215,6 +215,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     resolved = resolve_plan(options, model, _keyword_inputs(graph_module, inputs), context.world_size)
     check_plan_matches(resolved, graph_module)
     program = split_for_plan(graph_module, resolved)
+    check_stages_hold_parameters(program, resolved)
     driver = PipelineDriver(program, resolved, options.loss_fn, context=context,
                             autocast_dtype=options.autocast_dtype, timeout_s=options.timeout_s)
     return PipelinedModule(driver, graph_module)
@@ -327,3 +328,17 @@ def check_plan_matches(plan: Plan, graph_module: torch.fx.GraphModule) -> None:
         raise PipelineSetupError(f"the plan was made for {made_for}: {len(foreign)} of its node names (e.g. "
                                  f"{foreign[:3]}) are not in this {type(graph_module).__name__}'s graph; re-plan "
                                  "for this model (fxpipe plan MODEL --json PLAN.json, or plan='auto')")
+
+
+def check_stages_hold_parameters(program: Any, plan: Plan) -> None:
+    """Refuse, on every rank alike, a plan with a stage that holds no parameters.
+
+    The planner never makes one; a user's plan (file, Plan object) can. Its ranks would have nothing
+    to optimise, and ``torch.optim.AdamW(pipe.parameters())`` would fail on them alone while the other
+    ranks wait, so the mistake is reported here instead.
+    """
+    empty = [stage.stage_index for stage in program.stages if next(iter(stage.module.parameters()), None) is None]
+    if empty:
+        raise PipelineSetupError(f"plan {plan.layout!r} gives stage(s) {empty} no parameters, so their ranks "
+                                 "would have nothing to optimise; move those cuts (or re-plan with plan='auto', "
+                                 "a layout or plan='markers': planned stages always hold parameters)")

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+import fxpipe
 from fxpipe.passes import trace
 from fxpipe.passes.codegen import split_for_plan
 from fxpipe.passes.partition import LayoutError
@@ -101,6 +102,8 @@ FACTORY_MODULE = '''
 import torch
 from torch import nn
 
+import fxpipe
+
 
 class Net(nn.Module):
     def __init__(self):
@@ -119,6 +122,19 @@ def factory():
 
 def broken():
     return Net()
+
+
+class Marked(Net):
+    def forward(self, x, *, scale):
+        from torch.distributed.pipelining import pipe_split
+
+        hidden = torch.relu(self.a(x)) * scale
+        pipe_split()
+        return self.b(hidden)
+
+
+def marked():
+    return Marked(), {"x": torch.randn(4, 4), "scale": torch.ones(4, 1)}
 '''
 
 
@@ -146,6 +162,22 @@ def test_cli_plans_a_factory_from_the_current_folder(factory_folder: Any, capsys
     assert (code, err) == (0, "")
     assert "wrote plan.json" in out
     assert fxpipe_plan_model(factory_folder / "plan.json") == "frontdoor_models:factory"
+
+
+def test_cli_plans_at_markers_and_the_file_simulates(factory_folder: Any,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _cli(["plan", "frontdoor_models:marked", "--cluster", "local:4", "--global-batch", "8",
+                           "--layout", "markers", "--json", "marked.json"], capsys)
+    assert (code, err) == (0, ""), err
+    assert "planner=markers" in out
+    from fxpipe.planfile import load_plan_file
+
+    plan, chain, _ = load_plan_file(factory_folder / "marked.json")
+    assert plan.num_stages == 2 and chain is not None and plan.num_blocks == chain.num_blocks
+    assert _cli(["simulate", "marked.json"], capsys)[0] == 0
+    code, _, err = _cli(["plan", "frontdoor_models:marked", "--cluster", "local:4", "--global-batch", "8",
+                         "--planner", "markers", "--layout", "2:2"], capsys)
+    assert code == 2 and "markers fix the cuts" in err
 
 
 def fxpipe_plan_model(path: Any) -> str:
@@ -228,3 +260,28 @@ def test_train_runs_a_factory_with_a_named_loss(factory_folder: Any) -> None:
     from tests.mp_utils import run_ranks
 
     assert run_ranks(_train_factory, 2, factory_folder) == [0, 0]
+
+
+def _compile_parameterless_plan(rank: int, world_size: int, store_dir: str) -> str:
+    from fxpipe.runtime.errors import PipelineSetupError
+    from tests.mp_utils import compute_nodes, join_world, leave_world, plan_from_cuts
+
+    model, example_inputs = FourLinear(), (torch.randn(4, 4),)
+    names = compute_nodes(trace(model, example_inputs))
+    plan = plan_from_cuts(trace(model, example_inputs), (1, 1), 8, 2, fractions=[names.index("mul") / len(names)])
+    join_world(store_dir, "parameterless", rank, world_size)
+    try:
+        fxpipe.compile(model, example_inputs, loss_fn=torch.nn.functional.mse_loss, global_batch_size=8, plan=plan)
+    except PipelineSetupError as error:
+        return str(error)
+    finally:
+        leave_world()
+    return "compiled"
+
+
+@pytest.mark.multiprocess
+def test_a_given_plan_with_a_parameterless_stage_fails_on_every_rank(tmp_path: Any) -> None:
+    from tests.mp_utils import run_ranks
+
+    messages = run_ranks(_compile_parameterless_plan, 2, tmp_path)
+    assert all("plan '1:1' gives stage(s) [1] no parameters" in message for message in messages), messages
