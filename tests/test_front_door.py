@@ -285,3 +285,19 @@ def test_a_given_plan_with_a_parameterless_stage_fails_on_every_rank(tmp_path: A
 
     messages = run_ranks(_compile_parameterless_plan, 2, tmp_path)
     assert all("plan '1:1' gives stage(s) [1] no parameters" in message for message in messages), messages
+
+
+@pytest.mark.parametrize("model_name", ["skipnet", "tied-lm", "gnmt-16"])
+def test_every_planner_gives_every_stage_parameters(model_name: str) -> None:
+    from fxpipe import models
+
+    entry = models.get(model_name)
+    model, example_inputs = models.build(model_name, **entry.tiny_overrides)
+    graph_module = trace(model, example_inputs)
+    for planner, layout in [("dapple", None), ("dapple", "2:1:1"), ("dapple", "1:1:1:1"), ("pipedream", None),
+                            ("gpipe", None), ("uniform", None), ("params", None)]:
+        plan = plan_model(model, example_inputs, cluster="local:4", global_batch_size=16, planner=planner,
+                          layout=layout)
+        program = split_for_plan(graph_module, plan)
+        counts = [sum(1 for _ in stage.module.parameters()) for stage in program.stages]
+        assert min(counts) > 0, (planner, layout, plan.layout, counts)
