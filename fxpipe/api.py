@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from fxpipe.runtime.driver import PipelineDriver
     from fxpipe.runtime.measure import StepStats
 
+_MARKER_FAILURE = "fxpipe: marker planning failed: "
 SCHEDULE_ALIASES = {"dapple": "early_backward", "early_backward": "early_backward", "1f1b": "early_backward",
                     "gpipe": "gpipe"}
 
@@ -300,7 +301,11 @@ def _rank() -> int:
 
 
 def _marker_plan(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, world_size: int) -> Plan:
-    """``plan="markers"``: cuts at the model's pipe_split() calls, made on rank 0 and broadcast."""
+    """``plan="markers"``: cuts at the model's pipe_split() calls, made on rank 0 and broadcast.
+
+    A mistake found on rank 0 (no markers, a parameter-less marked stage) is broadcast too, so every
+    rank raises it at once instead of waiting for a plan.
+    """
     from fxpipe.cluster import parse_cluster
     from fxpipe.planning import plan_markers
     from fxpipe.runtime.comm import broadcast_text
@@ -308,15 +313,25 @@ def _marker_plan(options: CompileOptions, model: torch.nn.Module, example_inputs
     if options.global_batch_size is None:
         raise PipelineSetupError("global_batch_size is missing; it is required unless a Plan is given")
     text = None
+    failure: ValueError | None = None
     if _rank() == 0:
         cluster = options.cluster if options.cluster is not None else f"local:{world_size}"
-        plan, _ = plan_markers(model, example_inputs, parse_cluster(cluster) if isinstance(cluster, str) else cluster,
-                               options.global_batch_size, num_microbatches=options.num_microbatches,
-                               schedule=_schedule_name(options.schedule or "dapple"),
-                               warmup_policy=options.warmup_policy, optimizer=options.optimizer,
-                               use_all_devices=True)
-        text = plan.to_json()
-    return Plan.from_json(broadcast_text(text))
+        try:
+            plan, _ = plan_markers(model, example_inputs,
+                                   parse_cluster(cluster) if isinstance(cluster, str) else cluster,
+                                   options.global_batch_size, num_microbatches=options.num_microbatches,
+                                   schedule=_schedule_name(options.schedule or "dapple"),
+                                   warmup_policy=options.warmup_policy, optimizer=options.optimizer,
+                                   use_all_devices=True)
+            text = plan.to_json()
+        except ValueError as error:
+            failure, text = error, _MARKER_FAILURE + f"{type(error).__name__}: {error}"
+    text = broadcast_text(text)
+    if failure is not None:
+        raise failure
+    if text.startswith(_MARKER_FAILURE):
+        raise PipelineSetupError(f"rank 0 could not plan at the markers: {text[len(_MARKER_FAILURE):]}")
+    return Plan.from_json(text)
 
 
 def check_plan_matches(plan: Plan, graph_module: torch.fx.GraphModule) -> None:

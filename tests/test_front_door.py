@@ -238,6 +238,8 @@ def test_a_dp_plan_prints_no_speedup_over_dp() -> None:
 
     plan = plan_model(FourLinear(), (torch.randn(4, 4),), cluster="local:2", global_batch_size=8, layout="dp")
     assert plan.layout == "dp" and "speedup over DP" not in format_plan(plan)
+    fewer = plan.with_updates(stages=(plan.stages[0].__class__(0, 0, plan.num_blocks, 1, (0,)),), num_devices=2)
+    assert "speedup over DP" not in format_plan(fewer) and "data parallel on 1 of 2 devices" in format_plan(fewer)
     pipelined = plan_model(FourLinear(), (torch.randn(4, 4),), cluster="local:2", global_batch_size=8,
                            layout="1:1")
     assert "DP not compared" in format_plan(pipelined)
@@ -262,29 +264,35 @@ def test_train_runs_a_factory_with_a_named_loss(factory_folder: Any) -> None:
     assert run_ranks(_train_factory, 2, factory_folder) == [0, 0]
 
 
-def _compile_parameterless_plan(rank: int, world_size: int, store_dir: str) -> str:
-    from fxpipe.runtime.errors import PipelineSetupError
+def _compile_errors(rank: int, world_size: int, store_dir: str) -> list[str]:
+    """Two compiles that must fail on every rank alike: a given plan with a parameter-less stage, and
+    plan="markers" for a model without markers (found on rank 0 only)."""
     from tests.mp_utils import compute_nodes, join_world, leave_world, plan_from_cuts
 
     model, example_inputs = FourLinear(), (torch.randn(4, 4),)
     names = compute_nodes(trace(model, example_inputs))
     plan = plan_from_cuts(trace(model, example_inputs), (1, 1), 8, 2, fractions=[names.index("mul") / len(names)])
-    join_world(store_dir, "parameterless", rank, world_size)
-    try:
-        fxpipe.compile(model, example_inputs, loss_fn=torch.nn.functional.mse_loss, global_batch_size=8, plan=plan)
-    except PipelineSetupError as error:
-        return str(error)
-    finally:
-        leave_world()
-    return "compiled"
+    messages = []
+    for index, given in enumerate([plan, "markers"]):
+        join_world(store_dir, f"compile-error-{index}", rank, world_size)
+        try:
+            fxpipe.compile(model, example_inputs, loss_fn=torch.nn.functional.mse_loss, global_batch_size=8,
+                           plan=given)
+            messages.append("compiled")
+        except ValueError as error:
+            messages.append(str(error))
+        finally:
+            leave_world()
+    return messages
 
 
 @pytest.mark.multiprocess
-def test_a_given_plan_with_a_parameterless_stage_fails_on_every_rank(tmp_path: Any) -> None:
+def test_compile_mistakes_fail_on_every_rank(tmp_path: Any) -> None:
     from tests.mp_utils import run_ranks
 
-    messages = run_ranks(_compile_parameterless_plan, 2, tmp_path)
-    assert all("plan '1:1' gives stage(s) [1] no parameters" in message for message in messages), messages
+    per_rank = run_ranks(_compile_errors, 2, tmp_path, timeout_s=100.0)
+    assert all("plan '1:1' gives stage(s) [1] no parameters" in messages[0] for messages in per_rank), per_rank
+    assert all("calls no pipe_split()" in messages[1] for messages in per_rank), per_rank
 
 
 @pytest.mark.parametrize("model_name", ["skipnet", "tied-lm", "gnmt-16"])
