@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from fxpipe.cluster import Cluster
-from fxpipe.costgraph import CostGraph
+from fxpipe.costgraph import CostGraph, CostNode
 from fxpipe.passes.chain import CostChain, build_chain
 from fxpipe.plan import Plan
 
@@ -74,7 +74,34 @@ def cost_model(
         graph = passes.to_cost_graph(graph_module, device=cluster.device, measured=measured, dtype=dtype)
     else:
         raise ValueError(f"costs={costs!r} is unknown; choose 'analytic' or 'measured'")
+    graph = parameter_reads_at_first_use(graph)
     return CostedModel(graph_module, graph, build_chain(graph, max_blocks=max_blocks))
+
+
+def parameter_reads_at_first_use(graph: CostGraph) -> CostGraph:
+    """Move every ``get_attr`` node to just before its first reader (a valid topological order still).
+
+    torch.export graphs read all parameters at the top. Left there, the chain's first blocks would
+    hold every weight and the compute blocks none, so the planner's parameter-holding cuts could not
+    split the model; next to their readers, each weight stays on the stage that uses it.
+    """
+    first_reader: dict[str, int] = {}
+    for index, node in enumerate(graph.nodes):
+        for name in node.inputs:
+            first_reader.setdefault(name, index)
+    moved: dict[int, list[CostNode]] = {}
+    for node in graph.nodes:
+        if node.op.startswith("get_attr") and not node.inputs and node.name in first_reader:
+            moved.setdefault(first_reader[node.name], []).append(node)
+    if not moved:
+        return graph
+    moved_names = {node.name for nodes in moved.values() for node in nodes}
+    order: list[CostNode] = []
+    for index, node in enumerate(graph.nodes):
+        order.extend(moved.get(index, ()))
+        if node.name not in moved_names:
+            order.append(node)
+    return replace(graph, nodes=tuple(order))
 
 
 def profile_chain(path: str, profile_batch_size: int, *, max_blocks: int | None = 64) -> CostChain:

@@ -116,14 +116,23 @@ def marker_stages(model: nn.Module, example_inputs: Any, gm: fx.GraphModule) -> 
 def marker_stops(chain: CostChain, groups: Sequence[Sequence[str]]) -> list[int]:
     """Block stops of ``chain`` where the marker stages end; MarkerError if a marker splits a block."""
     group_of = {name: index for index, group in enumerate(groups) for name in group}
-    block_groups: list[int] = []
+    owned: list[int | None] = []
     for block in chain.blocks:
         owners = sorted({group_of[name] for name in block.node_names if name in group_of})
         if len(owners) > 1:
             raise MarkerError(f"pipe_split() marker {owners[0]} sits inside chain block {block.name!r}, whose "
                               "nodes must stay on one stage (a non-tensor value crosses there); move the marker "
                               "before or after that code")
-        block_groups.append(owners[0] if owners else (block_groups[-1] if block_groups else 0))
+        owned.append(owners[0] if owners else None)
+    # Blocks of parameter reads only (get_attr) go with the computation after them, trailing ones before.
+    following = [group for group in owned if group is not None]
+    if not following:
+        raise MarkerError("the marked stages' nodes are not in the cost chain; use plan='auto' or a layout")
+    block_groups: list[int] = []
+    for group in owned:
+        if group is not None:
+            following.pop(0)
+        block_groups.append(group if group is not None else (following[0] if following else block_groups[-1]))
     if block_groups != sorted(block_groups) or set(block_groups) != set(range(len(groups))):
         raise MarkerError(f"the pipe_split() markers do not cut the graph into {len(groups)} ordered stages "
                           f"(stage of each block: {block_groups}); use plan='auto' or a layout")

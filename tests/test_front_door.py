@@ -309,3 +309,12 @@ def test_every_planner_gives_every_stage_parameters(model_name: str) -> None:
         program = split_for_plan(graph_module, plan)
         counts = [sum(1 for _ in stage.module.parameters()) for stage in program.stages]
         assert min(counts) > 0, (planner, layout, plan.layout, counts)
+
+
+def test_parameter_reads_move_next_to_their_first_reader() -> None:
+    from fxpipe.costgraph import CostGraph, CostNode
+    from fxpipe.planning import parameter_reads_at_first_use
+
+    graph = CostGraph((CostNode("w0", op="get_attr:w0", param_bytes=4), CostNode("w1", op="get_attr:w1", param_bytes=4),
+                       CostNode("a", ("w0",)), CostNode("b", ("a",)), CostNode("c", ("b", "w1", "w0"))))
+    assert [node.name for node in parameter_reads_at_first_use(graph).nodes] == ["w0", "a", "b", "w1", "c"]

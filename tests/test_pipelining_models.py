@@ -237,3 +237,36 @@ class EmptyMarkedStage(nn.Module):
 def test_marker_mistakes_are_named(model: nn.Module, message: str) -> None:
     with pytest.raises(MarkerError, match=message):
         plan_markers(model, _plain_inputs(4, 0), parse_cluster("local:4"), GLOBAL_BATCH)
+
+
+class ExportOnly(nn.Module):
+    """Branches on a shape, so torch.fx cannot trace it and the export front end (which keeps the marker
+    operator and reads every weight at the top of the graph) does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin0 = nn.Linear(WIDTH, WIDTH)
+        self.lin1 = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.lin0(x)
+        if x.shape[0] > 1:
+            x = torch.relu(x)
+        pipe_split()
+        return self.lin1(x)
+
+
+def test_markers_and_parameter_cuts_work_on_export_graphs() -> None:
+    from fxpipe.passes import trace
+    from fxpipe.passes.codegen import split_for_plan
+    from fxpipe.planning import plan_model
+
+    model, example_inputs = ExportOnly(), (_plain_inputs(4, 0),)
+    graph_module = trace(model, example_inputs)
+    assert graph_module.meta["fxpipe.frontend"] == "export"
+    marked, _ = plan_markers(model, example_inputs, parse_cluster("local:2"), GLOBAL_BATCH)
+    planned = plan_model(model, example_inputs, cluster="local:2", global_batch_size=GLOBAL_BATCH, layout="1:1")
+    for plan in (marked, planned):
+        program = split_for_plan(graph_module, plan)
+        assert [sorted(name for name, _ in stage.module.named_parameters()) for stage in program.stages] == [
+            ["lin0.bias", "lin0.weight"], ["lin1.bias", "lin1.weight"]]
