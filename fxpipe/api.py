@@ -171,7 +171,9 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
     """Pipeline ``model`` over the process group's ranks; returns a :class:`PipelinedModule`.
 
     ``plan``: ``"auto"`` (DAPPLE planner on ``cluster``, default ``local:<world size>``), a layout such as
-    ``"3:1"`` (planner picks cuts and placement), a :class:`Plan`, or a plan JSON path. ``schedule``:
+    ``"3:1"`` (planner picks cuts and placement), ``"markers"`` (cuts at the model's
+    ``torch.distributed.pipelining.pipe_split()`` calls; the planner picks replicas and placement on
+    every rank), a :class:`Plan`, or a plan JSON path. ``schedule``:
     ``"dapple"`` (early backward) or ``"gpipe"``; None keeps the plan's. ``loss_fn(output, targets)``
     must return a batch-mean scalar. As a decorator, ``@fxpipe.compile(loss_fn=..., global_batch_size=...)``
     on a model class or factory makes ``Factory(*args, example_inputs=..., **kwargs)`` return the module.
