@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fxpipe.cluster import Cluster
-from fxpipe.plan import Plan
+from fxpipe.plan import Plan, plan_argument_kind
 from fxpipe.runtime.errors import PipelineSetupError
 
 if TYPE_CHECKING:
@@ -25,7 +24,6 @@ if TYPE_CHECKING:
 
 SCHEDULE_ALIASES = {"dapple": "early_backward", "early_backward": "early_backward", "1f1b": "early_backward",
                     "gpipe": "gpipe"}
-_LAYOUT = re.compile(r"dp|[0-9]+(:[0-9]+)+")
 
 
 @dataclass(frozen=True)
@@ -226,7 +224,9 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
     """Pipeline ``model`` over the process group's ranks; returns a :class:`PipelinedModule`.
 
     ``plan``: ``"auto"`` (DAPPLE planner on ``cluster``, default ``local:<world size>``), a layout such as
-    ``"3:1"`` (planner picks cuts and placement), a :class:`Plan`, or a plan JSON path. ``schedule``:
+    ``"3:1"`` (planner picks cuts and placement), ``"markers"`` (cuts at the model's
+    ``torch.distributed.pipelining.pipe_split()`` calls; the planner picks replicas and placement on
+    every rank), a :class:`Plan`, or a plan JSON path. ``schedule``:
     ``"dapple"`` (early backward) or ``"gpipe"``; None keeps the plan's. ``loss_fn(output, targets)``
     returns what ``loss_reduction`` says: ``"mean"`` a per-row mean scalar, ``"sum"`` a sum over rows,
     ``"token_mean"`` a ``(sum, count)`` pair (e.g. tokens not equal to ``ignore_index``).
@@ -270,6 +270,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     """
     from fxpipe.passes import trace
     from fxpipe.passes.codegen import split_for_plan
+    from fxpipe.plan_checks import check_plan_matches, check_stages_hold_parameters
     from fxpipe.runtime.batchcheck import check_batch_mode
     from fxpipe.runtime.batchnorm import check_batch_norm_mode, check_layers_kept, warn_batch_norm
     from fxpipe.runtime.comm import init_distributed
@@ -293,11 +294,12 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
         with preserved_state(model):  # tracing, cost measurement and codegen's shape run use the real module
             with setup_phase("tracing", group):
                 graph_module = trace(model, inputs)
-            resolved = resolve_plan(options, model, graph_module.meta.get("fxpipe.example_inputs", inputs),
-                                    context, group)
+            resolved = resolve_plan(options, model, _keyword_inputs(graph_module, inputs), context, group)
             with setup_phase("code generation", group):
+                check_plan_matches(resolved, graph_module)
                 program = split_for_plan(graph_module, resolved)
                 check_world(resolved, program, context.world_size)
+                check_stages_hold_parameters(program, resolved)
     finally:
         release_group(group)
     warn_batch_norm(model, resolved, options.batch_norm)
@@ -346,14 +348,23 @@ def resolve_plan(options: CompileOptions, model: torch.nn.Module, example_inputs
     """
     from fxpipe.runtime.guard import setup_phase
 
-    if isinstance(options.plan, Plan) or isinstance(options.plan, Path) or (
-            isinstance(options.plan, str) and options.plan != "auto" and not _LAYOUT.fullmatch(options.plan)):
+    kind = "plan" if isinstance(options.plan, Plan) else plan_argument_kind(options.plan)
+    if kind in ("plan", "file"):
         with setup_phase("loading the plan", group):
             plan = options.plan if isinstance(options.plan, Plan) else Plan.load(options.plan)
             return apply_overrides(plan, options)
-    plan = _planned(options, model, example_inputs, context, group)
+    plan = _planned(options, model, example_inputs, context, group, markers=kind == "markers")
     with setup_phase("applying plan overrides", group):
         return apply_overrides(plan, options)
+
+
+def _keyword_inputs(graph_module: torch.fx.GraphModule, inputs: Any) -> Any:
+    """The traced example inputs keyed by forward()'s parameter names, so a re-trace binds keyword-only ones."""
+    values = graph_module.meta.get("fxpipe.example_inputs")
+    names = graph_module.meta.get("fxpipe.input_names")
+    if values is None or names is None:
+        return inputs
+    return dict(zip(names, values, strict=True))
 
 
 def apply_overrides(plan: Plan, options: CompileOptions) -> Plan:
@@ -378,7 +389,7 @@ def _schedule_name(schedule: str) -> str:
 
 
 def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, context: DistContext,
-             group: SetupGroup) -> Plan:
+             group: SetupGroup, *, markers: bool = False) -> Plan:
     """Plan for the launched world on rank 0 and broadcast it: every rank gets a role, plan devices land
     on the ranks of the nodes planned for. The cluster is resolved on every rank first (``local``
     calibrates over the process group, all ranks together), so rank 0 plans with agreed figures."""
@@ -393,7 +404,8 @@ def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: An
         if options.global_batch_size is None:
             raise PipelineSetupError("global_batch_size is missing; it is required unless a Plan is given")
         if context.rank == 0:
-            text = _run_planner(options, model, example_inputs, topology, cluster).to_json()
+            run = _run_marker_planner if markers else _run_planner
+            text = run(options, model, example_inputs, topology, cluster).to_json()
     return Plan.from_json(broadcast_text(text))
 
 
@@ -416,11 +428,27 @@ def _run_planner(options: CompileOptions, model: torch.nn.Module, example_inputs
     from fxpipe.runtime.topology import check_cluster_size, placed_plan
 
     check_cluster_size(cluster, topology)
-    costed = cost_model(model, tuple(example_inputs), cluster)
+    costed = cost_model(model, example_inputs if isinstance(example_inputs, Mapping) else tuple(example_inputs),
+                        cluster)
     layout = None if options.plan == "auto" else str(options.plan)
     assert options.global_batch_size is not None
     plan = plan_chain(costed.chain, cluster, options.global_batch_size, layout=layout,
                       num_microbatches=options.num_microbatches,
                       schedule=_schedule_name(options.schedule or "dapple"),
                       warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True)
+    return placed_plan(plan, topology, cluster)
+
+
+def _run_marker_planner(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, topology: Topology,
+                        cluster: Cluster) -> Plan:
+    """``plan="markers"``: cuts at the model's pipe_split() calls (on rank 0), every launched rank in a role."""
+    from fxpipe.planning import plan_markers
+    from fxpipe.runtime.topology import check_cluster_size, placed_plan
+
+    check_cluster_size(cluster, topology)
+    assert options.global_batch_size is not None
+    plan, _ = plan_markers(model, example_inputs, cluster, options.global_batch_size,
+                           num_microbatches=options.num_microbatches,
+                           schedule=_schedule_name(options.schedule or "dapple"),
+                           warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True)
     return placed_plan(plan, topology, cluster)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,13 +12,19 @@ from pathlib import Path
 from fxpipe.cluster import Cluster
 
 
+class CommandLineError(ValueError):
+    """A command line that cannot be served (conflicting or missing options)."""
+
+
 def _add_planning_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", default="local", help="preset (dapple-a, dapple-b, dapple-c, dgx-h100:2, local:4), "
                         "compact spec (4x8:h100) or JSON file")
     parser.add_argument("--global-batch", type=int, required=True, help="global batch size (rows per iteration)")
     parser.add_argument("--planner", default="dapple",
-                        help="dapple (default), pipedream, gpipe, uniform, params, dp, exhaustive")
-    parser.add_argument("--layout", default=None, help="force replica counts per stage: 3:1, 1:1:1:1, dp")
+                        help="dapple (default), pipedream, gpipe, uniform, params, dp, exhaustive, markers "
+                             "(cut at the model's pipe_split() calls; same as --layout markers)")
+    parser.add_argument("--layout", default=None, help="force replica counts per stage: 3:1, 1:1:1:1, dp; or "
+                        "markers: cut at the model's pipe_split() calls, the planner picks replicas and placement")
     parser.add_argument("--num-microbatches", type=int, default=None, help="force M (default: planner chooses)")
     parser.add_argument("--schedule", default="early_backward", choices=["early_backward", "gpipe"])
     parser.add_argument("--optimizer", default="adam", help="memory model: sgd, momentum, adam")
@@ -69,12 +76,12 @@ def _chain_for(args: argparse.Namespace, cluster: Cluster):  # type: ignore[no-u
 
     if args.profile:
         if args.model:
-            raise SystemExit("fxpipe plan: give either MODEL or --profile FILE, not both")
+            raise CommandLineError("give either MODEL or --profile FILE, not both")
         if not args.profile_batch:
-            raise SystemExit("fxpipe plan: --profile needs --profile-batch N (the batch size it was measured at)")
+            raise CommandLineError("--profile needs --profile-batch N (the batch size it was measured at)")
         return planning.profile_chain(args.profile, args.profile_batch, max_blocks=args.max_blocks)
     if not args.model:
-        raise SystemExit("fxpipe plan: give MODEL (zoo name or package.module:factory) or --profile FILE")
+        raise CommandLineError("give MODEL (zoo name or package.module:factory) or --profile FILE")
     device = "cpu" if args.costs == "measured" else "meta"
     model, example_inputs = planning.load_model(args.model, device=device)
     return planning.cost_model(model, example_inputs, cluster, costs=args.costs, max_blocks=args.max_blocks).chain
@@ -87,12 +94,13 @@ def _run_plan(args: argparse.Namespace) -> int:
     from fxpipe.report import format_plan
 
     cluster = parse_cluster(args.cluster)
-    chain = _chain_for(args, cluster)
-    plan = plan_chain(
-        chain, cluster, args.global_batch, planner=args.planner, layout=args.layout,
-        num_microbatches=args.num_microbatches, schedule=args.schedule, optimizer=args.optimizer,
-        compare=args.compare, progress=sys.stderr.isatty(),
-    )
+    options = {"num_microbatches": args.num_microbatches, "schedule": args.schedule, "optimizer": args.optimizer,
+               "compare": args.compare, "progress": sys.stderr.isatty()}
+    if "markers" in (args.layout, args.planner):
+        plan, chain = _marker_plan(args, cluster, options)
+    else:
+        chain = _chain_for(args, cluster)
+        plan = plan_chain(chain, cluster, args.global_batch, planner=args.planner, layout=args.layout, **options)
     plan = plan.with_updates(model=args.model or f"profile:{Path(args.profile).name}")
     print(f"cluster {cluster.name}: {cluster.num_hosts} host(s) x {cluster.devices_per_host} {cluster.device.name}")
     print(format_plan(plan, chain, cluster))
@@ -100,6 +108,18 @@ def _run_plan(args: argparse.Namespace) -> int:
         save_plan_file(args.json_out, plan, chain, cluster)
         print(f"wrote {args.json_out}")
     return 0
+
+
+def _marker_plan(args: argparse.Namespace, cluster: Cluster, options: dict[str, object]):  # type: ignore[no-untyped-def]
+    from fxpipe import planning
+
+    if args.layout not in (None, "markers") or args.planner not in ("dapple", "markers"):
+        raise CommandLineError(f"markers fix the cuts and let DAPPLE choose the layout; drop --layout {args.layout} "
+                               f"/ --planner {args.planner}")
+    if args.profile or not args.model:
+        raise CommandLineError("markers need MODEL (its pipe_split() calls); a profile file has none")
+    model, example_inputs = planning.load_model(args.model, device="cpu" if args.costs == "measured" else "meta")
+    return planning.plan_markers(model, example_inputs, cluster, args.global_batch, costs=args.costs, **options)
 
 
 def _load(path: str):  # type: ignore[no-untyped-def]
@@ -113,7 +133,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
 
     plan, chain, cluster = _load(args.plan_file)
     if chain is None or cluster is None:
-        raise SystemExit(f"{args.plan_file} holds no cost chain/cluster; write it with `fxpipe plan --json`")
+        raise CommandLineError(f"{args.plan_file} holds no cost chain/cluster; write it with `fxpipe plan --json`")
     result = simulate(plan, chain, cluster)
     print(json.dumps({
         "layout": plan.layout,
@@ -143,6 +163,12 @@ def _run_show(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
+    # MODEL may be module:factory in the current folder; `python -m fxpipe` finds it there, so the
+    # console script does too.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    from fxpipe.passes.trace_inputs import ExampleInputsTypeError
+
     try:
         if args.command == "plan":
             return _run_plan(args)
@@ -159,6 +185,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "train":
             return train_cli.run_train(args)
         return train_cli.run_demo(args)
-    except ValueError as error:  # user mistakes: one clear line, no traceback
+    except (ValueError, ExampleInputsTypeError) as error:  # user mistakes: one clear line, no traceback
         print(f"fxpipe {args.command}: error: {error}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -14,6 +15,8 @@ from fxpipe.jsonvalues import JSONValueError, field_hints, read_field
 FORMAT_VERSION = 1
 SCHEDULES = ("early_backward", "gpipe")
 WARMUP_POLICIES = ("A", "B")
+PLAN_KEYWORDS = ("auto", "markers")
+LAYOUT_PATTERN = re.compile(r"dp|[0-9]+(:[0-9]+)+")
 
 
 class PlanError(ValueError):
@@ -158,6 +161,25 @@ class Plan:
         except (OSError, UnicodeDecodeError) as error:
             raise PlanError(f"cannot read plan file {str(path)!r}: {error}") from error
         return Plan.from_json(text)
+
+
+def plan_argument_kind(plan: str | Path) -> str:
+    """What ``compile(plan=...)`` / ``fxpipe train --plan`` was given: "auto", "markers", "layout" or "file".
+
+    A string that is none of the keywords, not a layout such as ``3:1``/``dp``, not an existing file
+    and not shaped like a path (``.json`` suffix or a folder) is a mistake, reported as such rather than
+    as a missing plan file.
+    """
+    if isinstance(plan, Path):
+        return "file"
+    if plan in PLAN_KEYWORDS:
+        return plan
+    if LAYOUT_PATTERN.fullmatch(plan):
+        return "layout"
+    if Path(plan).exists() or plan.endswith(".json") or "/" in plan:
+        return "file"
+    raise PlanError(f"plan {plan!r} is not 'auto', 'markers', a layout (replica counts joined by ':', such as "
+                    "'3:1' or '1:1:1:1', or 'dp') nor an existing plan file; fix the spelling or the path")
 
 
 def _finite_or_none(value: float) -> float | None:

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from fxpipe.cluster import Cluster
-from fxpipe.costgraph import CostGraph
+from fxpipe.costgraph import CostGraph, CostNode
 from fxpipe.passes.chain import CostChain, build_chain
 from fxpipe.plan import Plan
 
 
 class ModelSpecError(ValueError):
-    """MODEL is neither a zoo name nor an importable ``package.module:factory``."""
+    """MODEL is neither a zoo name nor a ``package.module:factory`` returning (model, example_inputs)."""
 
 
 @dataclass(frozen=True)
@@ -28,32 +27,36 @@ class CostedModel:
     chain: CostChain
 
 
-def load_model(spec: str, *, device: str = "cpu", **overrides: Any) -> tuple[torch.nn.Module, tuple[Any, ...] | dict[str, Any]]:
+def load_model(spec: str, *, device: str = "cpu", **overrides: Any) -> tuple[torch.nn.Module, Any]:
     """Build MODEL: a zoo name (``gpt-mini``) or ``package.module:factory`` returning (model, example_inputs).
 
-    A factory's example_inputs may be a dict of keyword tensors (Hugging Face models); it is kept as is.
+    A factory's example inputs may be a tensor, a tuple of tensors or a dict of keyword tensors.
     """
     if ":" not in spec:
         from fxpipe import models
 
         return models.build(spec, device=device, **overrides)
-    module_name, _, attribute = spec.partition(":")
-    try:
-        factory: Callable[..., Any] = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as error:
-        raise ModelSpecError(
-            f"cannot load model factory {spec!r}: {error}; use a zoo name or 'package.module:factory'"
-        ) from error
-    result = factory(**overrides)
+    from fxpipe.models.registry import load_callable
+
+    result = load_callable(spec, "model factory")(**overrides)
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module)):
-        raise ModelSpecError(f"factory {spec!r} must return (nn.Module, example_inputs), got {type(result).__name__}")
+        got = (f"a tuple of {[type(item).__name__ for item in result]}" if isinstance(result, tuple)
+               else type(result).__name__)
+        raise ModelSpecError(f"factory {spec!r} must return (nn.Module, example_inputs), got {got}")
     model, example_inputs = result
-    return model, example_inputs if isinstance(example_inputs, tuple | dict) else (example_inputs,)
+    if isinstance(example_inputs, torch.Tensor):
+        return model, (example_inputs,)
+    if isinstance(example_inputs, list):
+        return model, tuple(example_inputs)
+    if not isinstance(example_inputs, tuple | Mapping):
+        raise ModelSpecError(f"factory {spec!r} returned example inputs of type {type(example_inputs).__name__}; "
+                             "return a tensor, a tuple of tensors or a dict of keyword tensors")
+    return model, example_inputs
 
 
 def cost_model(
     model: torch.nn.Module,
-    example_inputs: tuple[Any, ...] | dict[str, Any],
+    example_inputs: Any,
     cluster: Cluster,
     *,
     costs: str = "analytic",
@@ -71,7 +74,34 @@ def cost_model(
         graph = passes.to_cost_graph(graph_module, device=cluster.device, measured=measured, dtype=dtype)
     else:
         raise ValueError(f"costs={costs!r} is unknown; choose 'analytic' or 'measured'")
+    graph = parameter_reads_at_first_use(graph)
     return CostedModel(graph_module, graph, build_chain(graph, max_blocks=max_blocks))
+
+
+def parameter_reads_at_first_use(graph: CostGraph) -> CostGraph:
+    """Move every ``get_attr`` node to just before its first reader (a valid topological order still).
+
+    torch.export graphs read all parameters at the top. Left there, the chain's first blocks would
+    hold every weight and the compute blocks none, so the planner's parameter-holding cuts could not
+    split the model; next to their readers, each weight stays on the stage that uses it.
+    """
+    first_reader: dict[str, int] = {}
+    for index, node in enumerate(graph.nodes):
+        for name in node.inputs:
+            first_reader.setdefault(name, index)
+    moved: dict[int, list[CostNode]] = {}
+    for node in graph.nodes:
+        if node.op.startswith("get_attr") and not node.inputs and node.name in first_reader:
+            moved.setdefault(first_reader[node.name], []).append(node)
+    if not moved:
+        return graph
+    moved_names = {node.name for nodes in moved.values() for node in nodes}
+    order: list[CostNode] = []
+    for index, node in enumerate(graph.nodes):
+        order.extend(moved.get(index, ()))
+        if node.name not in moved_names:
+            order.append(node)
+    return replace(graph, nodes=tuple(order))
 
 
 def profile_chain(path: str, profile_batch_size: int, *, max_blocks: int | None = 64) -> CostChain:
@@ -103,3 +133,36 @@ def plan_model(
     resolved = parse_cluster(cluster) if isinstance(cluster, str) else cluster
     costed = cost_model(model, example_inputs, resolved, costs=costs)
     return plan_chain(costed.chain, resolved, global_batch_size, **options)
+
+
+def plan_markers(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    cluster: Cluster,
+    global_batch_size: int,
+    *,
+    costs: str = "analytic",
+    **options: Any,
+) -> tuple[Plan, CostChain]:
+    """Cut at the model's ``pipe_split()`` markers; DAPPLE picks replica counts, placement and micro-batches.
+
+    Returns the plan and the cost chain it is stated in. Every marked stage must hold parameters
+    (otherwise the README's ``torch.optim.AdamW(pipe.parameters())`` fails on its ranks): a
+    MarkerError names the stage to merge.
+    """
+    from fxpipe import passes
+    from fxpipe.passes.block_partition import coarsen_chain, holds_parameters
+    from fxpipe.passes.markers import MarkerError, marker_stages, marker_stops
+    from fxpipe.passes.partition import on_fine_chain, partition
+
+    graph_module = passes.trace(model, example_inputs)
+    groups = marker_stages(model, example_inputs, graph_module)
+    chain = cost_model(model, example_inputs, cluster, costs=costs, max_blocks=None).chain
+    stops = marker_stops(chain, groups)
+    marked = coarsen_chain(chain, stops)
+    empty = [index for index, holds in enumerate(holds_parameters(marked)) if not holds]
+    if empty:
+        raise MarkerError(f"pipe_split() markers give stage(s) {empty} no parameters, so their ranks would have "
+                          "nothing to optimise; remove the marker before or after each such stage")
+    plan = partition(marked, cluster, global_batch_size, num_stages=len(stops), **options)
+    return on_fine_chain(plan, chain, stops).with_updates(planner="markers"), chain

@@ -69,6 +69,9 @@ def summary_lines(plan: Plan) -> list[str]:
     if predicted is not None:
         speedup = predicted.speedup_over_dp  # NaN when DP was not evaluated (forced layout) or does not fit
         versus_dp = f", speedup over DP {speedup:.2f}x" if math.isfinite(speedup) else ", DP not compared"
+        if plan.num_stages == 1:  # the plan is data parallel: no speedup over itself to print
+            unused = plan.num_devices and plan.world_size < plan.num_devices
+            versus_dp = f", data parallel on {plan.world_size} of {plan.num_devices} devices" if unused else ""
         lines.append(f"predicted iteration {predicted.iteration_time_s * 1e3:.2f} ms, "
                      f"{predicted.throughput_samples_per_s:.1f} samples/s, bubble {predicted.bubble_fraction:.1%}"
                      + versus_dp)

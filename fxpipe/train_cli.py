@@ -15,16 +15,20 @@ DEMO_MODEL = "gpt-mini"
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="zoo name or package.module:factory")
+    parser.add_argument("model", help="zoo name or package.module:factory (returning (model, example_inputs))")
+    parser.add_argument("--loss", default=None, help="cross_entropy, mse or package.module:function(output, "
+                        "targets); required for a factory, overrides a zoo model's own loss")
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--plan", default="auto", help="auto, a layout such as 2:1:1, or a plan JSON file")
+    parser.add_argument("--plan", default="auto", help="auto, markers (cut at pipe_split() calls), a layout such "
+                        "as 2:1:1, or a plan JSON file")
     parser.add_argument("--schedule", default="dapple", choices=["dapple", "gpipe"])
     parser.add_argument("--num-microbatches", type=int, default=None)
-    parser.add_argument("--data", default="auto", choices=["auto", "stdlib", "random"],
+    parser.add_argument("--data", default="auto",
                         help="stdlib: byte-level Python standard library text (language models); random: "
-                             "the zoo's synthetic batches")
+                             "synthetic batches (the zoo's, or for a factory random inputs shaped like its example "
+                             "inputs); package.module:function(global_batch, step) -> (inputs, targets)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -39,8 +43,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         "(Chrome/Perfetto trace, same format as `fxpipe simulate --trace`)")
 
 
-def _batches(args: argparse.Namespace, example_inputs: tuple[Any, ...]) -> Any:
-    """A function step -> (inputs tuple, targets): the same global batch on every rank."""
+def _batches(args: argparse.Namespace, example_inputs: Any) -> Any:
+    """A function step -> (inputs, targets) for a zoo model: the same global batch on every rank."""
     from fxpipe import models
     from fxpipe.data import TextBatches, stdlib_corpus
 
@@ -56,6 +60,78 @@ def _batches(args: argparse.Namespace, example_inputs: tuple[Any, ...]) -> Any:
         return text_batch
     entry = models.get(args.model)
     return lambda step: entry.make_batch(args.global_batch, seed=args.seed * 1_000_003 + step)
+
+
+def _workload(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, Any, Any]:
+    """(model, example_inputs, loss_fn, batches) for a zoo name or a ``package.module:factory``."""
+    from fxpipe import models
+    from fxpipe.models.registry import load_callable, resolve_loss
+    from fxpipe.planning import load_model
+
+    model, example_inputs = load_model(args.model)
+    factory = ":" in args.model
+    if factory and args.loss is None:
+        raise ValueError(f"{args.model} is a factory: give its loss with --loss (cross_entropy, mse or "
+                         "package.module:function)")
+    loss_fn = resolve_loss(args.loss) if args.loss is not None else models.get(args.model).loss_fn
+    if ":" in args.data:
+        data = load_callable(args.data, "data")
+        return model, example_inputs, loss_fn, lambda step: data(args.global_batch, step)
+    if not factory:
+        return model, example_inputs, loss_fn, _batches(args, example_inputs)
+    if args.data not in ("auto", "random"):
+        raise ValueError(f"--data {args.data} is for zoo models; a factory takes --data random or "
+                         "--data package.module:function")
+    return model, example_inputs, loss_fn, synthetic_batches(model, example_inputs, args.global_batch,
+                                                             classes=args.loss == "cross_entropy", seed=args.seed)
+
+
+def _random_like(example: torch.Tensor, rows: int, generator: torch.Generator) -> torch.Tensor:
+    shape = (rows, *example.shape[1:])
+    if example.is_floating_point():
+        return torch.randn(shape, generator=generator, dtype=example.dtype)
+    if example.dtype == torch.bool:
+        return torch.ones(shape, dtype=torch.bool)
+    high = int(example.max()) + 1 if example.numel() else 2  # token ids / masks stay in the example's range
+    return torch.randint(0, max(high, 2), shape, generator=generator, dtype=example.dtype)
+
+
+def synthetic_batches(model: torch.nn.Module, example_inputs: Any, global_batch: int, *, classes: bool,
+                      seed: int) -> Any:
+    """step -> (inputs, targets): random inputs shaped like ``example_inputs`` (rows = ``global_batch``) and
+    random targets shaped like the model's output: class ids in ``[0, output.shape[-1])`` when ``classes``
+    (a cross-entropy loss), standard normal values otherwise. Deterministic in ``seed`` and step."""
+    with torch.no_grad():
+        output = model(**example_inputs) if isinstance(example_inputs, dict) else model(*example_inputs)
+    if not isinstance(output, torch.Tensor):
+        raise ValueError(f"the model returns a {type(output).__name__}, so random targets cannot be shaped; give "
+                         "--data package.module:function(global_batch, step) -> (inputs, targets)")
+
+    def batch(step: int) -> tuple[Any, torch.Tensor]:
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        if isinstance(example_inputs, dict):
+            inputs: Any = {name: _random_like(value, global_batch, generator) for name, value in example_inputs.items()}
+        else:
+            inputs = tuple(_random_like(value, global_batch, generator) for value in example_inputs)
+        if classes:
+            targets = torch.randint(0, output.shape[-1], (global_batch, *output.shape[1:-1]), generator=generator)
+        else:
+            targets = torch.randn((global_batch, *output.shape[1:]), generator=generator)
+        return inputs, targets
+
+    return batch
+
+
+def _check_plan_file(args: argparse.Namespace) -> None:
+    """A plan file made for another MODEL fails here, naming both, rather than deep in codegen."""
+    from fxpipe.plan import Plan, plan_argument_kind
+
+    if plan_argument_kind(args.plan) != "file":
+        return
+    plan = Plan.load(args.plan)
+    if plan.model and plan.model != args.model:
+        raise ValueError(f"plan file {args.plan} was made for model {plan.model!r}, not {args.model!r}; "
+                         f"re-plan with `fxpipe plan {args.model} ... --json FILE`")
 
 
 def _stage_memory(stats: list[Any]) -> str:
@@ -82,16 +158,15 @@ def _write_trace(path: str, stats: list[Any]) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     import fxpipe
-    from fxpipe import models
     from fxpipe.report import format_plan
     from fxpipe.runtime import preemption
 
     preemption.install()  # first: SIGTERM before the handler would kill the rank without a checkpoint
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    model, example_inputs = models.build(args.model)
-    entry = models.get(args.model)
-    pipe = fxpipe.compile(model, example_inputs, loss_fn=entry.loss_fn, global_batch_size=args.global_batch,
+    _check_plan_file(args)
+    model, example_inputs, loss_fn, batches = _workload(args)
+    pipe = fxpipe.compile(model, example_inputs, loss_fn=loss_fn, global_batch_size=args.global_batch,
                           plan=args.plan, schedule=args.schedule, num_microbatches=args.num_microbatches)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
     first_step = _resume(args, pipe, optimizer)

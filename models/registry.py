@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -145,6 +146,45 @@ def class_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
 def mean_squared_error(output: Tensor, targets: Tensor) -> Tensor:
     """Mean squared error over all elements."""
     return F.mse_loss(output, targets)
+
+
+def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean cross entropy of (..., C) logits against (...) class ids: (B, C) classes or (B, T, V) tokens."""
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+
+
+# Losses `fxpipe train --loss NAME` knows by name; anything else is given as module:function.
+LOSSES: dict[str, LossFn] = {"cross_entropy": cross_entropy, "mse": mean_squared_error}
+
+
+class CallableSpecError(ValueError):
+    """A ``package.module:function`` spec (model factory, loss, data) cannot be loaded."""
+
+
+def load_callable(spec: str, what: str) -> Callable[..., Any]:
+    """The function named by ``package.module:function`` (``what`` names its role in errors)."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise CallableSpecError(f"{what} {spec!r} is not of the form 'package.module:function'")
+    try:
+        found = getattr(importlib.import_module(module_name), attribute)
+    except ImportError as error:
+        raise CallableSpecError(f"cannot import {module_name!r} for {what} {spec!r}: {error}; run from the folder "
+                                "holding the module or put it on PYTHONPATH") from error
+    except AttributeError as error:
+        raise CallableSpecError(f"module {module_name!r} has no {attribute!r} ({what} {spec!r})") from error
+    if not callable(found):
+        raise CallableSpecError(f"{what} {spec!r} is a {type(found).__name__}, not a function")
+    return found  # type: ignore[no-any-return]
+
+
+def resolve_loss(spec: str) -> LossFn:
+    """A loss by name (``cross_entropy``, ``mse``) or ``package.module:function``."""
+    if spec in LOSSES:
+        return LOSSES[spec]
+    if ":" in spec:
+        return load_callable(spec, "loss")
+    raise CallableSpecError(f"loss {spec!r} is unknown; use one of {sorted(LOSSES)} or 'package.module:function'")
 
 
 def random_tokens(generator: torch.Generator, vocab_size: int, *shape: int) -> Tensor:

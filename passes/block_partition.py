@@ -161,3 +161,22 @@ def refine_cuts(stops: list[int], num_blocks: int, score: Callable[[list[int]], 
             break
     assert best_stops[-1] == num_blocks
     return best_stops
+
+
+def holds_parameters(chain: CostChain) -> list[bool]:
+    """Whether each block reads a trainable parameter: its own bytes or a copy of a tied one."""
+    shared = {block for param in chain.shared_params for block in param.blocks}
+    return [block.param_bytes > 0 or index in shared for index, block in enumerate(chain.blocks)]
+
+
+def parameter_groups(chain: CostChain) -> list[int]:
+    """Stops of the coarsest grouping in which every group holds parameters (the cuttable blocks).
+
+    A block without parameters joins the group before it (leading ones join the first group), so any
+    contiguous partition of the groups gives every stage something for its optimizer. A chain with no
+    parameters at all keeps every block as its own group.
+    """
+    holders = [index for index, holds in enumerate(holds_parameters(chain)) if holds]
+    if not holders:
+        return list(range(1, chain.num_blocks + 1))
+    return [*holders[1:], chain.num_blocks]

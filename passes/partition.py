@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 from tqdm import tqdm
 
@@ -14,6 +15,7 @@ from fxpipe.passes.block_partition import (
     coarse_boundaries,
     coarsen_chain,
     param_weights,
+    parameter_groups,
     refine_cuts,
     work_weights,
 )
@@ -36,7 +38,7 @@ from fxpipe.passes.plan_scoring import (
 )
 from fxpipe.plan import BaselineResult, Plan
 
-__all__ = ["PLANNERS", "InfeasiblePlanError", "LayoutError", "PlanningError", "parse_layout", "partition",
+__all__ = ["PLANNERS", "InfeasiblePlanError", "LayoutError", "PlanningError", "on_fine_chain", "parse_layout", "partition",
            "plan_dapple"]
 
 # Chains longer than this are searched on merged groups of blocks, then the cuts are refined.
@@ -46,7 +48,10 @@ MAX_REPLICATED_STAGES = 8
 
 
 def parse_layout(layout: str, num_devices: int, num_blocks: int) -> tuple[int, ...]:
-    """``"3:1"`` -> (3, 1); ``"dp"`` -> (num_devices,). Raises LayoutError naming the bad part."""
+    """``"3:1"`` -> (3, 1); ``"dp"`` -> (num_devices,). Raises LayoutError naming the bad part.
+
+    ``num_blocks`` is the number of cuttable blocks (:func:`parameter_groups`): no stage may be empty.
+    """
     text = layout.strip().lower()
     if text == "dp":
         return (num_devices,)
@@ -59,9 +64,11 @@ def parse_layout(layout: str, num_devices: int, num_blocks: int) -> tuple[int, .
         raise LayoutError(f"layout {layout!r} needs {sum(counts)} devices but the cluster has {num_devices}; "
                           "use fewer replicas or a larger cluster")
     if len(counts) > num_blocks:
-        raise LayoutError(f"layout {layout!r} has {len(counts)} stages but the chain has only {num_blocks} "
-                          "blocks (no cut is made where a Python value or a value whose rows are not the batch "
-                          "rows, such as a (batch*seq, hidden) flatten, would cross); use fewer stages")
+        raise LayoutError(f"layout {layout!r} has {len(counts)} stages but the model has only {num_blocks} "
+                          f"cuttable block(s) (runs of layers holding parameters; no cut is made where a Python "
+                          f"value or a value whose rows are not the batch rows, such as a (batch*seq, hidden) "
+                          f"flatten, would cross), so every stage cannot get parameters; use at most {num_blocks} "
+                          f"stages")
     return counts
 
 
@@ -135,12 +142,11 @@ def _search_all(request: PlanRequest, model: CostModel, grid: list[int],
     closest: Candidate | None = None
     closest_ratio = float("inf")
     for rows in tqdm(grid, desc="dapple: micro-batch sizes", disable=not request.progress):
-        seeds = [c for c in _even_pipelines(search_model, rows)
-                 if request.layout in (None, c.layout) and request.allows(c)]
+        seeds = [c for c in _even_pipelines(search_model, rows) if request.allows(c)]
         found.extend(seeds)
         bound_s = min([bound_s, *(c.latency_s for c in seeds)])
         result = search(search_model, rows, layout=request.layout, bound_s=bound_s, pool_size=request.rerank,
-                        all_devices=request.all_devices)
+                        num_stages=request.num_stages, accept=request.allows)
         found.extend(result.candidates)
         if result.closest_ratio < closest_ratio:
             closest, closest_ratio = result.closest_miss, result.closest_ratio
@@ -188,7 +194,8 @@ def plan_dapple(request: PlanRequest) -> Plan:
     model = request.cost_model()
     grid = [rows for rows in microbatch_grid(request) if request.layout is None or rows >= max(request.layout)]
     forced_dp = request.layout == (request.cluster.num_devices,)
-    dp = best_dp(request, model) if request.layout is None or forced_dp else None
+    dp_allowed = (request.layout is None or forced_dp) and request.num_stages in (None, 1)
+    dp = best_dp(request, model) if dp_allowed else None
     bound = dp.plan.predicted.analytic_iteration_time_s if dp and dp.plan.predicted else float("inf")
     found, closest = _search_all(request, model, grid, bound)
     if request.layout is None:
@@ -223,35 +230,65 @@ def _baseline_results(request: PlanRequest) -> tuple[tuple[str, BaselineResult],
     return tuple(results)
 
 
+def on_fine_chain(plan: Plan, chain: CostChain, stops: list[int]) -> Plan:
+    """A plan made on the parameter-grouped chain, restated in the blocks of the original ``chain``."""
+    if len(stops) == chain.num_blocks:
+        return plan
+
+    def fine(index: int) -> int:
+        return stops[index - 1] if index else 0
+
+    stages = tuple(replace(stage, first_block=fine(stage.first_block), stop_block=fine(stage.stop_block))
+                   for stage in plan.stages)
+    return plan.with_updates(stages=stages, num_blocks=chain.num_blocks,
+                             block_names=tuple(block.name for block in chain.blocks))
+
+
+def _check_num_stages(num_stages: int | None, planner: str, num_groups: int) -> None:
+    if num_stages is None:
+        return
+    if planner != "dapple":
+        raise PlanningError(f"planner {planner!r} cannot keep fixed cuts (num_stages={num_stages}); use 'dapple'")
+    if not 1 <= num_stages <= num_groups:
+        raise PlanningError(f"num_stages={num_stages} but the model has {num_groups} cuttable block(s) "
+                            "(runs of layers holding parameters); every stage needs parameters")
+
+
 def partition(chain: CostChain, cluster: Cluster, global_batch_size: int, *, planner: str = "dapple",
               layout: str | None = None, num_microbatches: int | None = None,
               schedule: str = "early_backward", warmup_policy: str | None = None, optimizer: str = "adam",
               memory_limit_bytes: int | None = None, rerank: int = 16, progress: bool = False,
-              compare: bool = False, all_devices: bool = False) -> Plan:
+              compare: bool = False, num_stages: int | None = None, all_devices: bool = False) -> Plan:
     """Plan hybrid pipeline + data parallel training of ``chain`` on ``cluster``.
 
     ``planner`` is a key of :data:`PLANNERS`; ``layout`` forces replica counts per stage
     (``"3:1"``, ``"dp"``) and leaves cuts and placement to the planner; ``compare`` also runs
-    every baseline and records its simulated time in ``Plan.baselines``. ``all_devices`` (what
-    ``fxpipe.compile`` asks: every launched rank gets a role) keeps only plans using every device;
-    when a plan on fewer devices is predicted faster, the plan's ``notes`` say so.
+    every baseline and records its simulated time in ``Plan.baselines``; ``num_stages`` (DAPPLE only)
+    keeps exactly that many stages (``fxpipe.planning.plan_markers`` passes one block per stage).
+    ``all_devices`` (what ``fxpipe.compile`` asks: every launched rank gets a role) keeps only plans
+    using every device; when a plan on fewer devices is predicted faster, the plan's ``notes`` say so.
+    Every stage holds parameters: cuts fall only between :func:`parameter_groups`, so the README's
+    ``torch.optim.AdamW(pipe.parameters())`` works on every rank.
     """
     start = time.perf_counter()
     if planner not in PLANNERS:
         raise PlanningError(f"planner {planner!r} is unknown; choose one of {sorted(PLANNERS)}")
-    forced = None if layout is None else parse_layout(layout, cluster.num_devices, chain.num_blocks)
+    stops = parameter_groups(chain)
+    grouped = chain if len(stops) == chain.num_blocks else coarsen_chain(chain, stops)
+    _check_num_stages(num_stages, planner, grouped.num_blocks)
+    forced = None if layout is None else parse_layout(layout, cluster.num_devices, grouped.num_blocks)
     if all_devices and forced is not None and sum(forced) != cluster.num_devices:
         raise LayoutError(f"layout {layout!r} uses {sum(forced)} of the {cluster.num_devices} devices, but every "
                           f"device (rank) needs a role; give the stages {cluster.num_devices} replicas in all "
                           "or launch that many ranks")
     request = PlanRequest(
-        chain=chain, cluster=cluster, global_batch_size=global_batch_size, layout=forced,
+        chain=grouped, cluster=cluster, global_batch_size=global_batch_size, layout=forced,
         num_microbatches=num_microbatches, schedule=schedule, warmup_policy=warmup_policy,
         optimizer=optimizer, memory_limit_bytes=memory_limit_bytes or cluster.device.memory_bytes,
-        rerank=rerank, progress=progress, all_devices=all_devices,
+        rerank=rerank, progress=progress, num_stages=num_stages, all_devices=all_devices,
     )
     check_request(request)
     plan = plan_every_device(request, PLANNERS[planner]) if all_devices else PLANNERS[planner](request)
     if compare:
         plan = plan.with_updates(baselines=_baseline_results(request))
-    return plan.with_updates(planning_time_s=time.perf_counter() - start)
+    return on_fine_chain(plan, chain, stops).with_updates(planning_time_s=time.perf_counter() - start)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fxpipe.passes.candidates import Candidate, CostModel, Span
@@ -43,7 +44,8 @@ class _Search:
     """One run of the state search for a fixed micro-batch size ``rows``."""
 
     def __init__(self, model: CostModel, rows: int, layout: tuple[int, ...] | None,
-                 bound_s: float, beam_width: int, pool_size: int, all_devices: bool = False) -> None:
+                 bound_s: float, beam_width: int, pool_size: int, all_devices: bool = False,
+                 num_stages: int | None = None, accept: Callable[[Candidate], bool] | None = None) -> None:
         self.model = model
         self.all_devices = all_devices
         self.rows = rows
@@ -53,6 +55,9 @@ class _Search:
         self.max_stages = min(self.num_microbatches, self.num_blocks, model.cluster.num_devices)
         if layout is not None:
             self.max_stages = min(self.max_stages, len(layout))
+        self.accept = accept
+        if num_stages is not None:
+            self.max_stages = min(self.max_stages, num_stages)
         self.bound_s = bound_s
         self.beam_width = beam_width
         self.pool_size = pool_size
@@ -76,6 +81,8 @@ class _Search:
         if self.all_devices and candidate.num_devices != self.model.cluster.num_devices:
             return False, candidate.latency_s
         if self.layout is not None and candidate.layout != self.layout:
+            return False, candidate.latency_s
+        if self.accept is not None and not self.accept(candidate):
             return False, candidate.latency_s
         ratio = max(self.model.memory(spans, self.rows, "A")) / self.model.memory_limit_bytes
         if ratio > 1.0:
@@ -185,15 +192,17 @@ class _Search:
 
 def search(model: CostModel, rows: int, *, layout: tuple[int, ...] | None = None,
            bound_s: float = float("inf"), beam_width: int | None = None, pool_size: int = 32,
-           all_devices: bool = False) -> SearchResult:
+           all_devices: bool = False, num_stages: int | None = None,
+           accept: Callable[[Candidate], bool] | None = None) -> SearchResult:
     """Best memory-feasible candidates for micro-batch size ``rows`` by the pivot model.
 
     ``bound_s`` is a known achievable latency (e.g. plain DP) used to prune from the start;
     ``beam_width`` prefixes are kept per canonical state (blocks planned, sorted per-host usage); by
     default several on small problems (where it is cheap and closes gaps to exhaustive search) and
-    one on large ones. ``all_devices`` keeps only plans that give every device of the cluster a role.
+    one on large ones. ``all_devices`` keeps only plans that give every device of the cluster a role;
+    ``num_stages`` caps the stage count; ``accept`` filters complete candidates.
     """
     if beam_width is None:
         size = model.chain.num_blocks * model.cluster.num_devices
         beam_width = max(1, min(MAX_BEAM_WIDTH, BEAM_BUDGET // size))
-    return _Search(model, rows, layout, bound_s, beam_width, pool_size, all_devices).run()
+    return _Search(model, rows, layout, bound_s, beam_width, pool_size, all_devices, num_stages, accept).run()

@@ -47,11 +47,8 @@ class PlanRequest:
     memory_limit_bytes: int = 0
     rerank: int = 16
     progress: bool = False
+    num_stages: int | None = None  # exactly this many stages (cuts fixed by pipe_split markers)
     all_devices: bool = False  # only plans that give every device a role (fxpipe.compile: every rank)
-
-    def allows(self, candidate: Candidate) -> bool:
-        """Whether ``candidate`` meets the request's device constraint."""
-        return not self.all_devices or candidate.num_devices == self.cluster.num_devices
 
     def cost_model(self) -> CostModel:
         return CostModel(self.chain, self.cluster, self.global_batch_size, self.optimizer,
@@ -61,6 +58,12 @@ class PlanRequest:
         if self.schedule == "gpipe":
             return ("A",)  # GPipe keeps every micro-batch in flight; K_s = M regardless of policy
         return (self.warmup_policy,) if self.warmup_policy else WARMUP_POLICIES
+
+    def allows(self, candidate: Candidate) -> bool:
+        """Whether a candidate has the forced layout, stage count and device count (when they are forced)."""
+        return ((self.layout is None or candidate.layout == self.layout)
+                and (self.num_stages is None or len(candidate.spans) == self.num_stages)
+                and (not self.all_devices or sum(candidate.layout) == self.cluster.num_devices))
 
 
 def check_request(request: PlanRequest) -> None:
@@ -81,6 +84,9 @@ def check_request(request: PlanRequest) -> None:
         if request.layout is not None and m < len(request.layout):
             raise PlanningError(f"num_microbatches={m} is fewer than the {len(request.layout)} stages of "
                                 f"layout {':'.join(map(str, request.layout))}; a pipeline needs M >= S")
+        if request.num_stages is not None and m < request.num_stages:
+            raise PlanningError(f"num_microbatches={m} is fewer than the {request.num_stages} stages the cuts "
+                                "(pipe_split markers) make; a pipeline needs M >= S")
     if request.rerank < 1:
         raise PlanningError(f"rerank must be at least 1, got {request.rerank}")
 

@@ -22,14 +22,17 @@ from torch import nn
 from fxpipe import models
 from fxpipe.cluster import Cluster, ClusterSpecError, compact_cluster, parse_cluster
 from fxpipe.costgraph import Affine, CostGraph, CostGraphError, CostNode
+from fxpipe.models.registry import CallableSpecError, resolve_loss
 from fxpipe.passes.chain import ChainError, CostChain, build_chain
+from fxpipe.passes.markers import MarkerError
 from fxpipe.passes.partition import partition
 from fxpipe.passes.plan_scoring import InfeasiblePlanError, LayoutError, PlanningError
 from fxpipe.passes.profiles_io import ProfileFormatError, parse_profile_text, read_profile
 from fxpipe.passes.trace import TraceError, trace
 from fxpipe.passes.trace_inputs import ExampleInputsTypeError
-from fxpipe.plan import Plan, PlanError, StagePlan, plan_from_dict
+from fxpipe.plan import Plan, PlanError, StagePlan, plan_argument_kind, plan_from_dict
 from fxpipe.planfile import chain_from_json, load_plan_file
+from fxpipe.planning import ModelSpecError, load_model, plan_markers
 from fxpipe.schedule import (
     Action,
     Op,
@@ -39,6 +42,7 @@ from fxpipe.schedule import (
     make_schedule,
     validate_schedule,
 )
+from tests.planner_cases import chain as planner_chain
 
 torch.set_num_threads(1)
 
@@ -363,6 +367,23 @@ ROWS: list[Any] = [
      r"global batch 16 does not divide into num_microbatches=3 .*choose a divisor of 16"),
     ("planner-zero-batch", lambda _: _plan_tiny(global_batch_size=0), PlanningError,
      r"global_batch_size must be (a )?positive( integer)?, got 0"),
+    ("planner-layout-deeper-than-cuttable-blocks",
+     lambda _: partition(planner_chain([1.0] * 4, [10**6, 0, 10**6, 0]), parse_cluster("1x4:v100"), 16,
+                         layout="1:1:1"),
+     LayoutError, r"layout '1:1:1' has 3 stages but the model has only 2 cuttable block.*use at most 2 stages"),
+    ("planner-fixed-stages-other-planner", lambda _: _plan_tiny(planner="gpipe", num_stages=2), PlanningError,
+     r"planner 'gpipe' cannot keep fixed cuts \(num_stages=2\); use 'dapple'"),
+    ("plan-argument-misspelled-layout", lambda _: plan_argument_kind("2-1"), PlanError,
+     r"plan '2-1' is not 'auto', 'markers', a layout .* nor an existing plan file"),
+    ("plan-markers-without-markers", lambda _: plan_markers(nn.Linear(2, 2), (torch.ones(1, 2),),
+                                                            parse_cluster("1x4:v100"), 4),
+     MarkerError, r"calls no pipe_split\(\)"),
+    ("model-factory-returns-module", lambda _: load_model("tests.test_bad_inputs:_TwoInputs"), ModelSpecError,
+     r"factory 'tests.test_bad_inputs:_TwoInputs' must return \(nn.Module, example_inputs\), got _TwoInputs"),
+    ("model-factory-missing-module", lambda _: load_model("no_such_models:build"), CallableSpecError,
+     r"cannot import 'no_such_models' for model factory 'no_such_models:build'.*PYTHONPATH"),
+    ("loss-unknown-name", lambda _: resolve_loss("hinge"), CallableSpecError,
+     r"loss 'hinge' is unknown; use one of \['cross_entropy', 'mse'\] or 'package.module:function'"),
     # --- model zoo (fxpipe.models)
     ("model-unknown", lambda _: models.build("gpt-mimi", device="meta"), models.UnknownModelError,
      r"unknown model 'gpt-mimi'\. Did you mean 'gpt-mini'\? Known models: "),

@@ -44,7 +44,7 @@ def test_plan_fields_are_filled() -> None:
 
 @pytest.mark.parametrize("layout, replicas", [("1:1", (1, 1)), ("3:1", (3, 1)), ("dp", (4,)), ("1:1:1:1", (1,) * 4)])
 def test_forced_layouts(layout: str, replicas: tuple[int, ...]) -> None:
-    plan = partition(chain([1.0, 2.0, 1.0, 1.0], [0, 10**6, 0, 0]), cluster(1, 4), 16, layout=layout)
+    plan = partition(chain([1.0, 2.0, 1.0, 1.0], [10**5, 10**6, 10**5, 10**5]), cluster(1, 4), 16, layout=layout)
     assert tuple(s.replicas for s in plan.stages) == replicas
 
 

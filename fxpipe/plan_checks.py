@@ -1,0 +1,34 @@
+"""Checks that a plan given to ``fxpipe.compile`` fits the model being compiled, made alike on every rank."""
+
+from __future__ import annotations
+
+import torch
+
+from fxpipe.passes.codegen import SplitProgram
+from fxpipe.plan import Plan
+from fxpipe.runtime.errors import PipelineSetupError
+
+
+def check_plan_matches(plan: Plan, graph_module: torch.fx.GraphModule) -> None:
+    """A plan (from a file, say) must name this model's graph nodes; say which model it was made for if not."""
+    known = {node.name for node in graph_module.graph.nodes}
+    foreign = [name for stage in plan.stages for name in stage.node_names if name not in known]
+    if foreign:
+        made_for = f"model {plan.model!r}" if plan.model else "another model"
+        raise PipelineSetupError(f"the plan was made for {made_for}: {len(foreign)} of its node names (e.g. "
+                                 f"{foreign[:3]}) are not in this {type(graph_module).__name__}'s graph; re-plan "
+                                 "for this model (fxpipe plan MODEL --json PLAN.json, or plan='auto')")
+
+
+def check_stages_hold_parameters(program: SplitProgram, plan: Plan) -> None:
+    """Refuse, on every rank alike, a plan with a stage that holds no parameters.
+
+    The planner never makes one; a user's plan (file, Plan object) can. Its ranks would have nothing
+    to optimise, and ``torch.optim.AdamW(pipe.parameters())`` would fail on them alone while the other
+    ranks wait, so the mistake is reported here instead.
+    """
+    empty = [stage.stage_index for stage in program.stages if next(iter(stage.module.parameters()), None) is None]
+    if empty:
+        raise PipelineSetupError(f"plan {plan.layout!r} gives stage(s) {empty} no parameters, so their ranks "
+                                 "would have nothing to optimise; move those cuts (or re-plan with plan='auto', "
+                                 "a layout or plan='markers': planned stages always hold parameters)")
