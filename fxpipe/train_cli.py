@@ -175,7 +175,7 @@ def run_train(args: argparse.Namespace) -> int:
         print(format_plan(pipe.plan), flush=True)
     pipe.measure = args.measure
     start = time.perf_counter()
-    losses, stats, last_step = _train_steps(args, pipe, optimizer, _batches(args, example_inputs), first_step)
+    losses, stats, last_step = _train_steps(args, pipe, optimizer, batches, first_step)
     if leader and pipe.preempted and not args.checkpoint_dir:
         print(f"preempted: stopped after step {last_step} (no --checkpoint-dir: nothing saved)", flush=True)
     if leader and losses:

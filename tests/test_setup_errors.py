@@ -121,9 +121,9 @@ def test_setup_errors_reach_every_rank(tmp_path: Any) -> None:
         kind, message, elapsed = result["cost-pass"]
         assert cause in message and elapsed < TIMELY_S, (rank, result["cost-pass"])
         if rank == 0:
-            assert kind == "RuntimeError", message
+            assert kind == "CostAnnotationError", message  # the cost pass names the node that broke
         else:
-            assert kind == "RemoteSetupError" and message.startswith("rank 0 failed in planning: RuntimeError: ")
+            assert kind == "RemoteSetupError" and message.startswith("rank 0 failed in planning: CostAnnotationError: ")
         kind, message, elapsed = result["trace"]
         assert "injected trace failure" in message and elapsed < TIMELY_S, (rank, result["trace"])
         expected_kind = "ValueError" if rank == 2 else "RemoteSetupError"
