@@ -432,7 +432,7 @@ def _pack_into(saved: list[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tens
 
 def _run_backward(output: Any, grad_inputs: list[torch.Tensor]) -> OpTally:
     """Count the backward ops autograd runs for this node (gradients of its inputs and parameters)."""
-    outputs = [t for t in _tensor_leaves(output) if t.requires_grad and t.is_floating_point()]
+    outputs = [t for t in _tensors(output) if t.requires_grad and t.is_floating_point()]
     targets = [t for t in grad_inputs if t.requires_grad]
     if not outputs or not targets:
         return OpTally()
@@ -453,11 +453,6 @@ def _saved_bytes(saved: Sequence[torch.Tensor], state: _RunState) -> sympy.Expr:
         state.saved_keys.add(key)
         total += state.expr(tensor.untyped_storage().nbytes())
     return sympy.expand(total)
-
-
-def _tensor_leaves(value: Any) -> list[torch.Tensor]:
-    leaves, _ = tree_flatten(value)
-    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 
 def _value_cost(

@@ -35,7 +35,7 @@ from fxpipe.runtime.failures import FailureLog
 from fxpipe.runtime.measure import ActionTimer, SavedActivationMeter, StepStats
 from fxpipe.runtime.receives import Inbox, Piece
 from fxpipe.runtime.rows import RowMap
-from fxpipe.runtime.stage import LossFn, StageRunner, infer_value_dtypes
+from fxpipe.runtime.stage import LossFn, StageRunner, infer_value_dtypes, read_local_loss
 
 if TYPE_CHECKING:
     from fxpipe.passes.codegen import SplitProgram
@@ -416,7 +416,7 @@ class PipelineDriver:
         ``token_mean``: the slices' losses are sums; the total count comes with the loss, and this
         step's gradients (already summed over ranks) are divided by it, as one process would.
         """
-        loss_sum, count = _local_loss(state)
+        loss_sum, count = read_local_loss(state.loss_parts, state.count_parts)
         if self.context.world_size > 1:  # a world of one has nothing to add (and no batch to compare)
             folds = self.batch_checker.fold_values()
             total = torch.tensor([loss_sum, count, preemption.vote(), *folds], dtype=torch.float64,
@@ -440,29 +440,6 @@ class PipelineDriver:
         return [stats for stats in gathered if stats is not None]
 
 
-def _local_loss(state: _StepState) -> tuple[float, float]:
-    """This rank's summed slice losses and counts as floats, with one wait for the device.
-
-    Summed on the host in micro-batch order in float64, so the result does not depend on where it is read.
-    """
-    tensors = state.loss_parts + [c for c in state.count_parts if isinstance(c, torch.Tensor)]
-    if not tensors:
-        return 0.0, 0.0
-    if len(tensors) == 1:
-        read = [float(tensors[0].item())]
-    else:
-        # a count may sit on another device than the loss (torch.tensor(n) next to a CUDA loss)
-        device = tensors[0].device
-        read = torch.stack([t.reshape(()).to(device=device, dtype=torch.float64) for t in tensors]).tolist()
-    loss_sum, count = 0.0, 0.0
-    for value in read[:len(state.loss_parts)]:
-        loss_sum += value
-    tensor_counts = iter(read[len(state.loss_parts):])
-    for part in state.count_parts:
-        count += next(tensor_counts) if isinstance(part, torch.Tensor) else part
-    return loss_sum, count
-
-
 def _unique_params(named: Any) -> list[tuple[str, torch.nn.Parameter]]:
     seen: set[int] = set()
     result = []
@@ -471,10 +448,4 @@ def _unique_params(named: Any) -> list[tuple[str, torch.nn.Parameter]]:
             seen.add(id(param))
             result.append((name, param))
     return result
-
-
-def describe_routes(routes: Sequence[Route]) -> str:
-    """A readable list of routes for logs and errors."""
-    return ", ".join(f"{r.value}: {r.sender_rank}->{r.receiver_rank} rows {r.sender_rows}->{r.receiver_rows}"
-                     for r in routes)
 

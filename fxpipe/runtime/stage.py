@@ -215,3 +215,25 @@ def _is_parameter(module: torch.nn.Module, path: str) -> bool:
     owner = module.get_submodule(owner_path) if owner_path else module
     return attribute in owner._parameters and owner._parameters[attribute] is not None
 
+
+def read_local_loss(loss_parts: list[torch.Tensor], count_parts: list[Any]) -> tuple[float, float]:
+    """This rank's summed slice losses and counts as floats, with one wait for the device.
+
+    Summed on the host in micro-batch order in float64, so the result does not depend on where it is read.
+    """
+    tensors = loss_parts + [c for c in count_parts if isinstance(c, torch.Tensor)]
+    if not tensors:
+        return 0.0, 0.0
+    if len(tensors) == 1:
+        read = [float(tensors[0].item())]
+    else:
+        # a count may sit on another device than the loss (torch.tensor(n) next to a CUDA loss)
+        device = tensors[0].device
+        read = torch.stack([t.reshape(()).to(device=device, dtype=torch.float64) for t in tensors]).tolist()
+    loss_sum, count = 0.0, 0.0
+    for value in read[:len(loss_parts)]:
+        loss_sum += value
+    tensor_counts = iter(read[len(loss_parts):])
+    for part in count_parts:
+        count += next(tensor_counts) if isinstance(part, torch.Tensor) else part
+    return loss_sum, count
