@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from fxpipe.plan import Plan, StagePlan
+from fxpipe.core.plan import Plan, StagePlan
 from fxpipe.runtime.measure import SavedActivationMeter
 from tests.mp_utils import run_ranks as run_forked
 

@@ -16,7 +16,7 @@ import torch
 from tabulate import tabulate
 
 import fxpipe.models as zoo
-from fxpipe.cluster import DeviceSpec
+from fxpipe.core.cluster import DeviceSpec
 from fxpipe.passes.costs import annotate_costs, to_cost_graph
 from fxpipe.passes.profile import (
     default_blocks,

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import fxpipe  # noqa: E402
 from benchmarks.cost_fidelity import random_ranges  # noqa: E402
 from fxpipe import models as zoo  # noqa: E402
-from fxpipe.cluster import H200_141GB, DeviceSpec  # noqa: E402
+from fxpipe.core.cluster import H200_141GB, DeviceSpec  # noqa: E402
 from fxpipe.passes import annotate_costs, to_cost_graph, trace  # noqa: E402
 from fxpipe.passes.profile import default_blocks, measure_costs  # noqa: E402
 from fxpipe.runtime.measure import SavedActivationMeter  # noqa: E402

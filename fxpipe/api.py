@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fxpipe.cluster import Cluster
-from fxpipe.plan import Plan, plan_argument_kind
+from fxpipe.core.cluster import Cluster
+from fxpipe.core.plan import Plan, plan_argument_kind
 from fxpipe.runtime.errors import PipelineSetupError
 
 if TYPE_CHECKING:
@@ -411,7 +411,7 @@ def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: An
 
 def _resolved_cluster(options: CompileOptions, topology: Topology, device: torch.device) -> Cluster:
     """The cluster to plan for, resolved alike on every rank: the user's, or the launched nodes'."""
-    from fxpipe.cluster import parse_cluster
+    from fxpipe.core.cluster import parse_cluster
     from fxpipe.runtime.topology import cluster_for
 
     if isinstance(options.cluster, Cluster):

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from fxpipe.cluster import Cluster
+from fxpipe.core.cluster import Cluster
 
 
 class CommandLineError(ValueError):
@@ -88,8 +88,8 @@ def _chain_for(args: argparse.Namespace, cluster: Cluster):  # type: ignore[no-u
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from fxpipe.cluster import parse_cluster
-    from fxpipe.planfile import save_plan_file
+    from fxpipe.core.cluster import parse_cluster
+    from fxpipe.core.planfile import save_plan_file
     from fxpipe.planning import plan_chain
     from fxpipe.report import format_plan
 
@@ -123,13 +123,13 @@ def _marker_plan(args: argparse.Namespace, cluster: Cluster, options: dict[str, 
 
 
 def _load(path: str):  # type: ignore[no-untyped-def]
-    from fxpipe.planfile import load_plan_file
+    from fxpipe.core.planfile import load_plan_file
 
     return load_plan_file(path)
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
-    from fxpipe.simulate import simulate, write_chrome_trace
+    from fxpipe.sim.simulate import simulate, write_chrome_trace
 
     plan, chain, cluster = _load(args.plan_file)
     if chain is None or cluster is None:
@@ -149,8 +149,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
 
 
 def _run_show(args: argparse.Namespace) -> int:
+    from fxpipe.core.schedule import format_schedule, make_schedule
     from fxpipe.report import format_plan
-    from fxpipe.schedule import format_schedule, make_schedule
 
     plan, chain, cluster = _load(args.plan_file)
     print(format_plan(plan, chain, cluster))

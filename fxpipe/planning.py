@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from fxpipe.cluster import Cluster
-from fxpipe.costgraph import CostGraph, CostNode
-from fxpipe.passes.chain import CostChain, build_chain
-from fxpipe.plan import Plan
+from fxpipe.core.chain import CostChain, build_chain
+from fxpipe.core.cluster import Cluster
+from fxpipe.core.costgraph import CostGraph, CostNode
+from fxpipe.core.plan import Plan
 
 
 class ModelSpecError(ValueError):
@@ -113,7 +113,7 @@ def profile_chain(path: str, profile_batch_size: int, *, max_blocks: int | None 
 
 def plan_chain(chain: CostChain, cluster: Cluster, global_batch_size: int, **options: Any) -> Plan:
     """Run a planner (``planner=`` name, default DAPPLE) over a chain."""
-    from fxpipe.passes.partition import partition
+    from fxpipe.passes.partition.dapple import partition
 
     return partition(chain, cluster, global_batch_size, **options)
 
@@ -128,7 +128,7 @@ def plan_model(
     **options: Any,
 ) -> Plan:
     """``fxpipe.plan``: trace, cost, chain and partition a model for a cluster in one call."""
-    from fxpipe.cluster import parse_cluster
+    from fxpipe.core.cluster import parse_cluster
 
     resolved = parse_cluster(cluster) if isinstance(cluster, str) else cluster
     costed = cost_model(model, example_inputs, resolved, costs=costs)
@@ -151,9 +151,9 @@ def plan_markers(
     MarkerError names the stage to merge.
     """
     from fxpipe import passes
-    from fxpipe.passes.block_partition import coarsen_chain, holds_parameters
     from fxpipe.passes.markers import MarkerError, marker_stages, marker_stops
-    from fxpipe.passes.partition import on_fine_chain, partition
+    from fxpipe.passes.partition.block_partition import coarsen_chain, holds_parameters
+    from fxpipe.passes.partition.dapple import on_fine_chain, partition
 
     graph_module = passes.trace(model, example_inputs)
     groups = marker_stages(model, example_inputs, graph_module)

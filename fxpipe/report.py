@@ -6,9 +6,9 @@ import math
 
 from tabulate import tabulate
 
-from fxpipe.cluster import Cluster
-from fxpipe.passes.chain import CostChain
-from fxpipe.plan import Plan
+from fxpipe.core.chain import CostChain
+from fxpipe.core.cluster import Cluster
+from fxpipe.core.plan import Plan
 
 
 def format_bytes(num_bytes: float) -> str:

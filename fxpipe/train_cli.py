@@ -124,7 +124,7 @@ def synthetic_batches(model: torch.nn.Module, example_inputs: Any, global_batch:
 
 def _check_plan_file(args: argparse.Namespace) -> None:
     """A plan file made for another MODEL fails here, naming both, rather than deep in codegen."""
-    from fxpipe.plan import Plan, plan_argument_kind
+    from fxpipe.core.plan import Plan, plan_argument_kind
 
     if plan_argument_kind(args.plan) != "file":
         return
@@ -147,7 +147,7 @@ def _stage_memory(stats: list[Any]) -> str:
 def _write_trace(path: str, stats: list[Any]) -> None:
     import json
 
-    from fxpipe.simulate_trace import events_to_chrome_trace
+    from fxpipe.sim.chrome_trace import events_to_chrome_trace
 
     events = [event for item in stats for event in item.events]
     trace = events_to_chrome_trace(events, (), {"measured": True,

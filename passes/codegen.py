@@ -13,8 +13,8 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from fxpipe.core.plan import Plan
 from fxpipe.passes.subgraph import extract_subgraph
-from fxpipe.plan import Plan
 
 
 class CodegenError(ValueError):

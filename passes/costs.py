@@ -13,8 +13,8 @@ from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from fxpipe.cluster import DeviceSpec
-from fxpipe.costgraph import ZERO, Affine, CostGraph, CostNode
+from fxpipe.core.cluster import DeviceSpec
+from fxpipe.core.costgraph import ZERO, Affine, CostGraph, CostNode
 from fxpipe.passes.flops import NodeCost, NodeRunError, run_fake
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten
 
-from fxpipe.costgraph import Affine
+from fxpipe.core.costgraph import Affine
 from fxpipe.passes.costs import module_path
 from fxpipe.passes.subgraph import extract_subgraph
 

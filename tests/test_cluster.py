@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from fxpipe.cluster import (
+from fxpipe.core.cluster import (
     Cluster,
     ClusterSpecError,
     GiB,
@@ -25,7 +25,7 @@ from fxpipe.cluster import (
     parse_cluster,
     usable_cores,
 )
-from fxpipe.hardware import (
+from fxpipe.core.hardware import (
     A100_80GB,
     GPU_DEFAULT_FIGURES,
     H100_80GB,

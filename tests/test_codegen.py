@@ -13,6 +13,7 @@ import torch
 from torch import fx, nn
 
 import fxpipe.models as zoo
+from fxpipe.core.plan import Plan, StagePlan
 from fxpipe.passes.codegen import (
     CodegenError,
     SplitProgram,
@@ -22,8 +23,7 @@ from fxpipe.passes.codegen import (
     split_stages,
 )
 from fxpipe.passes.codegen_io import ProgramFileError
-from fxpipe.passes.trace import trace
-from fxpipe.plan import Plan, StagePlan
+from fxpipe.passes.tracing import trace
 
 torch.set_num_threads(1)
 

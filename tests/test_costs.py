@@ -12,9 +12,9 @@ import torch
 from torch import fx, nn
 
 import fxpipe.models as zoo
-from fxpipe.cluster import DeviceSpec
+from fxpipe.core.chain import build_chain
+from fxpipe.core.cluster import DeviceSpec
 from fxpipe.passes import flops
-from fxpipe.passes.chain import build_chain
 from fxpipe.passes.costs import BATCH, COST_KEY, CostAnnotationError, NodeCost, annotate_costs, to_cost_graph
 
 torch.set_num_threads(1)
@@ -22,7 +22,7 @@ torch.set_num_threads(1)
 
 def _trace(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> fx.GraphModule:
     try:
-        from fxpipe.passes.trace import trace
+        from fxpipe.passes.tracing import trace
     except ImportError:  # the trace pass is optional for these tests
         gm = fx.symbolic_trace(model)
         gm.meta["fxpipe.example_inputs"] = inputs

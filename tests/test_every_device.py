@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 
 from fxpipe import models as zoo
-from fxpipe.cluster import LinkSpec, parse_cluster
-from fxpipe.passes.every_device import fewer_devices_note
-from fxpipe.passes.partition import InfeasiblePlanError, LayoutError, partition
+from fxpipe.core.cluster import LinkSpec, parse_cluster
+from fxpipe.passes.partition.dapple import InfeasiblePlanError, LayoutError, partition
+from fxpipe.passes.partition.every_device import fewer_devices_note
 from fxpipe.planning import cost_model
 from tests.planner_cases import random_case
 

@@ -12,12 +12,12 @@ from torch import fx, nn
 
 import fxpipe
 from fxpipe.cli import main as cli_main
-from fxpipe.cluster import parse_cluster
+from fxpipe.core.chain import build_chain
+from fxpipe.core.cluster import parse_cluster
+from fxpipe.core.plan import Plan
 from fxpipe.passes import annotate_costs, to_cost_graph, trace
-from fxpipe.passes.chain import build_chain
 from fxpipe.passes.codegen import CodegenError, split_stages
 from fxpipe.passes.costs import CostAnnotationError
-from fxpipe.plan import Plan
 from fxpipe.planning import cost_model, plan_chain
 from tests.mp_utils import join_world, leave_world, run_ranks
 

@@ -6,7 +6,13 @@ import pytest
 import torch
 from planner_cases import GiB, chain, cluster, random_case
 
-from fxpipe.passes.partition import PLANNERS, InfeasiblePlanError, LayoutError, PlanningError, partition
+from fxpipe.passes.partition.dapple import (
+    PLANNERS,
+    InfeasiblePlanError,
+    LayoutError,
+    PlanningError,
+    partition,
+)
 
 torch.set_num_threads(1)
 

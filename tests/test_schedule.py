@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fxpipe.schedule import (
+from fxpipe.core.schedule import (
     Action,
     Op,
     Schedule,

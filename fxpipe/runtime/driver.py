@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
-from fxpipe import schedule as schedules
-from fxpipe.plan import Plan
+from fxpipe.core import schedule as schedules
+from fxpipe.core.plan import Plan
 from fxpipe.runtime import preemption
 from fxpipe.runtime.batchcheck import BatchChecker, check_shapes
 from fxpipe.runtime.comm import (

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from fxpipe.schedule import Action
-from fxpipe.simulate import TimelineEvent
+from fxpipe.core.schedule import Action
+from fxpipe.sim.simulate import TimelineEvent
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fxpipe.plan import Plan
+from fxpipe.core.plan import Plan
 from fxpipe.runtime.comm import slice_rows
 
 if TYPE_CHECKING:

@@ -7,7 +7,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from fxpipe.jsonvalues import JSONValueError, conform
+from fxpipe.core.jsonvalues import JSONValueError, conform
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,11 @@ from dataclasses import replace
 
 from tqdm import tqdm
 
-from fxpipe.cluster import Cluster
-from fxpipe.passes import baselines
-from fxpipe.passes.block_partition import (
+from fxpipe.core.chain import CostChain
+from fxpipe.core.cluster import Cluster
+from fxpipe.core.plan import BaselineResult, Plan
+from fxpipe.passes.partition import baselines
+from fxpipe.passes.partition.block_partition import (
     balanced_cuts,
     coarse_boundaries,
     coarsen_chain,
@@ -19,13 +21,11 @@ from fxpipe.passes.block_partition import (
     refine_cuts,
     work_weights,
 )
-from fxpipe.passes.candidates import Candidate, CostModel, Span, spans_from_stops
-from fxpipe.passes.chain import CostChain
-from fxpipe.passes.every_device import plan_every_device
-from fxpipe.passes.partition_polish import polish
-from fxpipe.passes.partition_search import search
-from fxpipe.passes.placement import host_aligned
-from fxpipe.passes.plan_scoring import (
+from fxpipe.passes.partition.candidates import Candidate, CostModel, Span, spans_from_stops
+from fxpipe.passes.partition.every_device import plan_every_device
+from fxpipe.passes.partition.placement import host_aligned
+from fxpipe.passes.partition.polish import polish
+from fxpipe.passes.partition.scoring import (
     InfeasiblePlanError,
     LayoutError,
     PlanningError,
@@ -36,7 +36,7 @@ from fxpipe.passes.plan_scoring import (
     microbatch_grid,
     score_candidates,
 )
-from fxpipe.plan import BaselineResult, Plan
+from fxpipe.passes.partition.search import search
 
 __all__ = ["PLANNERS", "InfeasiblePlanError", "LayoutError", "PlanningError", "on_fine_chain", "parse_layout", "partition",
            "plan_dapple"]

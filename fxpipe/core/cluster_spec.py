@@ -7,7 +7,7 @@ import re
 from decimal import Decimal
 from typing import Any, Literal
 
-from fxpipe.jsonvalues import JSONValueError, read_field
+from fxpipe.core.jsonvalues import JSONValueError, read_field
 
 PRESET_NAMES = ("dapple-a", "dapple-b", "dapple-c", "dgx-h100[:NODES]", "local[:RANKS]")
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from fxpipe.passes.block_partition import balanced_cuts, param_weights, uniform_cuts
-from fxpipe.passes.candidates import Candidate, CostModel, Span, spans_from_stops
-from fxpipe.passes.exhaustive import plan_exhaustive
-from fxpipe.passes.pipedream_planner import pipedream_layout
-from fxpipe.passes.plan_scoring import (
+from fxpipe.core.plan import Plan
+from fxpipe.passes.partition.block_partition import balanced_cuts, param_weights, uniform_cuts
+from fxpipe.passes.partition.candidates import Candidate, CostModel, Span, spans_from_stops
+from fxpipe.passes.partition.exhaustive import plan_exhaustive
+from fxpipe.passes.partition.pipedream import pipedream_layout
+from fxpipe.passes.partition.scoring import (
     InfeasiblePlanError,
     PlanRequest,
     best_dp,
@@ -18,7 +19,6 @@ from fxpipe.passes.plan_scoring import (
     microbatch_grid,
     score_candidates,
 )
-from fxpipe.plan import Plan
 
 __all__ = ["BASELINES", "plan_dp", "plan_exhaustive", "plan_gpipe", "plan_params", "plan_pipedream",
            "plan_uniform"]

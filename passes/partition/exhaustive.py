@@ -6,8 +6,9 @@ import itertools
 import math
 from collections.abc import Iterator
 
-from fxpipe.passes.candidates import Candidate, CostModel, Span
-from fxpipe.passes.plan_scoring import (
+from fxpipe.core.plan import Plan
+from fxpipe.passes.partition.candidates import Candidate, CostModel, Span
+from fxpipe.passes.partition.scoring import (
     InfeasiblePlanError,
     PlanningError,
     PlanRequest,
@@ -18,7 +19,6 @@ from fxpipe.passes.plan_scoring import (
     microbatch_grid,
     score_candidates,
 )
-from fxpipe.plan import Plan
 
 # Most (partition, placement, micro-batch size) combinations the exhaustive planner will enumerate.
 EXHAUSTIVE_LIMIT = 300_000

@@ -7,10 +7,10 @@ for one micro-batch (its largest replica slice), AR_s its gradient allreduce, Q 
     Delta_s = sum_{t=s..Q} B_t (s <= Q),  -sum_{t=Q+1..s-1} B_t (s > Q)
 
 Every cut between stages becomes an extra stage whose F/B is the activation/gradient transfer
-(:func:`fxpipe.stagecost.transfer_time`) and whose AR is 0; a stage's F and B include its own time
+(:func:`fxpipe.sim.stagecost.transfer_time`) and whose AR is 0; a stage's F and B include its own time
 per message (:attr:`Cluster.message_overhead_s`). The formula is exact for equal
 stages without communication (it gives (M+S-1)(F+B) + AR) and approximate otherwise; the exact
-simulator (:func:`fxpipe.simulate.simulate`) re-ranks the best candidates.
+simulator (:func:`fxpipe.sim.simulate.simulate`) re-ranks the best candidates.
 
 Measured |analytic - simulated| / simulated on 200 random chains and plans (1-4 stages, random
 replica counts and placement, M in 1..64, policies A and B; `python benchmarks/simulate_accuracy.py`):
@@ -25,12 +25,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-from fxpipe.cluster import Cluster
-from fxpipe.plan import Plan
-from fxpipe.stagecost import allreduce_times, message_seconds, stage_cost, transfer_time
+from fxpipe.core.cluster import Cluster
+from fxpipe.core.plan import Plan
+from fxpipe.sim.stagecost import allreduce_times, message_seconds, stage_cost, transfer_time
 
 if TYPE_CHECKING:  # fxpipe.passes imports the planner, which imports this module
-    from fxpipe.passes.chain import CostChain
+    from fxpipe.core.chain import CostChain
 
 # Bounds on |analytic - simulated| / simulated over the random plans of the module docstring.
 ANALYTIC_MEAN_ERROR = 0.02
@@ -104,7 +104,7 @@ def stage_times(plan: Plan, chain: CostChain, cluster: Cluster) -> PipelineSteps
     """The plan's pivot-model steps: stages with their message time, costly transfers between them.
 
     A stage's allreduce leaves out parameters it shares with other stages; those are one allreduce
-    over all their stages' devices (:func:`fxpipe.stagecost.allreduce_times`), as the runtime does.
+    over all their stages' devices (:func:`fxpipe.sim.stagecost.allreduce_times`), as the runtime does.
     """
     own, ties = allreduce_times(chain, cluster, [(s.first_block, s.stop_block, s.devices) for s in plan.stages])
     replicas = [s.replicas for s in plan.stages]

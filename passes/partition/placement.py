@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from fxpipe.cluster import Cluster
+from fxpipe.core.cluster import Cluster
 
 POLICIES = ("fresh", "append", "append-near", "scatter")
 

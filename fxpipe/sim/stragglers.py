@@ -1,6 +1,6 @@
 """Expected iteration time when device speeds vary from step to step (stragglers on shared hosts).
 
-:func:`fxpipe.simulate.simulate` is deterministic: every device computes at the speed of the cost
+:func:`fxpipe.sim.simulate.simulate` is deterministic: every device computes at the speed of the cost
 chain. On shared hardware that is an average; at any moment some devices run slower than others
 (on this project's 2-core VM, two ranks running the same forward + backward side by side were up to
 1.46x apart for a second at a time, and which one was slow changed from round to round). A
@@ -17,11 +17,11 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fxpipe.cluster import Cluster
-from fxpipe.passes.chain import CostChain
-from fxpipe.plan import Plan
-from fxpipe.schedule import Schedule
-from fxpipe.simulate import simulate
+from fxpipe.core.chain import CostChain
+from fxpipe.core.cluster import Cluster
+from fxpipe.core.plan import Plan
+from fxpipe.core.schedule import Schedule
+from fxpipe.sim.simulate import simulate
 
 __all__ = ["SpeedSpread", "StragglerEstimate", "expected_iteration_time"]
 
@@ -85,7 +85,7 @@ def expected_iteration_time(plan: Plan, chain: CostChain, cluster: Cluster, spre
 
     Every draw gives each cluster device an independent factor (uniformly from ``spread.factors``,
     seeded, so the result is deterministic for a given ``seed``) that stretches all its compute for
-    the whole step (:func:`fxpipe.simulate.simulate`'s ``compute_scale``); links are unchanged.
+    the whole step (:func:`fxpipe.sim.simulate.simulate`'s ``compute_scale``); links are unchanged.
     """
     if draws < 1:
         raise ValueError(f"draws must be at least 1; got {draws}")

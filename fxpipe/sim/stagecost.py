@@ -8,12 +8,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fxpipe.cluster import Cluster
-from fxpipe.costgraph import Affine
-from fxpipe.plan import shared_rows, split_rows
+from fxpipe.core.cluster import Cluster
+from fxpipe.core.costgraph import Affine
+from fxpipe.core.plan import shared_rows, split_rows
 
 if TYPE_CHECKING:  # fxpipe.passes imports the planner, which imports this module
-    from fxpipe.passes.chain import CostChain
+    from fxpipe.core.chain import CostChain
 
 # Bytes kept per parameter byte: weights + gradients (+ optimizer state).
 OPTIMIZER_STATE_FACTORS: dict[str, float] = {"sgd": 2.0, "momentum": 3.0, "adam": 4.0, "adamw": 4.0}
@@ -110,7 +110,7 @@ def tie_groups(chain: CostChain, stage_bounds: Sequence[tuple[int, int]]) -> lis
     """
     if not chain.shared_params:
         return []
-    from fxpipe.passes.chain import regroup_shared_params  # here: fxpipe.passes imports this module
+    from fxpipe.core.chain import regroup_shared_params  # here: fxpipe.passes imports this module
 
     firsts = [first for first, _ in stage_bounds]
     stage_of_block = [bisect.bisect_right(firsts, block) - 1 for block in range(chain.num_blocks)]

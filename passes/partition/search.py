@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fxpipe.passes.candidates import Candidate, CostModel, Span
-from fxpipe.passes.placement import Usage, host_aligned, placements, replica_choices
-from fxpipe.stagecost import optimizer_factor
+from fxpipe.passes.partition.candidates import Candidate, CostModel, Span
+from fxpipe.passes.partition.placement import Usage, host_aligned, placements, replica_choices
+from fxpipe.sim.stagecost import optimizer_factor
 
 # The pivot model is within a few percent of the simulator on most plans (worst ~17%), so a branch is
 # cut only when its lower bound exceeds the best latency so far by this much.

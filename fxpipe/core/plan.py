@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from fxpipe.jsonvalues import JSONValueError, field_hints, read_field
+from fxpipe.core.jsonvalues import JSONValueError, field_hints, read_field
 
 FORMAT_VERSION = 1
 SCHEDULES = ("early_backward", "gpipe")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Sequence
 
-from fxpipe.costgraph import Affine
-from fxpipe.passes.chain import Block, CostChain, regroup_shared_params
+from fxpipe.core.chain import Block, CostChain, regroup_shared_params
+from fxpipe.core.costgraph import Affine
 
 # Above this many (blocks x parts) the exact O(parts x blocks^2) balance gives way to bisection.
 EXACT_BALANCE_LIMIT = 4096

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from fxpipe.passes.block_partition import balanced_cuts, param_weights, uniform_cuts, work_weights
-from fxpipe.passes.candidates import Candidate, CostModel, Span, spans_from_stops
-from fxpipe.passes.plan_scoring import PlanRequest, Scored, score_candidates
+from fxpipe.passes.partition.block_partition import balanced_cuts, param_weights, uniform_cuts, work_weights
+from fxpipe.passes.partition.candidates import Candidate, CostModel, Span, spans_from_stops
+from fxpipe.passes.partition.scoring import PlanRequest, Scored, score_candidates
 
 # The pivot model misjudges some transfer-heavy plans by tens of percent (it serialises transfers the
 # simulator overlaps), so the best simulated plan is polished by hill climbing on the simulator itself.

@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fxpipe.cluster import Cluster
-from fxpipe.costgraph import Affine
-from fxpipe.jsonvalues import read_field
-from fxpipe.passes.chain import Block, CostChain, SharedParam
-from fxpipe.plan import Plan, PlanError, plan_from_dict
+from fxpipe.core.chain import Block, CostChain, SharedParam
+from fxpipe.core.cluster import Cluster
+from fxpipe.core.costgraph import Affine
+from fxpipe.core.jsonvalues import read_field
+from fxpipe.core.plan import Plan, PlanError, plan_from_dict
 
 
 def chain_to_json(chain: CostChain) -> dict[str, Any]:

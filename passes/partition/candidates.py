@@ -6,13 +6,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from fxpipe.cluster import Cluster
-from fxpipe.costgraph import Affine
-from fxpipe.latency import PipelineSteps, pipeline_latency, pipeline_steps
-from fxpipe.passes.chain import CostChain
-from fxpipe.plan import Plan, Prediction, StagePlan
-from fxpipe.schedule import warmup_forwards
-from fxpipe.stagecost import (
+from fxpipe.core.chain import CostChain
+from fxpipe.core.cluster import Cluster
+from fxpipe.core.costgraph import Affine
+from fxpipe.core.plan import Plan, Prediction, StagePlan
+from fxpipe.core.schedule import warmup_forwards
+from fxpipe.passes.partition.latency import PipelineSteps, pipeline_latency, pipeline_steps
+from fxpipe.sim.stagecost import (
     StageCost,
     allreduce_time,
     allreduce_times,
@@ -60,7 +60,7 @@ class Candidate:
 class CostModel:
     """Stage costs, transfers and allreduces of one (chain, cluster, batch) with memoisation.
 
-    All numbers come from :mod:`fxpipe.stagecost`; this class only caches them and combines them
+    All numbers come from :mod:`fxpipe.sim.stagecost`; this class only caches them and combines them
     into the pivot model, so the search evaluates many candidates quickly.
     """
 

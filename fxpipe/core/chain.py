@@ -6,7 +6,7 @@ import bisect
 import itertools
 from dataclasses import dataclass
 
-from fxpipe.costgraph import ZERO, Affine, CostGraph
+from fxpipe.core.costgraph import ZERO, Affine, CostGraph
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Cluster model: hosts x devices, links between them, collective costs, presets and the spec parser.
 
-Device and link specs and their datasheet figures live in :mod:`fxpipe.hardware`."""
+Device and link specs and their datasheet figures live in :mod:`fxpipe.core.hardware`."""
 
 from __future__ import annotations
 
@@ -13,8 +13,15 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fxpipe.cluster_spec import COUNT_DIGITS, ClusterSpecError, check_bound, json_field, quantity, spec_error
-from fxpipe.hardware import (
+from fxpipe.core.cluster_spec import (
+    COUNT_DIGITS,
+    ClusterSpecError,
+    check_bound,
+    json_field,
+    quantity,
+    spec_error,
+)
+from fxpipe.core.hardware import (
     A100_80GB,
     ETHERNET_10G_COLLECTIVE,
     ETHERNET_10G_P2P,
@@ -44,7 +51,7 @@ from fxpipe.hardware import (
 if TYPE_CHECKING:
     from fxpipe.runtime.calibrate import Calibration
 
-# ClusterSpecError and the hardware names are re-exported: callers import them from fxpipe.cluster.
+# ClusterSpecError and the hardware names are re-exported: callers import them from fxpipe.core.cluster.
 __all__ = ["A100_80GB", "CLUSTER_FORMAT_VERSION", "H100_80GB", "H200_141GB", "V100_16GB", "Cluster",
            "ClusterSpecError", "DeviceSpec", "GiB", "LinkSpec", "calibration_enabled", "compact_cluster",
            "cpu_device", "dapple_cluster", "dgx_h100_cluster", "host_memory_bytes", "local_cluster",

@@ -6,7 +6,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fxpipe.schedule import Action, Op, ScheduleError
+from fxpipe.core.schedule import Action, Op, ScheduleError
 
 # Integer codes of lowered actions; the event loop dispatches on ranges of them.
 FORWARD, BACKWARD, RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, ALLREDUCE = range(7)

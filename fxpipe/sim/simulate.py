@@ -7,11 +7,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from fxpipe.cluster import Cluster
-from fxpipe.passes.chain import CostChain
-from fxpipe.plan import Plan, shared_rows, split_rows
-from fxpipe.schedule import Schedule, ScheduleError, inflight_peak, lower, make_schedule, validate_schedule
-from fxpipe.simulate_events import (
+from fxpipe.core.chain import CostChain
+from fxpipe.core.cluster import Cluster
+from fxpipe.core.plan import Plan, shared_rows, split_rows
+from fxpipe.core.schedule import (
+    Schedule,
+    ScheduleError,
+    inflight_peak,
+    lower,
+    make_schedule,
+    validate_schedule,
+)
+from fxpipe.sim.chrome_trace import to_chrome_trace, write_chrome_trace
+from fxpipe.sim.events import (
     CODE_OPS,
     ComponentRun,
     Program,
@@ -19,8 +27,7 @@ from fxpipe.simulate_events import (
     encode_program,
     run_component,
 )
-from fxpipe.simulate_trace import to_chrome_trace, write_chrome_trace
-from fxpipe.stagecost import allreduce_times, compute_times, stage_cost, stage_memory_bytes
+from fxpipe.sim.stagecost import allreduce_times, compute_times, stage_cost, stage_memory_bytes
 
 __all__ = ["SimulationResult", "TimelineEvent", "TransferEvent", "simulate", "to_chrome_trace",
            "write_chrome_trace"]
@@ -75,7 +82,7 @@ def simulate(plan: Plan, chain: CostChain, cluster: Cluster, *, optimizer: str =
              compute_scale: Sequence[float] | None = None) -> SimulationResult:
     """Simulate one iteration of ``plan`` exactly under this model (deterministic):
 
-    - Every replica device runs its stage's lowered action list (:func:`fxpipe.schedule.lower`) in
+    - Every replica device runs its stage's lowered action list (:func:`fxpipe.core.schedule.lower`) in
       order. Compute takes the time of its own slice (:func:`split_rows`; smaller slices are faster).
     - A send is asynchronous (buffered): it issues one transfer piece per receiving replica
       (:func:`shared_rows`) and the device goes on. A receive blocks until every piece of that
@@ -83,7 +90,7 @@ def simulate(plan: Plan, chain: CostChain, cluster: Cluster, *, optimizer: str =
       ``cluster.message_overhead_s`` of their own time (packing and posting; stretched like
       compute). Compute is stretched by ``cluster.compute_slowdown`` (CPU ranks sharing too few cores) and, when ``compute_scale`` is given, by ``compute_scale[d]`` on
       device ``d`` (one factor per cluster device: a slower or straggling device; see
-      :mod:`fxpipe.stragglers`). A piece takes ``latency + cut_bytes(rows) / bandwidth`` of its link
+      :mod:`fxpipe.sim.stragglers`). A piece takes ``latency + cut_bytes(rows) / bandwidth`` of its link
       (:meth:`Cluster.link`); gradients are the same size as activations.
     - Each device has one send port and one receive port (full duplex). A piece holds its sender's
       send port and its receiver's receive port; ports serve pieces first come, first served in

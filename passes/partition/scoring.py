@@ -7,10 +7,10 @@ from dataclasses import dataclass, replace
 
 from tabulate import tabulate
 
-from fxpipe.cluster import Cluster
-from fxpipe.passes.candidates import Candidate, CostModel, Span, build_plan, with_prediction
-from fxpipe.passes.chain import CostChain
-from fxpipe.plan import SCHEDULES, WARMUP_POLICIES, Plan
+from fxpipe.core.chain import CostChain
+from fxpipe.core.cluster import Cluster
+from fxpipe.core.plan import SCHEDULES, WARMUP_POLICIES, Plan
+from fxpipe.passes.partition.candidates import Candidate, CostModel, Span, build_plan, with_prediction
 
 # Largest number of micro-batches the grid offers: beyond this the bubble is already < 1% for any
 # pipeline the planners build, and every extra micro-batch costs simulation time.
@@ -120,7 +120,7 @@ class Scored:
 
 def simulate_plan(plan: Plan, request: PlanRequest) -> tuple[float, float]:
     """Simulated iteration time and bubble fraction (the one exact judge of every planner)."""
-    from fxpipe.simulate import simulate  # the simulator pulls in the schedule machinery lazily
+    from fxpipe.sim.simulate import simulate  # the simulator pulls in the schedule machinery lazily
 
     result = simulate(plan, request.chain, request.cluster, optimizer=request.optimizer, timeline=False)
     return result.iteration_time_s, result.bubble_fraction

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from fxpipe.passes.plan_scoring import InfeasiblePlanError, PlanningError, PlanRequest
-from fxpipe.plan import Plan
+from fxpipe.core.plan import Plan
+from fxpipe.passes.partition.scoring import InfeasiblePlanError, PlanningError, PlanRequest
 
 
 def _ranks(count: int) -> str:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fxpipe.passes.block_partition import param_weights
-from fxpipe.passes.candidates import CostModel
+from fxpipe.passes.partition.block_partition import param_weights
+from fxpipe.passes.partition.candidates import CostModel
 
 # Legend (PipeDream section 3.1): A^k(i->j, m) is the time of the slowest stage of the best pipeline
 # of layers i..j on m workers of level k; T^k(i->j, m) the time of one stage of those layers replicated
