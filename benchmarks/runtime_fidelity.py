@@ -110,6 +110,7 @@ def measured_chain(workload: Workload) -> Any:
 
 def make_plan(chain: Any, case: PlanCase, global_batch_size: int) -> Any:
     """The DAPPLE planner's plan for the case's forced layout and micro-batch count."""
+    import fxpipe.runtime.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
     from fxpipe.core.cluster import parse_cluster
     from fxpipe.passes.partition.dapple import partition
 
@@ -119,6 +120,7 @@ def make_plan(chain: Any, case: PlanCase, global_batch_size: int) -> Any:
 
 def simulated(plan: Any, chain: Any, num_ranks: int, spread: Any) -> Any:
     """``plan`` simulated on ``chain``'s costs: deterministic and with device speeds drawn from ``spread``."""
+    import fxpipe.runtime.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
     from fxpipe.core.cluster import parse_cluster
     from fxpipe.sim.stragglers import expected_iteration_time
 

@@ -149,7 +149,7 @@ class PipelinedModule:
 
     def export(self, directory: str | Path) -> None:
         """Write every stage's code, weights and a manifest (codegen ``export_program``); rank 0 writes."""
-        from fxpipe.passes.codegen import export_program
+        from fxpipe.passes.codegen_io import export_program
         from fxpipe.runtime.batchnorm import original_layers
 
         if self.rank == 0:
@@ -411,6 +411,7 @@ def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: An
 
 def _resolved_cluster(options: CompileOptions, topology: Topology, device: torch.device) -> Cluster:
     """The cluster to plan for, resolved alike on every rank: the user's, or the launched nodes'."""
+    import fxpipe.runtime.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
     from fxpipe.core.cluster import parse_cluster
     from fxpipe.runtime.topology import cluster_for
 

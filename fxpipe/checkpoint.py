@@ -13,7 +13,7 @@ import torch
 
 if TYPE_CHECKING:
     from fxpipe.api import PipelinedModule
-    from fxpipe.passes.codegen import SplitProgram
+    from fxpipe.core.program import SplitProgram
 
 FORMAT_NAME = "fxpipe-checkpoint"
 FORMAT_VERSION = 2  # 2: per-file checksums ("checksums"); version 1 checkpoints load with verify=False only

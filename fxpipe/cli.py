@@ -88,6 +88,7 @@ def _chain_for(args: argparse.Namespace, cluster: Cluster):  # type: ignore[no-u
 
 
 def _run_plan(args: argparse.Namespace) -> int:
+    import fxpipe.runtime.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
     from fxpipe.core.cluster import parse_cluster
     from fxpipe.core.planfile import save_plan_file
     from fxpipe.planning import plan_chain
@@ -129,7 +130,8 @@ def _load(path: str):  # type: ignore[no-untyped-def]
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
-    from fxpipe.sim.simulate import simulate, write_chrome_trace
+    from fxpipe.sim.chrome_trace import write_chrome_trace
+    from fxpipe.sim.simulate import simulate
 
     plan, chain, cluster = _load(args.plan_file)
     if chain is None or cluster is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from fxpipe.core.plan import Plan
-from fxpipe.passes.codegen import SplitProgram
+from fxpipe.core.program import SplitProgram
 from fxpipe.runtime.errors import PipelineSetupError
 
 

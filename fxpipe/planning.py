@@ -128,6 +128,7 @@ def plan_model(
     **options: Any,
 ) -> Plan:
     """``fxpipe.plan``: trace, cost, chain and partition a model for a cluster in one call."""
+    import fxpipe.runtime.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
     from fxpipe.core.cluster import parse_cluster
 
     resolved = parse_cluster(cluster) if isinstance(cluster, str) else cluster

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -14,6 +12,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpipe.core.plan import Plan
+from fxpipe.core.program import MODEL_INPUT, SplitProgram, StageProgram, ValueSpec
 from fxpipe.passes.subgraph import extract_subgraph
 
 
@@ -21,47 +20,6 @@ class CodegenError(ValueError):
     """A stage assignment does not fit the graph (missing, duplicated or misordered nodes)."""
 
 
-@dataclass(frozen=True)
-class ValueSpec:
-    """A value that crosses a stage boundary (or is a model input/output), at the example batch size."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype | None
-    batched: bool
-    is_tensor: bool
-    requires_grad: bool
-
-
-@dataclass(frozen=True)
-class StageProgram:
-    """One stage: ``module(*input_values)`` returns the tuple ``output_values``."""
-
-    stage_index: int
-    module: fx.GraphModule
-    input_values: tuple[str, ...]
-    output_values: tuple[str, ...]
-    param_names: tuple[tuple[str, str], ...]  # (attribute path in module, original model name)
-
-
-@dataclass(frozen=True)
-class SplitProgram:
-    """All stages of a split model, with where every crossing value comes from and goes to."""
-
-    stages: tuple[StageProgram, ...]
-    model_inputs: tuple[str, ...]
-    output_tree: Any
-    producers: Mapping[str, int]
-    consumers: Mapping[str, tuple[int, ...]]
-    values: Mapping[str, ValueSpec]
-    tie_groups: tuple[tuple[str, tuple[int, ...]], ...]
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.stages)
-
-
-MODEL_INPUT = -1  # producer index of model inputs: every rank holds the global batch and slices it
 _IMPLICIT_OPS = ("placeholder", "output")
 
 
@@ -124,20 +82,6 @@ def split_for_plan(
             "plan from the traced graph (fxpipe.plan(model, ...)) to generate stage code"
         )
     return split_stages(gm, [stage.node_names for stage in plan.stages], example_inputs=example_inputs)
-
-
-def export_program(program: SplitProgram, directory: str | Path) -> None:
-    """Write stage code, weights and a JSON manifest to ``directory`` (see ``fxpipe.passes.codegen_io``)."""
-    from fxpipe.passes import codegen_io  # codegen_io imports this module's dataclasses
-
-    codegen_io.export_program(program, directory)
-
-
-def load_program(directory: str | Path) -> SplitProgram:
-    """Load a folder written by ``export_program``; runs its stage code, reads weights weights-only."""
-    from fxpipe.passes import codegen_io
-
-    return codegen_io.load_program(directory)
 
 
 def _assign_nodes(
@@ -444,11 +388,6 @@ def _spec(name: str, value: Any, value_next: Any, batch: int | None) -> ValueSpe
 
 __all__ = [
     "CodegenError",
-    "SplitProgram",
-    "StageProgram",
-    "ValueSpec",
-    "export_program",
-    "load_program",
     "split_for_plan",
     "split_stages",
     "value_specs",

@@ -18,8 +18,9 @@ from fxpipe.core.costgraph import Affine
 from fxpipe.core.plan import Plan, StagePlan
 from fxpipe.core.schedule import ScheduleError, early_backward, gpipe, lower, make_schedule, warmup_forwards
 from fxpipe.passes.partition.latency import analytic_iteration_time
+from fxpipe.sim.chrome_trace import to_chrome_trace, write_chrome_trace
 from fxpipe.sim.events import ReplicaSpec, encode_program
-from fxpipe.sim.simulate import SimulationResult, simulate, to_chrome_trace, write_chrome_trace
+from fxpipe.sim.simulate import SimulationResult, simulate
 from fxpipe.sim.stagecost import stage_cost, stage_memory_bytes
 
 DEVICE = DeviceSpec("test", 2**34, (("float32", 1e12),), 1e11)

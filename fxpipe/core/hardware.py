@@ -191,3 +191,16 @@ def gpu_preset(name: str, total_memory_bytes: int) -> tuple[DeviceSpec, LinkSpec
         if re.search(pattern, name.lower()):
             return replace(spec, name=name, memory_bytes=int(total_memory_bytes)), link
     return None
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured (or cached) figures; ``None`` where nothing was measured and defaults apply.
+
+    ``device``: keys of ``DEVICE_KEYS``; ``links``: keys of ``LINK_KEYS``; ``source`` says where each
+    came from, for the cluster's description.
+    """
+
+    device: dict[str, float] | None
+    links: dict[str, float] | None
+    source: str

@@ -38,7 +38,7 @@ from fxpipe.runtime.rows import RowMap
 from fxpipe.runtime.stage import LossFn, StageRunner, infer_value_dtypes, read_local_loss
 
 if TYPE_CHECKING:
-    from fxpipe.passes.codegen import SplitProgram
+    from fxpipe.core.program import SplitProgram
 
 Op = schedules.Op
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from fxpipe.core.schedule import Action
-from fxpipe.sim.simulate import TimelineEvent
+from fxpipe.core.timeline import TimelineEvent
 
 
 @dataclass

@@ -9,7 +9,7 @@ from fxpipe.core.plan import Plan
 from fxpipe.runtime.comm import slice_rows
 
 if TYPE_CHECKING:
-    from fxpipe.passes.codegen import SplitProgram
+    from fxpipe.core.program import SplitProgram
 
 RowRanges = tuple[tuple[int, int], ...]
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+import fxpipe.runtime.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
 from fxpipe.core.cluster import Cluster, compact_cluster, parse_cluster
 from fxpipe.core.hardware import ETHERNET_10G_COLLECTIVE, ETHERNET_10G_P2P
 from fxpipe.core.plan import Plan

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # fxpipe.sim.simulate re-exports this module's functions
-    from fxpipe.sim.simulate import SimulationResult, TimelineEvent, TransferEvent
+if TYPE_CHECKING:
+    from fxpipe.core.timeline import TimelineEvent, TransferEvent
+    from fxpipe.sim.simulate import SimulationResult
 
 _MICROSECONDS = 1e6
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from fxpipe.core.chain import CostChain
 from fxpipe.core.cluster import Cluster
@@ -18,7 +17,7 @@ from fxpipe.core.schedule import (
     make_schedule,
     validate_schedule,
 )
-from fxpipe.sim.chrome_trace import to_chrome_trace, write_chrome_trace
+from fxpipe.core.timeline import TimelineEvent, TransferEvent
 from fxpipe.sim.events import (
     CODE_OPS,
     ComponentRun,
@@ -29,33 +28,9 @@ from fxpipe.sim.events import (
 )
 from fxpipe.sim.stagecost import allreduce_times, compute_times, stage_cost, stage_memory_bytes
 
-__all__ = ["SimulationResult", "TimelineEvent", "TransferEvent", "simulate", "to_chrome_trace",
-           "write_chrome_trace"]
+__all__ = ["SimulationResult", "TimelineEvent", "TransferEvent", "simulate"]
 
 Replica = tuple[int, int]  # (stage_index, replica_index)
-
-
-class TimelineEvent(NamedTuple):
-    """One executed action of one device (a send ends when it is issued; it takes the cluster's
-    ``message_overhead_s`` per message, 0 by default)."""
-
-    device: int
-    stage_index: int
-    op: str  # "F", "B", "RA", "SA", "RG", "SG", "AR"
-    microbatch_index: int  # -1 for AR
-    start_s: float
-    end_s: float
-
-
-class TransferEvent(NamedTuple):
-    """One piece of a send: ``src_device`` hands ``dst_device`` the rows they share, on the link."""
-
-    src_device: int
-    dst_device: int
-    op: str  # "SA" (activation) or "SG" (gradient)
-    microbatch_index: int
-    start_s: float
-    end_s: float
 
 
 @dataclass(frozen=True)
