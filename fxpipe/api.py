@@ -177,15 +177,15 @@ class PipelinedModule:
 
     def save(self, directory: str | Path, *, optimizer: torch.optim.Optimizer | None = None, step: int = 0,
              extra: Mapping[str, Any] | None = None) -> Path:
-        """Atomic sharded checkpoint under original names (every rank calls it); see fxpipe.checkpoint."""
-        from fxpipe.checkpoint import save_checkpoint
+        """Atomic sharded checkpoint under original names (every rank calls it); see fxpipe.core.checkpoint."""
+        from fxpipe.core.checkpoint import save_checkpoint
 
         return save_checkpoint(self, directory, optimizer=optimizer, step=step, extra=extra)
 
     def load(self, directory: str | Path, *, optimizer: torch.optim.Optimizer | None = None,
              verify: bool = True) -> dict[str, Any]:
         """Load a checkpoint saved under any plan (checksums checked unless ``verify=False``); returns ``{"step", "extra"}``."""
-        from fxpipe.checkpoint import load_checkpoint
+        from fxpipe.core.checkpoint import load_checkpoint
 
         return load_checkpoint(self, directory, optimizer=optimizer, verify=verify)
 

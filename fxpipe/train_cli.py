@@ -233,7 +233,7 @@ def _train_steps(args: argparse.Namespace, pipe: Any, optimizer: torch.optim.Opt
 
 def _resume(args: argparse.Namespace, pipe: Any, optimizer: torch.optim.Optimizer) -> int:
     """The step to start at: that of the latest checkpoint in ``--checkpoint-dir`` (loaded), else 0."""
-    from fxpipe.checkpoint import latest_checkpoint
+    from fxpipe.core.checkpoint import latest_checkpoint
 
     if args.checkpoint_every < 0:
         raise ValueError(f"--checkpoint-every {args.checkpoint_every} is negative; use 0 (end and preemption "

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.futures import Future
 
-from fxpipe.checkpoint import (
+from fxpipe.core.checkpoint import (
     DCP_METADATA_NAME,
     FORMAT_NAME,
     FORMAT_VERSION,
