@@ -67,6 +67,7 @@ from benchmarks.bench_common import (  # noqa: E402
     timed,
     zero_grads,
 )
+from fxpipe.core import meta  # noqa: E402
 
 RESULTS = Path(__file__).with_suffix(".md")
 COMMAND = "python benchmarks/runtime_fidelity.py --write"
@@ -102,7 +103,7 @@ def measured_chain(workload: Workload) -> Any:
     try:
         model, example_inputs = workload.build()
         annotated = passes.annotate_costs(passes.trace(model, example_inputs))
-        measured = passes.measure_costs(annotated, annotated.meta["fxpipe.example_inputs"])
+        measured = passes.measure_costs(annotated, annotated.meta[meta.EXAMPLE_INPUTS])
         return build_chain(passes.to_cost_graph(annotated, measured=measured))
     finally:
         torch.set_num_threads(previous)

@@ -18,7 +18,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "Cluster": ("fxpipe.core.cluster", "Cluster"),
     "DeviceSpec": ("fxpipe.core.hardware", "DeviceSpec"),
     "simulate": ("fxpipe.sim.simulate", "simulate"),
-    "consolidate": ("fxpipe.core.checkpoint", "consolidate"),
+    "consolidate": ("fxpipe.runtime.checkpoint_io", "consolidate"),
 }
 
 __all__ = [*sorted(_EXPORTS), "models", "passes"]

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fxpipe.core import meta
 from fxpipe.core.cluster import Cluster
 from fxpipe.core.plan import Plan, plan_argument_kind
 from fxpipe.runtime.errors import PipelineSetupError
@@ -178,14 +179,14 @@ class PipelinedModule:
     def save(self, directory: str | Path, *, optimizer: torch.optim.Optimizer | None = None, step: int = 0,
              extra: Mapping[str, Any] | None = None) -> Path:
         """Atomic sharded checkpoint under original names (every rank calls it); see fxpipe.core.checkpoint."""
-        from fxpipe.core.checkpoint import save_checkpoint
+        from fxpipe.runtime.checkpoint_io import save_checkpoint
 
         return save_checkpoint(self, directory, optimizer=optimizer, step=step, extra=extra)
 
     def load(self, directory: str | Path, *, optimizer: torch.optim.Optimizer | None = None,
              verify: bool = True) -> dict[str, Any]:
         """Load a checkpoint saved under any plan (checksums checked unless ``verify=False``); returns ``{"step", "extra"}``."""
-        from fxpipe.core.checkpoint import load_checkpoint
+        from fxpipe.runtime.checkpoint_io import load_checkpoint
 
         return load_checkpoint(self, directory, optimizer=optimizer, verify=verify)
 
@@ -360,8 +361,8 @@ def resolve_plan(options: CompileOptions, model: torch.nn.Module, example_inputs
 
 def _keyword_inputs(graph_module: torch.fx.GraphModule, inputs: Any) -> Any:
     """The traced example inputs keyed by forward()'s parameter names, so a re-trace binds keyword-only ones."""
-    values = graph_module.meta.get("fxpipe.example_inputs")
-    names = graph_module.meta.get("fxpipe.input_names")
+    values = graph_module.meta.get(meta.EXAMPLE_INPUTS)
+    names = graph_module.meta.get(meta.INPUT_NAMES)
     if values is None or names is None:
         return inputs
     return dict(zip(names, values, strict=True))

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from fxpipe.core import meta
 from fxpipe.core.chain import CostChain, build_chain
 from fxpipe.core.cluster import Cluster
 from fxpipe.core.costgraph import CostGraph, CostNode
@@ -70,7 +71,7 @@ def cost_model(
     if costs == "analytic":
         graph = passes.to_cost_graph(graph_module, device=cluster.device, dtype=dtype)
     elif costs == "measured":
-        measured = passes.measure_costs(graph_module, graph_module.meta["fxpipe.example_inputs"])
+        measured = passes.measure_costs(graph_module, graph_module.meta[meta.EXAMPLE_INPUTS])
         graph = passes.to_cost_graph(graph_module, device=cluster.device, measured=measured, dtype=dtype)
     else:
         raise ValueError(f"costs={costs!r} is unknown; choose 'analytic' or 'measured'")

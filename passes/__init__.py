@@ -14,7 +14,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "TraceError": ("fxpipe.passes.tracing", "TraceError"),
     "ExampleInputsTypeError": ("fxpipe.passes.tracing", "ExampleInputsTypeError"),
     "BATCH": ("fxpipe.passes.costs", "BATCH"),
-    "NodeCost": ("fxpipe.passes.costs", "NodeCost"),
+    "SymbolicCost": ("fxpipe.passes.fakerun", "SymbolicCost"),
     "MeasuredCosts": ("fxpipe.passes.profile", "MeasuredCosts"),
     "BlockTime": ("fxpipe.passes.profile", "BlockTime"),
     "default_blocks": ("fxpipe.passes.profile", "default_blocks"),

@@ -11,6 +11,7 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from fxpipe.core import meta
 from fxpipe.core.plan import Plan
 from fxpipe.core.program import MODEL_INPUT, SplitProgram, StageProgram, ValueSpec
 from fxpipe.passes.subgraph import extract_subgraph
@@ -237,8 +238,8 @@ def _build_stage(
         class_name=f"Stage{stage_index}",
     )
     param_names = _param_names(gm, subgraph.module)
-    subgraph.module.meta["fxpipe.param_names"] = dict(param_names)
-    subgraph.module.meta["fxpipe.stage_index"] = stage_index
+    subgraph.module.meta[meta.PARAM_NAMES] = dict(param_names)
+    subgraph.module.meta[meta.STAGE_INDEX] = stage_index
     return StageProgram(
         stage_index=stage_index,
         module=subgraph.module,
@@ -249,7 +250,7 @@ def _build_stage(
 
 
 def _original_names(gm: fx.GraphModule) -> Mapping[str, str]:
-    names = gm.meta.get("fxpipe.param_names")
+    names = gm.meta.get(meta.PARAM_NAMES)
     return names if isinstance(names, Mapping) else {}
 
 
@@ -262,7 +263,7 @@ def _attribute_names(gm: fx.GraphModule, member_names: Sequence[str]) -> dict[st
         node = nodes_by_name[name]
         if node.op != "get_attr":
             continue
-        from_node = node.meta.get("fxpipe.param_names", ())
+        from_node = node.meta.get(meta.PARAM_NAMES, ())
         original = from_node[0] if len(from_node) == 1 else originals.get(node.target, node.target)
         renames[node.target] = original
     return renames
@@ -315,11 +316,11 @@ def _unique(names: Sequence[str] | Any) -> list[str]:
 
 def _example_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> tuple[Any, ...]:
     if example_inputs is None:
-        example_inputs = gm.meta.get("fxpipe.example_inputs")
+        example_inputs = gm.meta.get(meta.EXAMPLE_INPUTS)
     if example_inputs is None:
         raise CodegenError(
             "no example inputs: pass example_inputs=... or trace with fxpipe.passes.trace, which records "
-            'gm.meta["fxpipe.example_inputs"]'
+            'gm.meta[meta.EXAMPLE_INPUTS]'
         )
     return tuple(example_inputs)
 

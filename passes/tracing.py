@@ -9,6 +9,7 @@ from itertools import chain
 import torch
 from torch import fx, nn
 
+from fxpipe.core import meta
 from fxpipe.passes.trace_export import ExportTraceFailure, trace_export
 from fxpipe.passes.trace_fx import FxTraceFailure, describe_module, trace_fx, validate_leaf_modules
 from fxpipe.passes.trace_inputs import ExampleInputsTypeError, TraceInputs, normalize_inputs
@@ -49,12 +50,12 @@ def trace(
 ) -> fx.GraphModule:
     """Trace `model` at `example_inputs` into a GraphModule carrying the fxpipe meta conventions:
 
-        gm.meta["fxpipe.frontend"]        "fx" or "export"
-        gm.meta["fxpipe.example_inputs"]  tuple of example tensors, one per placeholder, forward() order
-        gm.meta["fxpipe.input_names"]     tuple of placeholder names (forward()'s parameter names)
-        gm.meta["fxpipe.param_names"]     {gm attribute path -> original parameter/buffer name}
-        node.meta["fxpipe.module_path"]   original module path of the op ("" for the model itself)
-        node.meta["fxpipe.param_names"]   tuple of original names of the parameters/buffers it reads
+        gm.meta[meta.FRONTEND]        "fx" or "export"
+        gm.meta[meta.EXAMPLE_INPUTS]  tuple of example tensors, one per placeholder, forward() order
+        gm.meta[meta.INPUT_NAMES]     tuple of placeholder names (forward()'s parameter names)
+        gm.meta[meta.PARAM_NAMES]     {gm attribute path -> original parameter/buffer name}
+        node.meta[meta.MODULE_PATH]   original module path of the op ("" for the model itself)
+        node.meta[meta.PARAM_NAMES]   tuple of original names of the parameters/buffers it reads
                                           (get_attr nodes and call_module leaves; () otherwise)
 
     An original name is the model's canonical name for the tensor: the first name that
@@ -75,7 +76,7 @@ def trace(
     back as dicts, tuples and lists as tuples and lists. Export graphs are specialised on the model's
     training mode (dropout, batch statistics) and on the example shapes except the batch: dim 0 of
     every tensor input is one symbolic size, and each op that reads a size (a view to (B, T, C)) reads
-    its own copy, computed from the tensors at hand; gm.meta["fxpipe.symbolic_batch"] is False when
+    its own copy, computed from the tensors at hand; gm.meta[meta.SYMBOLIC_BATCH] is False when
     the model refused a symbolic batch and was exported at the example batch. fx graphs are
     shape-generic.
     Raises ExampleInputsTypeError (a TypeError) for malformed inputs and TraceError when tracing fails.
@@ -173,14 +174,14 @@ def _write_meta(gm: fx.GraphModule, model: nn.Module, inputs: TraceInputs, front
     param_names = _gm_param_names(gm, model)
     placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
     assert len(placeholders) == len(inputs.values), (placeholders, inputs.names)
-    gm.meta["fxpipe.frontend"] = frontend
-    gm.meta["fxpipe.example_inputs"] = inputs.values
-    gm.meta["fxpipe.input_names"] = tuple(str(node.target) for node in placeholders)
-    gm.meta["fxpipe.param_names"] = param_names
-    gm.meta["fxpipe.state_dict_names"] = _state_dict_names(model)
+    gm.meta[meta.FRONTEND] = frontend
+    gm.meta[meta.EXAMPLE_INPUTS] = inputs.values
+    gm.meta[meta.INPUT_NAMES] = tuple(str(node.target) for node in placeholders)
+    gm.meta[meta.PARAM_NAMES] = param_names
+    gm.meta[meta.STATE_DICT_NAMES] = _state_dict_names(model)
     for node in gm.graph.nodes:
-        node.meta.setdefault("fxpipe.module_path", "")
-        node.meta["fxpipe.param_names"] = _names_read(node, param_names)
+        node.meta.setdefault(meta.MODULE_PATH, "")
+        node.meta[meta.PARAM_NAMES] = _names_read(node, param_names)
 
 
 def _state_dict_names(model: nn.Module) -> dict[str, str]:

@@ -5,14 +5,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from fxpipe.core import meta
+
 if TYPE_CHECKING:
-    from fxpipe.api import PipelinedModule
+    from fxpipe.core.plan import Plan
     from fxpipe.core.program import SplitProgram
 
 FORMAT_NAME = "fxpipe-checkpoint"
@@ -29,6 +31,25 @@ TEMPORARY_MARKERS = (".tmp-", ".old-")  # names save_checkpoint uses while a wri
 
 class CheckpointError(ValueError):
     """A checkpoint is incomplete, from another model, or cannot be read or written; the message says which."""
+
+
+class CheckpointablePipe(Protocol):
+    """What checkpointing reads of a pipelined module (``fxpipe.api.PipelinedModule`` is one)."""
+
+    @property
+    def plan(self) -> Plan: ...
+
+    @property
+    def program(self) -> SplitProgram: ...
+
+    @property
+    def graph_module(self) -> torch.fx.GraphModule: ...
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]: ...
+
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
 
 
 def model_fingerprint(program: SplitProgram) -> dict[str, dict[str, Any]]:
@@ -68,17 +89,17 @@ def _short(names: list[str], limit: int = 8) -> str:
     return f"[{shown}{f', ... ({len(names)} in all)' if len(names) > limit else ''}]"
 
 
-def state_dict_keys(pipe: PipelinedModule) -> dict[str, str]:
+def state_dict_keys(pipe: CheckpointablePipe) -> dict[str, str]:
     """{key of the unsplit model's state_dict() -> stored (canonical) name}; tied aliases map to one name.
 
     Uses ``graph_module.meta["fxpipe.state_dict_names"]`` when the tracer records it; otherwise derives the
     keys from the traced module, which maps tied aliases but cannot tell non-persistent buffers apart.
     """
     graph_module = pipe.graph_module
-    recorded = graph_module.meta.get("fxpipe.state_dict_names")
+    recorded = graph_module.meta.get(meta.STATE_DICT_NAMES)
     if isinstance(recorded, Mapping):
         return {str(key): str(recorded[key]) for key in sorted(recorded)}
-    canonical: Mapping[str, str] = graph_module.meta["fxpipe.param_names"]
+    canonical: Mapping[str, str] = graph_module.meta[meta.PARAM_NAMES]
     keys = {}
     for path, _ in [*graph_module.named_parameters(remove_duplicate=False),
                     *graph_module.named_buffers(remove_duplicate=False)]:
@@ -234,35 +255,3 @@ def latest_checkpoint(root: str | Path) -> Path | None:
         if best is None or (step, child.name) > best:
             best = (step, child.name)
     return None if best is None else root_path / best[1]
-
-
-def consolidate(directory: str | Path, *, verify: bool = True) -> dict[str, torch.Tensor]:
-    """One state_dict for the original unsplit model (``model.load_state_dict(sd)`` strict) from a checkpoint.
-
-    Runs offline in one process (no process group); tensors are read weights-only. With ``verify`` (the
-    default) every file's size and sha256 are checked against the manifest first.
-    """
-    from fxpipe.runtime.checkpoint_io import read_tensors
-
-    manifest = read_manifest(directory, verify)
-    if verify:
-        verify_files(directory, manifest)
-    stored = read_tensors(directory, {MODEL_PREFIX + name: entry for name, entry in manifest["fingerprint"].items()})
-    keys: Mapping[str, str] = manifest["state_dict_keys"]
-    return {key: stored[MODEL_PREFIX + keys[key]] for key in sorted(keys)}
-
-
-def save_checkpoint(pipe: PipelinedModule, directory: str | Path, *, optimizer: torch.optim.Optimizer | None = None,
-                    step: int = 0, extra: Mapping[str, Any] | None = None) -> Path:
-    """See :func:`fxpipe.runtime.checkpoint_io.save_checkpoint` (collective: every rank calls it)."""
-    from fxpipe.runtime.checkpoint_io import save_checkpoint as save
-
-    return save(pipe, directory, optimizer=optimizer, step=step, extra=extra)
-
-
-def load_checkpoint(pipe: PipelinedModule, directory: str | Path, *,
-                    optimizer: torch.optim.Optimizer | None = None, verify: bool = True) -> dict[str, Any]:
-    """See :func:`fxpipe.runtime.checkpoint_io.load_checkpoint` (collective: every rank calls it)."""
-    from fxpipe.runtime.checkpoint_io import load_checkpoint as load
-
-    return load(pipe, directory, optimizer=optimizer, verify=verify)

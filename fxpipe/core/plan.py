@@ -67,10 +67,11 @@ class Prediction:
 
 @dataclass(frozen=True)
 class BaselineResult:
-    """One baseline planner's plan, scored by the same simulator."""
+    """One baseline planner's plan, scored by the same simulator; ``iteration_time_s`` is None (JSON null)
+    when the baseline is infeasible, so no reader mistakes it for the fastest plan."""
 
     layout: str
-    iteration_time_s: float
+    iteration_time_s: float | None
     num_microbatches: int = 0
     feasible: bool = True
     note: str = ""
@@ -92,7 +93,9 @@ class Plan:
     num_blocks: int = 0
     block_names: tuple[str, ...] = ()
     predicted: Prediction | None = None
-    planning_time_s: float = 0.0
+    # How long planning took: a fact of the run, not of the plan, so it is left out of the plan JSON
+    # (identical inputs give byte-identical files) and out of equality.
+    planning_time_s: float = field(default=0.0, compare=False)
     baselines: tuple[tuple[str, BaselineResult], ...] = ()
     format_version: int = FORMAT_VERSION
     notes: tuple[str, ...] = field(default=())
@@ -132,6 +135,7 @@ class Plan:
 
     def to_json_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        del data["planning_time_s"]
         data["layout"] = self.layout
         data["baselines"] = {name: asdict(result) for name, result in self.baselines}
         if self.predicted is not None:
@@ -208,6 +212,13 @@ def _build(cls: type, data: Any, where: str) -> Any:
         raise PlanError(f"{where} is missing fields: {error}") from error
 
 
+def _baseline(data: Any, where: str) -> BaselineResult:
+    result: BaselineResult = _build(BaselineResult, data, where)
+    if not result.feasible and result.iteration_time_s == 0.0:  # files written before infeasible meant null
+        return replace(result, iteration_time_s=None)
+    return result
+
+
 def plan_from_dict(data: Any) -> Plan:
     if not isinstance(data, Mapping):
         raise PlanError(f"a plan is a JSON object, got {type(data).__name__}")
@@ -225,7 +236,7 @@ def plan_from_dict(data: Any) -> Plan:
     if not isinstance(baselines_data, Mapping):
         raise PlanError("plan 'baselines' must be an object keyed by planner name")
     baselines = tuple(
-        (name, _build(BaselineResult, value, f"baselines.{name}")) for name, value in sorted(baselines_data.items())
+        (name, _baseline(value, f"baselines.{name}")) for name, value in sorted(baselines_data.items())
     )
     rest = {k: v for k, v in data.items() if k not in ("stages", "predicted", "baselines")}
     rest.update(stages=stages, predicted=predicted, baselines=baselines)
@@ -277,6 +288,10 @@ def validate_plan(plan: Plan) -> None:
     if plan.num_devices:
         _check(len(seen_devices) <= plan.num_devices and max(seen_devices) < plan.num_devices,
                f"plan uses devices {sorted(seen_devices)} but the cluster has {plan.num_devices}")
+    for name, result in plan.baselines:
+        _check((result.iteration_time_s is None) == (not result.feasible),
+               f"baseline {name!r} has feasible={result.feasible} but iteration_time_s={result.iteration_time_s!r}; "
+               "an infeasible baseline has no time (None) and a feasible one has a time")
 
 
 def split_rows(num_rows: int, num_parts: int) -> tuple[int, ...]:

@@ -221,7 +221,7 @@ def _baseline_results(request: PlanRequest) -> tuple[tuple[str, BaselineResult],
         try:
             plan = planner(request)
         except PlanningError as error:
-            results.append((name, BaselineResult(layout="", iteration_time_s=0.0, feasible=False,
+            results.append((name, BaselineResult(layout="", iteration_time_s=None, feasible=False,
                                                  note=str(error).splitlines()[0])))
             continue
         assert plan.predicted is not None
