@@ -156,7 +156,7 @@ def main() -> None:
     checks = {
         "memory": lambda: memory_check(overrides, device, batches[1]),
         "step": lambda: step_check(overrides, device, batches[1], 1, 6 if args.tiny else 20),
-        "cost_model": lambda: cost_model_check(overrides, device, H200_141GB, batches, 8 if args.tiny else 20),
+        "costed_model": lambda: cost_model_check(overrides, device, H200_141GB, batches, 8 if args.tiny else 20),
     }
     for name, check in checks.items():
         start = time.perf_counter()

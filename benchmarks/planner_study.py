@@ -19,7 +19,7 @@ from fxpipe.core.chain import build_chain
 from fxpipe.core.cluster import parse_cluster
 from fxpipe.core.plan import Plan
 from fxpipe.passes.partition.dapple import partition
-from fxpipe.passes.partition.scoring import PlanningError
+from fxpipe.passes.partition.request import PlanningError
 from fxpipe.passes.profiles_io import read_profile
 
 PROFILES = Path("/work/shared/profiles")

@@ -14,6 +14,7 @@ import torch
 from fxpipe.core import meta
 from fxpipe.core.cluster import Cluster
 from fxpipe.core.plan import Plan, plan_argument_kind
+from fxpipe.core.schedule import ScheduleError, schedule_name
 from fxpipe.runtime.errors import PipelineSetupError
 
 if TYPE_CHECKING:
@@ -23,8 +24,6 @@ if TYPE_CHECKING:
     from fxpipe.runtime.measure import StepStats
     from fxpipe.runtime.topology import Topology
 
-SCHEDULE_ALIASES = {"dapple": "early_backward", "early_backward": "early_backward", "1f1b": "early_backward",
-                    "gpipe": "gpipe"}
 
 
 @dataclass(frozen=True)
@@ -384,9 +383,10 @@ def apply_overrides(plan: Plan, options: CompileOptions) -> Plan:
 
 
 def _schedule_name(schedule: str) -> str:
-    if schedule not in SCHEDULE_ALIASES:
-        raise PipelineSetupError(f"schedule {schedule!r} is unknown; choose 'dapple' (early backward) or 'gpipe'")
-    return SCHEDULE_ALIASES[schedule]
+    try:
+        return schedule_name(schedule)
+    except ScheduleError as error:
+        raise PipelineSetupError(str(error)) from None
 
 
 def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, context: DistContext,
@@ -426,11 +426,11 @@ def _resolved_cluster(options: CompileOptions, topology: Topology, device: torch
 def _run_planner(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, topology: Topology,
                  cluster: Cluster) -> Plan:
     """Cost the model and plan it (on rank 0) for ``cluster`` with every launched rank in a role."""
-    from fxpipe.planning import cost_model, plan_chain
+    from fxpipe.planning import costed_model, plan_chain
     from fxpipe.runtime.topology import check_cluster_size, placed_plan
 
     check_cluster_size(cluster, topology)
-    costed = cost_model(model, example_inputs if isinstance(example_inputs, Mapping) else tuple(example_inputs),
+    costed = costed_model(model, example_inputs if isinstance(example_inputs, Mapping) else tuple(example_inputs),
                         cluster)
     layout = None if options.plan == "auto" else str(options.plan)
     assert options.global_batch_size is not None

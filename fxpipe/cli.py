@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fxpipe.core.cluster import Cluster
+from fxpipe.core.schedule import SCHEDULES
 
 
 class CommandLineError(ValueError):
@@ -26,7 +27,7 @@ def _add_planning_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", default=None, help="force replica counts per stage: 3:1, 1:1:1:1, dp; or "
                         "markers: cut at the model's pipe_split() calls, the planner picks replicas and placement")
     parser.add_argument("--num-microbatches", type=int, default=None, help="force M (default: planner chooses)")
-    parser.add_argument("--schedule", default="early_backward", choices=["early_backward", "gpipe"])
+    parser.add_argument("--schedule", default="early_backward", choices=sorted(SCHEDULES))
     parser.add_argument("--optimizer", default="adam", help="memory model: sgd, momentum, adam")
     parser.add_argument("--compare", action="store_true", help="also run every baseline planner")
     parser.add_argument("--json", dest="json_out", default=None, help="write the plan file here")
@@ -84,7 +85,7 @@ def _chain_for(args: argparse.Namespace, cluster: Cluster):  # type: ignore[no-u
         raise CommandLineError("give MODEL (zoo name or package.module:factory) or --profile FILE")
     device = "cpu" if args.costs == "measured" else "meta"
     model, example_inputs = planning.load_model(args.model, device=device)
-    return planning.cost_model(model, example_inputs, cluster, costs=args.costs, max_blocks=args.max_blocks).chain
+    return planning.costed_model(model, example_inputs, cluster, costs=args.costs, max_blocks=args.max_blocks).chain
 
 
 def _run_plan(args: argparse.Namespace) -> int:

@@ -55,7 +55,7 @@ def load_model(spec: str, *, device: str = "cpu", **overrides: Any) -> tuple[tor
     return model, example_inputs
 
 
-def cost_model(
+def costed_model(
     model: torch.nn.Module,
     example_inputs: Any,
     cluster: Cluster,
@@ -133,7 +133,7 @@ def plan_model(
     from fxpipe.core.cluster import parse_cluster
 
     resolved = parse_cluster(cluster) if isinstance(cluster, str) else cluster
-    costed = cost_model(model, example_inputs, resolved, costs=costs)
+    costed = costed_model(model, example_inputs, resolved, costs=costs)
     return plan_chain(costed.chain, resolved, global_batch_size, **options)
 
 
@@ -159,7 +159,7 @@ def plan_markers(
 
     graph_module = passes.trace(model, example_inputs)
     groups = marker_stages(model, example_inputs, graph_module)
-    chain = cost_model(model, example_inputs, cluster, costs=costs, max_blocks=None).chain
+    chain = costed_model(model, example_inputs, cluster, costs=costs, max_blocks=None).chain
     stops = marker_stops(chain, groups)
     marked = coarsen_chain(chain, stops)
     empty = [index for index, holds in enumerate(holds_parameters(marked)) if not holds]

@@ -37,7 +37,7 @@ from fxpipe.core.schedule import (
 from fxpipe.models.registry import CallableSpecError, resolve_loss
 from fxpipe.passes.markers import MarkerError
 from fxpipe.passes.partition.dapple import partition
-from fxpipe.passes.partition.scoring import InfeasiblePlanError, LayoutError, PlanningError
+from fxpipe.passes.partition.request import InfeasiblePlanError, LayoutError, PlanningError
 from fxpipe.passes.profiles_io import ProfileFormatError, parse_profile_text, read_profile
 from fxpipe.passes.trace_inputs import ExampleInputsTypeError
 from fxpipe.passes.tracing import TraceError, trace

@@ -8,7 +8,7 @@ from planner_cases import chain, cluster
 
 from fxpipe.passes.partition.dapple import partition
 from fxpipe.passes.partition.exhaustive import EXHAUSTIVE_LIMIT
-from fxpipe.passes.partition.scoring import PlanningError
+from fxpipe.passes.partition.request import PlanningError
 
 torch.set_num_threads(1)
 

@@ -32,7 +32,7 @@ from fxpipe.core.plan import BaselineResult, Plan, PlanError, Prediction, StageP
 from fxpipe.core.planfile import chain_from_json, chain_to_json, load_plan_file, save_plan_file
 from fxpipe.core.schedule import Action, Op, Schedule, ScheduleError, make_schedule, validate_schedule
 from fxpipe.passes.partition.dapple import parse_layout
-from fxpipe.passes.partition.scoring import LayoutError, PlanningError, PlanRequest, check_request
+from fxpipe.passes.partition.request import LayoutError, PlanningError, PlanRequest, check_request
 from fxpipe.passes.profiles_io import ProfileFormatError, parse_profile_text
 from fxpipe.passes.trace_inputs import ExampleInputsTypeError
 from fxpipe.passes.tracing import TraceError, trace

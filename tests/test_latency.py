@@ -117,7 +117,7 @@ def test_tied_parameters_are_one_allreduce_after_their_last_stage() -> None:
 def test_exhaustive_lower_bound_holds_with_tied_parameters(seed: int) -> None:
     import random
 
-    from fxpipe.passes.partition.candidates import CostModel, build_plan
+    from fxpipe.passes.partition.candidates import CandidateCosts, build_plan
     from fxpipe.passes.partition.exhaustive import _lower_bound, exhaustive_candidates
     from fxpipe.sim.simulate import simulate
 
@@ -128,7 +128,7 @@ def test_exhaustive_lower_bound_holds_with_tied_parameters(seed: int) -> None:
     net = Cluster("t", 1, 4, device, LinkSpec(2.0**27, 1e-5), LinkSpec(2.0**27, 1e-5),
                   message_overhead_s=rng.choice([0.0, 1e-4]))
     chain = _tied_chain(rng.randint(3, 5), 2**22, param_bytes=rng.choice([2**20, 2**21]))
-    model = CostModel(chain, net, 16, "adam", 2**40)
+    model = CandidateCosts(chain, net, 16, "adam", 2**40)
     for candidate in exhaustive_candidates(model, [2, 4, 8], None):
         plan = build_plan(model, candidate, schedule="early_backward", warmup_policy="A", planner="test")
         assert _lower_bound(model, candidate) <= simulate(plan, chain, net).iteration_time_s * (1 + 1e-12)

@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from fxpipe.core.jsonvalues import JSONValueError, field_hints, read_field
+from fxpipe.core.schedule import SCHEDULES, WARMUP_POLICIES
 
 FORMAT_VERSION = 1
-SCHEDULES = ("early_backward", "gpipe")
-WARMUP_POLICIES = ("A", "B")
 PLAN_KEYWORDS = ("auto", "markers")
 LAYOUT_PATTERN = re.compile(r"dp|[0-9]+(:[0-9]+)+")
 
@@ -257,7 +256,7 @@ def validate_plan(plan: Plan) -> None:
     _check(plan.global_batch_size % plan.num_microbatches == 0,
            f"global batch {plan.global_batch_size} does not split into {plan.num_microbatches} equal "
            "micro-batches; choose a num_microbatches that divides it")
-    _check(plan.schedule in SCHEDULES, f"schedule {plan.schedule!r} is unknown; choose one of {SCHEDULES}")
+    _check(plan.schedule in SCHEDULES, f"schedule {plan.schedule!r} is unknown; choose one of {sorted(SCHEDULES)}")
     _check(plan.warmup_policy in WARMUP_POLICIES,
            f"warmup_policy {plan.warmup_policy!r} is unknown; choose one of {WARMUP_POLICIES}")
     _check(len(plan.stages) > 0, "a plan needs at least one stage")

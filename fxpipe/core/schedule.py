@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -97,13 +98,46 @@ def early_backward(num_stages: int, num_microbatches: int, warmup_policy: str = 
     return Schedule(f"early_backward_{warmup_policy}", num_stages, num_microbatches, tuple(per_stage))
 
 
+def _gpipe_any_policy(num_stages: int, num_microbatches: int, warmup_policy: str) -> Schedule:
+    return gpipe(num_stages, num_microbatches)  # every micro-batch is in flight: no warm-up policy applies
+
+
+@dataclass(frozen=True)
+class ScheduleKind:
+    """A schedule a plan can name: its generator, the other names users may write for it, and whether
+    every micro-batch is in flight at once (then the warm-up policy does not matter)."""
+
+    build: Callable[[int, int, str], Schedule]  # (num_stages, num_microbatches, warmup_policy)
+    aliases: tuple[str, ...] = ()
+    all_in_flight: bool = False
+
+
+# The one registry of schedules: plans, the planner, the CLI and fxpipe.compile all read it.
+SCHEDULES: dict[str, ScheduleKind] = {
+    "early_backward": ScheduleKind(early_backward, aliases=("dapple", "1f1b")),
+    "gpipe": ScheduleKind(_gpipe_any_policy, all_in_flight=True),
+}
+WARMUP_POLICIES = ("A", "B")  # DAPPLE's warm-up policies for early backward (see warmup_forwards)
+
+
+def schedule_names() -> list[str]:
+    """Every name a user may write for a schedule (plan names and aliases), sorted."""
+    return sorted([*SCHEDULES, *(alias for kind in SCHEDULES.values() for alias in kind.aliases)])
+
+
+def schedule_name(name: str) -> str:
+    """The plan name of schedule ``name`` (which may be an alias, e.g. ``"dapple"`` -> ``"early_backward"``)."""
+    for plan_name, kind in SCHEDULES.items():
+        if name == plan_name or name in kind.aliases:
+            return plan_name
+    choices = " or ".join(repr(plan_name) + (f" (alias {', '.join(map(repr, kind.aliases))})" if kind.aliases else "")
+                          for plan_name, kind in SCHEDULES.items())
+    raise ScheduleError(f"schedule {name!r} is unknown; choose {choices}")
+
+
 def make_schedule(name: str, num_stages: int, num_microbatches: int, warmup_policy: str = "A") -> Schedule:
-    """Build a schedule by plan name (``"early_backward"`` or ``"gpipe"``)."""
-    if name == "gpipe":
-        return gpipe(num_stages, num_microbatches)
-    if name in ("early_backward", "dapple", "1f1b"):
-        return early_backward(num_stages, num_microbatches, warmup_policy)
-    raise ScheduleError(f"schedule {name!r} is unknown; choose 'early_backward' (alias 'dapple') or 'gpipe'")
+    """Build a schedule by name (a key of :data:`SCHEDULES` or one of its aliases)."""
+    return SCHEDULES[schedule_name(name)].build(num_stages, num_microbatches, warmup_policy)
 
 
 def lower(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:

@@ -6,31 +6,23 @@ from collections.abc import Callable, Iterable
 
 from fxpipe.core.plan import Plan
 from fxpipe.passes.partition.block_partition import balanced_cuts, param_weights, uniform_cuts
-from fxpipe.passes.partition.candidates import Candidate, CostModel, Span, spans_from_stops
+from fxpipe.passes.partition.candidates import Candidate, CandidateCosts, Span, spans_from_stops
 from fxpipe.passes.partition.exhaustive import plan_exhaustive
 from fxpipe.passes.partition.pipedream import pipedream_layout
-from fxpipe.passes.partition.scoring import (
-    InfeasiblePlanError,
-    PlanRequest,
-    best_dp,
-    dp_candidates,
-    finish,
-    infeasible_error,
-    microbatch_grid,
-    score_candidates,
-)
+from fxpipe.passes.partition.request import InfeasiblePlanError, PlanRequest, microbatch_grid
+from fxpipe.passes.partition.scoring import best_dp, dp_candidates, finish, infeasible_error, score_candidates
 
 __all__ = ["BASELINES", "plan_dp", "plan_exhaustive", "plan_gpipe", "plan_params", "plan_pipedream",
            "plan_uniform"]
 
 
-def _valid(model: CostModel, spans: list[Span], rows: int) -> bool:
+def _valid(model: CandidateCosts, spans: list[Span], rows: int) -> bool:
     """Every replica gets a row and there are at least as many micro-batches as stages."""
     return (max(len(s.devices) for s in spans) <= rows
             and model.global_batch_size // rows >= len(spans))
 
 
-def _best(request: PlanRequest, model: CostModel, candidates: Iterable[Candidate], name: str) -> Plan:
+def _best(request: PlanRequest, model: CandidateCosts, candidates: Iterable[Candidate], name: str) -> Plan:
     listed = list(candidates)
     best = score_candidates(request, model, listed, name)
     if best is None:
@@ -41,11 +33,11 @@ def _best(request: PlanRequest, model: CostModel, candidates: Iterable[Candidate
 
 def plan_dp(request: PlanRequest) -> Plan:
     """One stage on every device; the best number of gradient-accumulation micro-batches that fits."""
-    model = request.cost_model()
+    model = request.candidate_costs()
     return _best(request, model, dp_candidates(model, microbatch_grid(request)), "dp")
 
 
-def _straight_pipelines(request: PlanRequest, model: CostModel,
+def _straight_pipelines(request: PlanRequest, model: CandidateCosts,
                         weights_at: Callable[[int], list[float]]) -> Iterable[Candidate]:
     num_devices, num_blocks = request.cluster.num_devices, request.chain.num_blocks
     for rows in microbatch_grid(request):
@@ -61,7 +53,7 @@ def _straight_pipelines(request: PlanRequest, model: CostModel,
 def plan_gpipe(request: PlanRequest) -> Plan:
     """torchgpipe ``balance_by_time``: S stages minimising the slowest (F+B), one device each, the whole
     pipeline replicated over the devices (stage s on devices s, s+S, ...); best S and M."""
-    model = request.cost_model()
+    model = request.candidate_costs()
 
     def times(rows: int) -> list[float]:
         return [b.forward_s.at(rows) + b.backward_s.at(rows) for b in request.chain.blocks]
@@ -69,7 +61,7 @@ def plan_gpipe(request: PlanRequest) -> Plan:
     return _best(request, model, _straight_pipelines(request, model, times), "gpipe")
 
 
-def _uniform_dp_pipelines(request: PlanRequest, model: CostModel, stops_for: Callable[[int], list[int]]
+def _uniform_dp_pipelines(request: PlanRequest, model: CandidateCosts, stops_for: Callable[[int], list[int]]
                           ) -> Iterable[Candidate]:
     """DeepSpeed topology: S stages, N/S data-parallel replicas each, stage s on devices [sD, (s+1)D)."""
     num_devices, num_blocks = request.cluster.num_devices, request.chain.num_blocks
@@ -87,7 +79,7 @@ def _uniform_dp_pipelines(request: PlanRequest, model: CostModel, stops_for: Cal
 def plan_uniform(request: PlanRequest) -> Plan:
     """Equal block counts per stage (DeepSpeed ``partition_method='uniform'``); best S and M."""
     num_blocks = request.chain.num_blocks
-    model = request.cost_model()
+    model = request.candidate_costs()
     return _best(request, model, _uniform_dp_pipelines(request, model, lambda s: uniform_cuts(num_blocks, s)),
                  "uniform")
 
@@ -95,7 +87,7 @@ def plan_uniform(request: PlanRequest) -> Plan:
 def plan_params(request: PlanRequest) -> Plan:
     """Parameter-count balance (DeepSpeed's default ``partition_method='parameters'``); best S and M."""
     weights = param_weights(request.chain)
-    model = request.cost_model()
+    model = request.candidate_costs()
     return _best(request, model, _uniform_dp_pipelines(request, model, lambda s: balanced_cuts(weights, s)),
                  "params")
 
@@ -103,7 +95,7 @@ def plan_params(request: PlanRequest) -> Plan:
 def plan_pipedream(request: PlanRequest) -> Plan:
     """PipeDream's hierarchical DP (asynchronous slowest-stage objective), run synchronously with the same
     micro-batching; the plan is recomputed for every micro-batch size of the grid."""
-    model = request.cost_model()
+    model = request.candidate_costs()
     found = []
     for rows in microbatch_grid(request):
         spans = [Span(first, stop, devices) for first, stop, devices in pipedream_layout(model, rows)]

@@ -10,7 +10,7 @@ from fxpipe.core.chain import CostChain
 from fxpipe.core.cluster import Cluster
 from fxpipe.core.costgraph import Affine
 from fxpipe.core.plan import Plan, Prediction, StagePlan
-from fxpipe.core.schedule import warmup_forwards
+from fxpipe.core.schedule import SCHEDULES, warmup_forwards
 from fxpipe.passes.partition.latency import PipelineSteps, pipeline_latency, pipeline_steps
 from fxpipe.sim.stagecost import (
     StageCost,
@@ -57,7 +57,7 @@ class Candidate:
         return (self.microbatch_rows, tuple((s.first, s.stop, s.devices) for s in self.spans))
 
 
-class CostModel:
+class CandidateCosts:
     """Stage costs, transfers and allreduces of one (chain, cluster, batch) with memoisation.
 
     All numbers come from :mod:`fxpipe.sim.stagecost`; this class only caches them and combines them
@@ -129,7 +129,7 @@ class CostModel:
 
     def inflight(self, stage_index: int, num_stages: int, num_microbatches: int, warmup_policy: str) -> int:
         """K_s: micro-batches stage ``stage_index`` holds at once (all of them under GPipe)."""
-        if self.schedule == "gpipe":
+        if SCHEDULES[self.schedule].all_in_flight:
             return num_microbatches
         return warmup_forwards(stage_index, num_stages, num_microbatches, warmup_policy)
 
@@ -150,7 +150,7 @@ class CostModel:
         return Candidate(self.latency(spans, rows), rows, tuple(spans))
 
 
-def build_plan(model: CostModel, candidate: Candidate, *, schedule: str, warmup_policy: str,
+def build_plan(model: CandidateCosts, candidate: Candidate, *, schedule: str, warmup_policy: str,
                planner: str) -> Plan:
     """A Plan (no predictions yet) whose StagePlans carry the per-device predicted costs."""
     chain = model.chain

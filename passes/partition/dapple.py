@@ -21,21 +21,19 @@ from fxpipe.passes.partition.block_partition import (
     refine_cuts,
     work_weights,
 )
-from fxpipe.passes.partition.candidates import Candidate, CostModel, Span, spans_from_stops
+from fxpipe.passes.partition.candidates import Candidate, CandidateCosts, Span, spans_from_stops
 from fxpipe.passes.partition.every_device import plan_every_device
 from fxpipe.passes.partition.placement import host_aligned
 from fxpipe.passes.partition.polish import polish
-from fxpipe.passes.partition.scoring import (
+from fxpipe.passes.partition.request import (
     InfeasiblePlanError,
     LayoutError,
     PlanningError,
     PlanRequest,
-    best_dp,
     check_request,
-    finish,
     microbatch_grid,
-    score_candidates,
 )
+from fxpipe.passes.partition.scoring import best_dp, finish, score_candidates
 from fxpipe.passes.partition.search import search
 
 __all__ = ["PLANNERS", "InfeasiblePlanError", "LayoutError", "PlanningError", "on_fine_chain", "parse_layout", "partition",
@@ -76,7 +74,7 @@ def _fine_spans(spans: Iterable[Span], stops: list[int]) -> list[Span]:
     return [Span(stops[s.first - 1] if s.first else 0, stops[s.stop - 1], s.devices) for s in spans]
 
 
-def _refined(model: CostModel, candidate: Candidate, stops: list[int]) -> Candidate:
+def _refined(model: CandidateCosts, candidate: Candidate, stops: list[int]) -> Candidate:
     """Map a coarse candidate to the fine chain and move its cuts where the pivot model prefers."""
     spans = _fine_spans(candidate.spans, stops)
     rows = candidate.microbatch_rows
@@ -94,7 +92,7 @@ def _refined(model: CostModel, candidate: Candidate, stops: list[int]) -> Candid
     return model.candidate(rebuilt(best), rows)
 
 
-def _replicated_pipelines(model: CostModel, grid: list[int]) -> list[Candidate]:
+def _replicated_pipelines(model: CandidateCosts, grid: list[int]) -> list[Candidate]:
     """Straight pipelines of S balanced stages, replicated whole: stage s on devices s, s+S, s+2S, ..."""
     chain, num_devices = model.chain, model.cluster.num_devices
     work = work_weights(chain)
@@ -111,7 +109,7 @@ def _replicated_pipelines(model: CostModel, grid: list[int]) -> list[Candidate]:
     return found
 
 
-def _even_pipelines(model: CostModel, rows: int) -> list[Candidate]:
+def _even_pipelines(model: CandidateCosts, rows: int) -> list[Candidate]:
     """Seeds for the search bound: S = 1, 2, 4, ... balanced stages of N/S contiguous devices each."""
     chain, num_devices = model.chain, model.cluster.num_devices
     work = work_weights(chain)
@@ -127,7 +125,7 @@ def _even_pipelines(model: CostModel, rows: int) -> list[Candidate]:
     return found
 
 
-def _search_all(request: PlanRequest, model: CostModel, grid: list[int],
+def _search_all(request: PlanRequest, model: CandidateCosts, grid: list[int],
                 bound_s: float) -> tuple[list[Candidate], Candidate | None]:
     """Run the state search for every micro-batch size; returns the candidates and the closest miss."""
     chain = request.chain
@@ -136,7 +134,7 @@ def _search_all(request: PlanRequest, model: CostModel, grid: list[int],
     max_blocks = MAX_SEARCH_BLOCKS_LARGE if host_aligned(request.cluster) else MAX_SEARCH_BLOCKS
     if chain.num_blocks > max_blocks:
         stops = coarse_boundaries(chain, max_blocks)
-        search_model = CostModel(coarsen_chain(chain, stops), request.cluster, request.global_batch_size,
+        search_model = CandidateCosts(coarsen_chain(chain, stops), request.cluster, request.global_batch_size,
                                  request.optimizer, request.memory_limit_bytes, schedule=request.schedule)
     found: list[Candidate] = []
     closest: Candidate | None = None
@@ -158,7 +156,7 @@ def _search_all(request: PlanRequest, model: CostModel, grid: list[int],
     return found, closest
 
 
-def _least_memory(model: CostModel, grid: list[int]) -> Candidate | None:
+def _least_memory(model: CandidateCosts, grid: list[int]) -> Candidate | None:
     """For error messages: the plan with the least memory per device (deepest param-balanced pipeline,
     smallest micro-batch), so the table shows how far even the best attempt is from fitting."""
     chain, num_devices = model.chain, model.cluster.num_devices
@@ -191,7 +189,7 @@ def _top(candidates: Iterable[Candidate], count: int) -> list[Candidate]:
 
 def plan_dapple(request: PlanRequest) -> Plan:
     """DAPPLE: state search by the pivot model, whole-pipeline replication, simulator re-ranking, DP floor."""
-    model = request.cost_model()
+    model = request.candidate_costs()
     grid = [rows for rows in microbatch_grid(request) if request.layout is None or rows >= max(request.layout)]
     forced_dp = request.layout == (request.cluster.num_devices,)
     dp_allowed = (request.layout is None or forced_dp) and request.num_stages in (None, 1)

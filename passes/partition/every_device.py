@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from fxpipe.core.plan import Plan
-from fxpipe.passes.partition.scoring import InfeasiblePlanError, PlanningError, PlanRequest
+from fxpipe.passes.partition.request import InfeasiblePlanError, PlanningError, PlanRequest
 
 
 def _ranks(count: int) -> str:

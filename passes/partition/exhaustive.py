@@ -7,18 +7,9 @@ import math
 from collections.abc import Iterator
 
 from fxpipe.core.plan import Plan
-from fxpipe.passes.partition.candidates import Candidate, CostModel, Span
-from fxpipe.passes.partition.scoring import (
-    InfeasiblePlanError,
-    PlanningError,
-    PlanRequest,
-    Scored,
-    best_dp,
-    finish,
-    infeasible_error,
-    microbatch_grid,
-    score_candidates,
-)
+from fxpipe.passes.partition.candidates import Candidate, CandidateCosts, Span
+from fxpipe.passes.partition.request import InfeasiblePlanError, PlanningError, PlanRequest, microbatch_grid
+from fxpipe.passes.partition.scoring import Scored, best_dp, finish, infeasible_error, score_candidates
 
 # Most (partition, placement, micro-batch size) combinations the exhaustive planner will enumerate.
 EXHAUSTIVE_LIMIT = 300_000
@@ -58,7 +49,7 @@ def _too_large(num_blocks: int, num_devices: int) -> PlanningError:
                          f"{EXHAUSTIVE_LIMIT} candidates; use planner='dapple' or a smaller chain/cluster")
 
 
-def exhaustive_candidates(model: CostModel, grid: list[int], layout: tuple[int, ...] | None) -> list[Candidate]:
+def exhaustive_candidates(model: CandidateCosts, grid: list[int], layout: tuple[int, ...] | None) -> list[Candidate]:
     """Every candidate (latency not yet computed); raises PlanningError when there are more than EXHAUSTIVE_LIMIT."""
     chain, cluster = model.chain, model.cluster
     per_host, num_blocks = cluster.devices_per_host, chain.num_blocks
@@ -83,7 +74,7 @@ def exhaustive_candidates(model: CostModel, grid: list[int], layout: tuple[int, 
     return found
 
 
-def _lower_bound(model: CostModel, candidate: Candidate) -> float:
+def _lower_bound(model: CandidateCosts, candidate: Candidate) -> float:
     """A time the simulator cannot beat: stage s waits for the first forward of every earlier stage (on
     its smallest slice), then its slowest replica runs M forwards and backwards, then the allreduce of
     its own parameters; a tie group's allreduce starts after the last of its stages got that far."""
@@ -104,7 +95,7 @@ def _lower_bound(model: CostModel, candidate: Candidate) -> float:
 
 def plan_exhaustive(request: PlanRequest) -> Plan:
     """The simulated-fastest plan over all candidates, by branch and bound on a valid lower bound."""
-    model = request.cost_model()
+    model = request.candidate_costs()
     candidates = exhaustive_candidates(model, microbatch_grid(request), request.layout)
     feasible = [c for c in candidates if request.allows(c) and (model.fits(c.spans, c.microbatch_rows, "A")
                 or model.fits(c.spans, c.microbatch_rows, "B"))]

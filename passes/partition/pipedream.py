@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fxpipe.passes.partition.block_partition import param_weights
-from fxpipe.passes.partition.candidates import CostModel
+from fxpipe.passes.partition.candidates import CandidateCosts
 
 # Legend (PipeDream section 3.1): A^k(i->j, m) is the time of the slowest stage of the best pipeline
 # of layers i..j on m workers of level k; T^k(i->j, m) the time of one stage of those layers replicated
@@ -63,7 +63,7 @@ class _Level:
         return result
 
 
-def pipedream_layout(model: CostModel, rows: int) -> list[tuple[int, int, tuple[int, ...]]]:
+def pipedream_layout(model: CandidateCosts, rows: int) -> list[tuple[int, int, tuple[int, ...]]]:
     """PipeDream's plan at micro-batch ``rows``: ``(first, stop, devices)`` per flattened stage."""
     chain, cluster = model.chain, model.cluster
     num_blocks = chain.num_blocks

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from fxpipe.passes.partition.block_partition import balanced_cuts, param_weights, uniform_cuts, work_weights
-from fxpipe.passes.partition.candidates import Candidate, CostModel, Span, spans_from_stops
-from fxpipe.passes.partition.scoring import PlanRequest, Scored, score_candidates
+from fxpipe.passes.partition.candidates import Candidate, CandidateCosts, Span, spans_from_stops
+from fxpipe.passes.partition.request import PlanRequest
+from fxpipe.passes.partition.scoring import Scored, score_candidates
 
 # The pivot model misjudges some transfer-heavy plans by tens of percent (it serialises transfers the
 # simulator overlaps), so the best simulated plan is polished by hill climbing on the simulator itself.
@@ -39,7 +40,7 @@ def _device_moves(spans: tuple[Span, ...]) -> Iterator[tuple[Span, ...]]:
                    Span(right.first, right.stop, right.devices[1:]), *spans[index + 2:])
 
 
-def _neighbours(model: CostModel, candidate: Candidate, grid: list[int], fixed_layout: bool) -> list[Candidate]:
+def _neighbours(model: CandidateCosts, candidate: Candidate, grid: list[int], fixed_layout: bool) -> list[Candidate]:
     spans, rows = candidate.spans, candidate.microbatch_rows
     layouts: list[tuple[Span, ...]] = []
     if len(spans) <= MAX_CUT_MOVE_STAGES:  # deeper pipelines: too many neighbours to simulate
@@ -55,13 +56,13 @@ def _neighbours(model: CostModel, candidate: Candidate, grid: list[int], fixed_l
     return found
 
 
-def as_candidate(model: CostModel, scored: Scored) -> Candidate:
+def as_candidate(model: CandidateCosts, scored: Scored) -> Candidate:
     stages = scored.plan.stages
     return model.candidate(tuple(Span(s.first_block, s.stop_block, s.devices) for s in stages),
                            scored.plan.microbatch_size)
 
 
-def _alternative_cuts(model: CostModel, candidate: Candidate) -> list[Candidate]:
+def _alternative_cuts(model: CandidateCosts, candidate: Candidate) -> list[Candidate]:
     """The same stages and devices with the baselines' cut rules: equal block counts, balanced
     parameters, balanced per-sample compute (starting points the pivot model may have misranked)."""
     chain, num_stages = model.chain, len(candidate.spans)
@@ -71,7 +72,7 @@ def _alternative_cuts(model: CostModel, candidate: Candidate) -> list[Candidate]
     return [model.candidate(spans_from_stops(stops, devices), candidate.microbatch_rows) for stops in rules]
 
 
-def polish(request: PlanRequest, model: CostModel, best: Scored, grid: list[int], planner: str) -> Scored:
+def polish(request: PlanRequest, model: CandidateCosts, best: Scored, grid: list[int], planner: str) -> Scored:
     """Try the baselines' cut rules on the best plan's stages, then hill-climb over neighbouring plans
     while the simulator says they are faster."""
     candidate = as_candidate(model, best)

@@ -1,4 +1,4 @@
-"""What every planner shares: the request, its errors, the micro-batch grid, and simulator scoring."""
+"""What every planner shares after the request: simulator scoring of candidates, the DP floor, and the final plan."""
 
 from __future__ import annotations
 
@@ -7,107 +7,9 @@ from dataclasses import dataclass, replace
 
 from tabulate import tabulate
 
-from fxpipe.core.chain import CostChain
-from fxpipe.core.cluster import Cluster
-from fxpipe.core.plan import SCHEDULES, WARMUP_POLICIES, Plan
-from fxpipe.passes.partition.candidates import Candidate, CostModel, Span, build_plan, with_prediction
-
-# Largest number of micro-batches the grid offers: beyond this the bubble is already < 1% for any
-# pipeline the planners build, and every extra micro-batch costs simulation time.
-MAX_MICROBATCHES = 512
-# On clusters with more devices than this, only the MAX_GRID_LARGE largest micro-batch sizes are tried.
-LARGE_CLUSTER_DEVICES = 16
-MAX_GRID_LARGE = 6
-
-
-class PlanningError(ValueError):
-    """A planning request cannot be served; the message names the bad value and the fix."""
-
-
-class InfeasiblePlanError(PlanningError):
-    """No plan fits in device memory (or no plan satisfies the request's constraints)."""
-
-
-class LayoutError(PlanningError):
-    """A forced layout such as ``"3:1"`` is malformed or does not fit the cluster."""
-
-
-@dataclass(frozen=True)
-class PlanRequest:
-    """Everything a planner needs; built and checked once by :func:`fxpipe.passes.partition.partition`."""
-
-    chain: CostChain
-    cluster: Cluster
-    global_batch_size: int
-    layout: tuple[int, ...] | None = None
-    num_microbatches: int | None = None
-    schedule: str = "early_backward"
-    warmup_policy: str | None = None
-    optimizer: str = "adam"
-    memory_limit_bytes: int = 0
-    rerank: int = 16
-    progress: bool = False
-    num_stages: int | None = None  # exactly this many stages (cuts fixed by pipe_split markers)
-    all_devices: bool = False  # only plans that give every device a role (fxpipe.compile: every rank)
-
-    def cost_model(self) -> CostModel:
-        return CostModel(self.chain, self.cluster, self.global_batch_size, self.optimizer,
-                         self.memory_limit_bytes, schedule=self.schedule)
-
-    def policies(self) -> tuple[str, ...]:
-        if self.schedule == "gpipe":
-            return ("A",)  # GPipe keeps every micro-batch in flight; K_s = M regardless of policy
-        return (self.warmup_policy,) if self.warmup_policy else WARMUP_POLICIES
-
-    def allows(self, candidate: Candidate) -> bool:
-        """Whether a candidate has the forced layout, stage count and device count (when they are forced)."""
-        return ((self.layout is None or candidate.layout == self.layout)
-                and (self.num_stages is None or len(candidate.spans) == self.num_stages)
-                and (not self.all_devices or sum(candidate.layout) == self.cluster.num_devices))
-
-
-def check_request(request: PlanRequest) -> None:
-    """Raise a specific PlanningError for a request no planner can serve."""
-    if not isinstance(request.global_batch_size, int) or request.global_batch_size < 1:
-        raise PlanningError(f"global_batch_size must be a positive integer, got {request.global_batch_size!r}")
-    if request.schedule not in SCHEDULES:
-        raise PlanningError(f"schedule {request.schedule!r} is unknown; choose one of {SCHEDULES}")
-    if request.warmup_policy is not None and request.warmup_policy not in WARMUP_POLICIES:
-        raise PlanningError(f"warmup_policy {request.warmup_policy!r} is unknown; choose one of "
-                            f"{WARMUP_POLICIES} or None to let the planner choose")
-    if request.num_microbatches is not None:
-        m = request.num_microbatches
-        if not isinstance(m, int) or m < 1 or request.global_batch_size % m:
-            raise PlanningError(f"global batch {request.global_batch_size} does not divide into "
-                                f"num_microbatches={m!r} equal micro-batches; choose a divisor of "
-                                f"{request.global_batch_size} or leave num_microbatches=None")
-        if request.layout is not None and m < len(request.layout):
-            raise PlanningError(f"num_microbatches={m} is fewer than the {len(request.layout)} stages of "
-                                f"layout {':'.join(map(str, request.layout))}; a pipeline needs M >= S")
-        if request.num_stages is not None and m < request.num_stages:
-            raise PlanningError(f"num_microbatches={m} is fewer than the {request.num_stages} stages the cuts "
-                                "(pipe_split markers) make; a pipeline needs M >= S")
-    if request.rerank < 1:
-        raise PlanningError(f"rerank must be at least 1, got {request.rerank}")
-
-
-def microbatch_grid(request: PlanRequest) -> list[int]:
-    """Micro-batch sizes (rows) to try: powers of two dividing the global batch, M <= MAX_MICROBATCHES."""
-    gbs = request.global_batch_size
-    if request.num_microbatches is not None:
-        return [gbs // request.num_microbatches]
-    grid = []
-    rows = 1
-    while rows <= gbs:
-        if gbs % rows == 0 and gbs // rows <= MAX_MICROBATCHES:
-            grid.append(rows)
-        rows *= 2
-    if gbs not in grid:
-        grid.append(gbs)  # a batch that is not a power of two still gets M = 1
-    grid = sorted(set(grid))
-    if request.cluster.num_devices > LARGE_CLUSTER_DEVICES:
-        grid = grid[-MAX_GRID_LARGE:]  # large clusters: the largest micro-batches (wide stages need rows)
-    return grid
+from fxpipe.core.plan import Plan
+from fxpipe.passes.partition.candidates import Candidate, CandidateCosts, Span, build_plan, with_prediction
+from fxpipe.passes.partition.request import InfeasiblePlanError, PlanRequest, microbatch_grid
 
 
 @dataclass(frozen=True)
@@ -126,7 +28,7 @@ def simulate_plan(plan: Plan, request: PlanRequest) -> tuple[float, float]:
     return result.iteration_time_s, result.bubble_fraction
 
 
-def score_candidates(request: PlanRequest, model: CostModel, candidates: Iterable[Candidate],
+def score_candidates(request: PlanRequest, model: CandidateCosts, candidates: Iterable[Candidate],
                      planner: str) -> Scored | None:
     """Simulate every candidate under every allowed warm-up policy that fits in memory; keep the fastest."""
     best: Scored | None = None
@@ -142,19 +44,19 @@ def score_candidates(request: PlanRequest, model: CostModel, candidates: Iterabl
     return best
 
 
-def dp_candidates(model: CostModel, rows_grid: Sequence[int]) -> list[Candidate]:
+def dp_candidates(model: CandidateCosts, rows_grid: Sequence[int]) -> list[Candidate]:
     """Plain data parallelism (one stage on every device) for every micro-batch size it can split."""
     devices = tuple(range(model.cluster.num_devices))
     return [model.candidate((Span(0, model.chain.num_blocks, devices),), rows)
             for rows in sorted(rows_grid, reverse=True) if rows >= len(devices)]
 
 
-def best_dp(request: PlanRequest, model: CostModel) -> Scored | None:
+def best_dp(request: PlanRequest, model: CandidateCosts) -> Scored | None:
     return score_candidates(request, model, dp_candidates(model, microbatch_grid(request)), "dp")
 
 
 def finish(request: PlanRequest, best: Scored | None, dp: Scored | None, closest: Candidate | None,
-           model: CostModel) -> Plan:
+           model: CandidateCosts) -> Plan:
     """Attach the DP reference time, or raise InfeasiblePlanError explaining the closest miss."""
     if best is None:
         raise infeasible_error(request, model, closest)
@@ -163,7 +65,7 @@ def finish(request: PlanRequest, best: Scored | None, dp: Scored | None, closest
     return best.plan.with_updates(predicted=replace(best.plan.predicted, dp_iteration_time_s=dp_time))
 
 
-def infeasible_error(request: PlanRequest, model: CostModel, closest: Candidate | None) -> InfeasiblePlanError:
+def infeasible_error(request: PlanRequest, model: CandidateCosts, closest: Candidate | None) -> InfeasiblePlanError:
     capacity = request.memory_limit_bytes
     head = (f"no plan for global batch {request.global_batch_size} fits in {capacity / 2**30:.2f} GiB per device "
             f"on cluster {request.cluster.name!r} ({request.cluster.num_devices} devices, optimizer "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fxpipe.passes.partition.candidates import Candidate, CostModel, Span
+from fxpipe.passes.partition.candidates import Candidate, CandidateCosts, Span
 from fxpipe.passes.partition.placement import Usage, host_aligned, placements, replica_choices
 from fxpipe.sim.stagecost import optimizer_factor
 
@@ -43,7 +43,7 @@ class SearchResult:
 class _Search:
     """One run of the state search for a fixed micro-batch size ``rows``."""
 
-    def __init__(self, model: CostModel, rows: int, layout: tuple[int, ...] | None,
+    def __init__(self, model: CandidateCosts, rows: int, layout: tuple[int, ...] | None,
                  bound_s: float, beam_width: int, pool_size: int, all_devices: bool = False,
                  num_stages: int | None = None, accept: Callable[[Candidate], bool] | None = None) -> None:
         self.model = model
@@ -190,7 +190,7 @@ class _Search:
         del states[self.beam_width:]
 
 
-def search(model: CostModel, rows: int, *, layout: tuple[int, ...] | None = None,
+def search(model: CandidateCosts, rows: int, *, layout: tuple[int, ...] | None = None,
            bound_s: float = float("inf"), beam_width: int | None = None, pool_size: int = 32,
            all_devices: bool = False, num_stages: int | None = None,
            accept: Callable[[Candidate], bool] | None = None) -> SearchResult:
