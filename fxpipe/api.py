@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from fxpipe.runtime.comm import DistContext
     from fxpipe.runtime.driver import PipelineDriver
     from fxpipe.runtime.guard import SetupGroup
-    from fxpipe.runtime.measure import StepStats
+    from fxpipe.runtime.measure import MeasureSetting, StepStats
     from fxpipe.runtime.topology import Topology
 
 
@@ -157,19 +157,19 @@ class PipelinedModule:
                 export_program(self.driver.program, directory)
 
     @property
-    def measure(self) -> bool | str:
+    def measure(self) -> MeasureSetting:
         """True: each step records a timeline and the exact saved-activation peak (``step_stats``).
 
         ``"timeline"`` records the timeline only: counting saved tensors hooks every one of them,
         which slows a CPU step by up to ~20%, so time-sensitive measurements leave it out.
         """
-        return self.driver.measure
+        return self.driver.measure.value
 
     @measure.setter
-    def measure(self, enabled: bool | str) -> None:
-        if enabled not in (True, False, "timeline"):
-            raise ValueError(f"measure must be True, False or 'timeline'; got {enabled!r}")
-        self.driver.measure = enabled
+    def measure(self, setting: MeasureSetting) -> None:
+        from fxpipe.runtime.measure import MeasureMode
+
+        self.driver.measure = MeasureMode.of(setting)
 
     def step_stats(self) -> list[StepStats]:
         """All ranks' StepStats of the last measured step (a collective: call on every rank)."""

@@ -15,6 +15,7 @@ from fxpipe.core import meta
 from fxpipe.core.plan import Plan
 from fxpipe.core.program import MODEL_INPUT, SplitProgram, StageProgram, ValueSpec
 from fxpipe.passes.subgraph import extract_subgraph
+from fxpipe.passes.trace_inputs import input_batch_size, recorded_inputs
 
 
 class CodegenError(ValueError):
@@ -38,8 +39,8 @@ def split_stages(
     ``gm.meta["fxpipe.example_inputs"]`` written by ``fxpipe.passes.trace``). ``gm`` is not
     modified; stage modules share its parameter tensors.
     """
-    example = _example_inputs(gm, example_inputs)
-    batch = _batch_size(example)
+    example = recorded_inputs(gm, example_inputs, CodegenError, "split_stages")
+    batch = input_batch_size(example, CodegenError, all_batched=False)
     at_batch = _fake_values(gm, example, batch, batch)
     at_next = _fake_values(gm, example, None if batch is None else batch + 1, batch)
     assignment = _assign_nodes(gm, stage_node_names, at_batch)
@@ -314,30 +315,12 @@ def _unique(names: Sequence[str] | Any) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _example_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> tuple[Any, ...]:
-    if example_inputs is None:
-        example_inputs = gm.meta.get(meta.EXAMPLE_INPUTS)
-    if example_inputs is None:
-        raise CodegenError(
-            "no example inputs: pass example_inputs=... or trace with fxpipe.passes.trace, which records "
-            'gm.meta[meta.EXAMPLE_INPUTS]'
-        )
-    return tuple(example_inputs)
-
-
 def value_specs(gm: fx.GraphModule, names: Sequence[str], example_inputs: Sequence[Any]) -> dict[str, ValueSpec]:
     """Shape, dtype, batching and gradient flags of ``names``, from two fake runs (batch B and B + 1)."""
-    batch = _batch_size(example_inputs)
+    batch = input_batch_size(example_inputs, CodegenError, all_batched=False)
     at_batch = _fake_values(gm, example_inputs, batch, batch)
     at_next = _fake_values(gm, example_inputs, None if batch is None else batch + 1, batch)
     return {name: _spec(name, at_batch[name], at_next[name], batch) for name in names}
-
-
-def _batch_size(example_inputs: Sequence[Any]) -> int | None:
-    for value in example_inputs:
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return int(value.shape[0])
-    return None
 
 
 def _fake_values(

@@ -16,7 +16,9 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from fxpipe.core import meta
 from fxpipe.core.cluster import DeviceSpec
 from fxpipe.core.costgraph import ZERO, Affine, CostGraph, CostNode
-from fxpipe.passes.flops import NodeRunError, SymbolicCost, run_fake
+from fxpipe.passes.fakerun import SymbolicCost
+from fxpipe.passes.flops import NodeRunError, run_fake
+from fxpipe.passes.trace_inputs import input_batch_size, recorded_inputs
 
 if TYPE_CHECKING:
     from fxpipe.passes.profile import MeasuredCosts
@@ -45,7 +47,7 @@ def annotate_costs(
     With ``cache`` (the default) nodes with equal signatures (repeated layers) share one FLOP, byte
     and kernel count; the results equal those of ``cache=False``, which measures every node.
     """
-    inputs = _example_inputs(gm, example_inputs)
+    inputs = recorded_inputs(gm, example_inputs, CostAnnotationError, "annotate_costs")
     result = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
     result.meta.update(copy.copy(gm.meta))
     batch = _batch_hint(inputs)
@@ -68,36 +70,8 @@ class _NotSymbolic(Exception):
     """The symbolic-batch run failed or specialised the batch; fall back to fitting."""
 
 
-def _example_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> tuple[Any, ...]:
-    if not isinstance(gm, fx.GraphModule):
-        raise CostAnnotationError(
-            f"annotate_costs needs a torch.fx.GraphModule, got {type(gm).__name__}; "
-            "run fxpipe.passes.trace(model, example_inputs) first"
-        )
-    if example_inputs is None:
-        example_inputs = gm.meta.get(meta.EXAMPLE_INPUTS)
-    if example_inputs is None:
-        raise CostAnnotationError(
-            f"graph has no gm.meta[{meta.EXAMPLE_INPUTS!r}] and no example_inputs were given; "
-            "run fxpipe.passes.trace(model, example_inputs) first or pass example_inputs"
-        )
-    num_placeholders = sum(1 for node in gm.graph.nodes if node.op == "placeholder")
-    if len(example_inputs) != num_placeholders:
-        raise CostAnnotationError(
-            f"graph has {num_placeholders} placeholders but {len(example_inputs)} example inputs were "
-            "given; pass one positional value per placeholder (as fxpipe.passes.trace records them)"
-        )
-    return tuple(example_inputs)
-
-
 def _batch_hint(inputs: Sequence[Any]) -> int:
-    sizes = {value.shape[0] for value in inputs if isinstance(value, torch.Tensor) and value.dim() > 0}
-    if len(sizes) > 1:
-        raise CostAnnotationError(
-            f"tensor inputs disagree on the batch size (dim 0): {sorted(sizes)}; "
-            "dim 0 of every tensor input must be the batch"
-        )
-    return max(_MIN_SYMBOLIC_BATCH, *sizes) if sizes else _MIN_SYMBOLIC_BATCH
+    return max(_MIN_SYMBOLIC_BATCH, input_batch_size(inputs, CostAnnotationError, all_batched=True) or _MIN_SYMBOLIC_BATCH)
 
 
 def _run_symbolic(gm: fx.GraphModule, inputs: Sequence[Any], batch: int, cache: bool) -> dict[str, SymbolicCost]:
