@@ -36,7 +36,6 @@ class CalibrationError(RuntimeError):
     """A calibration measurement failed; callers turn it into a warning and default figures."""
 
 
-
 def device_kind(device: torch.device) -> str:
     """``cpu`` or ``cuda-<model>``: what a cache file's figures describe."""
     if device.type != "cuda":
