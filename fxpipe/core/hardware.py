@@ -197,9 +197,8 @@ def gpu_preset(name: str, total_memory_bytes: int) -> tuple[DeviceSpec, LinkSpec
 class Calibration:
     """Measured (or cached) figures; ``None`` where nothing was measured and defaults apply.
 
-    ``device``: keys of ``DEVICE_KEYS``; ``links``: keys of ``LINK_KEYS`` (fxpipe.runtime.calibrate_measure,
-    which measures them); ``source`` says where each
-    came from, for the cluster's description.
+    ``device``: keys of ``DEVICE_KEYS``; ``links``: keys of ``LINK_KEYS`` (fxpipe.runtime.calibrate_measure
+    measures them); ``source`` says where each came from, for the cluster's description.
     """
 
     device: dict[str, float] | None
