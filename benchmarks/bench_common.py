@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from fxpipe.plan import Plan, StagePlan
+from fxpipe.core import meta
+from fxpipe.core.plan import Plan, StagePlan
 from fxpipe.runtime.measure import SavedActivationMeter
 from tests.mp_utils import run_ranks as run_forked
 
@@ -61,7 +62,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
 
 def layer_of(node: fx.Node) -> int | None:
     """Index of the ``h.<i>`` block a node belongs to (GPT zoo layout), None outside the blocks."""
-    parts = str(node.meta.get("fxpipe.module_path", "")).split(".")
+    parts = str(node.meta.get(meta.MODULE_PATH, "")).split(".")
     return int(parts[1]) if len(parts) >= 2 and parts[0] == "h" and parts[1].isdigit() else None
 
 

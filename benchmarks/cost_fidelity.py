@@ -16,7 +16,8 @@ import torch
 from tabulate import tabulate
 
 import fxpipe.models as zoo
-from fxpipe.cluster import DeviceSpec
+from fxpipe.core import meta
+from fxpipe.core.cluster import DeviceSpec
 from fxpipe.passes.costs import annotate_costs, to_cost_graph
 from fxpipe.passes.profile import (
     default_blocks,
@@ -71,7 +72,7 @@ def evaluate_model(name: str, overrides: dict[str, Any], device: DeviceSpec, num
     """
     model, inputs = zoo.build(name, **overrides)
     gm = torch.fx.symbolic_trace(model)
-    gm.meta["fxpipe.example_inputs"] = tuple(inputs)
+    gm.meta[meta.EXAMPLE_INPUTS] = tuple(inputs)
     blocks = default_blocks(gm)
     ranges = random_ranges(len(blocks), num_ranges, random.Random(0))
     range_nodes = [tuple(node for block in blocks[first:stop] for node in block) for first, stop in ranges]

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import fxpipe  # noqa: E402
 from benchmarks.cost_fidelity import random_ranges  # noqa: E402
 from fxpipe import models as zoo  # noqa: E402
-from fxpipe.cluster import H200_141GB, DeviceSpec  # noqa: E402
+from fxpipe.core.cluster import H200_141GB, DeviceSpec  # noqa: E402
 from fxpipe.passes import annotate_costs, to_cost_graph, trace  # noqa: E402
 from fxpipe.passes.profile import default_blocks, measure_costs  # noqa: E402
 from fxpipe.runtime.measure import SavedActivationMeter  # noqa: E402
@@ -156,7 +156,7 @@ def main() -> None:
     checks = {
         "memory": lambda: memory_check(overrides, device, batches[1]),
         "step": lambda: step_check(overrides, device, batches[1], 1, 6 if args.tiny else 20),
-        "cost_model": lambda: cost_model_check(overrides, device, H200_141GB, batches, 8 if args.tiny else 20),
+        "costed_model": lambda: cost_model_check(overrides, device, H200_141GB, batches, 8 if args.tiny else 20),
     }
     for name, check in checks.items():
         start = time.perf_counter()

@@ -8,8 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from fxpipe.passes.partition import partition
-from fxpipe.passes.plan_scoring import PlanningError
+from fxpipe.passes.partition.dapple import partition
+from fxpipe.passes.partition.request import PlanningError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from planner_cases import random_case  # noqa: E402

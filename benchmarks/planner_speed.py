@@ -12,10 +12,10 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from fxpipe.cluster import compact_cluster, parse_cluster
-from fxpipe.costgraph import Affine
-from fxpipe.passes.chain import Block, CostChain, build_chain
-from fxpipe.passes.partition import partition
+from fxpipe.core.chain import Block, CostChain, build_chain
+from fxpipe.core.cluster import compact_cluster, parse_cluster
+from fxpipe.core.costgraph import Affine
+from fxpipe.passes.partition.dapple import partition
 from fxpipe.passes.profiles_io import read_profile
 
 

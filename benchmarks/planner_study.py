@@ -1,6 +1,6 @@
 """DAPPLE vs every baseline planner on the published V100 profiles and the paper's clusters; writes planner_study.md.
 
-Every plan (DAPPLE's and each baseline's) is scored by the same exact simulator (fxpipe.simulate),
+Every plan (DAPPLE's and each baseline's) is scored by the same exact simulator (fxpipe.sim.simulate),
 each planner getting the best micro-batch count of the same grid. Global batch sizes: the paper's
 main-table values (REFERENCE.md 1.6); ResNet-50 and Inception-v3 use 2048 (the paper's "DP wins"
 case; Inception is not in the paper's table and uses the same value), BERT-24 (not in the table)
@@ -15,12 +15,12 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from fxpipe.cluster import parse_cluster
-from fxpipe.passes.chain import build_chain
-from fxpipe.passes.partition import partition
-from fxpipe.passes.plan_scoring import PlanningError
+from fxpipe.core.chain import build_chain
+from fxpipe.core.cluster import parse_cluster
+from fxpipe.core.plan import Plan
+from fxpipe.passes.partition.dapple import partition
+from fxpipe.passes.partition.request import PlanningError
 from fxpipe.passes.profiles_io import read_profile
-from fxpipe.plan import Plan
 
 PROFILES = Path("/work/shared/profiles")
 # (file, profile batch size, paper global batch size)
@@ -52,7 +52,7 @@ def row(model: str, cluster_name: str, batch: int, chain_blocks: int, plan: Plan
     results = dict(plan.baselines)
     for name in BASELINES:
         result = results[name]
-        if not result.feasible:
+        if result.iteration_time_s is None:
             cells.append("OOM/none")
         else:
             cells.append(f"{result.iteration_time_s / time_s:.2f} ({result.layout})")
@@ -87,7 +87,7 @@ def main() -> None:
                 rows.append(row(model, cluster_name, batch, chain.num_blocks, plan))
                 assert plan.predicted is not None
                 for name, result in plan.baselines:
-                    if result.feasible and result.iteration_time_s < plan.predicted.iteration_time_s * (1 - 1e-9):
+                    if result.iteration_time_s is not None and result.iteration_time_s < plan.predicted.iteration_time_s * (1 - 1e-9):
                         worse.append(f"{model} {cluster_name} {batch}: {name} {result.iteration_time_s:.4f} s "
                                      f"< dapple {plan.predicted.iteration_time_s:.4f} s")
                 print(rows[-1], flush=True)
@@ -98,7 +98,7 @@ def main() -> None:
         "2-core machine). Plans in the paper's notation (replicas per stage, M micro-batches, warm-up "
         "policy, block index after each cut). `x DP` = simulated speedup over plain DP with its best M; "
         "baseline columns = baseline iteration time / DAPPLE's (>= 1.00 means DAPPLE is at least as fast), "
-        "with the baseline's own layout. All times from the same simulator (fxpipe.simulate).",
+        "with the baseline's own layout. All times from the same simulator (fxpipe.sim.simulate).",
         "",
         str(tabulate(rows, headers=headers, tablefmt="github")),
         "",

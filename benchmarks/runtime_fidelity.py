@@ -17,8 +17,8 @@ forward + backward of the same model to 38-64 ms), so a chain measured minutes, 
 from the steps it predicts is off by as much as the target. "chain F+B" is the whole model's
 forward + backward at 4 rows over the plan's chains; "eager F+B" the median of the side-by-side runs.
 
-Two simulations per round: "chain speed" is ``fxpipe.simulate.simulate``, every device at the chain's
-speed; "speed spread" is ``fxpipe.stragglers.expected_iteration_time`` (64 seeded draws), every device
+Two simulations per round: "chain speed" is ``fxpipe.sim.simulate.simulate``, every device at the chain's
+speed; "speed spread" is ``fxpipe.sim.stragglers.expected_iteration_time`` (64 seeded draws), every device
 drawing its own speed factor per step from the spread the side-by-side runs showed (each rank's runs
 summed over windows about one step long, each window over its round's mean; "speed spread max/min" is
 the slowest window over the fastest). Two ranks timing the same forward + backward side by side for a
@@ -67,6 +67,7 @@ from benchmarks.bench_common import (  # noqa: E402
     timed,
     zero_grads,
 )
+from fxpipe.core import meta  # noqa: E402
 
 RESULTS = Path(__file__).with_suffix(".md")
 COMMAND = "python benchmarks/runtime_fidelity.py --write"
@@ -95,14 +96,14 @@ DEFAULT_CASES = (PlanCase(2, "1:1", 4), PlanCase(2, "1:1", 8), PlanCase(2, "dp",
 def measured_chain(workload: Workload) -> Any:
     """The workload's cost chain with block times measured here, on one thread."""
     from fxpipe import passes
-    from fxpipe.passes.chain import build_chain
+    from fxpipe.core.chain import build_chain
 
     previous = torch.get_num_threads()
     torch.set_num_threads(1)  # the ranks run one thread each
     try:
         model, example_inputs = workload.build()
         annotated = passes.annotate_costs(passes.trace(model, example_inputs))
-        measured = passes.measure_costs(annotated, annotated.meta["fxpipe.example_inputs"])
+        measured = passes.measure_costs(annotated, annotated.meta[meta.EXAMPLE_INPUTS])
         return build_chain(passes.to_cost_graph(annotated, measured=measured))
     finally:
         torch.set_num_threads(previous)
@@ -110,8 +111,9 @@ def measured_chain(workload: Workload) -> Any:
 
 def make_plan(chain: Any, case: PlanCase, global_batch_size: int) -> Any:
     """The DAPPLE planner's plan for the case's forced layout and micro-batch count."""
-    from fxpipe.cluster import parse_cluster
-    from fxpipe.passes.partition import partition
+    import fxpipe.runtime.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
+    from fxpipe.core.cluster import parse_cluster
+    from fxpipe.passes.partition.dapple import partition
 
     cluster = parse_cluster(f"local:{case.num_ranks}")
     return partition(chain, cluster, global_batch_size, layout=case.layout, num_microbatches=case.num_microbatches)
@@ -119,8 +121,9 @@ def make_plan(chain: Any, case: PlanCase, global_batch_size: int) -> Any:
 
 def simulated(plan: Any, chain: Any, num_ranks: int, spread: Any) -> Any:
     """``plan`` simulated on ``chain``'s costs: deterministic and with device speeds drawn from ``spread``."""
-    from fxpipe.cluster import parse_cluster
-    from fxpipe.stragglers import expected_iteration_time
+    import fxpipe.runtime.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
+    from fxpipe.core.cluster import parse_cluster
+    from fxpipe.sim.stragglers import expected_iteration_time
 
     return expected_iteration_time(plan, chain, parse_cluster(f"local:{num_ranks}"), spread, draws=STRAGGLER_DRAWS)
 
@@ -132,7 +135,7 @@ def speed_spread(eager_by_rank: list[list[list[float]]], step_s: float) -> Any:
     step); each window is divided by the mean of its round, so drift between rounds (which the
     chains measured around each round already follow) is not counted as spread.
     """
-    from fxpipe.stragglers import SpeedSpread
+    from fxpipe.sim.stragglers import SpeedSpread
 
     num_rounds = len(eager_by_rank[0])
     one_run = median([t for rank in eager_by_rank for times in rank for t in times])
@@ -155,8 +158,8 @@ def fidelity_rank(rank: int, world_size: int, plan_json: str, workload: Workload
     import torch.distributed as dist
 
     import fxpipe
+    from fxpipe.core.plan import Plan
     from fxpipe.passes.profile import run_once
-    from fxpipe.plan import Plan
 
     plan = Plan.from_json(plan_json)
     model, example_inputs = workload.build()
@@ -206,7 +209,7 @@ def chain_under_load(rank: int, world_size: int, workload: Workload, round_index
     """
     import torch.distributed as dist
 
-    from fxpipe.cluster import usable_cores
+    from fxpipe.core.cluster import usable_cores
     from fxpipe.passes.profile import run_once
 
     store = dist.distributed_c10d._get_default_store()  # the rendezvous store: a flag without any collective
@@ -227,7 +230,7 @@ def chain_under_load(rank: int, world_size: int, workload: Workload, round_index
 
 def run(workload: Workload, cases: tuple[PlanCase, ...] = DEFAULT_CASES, *, num_warmup: int = 1,
         num_steps: int = 5, num_rounds: int = 8) -> dict[str, Any]:
-    from fxpipe.stagecost import compute_times
+    from fxpipe.sim.stagecost import compute_times
 
     rows_per_microbatch = workload.global_batch_size // workload.num_microbatches
     rows = []

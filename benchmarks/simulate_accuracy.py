@@ -10,12 +10,12 @@ import random
 import statistics
 import time
 
-from fxpipe.cluster import Cluster, DeviceSpec, LinkSpec
-from fxpipe.costgraph import Affine
-from fxpipe.latency import analytic_iteration_time
-from fxpipe.passes.chain import Block, CostChain
-from fxpipe.plan import Plan, StagePlan
-from fxpipe.simulate import simulate
+from fxpipe.core.chain import Block, CostChain
+from fxpipe.core.cluster import Cluster, DeviceSpec, LinkSpec
+from fxpipe.core.costgraph import Affine
+from fxpipe.core.plan import Plan, StagePlan
+from fxpipe.passes.partition.latency import analytic_iteration_time
+from fxpipe.sim.simulate import simulate
 
 DEVICE = DeviceSpec("bench", 16 * 2**30, (("float32", 1.5e13),), 9e11)
 

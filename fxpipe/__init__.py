@@ -13,12 +13,12 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "compile": ("fxpipe.api", "compile"),
     "PipelinedModule": ("fxpipe.api", "PipelinedModule"),
     "plan": ("fxpipe.planning", "plan_model"),
-    "Plan": ("fxpipe.plan", "Plan"),
-    "StagePlan": ("fxpipe.plan", "StagePlan"),
-    "Cluster": ("fxpipe.cluster", "Cluster"),
-    "DeviceSpec": ("fxpipe.hardware", "DeviceSpec"),
-    "simulate": ("fxpipe.simulate", "simulate"),
-    "consolidate": ("fxpipe.checkpoint", "consolidate"),
+    "Plan": ("fxpipe.core.plan", "Plan"),
+    "StagePlan": ("fxpipe.core.plan", "StagePlan"),
+    "Cluster": ("fxpipe.core.cluster", "Cluster"),
+    "DeviceSpec": ("fxpipe.core.hardware", "DeviceSpec"),
+    "simulate": ("fxpipe.sim.simulate", "simulate"),
+    "consolidate": ("fxpipe.runtime.checkpoint_io", "consolidate"),
 }
 
 __all__ = [*sorted(_EXPORTS), "models", "passes"]

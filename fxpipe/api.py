@@ -11,19 +11,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fxpipe.cluster import Cluster
-from fxpipe.plan import Plan, plan_argument_kind
+from fxpipe.core import meta
+from fxpipe.core.cluster import Cluster
+from fxpipe.core.plan import Plan, plan_argument_kind
+from fxpipe.core.schedule import ScheduleError, schedule_name
 from fxpipe.runtime.errors import PipelineSetupError
 
 if TYPE_CHECKING:
     from fxpipe.runtime.comm import DistContext
     from fxpipe.runtime.driver import PipelineDriver
     from fxpipe.runtime.guard import SetupGroup
-    from fxpipe.runtime.measure import StepStats
+    from fxpipe.runtime.measure import MeasureSetting, StepStats
     from fxpipe.runtime.topology import Topology
 
-SCHEDULE_ALIASES = {"dapple": "early_backward", "early_backward": "early_backward", "1f1b": "early_backward",
-                    "gpipe": "gpipe"}
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ class PipelinedModule:
 
     def export(self, directory: str | Path) -> None:
         """Write every stage's code, weights and a manifest (codegen ``export_program``); rank 0 writes."""
-        from fxpipe.passes.codegen import export_program
+        from fxpipe.passes.codegen_io import export_program
         from fxpipe.runtime.batchnorm import original_layers
 
         if self.rank == 0:
@@ -157,19 +157,19 @@ class PipelinedModule:
                 export_program(self.driver.program, directory)
 
     @property
-    def measure(self) -> bool | str:
+    def measure(self) -> MeasureSetting:
         """True: each step records a timeline and the exact saved-activation peak (``step_stats``).
 
         ``"timeline"`` records the timeline only: counting saved tensors hooks every one of them,
         which slows a CPU step by up to ~20%, so time-sensitive measurements leave it out.
         """
-        return self.driver.measure
+        return self.driver.measure.value
 
     @measure.setter
-    def measure(self, enabled: bool | str) -> None:
-        if enabled not in (True, False, "timeline"):
-            raise ValueError(f"measure must be True, False or 'timeline'; got {enabled!r}")
-        self.driver.measure = enabled
+    def measure(self, setting: MeasureSetting) -> None:
+        from fxpipe.runtime.measure import MeasureMode
+
+        self.driver.measure = MeasureMode.of(setting)
 
     def step_stats(self) -> list[StepStats]:
         """All ranks' StepStats of the last measured step (a collective: call on every rank)."""
@@ -177,15 +177,15 @@ class PipelinedModule:
 
     def save(self, directory: str | Path, *, optimizer: torch.optim.Optimizer | None = None, step: int = 0,
              extra: Mapping[str, Any] | None = None) -> Path:
-        """Atomic sharded checkpoint under original names (every rank calls it); see fxpipe.checkpoint."""
-        from fxpipe.checkpoint import save_checkpoint
+        """Atomic sharded checkpoint under original names (every rank calls it); see fxpipe.core.checkpoint."""
+        from fxpipe.runtime.checkpoint_io import save_checkpoint
 
         return save_checkpoint(self, directory, optimizer=optimizer, step=step, extra=extra)
 
     def load(self, directory: str | Path, *, optimizer: torch.optim.Optimizer | None = None,
              verify: bool = True) -> dict[str, Any]:
         """Load a checkpoint saved under any plan (checksums checked unless ``verify=False``); returns ``{"step", "extra"}``."""
-        from fxpipe.checkpoint import load_checkpoint
+        from fxpipe.runtime.checkpoint_io import load_checkpoint
 
         return load_checkpoint(self, directory, optimizer=optimizer, verify=verify)
 
@@ -360,8 +360,8 @@ def resolve_plan(options: CompileOptions, model: torch.nn.Module, example_inputs
 
 def _keyword_inputs(graph_module: torch.fx.GraphModule, inputs: Any) -> Any:
     """The traced example inputs keyed by forward()'s parameter names, so a re-trace binds keyword-only ones."""
-    values = graph_module.meta.get("fxpipe.example_inputs")
-    names = graph_module.meta.get("fxpipe.input_names")
+    values = graph_module.meta.get(meta.EXAMPLE_INPUTS)
+    names = graph_module.meta.get(meta.INPUT_NAMES)
     if values is None or names is None:
         return inputs
     return dict(zip(names, values, strict=True))
@@ -383,9 +383,10 @@ def apply_overrides(plan: Plan, options: CompileOptions) -> Plan:
 
 
 def _schedule_name(schedule: str) -> str:
-    if schedule not in SCHEDULE_ALIASES:
-        raise PipelineSetupError(f"schedule {schedule!r} is unknown; choose 'dapple' (early backward) or 'gpipe'")
-    return SCHEDULE_ALIASES[schedule]
+    try:
+        return schedule_name(schedule)
+    except ScheduleError as error:
+        raise PipelineSetupError(str(error)) from None
 
 
 def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, context: DistContext,
@@ -411,7 +412,8 @@ def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: An
 
 def _resolved_cluster(options: CompileOptions, topology: Topology, device: torch.device) -> Cluster:
     """The cluster to plan for, resolved alike on every rank: the user's, or the launched nodes'."""
-    from fxpipe.cluster import parse_cluster
+    import fxpipe.runtime.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
+    from fxpipe.core.cluster import parse_cluster
     from fxpipe.runtime.topology import cluster_for
 
     if isinstance(options.cluster, Cluster):
@@ -424,11 +426,11 @@ def _resolved_cluster(options: CompileOptions, topology: Topology, device: torch
 def _run_planner(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, topology: Topology,
                  cluster: Cluster) -> Plan:
     """Cost the model and plan it (on rank 0) for ``cluster`` with every launched rank in a role."""
-    from fxpipe.planning import cost_model, plan_chain
+    from fxpipe.planning import costed_model, plan_chain
     from fxpipe.runtime.topology import check_cluster_size, placed_plan
 
     check_cluster_size(cluster, topology)
-    costed = cost_model(model, example_inputs if isinstance(example_inputs, Mapping) else tuple(example_inputs),
+    costed = costed_model(model, example_inputs if isinstance(example_inputs, Mapping) else tuple(example_inputs),
                         cluster)
     layout = None if options.plan == "auto" else str(options.plan)
     assert options.global_batch_size is not None

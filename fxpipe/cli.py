@@ -9,7 +9,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from fxpipe.cluster import Cluster
+from fxpipe.core.cluster import Cluster
+from fxpipe.core.schedule import SCHEDULES
 
 
 class CommandLineError(ValueError):
@@ -26,7 +27,7 @@ def _add_planning_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", default=None, help="force replica counts per stage: 3:1, 1:1:1:1, dp; or "
                         "markers: cut at the model's pipe_split() calls, the planner picks replicas and placement")
     parser.add_argument("--num-microbatches", type=int, default=None, help="force M (default: planner chooses)")
-    parser.add_argument("--schedule", default="early_backward", choices=["early_backward", "gpipe"])
+    parser.add_argument("--schedule", default="early_backward", choices=sorted(SCHEDULES))
     parser.add_argument("--optimizer", default="adam", help="memory model: sgd, momentum, adam")
     parser.add_argument("--compare", action="store_true", help="also run every baseline planner")
     parser.add_argument("--json", dest="json_out", default=None, help="write the plan file here")
@@ -84,12 +85,13 @@ def _chain_for(args: argparse.Namespace, cluster: Cluster):  # type: ignore[no-u
         raise CommandLineError("give MODEL (zoo name or package.module:factory) or --profile FILE")
     device = "cpu" if args.costs == "measured" else "meta"
     model, example_inputs = planning.load_model(args.model, device=device)
-    return planning.cost_model(model, example_inputs, cluster, costs=args.costs, max_blocks=args.max_blocks).chain
+    return planning.costed_model(model, example_inputs, cluster, costs=args.costs, max_blocks=args.max_blocks).chain
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from fxpipe.cluster import parse_cluster
-    from fxpipe.planfile import save_plan_file
+    import fxpipe.runtime.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
+    from fxpipe.core.cluster import parse_cluster
+    from fxpipe.core.planfile import save_plan_file
     from fxpipe.planning import plan_chain
     from fxpipe.report import format_plan
 
@@ -123,13 +125,14 @@ def _marker_plan(args: argparse.Namespace, cluster: Cluster, options: dict[str, 
 
 
 def _load(path: str):  # type: ignore[no-untyped-def]
-    from fxpipe.planfile import load_plan_file
+    from fxpipe.core.planfile import load_plan_file
 
     return load_plan_file(path)
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
-    from fxpipe.simulate import simulate, write_chrome_trace
+    from fxpipe.sim.chrome_trace import write_chrome_trace
+    from fxpipe.sim.simulate import simulate
 
     plan, chain, cluster = _load(args.plan_file)
     if chain is None or cluster is None:
@@ -149,8 +152,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
 
 
 def _run_show(args: argparse.Namespace) -> int:
+    from fxpipe.core.schedule import format_schedule, make_schedule
     from fxpipe.report import format_plan
-    from fxpipe.schedule import format_schedule, make_schedule
 
     plan, chain, cluster = _load(args.plan_file)
     print(format_plan(plan, chain, cluster))

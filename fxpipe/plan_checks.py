@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from fxpipe.passes.codegen import SplitProgram
-from fxpipe.plan import Plan
+from fxpipe.core.plan import Plan
+from fxpipe.core.program import SplitProgram
 from fxpipe.runtime.errors import PipelineSetupError
 
 

@@ -8,10 +8,11 @@ from typing import Any
 
 import torch
 
-from fxpipe.cluster import Cluster
-from fxpipe.costgraph import CostGraph, CostNode
-from fxpipe.passes.chain import CostChain, build_chain
-from fxpipe.plan import Plan
+from fxpipe.core import meta
+from fxpipe.core.chain import CostChain, build_chain
+from fxpipe.core.cluster import Cluster
+from fxpipe.core.costgraph import CostGraph, CostNode
+from fxpipe.core.plan import Plan
 
 
 class ModelSpecError(ValueError):
@@ -54,7 +55,7 @@ def load_model(spec: str, *, device: str = "cpu", **overrides: Any) -> tuple[tor
     return model, example_inputs
 
 
-def cost_model(
+def costed_model(
     model: torch.nn.Module,
     example_inputs: Any,
     cluster: Cluster,
@@ -70,7 +71,7 @@ def cost_model(
     if costs == "analytic":
         graph = passes.to_cost_graph(graph_module, device=cluster.device, dtype=dtype)
     elif costs == "measured":
-        measured = passes.measure_costs(graph_module, graph_module.meta["fxpipe.example_inputs"])
+        measured = passes.measure_costs(graph_module, graph_module.meta[meta.EXAMPLE_INPUTS])
         graph = passes.to_cost_graph(graph_module, device=cluster.device, measured=measured, dtype=dtype)
     else:
         raise ValueError(f"costs={costs!r} is unknown; choose 'analytic' or 'measured'")
@@ -113,7 +114,7 @@ def profile_chain(path: str, profile_batch_size: int, *, max_blocks: int | None 
 
 def plan_chain(chain: CostChain, cluster: Cluster, global_batch_size: int, **options: Any) -> Plan:
     """Run a planner (``planner=`` name, default DAPPLE) over a chain."""
-    from fxpipe.passes.partition import partition
+    from fxpipe.passes.partition.dapple import partition
 
     return partition(chain, cluster, global_batch_size, **options)
 
@@ -128,10 +129,11 @@ def plan_model(
     **options: Any,
 ) -> Plan:
     """``fxpipe.plan``: trace, cost, chain and partition a model for a cluster in one call."""
-    from fxpipe.cluster import parse_cluster
+    import fxpipe.runtime.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
+    from fxpipe.core.cluster import parse_cluster
 
     resolved = parse_cluster(cluster) if isinstance(cluster, str) else cluster
-    costed = cost_model(model, example_inputs, resolved, costs=costs)
+    costed = costed_model(model, example_inputs, resolved, costs=costs)
     return plan_chain(costed.chain, resolved, global_batch_size, **options)
 
 
@@ -151,13 +153,13 @@ def plan_markers(
     MarkerError names the stage to merge.
     """
     from fxpipe import passes
-    from fxpipe.passes.block_partition import coarsen_chain, holds_parameters
     from fxpipe.passes.markers import MarkerError, marker_stages, marker_stops
-    from fxpipe.passes.partition import on_fine_chain, partition
+    from fxpipe.passes.partition.block_partition import coarsen_chain, holds_parameters
+    from fxpipe.passes.partition.dapple import on_fine_chain, partition
 
     graph_module = passes.trace(model, example_inputs)
     groups = marker_stages(model, example_inputs, graph_module)
-    chain = cost_model(model, example_inputs, cluster, costs=costs, max_blocks=None).chain
+    chain = costed_model(model, example_inputs, cluster, costs=costs, max_blocks=None).chain
     stops = marker_stops(chain, groups)
     marked = coarsen_chain(chain, stops)
     empty = [index for index, holds in enumerate(holds_parameters(marked)) if not holds]

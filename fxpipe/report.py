@@ -6,9 +6,9 @@ import math
 
 from tabulate import tabulate
 
-from fxpipe.cluster import Cluster
-from fxpipe.passes.chain import CostChain
-from fxpipe.plan import Plan
+from fxpipe.core.chain import CostChain
+from fxpipe.core.cluster import Cluster
+from fxpipe.core.plan import Plan
 
 
 def format_bytes(num_bytes: float) -> str:
@@ -75,7 +75,8 @@ def summary_lines(plan: Plan) -> list[str]:
         lines.append(f"predicted iteration {predicted.iteration_time_s * 1e3:.2f} ms, "
                      f"{predicted.throughput_samples_per_s:.1f} samples/s, bubble {predicted.bubble_fraction:.1%}"
                      + versus_dp)
-    lines.append(f"planning time {plan.planning_time_s:.2f} s")
+    if plan.planning_time_s > 0:  # a plan read from a file does not carry it (a fact of the run, not the plan)
+        lines.append(f"planning time {plan.planning_time_s:.2f} s")
     return lines
 
 
@@ -85,7 +86,7 @@ def baseline_table(plan: Plan) -> str:
     own = plan.predicted.iteration_time_s if plan.predicted else 0.0
     rows = [[plan.planner, plan.layout, plan.num_microbatches, f"{own * 1e3:.2f}", "1.00"]]
     for name, result in plan.baselines:
-        if not result.feasible:
+        if result.iteration_time_s is None:
             rows.append([name, result.layout or "-", result.num_microbatches or "-", "infeasible", result.note])
             continue
         ratio = result.iteration_time_s / own if own > 0 else float("nan")

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from fxpipe.core.schedule import schedule_names
+
 DEMO_MODEL = "gpt-mini"
 
 
@@ -23,7 +25,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--plan", default="auto", help="auto, markers (cut at pipe_split() calls), a layout such "
                         "as 2:1:1, or a plan JSON file")
-    parser.add_argument("--schedule", default="dapple", choices=["dapple", "gpipe"])
+    parser.add_argument("--schedule", default="dapple", choices=schedule_names())
     parser.add_argument("--num-microbatches", type=int, default=None)
     parser.add_argument("--data", default="auto",
                         help="stdlib: byte-level Python standard library text (language models); random: "
@@ -124,7 +126,7 @@ def synthetic_batches(model: torch.nn.Module, example_inputs: Any, global_batch:
 
 def _check_plan_file(args: argparse.Namespace) -> None:
     """A plan file made for another MODEL fails here, naming both, rather than deep in codegen."""
-    from fxpipe.plan import Plan, plan_argument_kind
+    from fxpipe.core.plan import Plan, plan_argument_kind
 
     if plan_argument_kind(args.plan) != "file":
         return
@@ -147,7 +149,7 @@ def _stage_memory(stats: list[Any]) -> str:
 def _write_trace(path: str, stats: list[Any]) -> None:
     import json
 
-    from fxpipe.simulate_trace import events_to_chrome_trace
+    from fxpipe.sim.chrome_trace import events_to_chrome_trace
 
     events = [event for item in stats for event in item.events]
     trace = events_to_chrome_trace(events, (), {"measured": True,
@@ -233,7 +235,7 @@ def _train_steps(args: argparse.Namespace, pipe: Any, optimizer: torch.optim.Opt
 
 def _resume(args: argparse.Namespace, pipe: Any, optimizer: torch.optim.Optimizer) -> int:
     """The step to start at: that of the latest checkpoint in ``--checkpoint-dir`` (loaded), else 0."""
-    from fxpipe.checkpoint import latest_checkpoint
+    from fxpipe.core.checkpoint import latest_checkpoint
 
     if args.checkpoint_every < 0:
         raise ValueError(f"--checkpoint-every {args.checkpoint_every} is negative; use 0 (end and preemption "

@@ -5,17 +5,16 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# `trace` and `partition` are both a submodule and a function of that name. Importing the
-# submodule would set the package attribute to the module, so bind the functions eagerly: a
-# later `import fxpipe.passes.trace` finds the module in sys.modules and leaves the name alone.
-from fxpipe.passes.partition import partition as partition
-from fxpipe.passes.trace import trace as trace
-
+# Every public name resolves lazily, so importing one pass (or the plain-number planner in
+# fxpipe.passes.partition) does not load the tracer, the planner or the others. The function
+# `trace` lives in fxpipe.passes.tracing, so no submodule shadows it; `fxpipe.passes.partition`
+# is the planner subpackage (its `partition` function: fxpipe.passes.partition.partition).
 _EXPORTS: dict[str, tuple[str, str]] = {
-    "TraceError": ("fxpipe.passes.trace", "TraceError"),
-    "ExampleInputsTypeError": ("fxpipe.passes.trace", "ExampleInputsTypeError"),
+    "trace": ("fxpipe.passes.tracing", "trace"),
+    "TraceError": ("fxpipe.passes.tracing", "TraceError"),
+    "ExampleInputsTypeError": ("fxpipe.passes.tracing", "ExampleInputsTypeError"),
     "BATCH": ("fxpipe.passes.costs", "BATCH"),
-    "NodeCost": ("fxpipe.passes.costs", "NodeCost"),
+    "SymbolicCost": ("fxpipe.passes.fakerun", "SymbolicCost"),
     "MeasuredCosts": ("fxpipe.passes.profile", "MeasuredCosts"),
     "BlockTime": ("fxpipe.passes.profile", "BlockTime"),
     "default_blocks": ("fxpipe.passes.profile", "default_blocks"),
@@ -23,11 +22,11 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "to_cost_graph": ("fxpipe.passes.costs", "to_cost_graph"),
     "measure_costs": ("fxpipe.passes.profile", "measure_costs"),
     "read_profile": ("fxpipe.passes.profiles_io", "read_profile"),
-    "build_chain": ("fxpipe.passes.chain", "build_chain"),
+    "build_chain": ("fxpipe.core.chain", "build_chain"),
     "split_stages": ("fxpipe.passes.codegen", "split_stages"),
 }
 
-__all__ = sorted([*_EXPORTS, "partition", "trace"])
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:

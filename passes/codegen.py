@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -13,55 +11,17 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from fxpipe.core import meta
+from fxpipe.core.plan import Plan
+from fxpipe.core.program import MODEL_INPUT, SplitProgram, StageProgram, ValueSpec
 from fxpipe.passes.subgraph import extract_subgraph
-from fxpipe.plan import Plan
+from fxpipe.passes.trace_inputs import input_batch_size, recorded_inputs
 
 
 class CodegenError(ValueError):
     """A stage assignment does not fit the graph (missing, duplicated or misordered nodes)."""
 
 
-@dataclass(frozen=True)
-class ValueSpec:
-    """A value that crosses a stage boundary (or is a model input/output), at the example batch size."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype | None
-    batched: bool
-    is_tensor: bool
-    requires_grad: bool
-
-
-@dataclass(frozen=True)
-class StageProgram:
-    """One stage: ``module(*input_values)`` returns the tuple ``output_values``."""
-
-    stage_index: int
-    module: fx.GraphModule
-    input_values: tuple[str, ...]
-    output_values: tuple[str, ...]
-    param_names: tuple[tuple[str, str], ...]  # (attribute path in module, original model name)
-
-
-@dataclass(frozen=True)
-class SplitProgram:
-    """All stages of a split model, with where every crossing value comes from and goes to."""
-
-    stages: tuple[StageProgram, ...]
-    model_inputs: tuple[str, ...]
-    output_tree: Any
-    producers: Mapping[str, int]
-    consumers: Mapping[str, tuple[int, ...]]
-    values: Mapping[str, ValueSpec]
-    tie_groups: tuple[tuple[str, tuple[int, ...]], ...]
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.stages)
-
-
-MODEL_INPUT = -1  # producer index of model inputs: every rank holds the global batch and slices it
 _IMPLICIT_OPS = ("placeholder", "output")
 
 
@@ -79,8 +39,8 @@ def split_stages(
     ``gm.meta["fxpipe.example_inputs"]`` written by ``fxpipe.passes.trace``). ``gm`` is not
     modified; stage modules share its parameter tensors.
     """
-    example = _example_inputs(gm, example_inputs)
-    batch = _batch_size(example)
+    example = recorded_inputs(gm, example_inputs, CodegenError, "split_stages")
+    batch = input_batch_size(example, CodegenError, all_batched=False)
     at_batch = _fake_values(gm, example, batch, batch)
     at_next = _fake_values(gm, example, None if batch is None else batch + 1, batch)
     assignment = _assign_nodes(gm, stage_node_names, at_batch)
@@ -124,20 +84,6 @@ def split_for_plan(
             "plan from the traced graph (fxpipe.plan(model, ...)) to generate stage code"
         )
     return split_stages(gm, [stage.node_names for stage in plan.stages], example_inputs=example_inputs)
-
-
-def export_program(program: SplitProgram, directory: str | Path) -> None:
-    """Write stage code, weights and a JSON manifest to ``directory`` (see ``fxpipe.passes.codegen_io``)."""
-    from fxpipe.passes import codegen_io  # codegen_io imports this module's dataclasses
-
-    codegen_io.export_program(program, directory)
-
-
-def load_program(directory: str | Path) -> SplitProgram:
-    """Load a folder written by ``export_program``; runs its stage code, reads weights weights-only."""
-    from fxpipe.passes import codegen_io
-
-    return codegen_io.load_program(directory)
 
 
 def _assign_nodes(
@@ -293,8 +239,8 @@ def _build_stage(
         class_name=f"Stage{stage_index}",
     )
     param_names = _param_names(gm, subgraph.module)
-    subgraph.module.meta["fxpipe.param_names"] = dict(param_names)
-    subgraph.module.meta["fxpipe.stage_index"] = stage_index
+    subgraph.module.meta[meta.PARAM_NAMES] = dict(param_names)
+    subgraph.module.meta[meta.STAGE_INDEX] = stage_index
     return StageProgram(
         stage_index=stage_index,
         module=subgraph.module,
@@ -305,7 +251,7 @@ def _build_stage(
 
 
 def _original_names(gm: fx.GraphModule) -> Mapping[str, str]:
-    names = gm.meta.get("fxpipe.param_names")
+    names = gm.meta.get(meta.PARAM_NAMES)
     return names if isinstance(names, Mapping) else {}
 
 
@@ -318,7 +264,7 @@ def _attribute_names(gm: fx.GraphModule, member_names: Sequence[str]) -> dict[st
         node = nodes_by_name[name]
         if node.op != "get_attr":
             continue
-        from_node = node.meta.get("fxpipe.param_names", ())
+        from_node = node.meta.get(meta.PARAM_NAMES, ())
         original = from_node[0] if len(from_node) == 1 else originals.get(node.target, node.target)
         renames[node.target] = original
     return renames
@@ -369,30 +315,12 @@ def _unique(names: Sequence[str] | Any) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _example_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> tuple[Any, ...]:
-    if example_inputs is None:
-        example_inputs = gm.meta.get("fxpipe.example_inputs")
-    if example_inputs is None:
-        raise CodegenError(
-            "no example inputs: pass example_inputs=... or trace with fxpipe.passes.trace, which records "
-            'gm.meta["fxpipe.example_inputs"]'
-        )
-    return tuple(example_inputs)
-
-
 def value_specs(gm: fx.GraphModule, names: Sequence[str], example_inputs: Sequence[Any]) -> dict[str, ValueSpec]:
     """Shape, dtype, batching and gradient flags of ``names``, from two fake runs (batch B and B + 1)."""
-    batch = _batch_size(example_inputs)
+    batch = input_batch_size(example_inputs, CodegenError, all_batched=False)
     at_batch = _fake_values(gm, example_inputs, batch, batch)
     at_next = _fake_values(gm, example_inputs, None if batch is None else batch + 1, batch)
     return {name: _spec(name, at_batch[name], at_next[name], batch) for name in names}
-
-
-def _batch_size(example_inputs: Sequence[Any]) -> int | None:
-    for value in example_inputs:
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return int(value.shape[0])
-    return None
 
 
 def _fake_values(
@@ -444,11 +372,6 @@ def _spec(name: str, value: Any, value_next: Any, batch: int | None) -> ValueSpe
 
 __all__ = [
     "CodegenError",
-    "SplitProgram",
-    "StageProgram",
-    "ValueSpec",
-    "export_program",
-    "load_program",
     "split_for_plan",
     "split_stages",
     "value_specs",

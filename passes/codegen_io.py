@@ -14,7 +14,7 @@ from torch import fx, nn
 from torch.fx.graph_module import _format_import_block
 from torch.package import sys_importer
 
-from fxpipe.passes.codegen import SplitProgram, StageProgram, ValueSpec
+from fxpipe.core.program import SplitProgram, StageProgram, ValueSpec
 
 MANIFEST = "program.json"
 FORMAT = "fxpipe.split_program"

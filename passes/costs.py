@@ -13,23 +13,21 @@ from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from fxpipe.cluster import DeviceSpec
-from fxpipe.costgraph import ZERO, Affine, CostGraph, CostNode
-from fxpipe.passes.flops import NodeCost, NodeRunError, run_fake
+from fxpipe.core import meta
+from fxpipe.core.cluster import DeviceSpec
+from fxpipe.core.costgraph import ZERO, Affine, CostGraph, CostNode
+from fxpipe.passes.fakerun import SymbolicCost
+from fxpipe.passes.flops import NodeRunError, run_fake
+from fxpipe.passes.trace_inputs import input_batch_size, recorded_inputs
 
 if TYPE_CHECKING:
     from fxpipe.passes.profile import MeasuredCosts
 
-__all__ = ["BATCH", "CostAnnotationError", "NodeCost", "annotate_costs", "to_cost_graph"]
+__all__ = ["BATCH", "CostAnnotationError", "SymbolicCost", "annotate_costs", "to_cost_graph"]
 
 # The batch size (rows of dim 0 of every tensor input) in every cost expression.
 BATCH = sympy.Symbol("B", integer=True, positive=True)
 
-COST_KEY = "fxpipe.cost"
-EXAMPLE_INPUTS_KEY = "fxpipe.example_inputs"
-BATCH_SYMBOL_KEY = "fxpipe.batch_symbol"
-COST_MODE_KEY = "fxpipe.cost_mode"
-BATCH_HINT_KEY = "fxpipe.cost_batch_hint"
 _MIN_SYMBOLIC_BATCH = 2  # batch 0 and 1 would be specialised by the ShapeEnv
 
 
@@ -40,7 +38,7 @@ class CostAnnotationError(ValueError):
 def annotate_costs(
     gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, *, cache: bool = True
 ) -> fx.GraphModule:
-    """Return a copy of ``gm`` whose nodes carry ``node.meta["fxpipe.cost"]`` (a NodeCost).
+    """Return a copy of ``gm`` whose nodes carry ``node.meta["fxpipe.cost"]`` (a SymbolicCost).
 
     The graph runs once on fake tensors whose dim 0 is one symbolic batch size, so nothing is
     allocated and the costs are exact expressions in ``BATCH`` (also stored in
@@ -49,7 +47,7 @@ def annotate_costs(
     With ``cache`` (the default) nodes with equal signatures (repeated layers) share one FLOP, byte
     and kernel count; the results equal those of ``cache=False``, which measures every node.
     """
-    inputs = _example_inputs(gm, example_inputs)
+    inputs = recorded_inputs(gm, example_inputs, CostAnnotationError, "annotate_costs")
     result = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
     result.meta.update(copy.copy(gm.meta))
     batch = _batch_hint(inputs)
@@ -61,10 +59,10 @@ def annotate_costs(
         mode = f"affine-fit (symbolic batch failed: {error})"
     for node in result.graph.nodes:
         if node.name in costs:
-            node.meta[COST_KEY] = costs[node.name]
-    result.meta[BATCH_SYMBOL_KEY] = BATCH
-    result.meta[COST_MODE_KEY] = mode
-    result.meta[BATCH_HINT_KEY] = batch  # the batch the costs were sampled at (for non-affine terms)
+            node.meta[meta.COST] = costs[node.name]
+    result.meta[meta.BATCH_SYMBOL] = BATCH
+    result.meta[meta.COST_MODE] = mode
+    result.meta[meta.COST_BATCH_HINT] = batch  # the batch the costs were sampled at (for non-affine terms)
     return result
 
 
@@ -72,39 +70,11 @@ class _NotSymbolic(Exception):
     """The symbolic-batch run failed or specialised the batch; fall back to fitting."""
 
 
-def _example_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> tuple[Any, ...]:
-    if not isinstance(gm, fx.GraphModule):
-        raise CostAnnotationError(
-            f"annotate_costs needs a torch.fx.GraphModule, got {type(gm).__name__}; "
-            "run fxpipe.passes.trace(model, example_inputs) first"
-        )
-    if example_inputs is None:
-        example_inputs = gm.meta.get(EXAMPLE_INPUTS_KEY)
-    if example_inputs is None:
-        raise CostAnnotationError(
-            f"graph has no gm.meta[{EXAMPLE_INPUTS_KEY!r}] and no example_inputs were given; "
-            "run fxpipe.passes.trace(model, example_inputs) first or pass example_inputs"
-        )
-    num_placeholders = sum(1 for node in gm.graph.nodes if node.op == "placeholder")
-    if len(example_inputs) != num_placeholders:
-        raise CostAnnotationError(
-            f"graph has {num_placeholders} placeholders but {len(example_inputs)} example inputs were "
-            "given; pass one positional value per placeholder (as fxpipe.passes.trace records them)"
-        )
-    return tuple(example_inputs)
-
-
 def _batch_hint(inputs: Sequence[Any]) -> int:
-    sizes = {value.shape[0] for value in inputs if isinstance(value, torch.Tensor) and value.dim() > 0}
-    if len(sizes) > 1:
-        raise CostAnnotationError(
-            f"tensor inputs disagree on the batch size (dim 0): {sorted(sizes)}; "
-            "dim 0 of every tensor input must be the batch"
-        )
-    return max(_MIN_SYMBOLIC_BATCH, *sizes) if sizes else _MIN_SYMBOLIC_BATCH
+    return max(_MIN_SYMBOLIC_BATCH, input_batch_size(inputs, CostAnnotationError, all_batched=True) or _MIN_SYMBOLIC_BATCH)
 
 
-def _run_symbolic(gm: fx.GraphModule, inputs: Sequence[Any], batch: int, cache: bool) -> dict[str, NodeCost]:
+def _run_symbolic(gm: fx.GraphModule, inputs: Sequence[Any], batch: int, cache: bool) -> dict[str, SymbolicCost]:
     shape_env = ShapeEnv()
     fake_mode = FakeTensorMode(shape_env=shape_env)
     symbol = shape_env.create_symbol(batch, ConstantSource("fxpipe_batch"))
@@ -138,7 +108,7 @@ def _run_symbolic(gm: fx.GraphModule, inputs: Sequence[Any], batch: int, cache: 
 
 def describe_node(gm: fx.GraphModule, node: fx.Node) -> str:
     """``node 'view_2' (op view, module transformer.h.0.attn)``: how errors name a graph node."""
-    return f"node {node.name!r} (op {_target_name(gm, node)}, module {module_path(node) or '<root>'})"
+    return f"node {node.name!r} (op {_target_name(gm, node)}, module {meta.module_path(node) or '<root>'})"
 
 
 def _first_line(error: BaseException) -> str:
@@ -147,7 +117,7 @@ def _first_line(error: BaseException) -> str:
 
 
 def _fit_affine(gm: fx.GraphModule, inputs: Sequence[Any], batch: int, cache: bool,
-                why: str) -> dict[str, NodeCost]:
+                why: str) -> dict[str, SymbolicCost]:
     """Cost the graph at batch sizes b and 2b with concrete fakes and join them by a line in BATCH.
 
     A graph that cannot run at 2b (its views hard-code the example batch) has no line to fit: the
@@ -174,7 +144,7 @@ def _fit_affine(gm: fx.GraphModule, inputs: Sequence[Any], batch: int, cache: bo
     return {name: _fit_node(runs[0][name], runs[1][name], batch) for name in runs[0]}
 
 
-def _fit_node(low: NodeCost, high: NodeCost, batch: int) -> NodeCost:
+def _fit_node(low: SymbolicCost, high: SymbolicCost, batch: int) -> SymbolicCost:
     def line(a: sympy.Expr, b: sympy.Expr) -> sympy.Expr:
         slope = sympy.Rational(b - a, batch)
         return sympy.expand(a - slope * batch + slope * BATCH)
@@ -188,7 +158,7 @@ def _fit_node(low: NodeCost, high: NodeCost, batch: int) -> NodeCost:
         tuple(line(a, b) for a, b in zip(shape_low, shape_high, strict=True))
         for shape_low, shape_high in zip(low.output_shapes, high.output_shapes, strict=True)
     )
-    return NodeCost(
+    return SymbolicCost(
         output_shapes=shapes,
         output_dtypes=low.output_dtypes,
         param_bytes=low.param_bytes,
@@ -218,12 +188,12 @@ def to_cost_graph(
     output node is dropped too; ``get_attr`` nodes stay (zero time, their parameter bytes).
     """
     annotated = _annotated_nodes(gm)
-    hint = int(gm.meta.get(BATCH_HINT_KEY, _MIN_SYMBOLIC_BATCH))
+    hint = int(gm.meta.get(meta.COST_BATCH_HINT, _MIN_SYMBOLIC_BATCH))
     input_bytes = Affine.total(
-        _affine(node.meta[COST_KEY].output_bytes, hint) for node in gm.graph.nodes if node.op == "placeholder"
+        _affine(node.meta[meta.COST].output_bytes, hint) for node in gm.graph.nodes if node.op == "placeholder"
     )
     times = _measured_times(annotated, measured, hint) if measured is not None else {
-        node.name: _roofline(node.meta[COST_KEY], device, dtype, hint) for node in annotated
+        node.name: _roofline(node.meta[meta.COST], device, dtype, hint) for node in annotated
     }
     nodes = tuple(_cost_node(gm, node, times[node.name], hint) for node in annotated)
     return CostGraph(nodes=nodes, source="fx", input_bytes=input_bytes, shared_params=_shared_params(gm, nodes))
@@ -231,7 +201,7 @@ def to_cost_graph(
 
 def _shared_params(gm: fx.GraphModule, nodes: Sequence[CostNode]) -> tuple[tuple[str, int], ...]:
     """``(original name, bytes)`` of every trainable parameter read by more than one node, by name."""
-    renames: Mapping[str, str] = gm.meta.get("fxpipe.param_names", {})
+    renames: Mapping[str, str] = gm.meta.get(meta.PARAM_NAMES, {})
     sizes = {renames.get(path, path): param.numel() * param.element_size()
              for path, param in gm.named_parameters(remove_duplicate=False) if param.requires_grad}
     readers: dict[str, int] = {}
@@ -243,10 +213,10 @@ def _shared_params(gm: fx.GraphModule, nodes: Sequence[CostNode]) -> tuple[tuple
 
 def _annotated_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     nodes = [node for node in gm.graph.nodes if node.op not in ("placeholder", "output")]
-    missing = [node.name for node in gm.graph.nodes if node.op != "output" and COST_KEY not in node.meta]
+    missing = [node.name for node in gm.graph.nodes if node.op != "output" and meta.COST not in node.meta]
     if missing:
         raise CostAnnotationError(
-            f"nodes {missing[:5]} have no node.meta[{COST_KEY!r}]; run fxpipe.passes.annotate_costs(gm) first"
+            f"nodes {missing[:5]} have no node.meta[{meta.COST!r}]; run fxpipe.passes.annotate_costs(gm) first"
         )
     return nodes
 
@@ -274,7 +244,7 @@ def _roofline_time(flops: Affine, bytes_moved: Affine, num_kernels: int, device:
     )
 
 
-def _roofline(cost: NodeCost, device: DeviceSpec | None, dtype: str, hint: int) -> tuple[Affine, Affine]:
+def _roofline(cost: SymbolicCost, device: DeviceSpec | None, dtype: str, hint: int) -> tuple[Affine, Affine]:
     if device is None:
         return ZERO, ZERO
     forward = _roofline_time(
@@ -291,8 +261,8 @@ def _measured_times(nodes: Sequence[fx.Node], measured: MeasuredCosts, hint: int
     times: dict[str, tuple[Affine, Affine]] = {}
     for block in measured.blocks:
         members = [by_name[name] for name in block.node_names if name in by_name]
-        forward = _shares([node.meta[COST_KEY].forward_flops for node in members], hint)
-        backward = _shares([node.meta[COST_KEY].backward_flops for node in members], hint)
+        forward = _shares([node.meta[meta.COST].forward_flops for node in members], hint)
+        backward = _shares([node.meta[meta.COST].backward_flops for node in members], hint)
         for node, forward_share, backward_share in zip(members, forward, backward, strict=True):
             times[node.name] = (block.forward_s.scaled(forward_share), block.backward_s.scaled(backward_share))
     missing = [node.name for node in nodes if node.name not in times]
@@ -314,7 +284,7 @@ def _shares(flops: Sequence[sympy.Expr], hint: int) -> list[float]:
 
 
 def _cost_node(gm: fx.GraphModule, node: fx.Node, times: tuple[Affine, Affine], hint: int) -> CostNode:
-    cost: NodeCost = node.meta[COST_KEY]
+    cost: SymbolicCost = node.meta[meta.COST]
     return CostNode(
         name=node.name,
         inputs=tuple(arg.name for arg in node.all_input_nodes if arg.op != "placeholder"),
@@ -325,14 +295,14 @@ def _cost_node(gm: fx.GraphModule, node: fx.Node, times: tuple[Affine, Affine], 
         param_bytes=cost.param_bytes,
         forward_flops=_affine(cost.forward_flops, hint),
         backward_flops=_affine(cost.backward_flops, hint),
-        module_path=module_path(node),
+        module_path=meta.module_path(node),
         param_names=_param_names(gm, node),
         op=f"{node.op}:{_target_name(gm, node)}",
         tensor_output=cost.is_tensor and rows_follow_batch(cost),
     )
 
 
-def rows_follow_batch(cost: NodeCost) -> bool:
+def rows_follow_batch(cost: SymbolicCost) -> bool:
     """Whether every output's rows are the batch rows: dim 0 is the batch, or no dim depends on it.
 
     A value such as ``(B*T, C)`` (a flatten before a matmul) cannot be split between replicas by
@@ -345,20 +315,10 @@ def rows_follow_batch(cost: NodeCost) -> bool:
     return True
 
 
-def module_path(node: fx.Node) -> str:
-    """The original module path of a node: trace meta if present, else torch.fx's module stack."""
-    if "fxpipe.module_path" in node.meta:
-        return str(node.meta["fxpipe.module_path"])
-    stack = node.meta.get("nn_module_stack")
-    if stack:
-        return str(list(stack.values())[-1][0])
-    return str(node.target) if node.op == "call_module" else ""
-
-
 def _param_names(gm: fx.GraphModule, node: fx.Node) -> tuple[str, ...]:
-    if "fxpipe.param_names" in node.meta:
-        return tuple(node.meta["fxpipe.param_names"])
-    renames: Mapping[str, str] = gm.meta.get("fxpipe.param_names", {})
+    if meta.PARAM_NAMES in node.meta:
+        return tuple(node.meta[meta.PARAM_NAMES])
+    renames: Mapping[str, str] = gm.meta.get(meta.PARAM_NAMES, {})
     if node.op == "get_attr":
         paths = [str(node.target)]
     elif node.op == "call_module":

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import sympy
@@ -16,8 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
+from fxpipe.passes.fakerun import RunState, SymbolicCost
 from fxpipe.passes.nodecache import (
-    Recipe,
     input_key,
     materialize,
     module_tensors,
@@ -170,71 +170,6 @@ def count_ops() -> Iterator[OpTally]:
         yield tally
 
 
-@dataclass(frozen=True)
-class NodeCost:
-    """Costs of one fx node as sympy expressions in ``BATCH`` (see ``annotate_costs``).
-
-    ``saved_bytes`` is what autograd keeps for backward because of this node (each storage counted
-    at the first node that saves it; parameters and buffers excluded); ``param_bytes`` counts the
-    parameters this node is the first user of. ``*_bytes_moved`` and ``num_*_kernels`` feed the
-    roofline time model. ``is_tensor`` is False unless the output is a tensor or a non-empty
-    container of tensors only.
-    """
-
-    output_shapes: tuple[tuple[sympy.Expr, ...], ...]
-    output_dtypes: tuple[str, ...]
-    output_bytes: sympy.Expr
-    forward_flops: sympy.Expr
-    backward_flops: sympy.Expr
-    saved_bytes: sympy.Expr
-    param_bytes: int
-    is_tensor: bool
-    forward_bytes_moved: sympy.Expr = sympy.Integer(0)
-    backward_bytes_moved: sympy.Expr = sympy.Integer(0)
-    num_forward_kernels: int = 0
-    num_backward_kernels: int = 0
-
-
-@dataclass
-class _RunState:
-    """Bookkeeping shared by all nodes of one fake run."""
-
-    to_expr: Callable[[Any], sympy.Expr]
-    fakes: dict[int, torch.Tensor]  # id(real parameter/buffer) -> its fake
-    fake_ids: set[int]  # ids of those fakes
-    weight_keys: set[int]  # storage keys of parameters and buffers (never activations)
-    counted_params: set[int] = field(default_factory=set)
-    saved_keys: set[int] = field(default_factory=set)
-    storage_alias: dict[int, int] = field(default_factory=dict)  # clone storage -> original storage
-    keep_alive: list[torch.Tensor] = field(default_factory=list)
-    recipes: dict[Hashable, Recipe] | None = None  # node signature -> recipe; None: no cache
-    keys: dict[str, Any] = field(default_factory=dict)  # node name -> its value with storage keys for tensors
-    module_keys: dict[int, Hashable] = field(default_factory=dict)  # id(module) -> its signature part
-    exprs: dict[Hashable, sympy.Expr] = field(default_factory=dict)  # memo of to_expr
-    num_virtual_keys: int = 0  # storages of replayed nodes get keys -1, -2, ... (real ones are > 0)
-
-    def expr(self, value: Any) -> sympy.Expr:
-        """``to_expr(value)``, memoised on the value's (symbolic) expression."""
-        key = (type(value), value.node.expr if isinstance(value, torch.SymInt | torch.SymFloat) else value)
-        if key not in self.exprs:
-            self.exprs[key] = self.to_expr(value)
-        return self.exprs[key]
-
-    def storage_key(self, tensor: torch.Tensor) -> int:
-        key = int(tensor.untyped_storage()._cdata)
-        while key in self.storage_alias:
-            key = self.storage_alias[key]
-        return key
-
-    def new_key(self) -> int:
-        self.num_virtual_keys += 1
-        return -self.num_virtual_keys
-
-    def key_tree(self, value: Any) -> Any:
-        """``value`` with every tensor replaced by its storage key and every other leaf by 0."""
-        return tree_map(lambda leaf: self.storage_key(leaf) if isinstance(leaf, torch.Tensor) else 0, value)
-
-
 def run_fake(
     gm: fx.GraphModule,
     inputs: Sequence[Any],
@@ -244,7 +179,7 @@ def run_fake(
     *,
     cache: bool = True,
     after_node: Callable[[fx.Node], None] | None = None,
-) -> dict[str, NodeCost]:
+) -> dict[str, SymbolicCost]:
     """Run every node on fakes (batch dim = ``batch_size``) and cost it; ``after_node`` sees each node run.
 
     A node that fails raises :class:`NodeRunError` naming it.
@@ -253,12 +188,12 @@ def run_fake(
     not run: its outputs are the earlier node's, and its saved and parameter bytes are replayed
     against its own inputs' storages, so the costs equal those of ``cache=False``.
     """
-    state = _RunState(to_expr=to_expr, fakes={}, fake_ids=set(), weight_keys=set(), recipes={} if cache else None)
+    state = RunState(to_expr=to_expr, fakes={}, fake_ids=set(), weight_keys=set(), recipes={} if cache else None)
     with fake_mode:
         _fake_weights(gm, fake_mode, state)
         env: dict[str, Any] = {}
         placeholders = iter(inputs)
-        costs: dict[str, NodeCost] = {}
+        costs: dict[str, SymbolicCost] = {}
         for node in gm.graph.nodes:
             if node.op == "output":
                 continue
@@ -288,7 +223,7 @@ class NodeRunError(RuntimeError):
         super().__init__(f"{node.name}: {type(reason).__name__}: {reason}")
 
 
-def _fake_weights(gm: fx.GraphModule, fake_mode: FakeTensorMode, state: _RunState) -> None:
+def _fake_weights(gm: fx.GraphModule, fake_mode: FakeTensorMode, state: RunState) -> None:
     tensors = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
     for _, tensor in tensors:
         if id(tensor) in state.fakes:
@@ -308,7 +243,7 @@ def _fake_input(value: Any, batch_size: Any) -> Any:
     return torch.empty((batch_size, *value.shape[1:]), dtype=value.dtype, device=_FAKE_DEVICE)
 
 
-def _run_get_attr(gm: fx.GraphModule, node: fx.Node, state: _RunState) -> tuple[Any, NodeCost]:
+def _run_get_attr(gm: fx.GraphModule, node: fx.Node, state: RunState) -> tuple[Any, SymbolicCost]:
     value = _fetch_attr(gm, str(node.target))
     param_bytes = 0
     if isinstance(value, torch.Tensor):
@@ -324,7 +259,7 @@ def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
     return value
 
 
-def _first_use_bytes(tensors: Sequence[torch.Tensor], state: _RunState) -> int:
+def _first_use_bytes(tensors: Sequence[torch.Tensor], state: RunState) -> int:
     """Bytes of the parameters among ``tensors`` not counted at an earlier node (tied weights once)."""
     total = 0
     for tensor in tensors:
@@ -334,7 +269,7 @@ def _first_use_bytes(tensors: Sequence[torch.Tensor], state: _RunState) -> int:
     return total
 
 
-def _module_param_bytes(gm: fx.GraphModule, node: fx.Node, state: _RunState) -> int:
+def _module_param_bytes(gm: fx.GraphModule, node: fx.Node, state: RunState) -> int:
     """First-use parameter bytes of a ``call_module`` node's module (0 for other ops)."""
     if node.op != "call_module":
         return 0
@@ -345,7 +280,7 @@ def _claimed_device(value: Any) -> Any:
     return _FAKE_DEVICE if isinstance(value, torch.device) and value.type == "meta" else value
 
 
-def _run_call(gm: fx.GraphModule, node: fx.Node, env: dict[str, Any], state: _RunState) -> tuple[Any, NodeCost]:
+def _run_call(gm: fx.GraphModule, node: fx.Node, env: dict[str, Any], state: RunState) -> tuple[Any, SymbolicCost]:
     """Replay a node whose signature was measured before, else measure it (and remember it)."""
     args = fx.node.map_arg((node.args, node.kwargs), lambda arg: env[arg.name])
     args = tree_map(_claimed_device, args)  # a graph traced on meta makes its constants on meta
@@ -365,7 +300,7 @@ def _run_call(gm: fx.GraphModule, node: fx.Node, env: dict[str, Any], state: _Ru
     return output, cost
 
 
-def _run_node(gm: fx.GraphModule, node: fx.Node, arguments: Any, state: _RunState) -> tuple[Any, NodeCost, list[torch.Tensor]]:
+def _run_node(gm: fx.GraphModule, node: fx.Node, arguments: Any, state: RunState) -> tuple[Any, SymbolicCost, list[torch.Tensor]]:
     """Run one call node on detached local copies of its inputs; count forward, saved and backward."""
     leaves: list[torch.Tensor] = []
     args, kwargs = tree_map(lambda value: _local_copy(value, state, leaves), arguments)
@@ -383,7 +318,7 @@ def _run_node(gm: fx.GraphModule, node: fx.Node, arguments: Any, state: _RunStat
 
 
 
-def _local_copy(value: Any, state: _RunState, leaves: list[torch.Tensor]) -> Any:
+def _local_copy(value: Any, state: RunState, leaves: list[torch.Tensor]) -> Any:
     """A non-leaf clone with its own autograd root, so a node's backward stops at its inputs."""
     if not isinstance(value, torch.Tensor):
         return value
@@ -401,7 +336,7 @@ def _local_copy(value: Any, state: _RunState, leaves: list[torch.Tensor]) -> Any
     return local
 
 
-def _callable(gm: fx.GraphModule, node: fx.Node, state: _RunState) -> tuple[Callable[..., Any], list[torch.Tensor], int]:
+def _callable(gm: fx.GraphModule, node: fx.Node, state: RunState) -> tuple[Callable[..., Any], list[torch.Tensor], int]:
     """The function a node calls, the fake parameters it uses directly, and its first-use param bytes."""
     if node.op == "call_function":
         return node.target, [], 0  # type: ignore[return-value]
@@ -442,7 +377,7 @@ def _run_backward(output: Any, grad_inputs: list[torch.Tensor]) -> OpTally:
     return tally
 
 
-def _saved_bytes(saved: Sequence[torch.Tensor], state: _RunState) -> sympy.Expr:
+def _saved_bytes(saved: Sequence[torch.Tensor], state: RunState) -> sympy.Expr:
     total = sympy.Integer(0)
     for tensor in saved:
         if not isinstance(tensor, torch.Tensor):
@@ -457,18 +392,18 @@ def _saved_bytes(saved: Sequence[torch.Tensor], state: _RunState) -> sympy.Expr:
 
 def _value_cost(
     value: Any,
-    state: _RunState,
+    state: RunState,
     *,
     param_bytes: int = 0,
     forward: OpTally | None = None,
     backward: OpTally | None = None,
-) -> NodeCost:
+) -> SymbolicCost:
     forward = forward or OpTally()
     backward = backward or OpTally()
     leaves, _ = tree_flatten(value)
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     to_expr = state.expr
-    return NodeCost(
+    return SymbolicCost(
         output_shapes=tuple(tuple(to_expr(size) for size in t.shape) for t in tensors),
         output_dtypes=tuple(str(t.dtype).removeprefix("torch.") for t in tensors),
         output_bytes=sympy.expand(sum((to_expr(t.numel()) * t.element_size() for t in tensors), sympy.Integer(0))),

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import fx, nn
 
-from fxpipe.passes.chain import CostChain
+from fxpipe.core.chain import CostChain
 from fxpipe.passes.trace_fx import PathTracer
 from fxpipe.passes.trace_inputs import normalize_inputs
 

@@ -4,31 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import sympy
 import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-if TYPE_CHECKING:  # type-only: flops.py imports this module at run time
-    from fxpipe.passes.flops import NodeCost, _RunState
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """A measured node, to replay for a later node with the same signature without running it.
-
-    Storage references: ``("input", i)`` the storage of argument leaf i, ``("output", j)`` that of
-    output leaf j, ``("fresh", g)`` the node's own g-th new storage. ``saved`` lists, in order,
-    each saved tensor's storage and byte size, so the storage de-duplication replays exactly.
-    """
-
-    cost: NodeCost
-    output: Any  # the measured node's output value, shared (fakes are never mutated by a replay)
-    output_storages: tuple[tuple[str, int] | None, ...]  # per output leaf; None for non-tensors
-    saved: tuple[tuple[tuple[str, int], sympy.Expr], ...]
+from fxpipe.passes.fakerun import Recipe, RunState, SymbolicCost
 
 
 class _Uncacheable(Exception):
@@ -40,7 +23,7 @@ _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
 def node_signature(
-    gm: fx.GraphModule, node: fx.Node, arguments: Any, storage_keys: Sequence[int], state: _RunState
+    gm: fx.GraphModule, node: fx.Node, arguments: Any, storage_keys: Sequence[int], state: RunState
 ) -> Hashable | None:
     """What a node's costs depend on, or None if that cannot be told safely (the node is then run).
 
@@ -61,7 +44,7 @@ def node_signature(
     return signature
 
 
-def _leaf_key(value: Any, state: _RunState) -> Hashable:
+def _leaf_key(value: Any, state: RunState) -> Hashable:
     if isinstance(value, torch.Tensor):
         sizes = (*value.shape, *value.stride(), value.storage_offset(), value.untyped_storage().nbytes())
         sizes = tuple(_leaf_key(size, state) for size in sizes)
@@ -77,7 +60,7 @@ def _leaf_key(value: Any, state: _RunState) -> Hashable:
     raise _Uncacheable(type(value).__name__)
 
 
-def _module_key(module: torch.nn.Module, state: _RunState) -> Hashable:
+def _module_key(module: torch.nn.Module, state: RunState) -> Hashable:
     """Classes and public attributes of a module and its children, and its parameter/buffer metadata."""
     if id(module) not in state.module_keys:
         parts: list[Hashable] = []
@@ -100,14 +83,14 @@ def _attribute_key(value: Any) -> Hashable:
     return "object", id(value)
 
 
-def input_key(leaf: Any, key: Any, state: _RunState) -> int:
+def input_key(leaf: Any, key: Any, state: RunState) -> int:
     """The storage key of one argument leaf (0 for non-tensors; constants in node.args have none recorded)."""
     if not isinstance(leaf, torch.Tensor):
         return 0
     return key if type(key) is int and key != 0 else state.storage_key(leaf)
 
 
-def materialize(leaf: Any, key: int, state: _RunState) -> Any:
+def materialize(leaf: Any, key: int, state: RunState) -> Any:
     """A fresh fake of ``leaf`` on a storage keyed ``key`` when ``leaf`` is a replayed node's shared output."""
     if not isinstance(leaf, torch.Tensor) or state.storage_key(leaf) == key:
         return leaf
@@ -119,7 +102,7 @@ def materialize(leaf: Any, key: int, state: _RunState) -> Any:
 
 
 def record_recipe(
-    output: Any, cost: NodeCost, saved: Sequence[torch.Tensor], input_keys: Sequence[int], state: _RunState
+    output: Any, cost: SymbolicCost, saved: Sequence[torch.Tensor], input_keys: Sequence[int], state: RunState
 ) -> Recipe | None:
     """The recipe of a measured node, or None if its output holds values a replay cannot share."""
     out_leaves, _ = tree_flatten(output)
@@ -145,8 +128,8 @@ def record_recipe(
 
 
 def replay(
-    node: fx.Node, recipe: Recipe, input_keys: Sequence[int], state: _RunState, param_bytes: int
-) -> tuple[Any, NodeCost]:
+    node: fx.Node, recipe: Recipe, input_keys: Sequence[int], state: RunState, param_bytes: int
+) -> tuple[Any, SymbolicCost]:
     """A repeat of a measured node: its output and costs, with saved bytes redone here and ``param_bytes`` its own."""
     fresh: dict[int, int] = {}
 

@@ -12,8 +12,8 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten
 
-from fxpipe.costgraph import Affine
-from fxpipe.passes.costs import module_path
+from fxpipe.core.costgraph import Affine
+from fxpipe.core.meta import module_path
 from fxpipe.passes.subgraph import extract_subgraph
 
 __all__ = [

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from fxpipe.costgraph import Affine, CostGraph, CostNode
+from fxpipe.core.costgraph import Affine, CostGraph, CostNode
 
 # node5 -- layer_0 -- forward_compute_time=2.69, backward_compute_time=4.47, activation_size=..., parameter_size=...
 # The label may itself contain " -- ", commas and parentheses, so the metrics are matched from the end.

@@ -8,6 +8,8 @@ from typing import Any
 
 from torch import fx
 
+from fxpipe.core import meta
+
 
 class SubgraphError(ValueError):
     """The node set, inputs or outputs asked of ``extract_subgraph`` do not fit the graph."""
@@ -52,8 +54,8 @@ def extract_subgraph(
     output_names = _resolve_outputs(gm, members, input_names, outputs)
     graph, root = _build_graph(gm, members, input_names, output_names, dict(attribute_names or {}))
     module = fx.GraphModule(root, graph, class_name=class_name)
-    if "fxpipe.frontend" in gm.meta:  # the other whole-graph meta (inputs, names) does not describe a part
-        module.meta["fxpipe.frontend"] = gm.meta["fxpipe.frontend"]
+    if meta.FRONTEND in gm.meta:  # the other whole-graph meta (inputs, names) does not describe a part
+        module.meta[meta.FRONTEND] = gm.meta[meta.FRONTEND]
     return Subgraph(module=module, input_names=input_names, output_names=output_names)
 
 

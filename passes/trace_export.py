@@ -11,6 +11,7 @@ from torch import fx, nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._pytree import TreeSpec
 
+from fxpipe.core import meta
 from fxpipe.passes.trace_inputs import TraceInputs
 
 # ep.module() inserts this submodule call to re-check export's input guards on every call.
@@ -49,7 +50,7 @@ def trace_export(model: nn.Module, inputs: TraceInputs) -> fx.GraphModule:
     _localise_symbolic_sizes(graph)
     gm = fx.GraphModule(unlifted, graph, class_name=type(model).__name__)
     _annotate_module_paths(gm.graph)
-    gm.meta["fxpipe.symbolic_batch"] = batch_shapes is not None and _has_symbolic_batch(gm.graph)
+    gm.meta[meta.SYMBOLIC_BATCH] = batch_shapes is not None and _has_symbolic_batch(gm.graph)
     return gm
 
 
@@ -202,11 +203,11 @@ def _annotate_module_paths(graph: fx.Graph) -> None:
         stack = node.meta.get("nn_module_stack")
         if stack:
             module_path, _ = list(stack.values())[-1]
-            node.meta["fxpipe.module_path"] = _clean_path(str(module_path))
+            node.meta[meta.MODULE_PATH] = _clean_path(str(module_path))
         elif node.op == "get_attr":
-            node.meta["fxpipe.module_path"] = str(node.target).rpartition(".")[0]
+            node.meta[meta.MODULE_PATH] = str(node.target).rpartition(".")[0]
         else:
-            node.meta["fxpipe.module_path"] = ""
+            node.meta[meta.MODULE_PATH] = ""
 
 
 def _clean_path(module_path: str) -> str:

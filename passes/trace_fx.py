@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from fxpipe.core import meta
 from fxpipe.passes.trace_inputs import TraceInputs
 
 # Recurrent layers are opaque, fused kernels (and return nested tuples): never trace into them.
@@ -95,7 +96,7 @@ class PathTracer(fx.Tracer):
 
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
         node = super().create_node(*args, **kwargs)
-        node.meta["fxpipe.module_path"] = self.path_stack[-1] if self.path_stack else ""
+        node.meta[meta.MODULE_PATH] = self.path_stack[-1] if self.path_stack else ""
         return node
 
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
+
+from fxpipe.core import meta
 
 ACCEPTED_FORMS = "a Tensor, a tuple or list of Tensors, or a dict mapping forward() parameter names to Tensors"
 
@@ -117,3 +119,37 @@ def _bound_constants(parameters: list[inspect.Parameter], given: dict[str, torch
                 f"(given: {list(given)}); add it to the example inputs"
             )
     return bound
+
+
+def recorded_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any] | None, error: type[ValueError],
+                    pass_name: str) -> tuple[Any, ...]:
+    """``example_inputs``, or when None the ones ``trace`` recorded in ``gm.meta``; one value per placeholder.
+
+    ``error`` is the calling pass's error class and ``pass_name`` its name, so the message says who asked.
+    """
+    if not isinstance(gm, fx.GraphModule):
+        raise error(f"{pass_name} needs a torch.fx.GraphModule, got {type(gm).__name__}; "
+                    "run fxpipe.passes.trace(model, example_inputs) first")
+    if example_inputs is None:
+        example_inputs = gm.meta.get(meta.EXAMPLE_INPUTS)
+    if example_inputs is None:
+        raise error(f"{pass_name}: graph has no gm.meta[{meta.EXAMPLE_INPUTS!r}] and no example_inputs were given; "
+                    "run fxpipe.passes.trace(model, example_inputs) first or pass example_inputs")
+    num_placeholders = sum(1 for node in gm.graph.nodes if node.op == "placeholder")
+    if len(example_inputs) != num_placeholders:
+        raise error(f"{pass_name}: graph has {num_placeholders} placeholders but {len(example_inputs)} example inputs "
+                    "were given; pass one positional value per placeholder (as fxpipe.passes.trace records them)")
+    return tuple(example_inputs)
+
+
+def input_batch_size(inputs: Sequence[Any], error: type[ValueError], *, all_batched: bool) -> int | None:
+    """The batch size: dim 0 of the first tensor input that has one; None when there is none.
+
+    ``all_batched``: every such tensor input must have that dim 0 (cost annotation makes dim 0 of every
+    input symbolic); otherwise other inputs may be unbatched (codegen tells them apart by a second run).
+    """
+    sizes = [int(value.shape[0]) for value in inputs if isinstance(value, torch.Tensor) and value.dim() > 0]
+    if all_batched and len(set(sizes)) > 1:
+        raise error(f"tensor inputs disagree on the batch size (dim 0): {sorted(set(sizes))}; "
+                    "dim 0 of every tensor input must be the batch")
+    return sizes[0] if sizes else None

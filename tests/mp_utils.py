@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxpipe.plan import Plan, StagePlan
+from fxpipe.core.plan import Plan, StagePlan
 
 torch.set_num_threads(1)  # forked ranks inherit this; 2 shared cores
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import fxpipe
 from fxpipe import models as zoo
-from fxpipe.planning import cost_model, plan_chain
+from fxpipe.planning import costed_model, plan_chain
 from fxpipe.runtime.topology import cluster_for, discover_topology
 
 ENTRY = zoo.get("mlp")
@@ -28,7 +28,7 @@ def _planner_plan(model: torch.nn.Module, example_inputs: Any, plan: str) -> fxp
     """The planner's own plan (cluster devices, before placement on ranks), made again on this rank."""
     topology = discover_topology()
     cluster = cluster_for(topology, torch.device("cpu"))
-    chain = cost_model(model, tuple(example_inputs), cluster).chain
+    chain = costed_model(model, tuple(example_inputs), cluster).chain
     return plan_chain(chain, cluster, BATCH, all_devices=True, layout=None if plan == "auto" else plan)
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
-from fxpipe.cluster import Cluster, DeviceSpec, LinkSpec
-from fxpipe.costgraph import Affine
-from fxpipe.passes.chain import Block, CostChain
+from fxpipe.core.chain import Block, CostChain
+from fxpipe.core.cluster import Cluster, DeviceSpec, LinkSpec
+from fxpipe.core.costgraph import Affine
 
 GiB = 2**30
 

@@ -65,8 +65,8 @@ def _single_process_checks(rank: int, world_size: int, store_dir: str) -> dict[s
 
 def _measured_step(pipe: Any, reference: torch.nn.Module, inputs: Any, targets: Any) -> dict[str, Any]:
     """A measured GPipe step (M=2) holds both half micro-batches at once: the eager whole-batch saved bytes."""
+    from fxpipe.core.schedule import lower, make_schedule
     from fxpipe.runtime.measure import SavedActivationMeter
-    from fxpipe.schedule import lower, make_schedule
 
     pipe.measure = True
     pipe.step(inputs, targets)

@@ -20,20 +20,12 @@ import torch
 from torch import nn
 
 from fxpipe import models
-from fxpipe.cluster import Cluster, ClusterSpecError, compact_cluster, parse_cluster
-from fxpipe.costgraph import Affine, CostGraph, CostGraphError, CostNode
-from fxpipe.models.registry import CallableSpecError, resolve_loss
-from fxpipe.passes.chain import ChainError, CostChain, build_chain
-from fxpipe.passes.markers import MarkerError
-from fxpipe.passes.partition import partition
-from fxpipe.passes.plan_scoring import InfeasiblePlanError, LayoutError, PlanningError
-from fxpipe.passes.profiles_io import ProfileFormatError, parse_profile_text, read_profile
-from fxpipe.passes.trace import TraceError, trace
-from fxpipe.passes.trace_inputs import ExampleInputsTypeError
-from fxpipe.plan import Plan, PlanError, StagePlan, plan_argument_kind, plan_from_dict
-from fxpipe.planfile import chain_from_json, load_plan_file
-from fxpipe.planning import ModelSpecError, load_model, plan_markers
-from fxpipe.schedule import (
+from fxpipe.core.chain import ChainError, CostChain, build_chain
+from fxpipe.core.cluster import Cluster, ClusterSpecError, compact_cluster, parse_cluster
+from fxpipe.core.costgraph import Affine, CostGraph, CostGraphError, CostNode
+from fxpipe.core.plan import Plan, PlanError, StagePlan, plan_argument_kind, plan_from_dict
+from fxpipe.core.planfile import chain_from_json, load_plan_file
+from fxpipe.core.schedule import (
     Action,
     Op,
     Schedule,
@@ -42,6 +34,14 @@ from fxpipe.schedule import (
     make_schedule,
     validate_schedule,
 )
+from fxpipe.models.registry import CallableSpecError, resolve_loss
+from fxpipe.passes.markers import MarkerError
+from fxpipe.passes.partition.dapple import partition
+from fxpipe.passes.partition.request import InfeasiblePlanError, LayoutError, PlanningError
+from fxpipe.passes.profiles_io import ProfileFormatError, parse_profile_text, read_profile
+from fxpipe.passes.trace_inputs import ExampleInputsTypeError
+from fxpipe.passes.tracing import TraceError, trace
+from fxpipe.planning import ModelSpecError, load_model, plan_markers
 from tests.planner_cases import chain as planner_chain
 
 torch.set_num_threads(1)
@@ -164,7 +164,7 @@ class _WithBranchyChild(nn.Module):
 
 
 ROWS: list[Any] = [
-    # --- cluster specs (fxpipe.cluster.parse_cluster / Cluster.from_json)
+    # --- cluster specs (fxpipe.core.cluster.parse_cluster / Cluster.from_json)
     ("cluster-bad-grammar", lambda _: parse_cluster("4y8:h100"), ClusterSpecError,
      r"'4y8:h100' is not a preset, a HOSTSxDEVICES:KIND spec.*cluster spec grammar"),
     ("cluster-unknown-device-kind", lambda _: parse_cluster("4x8:tpu"), ClusterSpecError,
@@ -228,7 +228,7 @@ ROWS: list[Any] = [
     ("cluster-file-binary", lambda tmp: parse_cluster(str(_binary_file(tmp, "c.json"))), ClusterSpecError,
      r"cannot read cluster file '.*c\.json' as text"),
     ("cluster-unknown-home", lambda _: parse_cluster("~0"), ClusterSpecError, r"'~0' is not a preset"),
-    # --- plan JSON (fxpipe.plan)
+    # --- plan JSON (fxpipe.core.plan)
     ("plan-not-json", lambda _: Plan.from_json("{stages: ["), PlanError, r"plan file is not JSON: Expecting"),
     ("plan-format-version", lambda _: plan_from_dict(_plan_json(format_version=2)), PlanError,
      r"format_version 2 is not supported; this fxpipe reads 1"),
@@ -280,7 +280,7 @@ ROWS: list[Any] = [
     ("plan-file-binary", lambda tmp: load_plan_file(_binary_file(tmp, "p.json")), PlanError,
      r"cannot read plan file '.*p\.json'"),
     ("plan-deeply-nested", lambda _: Plan.from_json("[" * 100_000), PlanError, r"plan file is not JSON"),
-    # --- cost chains and Affine costs in plan files (fxpipe.planfile, fxpipe.costgraph)
+    # --- cost chains and Affine costs in plan files (fxpipe.core.planfile, fxpipe.core.costgraph)
     ("affine-wrong-shape", lambda _: Affine.from_json([1.0]), ValueError,
      r"an Affine cost is \[fixed, per_sample\]; got \[1\.0\]"),
     pytest.param(
@@ -323,7 +323,7 @@ ROWS: list[Any] = [
     ),
     ("profile-missing-file", lambda tmp: read_profile(tmp / "absent.txt", profile_batch_size=1), ProfileFormatError,
      r"absent\.txt: cannot read the profile file"),
-    # --- cost graphs (fxpipe.costgraph) and chains (fxpipe.passes.chain)
+    # --- cost graphs (fxpipe.core.costgraph) and chains (fxpipe.core.chain)
     ("costgraph-unknown-input", lambda _: CostGraph((CostNode("a", ("ghost",)),)), CostGraphError,
      r"node 'a' reads 'ghost', which is not an earlier node; nodes must be in topological order"),
     ("costgraph-negative-cost", lambda _: CostGraph((CostNode("a", forward_s=Affine(-1.0, 0.0)),)),
@@ -335,7 +335,7 @@ ROWS: list[Any] = [
     ("chain-empty-graph", lambda _: build_chain(CostGraph(())), ChainError, r"empty cost graph"),
     ("chain-zero-max-blocks", lambda _: build_chain(CostGraph((CostNode("a"),)), max_blocks=0), ChainError,
      r"max_blocks must be >= 1 \(or None for no limit\); got 0"),
-    # --- schedules (fxpipe.schedule)
+    # --- schedules (fxpipe.core.schedule)
     ("schedule-unknown-name", lambda _: make_schedule("zigzag", 2, 4), ScheduleError,
      r"schedule 'zigzag' is unknown; choose 'early_backward'.*'gpipe'"),
     ("schedule-zero-microbatches", lambda _: make_schedule("gpipe", 2, 0), ScheduleError,
@@ -350,7 +350,7 @@ ROWS: list[Any] = [
      ScheduleError, r"stage 0: step 0 runs B0 before F0"),
     ("schedule-validate-deadlock", lambda _: validate_schedule(_deadlocked_schedule()), ScheduleError,
      r"deadlock: stage 0 waits at step 1 \(B0\)"),
-    # --- planner (fxpipe.passes.partition)
+    # --- planner (fxpipe.passes.partition.dapple)
     ("planner-unknown", lambda _: _plan_tiny(planner="magic"), PlanningError,
      r"planner 'magic' is unknown; choose one of \[.*'dapple'"),
     ("planner-malformed-layout", lambda _: _plan_tiny(layout="3-1"), LayoutError,
@@ -389,7 +389,7 @@ ROWS: list[Any] = [
      r"unknown model 'gpt-mimi'\. Did you mean 'gpt-mini'\? Known models: "),
     ("model-unknown-override", lambda _: models.build("gpt-mini", device="meta", n_layers=3), ValueError,
      r"unknown override\(s\) \['n_layers'\] for GPTConfig; valid keys: .*'n_layer'"),
-    # --- tracing (fxpipe.passes.trace)
+    # --- tracing (fxpipe.passes.tracing)
     ("trace-bad-example-type", lambda _: trace(nn.Linear(2, 2), 3), ExampleInputsTypeError,
      r"example_inputs is a int; accepted forms: a Tensor"),
     ("trace-unknown-keyword", lambda _: trace(nn.Linear(2, 2), {"x": torch.ones(1, 2)}), ExampleInputsTypeError,

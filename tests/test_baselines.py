@@ -6,9 +6,9 @@ import pytest
 import torch
 from planner_cases import chain, cluster
 
-from fxpipe.passes.exhaustive import EXHAUSTIVE_LIMIT
-from fxpipe.passes.partition import partition
-from fxpipe.passes.plan_scoring import PlanningError
+from fxpipe.passes.partition.dapple import partition
+from fxpipe.passes.partition.exhaustive import EXHAUSTIVE_LIMIT
+from fxpipe.passes.partition.request import PlanningError
 
 torch.set_num_threads(1)
 

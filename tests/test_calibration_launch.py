@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from fxpipe.hardware import LOCAL_LINK_DEFAULT
+from fxpipe.core.hardware import LOCAL_LINK_DEFAULT
 from tests import mp_utils
 from tests.mp_utils import join_world, leave_world, run_ranks
 
@@ -87,7 +87,7 @@ def _broken(device: object = None) -> dict[str, float]:
 def _calibrate_over_the_group(rank: int, world_size: int, store_dir: str, cache_dir: str) -> dict[str, Any]:
     from fxpipe import models
     from fxpipe.api import compile as fxpipe_compile
-    from fxpipe.cluster import local_cluster, parse_cluster
+    from fxpipe.core.cluster import local_cluster, parse_cluster
     from fxpipe.runtime import calibrate
 
     os.environ["FXPIPE_CACHE_DIR"] = cache_dir

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fxpipe.costgraph import Affine, CostGraph, CostNode
-from fxpipe.passes.chain import ChainError, build_chain
+from fxpipe.core.chain import ChainError, build_chain
+from fxpipe.core.costgraph import Affine, CostGraph, CostNode
 from fxpipe.passes.profiles_io import read_profile
 
 PROFILES = Path(__file__).resolve().parents[2] / "shared" / "profiles"

@@ -12,7 +12,7 @@ import torch
 
 import fxpipe
 from fxpipe import models as zoo
-from fxpipe.checkpoint import MANIFEST_NAME, CheckpointError, latest_checkpoint, read_manifest
+from fxpipe.core.checkpoint import MANIFEST_NAME, CheckpointError, latest_checkpoint, read_manifest
 from fxpipe.passes import trace
 from fxpipe.runtime.checkpoint_io import SafeFileSystemReader, load_checkpoint, save_checkpoint
 from tests.mp_utils import join_world, leave_world, plan_from_cuts, run_ranks

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
 
 import fxpipe
-from fxpipe.checkpoint import MANIFEST_NAME, CheckpointError, latest_checkpoint, read_manifest
+from fxpipe.core.checkpoint import MANIFEST_NAME, CheckpointError, latest_checkpoint, read_manifest
 from fxpipe.runtime.checkpoint_io import load_checkpoint, save_checkpoint
 from tests.mp_utils import join_world, leave_world, run_ranks
 from tests.test_checkpoint import _pipe, _state, _train

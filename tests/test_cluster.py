@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from fxpipe.cluster import (
+from fxpipe.core.cluster import (
     Cluster,
     ClusterSpecError,
     GiB,
@@ -25,7 +25,7 @@ from fxpipe.cluster import (
     parse_cluster,
     usable_cores,
 )
-from fxpipe.hardware import (
+from fxpipe.core.hardware import (
     A100_80GB,
     GPU_DEFAULT_FIGURES,
     H100_80GB,
@@ -435,3 +435,11 @@ def test_local_on_a_real_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cluster.num_devices == torch.cuda.device_count() and cluster.device.memory_bytes == properties.total_memory
     figures = measure_device(torch.device("cuda", torch.cuda.current_device()))
     assert all(value > 0 and math.isfinite(value) for value in figures.values())
+
+
+def test_local_cluster_without_the_runtime_probe_names_the_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fxpipe.core import cluster as core_cluster
+
+    monkeypatch.setattr(core_cluster, "_LOCAL_PROBE", [])
+    with pytest.raises(ClusterSpecError, match="import fxpipe.runtime.calibrate"):
+        parse_cluster("local:2", calibrate=False)

@@ -13,17 +13,11 @@ import torch
 from torch import fx, nn
 
 import fxpipe.models as zoo
-from fxpipe.passes.codegen import (
-    CodegenError,
-    SplitProgram,
-    export_program,
-    load_program,
-    split_for_plan,
-    split_stages,
-)
-from fxpipe.passes.codegen_io import ProgramFileError
-from fxpipe.passes.trace import trace
-from fxpipe.plan import Plan, StagePlan
+from fxpipe.core.plan import Plan, StagePlan
+from fxpipe.core.program import SplitProgram
+from fxpipe.passes.codegen import CodegenError, split_for_plan, split_stages
+from fxpipe.passes.codegen_io import ProgramFileError, export_program, load_program
+from fxpipe.passes.tracing import trace
 
 torch.set_num_threads(1)
 

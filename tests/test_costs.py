@@ -12,17 +12,18 @@ import torch
 from torch import fx, nn
 
 import fxpipe.models as zoo
-from fxpipe.cluster import DeviceSpec
+from fxpipe.core.chain import build_chain
+from fxpipe.core.cluster import DeviceSpec
+from fxpipe.core.meta import COST as COST_KEY
 from fxpipe.passes import flops
-from fxpipe.passes.chain import build_chain
-from fxpipe.passes.costs import BATCH, COST_KEY, CostAnnotationError, NodeCost, annotate_costs, to_cost_graph
+from fxpipe.passes.costs import BATCH, CostAnnotationError, SymbolicCost, annotate_costs, to_cost_graph
 
 torch.set_num_threads(1)
 
 
 def _trace(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> fx.GraphModule:
     try:
-        from fxpipe.passes.trace import trace
+        from fxpipe.passes.tracing import trace
     except ImportError:  # the trace pass is optional for these tests
         gm = fx.symbolic_trace(model)
         gm.meta["fxpipe.example_inputs"] = inputs
@@ -30,7 +31,7 @@ def _trace(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> fx.GraphModule
     return trace(model, inputs)
 
 
-def _costs(gm: fx.GraphModule) -> dict[str, NodeCost]:
+def _costs(gm: fx.GraphModule) -> dict[str, SymbolicCost]:
     return {node.name: node.meta[COST_KEY] for node in gm.graph.nodes if COST_KEY in node.meta}
 
 
@@ -174,7 +175,7 @@ def test_non_tensor_nodes_are_marked() -> None:
     assert flags == {"call_method:size": False, "call_method:view": True}
 
 
-def _cached_and_uncached(gm: fx.GraphModule) -> tuple[dict[str, NodeCost], dict[str, NodeCost]]:
+def _cached_and_uncached(gm: fx.GraphModule) -> tuple[dict[str, SymbolicCost], dict[str, SymbolicCost]]:
     return _costs(annotate_costs(gm)), _costs(annotate_costs(gm, cache=False))
 
 

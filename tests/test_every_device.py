@@ -8,10 +8,10 @@ from dataclasses import replace
 import pytest
 
 from fxpipe import models as zoo
-from fxpipe.cluster import LinkSpec, parse_cluster
-from fxpipe.passes.every_device import fewer_devices_note
-from fxpipe.passes.partition import InfeasiblePlanError, LayoutError, partition
-from fxpipe.planning import cost_model
+from fxpipe.core.cluster import LinkSpec, parse_cluster
+from fxpipe.passes.partition.dapple import InfeasiblePlanError, LayoutError, partition
+from fxpipe.passes.partition.every_device import fewer_devices_note
+from fxpipe.planning import costed_model
 from tests.planner_cases import random_case
 
 
@@ -19,7 +19,7 @@ def _mlp_chain(cluster: str) -> tuple:
     entry = zoo.get("mlp")
     model, example_inputs = zoo.build("mlp", **entry.tiny_overrides)
     resolved = parse_cluster(cluster, calibrate=False)
-    return cost_model(model, example_inputs, resolved).chain, resolved
+    return costed_model(model, example_inputs, resolved).chain, resolved
 
 
 def test_every_device_gets_a_role_and_the_note_compares_with_fewer() -> None:
@@ -45,7 +45,7 @@ def test_unconstrained_plan_on_every_device_is_kept_as_is() -> None:
     entry = zoo.get("gpt-mini")
     model, example_inputs = zoo.build("gpt-mini", **entry.tiny_overrides)
     cluster = parse_cluster("1x2:v100")
-    chain = cost_model(model, example_inputs, cluster).chain
+    chain = costed_model(model, example_inputs, cluster).chain
     free = partition(chain, cluster, 64)
     assert free.world_size == 2
     every = partition(chain, cluster, 64, all_devices=True)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fxpipe.plan import Plan, StagePlan
+from fxpipe.core.plan import Plan, StagePlan
 from fxpipe.runtime.batchcheck import (
     BatchMismatchError,
     check_batch_mode,

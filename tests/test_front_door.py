@@ -12,7 +12,7 @@ from torch import nn
 import fxpipe
 from fxpipe.passes import trace
 from fxpipe.passes.codegen import split_for_plan
-from fxpipe.passes.partition import LayoutError
+from fxpipe.passes.partition.dapple import LayoutError
 from fxpipe.planning import plan_model
 
 
@@ -87,8 +87,8 @@ def test_forced_layout_deeper_than_the_model_fails_in_the_planner(cell: type[nn.
 
 
 def test_parameter_groups_join_parameter_less_blocks_to_the_previous_group() -> None:
-    from fxpipe.passes.block_partition import parameter_groups
-    from fxpipe.passes.chain import SharedParam
+    from fxpipe.core.chain import SharedParam
+    from fxpipe.passes.partition.block_partition import parameter_groups
     from tests.planner_cases import chain
 
     assert parameter_groups(chain([1.0] * 5, [0, 5, 0, 5, 0])) == [3, 5]
@@ -170,7 +170,7 @@ def test_cli_plans_at_markers_and_the_file_simulates(factory_folder: Any,
                            "--layout", "markers", "--json", "marked.json"], capsys)
     assert (code, err) == (0, ""), err
     assert "planner=markers" in out
-    from fxpipe.planfile import load_plan_file
+    from fxpipe.core.planfile import load_plan_file
 
     plan, chain, _ = load_plan_file(factory_folder / "marked.json")
     assert plan.num_stages == 2 and chain is not None and plan.num_blocks == chain.num_blocks
@@ -181,7 +181,7 @@ def test_cli_plans_at_markers_and_the_file_simulates(factory_folder: Any,
 
 
 def fxpipe_plan_model(path: Any) -> str:
-    from fxpipe.plan import Plan
+    from fxpipe.core.plan import Plan
 
     return Plan.load(path).model
 
@@ -228,7 +228,7 @@ def test_compile_names_the_model_a_foreign_plan_was_made_for() -> None:
 @pytest.mark.parametrize("text, kind", [("auto", "auto"), ("markers", "markers"), ("3:1", "layout"), ("dp", "layout"),
                                         ("plan.json", "file"), ("runs/plan", "file")])
 def test_plan_arguments_are_classified(text: str, kind: str) -> None:
-    from fxpipe.plan import plan_argument_kind
+    from fxpipe.core.plan import plan_argument_kind
 
     assert plan_argument_kind(text) == kind
 
@@ -312,7 +312,7 @@ def test_every_planner_gives_every_stage_parameters(model_name: str) -> None:
 
 
 def test_parameter_reads_move_next_to_their_first_reader() -> None:
-    from fxpipe.costgraph import CostGraph, CostNode
+    from fxpipe.core.costgraph import CostGraph, CostNode
     from fxpipe.planning import parameter_reads_at_first_use
 
     graph = CostGraph((CostNode("w0", op="get_attr:w0", param_bytes=4), CostNode("w1", op="get_attr:w1", param_bytes=4),

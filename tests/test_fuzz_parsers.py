@@ -25,17 +25,17 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fxpipe import models
-from fxpipe.cluster import Cluster, ClusterSpecError, compact_cluster, parse_cluster
-from fxpipe.costgraph import Affine, CostGraph, CostGraphError, CostNode
-from fxpipe.passes.chain import Block, ChainError, CostChain, SharedParam, build_chain
-from fxpipe.passes.partition import parse_layout
-from fxpipe.passes.plan_scoring import LayoutError, PlanningError, PlanRequest, check_request
+from fxpipe.core.chain import Block, ChainError, CostChain, SharedParam, build_chain
+from fxpipe.core.cluster import Cluster, ClusterSpecError, compact_cluster, parse_cluster
+from fxpipe.core.costgraph import Affine, CostGraph, CostGraphError, CostNode
+from fxpipe.core.plan import BaselineResult, Plan, PlanError, Prediction, StagePlan, plan_from_dict
+from fxpipe.core.planfile import chain_from_json, chain_to_json, load_plan_file, save_plan_file
+from fxpipe.core.schedule import Action, Op, Schedule, ScheduleError, make_schedule, validate_schedule
+from fxpipe.passes.partition.dapple import parse_layout
+from fxpipe.passes.partition.request import LayoutError, PlanningError, PlanRequest, check_request
 from fxpipe.passes.profiles_io import ProfileFormatError, parse_profile_text
-from fxpipe.passes.trace import TraceError, trace
 from fxpipe.passes.trace_inputs import ExampleInputsTypeError
-from fxpipe.plan import BaselineResult, Plan, PlanError, Prediction, StagePlan, plan_from_dict
-from fxpipe.planfile import chain_from_json, chain_to_json, load_plan_file, save_plan_file
-from fxpipe.schedule import Action, Op, Schedule, ScheduleError, make_schedule, validate_schedule
+from fxpipe.passes.tracing import TraceError, trace
 
 torch.set_num_threads(1)
 # FXPIPE_FUZZ_SCALE=10 runs ten times more examples (a longer local hunt); CI keeps the default.
@@ -155,7 +155,9 @@ def valid_plans(draw: st.DrawFn) -> Plan:
     num_microbatches = draw(st.integers(1, 8))
     predicted = draw(st.none() | st.builds(Prediction, finite, finite, finite, finite, finite))
     baselines = draw(st.dictionaries(st.sampled_from(["gpipe", "dp", "pipedream"]),
-                                     st.builds(BaselineResult, names, finite, st.integers(0, 8), st.booleans(), names),
+                                     st.builds(BaselineResult, names, finite, st.integers(0, 8), st.just(True), names)
+                                     | st.builds(BaselineResult, names, st.none(), st.integers(0, 8), st.just(False),
+                                                 names),
                                      max_size=2))
     return Plan(num_microbatches * draw(st.integers(max(replicas), 6)), num_microbatches, tuple(stages),
                 schedule=draw(st.sampled_from(["early_backward", "gpipe"])), warmup_policy=draw(st.sampled_from("AB")),

@@ -12,13 +12,13 @@ from torch import fx, nn
 
 import fxpipe
 from fxpipe.cli import main as cli_main
-from fxpipe.cluster import parse_cluster
+from fxpipe.core.chain import build_chain
+from fxpipe.core.cluster import parse_cluster
+from fxpipe.core.plan import Plan
 from fxpipe.passes import annotate_costs, to_cost_graph, trace
-from fxpipe.passes.chain import build_chain
 from fxpipe.passes.codegen import CodegenError, split_stages
 from fxpipe.passes.costs import CostAnnotationError
-from fxpipe.plan import Plan
-from fxpipe.planning import cost_model, plan_chain
+from fxpipe.planning import costed_model, plan_chain
 from tests.mp_utils import join_world, leave_world, run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -87,7 +87,7 @@ def _plans(name: str) -> list[Plan]:
     """The plan of every layout, as compile(plan=layout) makes it on rank 0, from one costed chain."""
     model, example_inputs = hf_examples.HF_FACTORIES[name]()
     cluster = parse_cluster(f"local:{WORLD_SIZE}")
-    chain = cost_model(model, example_inputs, cluster).chain
+    chain = costed_model(model, example_inputs, cluster).chain
     return [plan_chain(chain, cluster, GLOBAL_BATCH, layout=None if layout == "auto" else layout)
             for layout in LAYOUTS]
 

@@ -6,12 +6,17 @@ import dataclasses
 
 import pytest
 
-from fxpipe.cluster import Cluster, DeviceSpec, LinkSpec
-from fxpipe.costgraph import Affine
-from fxpipe.latency import analytic_iteration_time, pipeline_latency, pivot_stage, stage_times
-from fxpipe.passes.chain import Block, CostChain
-from fxpipe.plan import Plan, StagePlan
-from fxpipe.stagecost import message_seconds
+from fxpipe.core.chain import Block, CostChain
+from fxpipe.core.cluster import Cluster, DeviceSpec, LinkSpec
+from fxpipe.core.costgraph import Affine
+from fxpipe.core.plan import Plan, StagePlan
+from fxpipe.passes.partition.latency import (
+    analytic_iteration_time,
+    pipeline_latency,
+    pivot_stage,
+    stage_times,
+)
+from fxpipe.sim.stagecost import message_seconds
 
 
 def test_pivot_is_the_last_of_equal_stages() -> None:
@@ -69,7 +74,7 @@ def test_message_seconds_count_the_busiest_replicas_pieces(replicas: tuple[int, 
 
 @pytest.mark.parametrize("layout", ["1:1", "3:1", "2:2", "1:2:1"])
 def test_the_planners_model_counts_messages_like_the_plan_level_model(layout: str) -> None:
-    from fxpipe.passes.partition import partition
+    from fxpipe.passes.partition.dapple import partition
 
     device = DeviceSpec("t", 2**34, (("float32", 1e12),), 1e11)
     net = Cluster("t", 1, 4, device, LinkSpec(2.0**30, 2.0**-12), LinkSpec(2.0**30), message_overhead_s=2.0**-9)
@@ -85,7 +90,7 @@ def test_the_planners_model_counts_messages_like_the_plan_level_model(layout: st
 
 def _tied_chain(num_blocks: int, tied_bytes: int, cut_bytes_per_row: float = 2.0**8,
                 param_bytes: int = 2**16) -> CostChain:
-    from fxpipe.passes.chain import SharedParam
+    from fxpipe.core.chain import SharedParam
 
     block = Block("b", (), Affine(2.0**-8, 2.0**-6), Affine(2.0**-8, 2.0**-5), param_bytes, Affine(0, 2.0**10))
     return CostChain((block,) * num_blocks, (Affine(0, cut_bytes_per_row),) * (num_blocks - 1),
@@ -93,7 +98,7 @@ def _tied_chain(num_blocks: int, tied_bytes: int, cut_bytes_per_row: float = 2.0
 
 
 def test_tied_parameters_are_one_allreduce_after_their_last_stage() -> None:
-    from fxpipe.simulate import simulate
+    from fxpipe.sim.simulate import simulate
 
     device = DeviceSpec("t", 2**34, (("float32", 1e12),), 1e11)
     net = Cluster("t", 1, 2, device, LinkSpec(2.0**20), LinkSpec(2.0**20))
@@ -112,9 +117,9 @@ def test_tied_parameters_are_one_allreduce_after_their_last_stage() -> None:
 def test_exhaustive_lower_bound_holds_with_tied_parameters(seed: int) -> None:
     import random
 
-    from fxpipe.passes.candidates import CostModel, build_plan
-    from fxpipe.passes.exhaustive import _lower_bound, exhaustive_candidates
-    from fxpipe.simulate import simulate
+    from fxpipe.passes.partition.candidates import CandidateCosts, build_plan
+    from fxpipe.passes.partition.exhaustive import _lower_bound, exhaustive_candidates
+    from fxpipe.sim.simulate import simulate
 
     rng = random.Random(seed)
     device = DeviceSpec("t", 2**34, (("float32", 1e12),), 1e11)
@@ -123,7 +128,7 @@ def test_exhaustive_lower_bound_holds_with_tied_parameters(seed: int) -> None:
     net = Cluster("t", 1, 4, device, LinkSpec(2.0**27, 1e-5), LinkSpec(2.0**27, 1e-5),
                   message_overhead_s=rng.choice([0.0, 1e-4]))
     chain = _tied_chain(rng.randint(3, 5), 2**22, param_bytes=rng.choice([2**20, 2**21]))
-    model = CostModel(chain, net, 16, "adam", 2**40)
+    model = CandidateCosts(chain, net, 16, "adam", 2**40)
     for candidate in exhaustive_candidates(model, [2, 4, 8], None):
         plan = build_plan(model, candidate, schedule="early_backward", warmup_policy="A", planner="test")
         assert _lower_bound(model, candidate) <= simulate(plan, chain, net).iteration_time_s * (1 + 1e-12)

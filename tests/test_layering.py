@@ -1,16 +1,25 @@
-"""Planning and execution stay apart: only fxpipe/runtime/ imports torch.distributed."""
+"""The layering holds: only fxpipe/runtime/ imports torch.distributed, imports only go down
+(core < sim < passes < front door; runtime imports core only) and no import cycle exists, counting
+lazy (function-level) and TYPE_CHECKING imports."""
 
 from __future__ import annotations
 
 import ast
 import subprocess
 import sys
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE_DIRS = ("fxpipe", "passes", "models")
+# Source folder -> the package it installs as (pyproject's package-dir); the import graph covers these.
+GRAPH_PACKAGES = {"fxpipe": "fxpipe", "passes": "fxpipe.passes"}
+# Layer rank by module prefix, most specific first; anything else under fxpipe is the front door.
+LAYERS = (("fxpipe.core", 0), ("fxpipe.sim", 1), ("fxpipe.passes", 2), ("fxpipe.runtime", 3))
+FRONT_DOOR = 4
+RUNTIME_MAY_IMPORT = ("fxpipe.core", "fxpipe.runtime")
 
 
 def _imports_torch_distributed(path: Path) -> list[int]:
@@ -33,6 +42,149 @@ def _source_files() -> list[Path]:
     return sorted(p for d in PACKAGE_DIRS for p in (ROOT / d).rglob("*.py"))
 
 
+def module_files(root: Path) -> dict[str, Path]:
+    """Dotted module name -> file, for every module of fxpipe/ and passes/ under ``root``."""
+    modules = {}
+    for folder, package in GRAPH_PACKAGES.items():
+        for path in sorted((root / folder).rglob("*.py")):
+            parts = path.relative_to(root / folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join((package, *parts))] = path
+    return modules
+
+
+def _imported_names(tree: ast.AST) -> Iterator[tuple[str, int]]:
+    # ast.walk sees every import: top level, inside functions and under `if TYPE_CHECKING:`.
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from ((alias.name, node.lineno) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module, node.lineno
+            yield from ((f"{node.module}.{alias.name}", node.lineno) for alias in node.names)
+
+
+def import_graph(root: Path) -> dict[str, dict[str, int]]:
+    """Module -> {imported module of ours: first line}. `from a import b` counts as importing a.b when
+    a.b is a module, else as importing a; a module importing its own package is not an edge."""
+    modules = module_files(root)
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in modules.items():
+        edges: dict[str, int] = {}
+        for imported, line in _imported_names(ast.parse(path.read_text(), filename=str(path))):
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name and not name.startswith(imported + "."):
+                edges.setdefault(imported, line)
+        graph[name] = edges
+    return graph
+
+
+def layer_of(module: str) -> int:
+    for prefix, rank in LAYERS:
+        if module == prefix or module.startswith(prefix + "."):
+            return rank
+    return FRONT_DOOR
+
+
+def _within(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == prefix or module.startswith(prefix + ".") for prefix in prefixes)
+
+
+def upward_edges(graph: Mapping[str, Mapping[str, int]]) -> list[str]:
+    """Edges that point up the layer order, or out of the runtime to anything but core."""
+    bad = []
+    for module, edges in sorted(graph.items()):
+        for imported, line in sorted(edges.items()):
+            runtime_escape = _within(module, ("fxpipe.runtime",)) and not _within(imported, RUNTIME_MAY_IMPORT)
+            if layer_of(imported) > layer_of(module) or runtime_escape:
+                bad.append(f"{module} (line {line}) -> {imported}")
+    return bad
+
+
+def import_cycles(graph: Mapping[str, Mapping[str, int]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, successors = work[-1]
+            successor = next((s for s in successors if s in graph), None)
+            if successor is not None and successor not in index:
+                index[successor] = low[successor] = len(index)
+                stack.append(successor)
+                on_stack.add(successor)
+                work.append((successor, iter(sorted(graph[successor]))))
+            elif successor is not None:
+                if successor in on_stack:
+                    low[node] = min(low[node], index[successor])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        components.append(sorted(component))
+    return sorted(components)
+
+
+def test_cycle_finder_and_layer_rules_on_a_planted_graph() -> None:
+    graph = {
+        "fxpipe.core.a": {"fxpipe.sim.b": 3},  # upward, and a cycle with sim.b
+        "fxpipe.sim.b": {"fxpipe.core.a": 1},
+        "fxpipe.runtime.c": {"fxpipe.passes.d": 2, "fxpipe.core.a": 4},  # runtime -> passes is banned
+        "fxpipe.passes.d": {"fxpipe.core.a": 1},
+        "fxpipe.api": {"fxpipe.runtime.c": 1, "fxpipe.passes.d": 2},
+    }
+    assert import_cycles(graph) == [["fxpipe.core.a", "fxpipe.sim.b"]]
+    assert upward_edges(graph) == ["fxpipe.core.a (line 3) -> fxpipe.sim.b",
+                                   "fxpipe.runtime.c (line 2) -> fxpipe.passes.d"]
+
+
+def test_import_graph_sees_lazy_and_type_checking_imports(tmp_path: Path) -> None:
+    (tmp_path / "fxpipe" / "core").mkdir(parents=True)
+    (tmp_path / "passes").mkdir()
+    (tmp_path / "fxpipe" / "__init__.py").write_text("")
+    (tmp_path / "fxpipe" / "core" / "__init__.py").write_text("")
+    (tmp_path / "passes" / "__init__.py").write_text("")
+    (tmp_path / "passes" / "x.py").write_text("")
+    (tmp_path / "fxpipe" / "core" / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fxpipe.passes.x import thing\n"
+        "def f():\n    from fxpipe.passes import x\n    import fxpipe.api\n")
+    (tmp_path / "fxpipe" / "api.py").write_text("from fxpipe.core import a\n")
+    graph = import_graph(tmp_path)
+    assert graph["fxpipe.core.a"] == {"fxpipe.passes.x": 3, "fxpipe.passes": 5, "fxpipe.api": 6}
+    assert import_cycles(graph) == [["fxpipe.api", "fxpipe.core.a"]]
+
+
+def test_imports_only_go_down_the_layers() -> None:
+    bad = upward_edges(import_graph(ROOT))
+    assert not bad, "imports that point up the layers (core < sim < passes < front door; runtime imports " \
+        "core only); move the shared code down a layer:\n" + "\n".join(bad)
+
+
+def test_no_import_cycles() -> None:
+    cycles = import_cycles(import_graph(ROOT))
+    assert not cycles, "import cycles (lazy and TYPE_CHECKING imports count): " + "; ".join(
+        " <-> ".join(cycle) for cycle in cycles)
+
+
 @pytest.mark.parametrize("path", _source_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_only_runtime_imports_torch_distributed(path: Path) -> None:
     if path.is_relative_to(ROOT / "fxpipe" / "runtime"):
@@ -43,16 +195,30 @@ def test_only_runtime_imports_torch_distributed(path: Path) -> None:
 
 def test_planning_import_does_not_load_torch_distributed_modules_of_ours() -> None:
     code = (
-        "import sys, fxpipe, fxpipe.plan, fxpipe.schedule, fxpipe.cluster, fxpipe.passes.chain\n"
+        "import sys, fxpipe, fxpipe.core.plan, fxpipe.core.schedule, fxpipe.core.cluster, fxpipe.core.chain\n"
+        "import fxpipe.sim.simulate, fxpipe.passes.partition.dapple\n"
         "bad = [m for m in sys.modules if m.startswith('fxpipe.runtime')]\n"
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_light_imports_stay_light() -> None:
+    """Core data and the simulator load without torch; fxpipe.passes and the runtime's step timer
+    load neither the planner nor the tracer."""
+    code = (
+        "import sys, fxpipe.core.chain, fxpipe.core.planfile, fxpipe.sim.simulate\n"
+        "assert 'torch' not in sys.modules, 'core/sim pulled in torch'\n"
+        "import fxpipe.passes, fxpipe.runtime.measure\n"
+        "heavy = [m for m in sys.modules if m.startswith(('fxpipe.passes.', 'fxpipe.api', 'fxpipe.planning'))]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_every_fxpipe_module_imports_first_in_a_fresh_interpreter() -> None:
-    """No import cycle depends on which module a user imports first (fxpipe.latency once did)."""
-    names = sorted(f"fxpipe.{p.stem}" for p in (ROOT / "fxpipe").glob("*.py") if p.stem not in ("__init__", "__main__"))
+    """No import cycle depends on which module a user imports first (the latency model once did)."""
+    names = sorted(name for name in module_files(ROOT) if not name.endswith("__main__"))
     code = ("import importlib, sys\nfailed = []\nfor name in sys.argv[1:]:\n"
             "    for loaded in [m for m in sys.modules if m == 'fxpipe' or m.startswith('fxpipe.')]:\n"
             "        del sys.modules[loaded]\n"

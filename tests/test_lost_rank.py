@@ -215,7 +215,8 @@ JOB = textwrap.dedent("""
     torch.set_num_threads(1)
     import fxpipe
     from fxpipe import models as zoo
-    from fxpipe.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from fxpipe.core.checkpoint import latest_checkpoint
+    from fxpipe.runtime.checkpoint_io import load_checkpoint, save_checkpoint
     from fxpipe.passes import trace
     from tests.mp_utils import plan_from_cuts
 

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from fxpipe.cluster import parse_cluster
-from fxpipe.plan import Plan, StagePlan
+from fxpipe.core.cluster import parse_cluster
+from fxpipe.core.plan import Plan, StagePlan
 from fxpipe.runtime.errors import PipelineSetupError
 from fxpipe.runtime.topology import (
     NODE_ENV,

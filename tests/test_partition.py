@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from planner_cases import GiB, chain, cluster, random_case
 
-from fxpipe.passes.partition import PLANNERS, InfeasiblePlanError, LayoutError, PlanningError, partition
+from fxpipe.core.plan import BaselineResult, Plan, PlanError
+from fxpipe.passes.partition.dapple import (
+    PLANNERS,
+    InfeasiblePlanError,
+    LayoutError,
+    PlanningError,
+    partition,
+)
+from fxpipe.report import baseline_table
 
 torch.set_num_threads(1)
 
@@ -113,3 +123,20 @@ def test_bad_requests_name_the_value(kwargs: dict[str, object], match: str) -> N
     with pytest.raises(PlanningError, match=match):
         partition(chain([1.0, 1.0, 1.0], [0, 0, 0]), cluster(1, 4), 16, **kwargs)  # type: ignore[arg-type]
     assert issubclass(LayoutError, ValueError)
+
+
+def test_plan_json_is_byte_identical_and_infeasible_baselines_are_null() -> None:
+    # DP holds both 1 GB blocks (with Adam state) on each 6 GiB device: it does not fit; a 1:1 pipeline does.
+    case = (chain([1.0, 1.0], [10**9, 10**9]), cluster(1, 2, memory_gib=6), 8)
+    first, second = (partition(*case, compare=True) for _ in range(2))
+    assert first.planning_time_s > 0 and second.planning_time_s > 0
+    assert first.to_json() == second.to_json()  # byte-identical: the run's timing is not in the plan
+    data = json.loads(first.to_json())
+    assert "planning_time_s" not in data
+    assert first.layout == "1:1" and data["baselines"]["dp"]["iteration_time_s"] is None
+    assert data["baselines"]["dp"]["feasible"] is False
+    assert Plan.from_json(first.to_json()) == first
+    dp_row = next(line for line in baseline_table(first).splitlines() if line.startswith("dp "))
+    assert "infeasible" in dp_row
+    with pytest.raises(PlanError, match="infeasible baseline has no time"):
+        first.with_updates(baselines=(("dp", BaselineResult("", 0.0, feasible=False)),))

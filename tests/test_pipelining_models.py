@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.pipelining import pipe_split
 
 import fxpipe
-from fxpipe.cluster import parse_cluster
+from fxpipe.core.cluster import parse_cluster
 from fxpipe.passes.markers import MarkerError
 from fxpipe.planning import plan_markers
 from tests.mp_utils import join_world, leave_world, run_ranks

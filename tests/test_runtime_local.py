@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from fxpipe import models as zoo
+from fxpipe.core.plan import Plan, StagePlan
+from fxpipe.core.schedule import Action, Op
 from fxpipe.passes import trace
 from fxpipe.passes.codegen import split_for_plan
-from fxpipe.plan import Plan, StagePlan
 from fxpipe.runtime.comm import (
     PACK_ALIGN,
     MessageKind,
@@ -24,7 +25,6 @@ from fxpipe.runtime.comm import (
 from fxpipe.runtime.driver import check_world, lowered_actions
 from fxpipe.runtime.errors import CommunicationError, PipelineSetupError
 from fxpipe.runtime.stage import infer_value_dtypes, rebuild_tree
-from fxpipe.schedule import Action, Op
 from tests.mp_utils import plan_from_cuts
 
 torch.set_num_threads(1)

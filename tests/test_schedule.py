@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fxpipe.schedule import (
+from fxpipe.core.schedule import (
     Action,
     Op,
     Schedule,
@@ -156,3 +156,20 @@ def test_lower_adds_transfers_and_allreduce() -> None:
     lowered = lower(gpipe(2, 1))
     assert [str(a) for a in lowered[0]] == ["F0", "SA0", "RG0", "B0", "AR"]
     assert [str(a) for a in lowered[1]] == ["RA0", "F0", "B0", "SG0", "AR"]
+
+
+def test_one_schedule_registry_feeds_plans_the_cli_and_compile() -> None:
+    from fxpipe.api import _schedule_name
+    from fxpipe.cli import _build_parser
+    from fxpipe.core.schedule import SCHEDULES, schedule_name
+
+    choices = next(action.choices for sub in _build_parser()._subparsers._group_actions  # type: ignore[union-attr]
+                   for action in sub.choices["plan"]._actions if action.dest == "schedule")
+    assert sorted(choices) == sorted(SCHEDULES)
+    for name, kind in SCHEDULES.items():
+        built = make_schedule(name, 3, 4, "B")
+        validate_schedule(built)
+        assert all(schedule_name(alias) == name == _schedule_name(alias) for alias in (name, *kind.aliases))
+        # all_in_flight says every stage runs all forwards before its first backward
+        firsts = [[action.op for action in stage].index(Op.BACKWARD) for stage in built.per_stage]
+        assert kind.all_in_flight == all(first == 4 for first in firsts)

@@ -12,15 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from fxpipe.cluster import Cluster, DeviceSpec, LinkSpec
-from fxpipe.costgraph import Affine
-from fxpipe.latency import analytic_iteration_time
-from fxpipe.passes.chain import Block, CostChain, SharedParam
-from fxpipe.plan import Plan, StagePlan
-from fxpipe.schedule import ScheduleError, early_backward, gpipe, lower, make_schedule, warmup_forwards
-from fxpipe.simulate import SimulationResult, simulate, to_chrome_trace, write_chrome_trace
-from fxpipe.simulate_events import ReplicaSpec, encode_program
-from fxpipe.stagecost import stage_cost, stage_memory_bytes
+from fxpipe.core.chain import Block, CostChain, SharedParam
+from fxpipe.core.cluster import Cluster, DeviceSpec, LinkSpec
+from fxpipe.core.costgraph import Affine
+from fxpipe.core.plan import Plan, StagePlan
+from fxpipe.core.schedule import ScheduleError, early_backward, gpipe, lower, make_schedule, warmup_forwards
+from fxpipe.passes.partition.latency import analytic_iteration_time
+from fxpipe.sim.chrome_trace import to_chrome_trace, write_chrome_trace
+from fxpipe.sim.events import ReplicaSpec, encode_program
+from fxpipe.sim.simulate import SimulationResult, simulate
+from fxpipe.sim.stagecost import stage_cost, stage_memory_bytes
 
 DEVICE = DeviceSpec("test", 2**34, (("float32", 1e12),), 1e11)
 # Dyadic numbers (1/16, 1/8, ...) keep every sum exact, so closed forms can be compared with ==.
@@ -198,7 +199,7 @@ def test_schedule_must_match_plan() -> None:
 
 def reference_iteration_time(plan: Plan, chain: CostChain, net: Cluster) -> float:
     """A naive re-implementation (one heap event per action, no run-ahead, no sharing) of the same model."""
-    from fxpipe.simulate import _Node, _replica_specs  # the same inputs, a different engine
+    from fxpipe.sim.simulate import _Node, _replica_specs  # the same inputs, a different engine
 
     nodes: dict[tuple[int, int], _Node] = _replica_specs(plan, chain, net)
     keys = sorted(nodes)
@@ -316,7 +317,7 @@ def test_message_overhead_on_a_straight_pipeline_is_exact() -> None:
 
 @pytest.mark.parametrize("seed", range(20))
 def test_shared_component_runs_are_exact(seed: int) -> None:
-    from fxpipe import simulate as module
+    from fxpipe.sim import simulate as module
 
     plan, chain, net = load_benchmark().random_case(1000 + seed)
     nodes = module._replica_specs(plan, chain, net)
@@ -335,7 +336,11 @@ def test_replica_spec_is_hashable_for_sharing() -> None:
 
 def test_analytic_error_distribution_on_random_plans() -> None:
     """Documented in fxpipe/latency.py: the formula is a screen, the simulator the judge."""
-    from fxpipe.latency import ANALYTIC_MEAN_ERROR, ANALYTIC_MEDIAN_ERROR, ANALYTIC_WORST_ERROR
+    from fxpipe.passes.partition.latency import (
+        ANALYTIC_MEAN_ERROR,
+        ANALYTIC_MEDIAN_ERROR,
+        ANALYTIC_WORST_ERROR,
+    )
 
     errors = load_benchmark().relative_errors(200, 0)
     assert statistics.median(errors) <= ANALYTIC_MEDIAN_ERROR

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from fxpipe.cluster import Cluster, DeviceSpec, LinkSpec
-from fxpipe.costgraph import Affine
-from fxpipe.passes.block_partition import coarsen_chain
-from fxpipe.passes.chain import Block, CostChain, SharedParam
-from fxpipe.stagecost import (
+from fxpipe.core.chain import Block, CostChain, SharedParam
+from fxpipe.core.cluster import Cluster, DeviceSpec, LinkSpec
+from fxpipe.core.costgraph import Affine
+from fxpipe.passes.partition.block_partition import coarsen_chain
+from fxpipe.sim.stagecost import (
     allreduce_time,
     compute_times,
     optimizer_factor,
@@ -94,7 +94,7 @@ def test_allreduce_matches_the_ring_formula() -> None:
 
 
 def test_shared_rows_equals_every_overlapping_pair() -> None:
-    from fxpipe.plan import row_ranges, shared_rows
+    from fxpipe.core.plan import row_ranges, shared_rows
 
     for num_rows in range(1, 30):
         for num_senders in range(1, min(num_rows, 7) + 1):

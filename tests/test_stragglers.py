@@ -1,4 +1,4 @@
-"""Expected iteration time under per-device speed draws (fxpipe.stragglers): exact small cases and oracles."""
+"""Expected iteration time under per-device speed draws (fxpipe.sim.stragglers): exact small cases and oracles."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import statistics
 
 import pytest
 
-from fxpipe.simulate import simulate
-from fxpipe.stragglers import SpeedSpread, StragglerEstimate, expected_iteration_time
+from fxpipe.sim.simulate import simulate
+from fxpipe.sim.stragglers import SpeedSpread, StragglerEstimate, expected_iteration_time
 from tests.test_simulate import BACKWARD_PER_ROW, FORWARD_PER_ROW, cluster, plan_of, uniform_chain
 
 

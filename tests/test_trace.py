@@ -1,4 +1,4 @@
-"""Tests for fxpipe.passes.trace: both front ends against eager outputs and gradients, meta, errors."""
+"""Tests for fxpipe.passes.tracing: both front ends against eager outputs and gradients, meta, errors."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_leaves
 
 import fxpipe.models as zoo
-from fxpipe.passes.trace import ExampleInputsTypeError, TraceError, trace
+from fxpipe.passes.tracing import ExampleInputsTypeError, TraceError, trace
 
 torch.set_num_threads(1)
 
@@ -463,7 +463,7 @@ def test_unknown_frontend_is_rejected() -> None:
 
 def test_package_attribute_stays_callable_after_submodule_import() -> None:
     import fxpipe.passes
-    import fxpipe.passes.trace  # noqa: F401  (rebinds fxpipe.passes.trace to the submodule)
+    import fxpipe.passes.tracing  # noqa: F401  (rebinds fxpipe.passes.tracing to the submodule)
     from fxpipe.passes import trace as package_trace
 
     gm = package_trace(Stack(), torch.randn(3, 8))

@@ -14,7 +14,7 @@ from fxpipe.runtime.comm import PeerExchange, Pending
 from fxpipe.runtime.errors import BatchShapeError, PipelineSetupError
 
 if TYPE_CHECKING:
-    from fxpipe.passes.codegen import SplitProgram
+    from fxpipe.core.program import SplitProgram
 
 CHECK_MODES = ("first", "always", "off")
 NUM_CHECKED_FIRST_STEPS = 2  # "first" also fingerprints the data whenever the shapes change

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from fxpipe.plan import Plan
+from fxpipe.core.plan import Plan
 from fxpipe.runtime.errors import PipelineSetupError
 
 BATCH_NORM_MODES = ("microbatch", "deferred", "sync")

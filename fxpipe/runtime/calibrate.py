@@ -16,13 +16,14 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from fxpipe.core.cluster import LocalMachine, register_local_probe
+from fxpipe.core.hardware import Calibration, gpu_preset
 from fxpipe.runtime.calibrate_measure import DEVICE_KEYS, LINK_KEYS, measure_device, measure_pair_link
 
 # 5: sections (device, link) with their own age, per device kind; links measured over the process group.
@@ -33,19 +34,6 @@ CALIBRATION_MAX_AGE_S = 7 * 24 * 3600.0
 
 class CalibrationError(RuntimeError):
     """A calibration measurement failed; callers turn it into a warning and default figures."""
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """Measured (or cached) figures; ``None`` where nothing was measured and defaults apply.
-
-    ``device``: keys of ``DEVICE_KEYS``; ``links``: keys of ``LINK_KEYS``; ``source`` says where each
-    came from, for the cluster's description.
-    """
-
-    device: dict[str, float] | None
-    links: dict[str, float] | None
-    source: str
 
 
 def device_kind(device: torch.device) -> str:
@@ -259,3 +247,18 @@ def calibrate(device: torch.device, *, collective: bool = False, refresh: bool =
     if collective and dist.is_initialized():
         return calibrate_group(device, refresh=refresh, need_device=need_device)
     return calibrate_here(device, refresh=refresh, need_device=need_device)
+
+
+def probe_local_machine(*, measure: bool, collective: bool, refresh: bool) -> LocalMachine:
+    """This machine for the ``local`` cluster (see :func:`fxpipe.core.cluster.local_cluster`): its GPUs and,
+    when ``measure``, calibrated figures (a GPU with a datasheet preset measures links only)."""
+    device = local_device(collective)
+    gpu = gpu_properties(device) if device.type == "cuda" else None
+    known_gpu = gpu is not None and gpu_preset(gpu[0], gpu[1]) is not None  # its datasheet figures are used
+    measured = (calibrate(device, collective=collective, refresh=refresh, need_device=not known_gpu)
+                if measure else None)
+    return LocalMachine(gpu, measured)
+
+
+# Core never imports the runtime; the runtime hands it the way to measure this machine.
+register_local_probe(probe_local_machine)

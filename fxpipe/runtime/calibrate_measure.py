@@ -159,7 +159,7 @@ def measure_pair_link(rank: int, device: torch.device, group: dist.ProcessGroup 
     """Link figures between global ranks 0 and 1 (call on both; ``group`` holds just those two).
 
     Latency (s) and bandwidth (B/s) of send/recv and of a two-rank allreduce (what
-    :meth:`fxpipe.cluster.Cluster.allreduce_time`'s ring formula needs to give the measured times), and
+    :meth:`fxpipe.core.cluster.Cluster.allreduce_time`'s ring formula needs to give the measured times), and
     the seconds each end spends on a message of its own time (``message_overhead``; 0 on CUDA, where
     copy engines move the data).
     """

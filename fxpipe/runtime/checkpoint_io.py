@@ -11,7 +11,7 @@ import uuid
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -22,11 +22,12 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.futures import Future
 
-from fxpipe.checkpoint import (
+from fxpipe.core.checkpoint import (
     DCP_METADATA_NAME,
     FORMAT_NAME,
     FORMAT_VERSION,
     MODEL_PREFIX,
+    CheckpointablePipe,
     CheckpointError,
     check_fingerprint,
     file_checksum,
@@ -38,9 +39,6 @@ from fxpipe.checkpoint import (
     write_manifest,
 )
 from fxpipe.runtime.comm import broadcast_text
-
-if TYPE_CHECKING:
-    from fxpipe.api import PipelinedModule
 
 T = TypeVar("T")
 
@@ -95,7 +93,7 @@ class _RecordingWriter(FileSystemWriter):
         return super().write_data(plan, planner)
 
 
-def save_checkpoint(pipe: PipelinedModule, directory: str | Path, *, optimizer: torch.optim.Optimizer | None = None,
+def save_checkpoint(pipe: CheckpointablePipe, directory: str | Path, *, optimizer: torch.optim.Optimizer | None = None,
                     step: int = 0, extra: Mapping[str, Any] | None = None) -> Path:
     """Save this rank's parameters, buffers, optimizer state and RNG state; every rank calls it.
 
@@ -127,7 +125,7 @@ def save_checkpoint(pipe: PipelinedModule, directory: str | Path, *, optimizer: 
     return target
 
 
-def _state_to_save(pipe: PipelinedModule, optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
+def _state_to_save(pipe: CheckpointablePipe, optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
     state = {MODEL_PREFIX + name: tensor for name, tensor in pipe.state_dict().items()}
     if optimizer is not None:
         state.update(_optimizer_entries(pipe, optimizer))
@@ -176,7 +174,7 @@ def _own_checksums(temporary: Path, prefix: str | None) -> dict[str, dict[str, A
     return {name: file_checksum(temporary / name, rank) for name in names}
 
 
-def _publish(pipe: PipelinedModule, temporary: Path, target: Path, optimizer: torch.optim.Optimizer | None,
+def _publish(pipe: CheckpointablePipe, temporary: Path, target: Path, optimizer: torch.optim.Optimizer | None,
              step: int, extra: Mapping[str, Any] | None, checksums: Mapping[str, Any]) -> None:
     """Rank 0: write the manifest last, then rename the finished folder into place."""
     plan = pipe.plan
@@ -215,7 +213,7 @@ def _replace(temporary: Path, target: Path) -> None:
         shutil.rmtree(retired)
 
 
-def _optimizer_entries(pipe: PipelinedModule, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+def _optimizer_entries(pipe: CheckpointablePipe, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """Optimizer state keyed by parameter name: tensors as they are, settings as JSON bytes."""
     names = _optimizer_param_names(pipe, optimizer)
     saved = optimizer.state_dict()
@@ -235,7 +233,7 @@ def _optimizer_entries(pipe: PipelinedModule, optimizer: torch.optim.Optimizer) 
     return entries
 
 
-def _optimizer_param_names(pipe: PipelinedModule, optimizer: torch.optim.Optimizer) -> list[str]:
+def _optimizer_param_names(pipe: CheckpointablePipe, optimizer: torch.optim.Optimizer) -> list[str]:
     """Original names of the optimizer's parameters, in its state_dict index order."""
     by_id = {id(param): name for name, param in pipe.named_parameters()}
     names = []
@@ -269,7 +267,7 @@ def _json_bytes(value: Any, what: str) -> torch.Tensor:
 # ---- load -----------------------------------------------------------------------------------------
 
 
-def load_checkpoint(pipe: PipelinedModule, directory: str | Path, *, optimizer: torch.optim.Optimizer | None = None,
+def load_checkpoint(pipe: CheckpointablePipe, directory: str | Path, *, optimizer: torch.optim.Optimizer | None = None,
                     verify: bool = True) -> dict[str, Any]:
     """Load parameters (and optimizer / RNG state) into this rank's stage; every rank calls it.
 
@@ -299,7 +297,7 @@ def _restore(optimizer: torch.optim.Optimizer | None, names: list[str], state: M
     _restore_rng(state, rank)
 
 
-def _checked_manifest(pipe: PipelinedModule, directory: str | Path, optimizer: torch.optim.Optimizer | None,
+def _checked_manifest(pipe: CheckpointablePipe, directory: str | Path, optimizer: torch.optim.Optimizer | None,
                       verify: bool, reader: SafeFileSystemReader) -> tuple[dict[str, Any], Mapping[str, Any], list[str]]:
     """This rank's checks before loading: a complete manifest, the same model, and (``verify``) its share of files.
 
@@ -395,3 +393,17 @@ def read_tensors(directory: str | Path, entries: Mapping[str, Mapping[str, Any]]
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         _dcp_call(lambda: dcp.load(state, storage_reader=reader, no_dist=True), f"read {str(directory)!r}")
     return state
+
+
+def consolidate(directory: str | Path, *, verify: bool = True) -> dict[str, torch.Tensor]:
+    """One state_dict for the original unsplit model (``model.load_state_dict(sd)`` strict) from a checkpoint.
+
+    Runs offline in one process (no process group); tensors are read weights-only. With ``verify`` (the
+    default) every file's size and sha256 are checked against the manifest first.
+    """
+    manifest = read_manifest(directory, verify)
+    if verify:
+        verify_files(directory, manifest)
+    stored = read_tensors(directory, {MODEL_PREFIX + name: entry for name, entry in manifest["fingerprint"].items()})
+    keys: Mapping[str, str] = manifest["state_dict_keys"]
+    return {key: stored[MODEL_PREFIX + keys[key]] for key in sorted(keys)}

@@ -13,7 +13,7 @@ from enum import IntEnum
 import torch
 import torch.distributed as dist
 
-from fxpipe.plan import row_ranges, shared_rows
+from fxpipe.core.plan import row_ranges, shared_rows
 from fxpipe.runtime.errors import CommunicationError
 from fxpipe.runtime.failures import FailureLog, root_cause_hint
 

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
-from fxpipe import schedule as schedules
-from fxpipe.plan import Plan
+from fxpipe.core import schedule as schedules
+from fxpipe.core.plan import Plan
 from fxpipe.runtime import preemption
 from fxpipe.runtime.batchcheck import BatchChecker, check_shapes
 from fxpipe.runtime.comm import (
@@ -32,13 +32,13 @@ from fxpipe.runtime.comm import (
 )
 from fxpipe.runtime.errors import PipelineSetupError
 from fxpipe.runtime.failures import FailureLog
-from fxpipe.runtime.measure import ActionTimer, SavedActivationMeter, StepStats
+from fxpipe.runtime.measure import ActionTimer, MeasureMode, SavedActivationMeter, StepStats
 from fxpipe.runtime.receives import Inbox, Piece
 from fxpipe.runtime.rows import RowMap
 from fxpipe.runtime.stage import LossFn, StageRunner, infer_value_dtypes, read_local_loss
 
 if TYPE_CHECKING:
-    from fxpipe.passes.codegen import SplitProgram
+    from fxpipe.core.program import SplitProgram
 
 Op = schedules.Op
 
@@ -63,11 +63,9 @@ class _StepState:
 
 
 def lowered_actions(plan: Plan, stage_index: int) -> tuple[schedules.Action, ...]:
-    """This stage's full action list from the plan's schedule (validated when a validator exists)."""
+    """This stage's full action list from the plan's schedule, validated."""
     schedule = schedules.make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, plan.warmup_policy)
-    validate: Callable[..., Any] | None = getattr(schedules, "validate_schedule", None)
-    if validate is not None:
-        validate(schedule)
+    schedules.validate_schedule(schedule)
     return schedules.lower(schedule)[stage_index]
 
 
@@ -126,8 +124,7 @@ class PipelineDriver:
         # Earlier steps' gradients are set aside only when this step's must be reduced or divided on
         # their own; otherwise autograd accumulates into them as in eager (old + new == new + old).
         self._stashes = bool(self.reduce_sets) or loss_reduction == "token_mean"
-        # True: record StepStats (timeline, saved-activation peak) per step; "timeline": the timeline only
-        self.measure: bool | str = False
+        self.measure = MeasureMode.OFF  # what each step records in last_stats (see MeasureMode)
         self.last_stats: StepStats | None = None
         self._meter: SavedActivationMeter | None = None
 
@@ -232,36 +229,37 @@ class PipelineDriver:
         handlers = {Op.RECV_ACTIVATION: self._recv_activation, Op.FORWARD: self._forward,
                     Op.SEND_ACTIVATION: self._send_activation, Op.RECV_GRADIENT: self._recv_gradient,
                     Op.BACKWARD: self._backward, Op.SEND_GRADIENT: self._send_gradient}
-        if self.measure:
-            self._measured_step(state, stash, handlers)
+        if self.measure is MeasureMode.OFF:
+            self._run_actions(state, stash, handlers, None)
         else:
-            for action in self.actions:
-                if action.op is Op.ALLREDUCE:
-                    self._start_allreduce(state)
-                else:
-                    handlers[action.op](state, action.microbatch_index)
-            self._finish(state, stash)
+            self._measured_step(state, stash, handlers)
         return state.loss
+
+    def _run_actions(self, state: _StepState, stash: dict[int, torch.Tensor | None] | None,
+                     handlers: Mapping[Op, Callable[[_StepState, int], None]], timer: ActionTimer | None) -> None:
+        """This rank's actions in schedule order, then the step's end; ``timer`` records each action."""
+        for action in self.actions:
+            started = timer.start() if timer is not None else 0.0
+            if action.op is Op.ALLREDUCE:
+                self._start_allreduce(state)
+            else:
+                handlers[action.op](state, action.microbatch_index)
+            if timer is not None:
+                timer.stop(action, started)
+        self._finish(state, stash)
 
     def _measured_step(self, state: _StepState, stash: dict[int, torch.Tensor | None] | None,
                        handlers: Mapping[Op, Callable[[_StepState, int], None]]) -> None:
         """The same step with a timeline of every action and exact saved-activation bytes (StepStats)."""
         meter: SavedActivationMeter | None = None
-        if self.measure != "timeline":
+        if self.measure is MeasureMode.FULL:
             if self._meter is None:
                 self._meter = SavedActivationMeter.for_parameters(p for _, p in self.runner.parameters())
             meter = self._meter
             meter.reset_peak()
         timer = ActionTimer(self.rank, self.stage_index, synchronize=self.context.device.type == "cuda")
         with meter.measure() if meter is not None else contextlib.nullcontext():
-            for action in self.actions:
-                started = timer.start()
-                if action.op is Op.ALLREDUCE:
-                    self._start_allreduce(state)
-                else:
-                    handlers[action.op](state, action.microbatch_index)
-                timer.stop(action, started)
-            self._finish(state, stash)
+            self._run_actions(state, stash, handlers, timer)
         step_time = timer.start()
         self.last_stats = StepStats(self.rank, self.stage_index, step_time,
                                     meter.peak_bytes if meter is not None else None, tuple(timer.events))
@@ -434,7 +432,7 @@ class PipelineDriver:
     def gather_stats(self) -> list[StepStats]:
         """Every rank's StepStats of the last measured step, by rank (a collective: call on all ranks)."""
         if self.last_stats is None:
-            raise PipelineSetupError("no measured step yet; set measure=True before step()")
+            raise PipelineSetupError("no measured step yet; set pipe.measure = True (or 'timeline') before step()")
         gathered: list[StepStats | None] = [None] * self.context.world_size
         dist.all_gather_object(gathered, self.last_stats)
         return [stats for stats in gathered if stats is not None]

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fxpipe.plan import Plan
+from fxpipe.core.plan import Plan
 from fxpipe.runtime.comm import slice_rows
 
 if TYPE_CHECKING:
-    from fxpipe.passes.codegen import SplitProgram
+    from fxpipe.core.program import SplitProgram
 
 RowRanges = tuple[tuple[int, int], ...]
 

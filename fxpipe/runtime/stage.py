@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fxpipe.runtime.errors import BatchShapeError, PipelineSetupError
 
 if TYPE_CHECKING:
-    from fxpipe.passes.codegen import SplitProgram, StageProgram, ValueSpec
+    from fxpipe.core.program import SplitProgram, StageProgram, ValueSpec
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 

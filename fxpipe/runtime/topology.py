@@ -10,9 +10,10 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from fxpipe.cluster import Cluster, compact_cluster, parse_cluster
-from fxpipe.hardware import ETHERNET_10G_COLLECTIVE, ETHERNET_10G_P2P
-from fxpipe.plan import Plan
+import fxpipe.runtime.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
+from fxpipe.core.cluster import Cluster, compact_cluster, parse_cluster
+from fxpipe.core.hardware import ETHERNET_10G_COLLECTIVE, ETHERNET_10G_P2P
+from fxpipe.core.plan import Plan
 from fxpipe.runtime.errors import PipelineSetupError
 
 # Overrides the node a rank reports (tests, or launchers whose hostnames do not tell nodes apart).

@@ -1,0 +1,1 @@
+"""Plain data below everything else: plans, cost graphs and chains, schedules, clusters, meta keys (no runtime, no planner)."""

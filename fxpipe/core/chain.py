@@ -1,0 +1,266 @@
+"""Cost chain: a cost graph cut into ordered blocks, with the bytes crossing every cut."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass
+
+from fxpipe.core.costgraph import ZERO, Affine, CostGraph
+
+
+@dataclass(frozen=True)
+class Block:
+    """A run of consecutive cost-graph nodes that always stay on one stage."""
+
+    name: str
+    node_names: tuple[str, ...]
+    forward_s: Affine
+    backward_s: Affine
+    param_bytes: int
+    saved_bytes: Affine = ZERO  # activation bytes autograd keeps for backward, per micro-batch slice
+
+
+@dataclass(frozen=True)
+class SharedParam:
+    """A trainable parameter read by several blocks (tied weights); its bytes count in ``blocks[0]``'s ``param_bytes``.
+
+    A stage holding any of ``blocks`` but not ``blocks[0]`` keeps a copy; copies' gradients are summed
+    across the stages holding them.
+    """
+
+    name: str
+    num_bytes: int
+    blocks: tuple[int, ...]  # ascending, at least two
+
+
+@dataclass(frozen=True)
+class CostChain:
+    """Ordered blocks plus, for each cut k (between block k and k+1), the bytes of every value crossing it.
+
+    ``cut_bytes[k]`` counts skip connections too: a value produced in block i <= k and read in
+    block j > k+... crosses every cut between them. ``input_bytes`` is what block 0 reads from
+    the data loader; ``output_bytes`` what the last block hands to the loss. ``shared_params`` are
+    the parameters several blocks read (:class:`SharedParam`).
+    """
+
+    blocks: tuple[Block, ...]
+    cut_bytes: tuple[Affine, ...]
+    input_bytes: Affine = ZERO
+    output_bytes: Affine = ZERO
+    source: str = ""
+    shared_params: tuple[SharedParam, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.blocks:
+            raise ValueError("a cost chain needs at least one block")
+        if len(self.cut_bytes) != len(self.blocks) - 1:
+            raise ValueError(
+                f"a chain of {len(self.blocks)} blocks has {len(self.blocks) - 1} cuts, "
+                f"got {len(self.cut_bytes)} cut sizes"
+            )
+        for shared in self.shared_params:
+            blocks = shared.blocks
+            if len(blocks) < 2 or list(blocks) != sorted(set(blocks)) or blocks[0] < 0 or blocks[-1] >= len(self.blocks):
+                raise ValueError(f"shared parameter {shared.name!r} names blocks {list(blocks)}; it needs two or more "
+                                 f"ascending distinct block indices in [0, {len(self.blocks)})")
+            if shared.num_bytes < 0:
+                raise ValueError(f"shared parameter {shared.name!r} has negative size {shared.num_bytes}")
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+
+class ChainError(ValueError):
+    """A cost graph cannot be turned into a chain (empty graph, bad ``max_blocks``)."""
+
+
+@dataclass(frozen=True)
+class _NodeCuts:
+    """Per-node-position cut data: cut k lies between node k and node k+1 (k = 0..n-2)."""
+
+    bytes_fixed: list[float]
+    bytes_per_sample: list[float]
+    forbidden: list[bool]  # a non-tensor value crosses the cut
+    boundary_depth: list[int]  # shared module-path depth of the two sides (0 = top-level boundary)
+
+
+def _last_use_positions(graph: CostGraph) -> list[int]:
+    """For each node position, the position of its last reader (itself when nothing reads it)."""
+    position = {node.name: index for index, node in enumerate(graph.nodes)}
+    last_use = list(range(len(graph.nodes)))
+    for index, node in enumerate(graph.nodes):
+        for producer in node.inputs:
+            source = position[producer]
+            last_use[source] = max(last_use[source], index)
+    return last_use
+
+
+def _boundary_depth(left: str, right: str) -> int:
+    """How deep two module paths agree; equal paths count one deeper (the cut is inside a module)."""
+    if left == right:
+        return (left.count(".") + 1 if left else 0) + 1
+    shared = 0
+    for a, b in zip(left.split("."), right.split("."), strict=False):
+        if a != b:
+            break
+        shared += 1
+    return shared
+
+
+def _node_cuts(graph: CostGraph) -> _NodeCuts:
+    """Bytes crossing every node-level cut, via difference arrays over [producer, last reader)."""
+    num_nodes = len(graph.nodes)
+    last_use = _last_use_positions(graph)
+    delta_fixed = [0.0] * (num_nodes + 1)
+    delta_per_sample = [0.0] * (num_nodes + 1)
+    delta_non_tensor = [0] * (num_nodes + 1)
+    for index, node in enumerate(graph.nodes):
+        stop = last_use[index]  # the value crosses cuts index .. stop-1
+        if stop == index:
+            continue
+        delta_fixed[index] += node.output_bytes.fixed
+        delta_fixed[stop] -= node.output_bytes.fixed
+        delta_per_sample[index] += node.output_bytes.per_sample
+        delta_per_sample[stop] -= node.output_bytes.per_sample
+        if not node.tensor_output:
+            delta_non_tensor[index] += 1
+            delta_non_tensor[stop] -= 1
+    fixed = list(itertools.accumulate(delta_fixed[: num_nodes - 1]))
+    per_sample = list(itertools.accumulate(delta_per_sample[: num_nodes - 1]))
+    non_tensor = list(itertools.accumulate(delta_non_tensor[: num_nodes - 1]))
+    paths = [node.module_path for node in graph.nodes]
+    return _NodeCuts(
+        bytes_fixed=[max(value, 0.0) for value in fixed],  # clamp float cancellation noise
+        bytes_per_sample=[max(value, 0.0) for value in per_sample],
+        forbidden=[count > 0 for count in non_tensor],
+        boundary_depth=[_boundary_depth(paths[k], paths[k + 1]) for k in range(num_nodes - 1)],
+    )
+
+
+def _select_cuts(weights: list[float], cuts: _NodeCuts, allowed: list[int], num_blocks: int,
+                 balance_rows: float) -> list[int]:
+    """Pick up to ``num_blocks - 1`` allowed cuts so blocks carry about equal work.
+
+    Each next cut aims at an equal share of the work still to place (so one heavy node does not
+    skew the blocks after it). Every allowed cut within a quarter share of that target is a
+    candidate; the score adds the balance error (in quarter shares) to the cut's boundary depth
+    and bytes, each normalised to [0, 1] within the window, so balance stays within a quarter
+    share while module boundaries and cheap cuts decide among near-equal choices.
+    """
+    prefix = list(itertools.accumulate(weights))
+    total = prefix[-1]
+    allowed_prefix = [prefix[k] for k in allowed]
+    chosen: list[int] = []
+    first_free = 0  # index into ``allowed`` of the first cut after the last chosen one
+    stop_useful = bisect.bisect_left(allowed_prefix, total)  # later cuts would leave a workless tail
+    allowed, allowed_prefix = allowed[:stop_useful], allowed_prefix[:stop_useful]
+    for num_left in range(num_blocks, 1, -1):
+        done = prefix[chosen[-1]] if chosen else 0.0
+        share = (total - done) / num_left
+        target, tolerance = done + share, 0.25 * share
+        first_useful = max(bisect.bisect_right(allowed_prefix, done), first_free)  # no empty blocks
+        lo = max(bisect.bisect_left(allowed_prefix, target - tolerance), first_useful)
+        hi = max(bisect.bisect_right(allowed_prefix, target + tolerance), lo)
+        window = allowed[lo:hi] or _nearest_cuts(allowed, allowed_prefix, target, first_useful)
+        if not window:
+            break
+        cut = _best_cut(window, prefix, target, tolerance, cuts, balance_rows)
+        chosen.append(cut)
+        first_free = bisect.bisect_right(allowed, cut)
+    return chosen
+
+
+def _nearest_cuts(allowed: list[int], allowed_prefix: list[float], target: float, first_useful: int) -> list[int]:
+    """The allowed cut (at or after ``first_useful``) whose prefix work is closest to ``target``."""
+    after = max(bisect.bisect_left(allowed_prefix, target), first_useful)
+    candidates = [i for i in (after - 1, after) if first_useful <= i < len(allowed)]
+    if not candidates:
+        return []
+    best = min(candidates, key=lambda i: (abs(allowed_prefix[i] - target), i))
+    return [allowed[best]]
+
+
+def _best_cut(window: list[int], prefix: list[float], target: float, tolerance: float, cuts: _NodeCuts,
+              balance_rows: float) -> int:
+    """The window's cut with the lowest balance + boundary + bytes score (earliest on ties)."""
+    sizes = [cuts.bytes_fixed[k] + cuts.bytes_per_sample[k] * balance_rows for k in window]
+    depths = [cuts.boundary_depth[k] for k in window]
+    min_size, size_span = min(sizes), (max(sizes) - min(sizes)) or 1.0
+    min_depth, depth_span = min(depths), (max(depths) - min(depths)) or 1
+    scale = tolerance if tolerance > 0 else 1.0
+
+    def score(i: int) -> tuple[float, int]:
+        balance = min(abs(prefix[window[i]] - target) / scale, 1.0)
+        return (balance + (depths[i] - min_depth) / depth_span + (sizes[i] - min_size) / size_span, i)
+
+    return window[min(range(len(window)), key=score)]
+
+
+def _make_block(graph: CostGraph, index: int, first: int, stop: int) -> Block:
+    nodes = graph.nodes[first:stop]
+    return Block(
+        name=f"block{index}",
+        node_names=tuple(node.name for node in nodes),
+        forward_s=Affine.total(node.forward_s for node in nodes),
+        backward_s=Affine.total(node.backward_s for node in nodes),
+        param_bytes=sum(node.param_bytes for node in nodes),
+        saved_bytes=Affine.total(node.saved_bytes for node in nodes),
+    )
+
+
+def build_chain(graph: CostGraph, *, max_blocks: int | None = 64, balance_rows: float = 1.0) -> CostChain:
+    """Cut a topologically ordered cost graph into at most ``max_blocks`` consecutive blocks.
+
+    Every node-level cut gets the bytes of all values produced at or before it and read after it
+    (skip edges included, each value once). Cuts crossed by a non-tensor value are never block
+    boundaries, nor cuts crossed by a tensor whose rows are not the batch rows (a ``(B*T, C)``
+    flatten: it cannot be split between replicas by sample), which the cost graph also marks
+    ``tensor_output=False``. With more allowed cuts than ``max_blocks - 1`` the cuts are chosen to balance
+    forward + backward time at ``balance_rows`` rows per block, preferring module boundaries and
+    small cut bytes among near-equal choices (see :func:`_select_cuts`); ``None`` keeps every
+    allowed cut.
+    """
+    if not graph.nodes:
+        raise ChainError("cannot build a chain from an empty cost graph; trace a model with at least one op")
+    if max_blocks is not None and max_blocks < 1:
+        raise ChainError(f"max_blocks must be >= 1 (or None for no limit); got {max_blocks}")
+    cuts = _node_cuts(graph)
+    allowed = [k for k, forbidden in enumerate(cuts.forbidden) if not forbidden]
+    if max_blocks is not None and len(allowed) > max_blocks - 1:
+        weights = [(node.forward_s + node.backward_s).at(balance_rows) for node in graph.nodes]
+        if max_blocks == 1:
+            allowed = []
+        elif sum(weights) > 0:
+            allowed = _select_cuts(weights, cuts, allowed, max_blocks, balance_rows)
+        else:  # no timing at all: spread blocks evenly over the allowed cuts
+            step = len(allowed) / max_blocks
+            allowed = sorted({allowed[int(step * j)] for j in range(1, max_blocks)})
+    bounds = [0, *(k + 1 for k in allowed), len(graph.nodes)]
+    blocks = tuple(_make_block(graph, index, first, stop) for index, (first, stop) in enumerate(itertools.pairwise(bounds)))
+    return CostChain(
+        blocks=blocks,
+        cut_bytes=tuple(Affine(cuts.bytes_fixed[k], cuts.bytes_per_sample[k]) for k in allowed),
+        input_bytes=graph.input_bytes,
+        output_bytes=graph.nodes[-1].output_bytes,
+        source=graph.source,
+        shared_params=_shared_params(graph, bounds),
+    )
+
+
+def _shared_params(graph: CostGraph, bounds: list[int]) -> tuple[SharedParam, ...]:
+    """The graph's shared parameters that blocks ``[bounds[i], bounds[i+1])`` split over two or more blocks."""
+    by_node = tuple(SharedParam(name, num_bytes, tuple(i for i, node in enumerate(graph.nodes) if name in node.param_names))
+                    for name, num_bytes in graph.shared_params)
+    return regroup_shared_params(by_node, [bisect.bisect_right(bounds, i) - 1 for i in range(len(graph.nodes))])
+
+
+def regroup_shared_params(shared_params: tuple[SharedParam, ...], group_of_block: list[int]) -> tuple[SharedParam, ...]:
+    """Shared parameters after merging blocks (or nodes into blocks): ``b`` becomes ``group_of_block[b]`` (ascending)."""
+    result = []
+    for shared in shared_params:
+        groups = sorted({group_of_block[block] for block in shared.blocks})
+        if len(groups) >= 2:
+            result.append(SharedParam(shared.name, shared.num_bytes, tuple(groups)))
+    return tuple(result)

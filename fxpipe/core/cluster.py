@@ -1,0 +1,449 @@
+"""Cluster model: hosts x devices, links between them, collective costs, presets and the spec parser.
+
+Device and link specs and their datasheet figures live in :mod:`fxpipe.core.hardware`."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+from fxpipe.core.cluster_spec import (
+    COUNT_DIGITS,
+    ClusterSpecError,
+    check_bound,
+    json_field,
+    quantity,
+    spec_error,
+)
+from fxpipe.core.hardware import (
+    A100_80GB,
+    ETHERNET_10G_COLLECTIVE,
+    ETHERNET_10G_P2P,
+    ETHERNET_25G_COLLECTIVE,
+    ETHERNET_25G_P2P,
+    GPU_DEFAULT_FIGURES,
+    H100_80GB,
+    H200_141GB,
+    IB_HDR_200G,
+    IB_NDR_400G,
+    LOCAL_LINK_DEFAULT,
+    NVLINK_A100,
+    NVLINK_H100,
+    NVLINK_V100,
+    PCIE_GPU_P2P,
+    V100_16GB,
+    Calibration,
+    DeviceSpec,
+    GiB,
+    LinkSpec,
+    cpu_device,
+    gpu_preset,
+    host_memory_bytes,
+    measured_device,
+    usable_cores,
+)
+
+# ClusterSpecError and the hardware names are re-exported: callers import them from fxpipe.core.cluster.
+__all__ = ["A100_80GB", "CLUSTER_FORMAT_VERSION", "H100_80GB", "H200_141GB", "V100_16GB", "Cluster",
+           "ClusterSpecError", "DeviceSpec", "GiB", "LinkSpec", "LocalMachine", "calibration_enabled", "compact_cluster",
+           "cpu_device", "dapple_cluster", "dgx_h100_cluster", "host_memory_bytes", "local_cluster",
+           "parse_cluster", "register_local_probe", "usable_cores"]
+
+CLUSTER_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``num_hosts`` hosts with ``devices_per_host`` identical devices each.
+
+    Devices are numbered host-major: device d lives on host ``d // devices_per_host``.
+    ``inter_host_collective`` is the bandwidth NCCL-style collectives reach across hosts (the
+    DAPPLE authors measured 3 GB/s against 1 GB/s point-to-point); it defaults to the
+    point-to-point inter-host link; ``intra_host_collective`` likewise within a host (local CPU ranks:
+    gloo's allreduce reached 45-60% of its send/recv bandwidth here, with its own copies and sums), by
+    default the intra-host link. ``description`` records where the figures come from.
+
+    ``cores_per_host`` is for CPU ranks that share their host's cores (0: every device computes on
+    hardware of its own). When a host runs more ranks than it has cores, each rank computes at
+    ``cores / ranks`` of its one-rank speed (:attr:`compute_slowdown`), a fair share: on a 2-core VM
+    four one-thread processes each ran a gpt-mini forward+backward 2.2x slower than one alone.
+
+    ``message_overhead_s`` is the device's own time per message at each end: packing and posting a
+    send, posting a receive and taking its data, in the rank's process (stretched like compute when
+    ranks share cores). 0 where a copy engine does the work (GPUs); gloo on this project's CPU VM
+    took 0.3-0.9 ms per message after a stretch of compute.
+    """
+
+    name: str
+    num_hosts: int
+    devices_per_host: int
+    device: DeviceSpec
+    intra_host: LinkSpec
+    inter_host: LinkSpec
+    inter_host_collective: LinkSpec | None = None
+    description: str = ""
+    cores_per_host: int = 0
+    intra_host_collective: LinkSpec | None = None
+    message_overhead_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.num_hosts < 1 or self.devices_per_host < 1:
+            raise ValueError(
+                f"cluster {self.name!r} needs at least 1 host and 1 device per host; "
+                f"got {self.num_hosts} hosts x {self.devices_per_host} devices"
+            )
+        if self.cores_per_host < 0:
+            raise ValueError(f"cluster {self.name!r}: cores_per_host must be >= 0 (0: devices do not share "
+                             f"cores); got {self.cores_per_host}")
+        if not self.message_overhead_s >= 0:
+            raise ValueError(f"cluster {self.name!r}: message_overhead_s must be >= 0 seconds; "
+                             f"got {self.message_overhead_s}")
+
+    @property
+    def compute_slowdown(self) -> float:
+        """How much longer compute takes on each device because the host's ranks share too few cores (>= 1)."""
+        if self.cores_per_host <= 0 or self.devices_per_host <= self.cores_per_host:
+            return 1.0
+        return self.devices_per_host / self.cores_per_host
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_hosts * self.devices_per_host
+
+    def host_of(self, device: int) -> int:
+        if not 0 <= device < self.num_devices:
+            raise ValueError(f"device {device} is not in cluster {self.name!r} (0..{self.num_devices - 1})")
+        return device // self.devices_per_host
+
+    def link(self, src: int, dst: int) -> LinkSpec:
+        """The point-to-point link between two devices (intra-host when they share a host)."""
+        return self.intra_host if self.host_of(src) == self.host_of(dst) else self.inter_host
+
+    def collective_link(self, devices: Sequence[int]) -> LinkSpec:
+        """The slowest link a ring collective over ``devices`` crosses."""
+        if len({self.host_of(d) for d in devices}) <= 1:
+            return self.intra_host_collective or self.intra_host
+        return self.inter_host_collective or self.inter_host
+
+    def allreduce_time(self, num_bytes: float, devices: Sequence[int]) -> float:
+        """Ring allreduce: 2 W (R-1) / (R * bandwidth) plus 2 (R-1) link latencies."""
+        replicas = len(devices)
+        if replicas <= 1 or num_bytes <= 0:
+            return 0.0
+        link = self.collective_link(devices)
+        steps = 2 * (replicas - 1)
+        return steps * link.latency_s + 2 * num_bytes * (replicas - 1) / (replicas * link.bandwidth_bytes_per_s)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict; :meth:`from_json` reads it back to an equal Cluster."""
+        data = asdict(self)
+        data["device"]["peak_flops"] = {dtype: flops for dtype, flops in self.device.peak_flops}
+        return {"format_version": CLUSTER_FORMAT_VERSION, **data}
+
+    @staticmethod
+    def from_json(data: Any) -> Cluster:
+        return _cluster_from_json(data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n")
+
+    @staticmethod
+    def load(path: str | Path) -> Cluster:
+        try:
+            text = Path(path).read_text()
+        except (OSError, UnicodeDecodeError) as error:
+            raise ClusterSpecError(f"cannot read cluster file {str(path)!r} as text: {error}") from error
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as error:  # JSONDecodeError, an int of too many digits, deep nesting
+            raise ClusterSpecError(f"cluster file {str(path)!r} is not valid JSON: {error}") from error
+        return _cluster_from_json(data)
+
+
+def _link_from_json(data: Any, where: str) -> LinkSpec:
+    return LinkSpec(
+        bandwidth_bytes_per_s=json_field(data, "bandwidth_bytes_per_s", float, where, "positive"),
+        latency_s=json_field(data, "latency_s", float, where, "non-negative"),
+    )
+
+
+def _device_from_json(data: Any) -> DeviceSpec:
+    flops = json_field(data, "peak_flops", dict[str, float], "device")
+    for dtype, rate in flops.items():
+        check_bound(rate, f"device.peak_flops[{dtype!r}]", "positive")
+    return DeviceSpec(
+        name=json_field(data, "name", str, "device"),
+        memory_bytes=json_field(data, "memory_bytes", int, "device", "non-negative"),
+        peak_flops=tuple(sorted(flops.items())),
+        memory_bandwidth_bytes_per_s=json_field(data, "memory_bandwidth_bytes_per_s", float, "device", "positive"),
+        kernel_launch_s=json_field(data, "kernel_launch_s", float, "device", "non-negative"),
+    )
+
+
+def _cluster_from_json(data: Any) -> Cluster:
+    """A Cluster from :meth:`Cluster.to_json` output; every field is checked (ClusterSpecError names it)."""
+    version = json_field(data, "format_version", int)
+    if version != CLUSTER_FORMAT_VERSION:
+        raise ClusterSpecError(f"cluster JSON format_version {version} is unknown; expected {CLUSTER_FORMAT_VERSION}")
+    has_collective = data.get("inter_host_collective") is not None
+    return Cluster(
+        device=_device_from_json(json_field(data, "device", dict)),
+        name=json_field(data, "name", str),
+        num_hosts=json_field(data, "num_hosts", int, "", "positive"),
+        devices_per_host=json_field(data, "devices_per_host", int, "", "positive"),
+        intra_host=_link_from_json(json_field(data, "intra_host", dict), "intra_host"),
+        inter_host=_link_from_json(json_field(data, "inter_host", dict), "inter_host"),
+        inter_host_collective=_link_from_json(data["inter_host_collective"], "inter_host_collective")
+        if has_collective else None,
+        description=json_field(data, "description", str) if "description" in data else "",
+        cores_per_host=json_field(data, "cores_per_host", int, "", "non-negative") if "cores_per_host" in data else 0,
+        intra_host_collective=_link_from_json(data["intra_host_collective"], "intra_host_collective")
+        if data.get("intra_host_collective") is not None else None,
+        message_overhead_s=json_field(data, "message_overhead_s", float, "", "non-negative")
+        if "message_overhead_s" in data else 0.0,
+    )
+
+
+# Compact-spec devices: name -> (device, intra link, inter p2p link, inter collective link).
+_DEVICE_KINDS: dict[str, tuple[DeviceSpec, LinkSpec, LinkSpec, LinkSpec | None]] = {
+    "v100": (V100_16GB, NVLINK_V100, ETHERNET_25G_P2P, ETHERNET_25G_COLLECTIVE),
+    "a100": (A100_80GB, NVLINK_A100, IB_HDR_200G, None),
+    "h100": (H100_80GB, NVLINK_H100, IB_NDR_400G, None),
+    "h200": (H200_141GB, NVLINK_H100, IB_NDR_400G, None),
+}
+_DEVICE_ALIASES = {"v100-16gb": "v100", "a100-80gb": "a100", "h100-80gb": "h100", "h200-141gb": "h200"}
+
+
+def _cpu_cluster(name: str, num_hosts: int, ranks_per_host: int, device: DeviceSpec, link: LinkSpec,
+                 description: str, cores_per_host: int = 0, collective: LinkSpec | None = None,
+                 message_overhead_s: float = 0.0) -> Cluster:
+    return Cluster(name, num_hosts, ranks_per_host, device, link, link, None, description, cores_per_host,
+                   collective, message_overhead_s)
+
+
+def dapple_cluster(config: str) -> Cluster:
+    """The DAPPLE paper's configs A, B, C (REFERENCE.md 1.6) with the authors' planner figures."""
+    key = config.upper()
+    nominal = "nominal 25 Gbps = 3.125 GB/s" if key != "C" else "nominal 10 Gbps = 1.25 GB/s"
+    if key == "A":
+        return Cluster("dapple-a", 2, 8, V100_16GB, NVLINK_V100, ETHERNET_25G_P2P, ETHERNET_25G_COLLECTIVE,
+                       f"2 servers x 8 V100; NVLink 25 GB/s p2p; Ethernet {nominal}, effective "
+                       "1 GB/s p2p and 3 GB/s collectives (DAPPLE planner)")
+    if key in ("B", "C"):
+        p2p, coll = (ETHERNET_25G_P2P, ETHERNET_25G_COLLECTIVE) if key == "B" else (
+            ETHERNET_10G_P2P, ETHERNET_10G_COLLECTIVE)
+        return Cluster(f"dapple-{key.lower()}", 16, 1, V100_16GB, NVLINK_V100, p2p, coll,
+                       f"16 servers x 1 V100; Ethernet {nominal}, effective "
+                       f"{p2p.bandwidth_bytes_per_s / 1e9:g} GB/s p2p and "
+                       f"{coll.bandwidth_bytes_per_s / 1e9:g} GB/s collectives")
+    raise ClusterSpecError(f"DAPPLE config {config!r} is unknown; choose A, B or C")
+
+
+def compact_cluster(num_hosts: int, devices_per_host: int, kind: str, name: str = "") -> Cluster:
+    """``num_hosts x devices_per_host`` devices of ``kind`` (v100, a100, h100, h200, cpu) with its default links."""
+    key = _DEVICE_ALIASES.get(kind.lower(), kind.lower())
+    name = name or f"{num_hosts}x{devices_per_host}:{key}"
+    if key == "cpu":
+        memory = host_memory_bytes() // devices_per_host
+        return _cpu_cluster(name, num_hosts, devices_per_host, cpu_device(memory), LOCAL_LINK_DEFAULT,
+                            "CPU ranks with conservative default figures")
+    if key not in _DEVICE_KINDS:
+        raise ClusterSpecError(f"device kind {kind!r} is unknown; choose one of {sorted([*_DEVICE_KINDS, 'cpu'])}")
+    device, intra, inter, collective = _DEVICE_KINDS[key]
+    return Cluster(name, num_hosts, devices_per_host, device, intra, inter, collective,
+                   f"{num_hosts} hosts x {devices_per_host} {device.name}")
+
+
+def calibration_enabled(calibrate: bool | None) -> bool:
+    """``calibrate`` when given, else the environment: ``FXPIPE_CALIBRATE=0`` turns measuring off (CI)."""
+    if calibrate is not None:
+        return calibrate
+    return os.environ.get("FXPIPE_CALIBRATE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class LocalMachine:
+    """This machine as the ``local`` cluster sees it: ``gpu`` (model name, memory bytes, visible count) when
+    ranks compute on GPUs, and the calibrated figures (None when calibration is off)."""
+
+    gpu: tuple[str, int, int] | None
+    measured: Calibration | None
+
+
+class LocalProbe(Protocol):
+    def __call__(self, *, measure: bool, collective: bool, refresh: bool) -> LocalMachine: ...
+
+
+# Measuring the machine is the runtime's job and core never imports the runtime: fxpipe.runtime.calibrate
+# registers its probe when imported (the CLI, fxpipe.plan and fxpipe.compile import it before planning).
+_LOCAL_PROBE: list[LocalProbe] = []
+
+
+def register_local_probe(probe: LocalProbe) -> None:
+    """Make ``probe`` the way :func:`local_cluster` measures this machine (``fxpipe.runtime.calibrate`` calls this)."""
+    _LOCAL_PROBE[:] = [probe]
+
+
+def local_cluster(num_ranks: int | None = None, *, calibrate: bool | None = None, refresh: bool = False,
+                  collective: bool = False) -> Cluster:
+    """This machine's ranks, 1 host x ``num_ranks`` (default: all visible GPUs, else CPUs up to 8); see docs/clusters.md.
+
+    Calibrated unless ``calibrate=False`` or ``FXPIPE_CALIBRATE=0`` (:mod:`fxpipe.runtime.calibrate`,
+    cached). ``collective=True``: every rank of the process group makes this call (``fxpipe.compile``
+    does), so the ranks measure together, agree, and the group's device decides CPU or GPU. Otherwise
+    only this process's device is measured; links come from the cache or defaults. Never starts a process.
+    """
+    if not _LOCAL_PROBE:
+        raise ClusterSpecError("the 'local' cluster is this machine as measured by fxpipe.runtime.calibrate, "
+                               "which is not loaded; `import fxpipe.runtime.calibrate` first (fxpipe's CLI, "
+                               "fxpipe.plan and fxpipe.compile do)")
+    machine = _LOCAL_PROBE[0](measure=calibration_enabled(calibrate), collective=collective, refresh=refresh)
+    default_ranks = machine.gpu[2] if machine.gpu is not None else max(1, min(os.cpu_count() or 1, 8))
+    ranks = num_ranks if num_ranks is not None else default_ranks
+    if ranks < 1:
+        raise ClusterSpecError(f"local cluster needs at least 1 rank; got {ranks}")
+    if machine.gpu is not None:
+        return _local_gpu_cluster(f"local:{ranks}", ranks, machine.gpu[0], machine.gpu[1], machine.measured)
+    return _local_cpu_cluster(f"local:{ranks}", ranks, machine.measured, collective)
+
+
+def _measured_links(measured: Calibration | None) -> tuple[LinkSpec, LinkSpec, float] | None:
+    """(point-to-point link, collective link, message overhead) from measured figures, None when not measured."""
+    if measured is None or measured.links is None:
+        return None
+    links = measured.links
+    return (LinkSpec(links["link_bandwidth"], links["link_latency"]),
+            LinkSpec(links["allreduce_bandwidth"], links["allreduce_latency"]), links["message_overhead"])
+
+
+def _local_cpu_cluster(name: str, ranks: int, measured: Calibration | None, collective: bool) -> Cluster:
+    memory = host_memory_bytes() // ranks
+    if measured is None:
+        return _cpu_cluster(name, 1, ranks, cpu_device(memory), LOCAL_LINK_DEFAULT,
+                            "local CPU ranks, uncalibrated conservative defaults", usable_cores())
+    links = _measured_links(measured)
+    if links is None and ranks > 1:
+        how = ("the process group has one rank" if collective else "measuring links needs the ranks themselves: "
+               "run under torchrun (fxpipe.compile measures over the process group) or run `fxpipe calibrate`")
+        warnings.warn(f"fxpipe: {name} plans with default link figures ({LOCAL_LINK_DEFAULT}): {how}; see "
+                      "docs/clusters.md", RuntimeWarning, stacklevel=3)
+    link, collective_link, overhead = links or (LOCAL_LINK_DEFAULT, None, 0.0)
+    return _cpu_cluster(name, 1, ranks, cpu_device(memory, calibrated=measured.device), link,
+                        f"local CPU ranks, calibrated: {measured.source}", usable_cores(), collective_link, overhead)
+
+
+def _local_gpu_cluster(name: str, ranks: int, model: str, memory: int, measured: Calibration | None) -> Cluster:
+    """Visible GPUs: a known model's datasheet preset (as ``4x8:h100``), else measured, else conservative defaults."""
+    preset = gpu_preset(model, memory)
+    if preset is not None:
+        (device, link), source = preset, "datasheet preset"
+    elif measured is not None and measured.device is not None:
+        device, link, source = measured_device(model, memory, measured.device), PCIE_GPU_P2P, "measured"
+    else:
+        warnings.warn(f"fxpipe: GPU model {model!r} has no preset and was not measured; planning with "
+                      f"conservative default figures {GPU_DEFAULT_FIGURES}", RuntimeWarning, stacklevel=3)
+        device, link, source = measured_device(model, memory, GPU_DEFAULT_FIGURES), PCIE_GPU_P2P, "defaults"
+    links = _measured_links(measured)
+    collective_link = None
+    if links is not None and measured is not None:
+        link, collective_link, _ = links  # copy engines move GPU messages: no per-message device time
+        source += f"; links {measured.source}"
+    return Cluster(name, 1, ranks, device, link, link, None, f"local GPUs ({model}), {source}",
+                   intra_host_collective=collective_link)
+
+
+def dgx_h100_cluster(num_nodes: int = 1) -> Cluster:
+    """DGX H100 nodes: 8 H100 each, NVLink 450 GB/s each way, 400 Gb/s InfiniBand per GPU."""
+    return compact_cluster(num_nodes, 8, "h100", name=f"dgx-h100:{num_nodes}")
+
+
+def _parse_base(spec: str, base: str, calibrate: bool | None, collective: bool = False) -> Cluster:
+    key = base.strip().lower()
+    if key in ("dapple-a", "dapple-b", "dapple-c"):
+        return dapple_cluster(key[-1])
+    preset_count = re.fullmatch(rf"(dgx-h100|local)(?::([0-9]{{1,{COUNT_DIGITS}}}))?", key)
+    if preset_count:
+        count = int(preset_count.group(2)) if preset_count.group(2) else None
+        if count == 0:
+            raise spec_error(spec, base, "needs a count of at least 1")
+        if preset_count.group(1) == "dgx-h100":
+            return dgx_h100_cluster(count or 1)
+        return local_cluster(count, calibrate=calibrate, collective=collective)
+    compact = re.fullmatch(rf"([0-9]{{1,{COUNT_DIGITS}}})x([0-9]{{1,{COUNT_DIGITS}}}):([a-z0-9-]+)", key)
+    if compact:
+        hosts, devices = int(compact.group(1)), int(compact.group(2))
+        if hosts < 1 or devices < 1:
+            raise spec_error(spec, base, "needs at least 1 host and 1 device per host")
+        try:
+            return compact_cluster(hosts, devices, compact.group(3))
+        except ClusterSpecError as error:
+            raise spec_error(spec, base, str(error)) from None
+    path = _existing_file(base.strip())
+    if path is not None:
+        return Cluster.load(path)
+    if key.endswith(".json"):
+        raise spec_error(spec, base, "looks like a JSON file path but no such file exists")
+    raise spec_error(spec, base, "is not a preset, a HOSTSxDEVICES:KIND spec or a JSON file "
+                                 f"(counts have at most {COUNT_DIGITS} digits)")
+
+
+def _existing_file(text: str) -> Path | None:
+    """The file ``text`` names (``~`` expanded), or None when there is no such file."""
+    try:
+        path = Path(text).expanduser()
+        return path if path.is_file() else None
+    except (OSError, RuntimeError, ValueError):  # too long for the file system, unknown ~user, NUL byte
+        return None
+
+
+def _apply_override(spec: str, cluster: Cluster, part: str) -> Cluster:
+    key, sep, value = part.partition("=")
+    key = key.strip().lower()
+    if not sep or not value.strip():
+        raise spec_error(spec, part, "is not KEY=VALUE")
+    if key == "memory":
+        memory = int(quantity(spec, part, value, "size"))
+        return replace(cluster, device=replace(cluster.device, memory_bytes=memory))
+    fields = {"intra": "intra_host", "inter": "inter_host", "collective": "inter_host_collective"}
+    if key not in fields:
+        raise spec_error(spec, part, f"has an unknown key {key!r}; keys: intra, inter, collective, memory")
+    bandwidth_text, _, latency_text = value.partition("@")
+    current = getattr(cluster, fields[key]) or cluster.inter_host
+    link = LinkSpec(
+        quantity(spec, part, bandwidth_text, "bandwidth"),
+        quantity(spec, part, latency_text, "latency") if latency_text else current.latency_s,
+    )
+    if key == "intra":  # a new intra link replaces the calibrated collective figure too (local:N)
+        updated = replace(cluster, intra_host=link, intra_host_collective=None)
+    elif key == "inter":
+        updated = replace(cluster, inter_host=link)
+    else:
+        updated = replace(cluster, inter_host_collective=link)
+    if key == "inter" and cluster.inter_host_collective is not None and "collective=" not in spec.lower():
+        updated = replace(updated, inter_host_collective=None)  # a new inter link replaces the old effective pair
+    return updated
+
+
+def parse_cluster(spec: str, *, calibrate: bool | None = None, collective: bool = False) -> Cluster:
+    """A Cluster from a preset name, a compact ``HOSTSxDEVICES:KIND`` spec or a JSON file, plus overrides.
+
+    ``calibrate`` and ``collective`` only matter for ``local`` (see :func:`local_cluster`): False (or
+    ``FXPIPE_CALIBRATE=0`` when it is None) skips the measurement and uses conservative defaults;
+    ``collective=True`` when every rank of the process group makes this call, to measure together.
+    Malformed specs raise :class:`ClusterSpecError` quoting the bad part and the grammar.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise spec_error(str(spec), str(spec), "is empty")
+    base, *overrides = spec.split(",")
+    cluster = _parse_base(spec, base, calibrate, collective)
+    for part in overrides:
+        cluster = _apply_override(spec, cluster, part)
+    if overrides:
+        cluster = replace(cluster, name=spec.strip())
+    return cluster

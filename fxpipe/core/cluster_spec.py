@@ -1,0 +1,93 @@
+"""Cluster spec grammar: ClusterSpecError, quantities with units in spec strings, checked cluster JSON fields."""
+
+from __future__ import annotations
+
+import math
+import re
+from decimal import Decimal
+from typing import Any, Literal
+
+from fxpipe.core.jsonvalues import JSONValueError, read_field
+
+PRESET_NAMES = ("dapple-a", "dapple-b", "dapple-c", "dgx-h100[:NODES]", "local[:RANKS]")
+
+GRAMMAR = """cluster spec grammar:
+  SPEC     := BASE ("," OVERRIDE)*
+  BASE     := PRESET | HOSTS "x" DEVICES ":" KIND | PATH.json
+  PRESET   := dapple-a | dapple-b | dapple-c | dgx-h100[:NODES] | local[:RANKS]
+  KIND     := v100 | a100 | h100 | h200 | cpu
+  OVERRIDE := (intra | inter | collective) "=" BANDWIDTH ["@" LATENCY]
+            | memory "=" SIZE
+  BANDWIDTH: number + GB/s, MB/s, GiB/s, MiB/s, Gb/s, Gbps, Mb/s, Mbps, B/s
+  LATENCY  : number + s, ms, us, ns          SIZE: number + GB, GiB, MB, MiB, B
+  examples : dapple-a   4x8:h100   4x8:h100,intra=450GB/s,inter=50GB/s@5us   local:4   cluster.json"""
+
+# Counts in specs have at most this many digits (int() of a few thousand digits is refused by Python).
+COUNT_DIGITS = 6
+
+# Decimal scales keep "5us" exactly 5e-6 (float 5 * 1e-6 is not). Bit units end in "bps" or are
+# spelled with a lower-case b ("Gb/s"); "GB/s" and "gb/s" are bytes.
+_D = Decimal
+_BANDWIDTH_UNITS = {"b/s": _D(1), "kb/s": _D("1e3"), "mb/s": _D("1e6"), "gb/s": _D("1e9"), "tb/s": _D("1e12"),
+                    "kib/s": _D(2**10), "mib/s": _D(2**20), "gib/s": _D(2**30), "bps": _D(1) / 8,
+                    "kbps": _D("1e3") / 8, "mbps": _D("1e6") / 8, "gbps": _D("1e9") / 8, "tbps": _D("1e12") / 8}
+_BIT_UNITS = {"Kb/s": _D("1e3") / 8, "Mb/s": _D("1e6") / 8, "Gb/s": _D("1e9") / 8, "Tb/s": _D("1e12") / 8}
+_TIME_UNITS = {"s": _D(1), "ms": _D("1e-3"), "us": _D("1e-6"), "ns": _D("1e-9")}
+_SIZE_UNITS = {"b": _D(1), "kb": _D("1e3"), "mb": _D("1e6"), "gb": _D("1e9"), "tb": _D("1e12"), "kib": _D(2**10),
+               "mib": _D(2**20), "gib": _D(2**30), "tib": _D(2**40)}
+Quantity = Literal["bandwidth", "latency", "size"]
+# quantity -> (units, example, base unit)
+_QUANTITIES: dict[str, tuple[dict[str, Decimal], str, str]] = {
+    "bandwidth": (_BANDWIDTH_UNITS, "12GB/s", "B/s"),
+    "latency": (_TIME_UNITS, "5us", "s"),
+    "size": (_SIZE_UNITS, "80GB", "B"),
+}
+_NUMBER_UNIT = re.compile(r"^\s*([0-9]{0,40}\.?[0-9]{1,40}(?:e[+-]?[0-9]{1,7})?)\s*([a-z/]{1,8})\s*$", re.IGNORECASE)
+Bound = Literal["positive", "non-negative"]
+
+
+class ClusterSpecError(ValueError):
+    """A cluster spec string or cluster JSON file is malformed."""
+
+
+def spec_error(spec: str, part: str, why: str) -> ClusterSpecError:
+    """An error quoting the whole spec and the bad part, followed by the grammar and the presets."""
+    return ClusterSpecError(f"bad cluster spec {spec!r:.200}: {part!r:.200} {why}\n{GRAMMAR}\n"
+                            f"presets: {', '.join(PRESET_NAMES)}")
+
+
+def quantity(spec: str, part: str, text: str, what: Quantity) -> float:
+    """``text`` ("450GB/s", "5us", "80GB") in base units (B/s, s, B); finite, and positive unless a latency."""
+    units, example, base = _QUANTITIES[what]
+    match = _NUMBER_UNIT.match(text)
+    if not match:
+        raise spec_error(spec, part, f"needs a {what} like {example} (a number >= 0, then a unit)")
+    number, unit = Decimal(match.group(1)), match.group(2)
+    scale = (_BIT_UNITS.get(unit) if what == "bandwidth" else None) or units.get(unit.lower())
+    if scale is None:
+        raise spec_error(spec, part, f"has an unknown {what} unit {unit!r}; units: {', '.join(units)}")
+    try:
+        value = float(number * scale)
+    except ArithmeticError:  # decimal.Overflow beyond Decimal's exponent range
+        value = math.inf
+    if not math.isfinite(value):
+        raise spec_error(spec, part, f"is too large; give a {what} like {example}")
+    if what != "latency" and not value > 0:
+        raise spec_error(spec, part, f"must be positive (it is {value:g} {base}); give a {what} like {example}")
+    return value
+
+
+def check_bound(value: float, path: str, bound: Bound | None) -> None:
+    """Raise ClusterSpecError when a cluster JSON figure at ``path`` is not ``bound``."""
+    if (bound == "positive" and not value > 0) or (bound == "non-negative" and not value >= 0):
+        raise ClusterSpecError(f"cluster JSON: {path} {value!r} must be {bound}")
+
+
+def json_field(data: Any, key: str, hint: Any, where: str = "", bound: Bound | None = None) -> Any:
+    """``data[key]`` of a cluster JSON object, checked against the type ``hint`` and ``bound``."""
+    try:
+        value = read_field(data, key, hint, where)
+    except JSONValueError as error:
+        raise ClusterSpecError(f"cluster JSON: {error}") from None
+    check_bound(value, f"{where}.{key}" if where else key, bound)
+    return value

@@ -1,0 +1,337 @@
+"""Plan data: stages, replica counts, devices, micro-batches, predictions; validation and JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from fxpipe.core.jsonvalues import JSONValueError, field_hints, read_field
+from fxpipe.core.schedule import SCHEDULES, WARMUP_POLICIES
+
+FORMAT_VERSION = 1
+PLAN_KEYWORDS = ("auto", "markers")
+LAYOUT_PATTERN = re.compile(r"dp|[0-9]+(:[0-9]+)+")
+
+
+class PlanError(ValueError):
+    """A plan is inconsistent or a plan file is malformed."""
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: blocks ``[first_block, stop_block)`` of the cost chain on ``replicas`` devices.
+
+    Predicted figures are per device: ``forward_s``/``backward_s`` for one micro-batch slice,
+    ``peak_memory_bytes`` for weights, gradients, optimizer state, in-flight activations and
+    receive buffers. ``node_names`` lists the fx nodes the stage computes (empty for plans made
+    from profile files).
+    """
+
+    stage_index: int
+    first_block: int
+    stop_block: int
+    replicas: int
+    devices: tuple[int, ...]
+    node_names: tuple[str, ...] = ()
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    allreduce_s: float = 0.0
+    param_bytes: int = 0
+    activation_bytes: int = 0
+    peak_memory_bytes: int = 0
+    inflight_microbatches: int = 0
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the planner expects of a plan (from the exact simulator when it ran)."""
+
+    iteration_time_s: float
+    throughput_samples_per_s: float
+    bubble_fraction: float = 0.0
+    analytic_iteration_time_s: float = 0.0
+    dp_iteration_time_s: float = 0.0
+
+    @property
+    def speedup_over_dp(self) -> float:
+        if self.dp_iteration_time_s <= 0 or self.iteration_time_s <= 0:
+            return math.nan
+        return self.dp_iteration_time_s / self.iteration_time_s
+
+
+@dataclass(frozen=True)
+class BaselineResult:
+    """One baseline planner's plan, scored by the same simulator; ``iteration_time_s`` is None (JSON null)
+    when the baseline is infeasible, so no reader mistakes it for the fastest plan."""
+
+    layout: str
+    iteration_time_s: float | None
+    num_microbatches: int = 0
+    feasible: bool = True
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A complete hybrid pipeline + data parallel plan; the same value drives codegen, simulation and runtime."""
+
+    global_batch_size: int
+    num_microbatches: int
+    stages: tuple[StagePlan, ...]
+    schedule: str = "early_backward"
+    warmup_policy: str = "A"
+    planner: str = "dapple"
+    model: str = ""
+    cluster: str = ""
+    num_devices: int = 0
+    num_blocks: int = 0
+    block_names: tuple[str, ...] = ()
+    predicted: Prediction | None = None
+    # How long planning took: a fact of the run, not of the plan, so it is left out of the plan JSON
+    # (identical inputs give byte-identical files) and out of equality.
+    planning_time_s: float = field(default=0.0, compare=False)
+    baselines: tuple[tuple[str, BaselineResult], ...] = ()
+    format_version: int = FORMAT_VERSION
+    notes: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        validate_plan(self)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.global_batch_size // self.num_microbatches
+
+    @property
+    def layout(self) -> str:
+        """The replica layout in the DAPPLE paper's notation: ``"dp"``, ``"3:1"``, ``"1:1:1:1"``."""
+        return layout_string(tuple(stage.replicas for stage in self.stages))
+
+    @property
+    def world_size(self) -> int:
+        return sum(stage.replicas for stage in self.stages)
+
+    def stage_of_device(self, device: int) -> tuple[int, int]:
+        """``(stage_index, replica_index)`` of the stage replica that runs on ``device``."""
+        for stage in self.stages:
+            if device in stage.devices:
+                return stage.stage_index, stage.devices.index(device)
+        raise PlanError(f"device {device} runs no stage of this plan (devices: {self.all_devices()})")
+
+    def all_devices(self) -> list[int]:
+        return sorted(d for stage in self.stages for d in stage.devices)
+
+    def with_updates(self, **changes: Any) -> Plan:
+        return replace(self, **changes)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        del data["planning_time_s"]
+        data["layout"] = self.layout
+        data["baselines"] = {name: asdict(result) for name, result in self.baselines}
+        if self.predicted is not None:
+            data["predicted"]["peak_memory_bytes"] = [stage.peak_memory_bytes for stage in self.stages]
+            data["predicted"]["speedup_over_dp"] = _finite_or_none(self.predicted.speedup_over_dp)
+        return data
+
+    def to_json(self) -> str:
+        """Deterministic JSON text (sorted keys, fixed indentation)."""
+        return json.dumps(self.to_json_dict(), indent=2, sort_keys=True) + "\n"
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @staticmethod
+    def from_json(text: str) -> Plan:
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as error:  # JSONDecodeError, an int of too many digits, deep nesting
+            raise PlanError(f"plan file is not JSON: {error}") from error
+        return plan_from_dict(data)
+
+    @staticmethod
+    def load(path: str | Path) -> Plan:
+        try:
+            text = Path(path).read_text()
+        except (OSError, UnicodeDecodeError) as error:
+            raise PlanError(f"cannot read plan file {str(path)!r}: {error}") from error
+        return Plan.from_json(text)
+
+
+def plan_argument_kind(plan: str | Path) -> str:
+    """What ``compile(plan=...)`` / ``fxpipe train --plan`` was given: "auto", "markers", "layout" or "file".
+
+    A string that is none of the keywords, not a layout such as ``3:1``/``dp``, not an existing file
+    and not shaped like a path (``.json`` suffix or a folder) is a mistake, reported as such rather than
+    as a missing plan file.
+    """
+    if isinstance(plan, Path):
+        return "file"
+    if plan in PLAN_KEYWORDS:
+        return plan
+    if LAYOUT_PATTERN.fullmatch(plan):
+        return "layout"
+    if Path(plan).exists() or plan.endswith(".json") or "/" in plan:
+        return "file"
+    raise PlanError(f"plan {plan!r} is not 'auto', 'markers', a layout (replica counts joined by ':', such as "
+                    "'3:1' or '1:1:1:1', or 'dp') nor an existing plan file; fix the spelling or the path")
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def layout_string(replicas: tuple[int, ...]) -> str:
+    if len(replicas) == 1:
+        return "dp"
+    return ":".join(str(r) for r in replicas)
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    """``cls(**data)`` with every field checked against its annotation (PlanError names ``where.field``)."""
+    if not isinstance(data, Mapping):
+        raise PlanError(f"{where} must be a JSON object, got {type(data).__name__}")
+    hints = field_hints(cls)
+    try:
+        # keys that are not fields (derived ones such as "layout") are written for readers, not read back
+        kwargs = {key: read_field(data, key, hints[key], where) for key in data if key in hints}
+    except JSONValueError as error:
+        raise PlanError(str(error)) from None
+    try:
+        return cls(**kwargs)
+    except TypeError as error:  # a required field is missing
+        raise PlanError(f"{where} is missing fields: {error}") from error
+
+
+def _baseline(data: Any, where: str) -> BaselineResult:
+    result: BaselineResult = _build(BaselineResult, data, where)
+    if not result.feasible and result.iteration_time_s == 0.0:  # files written before infeasible meant null
+        return replace(result, iteration_time_s=None)
+    return result
+
+
+def plan_from_dict(data: Any) -> Plan:
+    if not isinstance(data, Mapping):
+        raise PlanError(f"a plan is a JSON object, got {type(data).__name__}")
+    version = data.get("format_version")
+    if version != FORMAT_VERSION:
+        raise PlanError(f"plan format_version {version!r} is not supported; this fxpipe reads {FORMAT_VERSION}")
+    stages_data = data.get("stages")
+    if not isinstance(stages_data, list) or not stages_data:
+        raise PlanError("plan has no 'stages' list")
+    stages = tuple(_build(StagePlan, s, f"stages[{i}]") for i, s in enumerate(stages_data))
+    predicted_data = data.get("predicted")
+    # derived "peak_memory_bytes" and "speedup_over_dp" are not Prediction fields: _build skips them
+    predicted = None if predicted_data is None else _build(Prediction, predicted_data, "predicted")
+    baselines_data = data.get("baselines") or {}
+    if not isinstance(baselines_data, Mapping):
+        raise PlanError("plan 'baselines' must be an object keyed by planner name")
+    baselines = tuple(
+        (name, _baseline(value, f"baselines.{name}")) for name, value in sorted(baselines_data.items())
+    )
+    rest = {k: v for k, v in data.items() if k not in ("stages", "predicted", "baselines")}
+    rest.update(stages=stages, predicted=predicted, baselines=baselines)
+    return _build(Plan, rest, "plan")  # type: ignore[no-any-return]
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise PlanError(message)
+
+
+def validate_plan(plan: Plan) -> None:
+    """Check a plan's internal consistency; raises PlanError naming the offending value."""
+    for name in ("global_batch_size", "num_microbatches"):
+        value = getattr(plan, name)
+        _check(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+               f"{name} must be a positive integer, got {value!r}")
+    _check(plan.global_batch_size % plan.num_microbatches == 0,
+           f"global batch {plan.global_batch_size} does not split into {plan.num_microbatches} equal "
+           "micro-batches; choose a num_microbatches that divides it")
+    _check(plan.schedule in SCHEDULES, f"schedule {plan.schedule!r} is unknown; choose one of {sorted(SCHEDULES)}")
+    _check(plan.warmup_policy in WARMUP_POLICIES,
+           f"warmup_policy {plan.warmup_policy!r} is unknown; choose one of {WARMUP_POLICIES}")
+    _check(len(plan.stages) > 0, "a plan needs at least one stage")
+    seen_devices: set[int] = set()
+    expected_first = 0
+    for index, stage in enumerate(plan.stages):
+        _check(stage.stage_index == index, f"stages[{index}] has stage_index {stage.stage_index!r}; use {index}")
+        _check(stage.first_block == expected_first,
+               f"stage {index} starts at block {stage.first_block}, expected {expected_first} (stages must be "
+               "contiguous and in order)")
+        _check(stage.stop_block > stage.first_block, f"stage {index} has no blocks "
+               f"([{stage.first_block}, {stage.stop_block}))")
+        _check(stage.replicas >= 1 and len(stage.devices) == stage.replicas,
+               f"stage {index} has replicas={stage.replicas} but devices={list(stage.devices)}")
+        overlap = seen_devices.intersection(stage.devices)
+        _check(not overlap, f"devices {sorted(overlap)} are assigned to more than one stage")
+        _check(all(isinstance(d, int) and d >= 0 for d in stage.devices),
+               f"stage {index} devices must be non-negative integers, got {list(stage.devices)}")
+        microbatch_rows = plan.global_batch_size // plan.num_microbatches
+        _check(stage.replicas <= microbatch_rows,
+               f"stage {index} has {stage.replicas} replicas but a micro-batch has only {microbatch_rows} rows; "
+               "use fewer micro-batches or fewer replicas")
+        seen_devices.update(stage.devices)
+        expected_first = stage.stop_block
+    if plan.num_blocks:
+        _check(expected_first == plan.num_blocks,
+               f"stages cover blocks [0, {expected_first}) but the chain has {plan.num_blocks} blocks")
+    if plan.num_devices:
+        _check(len(seen_devices) <= plan.num_devices and max(seen_devices) < plan.num_devices,
+               f"plan uses devices {sorted(seen_devices)} but the cluster has {plan.num_devices}")
+    for name, result in plan.baselines:
+        _check((result.iteration_time_s is None) == (not result.feasible),
+               f"baseline {name!r} has feasible={result.feasible} but iteration_time_s={result.iteration_time_s!r}; "
+               "an infeasible baseline has no time (None) and a feasible one has a time")
+
+
+def split_rows(num_rows: int, num_parts: int) -> tuple[int, ...]:
+    """Sizes of ``num_parts`` contiguous slices of ``num_rows`` rows; they differ by at most one.
+
+    The first ``num_rows % num_parts`` slices get the extra row. Planner, simulator and runtime all
+    use this one rule, so predicted and executed slices agree.
+    """
+    if num_parts < 1 or num_rows < num_parts:
+        raise PlanError(f"cannot split {num_rows} rows into {num_parts} non-empty slices")
+    base, extra = divmod(num_rows, num_parts)
+    return tuple(base + 1 if i < extra else base for i in range(num_parts))
+
+
+def row_ranges(num_rows: int, num_parts: int) -> tuple[tuple[int, int], ...]:
+    """``(start, stop)`` of every slice of :func:`split_rows`."""
+    ranges = []
+    start = 0
+    for size in split_rows(num_rows, num_parts):
+        ranges.append((start, start + size))
+        start += size
+    return tuple(ranges)
+
+
+def shared_rows(num_rows: int, num_senders: int, num_receivers: int) -> tuple[tuple[int, int, int, int], ...]:
+    """Which rows each sender replica hands each receiver replica across a cut.
+
+    Returns ``(sender_index, receiver_index, start, stop)`` for every pair whose slices overlap,
+    in sender-then-receiver order; rows are micro-batch-relative.
+    """
+    senders, receivers = row_ranges(num_rows, num_senders), row_ranges(num_rows, num_receivers)
+    pairs = []
+    sender_index = receiver_index = 0
+    # Both slicings cover [0, num_rows) in order, so one merge pass finds every overlap (linear, not R x R).
+    while sender_index < num_senders and receiver_index < num_receivers:
+        (s_start, s_stop), (r_start, r_stop) = senders[sender_index], receivers[receiver_index]
+        start, stop = max(s_start, r_start), min(s_stop, r_stop)
+        if start < stop:
+            pairs.append((sender_index, receiver_index, start, stop))
+        if s_stop <= r_stop:
+            sender_index += 1
+        if r_stop <= s_stop:
+            receiver_index += 1
+    return tuple(pairs)

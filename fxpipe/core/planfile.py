@@ -1,0 +1,89 @@
+"""Plan files: a plan's JSON plus the cost chain and cluster it was made for, so `simulate`/`show` stand alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from fxpipe.core.chain import Block, CostChain, SharedParam
+from fxpipe.core.cluster import Cluster
+from fxpipe.core.costgraph import Affine
+from fxpipe.core.jsonvalues import read_field
+from fxpipe.core.plan import Plan, PlanError, plan_from_dict
+
+
+def chain_to_json(chain: CostChain) -> dict[str, Any]:
+    return {
+        "source": chain.source,
+        "input_bytes": chain.input_bytes.to_json(),
+        "output_bytes": chain.output_bytes.to_json(),
+        "cut_bytes": [cut.to_json() for cut in chain.cut_bytes],
+        "blocks": [
+            {
+                "name": block.name,
+                "node_names": list(block.node_names),
+                "forward_s": block.forward_s.to_json(),
+                "backward_s": block.backward_s.to_json(),
+                "param_bytes": block.param_bytes,
+                "saved_bytes": block.saved_bytes.to_json(),
+            }
+            for block in chain.blocks
+        ],
+        "shared_params": [{"name": shared.name, "num_bytes": shared.num_bytes, "blocks": list(shared.blocks)}
+                          for shared in chain.shared_params],
+    }
+
+
+def _shared_from_json(item: Any, where: str) -> SharedParam:
+    return SharedParam(name=read_field(item, "name", str, where), num_bytes=read_field(item, "num_bytes", int, where),
+                       blocks=read_field(item, "blocks", tuple[int, ...], where))
+
+
+def _block_from_json(item: Any, where: str) -> Block:
+    return Block(
+        name=read_field(item, "name", str, where),
+        node_names=read_field(item, "node_names", tuple[str, ...], where),
+        forward_s=Affine.from_json(item["forward_s"]),
+        backward_s=Affine.from_json(item["backward_s"]),
+        param_bytes=read_field(item, "param_bytes", int, where),
+        saved_bytes=Affine.from_json(item["saved_bytes"]),
+    )
+
+
+def chain_from_json(data: Any) -> CostChain:
+    """The cost chain of a plan file (:func:`chain_to_json`); PlanError names what is malformed."""
+    try:
+        return CostChain(
+            blocks=tuple(_block_from_json(item, f"cost_chain.blocks[{i}]") for i, item in enumerate(data["blocks"])),
+            cut_bytes=tuple(Affine.from_json(cut) for cut in data["cut_bytes"]),
+            input_bytes=Affine.from_json(data["input_bytes"]),
+            output_bytes=Affine.from_json(data["output_bytes"]),
+            source=read_field(data, "source", str, "cost_chain") if "source" in data else "",
+            shared_params=tuple(_shared_from_json(item, f"cost_chain.shared_params[{i}]")
+                                for i, item in enumerate(data.get("shared_params", []))),
+        )
+    except (KeyError, TypeError, ValueError) as error:
+        raise PlanError(f"plan file's 'cost_chain' is malformed: {error!r}") from error
+
+
+def save_plan_file(path: str | Path, plan: Plan, chain: CostChain, cluster: Cluster) -> None:
+    """Write ``plan`` with its chain and cluster as deterministic JSON."""
+    data = plan.to_json_dict()
+    data["cost_chain"] = chain_to_json(chain)
+    data["cluster_spec"] = cluster.to_json()
+    Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def load_plan_file(path: str | Path) -> tuple[Plan, CostChain | None, Cluster | None]:
+    """Read a plan file; the chain and cluster are None when the file holds only a plan."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError) as error:
+        raise PlanError(f"cannot read plan file {str(path)!r}: {error}") from error
+    except (ValueError, RecursionError) as error:  # JSONDecodeError, an int of too many digits, deep nesting
+        raise PlanError(f"plan file {str(path)!r} is not JSON: {error}") from error
+    plan = plan_from_dict(data)
+    chain = chain_from_json(data["cost_chain"]) if "cost_chain" in data else None
+    cluster = Cluster.from_json(data["cluster_spec"]) if "cluster_spec" in data else None
+    return plan, chain, cluster

@@ -1,0 +1,54 @@
+"""The split program's types: per-stage GraphModules and the routing of every crossing value (codegen writes
+them, the runtime runs them)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+
+@dataclass(frozen=True)
+class ValueSpec:
+    """A value that crosses a stage boundary (or is a model input/output), at the example batch size."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None
+    batched: bool
+    is_tensor: bool
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
+class StageProgram:
+    """One stage: ``module(*input_values)`` returns the tuple ``output_values``."""
+
+    stage_index: int
+    module: fx.GraphModule
+    input_values: tuple[str, ...]
+    output_values: tuple[str, ...]
+    param_names: tuple[tuple[str, str], ...]  # (attribute path in module, original model name)
+
+
+@dataclass(frozen=True)
+class SplitProgram:
+    """All stages of a split model, with where every crossing value comes from and goes to."""
+
+    stages: tuple[StageProgram, ...]
+    model_inputs: tuple[str, ...]
+    output_tree: Any
+    producers: Mapping[str, int]
+    consumers: Mapping[str, tuple[int, ...]]
+    values: Mapping[str, ValueSpec]
+    tie_groups: tuple[tuple[str, tuple[int, ...]], ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+
+MODEL_INPUT = -1  # producer index of model inputs: every rank holds the global batch and slices it

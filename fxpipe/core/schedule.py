@@ -1,0 +1,279 @@
+"""Pipeline schedules as data: per-stage action lists (GPipe, early-backward), lowering, validation, tables."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+from tabulate import tabulate
+
+
+class Op(StrEnum):
+    """What one action does. FORWARD/BACKWARD compute; the others move data or gradients."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    RECV_ACTIVATION = "RA"
+    SEND_ACTIVATION = "SA"
+    RECV_GRADIENT = "RG"
+    SEND_GRADIENT = "SG"
+    ALLREDUCE = "AR"
+
+
+@dataclass(frozen=True)
+class Action:
+    op: Op
+    microbatch_index: int = -1  # -1 for ALLREDUCE, which covers the whole iteration
+
+    def __str__(self) -> str:
+        return self.op.value if self.microbatch_index < 0 else f"{self.op.value}{self.microbatch_index}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Compute order of every stage; all replicas of a stage run the same list.
+
+    ``per_stage[s]`` holds only FORWARD and BACKWARD actions; :func:`lower` adds the transfers
+    and the gradient allreduce that the simulator and the runtime both execute.
+    """
+
+    name: str
+    num_stages: int
+    num_microbatches: int
+    per_stage: tuple[tuple[Action, ...], ...]
+
+    def __str__(self) -> str:
+        return format_schedule(self)
+
+
+class ScheduleError(ValueError):
+    """A schedule is malformed or cannot run to completion; the message shows the schedule."""
+
+
+def _check_sizes(num_stages: int, num_microbatches: int) -> None:
+    if num_stages < 1 or num_microbatches < 1:
+        raise ScheduleError(f"a schedule needs >= 1 stage and >= 1 micro-batch; got S={num_stages}, "
+                            f"M={num_microbatches}")
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+    """All forwards, then all backwards in reverse micro-batch order (GPipe)."""
+    _check_sizes(num_stages, num_microbatches)
+    forwards = [Action(Op.FORWARD, m) for m in range(num_microbatches)]
+    backwards = [Action(Op.BACKWARD, m) for m in reversed(range(num_microbatches))]
+    per_stage = tuple(tuple(forwards + backwards) for _ in range(num_stages))
+    return Schedule("gpipe", num_stages, num_microbatches, per_stage)
+
+
+def warmup_forwards(stage_index: int, num_stages: int, num_microbatches: int, warmup_policy: str) -> int:
+    """K_s, the forwards stage s runs before its first backward (DAPPLE section 1.5).
+
+    Policy A (cheap communication): K_s = min(S - s, M).
+    Policy B (communication comparable to compute): K_s = min(2 (S - s) - 1, M), which keeps one
+    more micro-batch in flight per downstream stage so transfers overlap compute.
+    """
+    remaining = num_stages - stage_index
+    if warmup_policy == "A":
+        return min(remaining, num_microbatches)
+    if warmup_policy == "B":
+        return min(2 * remaining - 1, num_microbatches)
+    raise ScheduleError(f"warm-up policy {warmup_policy!r} is unknown; choose 'A' or 'B'")
+
+
+def early_backward(num_stages: int, num_microbatches: int, warmup_policy: str = "A") -> Schedule:
+    """DAPPLE's synchronous 1F1B: K_s warm-up forwards, then one backward / one forward, then drain."""
+    _check_sizes(num_stages, num_microbatches)
+    per_stage = []
+    for stage_index in range(num_stages):
+        num_warmup = warmup_forwards(stage_index, num_stages, num_microbatches, warmup_policy)
+        actions = [Action(Op.FORWARD, m) for m in range(num_warmup)]
+        next_forward = num_warmup
+        for m in range(num_microbatches):
+            actions.append(Action(Op.BACKWARD, m))
+            if next_forward < num_microbatches:
+                actions.append(Action(Op.FORWARD, next_forward))
+                next_forward += 1
+        per_stage.append(tuple(actions))
+    return Schedule(f"early_backward_{warmup_policy}", num_stages, num_microbatches, tuple(per_stage))
+
+
+def _gpipe_any_policy(num_stages: int, num_microbatches: int, warmup_policy: str) -> Schedule:
+    return gpipe(num_stages, num_microbatches)  # every micro-batch is in flight: no warm-up policy applies
+
+
+@dataclass(frozen=True)
+class ScheduleKind:
+    """A schedule a plan can name: its generator, the other names users may write for it, and whether
+    every micro-batch is in flight at once (then the warm-up policy does not matter)."""
+
+    build: Callable[[int, int, str], Schedule]  # (num_stages, num_microbatches, warmup_policy)
+    aliases: tuple[str, ...] = ()
+    all_in_flight: bool = False
+
+
+# The one registry of schedules: plans, the planner, the CLI and fxpipe.compile all read it.
+SCHEDULES: dict[str, ScheduleKind] = {
+    "early_backward": ScheduleKind(early_backward, aliases=("dapple", "1f1b")),
+    "gpipe": ScheduleKind(_gpipe_any_policy, all_in_flight=True),
+}
+WARMUP_POLICIES = ("A", "B")  # DAPPLE's warm-up policies for early backward (see warmup_forwards)
+
+
+def schedule_names() -> list[str]:
+    """Every name a user may write for a schedule (plan names and aliases), sorted."""
+    return sorted([*SCHEDULES, *(alias for kind in SCHEDULES.values() for alias in kind.aliases)])
+
+
+def schedule_name(name: str) -> str:
+    """The plan name of schedule ``name`` (which may be an alias, e.g. ``"dapple"`` -> ``"early_backward"``)."""
+    for plan_name, kind in SCHEDULES.items():
+        if name == plan_name or name in kind.aliases:
+            return plan_name
+    choices = " or ".join(repr(plan_name) + (f" (alias {', '.join(map(repr, kind.aliases))})" if kind.aliases else "")
+                          for plan_name, kind in SCHEDULES.items())
+    raise ScheduleError(f"schedule {name!r} is unknown; choose {choices}")
+
+
+def make_schedule(name: str, num_stages: int, num_microbatches: int, warmup_policy: str = "A") -> Schedule:
+    """Build a schedule by name (a key of :data:`SCHEDULES` or one of its aliases)."""
+    return SCHEDULES[schedule_name(name)].build(num_stages, num_microbatches, warmup_policy)
+
+
+def lower(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
+    """Add transfers and the allreduce: per stage, the full list of actions a replica executes.
+
+    A forward is preceded by receiving its activations (except on stage 0) and followed by
+    sending them (except on the last stage); a backward mirrors this with gradients. The
+    allreduce follows the stage's last backward.
+    """
+    last = schedule.num_stages - 1
+    lowered = []
+    for stage_index, actions in enumerate(schedule.per_stage):
+        out: list[Action] = []
+        for action in actions:
+            m = action.microbatch_index
+            if action.op is Op.FORWARD:
+                if stage_index > 0:
+                    out.append(Action(Op.RECV_ACTIVATION, m))
+                out.append(action)
+                if stage_index < last:
+                    out.append(Action(Op.SEND_ACTIVATION, m))
+            elif action.op is Op.BACKWARD:
+                if stage_index < last:
+                    out.append(Action(Op.RECV_GRADIENT, m))
+                out.append(action)
+                if stage_index > 0:
+                    out.append(Action(Op.SEND_GRADIENT, m))
+            else:
+                raise ScheduleError(f"stage {stage_index}: unlowered schedules hold only F and B, got {action}")
+        out.append(Action(Op.ALLREDUCE))
+        lowered.append(tuple(out))
+    return tuple(lowered)
+
+
+def inflight_peak(schedule: Schedule, stage_index: int) -> int:
+    """Most micro-batches stage ``stage_index`` holds at once: forwards whose backward has not run yet."""
+    if not 0 <= stage_index < len(schedule.per_stage):
+        raise ScheduleError(f"stage {stage_index} is not in schedule {schedule.name!r} "
+                            f"(stages 0..{len(schedule.per_stage) - 1})")
+    inflight = peak = 0
+    for action in schedule.per_stage[stage_index]:
+        inflight += 1 if action.op is Op.FORWARD else -1 if action.op is Op.BACKWARD else 0
+        peak = max(peak, inflight)
+    return peak
+
+
+def validate_schedule(schedule: Schedule) -> None:
+    """Check that every stage runs F and B of every micro-batch once, B after F, and that it completes.
+
+    Completion is checked by abstract execution under the runtime's semantics (sends are
+    buffered, receives block): F(m) on stage s needs F(m) done on stage s-1, B(m) on stage s
+    needs B(m) done on stage s+1. Raises ScheduleError naming the problem, then the schedule.
+    """
+    problems = _shape_problems(schedule)
+    if not problems:
+        problems = _deadlock_problems(schedule)
+    if problems:
+        raise ScheduleError("invalid schedule: " + "; ".join(problems) + "\n" + format_schedule(schedule))
+
+
+def _shape_problems(schedule: Schedule) -> list[str]:
+    if schedule.num_stages < 1 or schedule.num_microbatches < 1:
+        return [f"a schedule needs >= 1 stage and >= 1 micro-batch; got S={schedule.num_stages}, "
+                f"M={schedule.num_microbatches}"]
+    if len(schedule.per_stage) != schedule.num_stages:
+        return [f"num_stages is {schedule.num_stages} but per_stage has {len(schedule.per_stage)} lists"]
+    problems: list[str] = []
+    for stage_index, actions in enumerate(schedule.per_stage):
+        problems.extend(f"stage {stage_index}: {p}" for p in _stage_problems(actions, schedule.num_microbatches))
+    return problems
+
+
+def _stage_problems(actions: tuple[Action, ...], num_microbatches: int) -> list[str]:
+    problems = []
+    done: dict[Op, set[int]] = {Op.FORWARD: set(), Op.BACKWARD: set()}
+    for step, action in enumerate(actions):
+        m = action.microbatch_index
+        if action.op not in done:
+            problems.append(f"step {step} is {action}; unlowered schedules hold only F and B")
+        elif not 0 <= m < num_microbatches:
+            problems.append(f"step {step} is {action}; micro-batch {m} is outside 0..{num_microbatches - 1}")
+        elif m in done[action.op]:
+            problems.append(f"step {step} repeats {action}")
+        elif action.op is Op.BACKWARD and m not in done[Op.FORWARD]:
+            problems.append(f"step {step} runs B{m} before F{m}")
+        else:
+            done[action.op].add(m)
+    for op, seen in done.items():
+        missing = sorted(set(range(num_microbatches)) - seen)
+        if missing and not problems:
+            problems.append(f"{op.value} of micro-batches {missing} never runs")
+    return problems
+
+
+def _waits_for(schedule: Schedule, stage_index: int, action: Action) -> int | None:
+    """The stage whose same action must finish first (None when the action needs no other stage)."""
+    if action.op is Op.FORWARD and stage_index > 0:
+        return stage_index - 1
+    if action.op is Op.BACKWARD and stage_index < schedule.num_stages - 1:
+        return stage_index + 1
+    return None
+
+
+def _deadlock_problems(schedule: Schedule) -> list[str]:
+    """Abstract execution: advance every stage as far as its dependencies allow, report who is stuck."""
+    done: set[tuple[int, Action]] = set()
+    cursor = [0] * schedule.num_stages
+    pending = list(range(schedule.num_stages))
+    while pending:
+        stage_index = pending.pop()
+        actions = schedule.per_stage[stage_index]
+        while cursor[stage_index] < len(actions):
+            action = actions[cursor[stage_index]]
+            other = _waits_for(schedule, stage_index, action)
+            if other is not None and (other, action) not in done:
+                break
+            done.add((stage_index, action))
+            cursor[stage_index] += 1
+            neighbour = stage_index + (1 if action.op is Op.FORWARD else -1)
+            if 0 <= neighbour < schedule.num_stages:
+                pending.append(neighbour)
+    stuck = []
+    for stage_index, actions in enumerate(schedule.per_stage):
+        if cursor[stage_index] < len(actions):
+            action = actions[cursor[stage_index]]
+            stuck.append(f"stage {stage_index} waits at step {cursor[stage_index]} ({action}) for {action} "
+                         f"on stage {_waits_for(schedule, stage_index, action)}")
+    return ["deadlock: " + ", ".join(stuck)] if stuck else []
+
+
+def format_schedule(schedule: Schedule) -> str:
+    """An aligned table: one row per stage, one column per step."""
+    width = max((len(a) for a in schedule.per_stage), default=0)
+    rows = []
+    for stage_index, actions in enumerate(schedule.per_stage):
+        cells = [str(a) for a in actions] + [""] * (width - len(actions))
+        rows.append([f"stage {stage_index}", *cells])
+    header = [schedule.name, *(str(i) for i in range(width))]
+    return str(tabulate(rows, headers=header, tablefmt="plain"))

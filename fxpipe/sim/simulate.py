@@ -1,0 +1,296 @@
+"""Exact event simulation of a plan's lowered schedule: iteration time, busy/idle, memory and timeline."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fxpipe.core.chain import CostChain
+from fxpipe.core.cluster import Cluster
+from fxpipe.core.plan import Plan, shared_rows, split_rows
+from fxpipe.core.schedule import (
+    Schedule,
+    ScheduleError,
+    inflight_peak,
+    lower,
+    make_schedule,
+    validate_schedule,
+)
+from fxpipe.core.timeline import TimelineEvent, TransferEvent
+from fxpipe.sim.events import (
+    CODE_OPS,
+    ComponentRun,
+    Program,
+    ReplicaSpec,
+    encode_program,
+    run_component,
+)
+from fxpipe.sim.stagecost import allreduce_times, compute_times, stage_cost, stage_memory_bytes
+
+__all__ = ["SimulationResult", "TimelineEvent", "TransferEvent", "simulate"]
+
+Replica = tuple[int, int]  # (stage_index, replica_index)
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """Outcome of simulating one training iteration; per-device tuples align with ``devices``."""
+
+    schedule_name: str
+    iteration_time_s: float
+    throughput_samples_per_s: float
+    bubble_fraction: float
+    devices: tuple[int, ...]
+    busy_s: tuple[float, ...]  # forward + backward compute per device
+    idle_s: tuple[float, ...]
+    peak_memory_bytes: tuple[int, ...]  # per stage, per device of that stage
+    inflight_microbatches: tuple[int, ...]  # per stage
+    allreduce_start_s: tuple[float, ...]  # per stage
+    allreduce_end_s: tuple[float, ...]  # per stage
+    events: tuple[TimelineEvent, ...] = ()  # by device, then in execution order
+    transfers: tuple[TransferEvent, ...] = ()
+
+
+def simulate(plan: Plan, chain: CostChain, cluster: Cluster, *, optimizer: str = "adam",
+             schedule: Schedule | None = None, timeline: bool = True,
+             compute_scale: Sequence[float] | None = None) -> SimulationResult:
+    """Simulate one iteration of ``plan`` exactly under this model (deterministic):
+
+    - Every replica device runs its stage's lowered action list (:func:`fxpipe.core.schedule.lower`) in
+      order. Compute takes the time of its own slice (:func:`split_rows`; smaller slices are faster).
+    - A send is asynchronous (buffered): it issues one transfer piece per receiving replica
+      (:func:`shared_rows`) and the device goes on. A receive blocks until every piece of that
+      micro-batch arrived. Each piece costs its sender and its receiver
+      ``cluster.message_overhead_s`` of their own time (packing and posting; stretched like
+      compute). Compute is stretched by ``cluster.compute_slowdown`` (CPU ranks sharing too few cores) and, when ``compute_scale`` is given, by ``compute_scale[d]`` on
+      device ``d`` (one factor per cluster device: a slower or straggling device; see
+      :mod:`fxpipe.sim.stragglers`). A piece takes ``latency + cut_bytes(rows) / bandwidth`` of its link
+      (:meth:`Cluster.link`); gradients are the same size as activations.
+    - Each device has one send port and one receive port (full duplex). A piece holds its sender's
+      send port and its receiver's receive port; ports serve pieces first come, first served in
+      issue-time order, with no backfilling. Zero-byte pieces arrive at once.
+    - ``cut_bytes`` already counts skip values crossing a cut, so values read by a non-adjacent
+      stage are modelled as relayed through the stages between (bytes per cut are exact).
+      Loading inputs (every rank slices the batch itself) and the loss are local: not modelled.
+    - A stage's allreduce starts when all its replicas finished their last backward and lasts
+      :meth:`Cluster.allreduce_time` of its own parameters. Parameters several stages hold (tied
+      weights, :func:`tie_groups`) are summed in one allreduce over all those stages' devices,
+      starting when the last of them is ready; the stages' allreduce ends with it. The iteration
+      ends with the last allreduce (the runtime's 8-byte loss sum after it is left out).
+
+    Groups of replicas that exchange nothing with each other are simulated separately, and groups
+    with identical inputs once (exact: see :func:`_simulate_components`). ``timeline=False`` skips
+    recording events and transfers (faster; figures unchanged).
+    """
+    schedule = schedule or _default_schedule(plan.schedule, plan.num_stages, plan.num_microbatches,
+                                             plan.warmup_policy)
+    _check_schedule(plan, chain, schedule)
+    slowdowns = _slowdowns(cluster, compute_scale)
+    programs, inflight = _prepared(schedule)
+    specs = _replica_specs(plan, chain, cluster, slowdowns)
+    runs = _simulate_components(specs, programs, plan.num_microbatches, timeline)
+    return _collect(plan, chain, cluster, schedule, inflight, runs, optimizer, slowdowns)
+
+
+def _slowdowns(cluster: Cluster, compute_scale: Sequence[float] | None) -> tuple[float, ...]:
+    """Each cluster device's compute stretch: the cluster's core sharing times ``compute_scale``."""
+    if compute_scale is None:
+        return (cluster.compute_slowdown,) * cluster.num_devices
+    scale = tuple(float(factor) for factor in compute_scale)
+    if len(scale) != cluster.num_devices or not all(factor > 0 for factor in scale):
+        raise ValueError(f"compute_scale needs one positive factor per device of cluster {cluster.name!r} "
+                         f"({cluster.num_devices}); got {list(compute_scale)}")
+    return tuple(cluster.compute_slowdown * factor for factor in scale)
+
+
+# The planner simulates hundreds of plans with the same few schedules: build, validate and lower once.
+@functools.lru_cache(maxsize=32)
+def _default_schedule(name: str, num_stages: int, num_microbatches: int, warmup_policy: str) -> Schedule:
+    return make_schedule(name, num_stages, num_microbatches, warmup_policy)
+
+
+@functools.lru_cache(maxsize=32)
+def _prepared(schedule: Schedule) -> tuple[tuple[Program, ...], tuple[int, ...]]:
+    """The validated schedule's per-stage programs and in-flight peaks."""
+    validate_schedule(schedule)
+    programs = tuple(encode_program(actions) for actions in lower(schedule))
+    return programs, tuple(inflight_peak(schedule, s) for s in range(schedule.num_stages))
+
+
+def _check_schedule(plan: Plan, chain: CostChain, schedule: Schedule) -> None:
+    if (schedule.num_stages, schedule.num_microbatches) != (plan.num_stages, plan.num_microbatches):
+        raise ScheduleError(f"schedule {schedule.name!r} is for S={schedule.num_stages}, M="
+                            f"{schedule.num_microbatches} but the plan has S={plan.num_stages}, "
+                            f"M={plan.num_microbatches}; build it with make_schedule for this plan")
+    if plan.stages[-1].stop_block != chain.num_blocks:
+        raise ValueError(f"plan covers blocks [0, {plan.stages[-1].stop_block}) but the chain has "
+                         f"{chain.num_blocks} blocks; plan and chain must come from the same model")
+
+
+def _pieces(plan: Plan, chain: CostChain, cluster: Cluster, stage_index: int) -> list[tuple[int, int, float]]:
+    """``(sender replica, receiver replica, seconds)`` for every piece crossing the cut after ``stage_index``."""
+    sender, receiver = plan.stages[stage_index], plan.stages[stage_index + 1]
+    bytes_per_rows = chain.cut_bytes[sender.stop_block - 1]
+    return [
+        (i, j, cluster.link(sender.devices[i], receiver.devices[j]).transfer_time(bytes_per_rows.at(stop - start)))
+        for i, j, start, stop in shared_rows(plan.microbatch_size, sender.replicas, receiver.replicas)
+    ]
+
+
+def _replica_specs(plan: Plan, chain: CostChain, cluster: Cluster,
+                   slowdowns: Sequence[float] | None = None) -> dict[Replica, _Node]:
+    """Every replica's compute times and transfer pieces, keyed by (stage, replica), globally indexed."""
+    slowdowns = slowdowns or _slowdowns(cluster, None)
+    nodes: dict[Replica, _Node] = {}
+    for stage in plan.stages:
+        for replica_index, rows in enumerate(split_rows(plan.microbatch_size, stage.replicas)):
+            slowdown = slowdowns[stage.devices[replica_index]]
+            forward_s, backward_s = compute_times(chain, stage.first_block, stage.stop_block, rows, slowdown)
+            nodes[stage.stage_index, replica_index] = _Node(stage.stage_index, forward_s, backward_s, [], [], 0, 0,
+                                                            cluster.message_overhead_s * slowdown)
+    for stage_index in range(plan.num_stages - 1):
+        for i, j, seconds in _pieces(plan, chain, cluster, stage_index):
+            nodes[stage_index, i].activation_out.append(((stage_index + 1, j), seconds))
+            nodes[stage_index + 1, j].num_activation_in += 1
+        # gradients go back the same way; each sender issues them in receiver order
+        for i, j, seconds in sorted(_pieces(plan, chain, cluster, stage_index), key=lambda p: (p[1], p[0])):
+            nodes[stage_index + 1, j].gradient_out.append(((stage_index, i), seconds))
+            nodes[stage_index, i].num_gradient_in += 1
+    return nodes
+
+
+@dataclass
+class _Node:
+    stage_index: int
+    forward_s: float
+    backward_s: float
+    activation_out: list[tuple[Replica, float]]
+    gradient_out: list[tuple[Replica, float]]
+    num_activation_in: int
+    num_gradient_in: int
+    message_s: float = 0.0
+
+
+def _components(nodes: dict[Replica, _Node]) -> list[list[Replica]]:
+    """Groups of replicas linked by transfers (union-find), each sorted, in order of their first member."""
+    parent = {key: key for key in nodes}
+
+    def find(key: Replica) -> Replica:
+        while parent[key] != key:
+            parent[key] = parent[parent[key]]
+            key = parent[key]
+        return key
+
+    for key, node in nodes.items():
+        for other, _ in node.activation_out:
+            parent[find(other)] = find(key)
+    groups: dict[Replica, list[Replica]] = {}
+    for key in sorted(nodes):
+        groups.setdefault(find(key), []).append(key)
+    return sorted(groups.values())
+
+
+def _local_specs(nodes: dict[Replica, _Node], members: list[Replica]) -> tuple[ReplicaSpec, ...]:
+    local = {key: index for index, key in enumerate(members)}
+    return tuple(
+        ReplicaSpec(node.stage_index, node.forward_s, node.backward_s,
+                    tuple((local[k], s) for k, s in node.activation_out),
+                    tuple((local[k], s) for k, s in node.gradient_out),
+                    node.num_activation_in, node.num_gradient_in, node.message_s)
+        for node in (nodes[key] for key in members)
+    )
+
+
+def _simulate_components(nodes: dict[Replica, _Node], programs: Sequence[Program], num_microbatches: int,
+                         record: bool, dedupe: bool = True) -> list[tuple[list[Replica], ComponentRun]]:
+    """Run each component once per distinct spec; returns every component's members and run.
+
+    Components share no device, port or link, and the allreduce only reads when each replica got
+    there, so they are independent; two components with equal local specs (compute times, piece
+    times in issue order, piece counts) are the same deterministic computation, so one run serves
+    both exactly (e.g. the R columns of an R:R:R plan, or the R replicas of pure data parallelism).
+    """
+    cache: dict[tuple[ReplicaSpec, ...], ComponentRun] = {}
+    result = []
+    for members in _components(nodes):
+        specs = _local_specs(nodes, members)
+        run = cache.get(specs) if dedupe else None
+        if run is None:
+            run = cache[specs] = run_component(specs, programs, num_microbatches, record)
+        result.append((members, run))
+    return result
+
+
+def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule, inflight: tuple[int, ...],
+             runs: list[tuple[list[Replica], ComponentRun]], optimizer: str,
+             slowdowns: Sequence[float]) -> SimulationResult:
+    """Add the allreduces and turn component runs into per-device figures and events."""
+    ready = {key: run.allreduce_ready_s[local] for members, run in runs for local, key in enumerate(members)}
+    own, ties = allreduce_times(chain, cluster, [(s.first_block, s.stop_block, s.devices) for s in plan.stages])
+    starts, ends, peaks = [], [], []
+    for stage in plan.stages:
+        cost = stage_cost(chain, stage.first_block, stage.stop_block, plan.microbatch_size, stage.replicas)
+        starts.append(max(ready[stage.stage_index, r] for r in range(stage.replicas)))
+        ends.append(starts[-1] + own[stage.stage_index])
+        peaks.append(stage_memory_bytes(cost, inflight[stage.stage_index], optimizer))
+    for stages, seconds in ties:  # starts when every holder is ready; its stages end with it
+        tie_end = max(starts[s] for s in stages) + seconds
+        for s in stages:
+            ends[s] = max(ends[s], tie_end)
+    iteration_s = max(ends)
+    busy = {device: _busy(plan, chain, stage.stage_index, replica_index, slowdowns[device])
+            for stage in plan.stages for replica_index, device in enumerate(stage.devices)}
+    devices = tuple(sorted(busy))
+    return SimulationResult(
+        schedule_name=schedule.name,
+        iteration_time_s=iteration_s,
+        throughput_samples_per_s=plan.global_batch_size / iteration_s if iteration_s > 0 else float("inf"),
+        bubble_fraction=1.0 - sum(busy.values()) / (iteration_s * len(devices)) if iteration_s > 0 else 0.0,
+        devices=devices,
+        busy_s=tuple(busy[d] for d in devices),
+        idle_s=tuple(iteration_s - busy[d] for d in devices),
+        peak_memory_bytes=tuple(peaks),
+        inflight_microbatches=inflight,
+        allreduce_start_s=tuple(starts),
+        allreduce_end_s=tuple(ends),
+        events=_events(plan, runs, starts, ends),
+        transfers=_transfers(plan, runs),
+    )
+
+
+def _busy(plan: Plan, chain: CostChain, stage_index: int, replica_index: int, slowdown: float) -> float:
+    stage = plan.stages[stage_index]
+    rows = split_rows(plan.microbatch_size, stage.replicas)[replica_index]
+    forward_s, backward_s = compute_times(chain, stage.first_block, stage.stop_block, rows, slowdown)
+    return plan.num_microbatches * (forward_s + backward_s)
+
+
+def _device(plan: Plan, key: Replica) -> int:
+    return plan.stages[key[0]].devices[key[1]]
+
+
+def _events(plan: Plan, runs: list[tuple[list[Replica], ComponentRun]], starts: Sequence[float],
+            ends: Sequence[float]) -> tuple[TimelineEvent, ...]:
+    """Per device (in device order), its actions as executed, ending with its stage's allreduce."""
+    by_device: list[tuple[int, list[TimelineEvent]]] = []
+    for members, run in runs:
+        for local, (stage_index, replica_index) in enumerate(members):
+            if not run.events[local]:
+                continue  # nothing recorded: timeline=False
+            device = plan.stages[stage_index].devices[replica_index]
+            events = [TimelineEvent(device, stage_index, CODE_OPS[code].value, m, start, end)
+                      for code, m, start, end in run.events[local]]
+            events.append(TimelineEvent(device, stage_index, "AR", -1, starts[stage_index], ends[stage_index]))
+            by_device.append((device, events))
+    return tuple(event for _, events in sorted(by_device, key=lambda item: item[0]) for event in events)
+
+
+def _transfers(plan: Plan, runs: list[tuple[list[Replica], ComponentRun]]) -> tuple[TransferEvent, ...]:
+    """Every transfer piece with global devices, sorted by start time, then source and destination."""
+    out: list[TransferEvent] = []
+    for members, run in runs:
+        devices = [_device(plan, key) for key in members]
+        out.extend(TransferEvent(devices[src], devices[dst], CODE_OPS[code].value, m, start, end)
+                   for src, dst, code, m, start, end in run.transfers)
+    return tuple(sorted(out, key=lambda t: (t.start_s, t.src_device, t.dst_device, t.op, t.microbatch_index)))

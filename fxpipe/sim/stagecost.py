@@ -1,0 +1,178 @@
+"""Per-stage costs on plain numbers: compute, memory, transfers and allreduce, shared by planner and simulator."""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fxpipe.core.cluster import Cluster
+from fxpipe.core.costgraph import Affine
+from fxpipe.core.plan import shared_rows, split_rows
+
+if TYPE_CHECKING:  # fxpipe.passes imports the planner, which imports this module
+    from fxpipe.core.chain import CostChain
+
+# Bytes kept per parameter byte: weights + gradients (+ optimizer state).
+OPTIMIZER_STATE_FACTORS: dict[str, float] = {"sgd": 2.0, "momentum": 3.0, "adam": 4.0, "adamw": 4.0}
+
+
+def optimizer_factor(name: str) -> float:
+    key = name.lower()
+    if key not in OPTIMIZER_STATE_FACTORS:
+        raise ValueError(f"optimizer {name!r} is unknown; choose one of {sorted(OPTIMIZER_STATE_FACTORS)}")
+    return OPTIMIZER_STATE_FACTORS[key]
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage replica's costs for one micro-batch slice of ``rows`` rows (the largest slice)."""
+
+    rows: int
+    forward_s: float
+    backward_s: float
+    param_bytes: int
+    activation_bytes: float  # saved for backward, one slice
+    input_bytes: float  # activations received for one slice (0 for stage 0 except data)
+    output_bytes: float  # activations sent for one slice (0 for the last stage)
+
+
+def _block_sum(chain: CostChain, first: int, stop: int, field: str) -> Affine:
+    return Affine.total(getattr(block, field) for block in chain.blocks[first:stop])
+
+
+def compute_times(chain: CostChain, first: int, stop: int, rows: int, slowdown: float = 1.0) -> tuple[float, float]:
+    """Forward and backward seconds of blocks ``[first, stop)`` on a slice of ``rows`` batch rows.
+
+    ``slowdown`` stretches the chain's times (:attr:`Cluster.compute_slowdown`: ranks sharing cores).
+    """
+    return (_block_sum(chain, first, stop, "forward_s").at(rows) * slowdown,
+            _block_sum(chain, first, stop, "backward_s").at(rows) * slowdown)
+
+
+def message_seconds(cluster: Cluster, microbatch_rows: int, replicas: Sequence[int], stage_index: int) -> float:
+    """The busiest replica's own time per micro-batch for the messages of one direction (forward or backward).
+
+    ``replicas`` are every stage's replica counts; a replica sends one message per receiving replica
+    it shares rows with and receives one per sender (:func:`shared_rows`), each costing
+    :attr:`Cluster.message_overhead_s`, stretched like compute on shared cores.
+    """
+    if cluster.message_overhead_s <= 0:
+        return 0.0
+    counts = [0] * replicas[stage_index]
+    if stage_index > 0:
+        for _, j, _, _ in shared_rows(microbatch_rows, replicas[stage_index - 1], replicas[stage_index]):
+            counts[j] += 1
+    if stage_index < len(replicas) - 1:
+        for i, _, _, _ in shared_rows(microbatch_rows, replicas[stage_index], replicas[stage_index + 1]):
+            counts[i] += 1
+    return cluster.message_overhead_s * cluster.compute_slowdown * max(counts)
+
+
+def stage_cost(chain: CostChain, first: int, stop: int, microbatch_rows: int, replicas: int,
+               slowdown: float = 1.0) -> StageCost:
+    """Costs of blocks ``[first, stop)`` run on ``replicas`` devices, each taking its slice of a micro-batch.
+
+    ``slowdown`` stretches compute as in :func:`compute_times`.
+    """
+    rows = max(split_rows(microbatch_rows, replicas))
+    input_bytes = chain.input_bytes if first == 0 else chain.cut_bytes[first - 1]
+    output_bytes = chain.output_bytes if stop == chain.num_blocks else chain.cut_bytes[stop - 1]
+    return StageCost(
+        rows=rows,
+        forward_s=_block_sum(chain, first, stop, "forward_s").at(rows) * slowdown,
+        backward_s=_block_sum(chain, first, stop, "backward_s").at(rows) * slowdown,
+        param_bytes=stage_param_bytes(chain, first, stop),
+        activation_bytes=_block_sum(chain, first, stop, "saved_bytes").at(rows),
+        input_bytes=0.0 if first == 0 else input_bytes.at(rows),
+        output_bytes=0.0 if stop == chain.num_blocks else output_bytes.at(rows),
+    )
+
+
+def stage_param_bytes(chain: CostChain, first: int, stop: int) -> int:
+    """Parameter bytes a stage over blocks ``[first, stop)`` holds, its copies of tied parameters included."""
+    return sum(block.param_bytes for block in chain.blocks[first:stop]) + tied_copy_bytes(chain, first, stop)
+
+
+def tied_copy_bytes(chain: CostChain, first: int, stop: int) -> int:
+    """Bytes of shared parameters blocks ``[first, stop)`` read but an earlier block holds: this stage's copies."""
+    return sum(shared.num_bytes for shared in chain.shared_params
+               if shared.blocks[0] < first and any(first <= block < stop for block in shared.blocks))
+
+
+def tie_groups(chain: CostChain, stage_bounds: Sequence[tuple[int, int]]) -> list[tuple[tuple[int, ...], int]]:
+    """``(stage indices, bytes)`` per set of stages sharing parameters, for stages over blocks ``[first, stop)``.
+
+    The runtime sums these gradients with one allreduce over every rank of those stages (and leaves
+    them out of each stage's own replica allreduce); sets are in ascending order.
+    """
+    if not chain.shared_params:
+        return []
+    from fxpipe.core.chain import regroup_shared_params  # here: fxpipe.passes imports this module
+
+    firsts = [first for first, _ in stage_bounds]
+    stage_of_block = [bisect.bisect_right(firsts, block) - 1 for block in range(chain.num_blocks)]
+    sizes: dict[tuple[int, ...], int] = {}
+    for shared in regroup_shared_params(chain.shared_params, stage_of_block):
+        sizes[shared.blocks] = sizes.get(shared.blocks, 0) + shared.num_bytes
+    return sorted(sizes.items())
+
+
+def allreduce_times(chain: CostChain, cluster: Cluster, stages: Sequence[tuple[int, int, Sequence[int]]],
+                    ) -> tuple[list[float], list[tuple[tuple[int, ...], float]]]:
+    """Gradient sums of stages ``(first block, stop block, devices)`` as the runtime does them.
+
+    Returns each stage's replica allreduce of its own parameters (tied ones left out) and, per set
+    of stages sharing parameters (:func:`tie_groups`), the seconds of one allreduce of those bytes
+    over every device of those stages; it can start once all of them are ready.
+    """
+    ties = tie_groups(chain, [(first, stop) for first, stop, _ in stages])
+    own = []
+    for index, (first, stop, devices) in enumerate(stages):
+        tied = sum(num_bytes for holders, num_bytes in ties if index in holders)
+        own.append(cluster.allreduce_time(stage_param_bytes(chain, first, stop) - tied, devices))
+    groups = [(holders, cluster.allreduce_time(num_bytes, sorted(d for s in holders for d in stages[s][2])))
+              for holders, num_bytes in ties]
+    return own, groups
+
+
+def stage_memory_bytes(cost: StageCost, inflight_microbatches: int, optimizer: str = "adam") -> int:
+    """Peak bytes per device: weights x optimizer factor + in-flight activations + receive buffers.
+
+    Receive buffers: one activation slice in and one gradient slice back per in-flight micro-batch
+    boundary (the runtime preallocates one of each).
+    """
+    weights = cost.param_bytes * optimizer_factor(optimizer)
+    activations = inflight_microbatches * (cost.activation_bytes + cost.input_bytes)
+    buffers = cost.input_bytes + cost.output_bytes
+    return int(math.ceil(weights + activations + buffers))
+
+
+def transfer_time(
+    cluster: Cluster,
+    bytes_per_row: Affine,
+    microbatch_rows: int,
+    src_devices: Sequence[int],
+    dst_devices: Sequence[int],
+) -> float:
+    """Time to move one micro-batch's values across a cut between two replica groups.
+
+    Each sender hands each receiver the rows they share (:func:`shared_rows`). Transfers from one
+    device run one after another; the slowest device (as sender or receiver) sets the time.
+    """
+    busy: dict[tuple[str, int], float] = {}
+    for sender, receiver, start, stop in shared_rows(microbatch_rows, len(src_devices), len(dst_devices)):
+        src, dst = src_devices[sender], dst_devices[receiver]
+        if src == dst:
+            continue
+        seconds = cluster.link(src, dst).transfer_time(bytes_per_row.at(stop - start))
+        busy[("send", src)] = busy.get(("send", src), 0.0) + seconds
+        busy[("recv", dst)] = busy.get(("recv", dst), 0.0) + seconds
+    return max(busy.values(), default=0.0)
+
+
+def allreduce_time(cluster: Cluster, param_bytes: float, devices: Sequence[int]) -> float:
+    """Gradient allreduce of one stage over its replicas (ring, slowest link)."""
+    return cluster.allreduce_time(param_bytes, devices)

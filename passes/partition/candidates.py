@@ -1,0 +1,188 @@
+"""Planner candidates on plain numbers: memoised stage costs, pivot-model latency, memory checks, Plans."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from fxpipe.core.chain import CostChain
+from fxpipe.core.cluster import Cluster
+from fxpipe.core.costgraph import Affine
+from fxpipe.core.plan import Plan, Prediction, StagePlan
+from fxpipe.core.schedule import SCHEDULES, warmup_forwards
+from fxpipe.passes.partition.latency import PipelineSteps, pipeline_latency, pipeline_steps
+from fxpipe.sim.stagecost import (
+    StageCost,
+    allreduce_time,
+    allreduce_times,
+    message_seconds,
+    stage_cost,
+    stage_memory_bytes,
+    transfer_time,
+)
+
+
+@dataclass(frozen=True)
+class Span:
+    """One stage of a candidate: blocks ``[first, stop)`` on ``devices`` (one replica per device)."""
+
+    first: int
+    stop: int
+    devices: tuple[int, ...]
+
+
+def spans_from_stops(stops: Sequence[int], devices: Sequence[tuple[int, ...]]) -> list[Span]:
+    """Stages over blocks ``[stops[s-1], stops[s])`` (the first from 0) on ``devices[s]``."""
+    return [Span(stops[s - 1] if s else 0, stop, devices[s]) for s, stop in enumerate(stops)]
+
+
+@dataclass(frozen=True, order=True)
+class Candidate:
+    """A complete plan in planner terms, ordered by its pivot-model latency."""
+
+    latency_s: float
+    microbatch_rows: int
+    spans: tuple[Span, ...] = field(compare=False)
+
+    @property
+    def layout(self) -> tuple[int, ...]:
+        return tuple(len(span.devices) for span in self.spans)
+
+    @property
+    def num_devices(self) -> int:
+        return sum(len(span.devices) for span in self.spans)
+
+    def identity(self) -> tuple[object, ...]:
+        return (self.microbatch_rows, tuple((s.first, s.stop, s.devices) for s in self.spans))
+
+
+class CandidateCosts:
+    """Stage costs, transfers and allreduces of one (chain, cluster, batch) with memoisation.
+
+    All numbers come from :mod:`fxpipe.sim.stagecost`; this class only caches them and combines them
+    into the pivot model, so the search evaluates many candidates quickly.
+    """
+
+    def __init__(self, chain: CostChain, cluster: Cluster, global_batch_size: int,
+                 optimizer: str, memory_limit_bytes: int, *, schedule: str = "early_backward") -> None:
+        self.chain = chain
+        self.schedule = schedule
+        self.cluster = cluster
+        self.global_batch_size = global_batch_size
+        self.optimizer = optimizer
+        self.memory_limit_bytes = memory_limit_bytes
+        self.cost = lru_cache(maxsize=None)(self._cost)
+        self._hop = lru_cache(maxsize=None)(self._transfer)
+        self.hop = lru_cache(maxsize=None)(self._canonical_hop)
+        self.allreduce = lru_cache(maxsize=None)(self._allreduce)
+
+    def _cost(self, first: int, stop: int, rows: int, replicas: int) -> StageCost:
+        return stage_cost(self.chain, first, stop, rows, replicas, self.cluster.compute_slowdown)
+
+    def _canonical_hop(self, cut: int, rows: int, src: tuple[int, ...], dst: tuple[int, ...]) -> float:
+        """Transfer time across cut ``cut``; devices are relabelled host-major in order of appearance
+        (the time depends only on which replicas share a host), so equivalent placements share a cache entry."""
+        per_host = self.cluster.devices_per_host
+        hosts: dict[int, int] = {}
+        filled: dict[int, int] = {}
+        labels: dict[int, int] = {}
+        for device in (*src, *dst):
+            if device not in labels:
+                host = hosts.setdefault(device // per_host, len(hosts))
+                labels[device] = host * per_host + filled.get(host, 0)
+                filled[host] = filled.get(host, 0) + 1
+        return self._hop(self.chain.cut_bytes[cut], rows, tuple(labels[d] for d in src),
+                         tuple(labels[d] for d in dst))
+
+    def _transfer(self, cut_bytes: Affine, rows: int, src: tuple[int, ...], dst: tuple[int, ...]) -> float:
+        relabelled = Cluster(self.cluster.name, len(set(d // self.cluster.devices_per_host for d in src + dst)),
+                             self.cluster.devices_per_host, self.cluster.device, self.cluster.intra_host,
+                             self.cluster.inter_host, self.cluster.inter_host_collective)
+        return transfer_time(relabelled, cut_bytes, rows, src, dst)
+
+    def _allreduce(self, first: int, stop: int, devices: tuple[int, ...]) -> float:
+        return allreduce_time(self.cluster, self.cost(first, stop, 1, 1).param_bytes, devices)
+
+    def stage_allreduces(self, spans: Sequence[Span]) -> tuple[list[float], list[tuple[tuple[int, ...], float]]]:
+        """Each stage's own gradient allreduce and the tie groups' allreduces (:func:`allreduce_times`)."""
+        if not self.chain.shared_params:  # the common case, memoised per span
+            return [self.allreduce(span.first, span.stop, span.devices) for span in spans], []
+        return allreduce_times(self.chain, self.cluster, [(span.first, span.stop, span.devices) for span in spans])
+
+    def steps(self, spans: Sequence[Span], rows: int) -> PipelineSteps:
+        """Forward, backward and allreduce time of every pipeline step (stages and transfers), tie allreduces."""
+        own, ties = self.stage_allreduces(spans)
+        replicas = [len(span.devices) for span in spans]
+        stages = []
+        for index, span in enumerate(spans):
+            cost = self.cost(span.first, span.stop, rows, len(span.devices))
+            messages = message_seconds(self.cluster, rows, replicas, index)
+            stages.append((cost.forward_s + messages, cost.backward_s + messages, own[index]))
+        hops = [self.hop(before.stop - 1, rows, before.devices, after.devices)
+                for before, after in zip(spans, spans[1:], strict=False)]
+        return pipeline_steps(stages, hops, ties)
+
+    def latency(self, spans: Sequence[Span], rows: int) -> float:
+        forward, backward, allreduce, groups = self.steps(spans, rows)
+        return pipeline_latency(forward, backward, allreduce, self.global_batch_size // rows, groups)
+
+    def inflight(self, stage_index: int, num_stages: int, num_microbatches: int, warmup_policy: str) -> int:
+        """K_s: micro-batches stage ``stage_index`` holds at once (all of them under GPipe)."""
+        if SCHEDULES[self.schedule].all_in_flight:
+            return num_microbatches
+        return warmup_forwards(stage_index, num_stages, num_microbatches, warmup_policy)
+
+    def memory(self, spans: Sequence[Span], rows: int, warmup_policy: str) -> list[int]:
+        """Peak bytes per device of every stage under the plan's schedule."""
+        num_microbatches = self.global_batch_size // rows
+        return [
+            stage_memory_bytes(self.cost(span.first, span.stop, rows, len(span.devices)),
+                               self.inflight(index, len(spans), num_microbatches, warmup_policy),
+                               self.optimizer)
+            for index, span in enumerate(spans)
+        ]
+
+    def fits(self, spans: Sequence[Span], rows: int, warmup_policy: str = "A") -> bool:
+        return max(self.memory(spans, rows, warmup_policy)) <= self.memory_limit_bytes
+
+    def candidate(self, spans: Sequence[Span], rows: int) -> Candidate:
+        return Candidate(self.latency(spans, rows), rows, tuple(spans))
+
+
+def build_plan(model: CandidateCosts, candidate: Candidate, *, schedule: str, warmup_policy: str,
+               planner: str) -> Plan:
+    """A Plan (no predictions yet) whose StagePlans carry the per-device predicted costs."""
+    chain = model.chain
+    rows = candidate.microbatch_rows
+    num_microbatches = model.global_batch_size // rows
+    memory = model.memory(candidate.spans, rows, warmup_policy)
+    stages = []
+    for index, span in enumerate(candidate.spans):
+        cost = model.cost(span.first, span.stop, rows, len(span.devices))
+        node_names = tuple(name for block in chain.blocks[span.first:span.stop] for name in block.node_names)
+        stages.append(StagePlan(
+            stage_index=index, first_block=span.first, stop_block=span.stop,
+            replicas=len(span.devices), devices=span.devices, node_names=node_names,
+            forward_s=cost.forward_s, backward_s=cost.backward_s,
+            allreduce_s=model.allreduce(span.first, span.stop, span.devices),
+            param_bytes=cost.param_bytes, activation_bytes=int(cost.activation_bytes),
+            peak_memory_bytes=memory[index],
+            inflight_microbatches=model.inflight(index, len(candidate.spans), num_microbatches, warmup_policy),
+        ))
+    return Plan(
+        global_batch_size=model.global_batch_size, num_microbatches=num_microbatches, stages=tuple(stages),
+        schedule=schedule, warmup_policy=warmup_policy, planner=planner, cluster=model.cluster.name,
+        num_devices=model.cluster.num_devices, num_blocks=chain.num_blocks,
+        block_names=tuple(block.name for block in chain.blocks),
+    )
+
+
+def with_prediction(plan: Plan, iteration_time_s: float, bubble_fraction: float, analytic_s: float,
+                    dp_iteration_time_s: float) -> Plan:
+    return plan.with_updates(predicted=Prediction(
+        iteration_time_s=iteration_time_s,
+        throughput_samples_per_s=plan.global_batch_size / iteration_time_s if iteration_time_s > 0 else 0.0,
+        bubble_fraction=bubble_fraction, analytic_iteration_time_s=analytic_s,
+        dp_iteration_time_s=dp_iteration_time_s,
+    ))

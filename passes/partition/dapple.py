@@ -1,0 +1,292 @@
+"""The DAPPLE planner over a cost chain, and ``partition``: the one entry point that dispatches to every planner."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+
+from tqdm import tqdm
+
+from fxpipe.core.chain import CostChain
+from fxpipe.core.cluster import Cluster
+from fxpipe.core.plan import BaselineResult, Plan
+from fxpipe.passes.partition import baselines
+from fxpipe.passes.partition.block_partition import (
+    balanced_cuts,
+    coarse_boundaries,
+    coarsen_chain,
+    param_weights,
+    parameter_groups,
+    refine_cuts,
+    work_weights,
+)
+from fxpipe.passes.partition.candidates import Candidate, CandidateCosts, Span, spans_from_stops
+from fxpipe.passes.partition.every_device import plan_every_device
+from fxpipe.passes.partition.placement import host_aligned
+from fxpipe.passes.partition.polish import polish
+from fxpipe.passes.partition.request import (
+    InfeasiblePlanError,
+    LayoutError,
+    PlanningError,
+    PlanRequest,
+    check_request,
+    microbatch_grid,
+)
+from fxpipe.passes.partition.scoring import best_dp, finish, score_candidates
+from fxpipe.passes.partition.search import search
+
+__all__ = ["PLANNERS", "InfeasiblePlanError", "LayoutError", "PlanningError", "on_fine_chain", "parse_layout", "partition",
+           "plan_dapple"]
+
+# Chains longer than this are searched on merged groups of blocks, then the cuts are refined.
+MAX_SEARCH_BLOCKS = 32
+MAX_SEARCH_BLOCKS_LARGE = 16  # on host-aligned (large) clusters
+MAX_REPLICATED_STAGES = 8
+
+
+def parse_layout(layout: str, num_devices: int, num_blocks: int) -> tuple[int, ...]:
+    """``"3:1"`` -> (3, 1); ``"dp"`` -> (num_devices,). Raises LayoutError naming the bad part.
+
+    ``num_blocks`` is the number of cuttable blocks (:func:`parameter_groups`): no stage may be empty.
+    """
+    text = layout.strip().lower()
+    if text == "dp":
+        return (num_devices,)
+    parts = text.split(":")
+    if not all(part.isdecimal() and part.isascii() and int(part) > 0 for part in parts):
+        raise LayoutError(f"layout {layout!r} is malformed: use replica counts separated by ':' "
+                          "(e.g. '3:1', '1:1:1:1') or 'dp'")
+    counts = tuple(int(part) for part in parts)
+    if sum(counts) > num_devices:
+        raise LayoutError(f"layout {layout!r} needs {sum(counts)} devices but the cluster has {num_devices}; "
+                          "use fewer replicas or a larger cluster")
+    if len(counts) > num_blocks:
+        raise LayoutError(f"layout {layout!r} has {len(counts)} stages but the model has only {num_blocks} "
+                          f"cuttable block(s) (runs of layers holding parameters; no cut is made where a Python "
+                          f"value or a value whose rows are not the batch rows, such as a (batch*seq, hidden) "
+                          f"flatten, would cross), so every stage cannot get parameters; use at most {num_blocks} "
+                          f"stages")
+    return counts
+
+
+def _fine_spans(spans: Iterable[Span], stops: list[int]) -> list[Span]:
+    return [Span(stops[s.first - 1] if s.first else 0, stops[s.stop - 1], s.devices) for s in spans]
+
+
+def _refined(model: CandidateCosts, candidate: Candidate, stops: list[int]) -> Candidate:
+    """Map a coarse candidate to the fine chain and move its cuts where the pivot model prefers."""
+    spans = _fine_spans(candidate.spans, stops)
+    rows = candidate.microbatch_rows
+
+    devices = [span.devices for span in spans]
+
+    def rebuilt(cut_stops: list[int]) -> list[Span]:
+        return spans_from_stops(cut_stops, devices)
+
+    def score(cut_stops: list[int]) -> float:
+        trial = rebuilt(cut_stops)
+        return model.latency(trial, rows) if model.fits(trial, rows) else float("inf")
+
+    best = refine_cuts([span.stop for span in spans], model.chain.num_blocks, score)
+    return model.candidate(rebuilt(best), rows)
+
+
+def _replicated_pipelines(model: CandidateCosts, grid: list[int]) -> list[Candidate]:
+    """Straight pipelines of S balanced stages, replicated whole: stage s on devices s, s+S, s+2S, ..."""
+    chain, num_devices = model.chain, model.cluster.num_devices
+    work = work_weights(chain)
+    found = []
+    for num_stages in range(2, min(chain.num_blocks, num_devices) + 1):
+        if num_stages > MAX_REPLICATED_STAGES and num_devices % num_stages:
+            continue  # on large clusters only stage counts that use every device
+        num_copies = num_devices // num_stages
+        spans = spans_from_stops(balanced_cuts(work, num_stages),
+                                 [tuple(c * num_stages + s for c in range(num_copies)) for s in range(num_stages)])
+        for rows in grid:
+            if rows >= num_copies and model.global_batch_size // rows >= num_stages and model.fits(spans, rows):
+                found.append(model.candidate(spans, rows))
+    return found
+
+
+def _even_pipelines(model: CandidateCosts, rows: int) -> list[Candidate]:
+    """Seeds for the search bound: S = 1, 2, 4, ... balanced stages of N/S contiguous devices each."""
+    chain, num_devices = model.chain, model.cluster.num_devices
+    work = work_weights(chain)
+    found = []
+    num_stages = 1
+    while num_stages <= min(chain.num_blocks, num_devices, model.global_batch_size // rows):
+        width = min(num_devices // num_stages, rows)
+        spans = spans_from_stops(balanced_cuts(work, num_stages),
+                                 [tuple(range(s * width, (s + 1) * width)) for s in range(num_stages)])
+        if model.fits(spans, rows):
+            found.append(model.candidate(spans, rows))
+        num_stages *= 2
+    return found
+
+
+def _search_all(request: PlanRequest, model: CandidateCosts, grid: list[int],
+                bound_s: float) -> tuple[list[Candidate], Candidate | None]:
+    """Run the state search for every micro-batch size; returns the candidates and the closest miss."""
+    chain = request.chain
+    stops = list(range(1, chain.num_blocks + 1))
+    search_model = model
+    max_blocks = MAX_SEARCH_BLOCKS_LARGE if host_aligned(request.cluster) else MAX_SEARCH_BLOCKS
+    if chain.num_blocks > max_blocks:
+        stops = coarse_boundaries(chain, max_blocks)
+        search_model = CandidateCosts(coarsen_chain(chain, stops), request.cluster, request.global_batch_size,
+                                 request.optimizer, request.memory_limit_bytes, schedule=request.schedule)
+    found: list[Candidate] = []
+    closest: Candidate | None = None
+    closest_ratio = float("inf")
+    for rows in tqdm(grid, desc="dapple: micro-batch sizes", disable=not request.progress):
+        seeds = [c for c in _even_pipelines(search_model, rows) if request.allows(c)]
+        found.extend(seeds)
+        bound_s = min([bound_s, *(c.latency_s for c in seeds)])
+        result = search(search_model, rows, layout=request.layout, bound_s=bound_s, pool_size=request.rerank,
+                        num_stages=request.num_stages, accept=request.allows)
+        found.extend(result.candidates)
+        if result.closest_ratio < closest_ratio:
+            closest, closest_ratio = result.closest_miss, result.closest_ratio
+        bound_s = min([bound_s, *(c.latency_s for c in result.candidates)])
+    if search_model is not model:
+        found = [_refined(model, c, stops) for c in sorted(found)[: 2 * request.rerank]]
+        if closest is not None:
+            closest = model.candidate(_fine_spans(closest.spans, stops), closest.microbatch_rows)
+    return found, closest
+
+
+def _least_memory(model: CandidateCosts, grid: list[int]) -> Candidate | None:
+    """For error messages: the plan with the least memory per device (deepest param-balanced pipeline,
+    smallest micro-batch), so the table shows how far even the best attempt is from fitting."""
+    chain, num_devices = model.chain, model.cluster.num_devices
+    rows = grid[0]
+    num_stages = min(chain.num_blocks, num_devices, model.global_batch_size // rows)
+    width = num_devices // num_stages
+    spans = spans_from_stops(balanced_cuts(param_weights(chain), num_stages),
+                             [tuple(range(s * width, s * width + min(width, rows))) for s in range(num_stages)])
+    return model.candidate(spans, rows)
+
+
+def _top(candidates: Iterable[Candidate], count: int) -> list[Candidate]:
+    """The ``count`` best by the pivot model, plus the best of every other layout among the next ones.
+
+    The pivot model can misjudge one layout against another by several percent, so each layout
+    near the top gets at least one simulation.
+    """
+    unique: dict[tuple[object, ...], Candidate] = {}
+    for candidate in sorted(candidates):
+        unique.setdefault(candidate.identity(), candidate)
+    ordered = list(unique.values())
+    chosen = ordered[:count]
+    layouts = {c.layout for c in chosen}
+    for candidate in ordered[count:4 * count]:
+        if candidate.layout not in layouts and len(chosen) < count + count // 2:
+            layouts.add(candidate.layout)
+            chosen.append(candidate)
+    return chosen
+
+
+def plan_dapple(request: PlanRequest) -> Plan:
+    """DAPPLE: state search by the pivot model, whole-pipeline replication, simulator re-ranking, DP floor."""
+    model = request.candidate_costs()
+    grid = [rows for rows in microbatch_grid(request) if request.layout is None or rows >= max(request.layout)]
+    forced_dp = request.layout == (request.cluster.num_devices,)
+    dp_allowed = (request.layout is None or forced_dp) and request.num_stages in (None, 1)
+    dp = best_dp(request, model) if dp_allowed else None
+    bound = dp.plan.predicted.analytic_iteration_time_s if dp and dp.plan.predicted else float("inf")
+    found, closest = _search_all(request, model, grid, bound)
+    if request.layout is None:
+        found.extend(c for c in _replicated_pipelines(model, grid) if request.allows(c))
+    best = score_candidates(request, model, _top(found, request.rerank), "dapple")
+    if best is not None:
+        best = polish(request, model, best, grid, "dapple")
+    if dp is not None and (best is None or dp.time_s <= best.time_s):
+        best = dp.__class__(dp.time_s, dp.plan.with_updates(planner="dapple"))
+    if best is None and closest is None and grid:
+        closest = _least_memory(model, grid)
+    return finish(request, best, dp, closest, model)
+
+
+Planner = Callable[[PlanRequest], Plan]
+
+PLANNERS: dict[str, Planner] = {"dapple": plan_dapple, **baselines.BASELINES}
+
+
+def _baseline_results(request: PlanRequest) -> tuple[tuple[str, BaselineResult], ...]:
+    results = []
+    for name, planner in sorted(baselines.BASELINES.items()):
+        try:
+            plan = planner(request)
+        except PlanningError as error:
+            results.append((name, BaselineResult(layout="", iteration_time_s=None, feasible=False,
+                                                 note=str(error).splitlines()[0])))
+            continue
+        assert plan.predicted is not None
+        results.append((name, BaselineResult(layout=plan.layout, iteration_time_s=plan.predicted.iteration_time_s,
+                                             num_microbatches=plan.num_microbatches)))
+    return tuple(results)
+
+
+def on_fine_chain(plan: Plan, chain: CostChain, stops: list[int]) -> Plan:
+    """A plan made on the parameter-grouped chain, restated in the blocks of the original ``chain``."""
+    if len(stops) == chain.num_blocks:
+        return plan
+
+    def fine(index: int) -> int:
+        return stops[index - 1] if index else 0
+
+    stages = tuple(replace(stage, first_block=fine(stage.first_block), stop_block=fine(stage.stop_block))
+                   for stage in plan.stages)
+    return plan.with_updates(stages=stages, num_blocks=chain.num_blocks,
+                             block_names=tuple(block.name for block in chain.blocks))
+
+
+def _check_num_stages(num_stages: int | None, planner: str, num_groups: int) -> None:
+    if num_stages is None:
+        return
+    if planner != "dapple":
+        raise PlanningError(f"planner {planner!r} cannot keep fixed cuts (num_stages={num_stages}); use 'dapple'")
+    if not 1 <= num_stages <= num_groups:
+        raise PlanningError(f"num_stages={num_stages} but the model has {num_groups} cuttable block(s) "
+                            "(runs of layers holding parameters); every stage needs parameters")
+
+
+def partition(chain: CostChain, cluster: Cluster, global_batch_size: int, *, planner: str = "dapple",
+              layout: str | None = None, num_microbatches: int | None = None,
+              schedule: str = "early_backward", warmup_policy: str | None = None, optimizer: str = "adam",
+              memory_limit_bytes: int | None = None, rerank: int = 16, progress: bool = False,
+              compare: bool = False, num_stages: int | None = None, all_devices: bool = False) -> Plan:
+    """Plan hybrid pipeline + data parallel training of ``chain`` on ``cluster``.
+
+    ``planner`` is a key of :data:`PLANNERS`; ``layout`` forces replica counts per stage
+    (``"3:1"``, ``"dp"``) and leaves cuts and placement to the planner; ``compare`` also runs
+    every baseline and records its simulated time in ``Plan.baselines``; ``num_stages`` (DAPPLE only)
+    keeps exactly that many stages (``fxpipe.planning.plan_markers`` passes one block per stage).
+    ``all_devices`` (what ``fxpipe.compile`` asks: every launched rank gets a role) keeps only plans
+    using every device; when a plan on fewer devices is predicted faster, the plan's ``notes`` say so.
+    Every stage holds parameters: cuts fall only between :func:`parameter_groups`, so the README's
+    ``torch.optim.AdamW(pipe.parameters())`` works on every rank.
+    """
+    start = time.perf_counter()
+    if planner not in PLANNERS:
+        raise PlanningError(f"planner {planner!r} is unknown; choose one of {sorted(PLANNERS)}")
+    stops = parameter_groups(chain)
+    grouped = chain if len(stops) == chain.num_blocks else coarsen_chain(chain, stops)
+    _check_num_stages(num_stages, planner, grouped.num_blocks)
+    forced = None if layout is None else parse_layout(layout, cluster.num_devices, grouped.num_blocks)
+    if all_devices and forced is not None and sum(forced) != cluster.num_devices:
+        raise LayoutError(f"layout {layout!r} uses {sum(forced)} of the {cluster.num_devices} devices, but every "
+                          f"device (rank) needs a role; give the stages {cluster.num_devices} replicas in all "
+                          "or launch that many ranks")
+    request = PlanRequest(
+        chain=grouped, cluster=cluster, global_batch_size=global_batch_size, layout=forced,
+        num_microbatches=num_microbatches, schedule=schedule, warmup_policy=warmup_policy,
+        optimizer=optimizer, memory_limit_bytes=memory_limit_bytes or cluster.device.memory_bytes,
+        rerank=rerank, progress=progress, num_stages=num_stages, all_devices=all_devices,
+    )
+    check_request(request)
+    plan = plan_every_device(request, PLANNERS[planner]) if all_devices else PLANNERS[planner](request)
+    if compare:
+        plan = plan.with_updates(baselines=_baseline_results(request))
+    return on_fine_chain(plan, chain, stops).with_updates(planning_time_s=time.perf_counter() - start)

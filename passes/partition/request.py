@@ -1,0 +1,107 @@
+"""A planning request: what to plan (chain, cluster, batch, options), its checks, its errors and its micro-batch grid."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fxpipe.core.chain import CostChain
+from fxpipe.core.cluster import Cluster
+from fxpipe.core.schedule import SCHEDULES, WARMUP_POLICIES
+from fxpipe.passes.partition.candidates import Candidate, CandidateCosts
+
+# Largest number of micro-batches the grid offers: beyond this the bubble is already < 1% for any
+# pipeline the planners build, and every extra micro-batch costs simulation time.
+MAX_MICROBATCHES = 512
+# On clusters with more devices than this, only the MAX_GRID_LARGE largest micro-batch sizes are tried.
+LARGE_CLUSTER_DEVICES = 16
+MAX_GRID_LARGE = 6
+
+
+class PlanningError(ValueError):
+    """A planning request cannot be served; the message names the bad value and the fix."""
+
+
+class InfeasiblePlanError(PlanningError):
+    """No plan fits in device memory (or no plan satisfies the request's constraints)."""
+
+
+class LayoutError(PlanningError):
+    """A forced layout such as ``"3:1"`` is malformed or does not fit the cluster."""
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """Everything a planner needs; built and checked once by :func:`fxpipe.passes.partition.partition`."""
+
+    chain: CostChain
+    cluster: Cluster
+    global_batch_size: int
+    layout: tuple[int, ...] | None = None
+    num_microbatches: int | None = None
+    schedule: str = "early_backward"
+    warmup_policy: str | None = None
+    optimizer: str = "adam"
+    memory_limit_bytes: int = 0
+    rerank: int = 16
+    progress: bool = False
+    num_stages: int | None = None  # exactly this many stages (cuts fixed by pipe_split markers)
+    all_devices: bool = False  # only plans that give every device a role (fxpipe.compile: every rank)
+
+    def candidate_costs(self) -> CandidateCosts:
+        return CandidateCosts(self.chain, self.cluster, self.global_batch_size, self.optimizer,
+                         self.memory_limit_bytes, schedule=self.schedule)
+
+    def policies(self) -> tuple[str, ...]:
+        if SCHEDULES[self.schedule].all_in_flight:
+            return ("A",)  # e.g. GPipe: every micro-batch in flight, K_s = M regardless of policy
+        return (self.warmup_policy,) if self.warmup_policy else WARMUP_POLICIES
+
+    def allows(self, candidate: Candidate) -> bool:
+        """Whether a candidate has the forced layout, stage count and device count (when they are forced)."""
+        return ((self.layout is None or candidate.layout == self.layout)
+                and (self.num_stages is None or len(candidate.spans) == self.num_stages)
+                and (not self.all_devices or sum(candidate.layout) == self.cluster.num_devices))
+
+
+def check_request(request: PlanRequest) -> None:
+    """Raise a specific PlanningError for a request no planner can serve."""
+    if not isinstance(request.global_batch_size, int) or request.global_batch_size < 1:
+        raise PlanningError(f"global_batch_size must be a positive integer, got {request.global_batch_size!r}")
+    if request.schedule not in SCHEDULES:
+        raise PlanningError(f"schedule {request.schedule!r} is unknown; choose one of {sorted(SCHEDULES)}")
+    if request.warmup_policy is not None and request.warmup_policy not in WARMUP_POLICIES:
+        raise PlanningError(f"warmup_policy {request.warmup_policy!r} is unknown; choose one of "
+                            f"{WARMUP_POLICIES} or None to let the planner choose")
+    if request.num_microbatches is not None:
+        m = request.num_microbatches
+        if not isinstance(m, int) or m < 1 or request.global_batch_size % m:
+            raise PlanningError(f"global batch {request.global_batch_size} does not divide into "
+                                f"num_microbatches={m!r} equal micro-batches; choose a divisor of "
+                                f"{request.global_batch_size} or leave num_microbatches=None")
+        if request.layout is not None and m < len(request.layout):
+            raise PlanningError(f"num_microbatches={m} is fewer than the {len(request.layout)} stages of "
+                                f"layout {':'.join(map(str, request.layout))}; a pipeline needs M >= S")
+        if request.num_stages is not None and m < request.num_stages:
+            raise PlanningError(f"num_microbatches={m} is fewer than the {request.num_stages} stages the cuts "
+                                "(pipe_split markers) make; a pipeline needs M >= S")
+    if request.rerank < 1:
+        raise PlanningError(f"rerank must be at least 1, got {request.rerank}")
+
+
+def microbatch_grid(request: PlanRequest) -> list[int]:
+    """Micro-batch sizes (rows) to try: powers of two dividing the global batch, M <= MAX_MICROBATCHES."""
+    gbs = request.global_batch_size
+    if request.num_microbatches is not None:
+        return [gbs // request.num_microbatches]
+    grid = []
+    rows = 1
+    while rows <= gbs:
+        if gbs % rows == 0 and gbs // rows <= MAX_MICROBATCHES:
+            grid.append(rows)
+        rows *= 2
+    if gbs not in grid:
+        grid.append(gbs)  # a batch that is not a power of two still gets M = 1
+    grid = sorted(set(grid))
+    if request.cluster.num_devices > LARGE_CLUSTER_DEVICES:
+        grid = grid[-MAX_GRID_LARGE:]  # large clusters: the largest micro-batches (wide stages need rows)
+    return grid

@@ -1,0 +1,85 @@
+"""What every planner shares after the request: simulator scoring of candidates, the DP floor, and the final plan."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+
+from tabulate import tabulate
+
+from fxpipe.core.plan import Plan
+from fxpipe.passes.partition.candidates import Candidate, CandidateCosts, Span, build_plan, with_prediction
+from fxpipe.passes.partition.request import InfeasiblePlanError, PlanRequest, microbatch_grid
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A plan with its simulated iteration time."""
+
+    time_s: float
+    plan: Plan
+
+
+def simulate_plan(plan: Plan, request: PlanRequest) -> tuple[float, float]:
+    """Simulated iteration time and bubble fraction (the one exact judge of every planner)."""
+    from fxpipe.sim.simulate import simulate  # the simulator pulls in the schedule machinery lazily
+
+    result = simulate(plan, request.chain, request.cluster, optimizer=request.optimizer, timeline=False)
+    return result.iteration_time_s, result.bubble_fraction
+
+
+def score_candidates(request: PlanRequest, model: CandidateCosts, candidates: Iterable[Candidate],
+                     planner: str) -> Scored | None:
+    """Simulate every candidate under every allowed warm-up policy that fits in memory; keep the fastest."""
+    best: Scored | None = None
+    for candidate in candidates:
+        for policy in request.policies():
+            if not model.fits(candidate.spans, candidate.microbatch_rows, policy):
+                continue
+            plan = build_plan(model, candidate, schedule=request.schedule, warmup_policy=policy, planner=planner)
+            time_s, bubble = simulate_plan(plan, request)
+            if best is None or time_s < best.time_s * (1 - 1e-12):
+                plan = with_prediction(plan, time_s, bubble, candidate.latency_s, 0.0)
+                best = Scored(time_s, plan)
+    return best
+
+
+def dp_candidates(model: CandidateCosts, rows_grid: Sequence[int]) -> list[Candidate]:
+    """Plain data parallelism (one stage on every device) for every micro-batch size it can split."""
+    devices = tuple(range(model.cluster.num_devices))
+    return [model.candidate((Span(0, model.chain.num_blocks, devices),), rows)
+            for rows in sorted(rows_grid, reverse=True) if rows >= len(devices)]
+
+
+def best_dp(request: PlanRequest, model: CandidateCosts) -> Scored | None:
+    return score_candidates(request, model, dp_candidates(model, microbatch_grid(request)), "dp")
+
+
+def finish(request: PlanRequest, best: Scored | None, dp: Scored | None, closest: Candidate | None,
+           model: CandidateCosts) -> Plan:
+    """Attach the DP reference time, or raise InfeasiblePlanError explaining the closest miss."""
+    if best is None:
+        raise infeasible_error(request, model, closest)
+    assert best.plan.predicted is not None
+    dp_time = dp.time_s if dp is not None else 0.0
+    return best.plan.with_updates(predicted=replace(best.plan.predicted, dp_iteration_time_s=dp_time))
+
+
+def infeasible_error(request: PlanRequest, model: CandidateCosts, closest: Candidate | None) -> InfeasiblePlanError:
+    capacity = request.memory_limit_bytes
+    head = (f"no plan for global batch {request.global_batch_size} fits in {capacity / 2**30:.2f} GiB per device "
+            f"on cluster {request.cluster.name!r} ({request.cluster.num_devices} devices, optimizer "
+            f"{request.optimizer!r})")
+    if closest is None:
+        return InfeasiblePlanError(head + "; no candidate satisfied the request (check the layout and "
+                                   "num_microbatches against the global batch and device count)")
+    memory = model.memory(closest.spans, closest.microbatch_rows, "A")
+    rows = [[index, f"{span.first}..{span.stop - 1}", len(span.devices), f"{need / 2**30:.2f}",
+             f"{capacity / 2**30:.2f}", "OVER" if need > capacity else "ok"]
+            for index, (span, need) in enumerate(zip(closest.spans, memory, strict=True))]
+    table = tabulate(rows, headers=["stage", "blocks", "replicas", "need GiB", "capacity GiB", ""])
+    advice = ("fixes: use more devices (more stages split the weights), a smaller micro-batch "
+              "(num_microbatches larger), an optimizer with less state (optimizer='sgd'), or a larger "
+              "memory_limit_bytes if the device really has more memory")
+    return InfeasiblePlanError(f"{head}.\nclosest attempt (micro-batch {closest.microbatch_rows} rows):\n"
+                               f"{table}\n{advice}")
