@@ -15,6 +15,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from fxpipe.cluster import DeviceSpec
 from fxpipe.costgraph import ZERO, Affine, CostGraph, CostNode
+from fxpipe.passes.batchdims import graph_batch_dims
 from fxpipe.passes.flops import NodeCost, NodeRunError, run_fake
 
 if TYPE_CHECKING:
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = ["BATCH", "CostAnnotationError", "NodeCost", "annotate_costs", "to_cost_graph"]
 
-# The batch size (rows of dim 0 of every tensor input) in every cost expression.
+# The batch size (rows along each tensor input's batch dim, gm.meta["fxpipe.batch_dims"]) in every cost expression.
 BATCH = sympy.Symbol("B", integer=True, positive=True)
 
 COST_KEY = "fxpipe.cost"
@@ -52,12 +53,13 @@ def annotate_costs(
     inputs = _example_inputs(gm, example_inputs)
     result = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
     result.meta.update(copy.copy(gm.meta))
-    batch = _batch_hint(inputs)
+    dims = graph_batch_dims(gm, inputs)
+    batch = _batch_hint(inputs, dims)
     try:
-        costs = _run_symbolic(result, inputs, batch, cache)
+        costs = _run_symbolic(result, inputs, batch, cache, dims)
         mode = "symbolic"
     except _NotSymbolic as error:
-        costs = _fit_affine(result, inputs, batch, cache, str(error))
+        costs = _fit_affine(result, inputs, batch, cache, str(error), dims)
         mode = f"affine-fit (symbolic batch failed: {error})"
     for node in result.graph.nodes:
         if node.name in costs:
@@ -94,17 +96,18 @@ def _example_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) ->
     return tuple(example_inputs)
 
 
-def _batch_hint(inputs: Sequence[Any]) -> int:
-    sizes = {value.shape[0] for value in inputs if isinstance(value, torch.Tensor) and value.dim() > 0}
+def _batch_hint(inputs: Sequence[Any], dims: Sequence[int | None]) -> int:
+    sizes = {int(value.shape[dim]) for value, dim in zip(inputs, dims, strict=True) if dim is not None}
     if len(sizes) > 1:
         raise CostAnnotationError(
-            f"tensor inputs disagree on the batch size (dim 0): {sorted(sizes)}; "
-            "dim 0 of every tensor input must be the batch"
+            f"tensor inputs disagree on the batch size (batch dims {list(dims)}): {sorted(sizes)}; "
+            "every tensor input must hold the batch in its batch dim (dim 0 unless trace(batch_dims=...) says)"
         )
     return max(_MIN_SYMBOLIC_BATCH, *sizes) if sizes else _MIN_SYMBOLIC_BATCH
 
 
-def _run_symbolic(gm: fx.GraphModule, inputs: Sequence[Any], batch: int, cache: bool) -> dict[str, NodeCost]:
+def _run_symbolic(gm: fx.GraphModule, inputs: Sequence[Any], batch: int, cache: bool,
+                  dims: Sequence[int | None]) -> dict[str, NodeCost]:
     shape_env = ShapeEnv()
     fake_mode = FakeTensorMode(shape_env=shape_env)
     symbol = shape_env.create_symbol(batch, ConstantSource("fxpipe_batch"))
@@ -124,7 +127,7 @@ def _run_symbolic(gm: fx.GraphModule, inputs: Sequence[Any], batch: int, cache: 
             specialised_by.append(node)
 
     try:
-        costs = run_fake(gm, inputs, fake_mode, batch_size, to_expr, cache=cache, after_node=watch)
+        costs = run_fake(gm, inputs, fake_mode, batch_size, to_expr, cache=cache, after_node=watch, batch_dims=dims)
     except NodeRunError as error:  # an op that cannot take a symbolic batch: fall back, say where in meta
         if isinstance(error.reason, _NotSymbolic):
             raise _NotSymbolic(f"{describe_node(gm, error.node)}: {error.reason}") from error
@@ -147,7 +150,7 @@ def _first_line(error: BaseException) -> str:
 
 
 def _fit_affine(gm: fx.GraphModule, inputs: Sequence[Any], batch: int, cache: bool,
-                why: str) -> dict[str, NodeCost]:
+                why: str, dims: Sequence[int | None]) -> dict[str, NodeCost]:
     """Cost the graph at batch sizes b and 2b with concrete fakes and join them by a line in BATCH.
 
     A graph that cannot run at 2b (its views hard-code the example batch) has no line to fit: the
@@ -157,7 +160,7 @@ def _fit_affine(gm: fx.GraphModule, inputs: Sequence[Any], batch: int, cache: bo
     for rows in (batch, 2 * batch):
         fake_mode = FakeTensorMode()
         try:
-            runs.append(run_fake(gm, inputs, fake_mode, rows, sympy.sympify, cache=cache))
+            runs.append(run_fake(gm, inputs, fake_mode, rows, sympy.sympify, cache=cache, batch_dims=dims))
         except NodeRunError as error:
             if rows == batch:  # not about the batch at all: the graph fails at its own example
                 raise CostAnnotationError(

@@ -9,11 +9,19 @@ from itertools import chain
 import torch
 from torch import fx, nn
 
+from fxpipe.passes.batchdims import (
+    BATCH_DIMS_DECLARED_KEY,
+    BATCH_DIMS_KEY,
+    BatchDimError,
+    BatchDims,
+    check_unambiguous,
+    resolve_batch_dims,
+)
 from fxpipe.passes.trace_export import ExportTraceFailure, trace_export
 from fxpipe.passes.trace_fx import FxTraceFailure, describe_module, trace_fx, validate_leaf_modules
 from fxpipe.passes.trace_inputs import ExampleInputsTypeError, TraceInputs, normalize_inputs
 
-__all__ = ["ExampleInputsTypeError", "TraceError", "trace"]
+__all__ = ["BatchDimError", "ExampleInputsTypeError", "TraceError", "trace"]
 
 FRONTENDS = ("auto", "fx", "export")
 _MAX_REASON_CHARS = 600
@@ -46,6 +54,7 @@ def trace(
     *,
     leaf_modules: Sequence[type[nn.Module] | str] = (),
     frontend: str = "auto",
+    batch_dims: BatchDims = None,
 ) -> fx.GraphModule:
     """Trace `model` at `example_inputs` into a GraphModule carrying the fxpipe meta conventions:
 
@@ -53,6 +62,8 @@ def trace(
         gm.meta["fxpipe.example_inputs"]  tuple of example tensors, one per placeholder, forward() order
         gm.meta["fxpipe.input_names"]     tuple of placeholder names (forward()'s parameter names)
         gm.meta["fxpipe.param_names"]     {gm attribute path -> original parameter/buffer name}
+        gm.meta["fxpipe.batch_dims"]      tuple of each placeholder's batch dim (None: 0-dim tensor)
+        gm.meta["fxpipe.batch_dims_declared"]  True when batch_dims was given
         node.meta["fxpipe.module_path"]   original module path of the op ("" for the model itself)
         node.meta["fxpipe.param_names"]   tuple of original names of the parameters/buffers it reads
                                           (get_attr nodes and call_module leaves; () otherwise)
@@ -78,15 +89,21 @@ def trace(
     its own copy, computed from the tensors at hand; gm.meta["fxpipe.symbolic_batch"] is False when
     the model refused a symbolic batch and was exported at the example batch. fx graphs are
     shape-generic.
-    Raises ExampleInputsTypeError (a TypeError) for malformed inputs and TraceError when tracing fails.
+    Raises ExampleInputsTypeError (a TypeError) for malformed inputs, BatchDimError (a ValueError) for
+    bad or ambiguous batch dims, and TraceError when tracing fails.
     """
     if frontend not in FRONTENDS:
         raise ValueError(f"frontend={frontend!r} is not one of {FRONTENDS}; use 'auto' unless debugging")
     inputs = normalize_inputs(model, example_inputs)
     leaves = validate_leaf_modules(leaf_modules)
+    dims = resolve_batch_dims(inputs.names, inputs.values, batch_dims)
     with _training_modes_restored(model):
-        gm, used_frontend = _run_frontends(model, inputs, leaves, frontend)
+        if batch_dims is None:
+            check_unambiguous(model, inputs.names, inputs.values, dims, inputs.bound)
+        gm, used_frontend = _run_frontends(model, inputs, leaves, frontend, dims)
     _write_meta(gm, model, inputs, used_frontend)
+    gm.meta[BATCH_DIMS_KEY] = dims
+    gm.meta[BATCH_DIMS_DECLARED_KEY] = batch_dims is not None
     return gm
 
 
@@ -106,6 +123,7 @@ def _run_frontends(
     inputs: TraceInputs,
     leaves: tuple[type[nn.Module] | str, ...],
     frontend: str,
+    dims: tuple[int | None, ...],
 ) -> tuple[fx.GraphModule, str]:
     fx_failure: FxTraceFailure | None = None
     if frontend in ("auto", "fx"):
@@ -116,7 +134,7 @@ def _run_frontends(
                 raise _fx_only_error(failure) from failure.reason
             fx_failure = failure
     try:
-        return trace_export(model, inputs), "export"
+        return trace_export(model, inputs, dims), "export"
     except ExportTraceFailure as failure:
         raise _export_error(fx_failure, failure) from failure.reason
 

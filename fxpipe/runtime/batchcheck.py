@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
-from fxpipe.runtime.comm import PeerExchange, Pending
+from fxpipe.runtime.comm import PeerExchange, Pending, buffer_shape
 from fxpipe.runtime.errors import BatchShapeError, PipelineSetupError
 
 if TYPE_CHECKING:
@@ -155,11 +155,12 @@ def raise_on_difference(rows: list[tuple[int, int]]) -> None:
 
 
 def check_shapes(program: SplitProgram, inputs: tuple[Any, ...], targets: Any, *, num_rows: int,
-                 reads: Collection[str] | None, reads_targets: bool) -> None:
+                 reads: Collection[str] | None, reads_targets: bool, target_batch_dim: int = 0) -> None:
     """Inputs and targets against the plan-time shapes (raises BatchShapeError; no communication).
 
     ``reads`` None: the global batch of ``num_rows`` rows; else partial data of ``num_rows`` rows, where
-    only the inputs named in ``reads`` (and the targets when ``reads_targets``) are checked.
+    only the inputs named in ``reads`` (and the targets when ``reads_targets``) are checked. Rows are
+    counted along each input's batch dim (``ValueSpec.batch_dim``) and the targets' ``target_batch_dim``.
     """
     names = program.model_inputs
     if len(inputs) != len(names):
@@ -172,12 +173,17 @@ def check_shapes(program: SplitProgram, inputs: tuple[Any, ...], targets: Any, *
             continue
         if not isinstance(value, torch.Tensor):
             raise BatchShapeError(f"input {name!r} must be a tensor, got {type(value).__name__}")
-        expected = (batch, *spec.shape[1:]) if spec.batched else tuple(spec.shape)
+        expected = buffer_shape(spec.shape, spec.batched, batch, spec.batch_dim)
         if tuple(value.shape) != expected or (spec.dtype is not None and value.dtype != spec.dtype):
+            where = f"batch in dim {spec.batch_dim}" if spec.batched else "not batched"
             raise BatchShapeError(
                 f"input {name!r} has shape {tuple(value.shape)} {value.dtype} but the plan expects {expected} "
-                f"{spec.dtype} ({rows_of}: {batch} rows); recompile for other shapes")
+                f"{spec.dtype} ({where}; {rows_of}: {batch} rows); recompile for other shapes, or fix batch_dims "
+                "if the batch is in another dim")
+    dim = target_batch_dim
     for leaf in tree_flatten(targets if reads_targets else None)[0]:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] != batch:
-            raise BatchShapeError(f"targets have {leaf.shape[0]} rows (shape {tuple(leaf.shape)}) but "
-                                  f"{rows_of} is {batch} rows")
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and (leaf.dim() <= dim or leaf.shape[dim] != batch):
+            rows = leaf.shape[dim] if leaf.dim() > dim else "no"
+            raise BatchShapeError(f"targets have {rows} rows in their batch dim {dim} (shape {tuple(leaf.shape)}) "
+                                  f"but {rows_of} is {batch} rows; pass targets with the batch in dim {dim} or set "
+                                  "target_batch_dim")
