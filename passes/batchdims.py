@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Mapping, Sequence
+import logging
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -204,10 +206,22 @@ def check_unambiguous(model: nn.Module, names: Sequence[str], values: Sequence[A
         "other dim has")
 
 
+@contextlib.contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """A probe that fails is an answer, not an error: keep FakeTensorMode from logging its traceback."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _runs_with_rows(model: nn.Module, names: Sequence[str], values: Sequence[Any], dims: Sequence[int | None],
                     rows: int, bound: Mapping[str, Any]) -> bool:
     """Does ``model`` run on fakes with ``rows`` rows in ``dims``? (fake weights: the model is not changed)"""
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, _quiet_fake_tensor_log():
         weights: dict[str, torch.Tensor] = {name: mode.from_tensor(tensor) for name, tensor in
                    itertools.chain(model.named_parameters(remove_duplicate=False),
                                    model.named_buffers(remove_duplicate=False))}
