@@ -26,7 +26,6 @@ __all__ = [
     "graph_batch_dims",
     "resolve_batch_dims",
     "resolve_target_dim",
-    "with_rows",
 ]
 
 # gm.meta: one entry per placeholder, forward() order: the input's batch dim (None: a 0-dim tensor)
@@ -128,7 +127,7 @@ def graph_batch_dims(gm: fx.GraphModule, values: Sequence[Any]) -> tuple[int | N
     return default_batch_dims(values)
 
 
-def with_rows(shape: Sequence[int], dim: int | None, rows: int) -> tuple[int, ...]:
+def _with_rows(shape: Sequence[int], dim: int | None, rows: int) -> tuple[int, ...]:
     """``shape`` with ``rows`` in dim ``dim`` (unchanged when ``dim`` is None)."""
     if dim is None:
         return tuple(shape)
@@ -166,7 +165,7 @@ def fake_values(gm: fx.GraphModule, example_inputs: Sequence[Any], dims: Sequenc
 def _fake_input(value: Any, dim: int | None, rows: int | None) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
-    shape = value.shape if rows is None else with_rows(value.shape, dim, rows)
+    shape = value.shape if rows is None else _with_rows(value.shape, dim, rows)
     return torch.empty(tuple(shape), dtype=value.dtype, device=value.device, requires_grad=value.requires_grad)
 
 

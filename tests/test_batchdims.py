@@ -20,6 +20,7 @@ from fxpipe.passes.batchdims import (
 )
 from fxpipe.passes.codegen import CodegenError, SplitProgram, export_program, load_program, split_stages
 from fxpipe.passes.costs import BATCH, COST_KEY
+from fxpipe.passes.profile import resize_batch
 from fxpipe.runtime.batchcheck import check_shapes
 from fxpipe.runtime.comm import buffer_shape, take_rows
 from fxpipe.runtime.errors import BatchShapeError
@@ -217,3 +218,10 @@ def test_rows_and_shapes_along_the_batch_dim() -> None:
     with pytest.raises(BatchShapeError, match=r"targets have 5 rows in their batch dim 0 \(shape \(5, 6, 3\)\)"):
         check_shapes(program, (torch.randn(T, 6, C),), torch.randn(T, 6, 3), num_rows=6, reads=None,
                      reads_targets=True)
+
+
+def test_measured_costs_resize_the_batch_dim() -> None:
+    value = torch.arange(6).reshape(2, 3)
+    assert resize_batch(value, 5, 1).tolist() == [[0, 1, 2, 0, 1], [3, 4, 5, 3, 4]]
+    assert resize_batch(value, 1, 0).tolist() == [[0, 1, 2]]
+    assert resize_batch(value, 5, None) is value
