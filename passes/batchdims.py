@@ -219,11 +219,17 @@ def _quiet_fake_tensor_log() -> Iterator[None]:
 
 def _runs_with_rows(model: nn.Module, names: Sequence[str], values: Sequence[Any], dims: Sequence[int | None],
                     rows: int, bound: Mapping[str, Any]) -> bool:
-    """Does ``model`` run on fakes with ``rows`` rows in ``dims``? (fake weights: the model is not changed)"""
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode, _quiet_fake_tensor_log():
-        weights: dict[str, torch.Tensor] = {name: mode.from_tensor(tensor) for name, tensor in
-                   itertools.chain(model.named_parameters(remove_duplicate=False),
-                                   model.named_buffers(remove_duplicate=False))}
+    """Does ``model`` run on fakes with ``rows`` rows in ``dims``? (fake weights: the model is not changed)
+
+    The fake weights are new tensors, not conversions: converting would leave weak references on the
+    model's parameters, and ``module.to()`` cannot swap a parameter that has one.
+    """
+    with FakeTensorMode(allow_non_fake_inputs=True), _quiet_fake_tensor_log():
+        fakes: dict[int, torch.Tensor] = {}
+        weights = {name: fakes.setdefault(id(tensor), torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device,
+                                                                  requires_grad=tensor.requires_grad))
+                   for name, tensor in itertools.chain(model.named_parameters(remove_duplicate=False),
+                                                       model.named_buffers(remove_duplicate=False))}
         kwargs = {name: _fake_input(value, dim, rows) for name, value, dim in zip(names, values, dims, strict=True)}
         try:
             torch.func.functional_call(model, weights, (), {**kwargs, **bound}, tie_weights=True, strict=False)
@@ -259,7 +265,8 @@ def check_outputs_follow(gm: fx.GraphModule, example: Sequence[Any], dims: Seque
     index = next(i for i, dim in enumerate(dims) if dim is not None)
     names = gm.meta.get("fxpipe.input_names") or [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     name, value, declared = names[index], example[index], dims[index]
-    seen = "no other dim of it does either"
+    seen = ("no other dim of it does either (a model that returns only batch-free values, such as a loss it "
+            "computes itself, must return its per-row outputs and leave the loss to loss_fn)")
     for other in (d for d in range(value.dim()) if d != declared):
         trial = [other if i == index else None for i in range(len(dims))]
         size = int(value.shape[other])

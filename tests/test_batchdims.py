@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -225,3 +226,13 @@ def test_measured_costs_resize_the_batch_dim() -> None:
     assert resize_batch(value, 5, 1).tolist() == [[0, 1, 2, 0, 1], [3, 4, 5, 3, 4]]
     assert resize_batch(value, 1, 0).tolist() == [[0, 1, 2]]
     assert resize_batch(value, 5, None) is value
+
+
+def test_the_ambiguity_probe_leaves_no_reference_on_the_model() -> None:
+    """module.to() cannot swap a parameter with a weak reference (fake tensor conversions leave one)."""
+    for model in (nn.Sequential(nn.Linear(B, 16)), SeqFirst()):  # the probe fails, and succeeds
+        try:
+            trace(model, (torch.randn(B, B) if isinstance(model, nn.Sequential) else torch.randn(B, B, C),))
+        except BatchDimError:
+            pass
+        assert [name for name, p in model.named_parameters() if weakref.getweakrefcount(p)] == []
