@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -219,23 +218,38 @@ def _quiet_fake_tensor_log() -> Iterator[None]:
 
 def _runs_with_rows(model: nn.Module, names: Sequence[str], values: Sequence[Any], dims: Sequence[int | None],
                     rows: int, bound: Mapping[str, Any]) -> bool:
-    """Does ``model`` run on fakes with ``rows`` rows in ``dims``? (fake weights: the model is not changed)
-
-    The fake weights are new tensors, not conversions: converting would leave weak references on the
-    model's parameters, and ``module.to()`` cannot swap a parameter that has one.
-    """
-    with FakeTensorMode(allow_non_fake_inputs=True), _quiet_fake_tensor_log():
-        fakes: dict[int, torch.Tensor] = {}
-        weights = {name: fakes.setdefault(id(tensor), torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device,
-                                                                  requires_grad=tensor.requires_grad))
-                   for name, tensor in itertools.chain(model.named_parameters(remove_duplicate=False),
-                                                       model.named_buffers(remove_duplicate=False))}
+    """Does ``model`` run on fakes with ``rows`` rows in ``dims``? (fake weights: the model is not changed)"""
+    with FakeTensorMode(allow_non_fake_inputs=True), _quiet_fake_tensor_log(), _fake_weights(model):
         kwargs = {name: _fake_input(value, dim, rows) for name, value, dim in zip(names, values, dims, strict=True)}
         try:
-            torch.func.functional_call(model, weights, (), {**kwargs, **bound}, tie_weights=True, strict=False)
+            model(**kwargs, **bound)
         except Exception:  # the other dim cannot grow: dim 0 is the only candidate
             return False
     return True
+
+
+@contextlib.contextmanager
+def _fake_weights(model: nn.Module) -> Iterator[None]:
+    """Every parameter and buffer replaced by a new fake tensor (one per tensor, so ties stay ties), then restored.
+
+    New tensors rather than conversions: converting leaves weak references on the parameters, and
+    ``module.to()`` cannot swap a parameter that has one. Replaced in each module's own dicts rather than
+    by ``torch.func.functional_call``, which restores a fake into a module reachable under two names.
+    """
+    fakes: dict[int, torch.Tensor] = {}
+    saved: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for key, tensor in table.items():
+                if tensor is not None:
+                    saved.append((table, key, tensor))
+                    table[key] = fakes.setdefault(id(tensor), torch.empty(
+                        tensor.shape, dtype=tensor.dtype, device=tensor.device, requires_grad=tensor.requires_grad))
+    try:
+        yield
+    finally:
+        for table, key, tensor in reversed(saved):
+            table[key] = tensor
 
 
 def _following_outputs(gm: fx.GraphModule, at_batch: Mapping[str, Any], at_next: Mapping[str, Any],

@@ -228,11 +228,26 @@ def test_measured_costs_resize_the_batch_dim() -> None:
     assert resize_batch(value, 5, None) is value
 
 
-def test_the_ambiguity_probe_leaves_no_reference_on_the_model() -> None:
-    """module.to() cannot swap a parameter with a weak reference (fake tensor conversions leave one)."""
-    for model in (nn.Sequential(nn.Linear(B, 16)), SeqFirst()):  # the probe fails, and succeeds
+class Aliased(nn.Module):
+    """One Linear under two names, as torch.distributed.pipelining's ModelWithParamAlias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin0 = self.lin1 = nn.Linear(B, B)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin1(torch.relu(self.lin0(x)))
+
+
+def test_the_ambiguity_probe_leaves_the_model_as_it_was() -> None:
+    """The same tensors afterwards, with no weak reference (module.to() cannot swap a parameter that has one)."""
+    for model, x in ((nn.Sequential(nn.Linear(B, 16)), torch.randn(B, B)), (Aliased(), torch.randn(B, B)),
+                     (SeqFirst(), torch.randn(B, B, C))):  # the probe fails, fails, succeeds
+        before = dict(model.named_parameters(remove_duplicate=False))
         try:
-            trace(model, (torch.randn(B, B) if isinstance(model, nn.Sequential) else torch.randn(B, B, C),))
+            trace(model, (x,))
         except BatchDimError:
             pass
-        assert [name for name, p in model.named_parameters() if weakref.getweakrefcount(p)] == []
+        after = dict(model.named_parameters(remove_duplicate=False))
+        assert all(after[name] is tensor for name, tensor in before.items())
+        assert [name for name, p in after.items() if weakref.getweakrefcount(p)] == []
