@@ -239,7 +239,8 @@ def _fake_weights(model: nn.Module) -> Iterator[None]:
     fakes: dict[int, torch.Tensor] = {}
     saved: list[tuple[dict[str, Any], str, torch.Tensor]] = []
     for module in model.modules():
-        for table in (module._parameters, module._buffers):
+        tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+        for table in tables:
             for key, tensor in table.items():
                 if tensor is not None:
                     saved.append((table, key, tensor))
