@@ -251,3 +251,15 @@ def test_the_ambiguity_probe_leaves_the_model_as_it_was() -> None:
         after = dict(model.named_parameters(remove_duplicate=False))
         assert all(after[name] is tensor for name, tensor in before.items())
         assert [name for name, p in after.items() if weakref.getweakrefcount(p)] == []
+
+
+def test_a_seq_first_model_left_at_dim_0_refuses_its_real_batches() -> None:
+    """T != B and no batch_dims: dim 0 (T) is taken as the batch; real (T, G, C) batches never fit the plan."""
+    gm = trace(SeqFirst(), (torch.randn(T, B, C),))
+    assert gm.meta["fxpipe.batch_dims"] == (0,)
+    program = split_stages(gm, _halves(gm))
+    assert {spec.batch_dim for spec in program.values.values() if spec.batched} == {0}
+    for global_batch in (T, B, 6):
+        with pytest.raises(BatchShapeError, match=r"input 'x' has shape \(5, \d+, 8\)"):
+            check_shapes(program, (torch.randn(T, global_batch, C),), torch.randn(T, global_batch, 3),
+                         num_rows=global_batch, reads=None, reads_targets=True)
