@@ -22,7 +22,12 @@ from fxpipe.passes.batchdims import (
 from fxpipe.passes.codegen import CodegenError, SplitProgram, export_program, load_program, split_stages
 from fxpipe.passes.costs import BATCH, COST_KEY
 from fxpipe.passes.profile import resize_batch
-from fxpipe.runtime.batchcheck import check_shapes
+from fxpipe.runtime.batchcheck import (
+    BatchMismatchError,
+    check_shapes,
+    describe_batch_dims,
+    raise_on_difference,
+)
 from fxpipe.runtime.comm import buffer_shape, take_rows
 from fxpipe.runtime.errors import BatchShapeError
 
@@ -263,3 +268,12 @@ def test_a_seq_first_model_left_at_dim_0_refuses_its_real_batches() -> None:
         with pytest.raises(BatchShapeError, match=r"input 'x' has shape \(5, \d+, 8\)"):
             check_shapes(program, (torch.randn(T, global_batch, C),), torch.randn(T, global_batch, 3),
                          num_rows=global_batch, reads=None, reads_targets=True)
+
+
+def test_batch_mismatch_messages_name_the_batch_dims() -> None:
+    gm = trace(SeqFirst(), (torch.randn(T, B, C),), batch_dims=1)
+    where = describe_batch_dims(split_stages(gm, _halves(gm)), 1)
+    assert where == "batch in dim 1 of 'x', dim 1 of the targets"
+    with pytest.raises(BatchMismatchError, match=r"other shapes or dtypes than rank 0 \(batch in dim 1 of 'x', dim 1 "
+                                                 r"of the targets\)"):
+        raise_on_difference([(1, 5), (2, 5)], where)

@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_map
 from fxpipe import schedule as schedules
 from fxpipe.plan import Plan
 from fxpipe.runtime import preemption
-from fxpipe.runtime.batchcheck import BatchChecker, check_shapes
+from fxpipe.runtime.batchcheck import BatchChecker, check_shapes, describe_batch_dims
 from fxpipe.runtime.comm import (
     DEFAULT_TIMEOUT_S,
     DistContext,
@@ -114,7 +114,7 @@ class PipelineDriver:
         self.exchange = PeerExchange(self.rank, context.device, timeout_s)
         self.preempted = False  # see fxpipe.runtime.preemption
         self.exchange.failures = self.failures = FailureLog.for_default_group(self, self.rank, context.world_size)
-        self.batch_checker = BatchChecker(check_batch, self.exchange)
+        self.batch_checker = BatchChecker(check_batch, self.exchange, describe_batch_dims(program, target_batch_dim))
         self.inbox = Inbox(self.exchange, context.device, self._tag,
                            {MessageKind.ACTIVATION: self._input_pieces(), MessageKind.GRADIENT: grad_pieces},
                            {kind: [a.microbatch_index for a in self.actions if a.op is op]
