@@ -45,6 +45,9 @@ class CompileOptions:
     check_batch: str = "first"
     loss_reduction: str = "mean"
     batch_norm: str = "microbatch"
+    # where the batch is (docs/exactness.md, "The batch dimension"): None = dim 0, checked for ambiguity
+    batch_dims: int | Mapping[str, int] | None = None
+    target_batch_dim: int | None = None  # None: batch_dims when it is one int, else 0
 
 
 class PipelinedModule:
@@ -220,7 +223,8 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
             num_microbatches: int | None = None, cluster: str | Cluster | None = None, optimizer: str = "adam",
             warmup_policy: str | None = None, autocast_dtype: torch.dtype | None = None,
             timeout_s: float = 60.0, sync_params: str = "broadcast", check_batch: str = "first",
-            loss_reduction: str = "mean", batch_norm: str = "microbatch") -> Any:
+            loss_reduction: str = "mean", batch_norm: str = "microbatch",
+            batch_dims: int | Mapping[str, int] | None = None, target_batch_dim: int | None = None) -> Any:
     """Pipeline ``model`` over the process group's ranks; returns a :class:`PipelinedModule`.
 
     ``plan``: ``"auto"`` (DAPPLE planner on ``cluster``, default ``local:<world size>``), a layout such as
@@ -234,12 +238,17 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
     ``"verify"`` (fail naming the first differing tensor) or ``"off"``. ``check_batch``: ``"first"``,
     ``"always"`` or ``"off"`` (every rank must pass the same global batch). ``batch_norm``:
     ``"microbatch"``, ``"deferred"`` (running statistics once per step) or ``"sync"`` (also normalise
-    over the stage's replicas, as SyncBatchNorm). See docs/exactness.md. As a decorator, ``@fxpipe.compile(loss_fn=..., global_batch_size=...)``
+    over the stage's replicas, as SyncBatchNorm). ``batch_dims``: the dim holding the batch, one int for
+    every input or ``{input name: dim}`` (others 0), e.g. ``1`` for a seq-first ``(T, B, C)`` model;
+    ``target_batch_dim``: the targets' (default: ``batch_dims`` when an int, else 0); with neither,
+    dim 0, and an input whose batch size also sits in another dim the model can grow is refused as
+    ambiguous. See docs/exactness.md. As a decorator, ``@fxpipe.compile(loss_fn=..., global_batch_size=...)``
     on a model class or factory makes ``Factory(*args, example_inputs=..., **kwargs)`` return the module.
     """
     options = CompileOptions(loss_fn, global_batch_size, plan, schedule, num_microbatches, warmup_policy,
                              cluster, optimizer, autocast_dtype, timeout_s, sync_params=sync_params,
-                             check_batch=check_batch, loss_reduction=loss_reduction, batch_norm=batch_norm)
+                             check_batch=check_batch, loss_reduction=loss_reduction, batch_norm=batch_norm,
+                             batch_dims=batch_dims, target_batch_dim=target_batch_dim)
     if model is None:
         return functools.partial(_wrap_factory, options=options)
     if isinstance(model, torch.nn.Module):
@@ -269,6 +278,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     error on any rank raises on every rank within seconds, naming the rank and the phase.
     """
     from fxpipe.passes import trace
+    from fxpipe.passes.batchdims import resolve_target_dim
     from fxpipe.passes.codegen import split_for_plan
     from fxpipe.plan_checks import check_plan_matches, check_stages_hold_parameters
     from fxpipe.runtime.batchcheck import check_batch_mode
@@ -290,10 +300,11 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
             check_batch_norm_mode(options.batch_norm)
             check_loss_reduction(options.loss_reduction)
             check_batch_mode(options.check_batch)
+            target_dim = resolve_target_dim(options.batch_dims, options.target_batch_dim)
         inputs = example_inputs if isinstance(example_inputs, tuple | dict) else (example_inputs,)
         with preserved_state(model):  # tracing, cost measurement and codegen's shape run use the real module
             with setup_phase("tracing", group):
-                graph_module = trace(model, inputs)
+                graph_module = trace(model, inputs, batch_dims=options.batch_dims)
             resolved = resolve_plan(options, model, _keyword_inputs(graph_module, inputs), context, group)
             with setup_phase("code generation", group):
                 check_plan_matches(resolved, graph_module)
@@ -305,7 +316,8 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     warn_batch_norm(model, resolved, options.batch_norm)
     driver = PipelineDriver(program, resolved, options.loss_fn, context=context,
                             autocast_dtype=options.autocast_dtype, timeout_s=options.timeout_s,
-                            loss_reduction=options.loss_reduction, check_batch=options.check_batch)
+                            loss_reduction=options.loss_reduction, check_batch=options.check_batch,
+                            target_batch_dim=target_dim)
     check_layers_kept(model, [stage.module for stage in program.stages], options.batch_norm)
     if options.batch_norm != "microbatch":
         from fxpipe.runtime.batchnorm import DeferredCommit, install_deferred
@@ -431,7 +443,7 @@ def _run_planner(options: CompileOptions, model: torch.nn.Module, example_inputs
 
     check_cluster_size(cluster, topology)
     costed = costed_model(model, example_inputs if isinstance(example_inputs, Mapping) else tuple(example_inputs),
-                        cluster)
+                          cluster, batch_dims=options.batch_dims)
     layout = None if options.plan == "auto" else str(options.plan)
     assert options.global_batch_size is not None
     plan = plan_chain(costed.chain, cluster, options.global_batch_size, layout=layout,
@@ -452,5 +464,6 @@ def _run_marker_planner(options: CompileOptions, model: torch.nn.Module, example
     plan, _ = plan_markers(model, example_inputs, cluster, options.global_batch_size,
                            num_microbatches=options.num_microbatches,
                            schedule=_schedule_name(options.schedule or "dapple"),
-                           warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True)
+                           warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True,
+                           batch_dims=options.batch_dims)
     return placed_plan(plan, topology, cluster)

@@ -13,6 +13,7 @@ from fxpipe.core.chain import CostChain, build_chain
 from fxpipe.core.cluster import Cluster
 from fxpipe.core.costgraph import CostGraph, CostNode
 from fxpipe.core.plan import Plan
+from fxpipe.passes.batchdims import BatchDims
 
 
 class ModelSpecError(ValueError):
@@ -63,11 +64,15 @@ def costed_model(
     costs: str = "analytic",
     max_blocks: int | None = 64,
     dtype: str = "float32",
+    batch_dims: BatchDims = None,
 ) -> CostedModel:
-    """Trace, annotate and chain a model. ``costs="measured"`` times every block on this machine."""
+    """Trace, annotate and chain a model. ``costs="measured"`` times every block on this machine.
+
+    ``batch_dims``: where each input holds the batch (``fxpipe.passes.trace``; default dim 0).
+    """
     from fxpipe import passes
 
-    graph_module = passes.annotate_costs(passes.trace(model, example_inputs))
+    graph_module = passes.annotate_costs(passes.trace(model, example_inputs, batch_dims=batch_dims))
     if costs == "analytic":
         graph = passes.to_cost_graph(graph_module, device=cluster.device, dtype=dtype)
     elif costs == "measured":
@@ -126,6 +131,7 @@ def plan_model(
     cluster: Cluster | str,
     global_batch_size: int,
     costs: str = "analytic",
+    batch_dims: BatchDims = None,
     **options: Any,
 ) -> Plan:
     """``fxpipe.plan``: trace, cost, chain and partition a model for a cluster in one call."""
@@ -133,7 +139,7 @@ def plan_model(
     from fxpipe.core.cluster import parse_cluster
 
     resolved = parse_cluster(cluster) if isinstance(cluster, str) else cluster
-    costed = costed_model(model, example_inputs, resolved, costs=costs)
+    costed = costed_model(model, example_inputs, resolved, costs=costs, batch_dims=batch_dims)
     return plan_chain(costed.chain, resolved, global_batch_size, **options)
 
 
@@ -150,16 +156,17 @@ def plan_markers(
 
     Returns the plan and the cost chain it is stated in. Every marked stage must hold parameters
     (otherwise the README's ``torch.optim.AdamW(pipe.parameters())`` fails on its ranks): a
-    MarkerError names the stage to merge.
+    MarkerError names the stage to merge. ``batch_dims=`` among ``options`` goes to ``trace``.
     """
     from fxpipe import passes
     from fxpipe.passes.markers import MarkerError, marker_stages, marker_stops
     from fxpipe.passes.partition.block_partition import coarsen_chain, holds_parameters
     from fxpipe.passes.partition.dapple import on_fine_chain, partition
 
-    graph_module = passes.trace(model, example_inputs)
+    batch_dims: BatchDims = options.pop("batch_dims", None)  # trace's, not the planner's
+    graph_module = passes.trace(model, example_inputs, batch_dims=batch_dims)
     groups = marker_stages(model, example_inputs, graph_module)
-    chain = costed_model(model, example_inputs, cluster, costs=costs, max_blocks=None).chain
+    chain = costed_model(model, example_inputs, cluster, costs=costs, max_blocks=None, batch_dims=batch_dims).chain
     stops = marker_stops(chain, groups)
     marked = coarsen_chain(chain, stops)
     empty = [index for index, holds in enumerate(holds_parameters(marked)) if not holds]

@@ -9,13 +9,20 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpipe.core import meta
 from fxpipe.core.plan import Plan
 from fxpipe.core.program import MODEL_INPUT, SplitProgram, StageProgram, ValueSpec
+from fxpipe.passes.batchdims import (
+    MERGED,
+    batch_size_of,
+    check_outputs_follow,
+    derive_batch_dim,
+    fake_values,
+    graph_batch_dims,
+)
 from fxpipe.passes.subgraph import extract_subgraph
-from fxpipe.passes.trace_inputs import input_batch_size, recorded_inputs
+from fxpipe.passes.trace_inputs import recorded_inputs
 
 
 class CodegenError(ValueError):
@@ -40,14 +47,17 @@ def split_stages(
     modified; stage modules share its parameter tensors.
     """
     example = recorded_inputs(gm, example_inputs, CodegenError, "split_stages")
-    batch = input_batch_size(example, CodegenError, all_batched=False)
-    at_batch = _fake_values(gm, example, batch, batch)
-    at_next = _fake_values(gm, example, None if batch is None else batch + 1, batch)
+    dims = graph_batch_dims(gm, example)
+    batch = batch_size_of(example, dims)
+    at_batch = _fake_values(gm, example, dims, batch)
+    at_next = _fake_values(gm, example, dims, None if batch is None else batch + 1)
+    if gm.meta.get(meta.BATCH_DIMS_DECLARED):
+        check_outputs_follow(gm, example, dims, at_batch, at_next)
     assignment = _assign_nodes(gm, stage_node_names, at_batch)
     last = len(stage_node_names) - 1
     members = _stage_members(gm, assignment, last)
     consumers = _consumers(gm, assignment, last)
-    _check_crossing_values(consumers, at_batch, at_next)
+    _check_crossing_values(consumers, at_batch, at_next, batch)
     producers = {name: assignment.get(name, MODEL_INPUT) for name in consumers}
     output_tree = _output_tree(gm)
     leaves = _unique(_tree_leaves(output_tree))
@@ -138,7 +148,7 @@ def _unpack_on_producer(gm: fx.GraphModule, assignment: dict[str, int], fake_val
 
 
 def _check_crossing_values(consumers: Mapping[str, tuple[int, ...]], fake_values: Mapping[str, Any],
-                           fake_values_next: Mapping[str, Any]) -> None:
+                           fake_values_next: Mapping[str, Any], batch: int | None) -> None:
     for name in consumers:
         value, value_next = fake_values[name], fake_values_next[name]
         if not isinstance(value, torch.Tensor) and _holds_tensor(value):
@@ -146,12 +156,12 @@ def _check_crossing_values(consumers: Mapping[str, tuple[int, ...]], fake_values
                 f"value {name!r} ({type(value).__name__} holding tensors) would cross a stage boundary as a Python "
                 "object without gradients; put the nodes that read it on the stage that computes it"
             )
-        if isinstance(value, torch.Tensor) and value.shape != value_next.shape and value.dim() > 0 and \
-                value_next.shape[0] - value.shape[0] != 1:
+        if derive_batch_dim(value, value_next, batch) == MERGED:
             raise CodegenError(
-                f"value {name!r} of shape {tuple(value.shape)} grows with the batch but dim 0 is not the batch "
-                f"(one more sample gives {tuple(value_next.shape)}), so it cannot be split between replicas by "
-                "rows; cut before or after the op that flattens the batch (the planners never cut there)"
+                f"value {name!r} of shape {tuple(value.shape)} grows with the batch but no single dim holds it "
+                f"(one more sample gives {tuple(value_next.shape)}: the batch is merged with another dim or in "
+                "two dims), so it cannot be split between replicas by rows; cut before or after the op that "
+                "flattens the batch (the planners never cut there)"
             )
 
 
@@ -316,50 +326,32 @@ def _unique(names: Sequence[str] | Any) -> list[str]:
 
 
 def value_specs(gm: fx.GraphModule, names: Sequence[str], example_inputs: Sequence[Any]) -> dict[str, ValueSpec]:
-    """Shape, dtype, batching and gradient flags of ``names``, from two fake runs (batch B and B + 1)."""
-    batch = input_batch_size(example_inputs, CodegenError, all_batched=False)
-    at_batch = _fake_values(gm, example_inputs, batch, batch)
-    at_next = _fake_values(gm, example_inputs, None if batch is None else batch + 1, batch)
+    """Shape, dtype, batch dim and gradient flags of ``names``, from two fake runs (batch B and B + 1)."""
+    dims = graph_batch_dims(gm, example_inputs)
+    batch = batch_size_of(example_inputs, dims)
+    at_batch = _fake_values(gm, example_inputs, dims, batch)
+    at_next = _fake_values(gm, example_inputs, dims, None if batch is None else batch + 1)
     return {name: _spec(name, at_batch[name], at_next[name], batch) for name in names}
 
 
-def _fake_values(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], rows: int | None, batch: int | None
-) -> dict[str, Any]:
+def _fake_values(gm: fx.GraphModule, example_inputs: Sequence[Any], dims: Sequence[int | None],
+                 rows: int | None) -> dict[str, Any]:
     """Every node's value when ``gm`` runs on fake inputs with ``rows`` batch rows (no real compute)."""
-    with FakeTensorMode(allow_non_fake_inputs=True), torch.enable_grad():
-        inputs = [_fake_input(value, rows, batch) for value in example_inputs]
-        interpreter = fx.Interpreter(gm, garbage_collect_values=False)
-        try:
-            interpreter.run(*inputs)
-        except Exception as error:  # re-raised with the batch size that broke it
-            raise CodegenError(
-                f"running the graph on fake inputs with {rows} batch rows failed ({type(error).__name__}: "
-                f"{error}); shapes must follow dim 0 of the inputs (no hard-coded batch size)"
-            ) from error
-    return {node.name: value for node, value in interpreter.env.items()}
-
-
-def _fake_input(value: Any, rows: int | None, batch: int | None) -> Any:
-    """A fake tensor like ``value`` with ``rows`` rows when its dim 0 is the batch dim (equals ``batch``)."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    shape = tuple(value.shape)
-    if rows is not None and shape and shape[0] == batch:
-        shape = (rows, *shape[1:])
-    return torch.empty(shape, dtype=value.dtype, device=value.device, requires_grad=value.requires_grad)
+    try:
+        return fake_values(gm, example_inputs, dims, rows)
+    except Exception as error:  # re-raised with the batch size that broke it
+        raise CodegenError(
+            f"running the graph on fake inputs with {rows} batch rows (batch dims {list(dims)}) failed "
+            f"({type(error).__name__}: {error}); shapes must follow the inputs' batch dims (no hard-coded batch "
+            "size), and batch_dims must name the dims the model treats as the batch"
+        ) from error
 
 
 def _spec(name: str, value: Any, value_next: Any, batch: int | None) -> ValueSpec:
     if not isinstance(value, torch.Tensor):
         return ValueSpec(name=name, shape=(), dtype=None, batched=False, is_tensor=False, requires_grad=False)
-    batched = (
-        batch is not None
-        and isinstance(value_next, torch.Tensor)
-        and value.dim() > 0
-        and value.shape[0] == batch
-        and value_next.shape[0] == batch + 1
-    )
+    batch_dim = derive_batch_dim(value, value_next, batch)
+    batched = batch_dim is not None and batch_dim != MERGED
     return ValueSpec(
         name=name,
         shape=tuple(int(size) for size in value.shape),
@@ -367,6 +359,7 @@ def _spec(name: str, value: Any, value_next: Any, batch: int | None) -> ValueSpe
         batched=batched,
         is_tensor=True,
         requires_grad=bool(value.requires_grad and value.dtype.is_floating_point),
+        batch_dim=batch_dim if batched and batch_dim is not None else 0,
     )
 
 

@@ -231,6 +231,7 @@ def _spec_to_json(spec: ValueSpec) -> dict[str, Any]:
         "shape": list(spec.shape),
         "dtype": None if spec.dtype is None else str(spec.dtype).removeprefix("torch."),
         "batched": spec.batched,
+        "batch_dim": spec.batch_dim,
         "is_tensor": spec.is_tensor,
         "requires_grad": spec.requires_grad,
     }
@@ -247,6 +248,7 @@ def _spec_from_json(name: str, data: Mapping[str, Any]) -> ValueSpec:
         batched=bool(data["batched"]),
         is_tensor=bool(data["is_tensor"]),
         requires_grad=bool(data["requires_grad"]),
+        batch_dim=int(data.get("batch_dim", 0)),  # folders written before batch_dims: dim 0
     )
 
 

@@ -16,16 +16,17 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from fxpipe.core import meta
 from fxpipe.core.cluster import DeviceSpec
 from fxpipe.core.costgraph import ZERO, Affine, CostGraph, CostNode
+from fxpipe.passes.batchdims import graph_batch_dims
 from fxpipe.passes.fakerun import SymbolicCost
 from fxpipe.passes.flops import NodeRunError, run_fake
-from fxpipe.passes.trace_inputs import input_batch_size, recorded_inputs
+from fxpipe.passes.trace_inputs import recorded_inputs
 
 if TYPE_CHECKING:
     from fxpipe.passes.profile import MeasuredCosts
 
 __all__ = ["BATCH", "CostAnnotationError", "SymbolicCost", "annotate_costs", "to_cost_graph"]
 
-# The batch size (rows of dim 0 of every tensor input) in every cost expression.
+# The batch size (rows along each tensor input's batch dim, gm.meta["fxpipe.batch_dims"]) in every cost expression.
 BATCH = sympy.Symbol("B", integer=True, positive=True)
 
 _MIN_SYMBOLIC_BATCH = 2  # batch 0 and 1 would be specialised by the ShapeEnv
@@ -50,12 +51,13 @@ def annotate_costs(
     inputs = recorded_inputs(gm, example_inputs, CostAnnotationError, "annotate_costs")
     result = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
     result.meta.update(copy.copy(gm.meta))
-    batch = _batch_hint(inputs)
+    dims = graph_batch_dims(gm, inputs)
+    batch = _batch_hint(inputs, dims)
     try:
-        costs = _run_symbolic(result, inputs, batch, cache)
+        costs = _run_symbolic(result, inputs, batch, cache, dims)
         mode = "symbolic"
     except _NotSymbolic as error:
-        costs = _fit_affine(result, inputs, batch, cache, str(error))
+        costs = _fit_affine(result, inputs, batch, cache, str(error), dims)
         mode = f"affine-fit (symbolic batch failed: {error})"
     for node in result.graph.nodes:
         if node.name in costs:
@@ -70,11 +72,18 @@ class _NotSymbolic(Exception):
     """The symbolic-batch run failed or specialised the batch; fall back to fitting."""
 
 
-def _batch_hint(inputs: Sequence[Any]) -> int:
-    return max(_MIN_SYMBOLIC_BATCH, input_batch_size(inputs, CostAnnotationError, all_batched=True) or _MIN_SYMBOLIC_BATCH)
+def _batch_hint(inputs: Sequence[Any], dims: Sequence[int | None]) -> int:
+    sizes = {int(value.shape[dim]) for value, dim in zip(inputs, dims, strict=True) if dim is not None}
+    if len(sizes) > 1:
+        raise CostAnnotationError(
+            f"tensor inputs disagree on the batch size (batch dims {list(dims)}): {sorted(sizes)}; "
+            "every tensor input must hold the batch in its batch dim (dim 0 unless trace(batch_dims=...) says)"
+        )
+    return max(_MIN_SYMBOLIC_BATCH, *sizes) if sizes else _MIN_SYMBOLIC_BATCH
 
 
-def _run_symbolic(gm: fx.GraphModule, inputs: Sequence[Any], batch: int, cache: bool) -> dict[str, SymbolicCost]:
+def _run_symbolic(gm: fx.GraphModule, inputs: Sequence[Any], batch: int, cache: bool,
+                  dims: Sequence[int | None]) -> dict[str, SymbolicCost]:
     shape_env = ShapeEnv()
     fake_mode = FakeTensorMode(shape_env=shape_env)
     symbol = shape_env.create_symbol(batch, ConstantSource("fxpipe_batch"))
@@ -94,7 +103,7 @@ def _run_symbolic(gm: fx.GraphModule, inputs: Sequence[Any], batch: int, cache: 
             specialised_by.append(node)
 
     try:
-        costs = run_fake(gm, inputs, fake_mode, batch_size, to_expr, cache=cache, after_node=watch)
+        costs = run_fake(gm, inputs, fake_mode, batch_size, to_expr, cache=cache, after_node=watch, batch_dims=dims)
     except NodeRunError as error:  # an op that cannot take a symbolic batch: fall back, say where in meta
         if isinstance(error.reason, _NotSymbolic):
             raise _NotSymbolic(f"{describe_node(gm, error.node)}: {error.reason}") from error
@@ -117,7 +126,7 @@ def _first_line(error: BaseException) -> str:
 
 
 def _fit_affine(gm: fx.GraphModule, inputs: Sequence[Any], batch: int, cache: bool,
-                why: str) -> dict[str, SymbolicCost]:
+                why: str, dims: Sequence[int | None]) -> dict[str, SymbolicCost]:
     """Cost the graph at batch sizes b and 2b with concrete fakes and join them by a line in BATCH.
 
     A graph that cannot run at 2b (its views hard-code the example batch) has no line to fit: the
@@ -127,7 +136,7 @@ def _fit_affine(gm: fx.GraphModule, inputs: Sequence[Any], batch: int, cache: bo
     for rows in (batch, 2 * batch):
         fake_mode = FakeTensorMode()
         try:
-            runs.append(run_fake(gm, inputs, fake_mode, rows, sympy.sympify, cache=cache))
+            runs.append(run_fake(gm, inputs, fake_mode, rows, sympy.sympify, cache=cache, batch_dims=dims))
         except NodeRunError as error:
             if rows == batch:  # not about the batch at all: the graph fails at its own example
                 raise CostAnnotationError(

@@ -179,8 +179,11 @@ def run_fake(
     *,
     cache: bool = True,
     after_node: Callable[[fx.Node], None] | None = None,
+    batch_dims: Sequence[int | None] | None = None,
 ) -> dict[str, SymbolicCost]:
     """Run every node on fakes (batch dim = ``batch_size``) and cost it; ``after_node`` sees each node run.
+
+    ``batch_dims``: each input's batch dim (None: none); default dim 0 of every tensor input.
 
     A node that fails raises :class:`NodeRunError` naming it.
 
@@ -193,13 +196,14 @@ def run_fake(
         _fake_weights(gm, fake_mode, state)
         env: dict[str, Any] = {}
         placeholders = iter(inputs)
+        dims = iter(batch_dims if batch_dims is not None else [0] * len(inputs))
         costs: dict[str, SymbolicCost] = {}
         for node in gm.graph.nodes:
             if node.op == "output":
                 continue
             try:
                 if node.op == "placeholder":
-                    env[node.name] = _fake_input(next(placeholders), batch_size)
+                    env[node.name] = _fake_input(next(placeholders), batch_size, next(dims))
                     costs[node.name] = _value_cost(env[node.name], state)
                 elif node.op == "get_attr":
                     env[node.name], costs[node.name] = _run_get_attr(gm, node, state)
@@ -235,12 +239,13 @@ def _fake_weights(gm: fx.GraphModule, fake_mode: FakeTensorMode, state: RunState
         state.weight_keys.add(state.storage_key(fake))
 
 
-def _fake_input(value: Any, batch_size: Any) -> Any:
+def _fake_input(value: Any, batch_size: Any, dim: int | None) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
-    if value.dim() == 0:
-        return torch.empty((), dtype=value.dtype, device=_FAKE_DEVICE)
-    return torch.empty((batch_size, *value.shape[1:]), dtype=value.dtype, device=_FAKE_DEVICE)
+    if value.dim() == 0 or dim is None:
+        return torch.empty(tuple(value.shape), dtype=value.dtype, device=_FAKE_DEVICE)
+    return torch.empty((*value.shape[:dim], batch_size, *value.shape[dim + 1:]), dtype=value.dtype,
+                       device=_FAKE_DEVICE)
 
 
 def _run_get_attr(gm: fx.GraphModule, node: fx.Node, state: RunState) -> tuple[Any, SymbolicCost]:

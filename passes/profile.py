@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_flatten
 
 from fxpipe.core.costgraph import Affine
 from fxpipe.core.meta import module_path
+from fxpipe.passes.batchdims import graph_batch_dims
 from fxpipe.passes.subgraph import extract_subgraph
 
 __all__ = [
@@ -167,12 +168,12 @@ def _fit(batch_sizes: tuple[int, int], low_s: float, high_s: float) -> Affine:
     return Affine(fixed, per_sample)
 
 
-def resize_batch(value: Any, rows: int) -> Any:
-    """``value`` with dim 0 cycled or cut to ``rows`` rows (non-tensors and scalars unchanged)."""
-    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+def resize_batch(value: Any, rows: int, batch_dim: int | None = 0) -> Any:
+    """``value`` with its batch dim cycled or cut to ``rows`` rows (None, non-tensors and scalars: unchanged)."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or batch_dim is None:
         return value
-    index = torch.arange(rows) % value.shape[0]
-    return value.index_select(0, index.to(value.device))
+    index = torch.arange(rows) % value.shape[batch_dim]
+    return value.index_select(batch_dim, index.to(value.device))
 
 
 def _time_blocks(
@@ -191,8 +192,9 @@ def _time_blocks(
     of a few, and a backward does not find its inputs hot from its own forward just before.
     """
     runs: list[tuple[torch.nn.Module, list[Any]]] = []
+    dims = graph_batch_dims(gm, example_inputs)
     for rows in batch_sizes:
-        values = node_values(gm, [resize_batch(value, rows) for value in example_inputs])
+        values = node_values(gm, [resize_batch(value, rows, dim) for value, dim in zip(example_inputs, dims, strict=True)])
         for block in blocks:
             sub = extract_subgraph(gm, block)
             runs.append((sub.module, [_block_input(values[name]) for name in sub.input_names]))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -12,6 +12,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.utils._pytree import TreeSpec
 
 from fxpipe.core import meta
+from fxpipe.passes.batchdims import default_batch_dims
 from fxpipe.passes.trace_inputs import TraceInputs
 
 # ep.module() inserts this submodule call to re-check export's input guards on every call.
@@ -28,15 +29,18 @@ class ExportTraceFailure(Exception):
         super().__init__(f"{module_path or '<root>'} ({module_class}): {reason}")
 
 
-def trace_export(model: nn.Module, inputs: TraceInputs) -> fx.GraphModule:
+def trace_export(model: nn.Module, inputs: TraceInputs, dims: Sequence[int | None] | None = None) -> fx.GraphModule:
     """torch.export the model at the example shapes and return a GraphModule with flat inputs.
 
     The unlifted module of torch.export takes pytree-structured inputs through a custom codegen; this
     rewrites it to plain placeholders (one per example tensor, forward() order) and plain outputs
-    (Mappings such as Hugging Face ModelOutput become dicts, sequences become tuples/lists).
+    (Mappings such as Hugging Face ModelOutput become dicts, sequences become tuples/lists). ``dims``:
+    each input's batch dim, where the symbolic batch goes (default: ``default_batch_dims``).
     """
+    if dims is None:
+        dims = default_batch_dims(inputs.values)
     kwargs = {**dict(zip(inputs.names, inputs.values, strict=True)), **inputs.bound}
-    batch_shapes = _batch_dynamic_shapes(inputs)
+    batch_shapes = _batch_dynamic_shapes(inputs, dims)
     exported = None
     if batch_shapes is not None:
         try:  # a symbolic batch keeps every view generic in the batch size
@@ -50,7 +54,7 @@ def trace_export(model: nn.Module, inputs: TraceInputs) -> fx.GraphModule:
     _localise_symbolic_sizes(graph)
     gm = fx.GraphModule(unlifted, graph, class_name=type(model).__name__)
     _annotate_module_paths(gm.graph)
-    gm.meta[meta.SYMBOLIC_BATCH] = batch_shapes is not None and _has_symbolic_batch(gm.graph)
+    gm.meta[meta.SYMBOLIC_BATCH] = batch_shapes is not None and _has_symbolic_batch(gm.graph, dims)
     return gm
 
 
@@ -64,27 +68,28 @@ def _export_static(model: nn.Module, kwargs: dict[str, Any]) -> torch.export.Exp
             raise ExportTraceFailure(module_path, module_class, error) from error
 
 
-def _batch_dynamic_shapes(inputs: TraceInputs) -> dict[str, Any] | None:
-    """One symbolic ``Dim`` for dim 0 of every tensor input, or None when no batch can be symbolic.
+def _batch_dynamic_shapes(inputs: TraceInputs, dims: Sequence[int | None]) -> dict[str, Any] | None:
+    """One symbolic ``Dim`` on the batch dim of every tensor input, or None when no batch can be symbolic.
 
-    A batch of 0 or 1 would be specialised by export, and inputs that disagree on dim 0 have no
-    common batch; both export static.
+    A batch of 0 or 1 would be specialised by export, and inputs that disagree on the batch size have
+    no common batch; both export static.
     """
-    sizes = {int(value.shape[0]) for value in inputs.values if value.dim() > 0}
+    sizes = {int(value.shape[dim]) for value, dim in zip(inputs.values, dims, strict=True) if dim is not None}
     if len(sizes) != 1 or min(sizes) < 2:
         return None
     batch = torch.export.Dim("batch")
     shapes: dict[str, Any] = dict.fromkeys(inputs.bound)
-    shapes.update({name: ({0: batch} if value.dim() > 0 else None)
-                   for name, value in zip(inputs.names, inputs.values, strict=True)})
+    shapes.update({name: ({dim: batch} if dim is not None else None)
+                   for name, dim in zip(inputs.names, dims, strict=True)})
     return shapes
 
 
-def _has_symbolic_batch(graph: fx.Graph) -> bool:
-    for node in graph.nodes:
+def _has_symbolic_batch(graph: fx.Graph, dims: Sequence[int | None]) -> bool:
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    for node, dim in zip(placeholders, dims, strict=False):
         value = node.meta.get("val")
-        if node.op == "placeholder" and isinstance(value, torch.Tensor) and value.dim() > 0:
-            return not isinstance(value.shape[0], int)
+        if dim is not None and isinstance(value, torch.Tensor):
+            return not isinstance(value.shape[dim], int)
     return False
 
 

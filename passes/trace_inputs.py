@@ -141,15 +141,3 @@ def recorded_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any] | None, er
                     "were given; pass one positional value per placeholder (as fxpipe.passes.trace records them)")
     return tuple(example_inputs)
 
-
-def input_batch_size(inputs: Sequence[Any], error: type[ValueError], *, all_batched: bool) -> int | None:
-    """The batch size: dim 0 of the first tensor input that has one; None when there is none.
-
-    ``all_batched``: every such tensor input must have that dim 0 (cost annotation makes dim 0 of every
-    input symbolic); otherwise other inputs may be unbatched (codegen tells them apart by a second run).
-    """
-    sizes = [int(value.shape[0]) for value in inputs if isinstance(value, torch.Tensor) and value.dim() > 0]
-    if all_batched and len(set(sizes)) > 1:
-        raise error(f"tensor inputs disagree on the batch size (dim 0): {sorted(set(sizes))}; "
-                    "dim 0 of every tensor input must be the batch")
-    return sizes[0] if sizes else None

@@ -10,11 +10,17 @@ import torch
 from torch import fx, nn
 
 from fxpipe.core import meta
+from fxpipe.passes.batchdims import (
+    BatchDimError,
+    BatchDims,
+    check_unambiguous,
+    resolve_batch_dims,
+)
 from fxpipe.passes.trace_export import ExportTraceFailure, trace_export
 from fxpipe.passes.trace_fx import FxTraceFailure, describe_module, trace_fx, validate_leaf_modules
 from fxpipe.passes.trace_inputs import ExampleInputsTypeError, TraceInputs, normalize_inputs
 
-__all__ = ["ExampleInputsTypeError", "TraceError", "trace"]
+__all__ = ["BatchDimError", "ExampleInputsTypeError", "TraceError", "trace"]
 
 FRONTENDS = ("auto", "fx", "export")
 _MAX_REASON_CHARS = 600
@@ -47,6 +53,7 @@ def trace(
     *,
     leaf_modules: Sequence[type[nn.Module] | str] = (),
     frontend: str = "auto",
+    batch_dims: BatchDims = None,
 ) -> fx.GraphModule:
     """Trace `model` at `example_inputs` into a GraphModule carrying the fxpipe meta conventions:
 
@@ -54,6 +61,8 @@ def trace(
         gm.meta[meta.EXAMPLE_INPUTS]  tuple of example tensors, one per placeholder, forward() order
         gm.meta[meta.INPUT_NAMES]     tuple of placeholder names (forward()'s parameter names)
         gm.meta[meta.PARAM_NAMES]     {gm attribute path -> original parameter/buffer name}
+        gm.meta[meta.BATCH_DIMS]      tuple of each placeholder's batch dim (None: 0-dim tensor)
+        gm.meta[meta.BATCH_DIMS_DECLARED]  True when batch_dims was given
         node.meta[meta.MODULE_PATH]   original module path of the op ("" for the model itself)
         node.meta[meta.PARAM_NAMES]   tuple of original names of the parameters/buffers it reads
                                           (get_attr nodes and call_module leaves; () otherwise)
@@ -79,15 +88,21 @@ def trace(
     its own copy, computed from the tensors at hand; gm.meta[meta.SYMBOLIC_BATCH] is False when
     the model refused a symbolic batch and was exported at the example batch. fx graphs are
     shape-generic.
-    Raises ExampleInputsTypeError (a TypeError) for malformed inputs and TraceError when tracing fails.
+    Raises ExampleInputsTypeError (a TypeError) for malformed inputs, BatchDimError (a ValueError) for
+    bad or ambiguous batch dims, and TraceError when tracing fails.
     """
     if frontend not in FRONTENDS:
         raise ValueError(f"frontend={frontend!r} is not one of {FRONTENDS}; use 'auto' unless debugging")
     inputs = normalize_inputs(model, example_inputs)
     leaves = validate_leaf_modules(leaf_modules)
+    dims = resolve_batch_dims(inputs.names, inputs.values, batch_dims)
     with _training_modes_restored(model):
-        gm, used_frontend = _run_frontends(model, inputs, leaves, frontend)
+        if batch_dims is None:
+            check_unambiguous(model, inputs.names, inputs.values, dims, inputs.bound)
+        gm, used_frontend = _run_frontends(model, inputs, leaves, frontend, dims)
     _write_meta(gm, model, inputs, used_frontend)
+    gm.meta[meta.BATCH_DIMS] = dims
+    gm.meta[meta.BATCH_DIMS_DECLARED] = batch_dims is not None
     return gm
 
 
@@ -107,6 +122,7 @@ def _run_frontends(
     inputs: TraceInputs,
     leaves: tuple[type[nn.Module] | str, ...],
     frontend: str,
+    dims: tuple[int | None, ...],
 ) -> tuple[fx.GraphModule, str]:
     fx_failure: FxTraceFailure | None = None
     if frontend in ("auto", "fx"):
@@ -117,7 +133,7 @@ def _run_frontends(
                 raise _fx_only_error(failure) from failure.reason
             fx_failure = failure
     try:
-        return trace_export(model, inputs), "export"
+        return trace_export(model, inputs, dims), "export"
     except ExportTraceFailure as failure:
         raise _export_error(fx_failure, failure) from failure.reason
 

@@ -21,6 +21,7 @@ class ValueSpec:
     batched: bool
     is_tensor: bool
     requires_grad: bool
+    batch_dim: int = 0  # the dim holding the batch rows when ``batched`` (fxpipe.passes.batchdims derives it)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
-from fxpipe.runtime.comm import PeerExchange, Pending
+from fxpipe.runtime.comm import PeerExchange, Pending, buffer_shape
 from fxpipe.runtime.errors import BatchShapeError, PipelineSetupError
 
 if TYPE_CHECKING:
@@ -75,9 +75,10 @@ class BatchChecker:
     Every rank sees the same numbers, so every rank raises the same error: no rank is left waiting.
     """
 
-    def __init__(self, mode: str, exchange: PeerExchange) -> None:
+    def __init__(self, mode: str, exchange: PeerExchange, batch_dims: str = "") -> None:
         self.mode = check_batch_mode(mode)
         self.exchange = exchange
+        self.batch_dims = batch_dims  # where the batch is, for the messages (describe_batch_dims)
         self.num_steps = 0
         self.last_layout: int | None = None
         self.folded: tuple[int, int] | None = None  # full digests folded into this step's loss allreduce
@@ -101,7 +102,7 @@ class BatchChecker:
         self.num_steps += 1
         self.last_layout = layout
         if before_step:
-            raise_on_difference(self._gather(layout, data))
+            raise_on_difference(self._gather(layout, data), self.batch_dims)
         else:
             self.folded = (layout, data)
 
@@ -122,7 +123,7 @@ class BatchChecker:
             return
         # the full digests decide: a rank whose own layout changed back after an error digests its data
         # when the others do not, which differs here but is no mismatch
-        raise_on_difference(self._gather(*self.folded))
+        raise_on_difference(self._gather(*self.folded), self.batch_dims)
 
     def _gather(self, layout: int, data: int) -> list[tuple[int, int]]:
         mine = torch.tensor([layout, data], dtype=torch.int64, device=self.exchange.device)
@@ -135,15 +136,26 @@ class BatchChecker:
         return [(int(item[0]), int(item[1])) for item in gathered]
 
 
-def raise_on_difference(rows: list[tuple[int, int]]) -> None:
-    """``rows[rank] = (layout digest, data digest or 0)``; raise naming the ranks that differ from rank 0."""
+def describe_batch_dims(program: SplitProgram, target_batch_dim: int) -> str:
+    """``"batch in dim 1 of 'x', dim 1 of the targets"``: where the plan reads the batch, for error messages."""
+    inputs = [f"dim {program.values[name].batch_dim} of {name!r}" for name in program.model_inputs
+              if program.values[name].batched]
+    return f"batch in {', '.join([*inputs, f'dim {target_batch_dim} of the targets'])}"
+
+
+def raise_on_difference(rows: list[tuple[int, int]], batch_dims: str = "") -> None:
+    """``rows[rank] = (layout digest, data digest or 0)``; raise naming the ranks that differ from rank 0.
+
+    ``batch_dims``: where the batch is (:func:`describe_batch_dims`), named when shapes differ.
+    """
     layouts = [row[0] for row in rows]
     shape_differs = [rank for rank, layout in enumerate(layouts) if layout != layouts[0]]
     if shape_differs:
+        where = f" ({batch_dims})" if batch_dims else ""
         raise BatchMismatchError(
-            f"ranks {shape_differs} passed step() inputs/targets of other shapes or dtypes than rank 0 (or one side "
-            "passed partial=True); every rank must pass the same global batch, or each its own rows with "
-            "partial=True (pipe.input_rows() / pipe.target_rows())")
+            f"ranks {shape_differs} passed step() inputs/targets of other shapes or dtypes than rank 0{where} (or one "
+            "side passed partial=True); every rank must pass the same global batch, or each its own rows with "
+            "partial=True (pipe.input_rows() / pipe.target_rows(), concatenated in the batch dims)")
     data = [row[1] for row in rows]
     checked = [rank for rank, value in enumerate(data) if value != 0]
     data_differs = [rank for rank in checked if data[rank] != data[checked[0]]] if checked else []
@@ -155,11 +167,12 @@ def raise_on_difference(rows: list[tuple[int, int]]) -> None:
 
 
 def check_shapes(program: SplitProgram, inputs: tuple[Any, ...], targets: Any, *, num_rows: int,
-                 reads: Collection[str] | None, reads_targets: bool) -> None:
+                 reads: Collection[str] | None, reads_targets: bool, target_batch_dim: int = 0) -> None:
     """Inputs and targets against the plan-time shapes (raises BatchShapeError; no communication).
 
     ``reads`` None: the global batch of ``num_rows`` rows; else partial data of ``num_rows`` rows, where
-    only the inputs named in ``reads`` (and the targets when ``reads_targets``) are checked.
+    only the inputs named in ``reads`` (and the targets when ``reads_targets``) are checked. Rows are
+    counted along each input's batch dim (``ValueSpec.batch_dim``) and the targets' ``target_batch_dim``.
     """
     names = program.model_inputs
     if len(inputs) != len(names):
@@ -172,12 +185,17 @@ def check_shapes(program: SplitProgram, inputs: tuple[Any, ...], targets: Any, *
             continue
         if not isinstance(value, torch.Tensor):
             raise BatchShapeError(f"input {name!r} must be a tensor, got {type(value).__name__}")
-        expected = (batch, *spec.shape[1:]) if spec.batched else tuple(spec.shape)
+        expected = buffer_shape(spec.shape, spec.batched, batch, spec.batch_dim)
         if tuple(value.shape) != expected or (spec.dtype is not None and value.dtype != spec.dtype):
+            where = f"batch in dim {spec.batch_dim}" if spec.batched else "not batched"
             raise BatchShapeError(
                 f"input {name!r} has shape {tuple(value.shape)} {value.dtype} but the plan expects {expected} "
-                f"{spec.dtype} ({rows_of}: {batch} rows); recompile for other shapes")
+                f"{spec.dtype} ({where}; {rows_of}: {batch} rows); recompile for other shapes, or fix batch_dims "
+                "if the batch is in another dim")
+    dim = target_batch_dim
     for leaf in tree_flatten(targets if reads_targets else None)[0]:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] != batch:
-            raise BatchShapeError(f"targets have {leaf.shape[0]} rows (shape {tuple(leaf.shape)}) but "
-                                  f"{rows_of} is {batch} rows")
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and (leaf.dim() <= dim or leaf.shape[dim] != batch):
+            rows = leaf.shape[dim] if leaf.dim() > dim else "no"
+            raise BatchShapeError(f"targets have {rows} rows in their batch dim {dim} (shape {tuple(leaf.shape)}) "
+                                  f"but {rows_of} is {batch} rows; pass targets with the batch in dim {dim} or set "
+                                  "target_batch_dim")

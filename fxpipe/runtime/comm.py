@@ -84,11 +84,18 @@ def routes_between(value: str, batched: bool, microbatch_rows: int, sender_devic
     return tuple(routes)
 
 
-def buffer_shape(plan_shape: Sequence[int], batched: bool, num_rows: int) -> tuple[int, ...]:
-    """Shape of a receive buffer: the plan-time shape with dim 0 set to ``num_rows`` for batched values."""
+def buffer_shape(plan_shape: Sequence[int], batched: bool, num_rows: int, batch_dim: int = 0) -> tuple[int, ...]:
+    """Shape of a receive buffer: the plan-time shape with ``num_rows`` in the batch dim for batched values."""
     if not batched:
         return tuple(plan_shape)
-    return (num_rows, *plan_shape[1:])
+    return (*plan_shape[:batch_dim], num_rows, *plan_shape[batch_dim + 1:])
+
+
+def take_rows(value: torch.Tensor, batch_dim: int, start: int, stop: int) -> torch.Tensor:
+    """Rows ``[start, stop)`` of ``value`` along its batch dim, as a view (the value itself when it is all)."""
+    if (start, stop) == (0, value.shape[batch_dim]):
+        return value
+    return value.narrow(batch_dim, start, stop - start)
 
 
 # Byte alignment of each tensor inside a packed message (so every piece can be viewed as its dtype in place).

@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_map
 from fxpipe.core import schedule as schedules
 from fxpipe.core.plan import Plan
 from fxpipe.runtime import preemption
-from fxpipe.runtime.batchcheck import BatchChecker, check_shapes
+from fxpipe.runtime.batchcheck import BatchChecker, check_shapes, describe_batch_dims
 from fxpipe.runtime.comm import (
     DEFAULT_TIMEOUT_S,
     DistContext,
@@ -28,6 +28,7 @@ from fxpipe.runtime.comm import (
     new_groups,
     pack,
     routes_between,
+    take_rows,
     unflatten_into,
 )
 from fxpipe.runtime.errors import PipelineSetupError
@@ -85,11 +86,12 @@ class PipelineDriver:
 
     def __init__(self, program: SplitProgram, plan: Plan, loss_fn: LossFn | None, *, context: DistContext,
                  autocast_dtype: torch.dtype | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 loss_reduction: str = "mean", check_batch: str = "first") -> None:
+                 loss_reduction: str = "mean", check_batch: str = "first", target_batch_dim: int = 0) -> None:
         check_world(plan, program, context.world_size)
         if loss_fn is None:
             raise PipelineSetupError("loss_fn is missing; pass loss_fn=callable(output, targets) -> scalar tensor")
         self.program, self.plan, self.context = program, plan, context
+        self.target_batch_dim = target_batch_dim  # the targets' batch dim (inputs': program.values)
         self.rank = context.rank
         self.stage_index, self.replica_index = plan.stage_of_device(self.rank)
         self.stage = program.stages[self.stage_index]
@@ -110,7 +112,7 @@ class PipelineDriver:
         self.exchange = PeerExchange(self.rank, context.device, timeout_s)
         self.preempted = False  # see fxpipe.runtime.preemption
         self.exchange.failures = self.failures = FailureLog.for_default_group(self, self.rank, context.world_size)
-        self.batch_checker = BatchChecker(check_batch, self.exchange)
+        self.batch_checker = BatchChecker(check_batch, self.exchange, describe_batch_dims(program, target_batch_dim))
         self.inbox = Inbox(self.exchange, context.device, self._tag,
                            {MessageKind.ACTIVATION: self._input_pieces(), MessageKind.GRADIENT: grad_pieces},
                            {kind: [a.microbatch_index for a in self.actions if a.op is op]
@@ -153,7 +155,8 @@ class PipelineDriver:
                 continue
             for index, route in enumerate(routes):
                 num_rows = route.receiver_rows[1] - route.receiver_rows[0] if route.receiver_rows else 0
-                shape = buffer_shape(spec.shape, spec.batched and route.receiver_rows is not None, num_rows)
+                shape = buffer_shape(spec.shape, spec.batched and route.receiver_rows is not None, num_rows,
+                                     spec.batch_dim)
                 pieces.append((route.sender_rank, (name, index), shape, self.dtypes[name] or torch.get_default_dtype()))
         return pieces
 
@@ -166,7 +169,7 @@ class PipelineDriver:
             for index, route in enumerate(routes):
                 rows = route.sender_rows
                 shape = buffer_shape(spec.shape, spec.batched and rows is not None,
-                                     rows[1] - rows[0] if rows is not None else 0)
+                                     rows[1] - rows[0] if rows is not None else 0, spec.batch_dim)
                 pieces.append((route.receiver_rank, (name, index), shape,
                                self.dtypes[name] or torch.get_default_dtype()))
                 rows_of[name, index] = rows
@@ -268,7 +271,8 @@ class PipelineDriver:
         """Shapes against the plan, on every rank before any communication (all ranks see the same batch)."""
         check_shapes(self.program, inputs, targets,
                      num_rows=self.rows.num_rows if partial else self.plan.global_batch_size,
-                     reads=self.stage.input_values if partial else None, reads_targets=self.is_last or not partial)
+                     reads=self.stage.input_values if partial else None, reads_targets=self.is_last or not partial,
+                     target_batch_dim=self.target_batch_dim)
 
     def _tag(self, kind: MessageKind, microbatch_index: int, value: str) -> int:
         return message_tag(kind, microbatch_index, self.value_index[value], len(self.value_index))
@@ -284,7 +288,7 @@ class PipelineDriver:
         for name, routes in self.in_routes.items():
             if self.program.values[name].is_tensor:
                 bufs = [pieces[name, index] for index in range(len(routes))]
-                received[name] = bufs[0] if len(bufs) == 1 else torch.cat(bufs)
+                received[name] = bufs[0] if len(bufs) == 1 else torch.cat(bufs, self.program.values[name].batch_dim)
         state.received[m] = received
 
     def _send(self, kind: MessageKind, m: int, outgoing: Sequence[tuple[int, str, torch.Tensor]],
@@ -306,9 +310,10 @@ class PipelineDriver:
         values = dict(state.received.get(m, {}))
         for index, name in enumerate(self.program.model_inputs):
             if name in self.stage.input_values:
-                values[name] = self._slice(state.inputs[index], self.program.values[name].batched, start, stop)
+                spec = self.program.values[name]
+                values[name] = self._slice(state.inputs[index], spec.batch_dim if spec.batched else None, start, stop)
         if self.is_last:
-            targets = tree_map(lambda t: self._slice(t, True, start, stop), state.targets)
+            targets = tree_map(lambda t: self._slice(t, self.target_batch_dim, start, stop), state.targets)
             weight = (stop - start) / self.plan.global_batch_size if self.runner.loss_reduction == "mean" else 1.0
             loss, count = self.runner.forward_loss(m, values, targets, weight)
             state.loss_parts.append(loss)  # no float(loss) here: it would wait for the device per micro-batch
@@ -316,11 +321,12 @@ class PipelineDriver:
         else:
             state.outputs[m] = self.runner.forward(m, values)
 
-    def _slice(self, value: Any, batched: bool, start: int, stop: int) -> Any:
+    def _slice(self, value: Any, batch_dim: int | None, start: int, stop: int) -> Any:
+        """Rows ``[start, stop)`` along ``batch_dim`` (None: the whole value), on this rank's device."""
         if not isinstance(value, torch.Tensor):
             return value
-        if batched and value.dim() > 0 and (start, stop) != (0, value.shape[0]):
-            value = value[start:stop]
+        if batch_dim is not None and value.dim() > batch_dim:
+            value = take_rows(value, batch_dim, start, stop)
         if value.device == self.context.device:
             return value
         # host -> GPU without waiting: the step ends by reading the loss, which waits for this copy, so the
@@ -339,7 +345,8 @@ class PipelineDriver:
                     state.sends.extend(self.exchange.send_object(
                         value, route.receiver_rank, tags, f"send object {name!r} of micro-batch {m}"))
                     continue
-                piece = value if route.sender_rows is None else value[route.sender_rows[0]:route.sender_rows[1]]
+                rows = route.sender_rows
+                piece = value if rows is None else take_rows(value, self.program.values[name].batch_dim, *rows)
                 outgoing.append((route.receiver_rank, name, piece))
         state.sends.extend(self._send(MessageKind.ACTIVATION, m, outgoing, "activation"))
 
@@ -353,7 +360,7 @@ class PipelineDriver:
         for (name, index), buf in self.inbox.take(MessageKind.GRADIENT, m).items():
             rows = self.grad_rows[name, index]
             grad = grads.setdefault(name, torch.zeros_like(outputs[name]))
-            target = grad if rows is None else grad[rows[0]:rows[1]]
+            target = grad if rows is None else take_rows(grad, self.program.values[name].batch_dim, *rows)
             target.add_(buf)
         state.output_grads[m] = grads
 
@@ -370,7 +377,8 @@ class PipelineDriver:
                 grad = torch.zeros_like(received[name])
             for route in routes:
                 rows = route.receiver_rows
-                outgoing.append((route.sender_rank, name, grad if rows is None else grad[rows[0]:rows[1]]))
+                batch_dim = self.program.values[name].batch_dim
+                outgoing.append((route.sender_rank, name, grad if rows is None else take_rows(grad, batch_dim, *rows)))
         state.sends.extend(self._send(MessageKind.GRADIENT, m, outgoing, "gradient of"))
 
     # ---- gradient sync and loss ----------------------------------------------------------------

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from fxpipe.core.plan import Plan
 from fxpipe.runtime.comm import slice_rows
 
@@ -59,3 +61,11 @@ def input_rows(program: SplitProgram, stage_index: int, row_map: RowMap) -> RowR
 def target_rows(program: SplitProgram, stage_index: int, row_map: RowMap) -> RowRanges | None:
     """Global-batch rows whose targets a replica of the stage reads: the last stage's; None elsewhere."""
     return row_map.ranges() if stage_index == len(program.stages) - 1 else None
+
+
+def gather_rows(value: torch.Tensor, ranges: RowRanges | None, batch_dim: int = 0) -> torch.Tensor | None:
+    """What a sampler that loads only ``ranges`` of the global batch gives ``step(partial=True)``: those rows,
+    concatenated in the batch dim (``batch_dims`` / ``target_batch_dim`` of compile); None for None."""
+    if ranges is None:
+        return None
+    return torch.cat([value.narrow(batch_dim, start, stop - start) for start, stop in ranges], batch_dim)
