@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
+from conftest import SHARED_PROFILES as PROFILES
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fxpipe.costgraph import Affine, CostGraph, CostNode
 from fxpipe.passes.chain import ChainError, build_chain
 from fxpipe.passes.profiles_io import read_profile
-
-PROFILES = Path(__file__).resolve().parents[2] / "shared" / "profiles"
 
 
 def _node(name: str, *inputs: str, out: float = 1.0, fwd: float = 1.0, module: str = "", tensor: bool = True,
@@ -126,7 +124,7 @@ def test_ten_thousand_nodes_is_fast() -> None:
     assert chain.num_blocks == 64
 
 
-@pytest.mark.skipif(not PROFILES.is_dir(), reason="shared/profiles is not next to the repository")
+@pytest.mark.needs_profiles
 def test_bert_profile_chain_balances_layers() -> None:
     chain = build_chain(read_profile(PROFILES / "bert-48-pbs-2.txt", profile_batch_size=2), max_blocks=8)
     work = [(block.forward_s + block.backward_s).at(2) for block in chain.blocks]
