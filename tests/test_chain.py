@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from conftest import SHARED_PROFILES as PROFILES
 from hypothesis import given, settings
@@ -117,10 +115,8 @@ def test_bad_arguments() -> None:
 
 
 def test_ten_thousand_nodes_is_fast() -> None:
-    graph = _long_graph(10_000)
-    start = time.perf_counter()
+    graph = _long_graph(10_000)  # the time limit (2 s) lives in benchmarks/unit_speed.py
     chain = build_chain(graph, max_blocks=64)
-    assert time.perf_counter() - start < 2.0
     assert chain.num_blocks == 64
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import resource
-import time
 from typing import Any
 
 import pytest
@@ -83,14 +82,11 @@ def test_paper_size_bert_on_meta_is_fast_and_allocates_nothing() -> None:
     model, inputs = zoo.build("bert-48", device="meta", num_layers=4)
     assert all(p.device.type == "meta" for p in model.parameters())
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    start = time.perf_counter()
-    annotated = annotate_costs(_trace(model, inputs))
-    elapsed = time.perf_counter() - start
+    annotated = annotate_costs(_trace(model, inputs))  # time limit: benchmarks/unit_speed.py
     rss_growth_bytes = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) * 1024
     param_bytes = sum(cost.param_bytes for cost in _costs(annotated).values())
     assert param_bytes == sum(p.numel() * 4 for p in model.parameters())
     assert rss_growth_bytes < param_bytes / 2  # weights never materialised
-    assert elapsed < 60
     assert _total(annotated, "saved_bytes").free_symbols == {BATCH}
 
 
@@ -226,9 +222,7 @@ def test_replayed_nodes_keep_saved_bytes_deduplicated() -> None:
 def test_full_bert_48_on_meta_annotates_in_seconds() -> None:
     model, inputs = zoo.build("bert-48", device="meta")
     gm = _trace(model, inputs)
-    start = time.perf_counter()
-    annotated = annotate_costs(gm)
-    assert time.perf_counter() - start < 30
+    annotated = annotate_costs(gm)  # time limit: benchmarks/unit_speed.py
     assert annotated.meta["fxpipe.cost_mode"] == "symbolic"
     assert _total(annotated, "forward_flops").free_symbols == {BATCH}
     assert sum(cost.param_bytes for cost in _costs(annotated).values()) == sum(
