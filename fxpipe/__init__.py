@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any
 
 __version__ = "0.1.0"
@@ -22,6 +24,22 @@ _EXPORTS: dict[str, tuple[str, str]] = {
 }
 
 __all__ = [*sorted(_EXPORTS), "models", "passes"]
+
+
+class _Package(types.ModuleType):
+    """``fxpipe.plan`` and ``fxpipe.simulate`` name both a function (the export) and a submodule. Loading a
+    submodule binds it on the package, which turned the function into the module after its first import
+    (``fxpipe.plan(...)``: "'module' object is not callable"); the submodule stays in ``sys.modules``,
+    so ``from fxpipe.plan import Plan`` keeps working while the package attribute stays the function."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _FUNCTIONS_OVER_SUBMODULES and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+_FUNCTIONS_OVER_SUBMODULES = frozenset({"plan", "simulate"})
+sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> Any:
