@@ -153,9 +153,12 @@ class PipelinedModule:
         Collective: every rank calls it; each stage's first replica sends its tensors and train/eval
         flag to rank 0, which writes the files.
         """
-        from fxpipe.runtime.export import export_pipeline
+        from fxpipe.passes.codegen import export_program
+        from fxpipe.runtime.export import gathered_program
 
-        export_pipeline(self.driver, directory)
+        program = gathered_program(self.driver)
+        if program is not None:  # rank 0
+            export_program(program, directory)
 
     @property
     def measure(self) -> bool | str:

@@ -1,10 +1,9 @@
-"""Collective export of a pipelined model: every stage's trained tensors and train/eval flag reach rank 0's files."""
+"""Gathering a pipelined model for export: every stage's trained tensors and train/eval flag, on rank 0."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,16 +29,14 @@ def _module_tensors(module: torch.nn.Module, param_names: tuple[tuple[str, str],
     return tensors
 
 
-def export_pipeline(driver: PipelineDriver, directory: str | Path) -> None:
-    """Write every stage's code, weights and manifest (codegen ``export_program``); collective, rank 0 writes.
+def gathered_program(driver: PipelineDriver) -> SplitProgram | None:
+    """On rank 0, a copy of the program holding every stage's trained tensors and train/eval flag; None elsewhere.
 
-    Each rank holds only its own stage's trained tensors and train/eval flag; its copies of the other
-    stages keep the weights they were compiled with. The first replica of every stage sends its state
-    to rank 0, which exports a copy of the program holding them (a rank-0-only export wrote the other
-    stages' initial weights and flags, silently).
+    Collective (every rank calls it). Each rank holds only its own stage's trained tensors and flag; its
+    copies of the other stages keep the weights they were compiled with. The first replica of every
+    stage sends its state to rank 0 (a rank-0-only export wrote the other stages' initial weights and
+    flags, silently).
     """
-    from fxpipe.passes.codegen import export_program
-
     module = driver.runner.module
     with original_layers(module):  # batch_norm="deferred"/"sync" layers: the model's own ones, same tensors
         mine: StageState | None = None
@@ -48,8 +45,9 @@ def export_pipeline(driver: PipelineDriver, directory: str | Path) -> None:
             mine = (driver.stage_index, module.training, {k: v.detach().cpu() for k, v in tensors.items()})
         gathered: list[StageState | None] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
-        if driver.rank == 0:
-            export_program(_with_states(driver.program, driver.stage_index, module, gathered), directory)
+        if driver.rank != 0:
+            return None
+        return _with_states(driver.program, driver.stage_index, module, gathered)
 
 
 def _with_states(program: SplitProgram, own_index: int, own_module: torch.nn.Module,
