@@ -1,5 +1,6 @@
-"""Simulator oracle: a separately written event engine (own row slicing, routing, lowering, allreduce)
-against fxpipe.simulate on hybrid layouts, for early-backward (policies A, B) and GPipe.
+"""Simulator oracle: a separately written event engine (own row slicing, routing, lowering, allreduce,
+message costs and core sharing) against fxpipe.simulate on hybrid layouts, for early-backward
+(policies A, B) and GPipe.
 
 Nothing here imports the simulator's helpers (``_replica_specs``, ``stage_cost``, ``allreduce_time``,
 ``split_rows``, ``shared_rows``, ``lower``): only the F/B order of the schedule is shared, and the
@@ -95,6 +96,13 @@ class Replica:
     expects: dict[str, int] = field(default_factory=dict)  # "A"/"G" -> pieces per receive
 
 
+def stretch(net: Cluster) -> float:
+    """Ranks sharing too few cores compute (and pack messages) at cores/ranks of their speed."""
+    if 0 < net.cores_per_host < net.devices_per_host:
+        return net.devices_per_host / net.cores_per_host
+    return 1.0
+
+
 def build_replicas(plan: Plan, chain: CostChain, net: Cluster) -> dict[Key, Replica]:
     rows_of = plan.global_batch_size // plan.num_microbatches
     replicas: dict[Key, Replica] = {}
@@ -102,8 +110,8 @@ def build_replicas(plan: Plan, chain: CostChain, net: Cluster) -> dict[Key, Repl
         blocks = chain.blocks[stage.first_block:stage.stop_block]
         for r, (start, stop) in enumerate(slice_bounds(rows_of, stage.replicas)):
             rows = stop - start
-            forward = sum(b.forward_s.fixed + b.forward_s.per_sample * rows for b in blocks)
-            backward = sum(b.backward_s.fixed + b.backward_s.per_sample * rows for b in blocks)
+            forward = sum(b.forward_s.fixed + b.forward_s.per_sample * rows for b in blocks) * stretch(net)
+            backward = sum(b.backward_s.fixed + b.backward_s.per_sample * rows for b in blocks) * stretch(net)
             replicas[stage.stage_index, r] = Replica(stage.stage_index, stage.devices[r], forward, backward,
                                                      {"A": [], "G": []}, {"A": 0, "G": 0})
     for left, right in zip(plan.stages, plan.stages[1:], strict=False):
@@ -121,8 +129,14 @@ def build_replicas(plan: Plan, chain: CostChain, net: Cluster) -> dict[Key, Repl
 
 
 def reference_run(plan: Plan, chain: CostChain, net: Cluster) -> tuple[float, list[float], dict[int, float]]:
-    """(iteration time, allreduce start per stage, busy seconds per device) by a plain time-ordered loop."""
+    """(iteration time, allreduce start per stage, busy seconds per device) by a plain time-ordered loop.
+
+    Each message costs its sender and its receiver ``message_overhead_s`` (stretched like compute): a send
+    first packs all its pieces, then issues them; a receive takes them after the last one arrived.
+    """
     replicas = build_replicas(plan, chain, net)
+    per_message = net.message_overhead_s * stretch(net)
+    packed: set[tuple[Key, int]] = set()
     programs = my_lowering(plan)
     clock = dict.fromkeys(replicas, 0.0)
     cursor = dict.fromkeys(replicas, 0)
@@ -148,7 +162,11 @@ def reference_run(plan: Plan, chain: CostChain, net: Cluster) -> tuple[float, li
                 blocked.add(key)
                 clock[key] = now
                 continue
-            now = max([now, *got])
+            now = max([now, *got]) + per_message * len(got)
+        elif per_message > 0 and (key, cursor[key]) not in packed:
+            packed.add((key, cursor[key]))  # pack and post, then issue the pieces at that later time
+            heapq.heappush(queue, (now + per_message * len(replica.sends[kind[1]]), key))
+            continue
         else:
             for other, seconds in replica.sends[kind[1]]:
                 device = replicas[other].device
@@ -173,7 +191,8 @@ def reference_run(plan: Plan, chain: CostChain, net: Cluster) -> tuple[float, li
     return max(ends), starts, busy
 
 
-def random_setup(seed: int, layout: tuple[int, ...], schedule: str, policy: str) -> tuple[Plan, CostChain, Cluster]:
+def random_setup(seed: int, layout: tuple[int, ...], schedule: str, policy: str,
+                 per_message_s: float = 0.0) -> tuple[Plan, CostChain, Cluster]:
     """Random costs on 2 hosts x 2 devices; micro-batches of 5 or 7 rows so slices are unequal."""
     rng = random.Random(seed)
     num_stages = len(layout)
@@ -184,7 +203,8 @@ def random_setup(seed: int, layout: tuple[int, ...], schedule: str, policy: str)
     cuts = tuple(Affine(rng.choice([0.0, 1e3]), 10 ** rng.uniform(3, 6)) for _ in range(num_blocks - 1))
     chain = CostChain(blocks, cuts)
     device = DeviceSpec("dev", 2**40, (("float32", 1e13),), 1e12)
-    net = Cluster("2x2", 2, 2, device, LinkSpec(25e9, 5e-6), LinkSpec(rng.choice([1e9, 3e9]), 2e-5))
+    net = Cluster("2x2", 2, 2, device, LinkSpec(25e9, 5e-6), LinkSpec(rng.choice([1e9, 3e9]), 2e-5),
+                  cores_per_host=1 if per_message_s > 0 else 0, message_overhead_s=per_message_s)
     cut_points = sorted(rng.sample(range(1, num_blocks), num_stages - 1))
     bounds = list(zip([0, *cut_points], [*cut_points, num_blocks], strict=True))
     devices = list(range(sum(layout)))
@@ -209,6 +229,18 @@ def test_simulator_matches_the_separate_reference_on_hybrid_layouts(schedule: st
         expected, starts, busy = reference_run(plan, chain, net)
         result = simulate(plan, chain, net)
         where = f"seed {seed}, layout {layout}, {schedule}/{policy}, M={plan.num_microbatches}"
+        assert result.iteration_time_s == pytest.approx(expected, rel=1e-9), where
+        assert result.allreduce_start_s == pytest.approx(starts, rel=1e-9), where
+        assert dict(zip(result.devices, result.busy_s, strict=True)) == pytest.approx(busy, rel=1e-9), where
+
+
+@pytest.mark.parametrize("schedule, policy", SCHEDULES)
+def test_message_overhead_and_shared_cores_match_the_reference(schedule: str, policy: str) -> None:
+    for seed, layout in enumerate(LAYOUTS):
+        plan, chain, net = random_setup(100 + seed, layout, schedule, policy, per_message_s=3e-5)
+        expected, starts, busy = reference_run(plan, chain, net)
+        result = simulate(plan, chain, net)
+        where = f"seed {100 + seed}, layout {layout}, {schedule}/{policy}"
         assert result.iteration_time_s == pytest.approx(expected, rel=1e-9), where
         assert result.allreduce_start_s == pytest.approx(starts, rel=1e-9), where
         assert dict(zip(result.devices, result.busy_s, strict=True)) == pytest.approx(busy, rel=1e-9), where
