@@ -151,13 +151,17 @@ class PipelinedModule:
         return self.train(False)
 
     def export(self, directory: str | Path) -> None:
-        """Write every stage's code, weights and a manifest (codegen ``export_program``); rank 0 writes."""
-        from fxpipe.passes.codegen_io import export_program
-        from fxpipe.runtime.batchnorm import original_layers
+        """Write every stage's code, trained weights and a manifest (codegen ``export_program``).
 
-        if self.rank == 0:
-            with original_layers(self.driver.runner.module):  # batch_norm="deferred"/"sync" layers
-                export_program(self.driver.program, directory)
+        Collective: every rank calls it; each stage's first replica sends its tensors and train/eval
+        flag to rank 0, which writes the files.
+        """
+        from fxpipe.passes.codegen_io import export_program
+        from fxpipe.runtime.export import gathered_program
+
+        program = gathered_program(self.driver)
+        if program is not None:  # rank 0
+            export_program(program, directory)
 
     @property
     def measure(self) -> MeasureSetting:

@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import socket
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
@@ -129,6 +130,20 @@ def run_ranks(fn: Callable[..., Any], world_size: int, store_dir: str | Path, *a
     if errors:
         raise AssertionError("\n".join(errors))
     return [collected[rank] for rank in range(world_size)]
+
+
+@contextlib.contextmanager
+def reserved_port(host: str = "127.0.0.1") -> Iterator[int]:
+    """A TCP port held for the block: bound (not listening) with SO_REUSEADDR, so the kernel hands it to no
+    other ephemeral bind, while a TCPStore (which also sets SO_REUSEADDR) can still listen on it.
+
+    Closing a probe socket and passing its port on (the old ``_free_port``) left a window in which another
+    process on a loaded CI machine could take the port.
+    """
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind((host, 0))
+        yield int(holder.getsockname()[1])
 
 
 def join_world(store_dir: str, name: str, rank: int, world_size: int, timeout_s: float = 30.0) -> None:

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
-
 import pytest
+from conftest import SHARED_PROFILES as PROFILES
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fxpipe.core.chain import ChainError, build_chain
 from fxpipe.core.costgraph import Affine, CostGraph, CostNode
 from fxpipe.passes.profiles_io import read_profile
-
-PROFILES = Path(__file__).resolve().parents[2] / "shared" / "profiles"
 
 
 def _node(name: str, *inputs: str, out: float = 1.0, fwd: float = 1.0, module: str = "", tensor: bool = True,
@@ -119,14 +115,12 @@ def test_bad_arguments() -> None:
 
 
 def test_ten_thousand_nodes_is_fast() -> None:
-    graph = _long_graph(10_000)
-    start = time.perf_counter()
+    graph = _long_graph(10_000)  # the time limit (2 s) lives in benchmarks/unit_speed.py
     chain = build_chain(graph, max_blocks=64)
-    assert time.perf_counter() - start < 2.0
     assert chain.num_blocks == 64
 
 
-@pytest.mark.skipif(not PROFILES.is_dir(), reason="shared/profiles is not next to the repository")
+@pytest.mark.needs_profiles
 def test_bert_profile_chain_balances_layers() -> None:
     chain = build_chain(read_profile(PROFILES / "bert-48-pbs-2.txt", profile_batch_size=2), max_blocks=8)
     work = [(block.forward_s + block.backward_s).at(2) for block in chain.blocks]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import resource
-import time
 from typing import Any
 
 import pytest
@@ -84,14 +83,11 @@ def test_paper_size_bert_on_meta_is_fast_and_allocates_nothing() -> None:
     model, inputs = zoo.build("bert-48", device="meta", num_layers=4)
     assert all(p.device.type == "meta" for p in model.parameters())
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    start = time.perf_counter()
-    annotated = annotate_costs(_trace(model, inputs))
-    elapsed = time.perf_counter() - start
+    annotated = annotate_costs(_trace(model, inputs))  # time limit: benchmarks/unit_speed.py
     rss_growth_bytes = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) * 1024
     param_bytes = sum(cost.param_bytes for cost in _costs(annotated).values())
     assert param_bytes == sum(p.numel() * 4 for p in model.parameters())
     assert rss_growth_bytes < param_bytes / 2  # weights never materialised
-    assert elapsed < 60
     assert _total(annotated, "saved_bytes").free_symbols == {BATCH}
 
 
@@ -148,14 +144,16 @@ def test_to_cost_graph_roofline_and_exact_coefficients() -> None:
     annotated = annotate_costs(_trace(model, (torch.randn(5, 64),)))
     device = DeviceSpec("test", 1 << 30, (("float32", 1e9),), 1e12, kernel_launch_s=1e-6)
     graph = to_cost_graph(annotated, device=device)
-    assert [node.name for node in graph.nodes] == ["_0", "_1"] or len(graph.nodes) == 2
+    assert [node.name for node in graph.nodes] == ["_0", "_1"]
     linear, relu = graph.nodes
     assert linear.inputs == () and relu.inputs == (linear.name,)
     assert graph.input_bytes.per_sample == 64 * 4 and graph.input_bytes.fixed == 0
     assert linear.forward_flops.per_sample == 2 * 64 * 32 and linear.forward_flops.fixed == 0
-    # compute-bound here: time = flops / peak per row, plus one kernel launch (addmm) fixed
+    # compute-bound per row: flops / peak; fixed: reading the weights once ((64 x 32 + 32) floats over
+    # 1e12 B/s) plus one kernel launch (addmm); the ReLU has no weights, only its launch
     assert linear.forward_s.per_sample == pytest.approx(2 * 64 * 32 / 1e9)
-    assert linear.forward_s.fixed == pytest.approx(1e-6 + 0.0, abs=1e-6 + (64 * 32 + 32) * 4 / 1e12)
+    assert linear.forward_s.fixed == pytest.approx(1e-6 + (64 * 32 + 32) * 4 / 1e12, rel=1e-12)
+    assert relu.forward_s.fixed == pytest.approx(1e-6, rel=1e-12)
     assert linear.saved_bytes.per_sample == 64 * 4 and relu.saved_bytes.per_sample == 32 * 4
     assert linear.op.endswith("Linear") and linear.tensor_output
     with pytest.raises(ValueError, match="dtype"):
@@ -225,9 +223,7 @@ def test_replayed_nodes_keep_saved_bytes_deduplicated() -> None:
 def test_full_bert_48_on_meta_annotates_in_seconds() -> None:
     model, inputs = zoo.build("bert-48", device="meta")
     gm = _trace(model, inputs)
-    start = time.perf_counter()
-    annotated = annotate_costs(gm)
-    assert time.perf_counter() - start < 30
+    annotated = annotate_costs(gm)  # time limit: benchmarks/unit_speed.py
     assert annotated.meta["fxpipe.cost_mode"] == "symbolic"
     assert _total(annotated, "forward_flops").free_symbols == {BATCH}
     assert sum(cost.param_bytes for cost in _costs(annotated).values()) == sum(

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -70,9 +68,7 @@ def test_example_inputs_match_make_batch(name: str) -> None:
 def test_paper_size_on_meta_matches_paper_params(name: str) -> None:
     entry = zoo.get(name)
     assert entry.paper_params is not None
-    start = time.perf_counter()
-    model, inputs = zoo.build(name, device="meta")
-    assert time.perf_counter() - start < 20.0
+    model, inputs = zoo.build(name, device="meta")  # time limit: benchmarks/unit_speed.py
     assert all(p.is_meta for p in model.parameters()) and all(t.is_meta for t in inputs)
     num_params = _num_unique_params(model)
     assert abs(num_params - entry.paper_params) <= 0.05 * entry.paper_params, (name, num_params)

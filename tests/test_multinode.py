@@ -25,7 +25,7 @@ from fxpipe.runtime.topology import (
     placed_plan,
     topology_from_records,
 )
-from tests.mp_utils import join_world, leave_world, run_ranks
+from tests.mp_utils import join_world, leave_world, reserved_port, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 INTERLEAVED = [("node-a", 0), ("node-b", 0), ("node-a", 1), ("node-b", 1)]  # e.g. a cyclic SLURM layout
@@ -118,17 +118,15 @@ def test_interleaved_nodes_train_exactly_on_the_planned_hosts(tmp_path: Path) ->
     assert forced[0]["devices"] != forced[0]["planned_devices"]  # the ranks are not host-major: devices moved
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("localhost", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_two_torchrun_launches_act_as_two_nodes(tmp_path: Path) -> None:
     """torchrun --nnodes 2, two launches of 2 processes on this host: GROUP_RANK tells the nodes apart."""
-    port = _free_port()
+    with reserved_port("localhost") as port:
+        _two_launches(tmp_path, port)
+
+
+def _two_launches(tmp_path: Path, port: int) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FXPIPE_CALIBRATE": "0", "PYTHONPATH": str(ROOT)}
     env.pop(NODE_ENV, None)
     launches = [subprocess.Popen(

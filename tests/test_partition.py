@@ -7,7 +7,10 @@ import json
 import pytest
 import torch
 from planner_cases import GiB, chain, cluster, random_case
+from test_oracle_simulate import ring_allreduce_seconds
 
+from fxpipe.core.chain import CostChain
+from fxpipe.core.cluster import Cluster
 from fxpipe.core.plan import BaselineResult, Plan, PlanError
 from fxpipe.passes.partition.dapple import (
     PLANNERS,
@@ -58,16 +61,50 @@ def test_forced_layouts(layout: str, replicas: tuple[int, ...]) -> None:
     assert tuple(s.replicas for s in plan.stages) == replicas
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_never_slower_than_dp(seed: int) -> None:
+def dp_closed_form(chain_: CostChain, cluster_: Cluster, batch: int, num_microbatches: int) -> float:
+    """Plain data parallelism by hand: the largest slice's M x (forward + backward), then one ring allreduce."""
+    rows = -(-batch // num_microbatches // cluster_.num_devices)
+    per_microbatch = sum(b.forward_s.at(rows) + b.backward_s.at(rows) for b in chain_.blocks)
+    weights = sum(b.param_bytes for b in chain_.blocks)
+    return num_microbatches * per_microbatch + ring_allreduce_seconds(cluster_, weights,
+                                                                      tuple(range(cluster_.num_devices)))
+
+
+def dp_fits(chain_: CostChain, cluster_: Cluster, batch: int, num_microbatches: int) -> bool:
+    """Adam's 4x weights plus one micro-batch's saved activations (one stage holds one at a time)."""
+    rows = -(-batch // num_microbatches // cluster_.num_devices)
+    need = sum(4 * b.param_bytes + b.saved_bytes.at(rows) for b in chain_.blocks)
+    return need <= cluster_.device.memory_bytes
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 4, 5, 24])
+def test_dp_scored_by_hand_and_never_beaten_by_it(seed: int) -> None:
+    """DP's time from a closed form (not the planner's ``best_dp``): the dp planner reports exactly that for
+    its M and picks the best power-of-two micro-batch size that fits; DAPPLE is never slower; when no M
+    fits, both planners say so instead of the test returning."""
     chain_, cluster_, batch = random_case(seed, max_blocks=5, max_devices=4)
-    try:
-        dp = partition(chain_, cluster_, batch, planner="dp")
-    except InfeasiblePlanError:
+    num_devices = cluster_.num_devices
+    counts = [m for m in (2**k for k in range(batch.bit_length())) if batch % m == 0 and batch // m >= num_devices]
+    fitting = {m: dp_closed_form(chain_, cluster_, batch, m) for m in counts if dp_fits(chain_, cluster_, batch, m)}
+    if not fitting:
+        with pytest.raises(InfeasiblePlanError):
+            partition(chain_, cluster_, batch, planner="dp")
         return
+    dp = partition(chain_, cluster_, batch, planner="dp")
+    assert dp.predicted is not None and dp.num_microbatches in fitting
+    assert dp.predicted.iteration_time_s == pytest.approx(fitting[dp.num_microbatches], rel=1e-9)
+    assert dp.predicted.iteration_time_s <= min(fitting.values()) * (1 + 1e-9)
     plan = partition(chain_, cluster_, batch)
-    assert plan.predicted is not None and dp.predicted is not None
-    assert plan.predicted.iteration_time_s <= dp.predicted.iteration_time_s * (1 + 1e-9)
+    assert plan.predicted is not None
+    assert plan.predicted.iteration_time_s <= min(fitting.values()) * (1 + 1e-9)
+
+
+def test_dp_cases_include_one_where_dp_does_not_fit() -> None:
+    outcomes = set()
+    for seed in [0, 1, 2, 3, 4, 5, 24]:
+        chain_, cluster_, batch = random_case(seed, max_blocks=5, max_devices=4)
+        outcomes.add(any(dp_fits(chain_, cluster_, batch, m) for m in range(1, batch + 1) if batch % m == 0))
+    assert outcomes == {True, False}
 
 
 def test_oracle_within_three_percent_of_exhaustive() -> None:

@@ -5,12 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import SHARED_PROFILES as PROFILES
 
 from fxpipe.passes.profiles_io import ProfileFormatError, parse_profile_text, read_profile
-
-PROFILES = Path(__file__).resolve().parents[2] / "shared" / "profiles"
-if not PROFILES.is_dir():  # the repository checked out on its own
-    PROFILES = Path(__file__).resolve().parents[1] / "shared" / "profiles"
 
 # file -> (profile batch size, node lines, edge lines)
 EXPECTED = {
@@ -23,7 +20,7 @@ EXPECTED = {
     "vgg-19-pbs-32.txt": (32, 26, 25),
     "xlnet-36-pbs-1.txt": (1, 43, 151),
 }
-needs_profiles = pytest.mark.skipif(not PROFILES.is_dir(), reason="shared/profiles is not next to the repository")
+needs_profiles = pytest.mark.needs_profiles  # conftest: skip locally, fail under CI=true
 
 
 @needs_profiles

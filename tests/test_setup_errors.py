@@ -149,9 +149,10 @@ def _alone_in_a_world_of_two(rank: int, world_size: int, store_dir: str, port: i
 @pytest.mark.multiprocess
 def test_a_rank_that_never_joins_is_named_not_just_timed_out(tmp_path: Any) -> None:
     """The other rank failed before fxpipe.compile (it never joins): rank 0 says so after timeout_s."""
-    from tests.test_multinode import _free_port
+    from tests.mp_utils import reserved_port
 
-    (outcome,) = run_ranks(_alone_in_a_world_of_two, 1, tmp_path, _free_port())
+    with reserved_port() as port:
+        (outcome,) = run_ranks(_alone_in_a_world_of_two, 1, tmp_path, port)
     kind, message, elapsed = outcome
     assert kind == "CommunicationError" and "not all 2 ranks joined the process group within 2 s" in message, outcome
     assert elapsed < TIMELY_S, outcome

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import time
 from typing import Any
 
 import numpy as np
@@ -226,10 +225,7 @@ def test_zoo_model_traces_to_eager_outputs_and_gradients(name: str) -> None:
 
 def test_paper_size_bert48_on_meta_traces_quickly_without_allocating() -> None:
     model, example_inputs = zoo.build("bert-48", device="meta")
-    start = time.perf_counter()
-    gm = trace(model, example_inputs)
-    elapsed_s = time.perf_counter() - start
-    assert elapsed_s < 10.0, f"tracing paper-size bert-48 took {elapsed_s:.1f} s"
+    gm = trace(model, example_inputs)  # time limit: benchmarks/unit_speed.py
     assert gm.meta["fxpipe.frontend"] == "fx"
     assert all(p.is_meta for p in gm.parameters())
     assert all(t.is_meta for t in gm.meta["fxpipe.example_inputs"])

@@ -1,0 +1,69 @@
+"""Gathering a pipelined model for export: every stage's trained tensors and train/eval flag, on rank 0."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from fxpipe.runtime.batchnorm import original_layers
+
+if TYPE_CHECKING:
+    from fxpipe.core.program import SplitProgram
+    from fxpipe.runtime.driver import PipelineDriver
+
+# (stage index, training flag, tensors by original name) from the first replica of each stage
+StageState = tuple[int, bool, dict[str, torch.Tensor]]
+
+
+def _module_tensors(module: torch.nn.Module, param_names: tuple[tuple[str, str], ...]) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for path, original in param_names:
+        owner_path, _, attribute = path.rpartition(".")
+        value = getattr(module.get_submodule(owner_path) if owner_path else module, attribute)
+        if isinstance(value, torch.Tensor):
+            tensors[original] = value
+    return tensors
+
+
+def gathered_program(driver: PipelineDriver) -> SplitProgram | None:
+    """On rank 0, a copy of the program holding every stage's trained tensors and train/eval flag; None elsewhere.
+
+    Collective (every rank calls it). Each rank holds only its own stage's trained tensors and flag; its
+    copies of the other stages keep the weights they were compiled with. The first replica of every
+    stage sends its state to rank 0 (a rank-0-only export wrote the other stages' initial weights and
+    flags, silently).
+    """
+    module = driver.runner.module
+    with original_layers(module):  # batch_norm="deferred"/"sync" layers: the model's own ones, same tensors
+        mine: StageState | None = None
+        if driver.replica_index == 0:
+            tensors = _module_tensors(module, driver.stage.param_names)
+            mine = (driver.stage_index, module.training, {k: v.detach().cpu() for k, v in tensors.items()})
+        gathered: list[StageState | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        if driver.rank != 0:
+            return None
+        return _with_states(driver.program, driver.stage_index, module, gathered)
+
+
+def _with_states(program: SplitProgram, own_index: int, own_module: torch.nn.Module,
+                 gathered: list[StageState | None]) -> SplitProgram:
+    """A copy of ``program`` whose stage modules hold each stage's gathered tensors and training flag."""
+    states = {state[0]: state for state in gathered if state is not None}
+    missing = sorted(set(range(program.num_stages)) - set(states))
+    assert not missing, f"no first replica reported stages {missing}"
+    stages = []
+    for stage in program.stages:
+        module = copy.deepcopy(own_module if stage.stage_index == own_index else stage.module)
+        assert isinstance(module, torch.fx.GraphModule), type(module)
+        _, training, tensors = states[stage.stage_index]
+        with torch.no_grad():
+            for name, tensor in _module_tensors(module, stage.param_names).items():
+                tensor.copy_(tensors[name])
+        module.train(training)
+        stages.append(dataclasses.replace(stage, module=module))
+    return dataclasses.replace(program, stages=tuple(stages))
