@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
-from fxpipe.core.checkpoint import load_checkpoint, save_checkpoint
 from fxpipe.passes import trace
+from fxpipe.runtime.checkpoint_io import load_checkpoint, save_checkpoint
 from tests.mp_utils import join_world, leave_world, plan_from_cuts, run_ranks
 
 pytestmark = pytest.mark.multiprocess
