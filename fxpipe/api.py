@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -13,6 +13,7 @@ import torch
 
 from fxpipe.cluster import Cluster
 from fxpipe.plan import Plan, plan_argument_kind
+from fxpipe.recompute import force_recompute, parse_recompute
 from fxpipe.runtime.errors import PipelineSetupError
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ class CompileOptions:
     check_batch: str = "first"
     loss_reduction: str = "mean"
     batch_norm: str = "microbatch"
+    recompute: str | Sequence[bool | str] = "auto"  # fxpipe.recompute.parse_recompute
 
 
 class PipelinedModule:
@@ -220,7 +222,8 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
             num_microbatches: int | None = None, cluster: str | Cluster | None = None, optimizer: str = "adam",
             warmup_policy: str | None = None, autocast_dtype: torch.dtype | None = None,
             timeout_s: float = 60.0, sync_params: str = "broadcast", check_batch: str = "first",
-            loss_reduction: str = "mean", batch_norm: str = "microbatch") -> Any:
+            loss_reduction: str = "mean", batch_norm: str = "microbatch",
+            recompute: str | Sequence[bool | str] = "auto") -> Any:
     """Pipeline ``model`` over the process group's ranks; returns a :class:`PipelinedModule`.
 
     ``plan``: ``"auto"`` (DAPPLE planner on ``cluster``, default ``local:<world size>``), a layout such as
@@ -234,12 +237,15 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
     ``"verify"`` (fail naming the first differing tensor) or ``"off"``. ``check_batch``: ``"first"``,
     ``"always"`` or ``"off"`` (every rank must pass the same global batch). ``batch_norm``:
     ``"microbatch"``, ``"deferred"`` (running statistics once per step) or ``"sync"`` (also normalise
-    over the stage's replicas, as SyncBatchNorm). See docs/exactness.md. As a decorator, ``@fxpipe.compile(loss_fn=..., global_batch_size=...)``
+    over the stage's replicas, as SyncBatchNorm). See docs/exactness.md. ``recompute``: ``"auto"``
+    (the planner recomputes a stage's activations in backward only where keeping them does not fit),
+    ``"never"``, ``"always"``, or one ``"keep"``/``"recompute"`` per stage. As a decorator, ``@fxpipe.compile(loss_fn=..., global_batch_size=...)``
     on a model class or factory makes ``Factory(*args, example_inputs=..., **kwargs)`` return the module.
     """
     options = CompileOptions(loss_fn, global_batch_size, plan, schedule, num_microbatches, warmup_policy,
                              cluster, optimizer, autocast_dtype, timeout_s, sync_params=sync_params,
-                             check_batch=check_batch, loss_reduction=loss_reduction, batch_norm=batch_norm)
+                             check_batch=check_batch, loss_reduction=loss_reduction, batch_norm=batch_norm,
+                             recompute=recompute)
     if model is None:
         return functools.partial(_wrap_factory, options=options)
     if isinstance(model, torch.nn.Module):
@@ -276,6 +282,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     from fxpipe.runtime.comm import init_distributed
     from fxpipe.runtime.driver import PipelineDriver, check_world
     from fxpipe.runtime.guard import release_group, setup_group, setup_phase
+    from fxpipe.runtime.recompute import check_recompute_batch_norm
     from fxpipe.runtime.stage import check_loss_reduction
     from fxpipe.runtime.sync import check_sync_mode, synchronize_driver
 
@@ -290,6 +297,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
             check_batch_norm_mode(options.batch_norm)
             check_loss_reduction(options.loss_reduction)
             check_batch_mode(options.check_batch)
+            parse_recompute(options.recompute)
         inputs = example_inputs if isinstance(example_inputs, tuple | dict) else (example_inputs,)
         with preserved_state(model):  # tracing, cost measurement and codegen's shape run use the real module
             with setup_phase("tracing", group):
@@ -300,6 +308,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
                 program = split_for_plan(graph_module, resolved)
                 check_world(resolved, program, context.world_size)
                 check_stages_hold_parameters(program, resolved)
+                check_recompute_batch_norm(resolved, [stage.module for stage in program.stages], options.batch_norm)
     finally:
         release_group(group)
     warn_batch_norm(model, resolved, options.batch_norm)
@@ -379,7 +388,7 @@ def apply_overrides(plan: Plan, options: CompileOptions) -> Plan:
         changes["num_microbatches"] = options.num_microbatches
     if options.warmup_policy is not None:
         changes["warmup_policy"] = options.warmup_policy
-    return plan.with_updates(**changes) if changes else plan
+    return force_recompute(plan.with_updates(**changes) if changes else plan, options.recompute)
 
 
 def _schedule_name(schedule: str) -> str:
@@ -435,7 +444,8 @@ def _run_planner(options: CompileOptions, model: torch.nn.Module, example_inputs
     plan = plan_chain(costed.chain, cluster, options.global_batch_size, layout=layout,
                       num_microbatches=options.num_microbatches,
                       schedule=_schedule_name(options.schedule or "dapple"),
-                      warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True)
+                      warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True,
+                      recompute=options.recompute)
     return placed_plan(plan, topology, cluster)
 
 
@@ -450,5 +460,6 @@ def _run_marker_planner(options: CompileOptions, model: torch.nn.Module, example
     plan, _ = plan_markers(model, example_inputs, cluster, options.global_batch_size,
                            num_microbatches=options.num_microbatches,
                            schedule=_schedule_name(options.schedule or "dapple"),
-                           warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True)
+                           warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True,
+                           recompute=options.recompute)
     return placed_plan(plan, topology, cluster)

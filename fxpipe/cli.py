@@ -28,6 +28,8 @@ def _add_planning_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-microbatches", type=int, default=None, help="force M (default: planner chooses)")
     parser.add_argument("--schedule", default="early_backward", choices=["early_backward", "gpipe"])
     parser.add_argument("--optimizer", default="adam", help="memory model: sgd, momentum, adam")
+    parser.add_argument("--recompute", default="auto", help="activation recomputation in backward: auto (only "
+                        "stages whose activations do not fit), never, always, or per stage: keep,recompute,...")
     parser.add_argument("--compare", action="store_true", help="also run every baseline planner")
     parser.add_argument("--json", dest="json_out", default=None, help="write the plan file here")
 
@@ -95,6 +97,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     cluster = parse_cluster(args.cluster)
     options = {"num_microbatches": args.num_microbatches, "schedule": args.schedule, "optimizer": args.optimizer,
+               "recompute": args.recompute,
                "compare": args.compare, "progress": sys.stderr.isatty()}
     if "markers" in (args.layout, args.planner):
         plan, chain = _marker_plan(args, cluster, options)

@@ -1,7 +1,8 @@
 """DAPPLE's analytic iteration latency (pivot stage formula) for fast screening of candidate plans.
 
 Legend (REFERENCE.md 1.1): S stages, M micro-batches, F_s/B_s forward/backward seconds of stage s
-for one micro-batch (its largest replica slice), AR_s its gradient allreduce, Q the pivot stage.
+for one micro-batch (its largest replica slice; B_s includes F_s again when the stage recomputes its
+activations), AR_s its gradient allreduce, Q the pivot stage.
 
     L = sum_{s<=Q} F_s + (M-1)(F_Q+B_Q) + max_s(AR_s + Delta_s)
     Delta_s = sum_{t=s..Q} B_t (s <= Q),  -sum_{t=Q+1..s-1} B_t (s > Q)
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from fxpipe.cluster import Cluster
 from fxpipe.plan import Plan
-from fxpipe.stagecost import allreduce_times, message_seconds, stage_cost, transfer_time
+from fxpipe.stagecost import allreduce_times, backward_seconds, message_seconds, stage_cost, transfer_time
 
 if TYPE_CHECKING:  # fxpipe.passes imports the planner, which imports this module
     from fxpipe.passes.chain import CostChain
@@ -113,7 +114,8 @@ def stage_times(plan: Plan, chain: CostChain, cluster: Cluster) -> PipelineSteps
         cost = stage_cost(chain, stage.first_block, stage.stop_block, plan.microbatch_size, stage.replicas,
                           cluster.compute_slowdown)
         messages = message_seconds(cluster, plan.microbatch_size, replicas, stage.stage_index)
-        stages.append((cost.forward_s + messages, cost.backward_s + messages, own[stage.stage_index]))
+        backward_s = backward_seconds(cost.forward_s, cost.backward_s, stage.recompute)
+        stages.append((cost.forward_s + messages, backward_s + messages, own[stage.stage_index]))
     hops = [transfer_time(cluster, chain.cut_bytes[before.stop_block - 1], plan.microbatch_size, before.devices,
                           after.devices) for before, after in zip(plan.stages, plan.stages[1:], strict=False)]
     return pipeline_steps(stages, hops, ties)

@@ -30,7 +30,8 @@ class StagePlan:
     Predicted figures are per device: ``forward_s``/``backward_s`` for one micro-batch slice,
     ``peak_memory_bytes`` for weights, gradients, optimizer state, in-flight activations and
     receive buffers. ``node_names`` lists the fx nodes the stage computes (empty for plans made
-    from profile files).
+    from profile files). ``recompute``: the stage keeps only its inputs per in-flight micro-batch and
+    runs its forward again in backward (``backward_s`` excludes that extra forward); absent = keep.
     """
 
     stage_index: int
@@ -46,6 +47,7 @@ class StagePlan:
     activation_bytes: int = 0
     peak_memory_bytes: int = 0
     inflight_microbatches: int = 0
+    recompute: bool = False
 
 
 @dataclass(frozen=True)

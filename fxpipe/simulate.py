@@ -164,7 +164,8 @@ def _replica_specs(plan: Plan, chain: CostChain, cluster: Cluster,
     for stage in plan.stages:
         for replica_index, rows in enumerate(split_rows(plan.microbatch_size, stage.replicas)):
             slowdown = slowdowns[stage.devices[replica_index]]
-            forward_s, backward_s = compute_times(chain, stage.first_block, stage.stop_block, rows, slowdown)
+            forward_s, backward_s = compute_times(chain, stage.first_block, stage.stop_block, rows, slowdown,
+                                                  recompute=stage.recompute)
             nodes[stage.stage_index, replica_index] = _Node(stage.stage_index, forward_s, backward_s, [], [], 0, 0,
                                                             cluster.message_overhead_s * slowdown)
     for stage_index in range(plan.num_stages - 1):
@@ -251,7 +252,7 @@ def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule,
         cost = stage_cost(chain, stage.first_block, stage.stop_block, plan.microbatch_size, stage.replicas)
         starts.append(max(ready[stage.stage_index, r] for r in range(stage.replicas)))
         ends.append(starts[-1] + own[stage.stage_index])
-        peaks.append(stage_memory_bytes(cost, inflight[stage.stage_index], optimizer))
+        peaks.append(stage_memory_bytes(cost, inflight[stage.stage_index], optimizer, stage.recompute))
     for stages, seconds in ties:  # starts when every holder is ready; its stages end with it
         tie_end = max(starts[s] for s in stages) + seconds
         for s in stages:
@@ -280,7 +281,8 @@ def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule,
 def _busy(plan: Plan, chain: CostChain, stage_index: int, replica_index: int, slowdown: float) -> float:
     stage = plan.stages[stage_index]
     rows = split_rows(plan.microbatch_size, stage.replicas)[replica_index]
-    forward_s, backward_s = compute_times(chain, stage.first_block, stage.stop_block, rows, slowdown)
+    forward_s, backward_s = compute_times(chain, stage.first_block, stage.stop_block, rows, slowdown,
+                                          recompute=stage.recompute)
     return plan.num_microbatches * (forward_s + backward_s)
 
 

@@ -43,13 +43,16 @@ def _block_sum(chain: CostChain, first: int, stop: int, field: str) -> Affine:
     return Affine.total(getattr(block, field) for block in chain.blocks[first:stop])
 
 
-def compute_times(chain: CostChain, first: int, stop: int, rows: int, slowdown: float = 1.0) -> tuple[float, float]:
+def compute_times(chain: CostChain, first: int, stop: int, rows: int, slowdown: float = 1.0, *,
+                  recompute: bool = False) -> tuple[float, float]:
     """Forward and backward seconds of blocks ``[first, stop)`` on a slice of ``rows`` batch rows.
 
-    ``slowdown`` stretches the chain's times (:attr:`Cluster.compute_slowdown`: ranks sharing cores).
+    ``slowdown`` stretches the chain's times (:attr:`Cluster.compute_slowdown`: ranks sharing cores);
+    with ``recompute`` the backward includes the forward run again (:func:`backward_seconds`).
     """
-    return (_block_sum(chain, first, stop, "forward_s").at(rows) * slowdown,
-            _block_sum(chain, first, stop, "backward_s").at(rows) * slowdown)
+    forward_s = _block_sum(chain, first, stop, "forward_s").at(rows) * slowdown
+    backward_s = _block_sum(chain, first, stop, "backward_s").at(rows) * slowdown
+    return forward_s, backward_seconds(forward_s, backward_s, recompute)
 
 
 def message_seconds(cluster: Cluster, microbatch_rows: int, replicas: Sequence[int], stage_index: int) -> float:
@@ -89,6 +92,11 @@ def stage_cost(chain: CostChain, first: int, stop: int, microbatch_rows: int, re
         input_bytes=0.0 if first == 0 else input_bytes.at(rows),
         output_bytes=0.0 if stop == chain.num_blocks else output_bytes.at(rows),
     )
+
+
+def backward_seconds(forward_s: float, backward_s: float, recompute: bool) -> float:
+    """A stage's backward of one micro-batch; recomputation runs the forward again first."""
+    return backward_s + forward_s if recompute else backward_s
 
 
 def stage_param_bytes(chain: CostChain, first: int, stop: int) -> int:
@@ -138,14 +146,19 @@ def allreduce_times(chain: CostChain, cluster: Cluster, stages: Sequence[tuple[i
     return own, groups
 
 
-def stage_memory_bytes(cost: StageCost, inflight_microbatches: int, optimizer: str = "adam") -> int:
+def stage_memory_bytes(cost: StageCost, inflight_microbatches: int, optimizer: str = "adam",
+                       recompute: bool = False) -> int:
     """Peak bytes per device: weights x optimizer factor + in-flight activations + receive buffers.
 
     Receive buffers: one activation slice in and one gradient slice back per in-flight micro-batch
-    boundary (the runtime preallocates one of each).
+    boundary (the runtime preallocates one of each). With ``recompute`` a stage keeps only its inputs
+    per in-flight micro-batch, plus one micro-batch's activations while backward recomputes them.
     """
     weights = cost.param_bytes * optimizer_factor(optimizer)
-    activations = inflight_microbatches * (cost.activation_bytes + cost.input_bytes)
+    if recompute:
+        activations = inflight_microbatches * cost.input_bytes + cost.activation_bytes
+    else:
+        activations = inflight_microbatches * (cost.activation_bytes + cost.input_bytes)
     buffers = cost.input_bytes + cost.output_bytes
     return int(math.ceil(weights + activations + buffers))
 

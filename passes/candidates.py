@@ -11,11 +11,13 @@ from fxpipe.costgraph import Affine
 from fxpipe.latency import PipelineSteps, pipeline_latency, pipeline_steps
 from fxpipe.passes.chain import CostChain
 from fxpipe.plan import Plan, Prediction, StagePlan
+from fxpipe.recompute import RecomputeSetting, choose_recompute, parse_recompute
 from fxpipe.schedule import warmup_forwards
 from fxpipe.stagecost import (
     StageCost,
     allreduce_time,
     allreduce_times,
+    backward_seconds,
     message_seconds,
     stage_cost,
     stage_memory_bytes,
@@ -65,8 +67,10 @@ class CostModel:
     """
 
     def __init__(self, chain: CostChain, cluster: Cluster, global_batch_size: int,
-                 optimizer: str, memory_limit_bytes: int, *, schedule: str = "early_backward") -> None:
+                 optimizer: str, memory_limit_bytes: int, *, schedule: str = "early_backward",
+                 recompute: RecomputeSetting = "auto") -> None:
         self.chain = chain
+        self.recompute = parse_recompute(recompute)
         self.schedule = schedule
         self.cluster = cluster
         self.global_batch_size = global_batch_size
@@ -114,11 +118,13 @@ class CostModel:
         """Forward, backward and allreduce time of every pipeline step (stages and transfers), tie allreduces."""
         own, ties = self.stage_allreduces(spans)
         replicas = [len(span.devices) for span in spans]
+        recomputes = self.recomputes(spans, rows, "A")  # the search's memory check uses policy A too
         stages = []
         for index, span in enumerate(spans):
             cost = self.cost(span.first, span.stop, rows, len(span.devices))
             messages = message_seconds(self.cluster, rows, replicas, index)
-            stages.append((cost.forward_s + messages, cost.backward_s + messages, own[index]))
+            backward_s = backward_seconds(cost.forward_s, cost.backward_s, recomputes[index])
+            stages.append((cost.forward_s + messages, backward_s + messages, own[index]))
         hops = [self.hop(before.stop - 1, rows, before.devices, after.devices)
                 for before, after in zip(spans, spans[1:], strict=False)]
         return pipeline_steps(stages, hops, ties)
@@ -134,14 +140,28 @@ class CostModel:
         return warmup_forwards(stage_index, num_stages, num_microbatches, warmup_policy)
 
     def memory(self, spans: Sequence[Span], rows: int, warmup_policy: str) -> list[int]:
-        """Peak bytes per device of every stage under the plan's schedule."""
+        """Peak bytes per device of every stage under the plan's schedule (recomputing where chosen)."""
+        return [memory for _, memory in self.stage_choices(spans, rows, warmup_policy)]
+
+    def recomputes(self, spans: Sequence[Span], rows: int, warmup_policy: str) -> tuple[bool, ...]:
+        """Which stages recompute their activations in backward (:func:`choose_recompute`)."""
+        if self.recompute == "never":  # the common case skips the memory arithmetic
+            return (False,) * len(spans)
+        return tuple(recompute for recompute, _ in self.stage_choices(spans, rows, warmup_policy))
+
+    def stage_choices(self, spans: Sequence[Span], rows: int, warmup_policy: str) -> list[tuple[bool, int]]:
+        """``(recompute, peak bytes per device)`` of every stage."""
         num_microbatches = self.global_batch_size // rows
-        return [
-            stage_memory_bytes(self.cost(span.first, span.stop, rows, len(span.devices)),
-                               self.inflight(index, len(spans), num_microbatches, warmup_policy),
-                               self.optimizer)
-            for index, span in enumerate(spans)
-        ]
+        choices = []
+        for index, span in enumerate(spans):
+            cost = self.cost(span.first, span.stop, rows, len(span.devices))
+            inflight = self.inflight(index, len(spans), num_microbatches, warmup_policy)
+            keep = stage_memory_bytes(cost, inflight, self.optimizer)
+            if choose_recompute(self.recompute, index, len(spans), keep, self.memory_limit_bytes):
+                choices.append((True, stage_memory_bytes(cost, inflight, self.optimizer, recompute=True)))
+            else:
+                choices.append((False, keep))
+        return choices
 
     def fits(self, spans: Sequence[Span], rows: int, warmup_policy: str = "A") -> bool:
         return max(self.memory(spans, rows, warmup_policy)) <= self.memory_limit_bytes
@@ -156,7 +176,7 @@ def build_plan(model: CostModel, candidate: Candidate, *, schedule: str, warmup_
     chain = model.chain
     rows = candidate.microbatch_rows
     num_microbatches = model.global_batch_size // rows
-    memory = model.memory(candidate.spans, rows, warmup_policy)
+    choices = model.stage_choices(candidate.spans, rows, warmup_policy)
     stages = []
     for index, span in enumerate(candidate.spans):
         cost = model.cost(span.first, span.stop, rows, len(span.devices))
@@ -167,7 +187,7 @@ def build_plan(model: CostModel, candidate: Candidate, *, schedule: str, warmup_
             forward_s=cost.forward_s, backward_s=cost.backward_s,
             allreduce_s=model.allreduce(span.first, span.stop, span.devices),
             param_bytes=cost.param_bytes, activation_bytes=int(cost.activation_bytes),
-            peak_memory_bytes=memory[index],
+            peak_memory_bytes=choices[index][1], recompute=choices[index][0],
             inflight_microbatches=model.inflight(index, len(candidate.spans), num_microbatches, warmup_policy),
         ))
     return Plan(

@@ -11,6 +11,7 @@ from fxpipe.cluster import Cluster
 from fxpipe.passes.candidates import Candidate, CostModel, Span, build_plan, with_prediction
 from fxpipe.passes.chain import CostChain
 from fxpipe.plan import SCHEDULES, WARMUP_POLICIES, Plan
+from fxpipe.recompute import RecomputeError, RecomputeSetting, check_stage_count
 
 # Largest number of micro-batches the grid offers: beyond this the bubble is already < 1% for any
 # pipeline the planners build, and every extra micro-batch costs simulation time.
@@ -49,10 +50,11 @@ class PlanRequest:
     progress: bool = False
     num_stages: int | None = None  # exactly this many stages (cuts fixed by pipe_split markers)
     all_devices: bool = False  # only plans that give every device a role (fxpipe.compile: every rank)
+    recompute: RecomputeSetting = "auto"  # checked by fxpipe.recompute.parse_recompute
 
     def cost_model(self) -> CostModel:
         return CostModel(self.chain, self.cluster, self.global_batch_size, self.optimizer,
-                         self.memory_limit_bytes, schedule=self.schedule)
+                         self.memory_limit_bytes, schedule=self.schedule, recompute=self.recompute)
 
     def policies(self) -> tuple[str, ...]:
         if self.schedule == "gpipe":
@@ -87,8 +89,26 @@ def check_request(request: PlanRequest) -> None:
         if request.num_stages is not None and m < request.num_stages:
             raise PlanningError(f"num_microbatches={m} is fewer than the {request.num_stages} stages the cuts "
                                 "(pipe_split markers) make; a pipeline needs M >= S")
+    if isinstance(request.recompute, tuple):
+        _check_recompute_stages(request.recompute, request.layout, request.num_stages)
     if request.rerank < 1:
         raise PlanningError(f"rerank must be at least 1, got {request.rerank}")
+
+
+def _check_recompute_stages(recompute: tuple[bool, ...], layout: tuple[int, ...] | None,
+                            num_stages: int | None) -> None:
+    """A per-stage recompute setting needs the stage count fixed (a layout or cuts) and matching."""
+    counts = {len(layout)} if layout is not None else set()
+    counts |= {num_stages} if num_stages is not None else set()
+    if not counts:
+        raise PlanningError(f"recompute gives per-stage choices {recompute} but the stage count is the planner's "
+                            "choice; force a layout such as '1:1' (or pipe_split cuts), or use 'auto'/'never'/"
+                            "'always'")
+    try:
+        for count in counts:
+            check_stage_count(recompute, count)
+    except RecomputeError as error:
+        raise PlanningError(str(error)) from None
 
 
 def microbatch_grid(request: PlanRequest) -> list[int]:

@@ -102,7 +102,8 @@ class PipelineDriver:
         self.value_index = {name: i for i, name in enumerate(sorted(program.values))}
         self.dtypes = infer_value_dtypes(program, context.device, autocast_dtype)
         self.runner = StageRunner(self.stage, program, context.device, loss_fn=loss_fn,
-                                  autocast_dtype=autocast_dtype, loss_reduction=loss_reduction)
+                                  autocast_dtype=autocast_dtype, loss_reduction=loss_reduction,
+                                  recompute=plan.stages[self.stage_index].recompute)
         # run at the start and at the end of every step (deferred BN statistics: reset, commit)
         self.start_hooks: list[Callable[[], None]] = []
         self.step_hooks: list[Callable[[], None]] = []
