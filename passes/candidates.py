@@ -11,7 +11,7 @@ from fxpipe.costgraph import Affine
 from fxpipe.latency import PipelineSteps, pipeline_latency, pipeline_steps
 from fxpipe.passes.chain import CostChain
 from fxpipe.plan import Plan, Prediction, StagePlan
-from fxpipe.recompute import RecomputeSetting, choose_recompute, parse_recompute
+from fxpipe.recompute import RecomputeSetting, check_stage_count, choose_recompute, parse_recompute
 from fxpipe.schedule import warmup_forwards
 from fxpipe.stagecost import (
     StageCost,
@@ -150,14 +150,21 @@ class CostModel:
         return tuple(recompute for recompute, _ in self.stage_choices(spans, rows, warmup_policy))
 
     def stage_choices(self, spans: Sequence[Span], rows: int, warmup_policy: str) -> list[tuple[bool, int]]:
-        """``(recompute, peak bytes per device)`` of every stage."""
+        """``(recompute, peak bytes per device)`` of every stage.
+
+        A per-stage setting is for plans of its length (the request fixes the stage count); the search
+        also scores partial and other-length candidates, which it then drops, as under ``"auto"``.
+        """
         num_microbatches = self.global_batch_size // rows
+        setting = self.recompute
+        if isinstance(setting, tuple) and len(setting) != len(spans):
+            setting = "auto"
         choices = []
         for index, span in enumerate(spans):
             cost = self.cost(span.first, span.stop, rows, len(span.devices))
             inflight = self.inflight(index, len(spans), num_microbatches, warmup_policy)
             keep = stage_memory_bytes(cost, inflight, self.optimizer)
-            if choose_recompute(self.recompute, index, len(spans), keep, self.memory_limit_bytes):
+            if choose_recompute(setting, index, len(spans), keep, self.memory_limit_bytes):
                 choices.append((True, stage_memory_bytes(cost, inflight, self.optimizer, recompute=True)))
             else:
                 choices.append((False, keep))
@@ -176,6 +183,7 @@ def build_plan(model: CostModel, candidate: Candidate, *, schedule: str, warmup_
     chain = model.chain
     rows = candidate.microbatch_rows
     num_microbatches = model.global_batch_size // rows
+    check_stage_count(model.recompute, len(candidate.spans))
     choices = model.stage_choices(candidate.spans, rows, warmup_policy)
     stages = []
     for index, span in enumerate(candidate.spans):
