@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -169,3 +170,36 @@ def test_bert48_small_microbatches_keep_activations() -> None:
     never = planning.plan_chain(chain, cluster_b, 64, num_microbatches=8, recompute="never")
     assert not any(stage.recompute for stage in auto.stages)
     assert auto.with_updates(planning_time_s=0.0) == never.with_updates(planning_time_s=0.0)
+
+
+def test_checkpointed_forward_updates_batch_norm_statistics_once() -> None:
+    import torch
+
+    from fxpipe.runtime.recompute import checkpointed_call
+
+    torch.manual_seed(0)
+    kept = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.5))
+    recomputed = copy.deepcopy(kept)
+    inputs = torch.randn(8, 4)
+    torch.manual_seed(1)
+    kept(inputs).square().sum().backward()
+    torch.manual_seed(1)
+    checkpointed_call(recomputed, (inputs,)).square().sum().backward()
+    for (name, a), b in zip(kept.state_dict().items(), recomputed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name  # running_mean/var and num_batches_tracked: one update
+    for a, b in zip(kept.parameters(), recomputed.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=0.0)
+
+
+def test_recompute_refuses_deferred_batch_norm_on_a_recomputing_stage() -> None:
+    import torch
+
+    from fxpipe.runtime.errors import PipelineSetupError
+    from fxpipe.runtime.recompute import check_recompute_batch_norm
+
+    plan = force_recompute(plan_of((1, 1), 2, 4, 2), "keep,recompute")
+    modules = [torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.BatchNorm1d(2))]
+    check_recompute_batch_norm(plan, modules, "microbatch")
+    check_recompute_batch_norm(force_recompute(plan, "never"), modules, "deferred")
+    with pytest.raises(PipelineSetupError, match="stage 1 recomputes .* batch norm '0'"):
+        check_recompute_batch_norm(plan, modules, "deferred")
