@@ -26,9 +26,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
+from fxpipe.allreduce_overlap import stage_allreduce_offsets
 from fxpipe.cluster import Cluster
 from fxpipe.plan import Plan
-from fxpipe.stagecost import allreduce_times, backward_seconds, message_seconds, stage_cost, transfer_time
+from fxpipe.stagecost import (
+    allreduce_times,
+    backward_seconds,
+    message_seconds,
+    own_allreduce_bytes,
+    stage_cost,
+    transfer_time,
+)
 
 if TYPE_CHECKING:  # fxpipe.passes imports the planner, which imports this module
     from fxpipe.passes.chain import CostChain
@@ -106,8 +114,11 @@ def stage_times(plan: Plan, chain: CostChain, cluster: Cluster) -> PipelineSteps
 
     A stage's allreduce leaves out parameters it shares with other stages; those are one allreduce
     over all their stages' devices (:func:`fxpipe.stagecost.allreduce_times`), as the runtime does.
+    With ``plan.allreduce_bucket_bytes`` a stage's AR is only the tail its buckets leave after the
+    last backward (:mod:`fxpipe.allreduce_overlap`).
     """
-    own, ties = allreduce_times(chain, cluster, [(s.first_block, s.stop_block, s.devices) for s in plan.stages])
+    _, ties = allreduce_times(chain, cluster, [(s.first_block, s.stop_block, s.devices) for s in plan.stages])
+    own_bytes = own_allreduce_bytes(chain, [(s.first_block, s.stop_block) for s in plan.stages])
     replicas = [s.replicas for s in plan.stages]
     stages = []
     for stage in plan.stages:
@@ -115,7 +126,9 @@ def stage_times(plan: Plan, chain: CostChain, cluster: Cluster) -> PipelineSteps
                           cluster.compute_slowdown)
         messages = message_seconds(cluster, plan.microbatch_size, replicas, stage.stage_index)
         backward_s = backward_seconds(cost.forward_s, cost.backward_s, stage.recompute)
-        stages.append((cost.forward_s + messages, backward_s + messages, own[stage.stage_index]))
+        _, tail = stage_allreduce_offsets(chain, cluster, stage.first_block, stage.stop_block, stage.devices,
+                                          cost.rows, own_bytes[stage.stage_index], plan.allreduce_bucket_bytes)
+        stages.append((cost.forward_s + messages, backward_s + messages, tail))
     hops = [transfer_time(cluster, chain.cut_bytes[before.stop_block - 1], plan.microbatch_size, before.devices,
                           after.devices) for before, after in zip(plan.stages, plan.stages[1:], strict=False)]
     return pipeline_steps(stages, hops, ties)

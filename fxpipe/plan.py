@@ -98,6 +98,9 @@ class Plan:
     baselines: tuple[tuple[str, BaselineResult], ...] = ()
     format_version: int = FORMAT_VERSION
     notes: tuple[str, ...] = field(default=())
+    # > 0: each stage all-reduces its gradients in buckets of this many bytes as the last backward
+    # produces them (fxpipe.allreduce_overlap); 0 (plans written before): one allreduce after it
+    allreduce_bucket_bytes: int = 0
 
     def __post_init__(self) -> None:
         validate_plan(self)
@@ -248,6 +251,9 @@ def validate_plan(plan: Plan) -> None:
     _check(plan.global_batch_size % plan.num_microbatches == 0,
            f"global batch {plan.global_batch_size} does not split into {plan.num_microbatches} equal "
            "micro-batches; choose a num_microbatches that divides it")
+    _check(isinstance(plan.allreduce_bucket_bytes, int) and plan.allreduce_bucket_bytes >= 0,
+           f"allreduce_bucket_bytes must be a non-negative integer (0: allreduce after backward), got "
+           f"{plan.allreduce_bucket_bytes!r}")
     _check(plan.schedule in SCHEDULES, f"schedule {plan.schedule!r} is unknown; choose one of {SCHEDULES}")
     _check(plan.warmup_policy in WARMUP_POLICIES,
            f"warmup_policy {plan.warmup_policy!r} is unknown; choose one of {WARMUP_POLICIES}")

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from fxpipe.allreduce_overlap import stage_allreduce_offsets
 from fxpipe.cluster import Cluster
 from fxpipe.passes.chain import CostChain
 from fxpipe.plan import Plan, shared_rows, split_rows
@@ -20,7 +21,13 @@ from fxpipe.simulate_events import (
     run_component,
 )
 from fxpipe.simulate_trace import to_chrome_trace, write_chrome_trace
-from fxpipe.stagecost import allreduce_times, compute_times, stage_cost, stage_memory_bytes
+from fxpipe.stagecost import (
+    allreduce_times,
+    compute_times,
+    own_allreduce_bytes,
+    stage_cost,
+    stage_memory_bytes,
+)
 
 __all__ = ["SimulationResult", "TimelineEvent", "TransferEvent", "simulate", "to_chrome_trace",
            "write_chrome_trace"]
@@ -246,15 +253,21 @@ def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule,
              slowdowns: Sequence[float]) -> SimulationResult:
     """Add the allreduces and turn component runs into per-device figures and events."""
     ready = {key: run.allreduce_ready_s[local] for members, run in runs for local, key in enumerate(members)}
-    own, ties = allreduce_times(chain, cluster, [(s.first_block, s.stop_block, s.devices) for s in plan.stages])
-    starts, ends, peaks = [], [], []
+    _, ties = allreduce_times(chain, cluster, [(s.first_block, s.stop_block, s.devices) for s in plan.stages])
+    own_bytes = own_allreduce_bytes(chain, [(s.first_block, s.stop_block) for s in plan.stages])
+    readies, starts, ends, peaks = [], [], [], []
     for stage in plan.stages:
         cost = stage_cost(chain, stage.first_block, stage.stop_block, plan.microbatch_size, stage.replicas)
-        starts.append(max(ready[stage.stage_index, r] for r in range(stage.replicas)))
-        ends.append(starts[-1] + own[stage.stage_index])
+        readies.append(max(ready[stage.stage_index, r] for r in range(stage.replicas)))
+        # buckets start during the last backward (allreduce_bucket_bytes > 0); offsets from its end
+        start_offset, end_offset = stage_allreduce_offsets(
+            chain, cluster, stage.first_block, stage.stop_block, stage.devices, cost.rows, own_bytes[stage.stage_index],
+            plan.allreduce_bucket_bytes)
+        starts.append(readies[-1] + start_offset)
+        ends.append(readies[-1] + end_offset)
         peaks.append(stage_memory_bytes(cost, inflight[stage.stage_index], optimizer, stage.recompute))
     for stages, seconds in ties:  # starts when every holder is ready; its stages end with it
-        tie_end = max(starts[s] for s in stages) + seconds
+        tie_end = max(readies[s] for s in stages) + seconds
         for s in stages:
             ends[s] = max(ends[s], tie_end)
     iteration_s = max(ends)

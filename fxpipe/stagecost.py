@@ -136,14 +136,22 @@ def allreduce_times(chain: CostChain, cluster: Cluster, stages: Sequence[tuple[i
     of stages sharing parameters (:func:`tie_groups`), the seconds of one allreduce of those bytes
     over every device of those stages; it can start once all of them are ready.
     """
-    ties = tie_groups(chain, [(first, stop) for first, stop, _ in stages])
-    own = []
-    for index, (first, stop, devices) in enumerate(stages):
-        tied = sum(num_bytes for holders, num_bytes in ties if index in holders)
-        own.append(cluster.allreduce_time(stage_param_bytes(chain, first, stop) - tied, devices))
+    bounds = [(first, stop) for first, stop, _ in stages]
+    ties = tie_groups(chain, bounds)
+    own = [cluster.allreduce_time(num_bytes, devices)
+           for num_bytes, (_, _, devices) in zip(own_allreduce_bytes(chain, bounds, ties), stages, strict=True)]
     groups = [(holders, cluster.allreduce_time(num_bytes, sorted(d for s in holders for d in stages[s][2])))
               for holders, num_bytes in ties]
     return own, groups
+
+
+def own_allreduce_bytes(chain: CostChain, stage_bounds: Sequence[tuple[int, int]],
+                        ties: Sequence[tuple[tuple[int, ...], int]] | None = None) -> list[int]:
+    """Bytes each stage ``[first, stop)`` sums over its own replicas: its parameters less tied ones
+    (those go in one allreduce per :func:`tie_groups` set)."""
+    ties = tie_groups(chain, stage_bounds) if ties is None else ties
+    return [stage_param_bytes(chain, first, stop) - sum(num_bytes for holders, num_bytes in ties if index in holders)
+            for index, (first, stop) in enumerate(stage_bounds)]
 
 
 def stage_memory_bytes(cost: StageCost, inflight_microbatches: int, optimizer: str = "adam",

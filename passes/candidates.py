@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from fxpipe.allreduce_overlap import stage_allreduce_offsets
 from fxpipe.cluster import Cluster
 from fxpipe.costgraph import Affine
 from fxpipe.latency import PipelineSteps, pipeline_latency, pipeline_steps
@@ -19,6 +20,7 @@ from fxpipe.stagecost import (
     allreduce_times,
     backward_seconds,
     message_seconds,
+    own_allreduce_bytes,
     stage_cost,
     stage_memory_bytes,
     transfer_time,
@@ -68,8 +70,9 @@ class CostModel:
 
     def __init__(self, chain: CostChain, cluster: Cluster, global_batch_size: int,
                  optimizer: str, memory_limit_bytes: int, *, schedule: str = "early_backward",
-                 recompute: RecomputeSetting = "auto") -> None:
+                 recompute: RecomputeSetting = "auto", allreduce_bucket_bytes: int = 0) -> None:
         self.chain = chain
+        self.allreduce_bucket_bytes = allreduce_bucket_bytes
         self.recompute = parse_recompute(recompute)
         self.schedule = schedule
         self.cluster = cluster
@@ -80,6 +83,7 @@ class CostModel:
         self._hop = lru_cache(maxsize=None)(self._transfer)
         self.hop = lru_cache(maxsize=None)(self._canonical_hop)
         self.allreduce = lru_cache(maxsize=None)(self._allreduce)
+        self.allreduce_tail = lru_cache(maxsize=None)(self._allreduce_tail)
 
     def _cost(self, first: int, stop: int, rows: int, replicas: int) -> StageCost:
         return stage_cost(self.chain, first, stop, rows, replicas, self.cluster.compute_slowdown)
@@ -108,6 +112,20 @@ class CostModel:
     def _allreduce(self, first: int, stop: int, devices: tuple[int, ...]) -> float:
         return allreduce_time(self.cluster, self.cost(first, stop, 1, 1).param_bytes, devices)
 
+    def _allreduce_tail(self, first: int, stop: int, devices: tuple[int, ...], rows: int, own_bytes: int) -> float:
+        slice_rows = self.cost(first, stop, rows, len(devices)).rows
+        return stage_allreduce_offsets(self.chain, self.cluster, first, stop, devices, slice_rows, own_bytes,
+                                       self.allreduce_bucket_bytes)[1]
+
+    def allreduce_tails(self, spans: Sequence[Span], rows: int) -> list[float]:
+        """Each stage's own allreduce time left after its last backward, buckets overlapping it."""
+        if not self.chain.shared_params:
+            own_bytes = [self.cost(span.first, span.stop, 1, 1).param_bytes for span in spans]
+        else:
+            own_bytes = own_allreduce_bytes(self.chain, [(span.first, span.stop) for span in spans])
+        return [self.allreduce_tail(span.first, span.stop, span.devices, rows, num_bytes)
+                for span, num_bytes in zip(spans, own_bytes, strict=True)]
+
     def stage_allreduces(self, spans: Sequence[Span]) -> tuple[list[float], list[tuple[tuple[int, ...], float]]]:
         """Each stage's own gradient allreduce and the tie groups' allreduces (:func:`allreduce_times`)."""
         if not self.chain.shared_params:  # the common case, memoised per span
@@ -117,6 +135,8 @@ class CostModel:
     def steps(self, spans: Sequence[Span], rows: int) -> PipelineSteps:
         """Forward, backward and allreduce time of every pipeline step (stages and transfers), tie allreduces."""
         own, ties = self.stage_allreduces(spans)
+        if self.allreduce_bucket_bytes:
+            own = self.allreduce_tails(spans, rows)
         replicas = [len(span.devices) for span in spans]
         recomputes = self.recomputes(spans, rows, "A")  # the search's memory check uses policy A too
         stages = []
@@ -203,6 +223,7 @@ def build_plan(model: CostModel, candidate: Candidate, *, schedule: str, warmup_
         schedule=schedule, warmup_policy=warmup_policy, planner=planner, cluster=model.cluster.name,
         num_devices=model.cluster.num_devices, num_blocks=chain.num_blocks,
         block_names=tuple(block.name for block in chain.blocks),
+        allreduce_bucket_bytes=model.allreduce_bucket_bytes,
     )
 
 

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from tqdm import tqdm
 
+from fxpipe.allreduce_overlap import DEFAULT_BUCKET_BYTES
 from fxpipe.cluster import Cluster
 from fxpipe.passes import baselines
 from fxpipe.passes.block_partition import (
@@ -139,7 +140,7 @@ def _search_all(request: PlanRequest, model: CostModel, grid: list[int],
         stops = coarse_boundaries(chain, max_blocks)
         search_model = CostModel(coarsen_chain(chain, stops), request.cluster, request.global_batch_size,
                                  request.optimizer, request.memory_limit_bytes, schedule=request.schedule,
-                                 recompute=request.recompute)
+                                 recompute=request.recompute, allreduce_bucket_bytes=request.allreduce_bucket_bytes)
     found: list[Candidate] = []
     closest: Candidate | None = None
     closest_ratio = float("inf")
@@ -268,7 +269,7 @@ def partition(chain: CostChain, cluster: Cluster, global_batch_size: int, *, pla
               schedule: str = "early_backward", warmup_policy: str | None = None, optimizer: str = "adam",
               memory_limit_bytes: int | None = None, rerank: int = 16, progress: bool = False,
               compare: bool = False, num_stages: int | None = None, all_devices: bool = False,
-              recompute: object = "auto") -> Plan:
+              recompute: object = "auto", allreduce_bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Plan:
     """Plan hybrid pipeline + data parallel training of ``chain`` on ``cluster``.
 
     ``planner`` is a key of :data:`PLANNERS`; ``layout`` forces replica counts per stage
@@ -279,6 +280,8 @@ def partition(chain: CostChain, cluster: Cluster, global_batch_size: int, *, pla
     using every device; when a plan on fewer devices is predicted faster, the plan's ``notes`` say so.
     ``recompute`` (:func:`fxpipe.recompute.parse_recompute`): ``"auto"`` recomputes a stage's activations
     in backward only where keeping them does not fit in memory; ``"never"``, ``"always"`` or per stage.
+    ``allreduce_bucket_bytes``: each stage all-reduces its gradients in buckets of this size as its last
+    backward produces them (0: one allreduce after it); recorded in the plan for the runtime.
     Every stage holds parameters: cuts fall only between :func:`parameter_groups`, so the README's
     ``torch.optim.AdamW(pipe.parameters())`` works on every rank.
     """
@@ -298,7 +301,7 @@ def partition(chain: CostChain, cluster: Cluster, global_batch_size: int, *, pla
         num_microbatches=num_microbatches, schedule=schedule, warmup_policy=warmup_policy,
         optimizer=optimizer, memory_limit_bytes=memory_limit_bytes or cluster.device.memory_bytes,
         rerank=rerank, progress=progress, num_stages=num_stages, all_devices=all_devices,
-        recompute=_recompute_setting(recompute),
+        recompute=_recompute_setting(recompute), allreduce_bucket_bytes=allreduce_bucket_bytes,
     )
     check_request(request)
     plan = plan_every_device(request, PLANNERS[planner]) if all_devices else PLANNERS[planner](request)

@@ -51,10 +51,12 @@ class PlanRequest:
     num_stages: int | None = None  # exactly this many stages (cuts fixed by pipe_split markers)
     all_devices: bool = False  # only plans that give every device a role (fxpipe.compile: every rank)
     recompute: RecomputeSetting = "auto"  # checked by fxpipe.recompute.parse_recompute
+    allreduce_bucket_bytes: int = 0  # > 0: gradient allreduce in buckets overlapping the last backward
 
     def cost_model(self) -> CostModel:
         return CostModel(self.chain, self.cluster, self.global_batch_size, self.optimizer,
-                         self.memory_limit_bytes, schedule=self.schedule, recompute=self.recompute)
+                         self.memory_limit_bytes, schedule=self.schedule, recompute=self.recompute,
+                         allreduce_bucket_bytes=self.allreduce_bucket_bytes)
 
     def policies(self) -> tuple[str, ...]:
         if self.schedule == "gpipe":
@@ -91,6 +93,10 @@ def check_request(request: PlanRequest) -> None:
                                 "(pipe_split markers) make; a pipeline needs M >= S")
     if isinstance(request.recompute, tuple):
         _check_recompute_stages(request.recompute, request.layout, request.num_stages)
+    bucket = request.allreduce_bucket_bytes
+    if not isinstance(bucket, int) or isinstance(bucket, bool) or bucket < 0:
+        raise PlanningError(f"allreduce_bucket_bytes must be a non-negative integer (0: one allreduce after "
+                            f"backward), got {bucket!r}")
     if request.rerank < 1:
         raise PlanningError(f"rerank must be at least 1, got {request.rerank}")
 
