@@ -35,6 +35,7 @@ from fxpipe.passes.trace import TraceError, trace
 from fxpipe.passes.trace_inputs import ExampleInputsTypeError
 from fxpipe.plan import BaselineResult, Plan, PlanError, Prediction, StagePlan, plan_from_dict
 from fxpipe.planfile import chain_from_json, chain_to_json, load_plan_file, save_plan_file
+from fxpipe.recompute import RECOMPUTE_MODES, RecomputeError, parse_recompute
 from fxpipe.schedule import Action, Op, Schedule, ScheduleError, make_schedule, validate_schedule
 
 torch.set_num_threads(1)
@@ -431,6 +432,16 @@ def test_parse_layout_raises_only_layout_error(layout: str, num_devices: int, nu
     if counts is not None:
         assert all(count >= 1 for count in counts) and sum(counts) <= num_devices
         assert len(counts) <= num_blocks or counts == (num_devices,)
+
+
+
+@FUZZ
+@given(json_values | st.text("keep,recompute auTO", max_size=24) | st.binary(max_size=4))
+def test_parse_recompute_raises_only_recompute_error(value: Any) -> None:
+    setting = _call(lambda: parse_recompute(value), (RecomputeError,), ())
+    if setting is not None:
+        assert setting in RECOMPUTE_MODES or (isinstance(setting, tuple) and setting
+                                              and all(isinstance(choice, bool) for choice in setting))
 
 
 TINY_CHAIN = CostChain((Block("b0", ("n0",), Affine(0, 1), Affine(0, 2), 8), Block("b1", ("n1",), Affine(0, 1),
