@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import fxpipe
+from fxpipe import models as zoo
 from fxpipe import planning
 from fxpipe.allreduce_overlap import (
     DEFAULT_BUCKET_BYTES,
@@ -125,9 +126,28 @@ def _overlapped_training(rank: int, world_size: int, store_dir: str) -> dict[str
                               plan=plan.with_updates(allreduce_bucket_bytes=LAYER_BYTES))
         result = train_and_compare(pipe, _batches(), reference)
         overlap = pipe.driver.overlap
-        return {"problems": result["problems"], "stage": pipe.stage_index,
-                "num_buckets": 0 if overlap is None else len(overlap.buckets),
-                "fractions": () if overlap is None else overlap.launch_fractions}
+        record = {"problems": result["problems"], "stage": pipe.stage_index,
+                  "num_buckets": 0 if overlap is None else len(overlap.buckets),
+                  "fractions": () if overlap is None else overlap.launch_fractions}
+    finally:
+        leave_world()
+    return {**record, "tied_problems": _tied_weights_overlapped(rank, world_size, store_dir)}
+
+
+def _tied_weights_overlapped(rank: int, world_size: int, store_dir: str) -> list[str]:
+    """tied-lm on 2:1 with 1 KiB buckets: many buckets per replica, tied weights summed after backward."""
+    entry = zoo.get("tied-lm")
+    batches = [entry.make_batch(12, 100 + step, **entry.tiny_overrides) for step in range(2)]
+    reference = train_reference(zoo.build(entry.name, **entry.tiny_overrides)[0], entry.loss_fn, batches)
+    model, example = zoo.build(entry.name, **entry.tiny_overrides)
+    plan = plan_from_cuts(trace_model(model, example), (2, 1), 12, 3).with_updates(allreduce_bucket_bytes=1024)
+    join_world(store_dir, "overlap-tied", rank, world_size)
+    try:
+        pipe = fxpipe.compile(model, example, loss_fn=entry.loss_fn, global_batch_size=12, plan=plan)
+        problems: list[str] = train_and_compare(pipe, batches, reference)["problems"]
+        if pipe.stage_index == 0 and (pipe.driver.overlap is None or len(pipe.driver.overlap.buckets) < 2):
+            problems.append("stage 0 does not all-reduce in several buckets")
+        return problems
     finally:
         leave_world()
 
@@ -143,6 +163,7 @@ def test_overlapped_allreduce_is_exact_and_launches_buckets_as_the_model_predict
     per_rank = run_ranks(_overlapped_training, 3, tmp_path)
     for rank, result in enumerate(per_rank):
         assert result["problems"] == [], (rank, result["problems"])  # gradients and parameters as one process
+        assert result["tied_problems"] == [], (rank, result["tied_problems"])
     assert [r["stage"] for r in per_rank] == [0, 0, 1]
     assert per_rank[2]["num_buckets"] == 0  # one replica: nothing to all-reduce
     for result in per_rank[:2]:
