@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import fxpipe
+from fxpipe import models as zoo
 from fxpipe.passes import trace
 from fxpipe.recompute import force_recompute
 from tests.mp_utils import join_world, leave_world, plan_from_cuts, run_ranks
@@ -93,6 +94,7 @@ def _all_checks(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
     finally:
         leave_world()
     return {
+        "zoo_problems": _zoo_models_recomputed(rank, store_dir),
         "flags": (keep["flags"], recompute["flags"], oracle_flags),
         "losses": (keep["loss"], recompute["loss"]),
         "mismatches": mismatches,
@@ -101,6 +103,25 @@ def _all_checks(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
         "peaks": (keep["peak"], recompute["peak"]),
         "oracle_problems": oracle["problems"],
     }
+
+
+def _zoo_models_recomputed(rank: int, store_dir: str) -> list[str]:
+    """Skip connections across the cut (skipnet) and tied weights (tied-lm), every stage recomputing."""
+    problems = []
+    for name in ("skipnet", "tied-lm"):
+        entry = zoo.get(name)
+        batches = [entry.make_batch(GLOBAL_BATCH, 100 + step, **entry.tiny_overrides) for step in range(2)]
+        reference = train_reference(zoo.build(name, **entry.tiny_overrides)[0], entry.loss_fn, batches)
+        model, example = zoo.build(name, **entry.tiny_overrides)
+        plan = plan_from_cuts(trace(copy.deepcopy(model), example), (1, 1), GLOBAL_BATCH, NUM_MICROBATCHES)
+        join_world(store_dir, f"zoo-{name}", rank, 2)
+        try:
+            pipe = fxpipe.compile(model, example, loss_fn=entry.loss_fn, global_batch_size=GLOBAL_BATCH,
+                                  plan=force_recompute(plan, "always"))
+            problems += [f"{name}: {p}" for p in train_and_compare(pipe, batches, reference)["problems"]]
+        finally:
+            leave_world()
+    return problems
 
 
 def test_recompute_is_exact_with_dropout_and_against_one_process(tmp_path: Any) -> None:
@@ -116,3 +137,4 @@ def test_recompute_is_exact_with_dropout_and_against_one_process(tmp_path: Any) 
         assert result["peaks"][1] < result["peaks"][0], (rank, result["peaks"])
         # per-stage setting "recompute,keep": gradients and AdamW parameters against one process
         assert result["oracle_problems"] == [], (rank, result["oracle_problems"])
+        assert result["zoo_problems"] == [], (rank, result["zoo_problems"])
