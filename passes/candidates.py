@@ -112,8 +112,13 @@ class CostModel:
     def _allreduce(self, first: int, stop: int, devices: tuple[int, ...]) -> float:
         return allreduce_time(self.cluster, self.cost(first, stop, 1, 1).param_bytes, devices)
 
-    def _allreduce_tail(self, first: int, stop: int, devices: tuple[int, ...], rows: int, own_bytes: int) -> float:
-        slice_rows = self.cost(first, stop, rows, len(devices)).rows
+    def _allreduce_tail(self, first: int, stop: int, replicas: int, one_host: bool, rows: int, own_bytes: int
+                        ) -> float:
+        """The tail for any ``replicas`` devices on one host or not: a ring allreduce's time depends on
+        nothing else (:meth:`Cluster.collective_link`), so equivalent placements share a cache entry."""
+        per_host = self.cluster.devices_per_host
+        devices = tuple(range(replicas)) if one_host else (per_host, *range(replicas - 1))
+        slice_rows = self.cost(first, stop, rows, replicas).rows
         return stage_allreduce_offsets(self.chain, self.cluster, first, stop, devices, slice_rows, own_bytes,
                                        self.allreduce_bucket_bytes)[1]
 
@@ -123,7 +128,9 @@ class CostModel:
             own_bytes = [self.cost(span.first, span.stop, 1, 1).param_bytes for span in spans]
         else:
             own_bytes = own_allreduce_bytes(self.chain, [(span.first, span.stop) for span in spans])
-        return [self.allreduce_tail(span.first, span.stop, span.devices, rows, num_bytes)
+        per_host = self.cluster.devices_per_host
+        return [self.allreduce_tail(span.first, span.stop, len(span.devices),
+                                    len({device // per_host for device in span.devices}) == 1, rows, num_bytes)
                 for span, num_bytes in zip(spans, own_bytes, strict=True)]
 
     def stage_allreduces(self, spans: Sequence[Span]) -> tuple[list[float], list[tuple[tuple[int, ...], float]]]:

@@ -180,3 +180,18 @@ def test_overlapped_allreduce_is_exact_and_launches_buckets_as_the_model_predict
         assert fractions[0] < 2 * predicted[0], (fractions, predicted)  # the first overlaps most of the backward
         errors = [abs(m - p) for m, p in zip(fractions, predicted, strict=True)]
         assert sum(errors) / len(errors) < 0.4, (fractions, predicted)
+
+
+def test_planner_tails_equal_the_model_on_every_placement() -> None:
+    from fxpipe.cluster import Cluster, LinkSpec
+    from fxpipe.passes.candidates import CostModel, Span
+    from tests.test_simulate import DEVICE
+
+    net = Cluster("t", 2, 4, DEVICE, LinkSpec(2.0**24, 2.0**-16), LinkSpec(2.0**20, 2.0**-12))
+    chain = uniform_chain(4, param_bytes=2**16)
+    model = CostModel(chain, net, 16, "adam", 2**40, allreduce_bucket_bytes=2**16)
+    for devices in [(0, 1), (0, 4), (2, 3, 5), (4, 5, 6, 7), (0, 1, 2, 3, 4, 5)]:
+        span = Span(1, 4, devices)
+        slice_rows = model.cost(1, 4, 8, len(devices)).rows
+        expected = stage_allreduce_offsets(chain, net, 1, 4, devices, slice_rows, 3 * 2**16, 2**16)[1]
+        assert model.allreduce_tails([span], 8) == [expected], devices
