@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,6 +14,7 @@ import torch
 from fxpipe.core import meta
 from fxpipe.core.cluster import Cluster
 from fxpipe.core.plan import Plan, plan_argument_kind
+from fxpipe.core.recompute import force_recompute, parse_recompute
 from fxpipe.core.schedule import ScheduleError, schedule_name
 from fxpipe.runtime.errors import PipelineSetupError
 
@@ -48,6 +49,7 @@ class CompileOptions:
     # where the batch is (docs/exactness.md, "The batch dimension"): None = dim 0, checked for ambiguity
     batch_dims: int | Mapping[str, int] | None = None
     target_batch_dim: int | None = None  # None: batch_dims when it is one int, else 0
+    recompute: str | Sequence[bool | str] = "auto"  # fxpipe.core.recompute.parse_recompute
 
 
 class PipelinedModule:
@@ -228,7 +230,8 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
             warmup_policy: str | None = None, autocast_dtype: torch.dtype | None = None,
             timeout_s: float = 60.0, sync_params: str = "broadcast", check_batch: str = "first",
             loss_reduction: str = "mean", batch_norm: str = "microbatch",
-            batch_dims: int | Mapping[str, int] | None = None, target_batch_dim: int | None = None) -> Any:
+            batch_dims: int | Mapping[str, int] | None = None, target_batch_dim: int | None = None,
+            recompute: str | Sequence[bool | str] = "auto") -> Any:
     """Pipeline ``model`` over the process group's ranks; returns a :class:`PipelinedModule`.
 
     ``plan``: ``"auto"`` (DAPPLE planner on ``cluster``, default ``local:<world size>``), a layout such as
@@ -246,13 +249,15 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
     every input or ``{input name: dim}`` (others 0), e.g. ``1`` for a seq-first ``(T, B, C)`` model;
     ``target_batch_dim``: the targets' (default: ``batch_dims`` when an int, else 0); with neither,
     dim 0, and an input whose batch size also sits in another dim the model can grow is refused as
-    ambiguous. See docs/exactness.md. As a decorator, ``@fxpipe.compile(loss_fn=..., global_batch_size=...)``
+    ambiguous. See docs/exactness.md. ``recompute``: ``"auto"`` (the planner recomputes a stage's
+    activations in backward only where keeping them does not fit), ``"never"``, ``"always"``, or one
+    ``"keep"``/``"recompute"`` per stage. As a decorator, ``@fxpipe.compile(loss_fn=..., global_batch_size=...)``
     on a model class or factory makes ``Factory(*args, example_inputs=..., **kwargs)`` return the module.
     """
     options = CompileOptions(loss_fn, global_batch_size, plan, schedule, num_microbatches, warmup_policy,
                              cluster, optimizer, autocast_dtype, timeout_s, sync_params=sync_params,
                              check_batch=check_batch, loss_reduction=loss_reduction, batch_norm=batch_norm,
-                             batch_dims=batch_dims, target_batch_dim=target_batch_dim)
+                             batch_dims=batch_dims, target_batch_dim=target_batch_dim, recompute=recompute)
     if model is None:
         return functools.partial(_wrap_factory, options=options)
     if isinstance(model, torch.nn.Module):
@@ -290,6 +295,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     from fxpipe.runtime.comm import init_distributed
     from fxpipe.runtime.driver import PipelineDriver, check_world
     from fxpipe.runtime.guard import release_group, setup_group, setup_phase
+    from fxpipe.runtime.recompute import check_recompute_batch_norm
     from fxpipe.runtime.stage import check_loss_reduction
     from fxpipe.runtime.sync import check_sync_mode, synchronize_driver
 
@@ -305,6 +311,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
             check_loss_reduction(options.loss_reduction)
             check_batch_mode(options.check_batch)
             target_dim = resolve_target_dim(options.batch_dims, options.target_batch_dim)
+            parse_recompute(options.recompute)
         inputs = example_inputs if isinstance(example_inputs, tuple | dict) else (example_inputs,)
         with preserved_state(model):  # tracing, cost measurement and codegen's shape run use the real module
             with setup_phase("tracing", group):
@@ -315,6 +322,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
                 program = split_for_plan(graph_module, resolved)
                 check_world(resolved, program, context.world_size)
                 check_stages_hold_parameters(program, resolved)
+                check_recompute_batch_norm(resolved, [stage.module for stage in program.stages], options.batch_norm)
     finally:
         release_group(group)
     warn_batch_norm(model, resolved, options.batch_norm)
@@ -395,7 +403,7 @@ def apply_overrides(plan: Plan, options: CompileOptions) -> Plan:
         changes["num_microbatches"] = options.num_microbatches
     if options.warmup_policy is not None:
         changes["warmup_policy"] = options.warmup_policy
-    return plan.with_updates(**changes) if changes else plan
+    return force_recompute(plan.with_updates(**changes) if changes else plan, options.recompute)
 
 
 def _schedule_name(schedule: str) -> str:
@@ -453,7 +461,8 @@ def _run_planner(options: CompileOptions, model: torch.nn.Module, example_inputs
     plan = plan_chain(costed.chain, cluster, options.global_batch_size, layout=layout,
                       num_microbatches=options.num_microbatches,
                       schedule=_schedule_name(options.schedule or "dapple"),
-                      warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True)
+                      warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True,
+                      recompute=options.recompute)
     return placed_plan(plan, topology, cluster)
 
 
@@ -469,5 +478,5 @@ def _run_marker_planner(options: CompileOptions, model: torch.nn.Module, example
                            num_microbatches=options.num_microbatches,
                            schedule=_schedule_name(options.schedule or "dapple"),
                            warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True,
-                           batch_dims=options.batch_dims)
+                           batch_dims=options.batch_dims, recompute=options.recompute)
     return placed_plan(plan, topology, cluster)

@@ -29,6 +29,10 @@ def _add_planning_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-microbatches", type=int, default=None, help="force M (default: planner chooses)")
     parser.add_argument("--schedule", default="early_backward", choices=sorted(SCHEDULES))
     parser.add_argument("--optimizer", default="adam", help="memory model: sgd, momentum, adam")
+    parser.add_argument("--recompute", default="auto", help="activation recomputation in backward: auto (only "
+                        "stages whose activations do not fit), never, always, or per stage: keep,recompute,...")
+    parser.add_argument("--allreduce-bucket-mb", type=float, default=25.0, help="gradient allreduce in buckets of "
+                        "this many MiB overlapping the last backward (0: one allreduce after backward)")
     parser.add_argument("--compare", action="store_true", help="also run every baseline planner")
     parser.add_argument("--json", dest="json_out", default=None, help="write the plan file here")
 
@@ -72,6 +76,12 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _bucket_bytes(mebibytes: float) -> int:
+    if not mebibytes >= 0:  # also NaN
+        raise CommandLineError(f"--allreduce-bucket-mb must be >= 0 (0: allreduce after backward), got {mebibytes}")
+    return int(mebibytes * 2**20)
+
+
 def _chain_for(args: argparse.Namespace, cluster: Cluster):  # type: ignore[no-untyped-def]
     from fxpipe import planning
 
@@ -97,6 +107,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     cluster = parse_cluster(args.cluster)
     options = {"num_microbatches": args.num_microbatches, "schedule": args.schedule, "optimizer": args.optimizer,
+               "recompute": args.recompute, "allreduce_bucket_bytes": _bucket_bytes(args.allreduce_bucket_mb),
                "compare": args.compare, "progress": sys.stderr.isatty()}
     if "markers" in (args.layout, args.planner):
         plan, chain = _marker_plan(args, cluster, options)

@@ -9,6 +9,7 @@ from tabulate import tabulate
 from fxpipe.core.chain import CostChain
 from fxpipe.core.cluster import Cluster
 from fxpipe.core.plan import Plan
+from fxpipe.sim.stagecost import backward_seconds
 
 
 def format_bytes(num_bytes: float) -> str:
@@ -36,7 +37,8 @@ def _device_ranges(devices: tuple[int, ...]) -> str:
 
 
 def stage_table(plan: Plan, chain: CostChain | None = None, cluster: Cluster | None = None) -> str:
-    """One row per stage: blocks, replicas, devices, forward/backward ms, params, activations, memory."""
+    """One row per stage: blocks, replicas, devices, forward/backward ms, params, activations (kept or
+    recomputed in backward, whose time then includes the forward again), memory."""
     capacity = cluster.device.memory_bytes if cluster is not None else 0
     rows = []
     for stage in plan.stages:
@@ -49,13 +51,15 @@ def stage_table(plan: Plan, chain: CostChain | None = None, cluster: Cluster | N
         memory = format_bytes(stage.peak_memory_bytes)
         if capacity:
             memory += f" / {format_bytes(capacity)}"
+        backward_s = backward_seconds(stage.forward_s, stage.backward_s, stage.recompute)
         rows.append([
             stage.stage_index, blocks, stage.replicas, _device_ranges(stage.devices),
-            f"{stage.forward_s * 1e3:.2f}", f"{stage.backward_s * 1e3:.2f}", f"{stage.allreduce_s * 1e3:.2f}",
-            format_bytes(stage.param_bytes), format_bytes(stage.activation_bytes), memory,
+            f"{stage.forward_s * 1e3:.2f}", f"{backward_s * 1e3:.2f}", f"{stage.allreduce_s * 1e3:.2f}",
+            format_bytes(stage.param_bytes), format_bytes(stage.activation_bytes),
+            "recompute" if stage.recompute else "keep", memory,
         ])
     headers = ["stage", "blocks", "replicas", "devices", "fwd ms", "bwd ms", "allreduce ms",
-               "params", "act/micro-batch", "memory/device"]
+               "params", "act/micro-batch", "activations", "memory/device"]
     return str(tabulate(rows, headers=headers, tablefmt="simple"))
 
 

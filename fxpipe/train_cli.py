@@ -27,6 +27,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         "as 2:1:1, or a plan JSON file")
     parser.add_argument("--schedule", default="dapple", choices=schedule_names())
     parser.add_argument("--num-microbatches", type=int, default=None)
+    parser.add_argument("--recompute", default="auto", help="activation recomputation: auto (where activations do "
+                        "not fit), never, always, or per stage keep,recompute,...; a plan file's choices stay with auto")
     parser.add_argument("--data", default="auto",
                         help="stdlib: byte-level Python standard library text (language models); random: "
                              "synthetic batches (the zoo's, or for a factory random inputs shaped like its example "
@@ -169,7 +171,8 @@ def run_train(args: argparse.Namespace) -> int:
     _check_plan_file(args)
     model, example_inputs, loss_fn, batches = _workload(args)
     pipe = fxpipe.compile(model, example_inputs, loss_fn=loss_fn, global_batch_size=args.global_batch,
-                          plan=args.plan, schedule=args.schedule, num_microbatches=args.num_microbatches)
+                          plan=args.plan, schedule=args.schedule, num_microbatches=args.num_microbatches,
+                          recompute=args.recompute)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
     first_step = _resume(args, pipe, optimizer)
     leader = pipe.rank == 0

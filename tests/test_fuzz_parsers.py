@@ -30,6 +30,7 @@ from fxpipe.core.cluster import Cluster, ClusterSpecError, compact_cluster, pars
 from fxpipe.core.costgraph import Affine, CostGraph, CostGraphError, CostNode
 from fxpipe.core.plan import BaselineResult, Plan, PlanError, Prediction, StagePlan, plan_from_dict
 from fxpipe.core.planfile import chain_from_json, chain_to_json, load_plan_file, save_plan_file
+from fxpipe.core.recompute import RECOMPUTE_MODES, RecomputeError, parse_recompute
 from fxpipe.core.schedule import Action, Op, Schedule, ScheduleError, make_schedule, validate_schedule
 from fxpipe.passes.partition.dapple import parse_layout
 from fxpipe.passes.partition.request import LayoutError, PlanningError, PlanRequest, check_request
@@ -433,6 +434,16 @@ def test_parse_layout_raises_only_layout_error(layout: str, num_devices: int, nu
     if counts is not None:
         assert all(count >= 1 for count in counts) and sum(counts) <= num_devices
         assert len(counts) <= num_blocks or counts == (num_devices,)
+
+
+
+@FUZZ
+@given(json_values | st.text("keep,recompute auTO", max_size=24) | st.binary(max_size=4))
+def test_parse_recompute_raises_only_recompute_error(value: Any) -> None:
+    setting = _call(lambda: parse_recompute(value), (RecomputeError,), ())
+    if setting is not None:
+        assert setting in RECOMPUTE_MODES or (isinstance(setting, tuple) and setting
+                                              and all(isinstance(choice, bool) for choice in setting))
 
 
 TINY_CHAIN = CostChain((Block("b0", ("n0",), Affine(0, 1), Affine(0, 2), 8), Block("b1", ("n1",), Affine(0, 1),

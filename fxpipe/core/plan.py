@@ -29,7 +29,8 @@ class StagePlan:
     Predicted figures are per device: ``forward_s``/``backward_s`` for one micro-batch slice,
     ``peak_memory_bytes`` for weights, gradients, optimizer state, in-flight activations and
     receive buffers. ``node_names`` lists the fx nodes the stage computes (empty for plans made
-    from profile files).
+    from profile files). ``recompute``: the stage keeps only its inputs per in-flight micro-batch and
+    runs its forward again in backward (``backward_s`` excludes that extra forward); absent = keep.
     """
 
     stage_index: int
@@ -45,6 +46,7 @@ class StagePlan:
     activation_bytes: int = 0
     peak_memory_bytes: int = 0
     inflight_microbatches: int = 0
+    recompute: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,9 @@ class Plan:
     baselines: tuple[tuple[str, BaselineResult], ...] = ()
     format_version: int = FORMAT_VERSION
     notes: tuple[str, ...] = field(default=())
+    # > 0: each stage all-reduces its gradients in buckets of this many bytes as the last backward
+    # produces them (fxpipe.sim.allreduce_overlap); 0 (plans written before): one allreduce after it
+    allreduce_bucket_bytes: int = 0
 
     def __post_init__(self) -> None:
         validate_plan(self)
@@ -256,6 +261,9 @@ def validate_plan(plan: Plan) -> None:
     _check(plan.global_batch_size % plan.num_microbatches == 0,
            f"global batch {plan.global_batch_size} does not split into {plan.num_microbatches} equal "
            "micro-batches; choose a num_microbatches that divides it")
+    _check(isinstance(plan.allreduce_bucket_bytes, int) and plan.allreduce_bucket_bytes >= 0,
+           f"allreduce_bucket_bytes must be a non-negative integer (0: allreduce after backward), got "
+           f"{plan.allreduce_bucket_bytes!r}")
     _check(plan.schedule in SCHEDULES, f"schedule {plan.schedule!r} is unknown; choose one of {sorted(SCHEDULES)}")
     _check(plan.warmup_policy in WARMUP_POLICIES,
            f"warmup_policy {plan.warmup_policy!r} is unknown; choose one of {WARMUP_POLICIES}")

@@ -15,6 +15,7 @@ from fxpipe.core import schedule as schedules
 from fxpipe.core.plan import Plan
 from fxpipe.runtime import preemption
 from fxpipe.runtime.batchcheck import BatchChecker, check_shapes, describe_batch_dims
+from fxpipe.runtime.buckets import split_overlapped
 from fxpipe.runtime.comm import (
     DEFAULT_TIMEOUT_S,
     DistContext,
@@ -102,7 +103,8 @@ class PipelineDriver:
         self.value_index = {name: i for i, name in enumerate(sorted(program.values))}
         self.dtypes = infer_value_dtypes(program, context.device, autocast_dtype)
         self.runner = StageRunner(self.stage, program, context.device, loss_fn=loss_fn,
-                                  autocast_dtype=autocast_dtype, loss_reduction=loss_reduction)
+                                  autocast_dtype=autocast_dtype, loss_reduction=loss_reduction,
+                                  recompute=plan.stages[self.stage_index].recompute)
         # run at the start and at the end of every step (deferred BN statistics: reset, commit)
         self.start_hooks: list[Callable[[], None]] = []
         self.step_hooks: list[Callable[[], None]] = []
@@ -126,6 +128,10 @@ class PipelineDriver:
         # Earlier steps' gradients are set aside only when this step's must be reduced or divided on
         # their own; otherwise autograd accumulates into them as in eager (old + new == new + old).
         self._stashes = bool(self.reduce_sets) or loss_reduction == "token_mean"
+        # the stage's own gradients: buckets launched during its last backward (plan.allreduce_bucket_bytes)
+        self.overlap, self.reduce_sets = split_overlapped(self.reduce_sets, self.groups[self.stage_index],
+                                                          plan.allreduce_bucket_bytes)
+        self._last_backward = [a.microbatch_index for a in self.actions if a.op is Op.BACKWARD][-1]
         self.measure = MeasureMode.OFF  # what each step records in last_stats (see MeasureMode)
         self.last_stats: StepStats | None = None
         self._meter: SavedActivationMeter | None = None
@@ -365,7 +371,12 @@ class PipelineDriver:
         state.output_grads[m] = grads
 
     def _backward(self, state: _StepState, m: int) -> None:
+        overlap = self.overlap if m == self._last_backward else None  # buckets launch as gradients land
+        if overlap is not None:
+            overlap.arm()
         state.input_grads[m] = self.runner.backward(m, state.output_grads.pop(m, {}))
+        if overlap is not None:
+            overlap.backward_done()
         state.outputs.pop(m, None)
 
     def _send_gradient(self, state: _StepState, m: int) -> None:
@@ -392,6 +403,8 @@ class PipelineDriver:
         return stash
 
     def _start_allreduce(self, state: _StepState) -> None:
+        if self.overlap is not None:
+            state.reductions.extend(self.overlap.launch_rest())
         for group, params in self.reduce_sets:
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
             for param in params:

@@ -12,6 +12,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpipe.runtime.errors import BatchShapeError, PipelineSetupError
+from fxpipe.runtime.recompute import checkpointed_call
 
 if TYPE_CHECKING:
     from fxpipe.core.program import SplitProgram, StageProgram, ValueSpec
@@ -114,10 +115,15 @@ def _is_scalar(value: Any) -> bool:
 
 
 class StageRunner:
-    """Runs stage ``stage.stage_index`` on micro-batch slices, keeping outputs and input leaves for backward."""
+    """Runs stage ``stage.stage_index`` on micro-batch slices, keeping outputs and input leaves for backward.
+
+    With ``recompute`` the stage keeps only its inputs per micro-batch and runs its forward again in
+    backward (:func:`fxpipe.runtime.recompute.checkpointed_call`).
+    """
 
     def __init__(self, stage: StageProgram, program: SplitProgram, device: torch.device, *,
-                 loss_fn: LossFn | None, autocast_dtype: torch.dtype | None, loss_reduction: str = "mean") -> None:
+                 loss_fn: LossFn | None, autocast_dtype: torch.dtype | None, loss_reduction: str = "mean",
+                 recompute: bool = False) -> None:
         self.stage = stage
         self.program = program
         self.device = device
@@ -126,6 +132,7 @@ class StageRunner:
         self.autocast_dtype = autocast_dtype
         self.loss_reduction = check_loss_reduction(loss_reduction)
         self.is_last = stage.stage_index == len(program.stages) - 1
+        self.recompute = recompute
         self._saved: dict[int, _Saved] = {}
 
     def parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
@@ -150,7 +157,7 @@ class StageRunner:
                 value = value.detach().requires_grad_(True)
                 leaves[name] = value
             args.append(value)
-        results = self.module(*args)
+        results = checkpointed_call(self.module, args) if self.recompute else self.module(*args)
         outputs = dict(zip(self.stage.output_values, results, strict=True))
         self._saved[microbatch_index] = _Saved(outputs, leaves)
         return outputs

@@ -18,6 +18,7 @@ from fxpipe.core.schedule import (
     validate_schedule,
 )
 from fxpipe.core.timeline import TimelineEvent, TransferEvent
+from fxpipe.sim.allreduce_overlap import stage_allreduce_offsets
 from fxpipe.sim.events import (
     CODE_OPS,
     ComponentRun,
@@ -26,7 +27,13 @@ from fxpipe.sim.events import (
     encode_program,
     run_component,
 )
-from fxpipe.sim.stagecost import allreduce_times, compute_times, stage_cost, stage_memory_bytes
+from fxpipe.sim.stagecost import (
+    allreduce_times,
+    compute_times,
+    own_allreduce_bytes,
+    stage_cost,
+    stage_memory_bytes,
+)
 
 __all__ = ["SimulationResult", "TimelineEvent", "TransferEvent", "simulate"]
 
@@ -146,7 +153,8 @@ def _replica_specs(plan: Plan, chain: CostChain, cluster: Cluster,
     for stage in plan.stages:
         for replica_index, rows in enumerate(split_rows(plan.microbatch_size, stage.replicas)):
             slowdown = slowdowns[stage.devices[replica_index]]
-            forward_s, backward_s = compute_times(chain, stage.first_block, stage.stop_block, rows, slowdown)
+            forward_s, backward_s = compute_times(chain, stage.first_block, stage.stop_block, rows, slowdown,
+                                                  recompute=stage.recompute)
             nodes[stage.stage_index, replica_index] = _Node(stage.stage_index, forward_s, backward_s, [], [], 0, 0,
                                                             cluster.message_overhead_s * slowdown)
     for stage_index in range(plan.num_stages - 1):
@@ -227,15 +235,21 @@ def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule,
              slowdowns: Sequence[float]) -> SimulationResult:
     """Add the allreduces and turn component runs into per-device figures and events."""
     ready = {key: run.allreduce_ready_s[local] for members, run in runs for local, key in enumerate(members)}
-    own, ties = allreduce_times(chain, cluster, [(s.first_block, s.stop_block, s.devices) for s in plan.stages])
-    starts, ends, peaks = [], [], []
+    _, ties = allreduce_times(chain, cluster, [(s.first_block, s.stop_block, s.devices) for s in plan.stages])
+    own_bytes = own_allreduce_bytes(chain, [(s.first_block, s.stop_block) for s in plan.stages])
+    readies, starts, ends, peaks = [], [], [], []
     for stage in plan.stages:
         cost = stage_cost(chain, stage.first_block, stage.stop_block, plan.microbatch_size, stage.replicas)
-        starts.append(max(ready[stage.stage_index, r] for r in range(stage.replicas)))
-        ends.append(starts[-1] + own[stage.stage_index])
-        peaks.append(stage_memory_bytes(cost, inflight[stage.stage_index], optimizer))
+        readies.append(max(ready[stage.stage_index, r] for r in range(stage.replicas)))
+        # buckets start during the last backward (allreduce_bucket_bytes > 0); offsets from its end
+        start_offset, end_offset = stage_allreduce_offsets(
+            chain, cluster, stage.first_block, stage.stop_block, stage.devices, cost.rows, own_bytes[stage.stage_index],
+            plan.allreduce_bucket_bytes)
+        starts.append(readies[-1] + start_offset)
+        ends.append(readies[-1] + end_offset)
+        peaks.append(stage_memory_bytes(cost, inflight[stage.stage_index], optimizer, stage.recompute))
     for stages, seconds in ties:  # starts when every holder is ready; its stages end with it
-        tie_end = max(starts[s] for s in stages) + seconds
+        tie_end = max(readies[s] for s in stages) + seconds
         for s in stages:
             ends[s] = max(ends[s], tie_end)
     iteration_s = max(ends)
@@ -262,7 +276,8 @@ def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule,
 def _busy(plan: Plan, chain: CostChain, stage_index: int, replica_index: int, slowdown: float) -> float:
     stage = plan.stages[stage_index]
     rows = split_rows(plan.microbatch_size, stage.replicas)[replica_index]
-    forward_s, backward_s = compute_times(chain, stage.first_block, stage.stop_block, rows, slowdown)
+    forward_s, backward_s = compute_times(chain, stage.first_block, stage.stop_block, rows, slowdown,
+                                          recompute=stage.recompute)
     return plan.num_microbatches * (forward_s + backward_s)
 
 

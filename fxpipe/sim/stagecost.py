@@ -43,13 +43,16 @@ def _block_sum(chain: CostChain, first: int, stop: int, field: str) -> Affine:
     return Affine.total(getattr(block, field) for block in chain.blocks[first:stop])
 
 
-def compute_times(chain: CostChain, first: int, stop: int, rows: int, slowdown: float = 1.0) -> tuple[float, float]:
+def compute_times(chain: CostChain, first: int, stop: int, rows: int, slowdown: float = 1.0, *,
+                  recompute: bool = False) -> tuple[float, float]:
     """Forward and backward seconds of blocks ``[first, stop)`` on a slice of ``rows`` batch rows.
 
-    ``slowdown`` stretches the chain's times (:attr:`Cluster.compute_slowdown`: ranks sharing cores).
+    ``slowdown`` stretches the chain's times (:attr:`Cluster.compute_slowdown`: ranks sharing cores);
+    with ``recompute`` the backward includes the forward run again (:func:`backward_seconds`).
     """
-    return (_block_sum(chain, first, stop, "forward_s").at(rows) * slowdown,
-            _block_sum(chain, first, stop, "backward_s").at(rows) * slowdown)
+    forward_s = _block_sum(chain, first, stop, "forward_s").at(rows) * slowdown
+    backward_s = _block_sum(chain, first, stop, "backward_s").at(rows) * slowdown
+    return forward_s, backward_seconds(forward_s, backward_s, recompute)
 
 
 def message_seconds(cluster: Cluster, microbatch_rows: int, replicas: Sequence[int], stage_index: int) -> float:
@@ -91,6 +94,11 @@ def stage_cost(chain: CostChain, first: int, stop: int, microbatch_rows: int, re
     )
 
 
+def backward_seconds(forward_s: float, backward_s: float, recompute: bool) -> float:
+    """A stage's backward of one micro-batch; recomputation runs the forward again first."""
+    return backward_s + forward_s if recompute else backward_s
+
+
 def stage_param_bytes(chain: CostChain, first: int, stop: int) -> int:
     """Parameter bytes a stage over blocks ``[first, stop)`` holds, its copies of tied parameters included."""
     return sum(block.param_bytes for block in chain.blocks[first:stop]) + tied_copy_bytes(chain, first, stop)
@@ -128,24 +136,37 @@ def allreduce_times(chain: CostChain, cluster: Cluster, stages: Sequence[tuple[i
     of stages sharing parameters (:func:`tie_groups`), the seconds of one allreduce of those bytes
     over every device of those stages; it can start once all of them are ready.
     """
-    ties = tie_groups(chain, [(first, stop) for first, stop, _ in stages])
-    own = []
-    for index, (first, stop, devices) in enumerate(stages):
-        tied = sum(num_bytes for holders, num_bytes in ties if index in holders)
-        own.append(cluster.allreduce_time(stage_param_bytes(chain, first, stop) - tied, devices))
+    bounds = [(first, stop) for first, stop, _ in stages]
+    ties = tie_groups(chain, bounds)
+    own = [cluster.allreduce_time(num_bytes, devices)
+           for num_bytes, (_, _, devices) in zip(own_allreduce_bytes(chain, bounds, ties), stages, strict=True)]
     groups = [(holders, cluster.allreduce_time(num_bytes, sorted(d for s in holders for d in stages[s][2])))
               for holders, num_bytes in ties]
     return own, groups
 
 
-def stage_memory_bytes(cost: StageCost, inflight_microbatches: int, optimizer: str = "adam") -> int:
+def own_allreduce_bytes(chain: CostChain, stage_bounds: Sequence[tuple[int, int]],
+                        ties: Sequence[tuple[tuple[int, ...], int]] | None = None) -> list[int]:
+    """Bytes each stage ``[first, stop)`` sums over its own replicas: its parameters less tied ones
+    (those go in one allreduce per :func:`tie_groups` set)."""
+    ties = tie_groups(chain, stage_bounds) if ties is None else ties
+    return [stage_param_bytes(chain, first, stop) - sum(num_bytes for holders, num_bytes in ties if index in holders)
+            for index, (first, stop) in enumerate(stage_bounds)]
+
+
+def stage_memory_bytes(cost: StageCost, inflight_microbatches: int, optimizer: str = "adam",
+                       recompute: bool = False) -> int:
     """Peak bytes per device: weights x optimizer factor + in-flight activations + receive buffers.
 
     Receive buffers: one activation slice in and one gradient slice back per in-flight micro-batch
-    boundary (the runtime preallocates one of each).
+    boundary (the runtime preallocates one of each). With ``recompute`` a stage keeps only its inputs
+    per in-flight micro-batch, plus one micro-batch's activations while backward recomputes them.
     """
     weights = cost.param_bytes * optimizer_factor(optimizer)
-    activations = inflight_microbatches * (cost.activation_bytes + cost.input_bytes)
+    if recompute:
+        activations = inflight_microbatches * cost.input_bytes + cost.activation_bytes
+    else:
+        activations = inflight_microbatches * (cost.activation_bytes + cost.input_bytes)
     buffers = cost.input_bytes + cost.output_bytes
     return int(math.ceil(weights + activations + buffers))
 

@@ -10,13 +10,17 @@ from fxpipe.core.chain import CostChain
 from fxpipe.core.cluster import Cluster
 from fxpipe.core.costgraph import Affine
 from fxpipe.core.plan import Plan, Prediction, StagePlan
+from fxpipe.core.recompute import RecomputeSetting, check_stage_count, choose_recompute, parse_recompute
 from fxpipe.core.schedule import SCHEDULES, warmup_forwards
 from fxpipe.passes.partition.latency import PipelineSteps, pipeline_latency, pipeline_steps
+from fxpipe.sim.allreduce_overlap import stage_allreduce_offsets
 from fxpipe.sim.stagecost import (
     StageCost,
     allreduce_time,
     allreduce_times,
+    backward_seconds,
     message_seconds,
+    own_allreduce_bytes,
     stage_cost,
     stage_memory_bytes,
     transfer_time,
@@ -65,8 +69,11 @@ class CandidateCosts:
     """
 
     def __init__(self, chain: CostChain, cluster: Cluster, global_batch_size: int,
-                 optimizer: str, memory_limit_bytes: int, *, schedule: str = "early_backward") -> None:
+                 optimizer: str, memory_limit_bytes: int, *, schedule: str = "early_backward",
+                 recompute: RecomputeSetting = "auto", allreduce_bucket_bytes: int = 0) -> None:
         self.chain = chain
+        self.allreduce_bucket_bytes = allreduce_bucket_bytes
+        self.recompute = parse_recompute(recompute)
         self.schedule = schedule
         self.cluster = cluster
         self.global_batch_size = global_batch_size
@@ -76,6 +83,7 @@ class CandidateCosts:
         self._hop = lru_cache(maxsize=None)(self._transfer)
         self.hop = lru_cache(maxsize=None)(self._canonical_hop)
         self.allreduce = lru_cache(maxsize=None)(self._allreduce)
+        self.allreduce_tail = lru_cache(maxsize=None)(self._allreduce_tail)
 
     def _cost(self, first: int, stop: int, rows: int, replicas: int) -> StageCost:
         return stage_cost(self.chain, first, stop, rows, replicas, self.cluster.compute_slowdown)
@@ -104,6 +112,27 @@ class CandidateCosts:
     def _allreduce(self, first: int, stop: int, devices: tuple[int, ...]) -> float:
         return allreduce_time(self.cluster, self.cost(first, stop, 1, 1).param_bytes, devices)
 
+    def _allreduce_tail(self, first: int, stop: int, replicas: int, one_host: bool, rows: int, own_bytes: int
+                        ) -> float:
+        """The tail for any ``replicas`` devices on one host or not: a ring allreduce's time depends on
+        nothing else (:meth:`Cluster.collective_link`), so equivalent placements share a cache entry."""
+        per_host = self.cluster.devices_per_host
+        devices = tuple(range(replicas)) if one_host else (per_host, *range(replicas - 1))
+        slice_rows = self.cost(first, stop, rows, replicas).rows
+        return stage_allreduce_offsets(self.chain, self.cluster, first, stop, devices, slice_rows, own_bytes,
+                                       self.allreduce_bucket_bytes)[1]
+
+    def allreduce_tails(self, spans: Sequence[Span], rows: int) -> list[float]:
+        """Each stage's own allreduce time left after its last backward, buckets overlapping it."""
+        if not self.chain.shared_params:
+            own_bytes = [self.cost(span.first, span.stop, 1, 1).param_bytes for span in spans]
+        else:
+            own_bytes = own_allreduce_bytes(self.chain, [(span.first, span.stop) for span in spans])
+        per_host = self.cluster.devices_per_host
+        return [self.allreduce_tail(span.first, span.stop, len(span.devices),
+                                    len({device // per_host for device in span.devices}) == 1, rows, num_bytes)
+                for span, num_bytes in zip(spans, own_bytes, strict=True)]
+
     def stage_allreduces(self, spans: Sequence[Span]) -> tuple[list[float], list[tuple[tuple[int, ...], float]]]:
         """Each stage's own gradient allreduce and the tie groups' allreduces (:func:`allreduce_times`)."""
         if not self.chain.shared_params:  # the common case, memoised per span
@@ -113,12 +142,16 @@ class CandidateCosts:
     def steps(self, spans: Sequence[Span], rows: int) -> PipelineSteps:
         """Forward, backward and allreduce time of every pipeline step (stages and transfers), tie allreduces."""
         own, ties = self.stage_allreduces(spans)
+        if self.allreduce_bucket_bytes:
+            own = self.allreduce_tails(spans, rows)
         replicas = [len(span.devices) for span in spans]
+        recomputes = self.recomputes(spans, rows, "A")  # the search's memory check uses policy A too
         stages = []
         for index, span in enumerate(spans):
             cost = self.cost(span.first, span.stop, rows, len(span.devices))
             messages = message_seconds(self.cluster, rows, replicas, index)
-            stages.append((cost.forward_s + messages, cost.backward_s + messages, own[index]))
+            backward_s = backward_seconds(cost.forward_s, cost.backward_s, recomputes[index])
+            stages.append((cost.forward_s + messages, backward_s + messages, own[index]))
         hops = [self.hop(before.stop - 1, rows, before.devices, after.devices)
                 for before, after in zip(spans, spans[1:], strict=False)]
         return pipeline_steps(stages, hops, ties)
@@ -134,14 +167,35 @@ class CandidateCosts:
         return warmup_forwards(stage_index, num_stages, num_microbatches, warmup_policy)
 
     def memory(self, spans: Sequence[Span], rows: int, warmup_policy: str) -> list[int]:
-        """Peak bytes per device of every stage under the plan's schedule."""
+        """Peak bytes per device of every stage under the plan's schedule (recomputing where chosen)."""
+        return [memory for _, memory in self.stage_choices(spans, rows, warmup_policy)]
+
+    def recomputes(self, spans: Sequence[Span], rows: int, warmup_policy: str) -> tuple[bool, ...]:
+        """Which stages recompute their activations in backward (:func:`choose_recompute`)."""
+        if self.recompute == "never":  # the common case skips the memory arithmetic
+            return (False,) * len(spans)
+        return tuple(recompute for recompute, _ in self.stage_choices(spans, rows, warmup_policy))
+
+    def stage_choices(self, spans: Sequence[Span], rows: int, warmup_policy: str) -> list[tuple[bool, int]]:
+        """``(recompute, peak bytes per device)`` of every stage.
+
+        A per-stage setting is for plans of its length (the request fixes the stage count); the search
+        also scores partial and other-length candidates, which it then drops, as under ``"auto"``.
+        """
         num_microbatches = self.global_batch_size // rows
-        return [
-            stage_memory_bytes(self.cost(span.first, span.stop, rows, len(span.devices)),
-                               self.inflight(index, len(spans), num_microbatches, warmup_policy),
-                               self.optimizer)
-            for index, span in enumerate(spans)
-        ]
+        setting = self.recompute
+        if isinstance(setting, tuple) and len(setting) != len(spans):
+            setting = "auto"
+        choices = []
+        for index, span in enumerate(spans):
+            cost = self.cost(span.first, span.stop, rows, len(span.devices))
+            inflight = self.inflight(index, len(spans), num_microbatches, warmup_policy)
+            keep = stage_memory_bytes(cost, inflight, self.optimizer)
+            if choose_recompute(setting, index, len(spans), keep, self.memory_limit_bytes):
+                choices.append((True, stage_memory_bytes(cost, inflight, self.optimizer, recompute=True)))
+            else:
+                choices.append((False, keep))
+        return choices
 
     def fits(self, spans: Sequence[Span], rows: int, warmup_policy: str = "A") -> bool:
         return max(self.memory(spans, rows, warmup_policy)) <= self.memory_limit_bytes
@@ -156,7 +210,8 @@ def build_plan(model: CandidateCosts, candidate: Candidate, *, schedule: str, wa
     chain = model.chain
     rows = candidate.microbatch_rows
     num_microbatches = model.global_batch_size // rows
-    memory = model.memory(candidate.spans, rows, warmup_policy)
+    check_stage_count(model.recompute, len(candidate.spans))
+    choices = model.stage_choices(candidate.spans, rows, warmup_policy)
     stages = []
     for index, span in enumerate(candidate.spans):
         cost = model.cost(span.first, span.stop, rows, len(span.devices))
@@ -167,7 +222,7 @@ def build_plan(model: CandidateCosts, candidate: Candidate, *, schedule: str, wa
             forward_s=cost.forward_s, backward_s=cost.backward_s,
             allreduce_s=model.allreduce(span.first, span.stop, span.devices),
             param_bytes=cost.param_bytes, activation_bytes=int(cost.activation_bytes),
-            peak_memory_bytes=memory[index],
+            peak_memory_bytes=choices[index][1], recompute=choices[index][0],
             inflight_microbatches=model.inflight(index, len(candidate.spans), num_microbatches, warmup_policy),
         ))
     return Plan(
@@ -175,6 +230,7 @@ def build_plan(model: CandidateCosts, candidate: Candidate, *, schedule: str, wa
         schedule=schedule, warmup_policy=warmup_policy, planner=planner, cluster=model.cluster.name,
         num_devices=model.cluster.num_devices, num_blocks=chain.num_blocks,
         block_names=tuple(block.name for block in chain.blocks),
+        allreduce_bucket_bytes=model.allreduce_bucket_bytes,
     )
 
 

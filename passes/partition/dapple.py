@@ -11,7 +11,7 @@ from tqdm import tqdm
 from fxpipe.core.chain import CostChain
 from fxpipe.core.cluster import Cluster
 from fxpipe.core.plan import BaselineResult, Plan
-from fxpipe.passes.partition import baselines
+from fxpipe.core.recompute import RecomputeError, RecomputeSetting, parse_recompute
 from fxpipe.passes.partition.block_partition import (
     balanced_cuts,
     coarse_boundaries,
@@ -22,6 +22,7 @@ from fxpipe.passes.partition.block_partition import (
     work_weights,
 )
 from fxpipe.passes.partition.candidates import Candidate, CandidateCosts, Span, spans_from_stops
+from fxpipe.passes.partition import baselines
 from fxpipe.passes.partition.every_device import plan_every_device
 from fxpipe.passes.partition.placement import host_aligned
 from fxpipe.passes.partition.polish import polish
@@ -35,6 +36,7 @@ from fxpipe.passes.partition.request import (
 )
 from fxpipe.passes.partition.scoring import best_dp, finish, score_candidates
 from fxpipe.passes.partition.search import search
+from fxpipe.sim.allreduce_overlap import DEFAULT_BUCKET_BYTES
 
 __all__ = ["PLANNERS", "InfeasiblePlanError", "LayoutError", "PlanningError", "on_fine_chain", "parse_layout", "partition",
            "plan_dapple"]
@@ -135,7 +137,9 @@ def _search_all(request: PlanRequest, model: CandidateCosts, grid: list[int],
     if chain.num_blocks > max_blocks:
         stops = coarse_boundaries(chain, max_blocks)
         search_model = CandidateCosts(coarsen_chain(chain, stops), request.cluster, request.global_batch_size,
-                                 request.optimizer, request.memory_limit_bytes, schedule=request.schedule)
+                                      request.optimizer, request.memory_limit_bytes, schedule=request.schedule,
+                                      recompute=request.recompute,
+                                      allreduce_bucket_bytes=request.allreduce_bucket_bytes)
     found: list[Candidate] = []
     closest: Candidate | None = None
     closest_ratio = float("inf")
@@ -252,11 +256,19 @@ def _check_num_stages(num_stages: int | None, planner: str, num_groups: int) -> 
                             "(runs of layers holding parameters); every stage needs parameters")
 
 
+def _recompute_setting(value: object) -> RecomputeSetting:
+    try:
+        return parse_recompute(value)
+    except RecomputeError as error:
+        raise PlanningError(str(error)) from None
+
+
 def partition(chain: CostChain, cluster: Cluster, global_batch_size: int, *, planner: str = "dapple",
               layout: str | None = None, num_microbatches: int | None = None,
               schedule: str = "early_backward", warmup_policy: str | None = None, optimizer: str = "adam",
               memory_limit_bytes: int | None = None, rerank: int = 16, progress: bool = False,
-              compare: bool = False, num_stages: int | None = None, all_devices: bool = False) -> Plan:
+              compare: bool = False, num_stages: int | None = None, all_devices: bool = False,
+              recompute: object = "auto", allreduce_bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Plan:
     """Plan hybrid pipeline + data parallel training of ``chain`` on ``cluster``.
 
     ``planner`` is a key of :data:`PLANNERS`; ``layout`` forces replica counts per stage
@@ -265,6 +277,10 @@ def partition(chain: CostChain, cluster: Cluster, global_batch_size: int, *, pla
     keeps exactly that many stages (``fxpipe.planning.plan_markers`` passes one block per stage).
     ``all_devices`` (what ``fxpipe.compile`` asks: every launched rank gets a role) keeps only plans
     using every device; when a plan on fewer devices is predicted faster, the plan's ``notes`` say so.
+    ``recompute`` (:func:`fxpipe.core.recompute.parse_recompute`): ``"auto"`` recomputes a stage's activations
+    in backward only where keeping them does not fit in memory; ``"never"``, ``"always"`` or per stage.
+    ``allreduce_bucket_bytes``: each stage all-reduces its gradients in buckets of this size as its last
+    backward produces them (0: one allreduce after it); recorded in the plan for the runtime.
     Every stage holds parameters: cuts fall only between :func:`parameter_groups`, so the README's
     ``torch.optim.AdamW(pipe.parameters())`` works on every rank.
     """
@@ -284,6 +300,7 @@ def partition(chain: CostChain, cluster: Cluster, global_batch_size: int, *, pla
         num_microbatches=num_microbatches, schedule=schedule, warmup_policy=warmup_policy,
         optimizer=optimizer, memory_limit_bytes=memory_limit_bytes or cluster.device.memory_bytes,
         rerank=rerank, progress=progress, num_stages=num_stages, all_devices=all_devices,
+        recompute=_recompute_setting(recompute), allreduce_bucket_bytes=allreduce_bucket_bytes,
     )
     check_request(request)
     plan = plan_every_device(request, PLANNERS[planner]) if all_devices else PLANNERS[planner](request)

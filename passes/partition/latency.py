@@ -1,7 +1,8 @@
 """DAPPLE's analytic iteration latency (pivot stage formula) for fast screening of candidate plans.
 
 Legend (REFERENCE.md 1.1): S stages, M micro-batches, F_s/B_s forward/backward seconds of stage s
-for one micro-batch (its largest replica slice), AR_s its gradient allreduce, Q the pivot stage.
+for one micro-batch (its largest replica slice; B_s includes F_s again when the stage recomputes its
+activations), AR_s its gradient allreduce, Q the pivot stage.
 
     L = sum_{s<=Q} F_s + (M-1)(F_Q+B_Q) + max_s(AR_s + Delta_s)
     Delta_s = sum_{t=s..Q} B_t (s <= Q),  -sum_{t=Q+1..s-1} B_t (s > Q)
@@ -27,7 +28,15 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from fxpipe.core.cluster import Cluster
 from fxpipe.core.plan import Plan
-from fxpipe.sim.stagecost import allreduce_times, message_seconds, stage_cost, transfer_time
+from fxpipe.sim.allreduce_overlap import stage_allreduce_offsets
+from fxpipe.sim.stagecost import (
+    allreduce_times,
+    backward_seconds,
+    message_seconds,
+    own_allreduce_bytes,
+    stage_cost,
+    transfer_time,
+)
 
 if TYPE_CHECKING:  # fxpipe.passes imports the planner, which imports this module
     from fxpipe.core.chain import CostChain
@@ -105,15 +114,21 @@ def stage_times(plan: Plan, chain: CostChain, cluster: Cluster) -> PipelineSteps
 
     A stage's allreduce leaves out parameters it shares with other stages; those are one allreduce
     over all their stages' devices (:func:`fxpipe.sim.stagecost.allreduce_times`), as the runtime does.
+    With ``plan.allreduce_bucket_bytes`` a stage's AR is only the tail its buckets leave after the
+    last backward (:mod:`fxpipe.sim.allreduce_overlap`).
     """
-    own, ties = allreduce_times(chain, cluster, [(s.first_block, s.stop_block, s.devices) for s in plan.stages])
+    _, ties = allreduce_times(chain, cluster, [(s.first_block, s.stop_block, s.devices) for s in plan.stages])
+    own_bytes = own_allreduce_bytes(chain, [(s.first_block, s.stop_block) for s in plan.stages])
     replicas = [s.replicas for s in plan.stages]
     stages = []
     for stage in plan.stages:
         cost = stage_cost(chain, stage.first_block, stage.stop_block, plan.microbatch_size, stage.replicas,
                           cluster.compute_slowdown)
         messages = message_seconds(cluster, plan.microbatch_size, replicas, stage.stage_index)
-        stages.append((cost.forward_s + messages, cost.backward_s + messages, own[stage.stage_index]))
+        backward_s = backward_seconds(cost.forward_s, cost.backward_s, stage.recompute)
+        _, tail = stage_allreduce_offsets(chain, cluster, stage.first_block, stage.stop_block, stage.devices,
+                                          cost.rows, own_bytes[stage.stage_index], plan.allreduce_bucket_bytes)
+        stages.append((cost.forward_s + messages, backward_s + messages, tail))
     hops = [transfer_time(cluster, chain.cut_bytes[before.stop_block - 1], plan.microbatch_size, before.devices,
                           after.devices) for before, after in zip(plan.stages, plan.stages[1:], strict=False)]
     return pipeline_steps(stages, hops, ties)

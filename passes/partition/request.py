@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from fxpipe.core.chain import CostChain
 from fxpipe.core.cluster import Cluster
+from fxpipe.core.recompute import RecomputeError, RecomputeSetting, check_stage_count
 from fxpipe.core.schedule import SCHEDULES, WARMUP_POLICIES
 from fxpipe.passes.partition.candidates import Candidate, CandidateCosts
 
@@ -46,10 +47,13 @@ class PlanRequest:
     progress: bool = False
     num_stages: int | None = None  # exactly this many stages (cuts fixed by pipe_split markers)
     all_devices: bool = False  # only plans that give every device a role (fxpipe.compile: every rank)
+    recompute: RecomputeSetting = "auto"  # checked by fxpipe.core.recompute.parse_recompute
+    allreduce_bucket_bytes: int = 0  # > 0: gradient allreduce in buckets overlapping the last backward
 
     def candidate_costs(self) -> CandidateCosts:
         return CandidateCosts(self.chain, self.cluster, self.global_batch_size, self.optimizer,
-                         self.memory_limit_bytes, schedule=self.schedule)
+                              self.memory_limit_bytes, schedule=self.schedule, recompute=self.recompute,
+                              allreduce_bucket_bytes=self.allreduce_bucket_bytes)
 
     def policies(self) -> tuple[str, ...]:
         if SCHEDULES[self.schedule].all_in_flight:
@@ -84,8 +88,30 @@ def check_request(request: PlanRequest) -> None:
         if request.num_stages is not None and m < request.num_stages:
             raise PlanningError(f"num_microbatches={m} is fewer than the {request.num_stages} stages the cuts "
                                 "(pipe_split markers) make; a pipeline needs M >= S")
+    if isinstance(request.recompute, tuple):
+        _check_recompute_stages(request.recompute, request.layout, request.num_stages)
+    bucket = request.allreduce_bucket_bytes
+    if not isinstance(bucket, int) or isinstance(bucket, bool) or bucket < 0:
+        raise PlanningError(f"allreduce_bucket_bytes must be a non-negative integer (0: one allreduce after "
+                            f"backward), got {bucket!r}")
     if request.rerank < 1:
         raise PlanningError(f"rerank must be at least 1, got {request.rerank}")
+
+
+def _check_recompute_stages(recompute: tuple[bool, ...], layout: tuple[int, ...] | None,
+                            num_stages: int | None) -> None:
+    """A per-stage recompute setting needs the stage count fixed (a layout or cuts) and matching."""
+    counts = {len(layout)} if layout is not None else set()
+    counts |= {num_stages} if num_stages is not None else set()
+    if not counts:
+        raise PlanningError(f"recompute gives per-stage choices {recompute} but the stage count is the planner's "
+                            "choice; force a layout such as '1:1' (or pipe_split cuts), or use 'auto'/'never'/"
+                            "'always'")
+    try:
+        for count in counts:
+            check_stage_count(recompute, count)
+    except RecomputeError as error:
+        raise PlanningError(str(error)) from None
 
 
 def microbatch_grid(request: PlanRequest) -> list[int]:

@@ -80,6 +80,8 @@ def infeasible_error(request: PlanRequest, model: CandidateCosts, closest: Candi
     table = tabulate(rows, headers=["stage", "blocks", "replicas", "need GiB", "capacity GiB", ""])
     advice = ("fixes: use more devices (more stages split the weights), a smaller micro-batch "
               "(num_microbatches larger), an optimizer with less state (optimizer='sgd'), or a larger "
-              "memory_limit_bytes if the device really has more memory")
+              "memory_limit_bytes if the device really has more memory"
+              + (", or recompute='auto' (recompute activations where they do not fit)"
+                 if request.recompute == "never" else ""))
     return InfeasiblePlanError(f"{head}.\nclosest attempt (micro-batch {closest.microbatch_rows} rows):\n"
                                f"{table}\n{advice}")

@@ -1,0 +1,52 @@
+"""Activation recomputation at run time: a stage's forward under non-reentrant checkpointing, exactly."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.checkpoint import checkpoint
+
+from fxpipe.core.plan import Plan
+from fxpipe.runtime.errors import PipelineSetupError
+
+
+def checkpointed_call(module: torch.nn.Module, args: Sequence[Any]) -> Any:
+    """``module(*args)`` keeping only ``args`` for backward, which runs the forward again first.
+
+    Non-reentrant checkpointing restores the RNG state (dropout draws the same masks) and the
+    autocast state; buffers the forward updates (BatchNorm running statistics) are put back after
+    the recomputation, so each micro-batch updates them once, as without recomputation.
+    """
+    return checkpoint(module, *args, use_reentrant=False, preserve_rng_state=True,
+                      context_fn=lambda: (contextlib.nullcontext(), _buffers_restored(module)))
+
+
+@contextlib.contextmanager
+def _buffers_restored(module: torch.nn.Module) -> Iterator[None]:
+    saved = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+
+
+def check_recompute_batch_norm(plan: Plan, stage_modules: Sequence[torch.nn.Module], batch_norm: str) -> None:
+    """Deferred/synchronised batch norm (collectives and sums per forward) cannot run twice per micro-batch.
+
+    Decided from the plan and every stage's module, so every rank raises alike.
+    """
+    if batch_norm == "microbatch":
+        return
+    for stage, module in zip(plan.stages, stage_modules, strict=True):
+        names = [name for name, layer in module.named_modules() if isinstance(layer, _BatchNorm)]
+        if stage.recompute and names:
+            raise PipelineSetupError(
+                f"stage {stage.stage_index} recomputes its activations but holds batch norm {names[0]!r} and "
+                f"batch_norm={batch_norm!r} sums statistics in every forward; pass recompute='never' (or "
+                "per stage, keeping that stage's activations) or batch_norm='microbatch'")

@@ -1,0 +1,81 @@
+"""Gradient allreduce overlapped with the last backward: bucket readiness and the tail after backward, on numbers.
+
+Legend: the stage's blocks run backward last to first; block k's gradients are final once the last
+micro-batch's backward has gone through it. Buckets fill in that order (a bucket closes once it
+holds ``bucket_bytes``) and are all-reduced one after another on one channel, each as soon as it is
+full and the previous one is done (the runtime launches them in this order on every replica):
+
+    ready_i = backward seconds up to the bucket's last block;  end_i = max(end_{i-1}, ready_i) + AR(bytes_i)
+
+Offsets are relative to the end of the backward: the first bucket starts ``ready_0 - B`` (<= 0),
+the tail ``end_last - B`` is what the iteration still waits for. Without buckets the whole
+allreduce starts after the backward (tail = AR of all bytes), as DAPPLE's formula charges it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from fxpipe.core.cluster import Cluster
+
+if TYPE_CHECKING:  # fxpipe.passes imports the planner, which imports this module
+    from fxpipe.core.chain import CostChain
+
+# DDP's default bucket size (torch.nn.parallel.DistributedDataParallel bucket_cap_mb=25).
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+def bucket_offsets(backward_s: Sequence[float], param_bytes: Sequence[float], bucket_bytes: int,
+                   allreduce_s: Callable[[float], float]) -> tuple[float, float]:
+    """``(start, end)`` of a stage's bucketed allreduce relative to the end of its last backward.
+
+    ``backward_s``/``param_bytes`` are per block in forward order; ``allreduce_s(bytes)`` is one
+    allreduce over the stage's replicas. ``bucket_bytes == 0``: one allreduce after backward.
+    """
+    total_bytes = sum(param_bytes)
+    if total_bytes <= 0 or allreduce_s(total_bytes) <= 0:
+        return 0.0, 0.0
+    if bucket_bytes <= 0:
+        return 0.0, allreduce_s(total_bytes)
+    total_s = sum(backward_s)
+    buckets = bucket_readiness(backward_s, param_bytes, bucket_bytes)
+    end = float("-inf")
+    for ready, num_bytes in buckets:
+        end = max(end, ready) + allreduce_s(num_bytes)
+    return buckets[0][0] - total_s, end - total_s
+
+
+def bucket_readiness(backward_s: Sequence[float], param_bytes: Sequence[float], bucket_bytes: int,
+                     ) -> list[tuple[float, float]]:
+    """``(seconds into the last backward when the bucket is full, bytes)`` per bucket, in launch order.
+
+    Blocks are given in forward order; a bucket closes once it holds ``bucket_bytes`` (as
+    :func:`fxpipe.runtime.buckets.make_buckets` does with parameters).
+    """
+    buckets: list[tuple[float, float]] = []
+    elapsed = filled = 0.0
+    for seconds, num_bytes in zip(reversed(backward_s), reversed(param_bytes), strict=True):
+        elapsed += seconds
+        filled += num_bytes
+        if filled >= bucket_bytes:
+            buckets.append((elapsed, filled))
+            filled = 0.0
+    if filled > 0:
+        buckets.append((elapsed, filled))
+    return buckets
+
+
+def stage_allreduce_offsets(chain: CostChain, cluster: Cluster, first: int, stop: int, devices: Sequence[int],
+                            rows: int, own_bytes: float, bucket_bytes: int) -> tuple[float, float]:
+    """:func:`bucket_offsets` of blocks ``[first, stop)`` on ``devices`` for a slice of ``rows`` rows.
+
+    ``own_bytes`` is what the stage's replica allreduce carries (tied parameters left out, see
+    :func:`fxpipe.stagecost.allreduce_times`); block bytes are scaled to add up to it.
+    """
+    blocks = chain.blocks[first:stop]
+    backward = [block.backward_s.at(rows) * cluster.compute_slowdown for block in blocks]
+    held = sum(block.param_bytes for block in blocks)
+    scale = own_bytes / held if held > 0 else 0.0
+    return bucket_offsets(backward, [block.param_bytes * scale for block in blocks], bucket_bytes,
+                          lambda num_bytes: cluster.allreduce_time(num_bytes, devices))
