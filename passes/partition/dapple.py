@@ -12,6 +12,7 @@ from fxpipe.core.chain import CostChain
 from fxpipe.core.cluster import Cluster
 from fxpipe.core.plan import BaselineResult, Plan
 from fxpipe.core.recompute import RecomputeError, RecomputeSetting, parse_recompute
+from fxpipe.passes.partition import baselines
 from fxpipe.passes.partition.block_partition import (
     balanced_cuts,
     coarse_boundaries,
@@ -22,7 +23,6 @@ from fxpipe.passes.partition.block_partition import (
     work_weights,
 )
 from fxpipe.passes.partition.candidates import Candidate, CandidateCosts, Span, spans_from_stops
-from fxpipe.passes.partition import baselines
 from fxpipe.passes.partition.every_device import plan_every_device
 from fxpipe.passes.partition.placement import host_aligned
 from fxpipe.passes.partition.polish import polish
