@@ -13,7 +13,7 @@ from typing import Any
 from fxpipe.jsonvalues import JSONValueError, field_hints, read_field
 
 FORMAT_VERSION = 1
-SCHEDULES = ("early_backward", "gpipe")
+SCHEDULES = ("early_backward", "gpipe", "zero_bubble")
 WARMUP_POLICIES = ("A", "B")
 PLAN_KEYWORDS = ("auto", "markers")
 LAYOUT_PATTERN = re.compile(r"dp|[0-9]+(:[0-9]+)+")

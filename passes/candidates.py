@@ -8,7 +8,7 @@ from functools import lru_cache
 
 from fxpipe.cluster import Cluster
 from fxpipe.costgraph import Affine
-from fxpipe.latency import PipelineSteps, pipeline_latency, pipeline_steps
+from fxpipe.latency import PipelineSteps, pipeline_steps
 from fxpipe.passes.chain import CostChain
 from fxpipe.plan import Plan, Prediction, StagePlan
 from fxpipe.schedule import warmup_forwards
@@ -124,27 +124,28 @@ class CostModel:
         return pipeline_steps(stages, hops, ties)
 
     def latency(self, spans: Sequence[Span], rows: int) -> float:
-        forward, backward, allreduce, groups = self.steps(spans, rows)
-        return pipeline_latency(forward, backward, allreduce, self.global_batch_size // rows, groups)
+        return self.steps(spans, rows).latency(self.global_batch_size // rows, self.schedule == "zero_bubble")
 
-    def inflight(self, stage_index: int, num_stages: int, num_microbatches: int, warmup_policy: str) -> int:
-        """K_s: micro-batches stage ``stage_index`` holds at once (all of them under GPipe)."""
-        if self.schedule == "gpipe":
+    def inflight(self, stage_index: int, num_stages: int, num_microbatches: int, warmup_policy: str,
+                 schedule: str | None = None) -> int:
+        """K_s: micro-batches stage ``stage_index`` holds at once (all of them under GPipe; zero-bubble
+        holds what early backward holds). ``schedule`` defaults to the model's."""
+        if (schedule or self.schedule) == "gpipe":
             return num_microbatches
         return warmup_forwards(stage_index, num_stages, num_microbatches, warmup_policy)
 
-    def memory(self, spans: Sequence[Span], rows: int, warmup_policy: str) -> list[int]:
-        """Peak bytes per device of every stage under the plan's schedule."""
+    def memory(self, spans: Sequence[Span], rows: int, warmup_policy: str, schedule: str | None = None) -> list[int]:
+        """Peak bytes per device of every stage under ``schedule`` (default: the model's)."""
         num_microbatches = self.global_batch_size // rows
         return [
             stage_memory_bytes(self.cost(span.first, span.stop, rows, len(span.devices)),
-                               self.inflight(index, len(spans), num_microbatches, warmup_policy),
+                               self.inflight(index, len(spans), num_microbatches, warmup_policy, schedule),
                                self.optimizer)
             for index, span in enumerate(spans)
         ]
 
-    def fits(self, spans: Sequence[Span], rows: int, warmup_policy: str = "A") -> bool:
-        return max(self.memory(spans, rows, warmup_policy)) <= self.memory_limit_bytes
+    def fits(self, spans: Sequence[Span], rows: int, warmup_policy: str = "A", schedule: str | None = None) -> bool:
+        return max(self.memory(spans, rows, warmup_policy, schedule)) <= self.memory_limit_bytes
 
     def candidate(self, spans: Sequence[Span], rows: int) -> Candidate:
         return Candidate(self.latency(spans, rows), rows, tuple(spans))
@@ -156,7 +157,7 @@ def build_plan(model: CostModel, candidate: Candidate, *, schedule: str, warmup_
     chain = model.chain
     rows = candidate.microbatch_rows
     num_microbatches = model.global_batch_size // rows
-    memory = model.memory(candidate.spans, rows, warmup_policy)
+    memory = model.memory(candidate.spans, rows, warmup_policy, schedule)
     stages = []
     for index, span in enumerate(candidate.spans):
         cost = model.cost(span.first, span.stop, rows, len(span.devices))

@@ -26,6 +26,7 @@ from fxpipe.passes.partition_polish import polish
 from fxpipe.passes.partition_search import search
 from fxpipe.passes.placement import host_aligned
 from fxpipe.passes.plan_scoring import (
+    AUTO_SCHEDULE,
     InfeasiblePlanError,
     LayoutError,
     PlanningError,
@@ -216,6 +217,8 @@ PLANNERS: dict[str, Planner] = {"dapple": plan_dapple, **baselines.BASELINES}
 
 
 def _baseline_results(request: PlanRequest) -> tuple[tuple[str, BaselineResult], ...]:
+    if request.schedule == AUTO_SCHEDULE:  # the baselines keep their published schedule, early backward
+        request = replace(request, schedule="early_backward")
     results = []
     for name, planner in sorted(baselines.BASELINES.items()):
         try:
@@ -256,7 +259,7 @@ def _check_num_stages(num_stages: int | None, planner: str, num_groups: int) -> 
 
 def partition(chain: CostChain, cluster: Cluster, global_batch_size: int, *, planner: str = "dapple",
               layout: str | None = None, num_microbatches: int | None = None,
-              schedule: str = "early_backward", warmup_policy: str | None = None, optimizer: str = "adam",
+              schedule: str = "auto", warmup_policy: str | None = None, optimizer: str = "adam",
               memory_limit_bytes: int | None = None, rerank: int = 16, progress: bool = False,
               compare: bool = False, num_stages: int | None = None, all_devices: bool = False) -> Plan:
     """Plan hybrid pipeline + data parallel training of ``chain`` on ``cluster``.

@@ -20,6 +20,10 @@ LARGE_CLUSTER_DEVICES = 16
 MAX_GRID_LARGE = 6
 
 
+# The schedule value that lets the planner pick early backward, zero-bubble or GPipe per plan.
+AUTO_SCHEDULE = "auto"
+
+
 class PlanningError(ValueError):
     """A planning request cannot be served; the message names the bad value and the fix."""
 
@@ -41,7 +45,7 @@ class PlanRequest:
     global_batch_size: int
     layout: tuple[int, ...] | None = None
     num_microbatches: int | None = None
-    schedule: str = "early_backward"
+    schedule: str = "early_backward"  # or "auto": each candidate under every schedule, keep the fastest
     warmup_policy: str | None = None
     optimizer: str = "adam"
     memory_limit_bytes: int = 0
@@ -54,8 +58,8 @@ class PlanRequest:
         return CostModel(self.chain, self.cluster, self.global_batch_size, self.optimizer,
                          self.memory_limit_bytes, schedule=self.schedule)
 
-    def policies(self) -> tuple[str, ...]:
-        if self.schedule == "gpipe":
+    def policies(self, schedule: str | None = None) -> tuple[str, ...]:
+        if (schedule or self.schedule) == "gpipe":
             return ("A",)  # GPipe keeps every micro-batch in flight; K_s = M regardless of policy
         return (self.warmup_policy,) if self.warmup_policy else WARMUP_POLICIES
 
@@ -70,8 +74,9 @@ def check_request(request: PlanRequest) -> None:
     """Raise a specific PlanningError for a request no planner can serve."""
     if not isinstance(request.global_batch_size, int) or request.global_batch_size < 1:
         raise PlanningError(f"global_batch_size must be a positive integer, got {request.global_batch_size!r}")
-    if request.schedule not in SCHEDULES:
-        raise PlanningError(f"schedule {request.schedule!r} is unknown; choose one of {SCHEDULES}")
+    if request.schedule not in (*SCHEDULES, AUTO_SCHEDULE):
+        raise PlanningError(f"schedule {request.schedule!r} is unknown; choose one of {SCHEDULES} or "
+                            f"{AUTO_SCHEDULE!r} (the planner picks per plan)")
     if request.warmup_policy is not None and request.warmup_policy not in WARMUP_POLICIES:
         raise PlanningError(f"warmup_policy {request.warmup_policy!r} is unknown; choose one of "
                             f"{WARMUP_POLICIES} or None to let the planner choose")
@@ -128,17 +133,42 @@ def simulate_plan(plan: Plan, request: PlanRequest) -> tuple[float, float]:
 
 def score_candidates(request: PlanRequest, model: CostModel, candidates: Iterable[Candidate],
                      planner: str) -> Scored | None:
-    """Simulate every candidate under every allowed warm-up policy that fits in memory; keep the fastest."""
+    """Simulate every candidate under every allowed schedule and warm-up policy that fits in memory;
+    keep the fastest (the first on ties: candidates in the order given)."""
     best: Scored | None = None
     for candidate in candidates:
-        for policy in request.policies():
-            if not model.fits(candidate.spans, candidate.microbatch_rows, policy):
-                continue
-            plan = build_plan(model, candidate, schedule=request.schedule, warmup_policy=policy, planner=planner)
-            time_s, bubble = simulate_plan(plan, request)
-            if best is None or time_s < best.time_s * (1 - 1e-12):
-                plan = with_prediction(plan, time_s, bubble, candidate.latency_s, 0.0)
-                best = Scored(time_s, plan)
+        scored = _score_candidate(request, model, candidate, planner)
+        if scored is not None and (best is None or scored.time_s < best.time_s * (1 - 1e-12)):
+            best = scored
+    return best
+
+
+def _score_candidate(request: PlanRequest, model: CostModel, candidate: Candidate, planner: str) -> Scored | None:
+    """The candidate's fastest schedule. Under ``"auto"``: early backward (policies A and B) first, then
+    zero-bubble with the better policy (same memory), then GPipe; another schedule must be strictly
+    faster to replace early backward, so the default stays where the others are not predicted faster."""
+    best: Scored | None = None
+
+    def trial(schedule: str, policy: str) -> None:
+        nonlocal best
+        if not model.fits(candidate.spans, candidate.microbatch_rows, policy, schedule):
+            return
+        plan = build_plan(model, candidate, schedule=schedule, warmup_policy=policy, planner=planner)
+        time_s, bubble = simulate_plan(plan, request)
+        if best is None or time_s < best.time_s * (1 - 1e-12):
+            analytic_s = candidate.latency_s
+            if schedule == "zero_bubble" and model.schedule != schedule:  # the pivot model of this schedule
+                analytic_s = model.steps(candidate.spans, candidate.microbatch_rows).latency(
+                    plan.num_microbatches, split_backward=True)
+            best = Scored(time_s, with_prediction(plan, time_s, bubble, analytic_s, 0.0))
+
+    auto = request.schedule == AUTO_SCHEDULE
+    first = "early_backward" if auto else request.schedule
+    for policy in request.policies(first):
+        trial(first, policy)
+    if auto and best is not None:  # neither fits when early backward does not (same or more memory)
+        trial("zero_bubble", best.plan.warmup_policy)
+        trial("gpipe", "A")
     return best
 
 

@@ -98,6 +98,8 @@ class PipelineDriver:
         self.num_replicas = plan.stages[self.stage_index].replicas
         self.is_last = self.stage_index == plan.num_stages - 1
         self.actions = lowered_actions(plan, self.stage_index)
+        # zero-bubble: B computes input gradients only and W (after it) the parameter gradients
+        self.split_backward = any(action.op is Op.WEIGHT for action in self.actions)
         self.rows = RowMap.of(plan, self.replica_index, self.num_replicas)
         self.value_index = {name: i for i, name in enumerate(sorted(program.values))}
         self.dtypes = infer_value_dtypes(program, context.device, autocast_dtype)
@@ -231,7 +233,8 @@ class PipelineDriver:
         self.runner.reset()
         handlers = {Op.RECV_ACTIVATION: self._recv_activation, Op.FORWARD: self._forward,
                     Op.SEND_ACTIVATION: self._send_activation, Op.RECV_GRADIENT: self._recv_gradient,
-                    Op.BACKWARD: self._backward, Op.SEND_GRADIENT: self._send_gradient}
+                    Op.BACKWARD: self._backward_input if self.split_backward else self._backward,
+                    Op.WEIGHT: self._backward_weight, Op.SEND_GRADIENT: self._send_gradient}
         if self.measure:
             self._measured_step(state, stash, handlers)
         else:
@@ -362,6 +365,13 @@ class PipelineDriver:
     def _backward(self, state: _StepState, m: int) -> None:
         state.input_grads[m] = self.runner.backward(m, state.output_grads.pop(m, {}))
         state.outputs.pop(m, None)
+
+    def _backward_input(self, state: _StepState, m: int) -> None:
+        state.input_grads[m] = self.runner.backward_input(m, state.output_grads.pop(m, {}))
+        state.outputs.pop(m, None)
+
+    def _backward_weight(self, state: _StepState, m: int) -> None:
+        self.runner.backward_weight(m)
 
     def _send_gradient(self, state: _StepState, m: int) -> None:
         grads, received = state.input_grads.pop(m), state.received.pop(m)
