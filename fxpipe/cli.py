@@ -26,7 +26,8 @@ def _add_planning_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", default=None, help="force replica counts per stage: 3:1, 1:1:1:1, dp; or "
                         "markers: cut at the model's pipe_split() calls, the planner picks replicas and placement")
     parser.add_argument("--num-microbatches", type=int, default=None, help="force M (default: planner chooses)")
-    parser.add_argument("--schedule", default="early_backward", choices=["early_backward", "gpipe"])
+    parser.add_argument("--schedule", default="auto", choices=["auto", "early_backward", "gpipe", "zero_bubble"],
+                        help="auto (default): the planner picks per plan; zero_bubble splits backward (B, W)")
     parser.add_argument("--optimizer", default="adam", help="memory model: sgd, momentum, adam")
     parser.add_argument("--compare", action="store_true", help="also run every baseline planner")
     parser.add_argument("--json", dest="json_out", default=None, help="write the plan file here")

@@ -23,7 +23,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--plan", default="auto", help="auto, markers (cut at pipe_split() calls), a layout such "
                         "as 2:1:1, or a plan JSON file")
-    parser.add_argument("--schedule", default="dapple", choices=["dapple", "gpipe"])
+    parser.add_argument("--schedule", default="dapple", choices=["dapple", "gpipe", "zero_bubble", "auto"])
     parser.add_argument("--num-microbatches", type=int, default=None)
     parser.add_argument("--data", default="auto",
                         help="stdlib: byte-level Python standard library text (language models); random: "
