@@ -79,8 +79,7 @@ def backward_weights(work: WeightWork | None, params: Sequence[torch.nn.Paramete
     """W: accumulate the parameter gradients of one micro-batch into ``.grad`` (as backward would)."""
     if work is None or not work.param_groups:
         return
-    for group in work.param_groups:
-        if any(grads is None for grads in group["grads"]):
-            raise RuntimeError("split backward: a parameter group's captured gradient is missing; "
-                               "the input-gradient pass did not reach every join of the parameter paths")
+    # every join lies on the inputs' path, so B reached it (internal invariant)
+    assert all(grads is not None for group in work.param_groups for grads in group["grads"]), \
+        "split backward: B did not reach every join of the parameter paths"
     pipelining_backward.stage_backward_weight(iter(params), work.param_groups)
