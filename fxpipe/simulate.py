@@ -134,13 +134,14 @@ def _slowdowns(cluster: Cluster, compute_scale: Sequence[float] | None) -> tuple
     return tuple(cluster.compute_slowdown * factor for factor in scale)
 
 
-# The planner simulates hundreds of plans with the same few schedules: build, validate and lower once.
-@functools.lru_cache(maxsize=32)
+# The planner simulates hundreds of plans with the same few schedules (x4 under schedule="auto"): build,
+# validate and lower once.
+@functools.lru_cache(maxsize=128)
 def _default_schedule(name: str, num_stages: int, num_microbatches: int, warmup_policy: str) -> Schedule:
     return make_schedule(name, num_stages, num_microbatches, warmup_policy)
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=128)
 def _prepared(schedule: Schedule) -> tuple[tuple[Program, ...], tuple[int, ...]]:
     """The validated schedule's per-stage programs and in-flight peaks."""
     validate_schedule(schedule)
