@@ -137,6 +137,28 @@ def test_planner_picks_zero_bubble_when_predicted_faster_and_keeps_early_backwar
     assert compared.schedule == "zero_bubble" and compared.baselines
 
 
+@pytest.mark.parametrize(("layout", "expected"), [("2:1", "zero_bubble"), ("2:1:1", "zero_bubble"),
+                                                ("3:1", "zero_bubble"), ("1:2", "gpipe")])
+def test_planner_picks_the_fastest_schedule_with_any_replica_counts(layout: str, expected: str) -> None:
+    # 1:2: GPipe's last stage runs all its backwards early, so its 2-replica allreduce overlaps stage 0
+    heavy = chain([1.0, 1.0, 1.0], [10**8, 10**8, 10**8], cut_bytes_per_row=1.0)
+    net = cluster(1, 4, intra=1e9)
+    auto = partition(heavy, net, 24, layout=layout, num_microbatches=6)
+    forced = {name: partition(heavy, net, 24, layout=layout, num_microbatches=6, schedule=name)
+              for name in ("early_backward", "zero_bubble", "gpipe")}
+    assert auto.layout == layout and auto.schedule == expected
+    times = {name: plan.predicted.iteration_time_s for name, plan in forced.items() if plan.predicted is not None}
+    assert auto.predicted is not None and auto.predicted.iteration_time_s == min(times.values()) == times[expected]
+    assert times[expected] < times["early_backward"]
+    # zero-bubble's memory is early backward's for the same cuts and warm-up policy
+    zb = forced["zero_bubble"]
+    eb = partition(heavy, net, 24, layout=layout, num_microbatches=6, schedule="early_backward",
+                   warmup_policy=zb.warmup_policy)
+    assert [(st.first_block, st.stop_block) for st in eb.stages] == [(st.first_block, st.stop_block)
+                                                                    for st in zb.stages]
+    assert [st.peak_memory_bytes for st in zb.stages] == [st.peak_memory_bytes for st in eb.stages]
+
+
 class _Block(torch.nn.Module):
     """A stage with a skip path, a parameter used twice and one used off the input's path."""
 
