@@ -61,9 +61,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
 
 
 def layer_of(node: fx.Node) -> int | None:
-    """Index of the ``h.<i>`` block a node belongs to (GPT zoo layout), None outside the blocks."""
+    """Index of the ``h.<i>`` (GPT) or ``blocks.<i>`` (tied-lm's residual MLP) block a node belongs to,
+    None outside the blocks."""
     parts = str(node.meta.get(meta.MODULE_PATH, "")).split(".")
-    return int(parts[1]) if len(parts) >= 2 and parts[0] == "h" and parts[1].isdigit() else None
+    return int(parts[1]) if len(parts) >= 2 and parts[0] in ("h", "blocks") and parts[1].isdigit() else None
 
 
 def layer_bounds(num_layers: int, num_stages: int) -> list[int]:

@@ -22,7 +22,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from tabulate import tabulate
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleavedZeroBubble,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_common import (  # noqa: E402
@@ -66,7 +71,7 @@ class StageAdapter(torch.nn.Module):
 class TorchSide:
     """This rank's torch.distributed.pipelining stage, schedule and tied-gradient group."""
 
-    schedule: Schedule1F1B
+    schedule: Any  # a torch.distributed.pipelining schedule (TORCH_SCHEDULES)
     module: StageAdapter
     parameters: list[torch.nn.Parameter]
     names: dict[int, str]
@@ -75,8 +80,16 @@ class TorchSide:
     num_stages: int
 
 
-def build_torch_side(workload: Workload, stages: list[list[str]]) -> TorchSide:
-    """The same layer-cut stage code as fxpipe's, run by torch's PipelineStage + Schedule1F1B."""
+# torch's schedules that run the same stages (one per rank): single-stage ones take the stage, the
+# interleaved family a list of this rank's stages (here one; ZBV needs two per rank, so it does not apply).
+TORCH_SCHEDULES: dict[str, tuple[Any, bool]] = {
+    "Schedule1F1B": (Schedule1F1B, False), "ScheduleGPipe": (ScheduleGPipe, False),
+    "ScheduleInterleavedZeroBubble": (ScheduleInterleavedZeroBubble, True),
+}
+
+
+def build_torch_side(workload: Workload, stages: list[list[str]], schedule_name: str = "Schedule1F1B") -> TorchSide:
+    """The same layer-cut stage code as fxpipe's, run by torch's PipelineStage + ``schedule_name``."""
     from fxpipe.passes import trace
     from fxpipe.passes.codegen import split_stages
 
@@ -86,7 +99,9 @@ def build_torch_side(workload: Workload, stages: list[list[str]]) -> TorchSide:
     stage = program.stages[rank]
     adapter = StageAdapter(stage.module, _argument_order(program, rank), _last_output(program, rank))
     pipeline_stage = PipelineStage(adapter, rank, num_stages, torch.device("cpu"))
-    schedule = Schedule1F1B(pipeline_stage, workload.num_microbatches, loss_fn=workload.loss_fn())
+    schedule_cls, takes_list = TORCH_SCHEDULES[schedule_name]
+    schedule = schedule_cls([pipeline_stage] if takes_list else pipeline_stage, workload.num_microbatches,
+                            loss_fn=workload.loss_fn())
     names = {id(stage.module.get_parameter(path)): original for path, original in stage.param_names
              if _is_parameter(stage.module, path)}
     parameters = list(dict.fromkeys(adapter.parameters()))
@@ -238,9 +253,13 @@ def report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    bench_main(argv, __doc__, RESULTS,
-               lambda warmup, steps: report(run(DEFAULT_WORKLOAD, num_warmup=warmup, num_steps=steps)),
-               steps=10, warmup=2)
+    from benchmarks import vs_torch_schedules  # it imports this module's torch side
+
+    def run_and_report(warmup: int, steps: int) -> str:
+        first = report(run(DEFAULT_WORKLOAD, num_warmup=warmup, num_steps=steps))
+        return first + "\n" + vs_torch_schedules.run_and_report(warmup, steps)
+
+    bench_main(argv, __doc__, RESULTS, run_and_report, steps=10, warmup=2)
 
 
 if __name__ == "__main__":

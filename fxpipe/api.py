@@ -238,7 +238,8 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
     ``"3:1"`` (planner picks cuts and placement), ``"markers"`` (cuts at the model's
     ``torch.distributed.pipelining.pipe_split()`` calls; the planner picks replicas and placement on
     every rank), a :class:`Plan`, or a plan JSON path. ``schedule``:
-    ``"dapple"`` (early backward) or ``"gpipe"``; None keeps the plan's. ``loss_fn(output, targets)``
+    ``"dapple"`` (early backward), ``"gpipe"``, ``"zero_bubble"`` (split backward, W deferred) or
+    ``"auto"`` (the planner picks per plan); None keeps the plan's (plans made here: ``"dapple"``). ``loss_fn(output, targets)``
     returns what ``loss_reduction`` says: ``"mean"`` a per-row mean scalar, ``"sum"`` a sum over rows,
     ``"token_mean"`` a ``(sum, count)`` pair (e.g. tokens not equal to ``ignore_index``).
     ``sync_params``: ``"broadcast"`` (replicas and tied weights start from the lowest rank's values),
@@ -397,7 +398,7 @@ def apply_overrides(plan: Plan, options: CompileOptions) -> Plan:
         raise PipelineSetupError(f"global_batch_size={options.global_batch_size} but the plan was made for "
                                  f"{plan.global_batch_size}; re-plan or pass the plan's batch size")
     changes: dict[str, Any] = {}
-    if options.schedule is not None:
+    if options.schedule is not None and _schedule_name(options.schedule) != "auto":  # auto: keep the plan's
         changes["schedule"] = _schedule_name(options.schedule)
     if options.num_microbatches is not None:
         changes["num_microbatches"] = options.num_microbatches
@@ -407,10 +408,12 @@ def apply_overrides(plan: Plan, options: CompileOptions) -> Plan:
 
 
 def _schedule_name(schedule: str) -> str:
+    if schedule == "auto":  # the planner picks early backward, zero-bubble or GPipe per plan
+        return schedule
     try:
         return schedule_name(schedule)
     except ScheduleError as error:
-        raise PipelineSetupError(str(error)) from None
+        raise PipelineSetupError(f"{error}; or 'auto' (the planner picks)") from None
 
 
 def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, context: DistContext,

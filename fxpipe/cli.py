@@ -27,7 +27,9 @@ def _add_planning_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", default=None, help="force replica counts per stage: 3:1, 1:1:1:1, dp; or "
                         "markers: cut at the model's pipe_split() calls, the planner picks replicas and placement")
     parser.add_argument("--num-microbatches", type=int, default=None, help="force M (default: planner chooses)")
-    parser.add_argument("--schedule", default="early_backward", choices=sorted(SCHEDULES))
+    parser.add_argument("--schedule", default="early_backward", choices=[*sorted(SCHEDULES), "auto"],
+                        help="early_backward (default, DAPPLE's 1F1B); zero_bubble splits backward (B, W); "
+                             "auto: the planner picks per plan")
     parser.add_argument("--optimizer", default="adam", help="memory model: sgd, momentum, adam")
     parser.add_argument("--recompute", default="auto", help="activation recomputation in backward: auto (only "
                         "stages whose activations do not fit), never, always, or per stage: keep,recompute,...")

@@ -25,7 +25,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--plan", default="auto", help="auto, markers (cut at pipe_split() calls), a layout such "
                         "as 2:1:1, or a plan JSON file")
-    parser.add_argument("--schedule", default="dapple", choices=schedule_names())
+    parser.add_argument("--schedule", default="dapple", choices=[*schedule_names(), "auto"])
     parser.add_argument("--num-microbatches", type=int, default=None)
     parser.add_argument("--recompute", default="auto", help="activation recomputation: auto (where activations do "
                         "not fit), never, always, or per stage keep,recompute,...; a plan file's choices stay with auto")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks import overhead, runtime_fidelity, schedule_memory, vs_torch_pipelining
+from benchmarks import overhead, runtime_fidelity, schedule_memory, vs_torch_pipelining, vs_torch_schedules
 from benchmarks.bench_common import ActivationMeter, Workload, layer_bounds, layer_cut_stages
 
 TINY = (("n_layer", 4), ("n_embd", 16), ("block_size", 8), ("vocab_size", 32), ("n_head", 2))
@@ -82,6 +82,21 @@ def test_vs_torch_pipelining_smoke() -> None:
     assert result["gradient_gap"] < 1e-5  # both systems compute the same gradients
     assert all(m["fxpipe"] > 0 and m["torch"] > 0 for m in result["memory"])
     assert "Schedule1F1B" in vs_torch_pipelining.report(result)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_vs_torch_schedules_smoke() -> None:
+    from benchmarks.bench_common import run_ranks
+
+    per_rank = run_ranks(vs_torch_schedules.compare_rank, 2, tiny(8, 4), 0, 1)
+    names = {f"fxpipe {s}" for s in vs_torch_schedules.FX_SCHEDULES} | {
+        f"torch {s}" for s in vs_torch_pipelining.TORCH_SCHEDULES}
+    assert set(per_rank[0]["times"]) == set(per_rank[0]["memory"]) == names
+    for memory in (r["memory"] for r in per_rank):  # zero-bubble keeps what early backward keeps
+        assert 0 < memory["fxpipe zero_bubble"] == memory["fxpipe early_backward"] < memory["fxpipe gpipe"]
+    bubbles = run_ranks(vs_torch_schedules.bubble_rank, 2, tiny(8, 4), 0, 2)
+    assert all(0 < busy <= step for r in bubbles for busy, step in r["stats"]["zero_bubble"])
 
 
 @pytest.mark.multiprocess

@@ -36,7 +36,12 @@ class Config:
 LAYOUTS = [(1, 1), (1, 1, 1, 1), (3, 1), (1, 3), (2, 2), (2, 1, 1), (4,)]
 CONFIGS = [Config(layout) for layout in LAYOUTS] + [
     Config(layout, "gpipe", num_microbatches=2) for layout in [(1, 1, 1, 1), (3, 1), (2, 1, 1)]
-] + [Config(layout, "early_backward", "B", num_microbatches=4) for layout in [(1, 1, 1, 1), (1, 3), (2, 2)]]
+] + [Config(layout, "early_backward", "B", num_microbatches=4) for layout in [(1, 1, 1, 1), (1, 3), (2, 2)]] + [
+    # split backward (B then W): every exact-training layout plus 2:1 and 1:2, both warm-up policies
+    Config(layout, "zero_bubble", policy, num_microbatches)
+    for layout, policy, num_microbatches in [*((layout, "A", 3) for layout in LAYOUTS), ((2, 1), "A", 4),
+                                             ((1, 2), "B", 4), ((1, 1, 1, 1), "B", 4)]
+]
 
 
 def _reference(entry: zoo.ModelEntry, batches: list[Any]) -> dict[str, Any]:

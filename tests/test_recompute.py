@@ -203,3 +203,31 @@ def test_recompute_refuses_deferred_batch_norm_on_a_recomputing_stage() -> None:
     check_recompute_batch_norm(force_recompute(plan, "never"), modules, "deferred")
     with pytest.raises(PipelineSetupError, match="stage 1 recomputes .* batch norm '0'"):
         check_recompute_batch_norm(plan, modules, "deferred")
+
+
+def test_zero_bubble_and_recomputation_are_refused_together_not_run() -> None:
+    """Split backward (B, then W on the same graph) cannot rerun a checkpointed forward: the planner keeps
+    zero-bubble plans free of recomputation, and a plan given whole with both fails on every rank at compile."""
+    import torch
+    from torch import nn
+
+    from fxpipe.passes import trace
+    from fxpipe.runtime.errors import PipelineSetupError
+    from fxpipe.runtime.recompute import check_recompute_batch_norm
+    from tests.mp_utils import plan_from_cuts
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    gm = trace(model, (torch.randn(8, 4),))
+    plan = force_recompute(plan_from_cuts(gm, (1, 1), 8, 4, schedule="zero_bubble"), "always")
+    with pytest.raises(PipelineSetupError, match="zero-bubble's split backward"):
+        check_recompute_batch_norm(plan, [model, model], "microbatch")
+    check_recompute_batch_norm(force_recompute(plan, "never"), [model, model], "microbatch")  # either alone is fine
+    from fxpipe.passes.partition.dapple import partition
+    from tests.planner_cases import chain as planner_chain
+    from tests.planner_cases import cluster as planner_cluster
+
+    small = planner_chain([1.0, 1.0], [10**6, 10**6])
+    with pytest.raises(PlanningError, match="zero_bubble"):
+        partition(small, planner_cluster(1, 2), 8, layout="1:1", schedule="zero_bubble", recompute="always")
+    auto = partition(small, planner_cluster(1, 2), 8, layout="1:1", schedule="auto", recompute="always")
+    assert auto.schedule != "zero_bubble" and all(stage.recompute for stage in auto.stages)

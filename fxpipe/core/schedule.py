@@ -1,4 +1,4 @@
-"""Pipeline schedules as data: per-stage action lists (GPipe, early-backward), lowering, validation, tables."""
+"""Pipeline schedules as data: per-stage action lists (GPipe, early-backward, zero-bubble), lowering, validation."""
 
 from __future__ import annotations
 
@@ -10,10 +10,16 @@ from tabulate import tabulate
 
 
 class Op(StrEnum):
-    """What one action does. FORWARD/BACKWARD compute; the others move data or gradients."""
+    """What one action does. FORWARD/BACKWARD/WEIGHT compute; the others move data or gradients.
+
+    In schedules without WEIGHT actions BACKWARD is the whole backward; in split-backward
+    (zero-bubble) schedules BACKWARD computes only the input gradients (what the previous stage
+    waits for) and WEIGHT the parameter gradients of the same micro-batch, later.
+    """
 
     FORWARD = "F"
     BACKWARD = "B"
+    WEIGHT = "W"
     RECV_ACTIVATION = "RA"
     SEND_ACTIVATION = "SA"
     RECV_GRADIENT = "RG"
@@ -34,8 +40,9 @@ class Action:
 class Schedule:
     """Compute order of every stage; all replicas of a stage run the same list.
 
-    ``per_stage[s]`` holds only FORWARD and BACKWARD actions; :func:`lower` adds the transfers
-    and the gradient allreduce that the simulator and the runtime both execute.
+    ``per_stage[s]`` holds only FORWARD, BACKWARD and WEIGHT actions; :func:`lower` adds the
+    transfers and the gradient allreduce that the simulator and the runtime both execute. A schedule
+    either has a WEIGHT action for every (stage, micro-batch) or none (:attr:`split_backward`).
     """
 
     name: str
@@ -45,6 +52,11 @@ class Schedule:
 
     def __str__(self) -> str:
         return format_schedule(self)
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether backward is split into B (input gradients) and W (parameter gradients)."""
+        return any(action.op is Op.WEIGHT for actions in self.per_stage for action in actions)
 
 
 class ScheduleError(ValueError):
@@ -98,6 +110,39 @@ def early_backward(num_stages: int, num_microbatches: int, warmup_policy: str = 
     return Schedule(f"early_backward_{warmup_policy}", num_stages, num_microbatches, tuple(per_stage))
 
 
+def zero_bubble(num_stages: int, num_microbatches: int, warmup_policy: str = "A") -> Schedule:
+    """ZB-H1-style split backward with early-backward's memory: 1F1B order, W deferred where it is free.
+
+    Stage s runs the K_s warm-up forwards of :func:`early_backward`, then per micro-batch B (input
+    gradients, sent upstream at once), W (its parameter gradients) and the next F. W comes before
+    that F so a stage never holds more than K_s micro-batches' activations (F done, W not yet):
+    the same per-stage peak as early backward (:func:`inflight_peak`). The gain is the critical
+    path: a gradient crosses each stage in B instead of B + W, which shrinks the warm-up and
+    drain bubbles by about (S - 1) W (Qi et al. 2023, "Zero Bubble Pipeline Parallelism").
+    Once no forward is left, the stage runs its remaining B's first and fills the wait for the
+    next gradient with the deferred W's (one W after each B, the rest at the end).
+    """
+    _check_sizes(num_stages, num_microbatches)
+    per_stage = []
+    for stage_index in range(num_stages):
+        num_warmup = warmup_forwards(stage_index, num_stages, num_microbatches, warmup_policy)
+        actions = [Action(Op.FORWARD, m) for m in range(num_warmup)]
+        pending_weights: list[int] = []
+        for m in range(num_microbatches):
+            actions.append(Action(Op.BACKWARD, m))
+            pending_weights.append(m)
+            next_forward = num_warmup + m
+            if next_forward < num_microbatches:
+                actions.extend(Action(Op.WEIGHT, w) for w in pending_weights)
+                pending_weights.clear()
+                actions.append(Action(Op.FORWARD, next_forward))
+            elif len(pending_weights) > 1:  # drain: keep one W in hand to fill the next wait
+                actions.append(Action(Op.WEIGHT, pending_weights.pop(0)))
+        actions.extend(Action(Op.WEIGHT, w) for w in pending_weights)
+        per_stage.append(tuple(actions))
+    return Schedule(f"zero_bubble_{warmup_policy}", num_stages, num_microbatches, tuple(per_stage))
+
+
 def _gpipe_any_policy(num_stages: int, num_microbatches: int, warmup_policy: str) -> Schedule:
     return gpipe(num_stages, num_microbatches)  # every micro-batch is in flight: no warm-up policy applies
 
@@ -116,6 +161,7 @@ class ScheduleKind:
 SCHEDULES: dict[str, ScheduleKind] = {
     "early_backward": ScheduleKind(early_backward, aliases=("dapple", "1f1b")),
     "gpipe": ScheduleKind(_gpipe_any_policy, all_in_flight=True),
+    "zero_bubble": ScheduleKind(zero_bubble, aliases=("zb", "zbh1")),
 }
 WARMUP_POLICIES = ("A", "B")  # DAPPLE's warm-up policies for early backward (see warmup_forwards)
 
@@ -144,8 +190,9 @@ def lower(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
     """Add transfers and the allreduce: per stage, the full list of actions a replica executes.
 
     A forward is preceded by receiving its activations (except on stage 0) and followed by
-    sending them (except on the last stage); a backward mirrors this with gradients. The
-    allreduce follows the stage's last backward.
+    sending them (except on the last stage); a backward mirrors this with gradients. A WEIGHT
+    action moves nothing. The allreduce follows the stage's last backward or weight action, so
+    it sums only complete gradients.
     """
     last = schedule.num_stages - 1
     lowered = []
@@ -165,27 +212,32 @@ def lower(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
                 out.append(action)
                 if stage_index > 0:
                     out.append(Action(Op.SEND_GRADIENT, m))
+            elif action.op is Op.WEIGHT:
+                out.append(action)
             else:
-                raise ScheduleError(f"stage {stage_index}: unlowered schedules hold only F and B, got {action}")
+                raise ScheduleError(f"stage {stage_index}: unlowered schedules hold only F, B and W, got {action}")
         out.append(Action(Op.ALLREDUCE))
         lowered.append(tuple(out))
     return tuple(lowered)
 
 
 def inflight_peak(schedule: Schedule, stage_index: int) -> int:
-    """Most micro-batches stage ``stage_index`` holds at once: forwards whose backward has not run yet."""
+    """Most micro-batches stage ``stage_index`` holds at once: forwards whose backward has not finished
+    (under split backward: whose W has not run, since W still reads the saved activations)."""
     if not 0 <= stage_index < len(schedule.per_stage):
         raise ScheduleError(f"stage {stage_index} is not in schedule {schedule.name!r} "
                             f"(stages 0..{len(schedule.per_stage) - 1})")
+    release = Op.WEIGHT if schedule.split_backward else Op.BACKWARD
     inflight = peak = 0
     for action in schedule.per_stage[stage_index]:
-        inflight += 1 if action.op is Op.FORWARD else -1 if action.op is Op.BACKWARD else 0
+        inflight += 1 if action.op is Op.FORWARD else -1 if action.op is release else 0
         peak = max(peak, inflight)
     return peak
 
 
 def validate_schedule(schedule: Schedule) -> None:
-    """Check that every stage runs F and B of every micro-batch once, B after F, and that it completes.
+    """Check that every stage runs F and B (and W, for all or none) of every micro-batch once, B after F,
+    W after B, and that it completes.
 
     Completion is checked by abstract execution under the runtime's semantics (sends are
     buffered, receives block): F(m) on stage s needs F(m) done on stage s-1, B(m) on stage s
@@ -205,24 +257,30 @@ def _shape_problems(schedule: Schedule) -> list[str]:
     if len(schedule.per_stage) != schedule.num_stages:
         return [f"num_stages is {schedule.num_stages} but per_stage has {len(schedule.per_stage)} lists"]
     problems: list[str] = []
+    split = schedule.split_backward
     for stage_index, actions in enumerate(schedule.per_stage):
-        problems.extend(f"stage {stage_index}: {p}" for p in _stage_problems(actions, schedule.num_microbatches))
+        problems.extend(f"stage {stage_index}: {p}"
+                        for p in _stage_problems(actions, schedule.num_microbatches, split))
     return problems
 
 
-def _stage_problems(actions: tuple[Action, ...], num_microbatches: int) -> list[str]:
+def _stage_problems(actions: tuple[Action, ...], num_microbatches: int, split: bool) -> list[str]:
     problems = []
     done: dict[Op, set[int]] = {Op.FORWARD: set(), Op.BACKWARD: set()}
+    if split:
+        done[Op.WEIGHT] = set()
     for step, action in enumerate(actions):
         m = action.microbatch_index
         if action.op not in done:
-            problems.append(f"step {step} is {action}; unlowered schedules hold only F and B")
+            problems.append(f"step {step} is {action}; unlowered schedules hold only F, B and W")
         elif not 0 <= m < num_microbatches:
             problems.append(f"step {step} is {action}; micro-batch {m} is outside 0..{num_microbatches - 1}")
         elif m in done[action.op]:
             problems.append(f"step {step} repeats {action}")
         elif action.op is Op.BACKWARD and m not in done[Op.FORWARD]:
             problems.append(f"step {step} runs B{m} before F{m}")
+        elif action.op is Op.WEIGHT and m not in done[Op.BACKWARD]:
+            problems.append(f"step {step} runs W{m} before B{m}")
         else:
             done[action.op].add(m)
     for op, seen in done.items():

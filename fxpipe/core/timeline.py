@@ -11,7 +11,7 @@ class TimelineEvent(NamedTuple):
 
     device: int
     stage_index: int
-    op: str  # "F", "B", "RA", "SA", "RG", "SG", "AR"
+    op: str  # "F", "B", "W", "RA", "SA", "RG", "SG", "AR"
     microbatch_index: int  # -1 for AR
     start_s: float
     end_s: float

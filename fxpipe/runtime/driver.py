@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -99,6 +99,8 @@ class PipelineDriver:
         self.num_replicas = plan.stages[self.stage_index].replicas
         self.is_last = self.stage_index == plan.num_stages - 1
         self.actions = lowered_actions(plan, self.stage_index)
+        # zero-bubble: B computes input gradients only and W (after it) the parameter gradients
+        self.split_backward = any(action.op is Op.WEIGHT for action in self.actions)
         self.rows = RowMap.of(plan, self.replica_index, self.num_replicas)
         self.value_index = {name: i for i, name in enumerate(sorted(program.values))}
         self.dtypes = infer_value_dtypes(program, context.device, autocast_dtype)
@@ -131,7 +133,9 @@ class PipelineDriver:
         # the stage's own gradients: buckets launched during its last backward (plan.allreduce_bucket_bytes)
         self.overlap, self.reduce_sets = split_overlapped(self.reduce_sets, self.groups[self.stage_index],
                                                           plan.allreduce_bucket_bytes)
-        self._last_backward = [a.microbatch_index for a in self.actions if a.op is Op.BACKWARD][-1]
+        # the micro-batch whose backward (W under split backward) accumulates the step's last gradients
+        grad_op = Op.WEIGHT if self.split_backward else Op.BACKWARD
+        self._last_backward = [a.microbatch_index for a in self.actions if a.op is grad_op][-1]
         self.measure = MeasureMode.OFF  # what each step records in last_stats (see MeasureMode)
         self.last_stats: StepStats | None = None
         self._meter: SavedActivationMeter | None = None
@@ -237,7 +241,8 @@ class PipelineDriver:
         self.runner.reset()
         handlers = {Op.RECV_ACTIVATION: self._recv_activation, Op.FORWARD: self._forward,
                     Op.SEND_ACTIVATION: self._send_activation, Op.RECV_GRADIENT: self._recv_gradient,
-                    Op.BACKWARD: self._backward, Op.SEND_GRADIENT: self._send_gradient}
+                    Op.BACKWARD: self._backward_input if self.split_backward else self._backward,
+                    Op.WEIGHT: self._backward_weight, Op.SEND_GRADIENT: self._send_gradient}
         if self.measure is MeasureMode.OFF:
             self._run_actions(state, stash, handlers, None)
         else:
@@ -371,13 +376,27 @@ class PipelineDriver:
         state.output_grads[m] = grads
 
     def _backward(self, state: _StepState, m: int) -> None:
-        overlap = self.overlap if m == self._last_backward else None  # buckets launch as gradients land
+        with self._overlapping(m):
+            state.input_grads[m] = self.runner.backward(m, state.output_grads.pop(m, {}))
+        state.outputs.pop(m, None)
+
+    @contextlib.contextmanager
+    def _overlapping(self, m: int) -> Iterator[None]:
+        """Around the step's last gradient-producing backward: buckets launch as gradients land."""
+        overlap = self.overlap if m == self._last_backward else None
         if overlap is not None:
             overlap.arm()
-        state.input_grads[m] = self.runner.backward(m, state.output_grads.pop(m, {}))
+        yield
         if overlap is not None:
             overlap.backward_done()
+
+    def _backward_input(self, state: _StepState, m: int) -> None:
+        state.input_grads[m] = self.runner.backward_input(m, state.output_grads.pop(m, {}))
         state.outputs.pop(m, None)
+
+    def _backward_weight(self, state: _StepState, m: int) -> None:
+        with self._overlapping(m):
+            self.runner.backward_weight(m)
 
     def _send_gradient(self, state: _StepState, m: int) -> None:
         grads, received = state.input_grads.pop(m), state.received.pop(m)

@@ -111,7 +111,7 @@ class StepStats:
 
     @property
     def busy_s(self) -> float:
-        return sum(e.end_s - e.start_s for e in self.events if e.op in ("F", "B"))
+        return sum(e.end_s - e.start_s for e in self.events if e.op in ("F", "B", "W"))
 
 
 class ActionTimer:

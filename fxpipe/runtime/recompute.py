@@ -41,6 +41,12 @@ def check_recompute_batch_norm(plan: Plan, stage_modules: Sequence[torch.nn.Modu
 
     Decided from the plan and every stage's module, so every rank raises alike.
     """
+    recomputing = [stage.stage_index for stage in plan.stages if stage.recompute]
+    if recomputing and plan.schedule == "zero_bubble":
+        raise PipelineSetupError(
+            f"stages {recomputing} recompute their activations, which zero-bubble's split backward (B, then W "
+            "on the same autograd graph) cannot run; use schedule='early_backward' (or 'auto') with "
+            "recomputation, or recompute='never' with zero_bubble")
     if batch_norm == "microbatch":
         return
     for stage, module in zip(plan.stages, stage_modules, strict=True):

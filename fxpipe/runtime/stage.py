@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpipe.runtime.errors import BatchShapeError, PipelineSetupError
 from fxpipe.runtime.recompute import checkpointed_call
+from fxpipe.runtime.split_backward import WeightWork, backward_inputs, backward_weights
 
 if TYPE_CHECKING:
     from fxpipe.core.program import SplitProgram, StageProgram, ValueSpec
@@ -134,6 +135,8 @@ class StageRunner:
         self.is_last = stage.stage_index == len(program.stages) - 1
         self.recompute = recompute
         self._saved: dict[int, _Saved] = {}
+        self._weight_work: dict[int, WeightWork | None] = {}  # split backward: W still to run, per micro-batch
+        self._trained: list[torch.nn.Parameter] | None = None
 
     def parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """``(original name, parameter)`` for every parameter of this stage."""
@@ -203,18 +206,46 @@ class StageRunner:
     def backward(self, microbatch_index: int, output_grads: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """Backward of one micro-batch; returns the gradient of every input leaf (None when unused)."""
         saved = self._saved.pop(microbatch_index)
-        if saved.loss is not None:
-            torch.autograd.backward(saved.loss)
-        else:
-            pairs = [(saved.outputs[name], grad) for name, grad in output_grads.items()
-                     if isinstance(saved.outputs[name], torch.Tensor) and saved.outputs[name].requires_grad]
-            if pairs:
-                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        outputs, grads = _roots(saved, output_grads)
+        if outputs:
+            torch.autograd.backward(outputs, grads)
         return {name: leaf.grad for name, leaf in saved.input_leaves.items()}
+
+    def backward_input(self, microbatch_index: int, output_grads: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """B of a split backward: the input leaves' gradients now, the parameter gradients kept for
+        :meth:`backward_weight` (stage 0, without differentiable inputs, does its whole backward here)."""
+        saved = self._saved.pop(microbatch_index)
+        outputs, grads = _roots(saved, output_grads)
+        names = list(saved.input_leaves)
+        input_grads, work = backward_inputs(outputs, grads, [saved.input_leaves[n] for n in names],
+                                            self._trained_params())
+        self._weight_work[microbatch_index] = work
+        return dict(zip(names, input_grads, strict=True))
+
+    def backward_weight(self, microbatch_index: int) -> None:
+        """W of a split backward: accumulate this micro-batch's parameter gradients into ``.grad``."""
+        backward_weights(self._weight_work.pop(microbatch_index), self._trained_params())
+
+    def _trained_params(self) -> list[torch.nn.Parameter]:
+        if self._trained is None:  # walking parameters by path costs; the set never changes
+            self._trained = [p for _, p in self.parameters() if p.requires_grad]
+        return self._trained
 
     def reset(self) -> None:
         """Drop state a failed step may have left behind."""
         self._saved.clear()
+        self._weight_work.clear()
+
+
+def _roots(saved: _Saved, output_grads: Mapping[str, torch.Tensor]
+           ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """Where backward of one micro-batch starts: the weighted loss (last stage) or the outputs that
+    need gradients, with their received gradients."""
+    if saved.loss is not None:
+        return [saved.loss], [None]
+    pairs = [(saved.outputs[name], grad) for name, grad in output_grads.items()
+             if isinstance(saved.outputs[name], torch.Tensor) and saved.outputs[name].requires_grad]
+    return [t for t, _ in pairs], [g for _, g in pairs]
 
 
 def _is_parameter(module: torch.nn.Module, path: str) -> bool:

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from fxpipe.core.schedule import Action, Op, ScheduleError
 
 # Integer codes of lowered actions; the event loop dispatches on ranges of them.
-FORWARD, BACKWARD, RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, ALLREDUCE = range(7)
+# (WEIGHT, the split backward's parameter gradients, came last so the older codes keep their values.)
+FORWARD, BACKWARD, RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, ALLREDUCE, WEIGHT = range(8)
 OP_CODES: dict[Op, int] = {
-    Op.FORWARD: FORWARD, Op.BACKWARD: BACKWARD, Op.RECV_ACTIVATION: RECV_ACTIVATION,
+    Op.FORWARD: FORWARD, Op.BACKWARD: BACKWARD, Op.WEIGHT: WEIGHT, Op.RECV_ACTIVATION: RECV_ACTIVATION,
     Op.RECV_GRADIENT: RECV_GRADIENT, Op.SEND_ACTIVATION: SEND_ACTIVATION, Op.SEND_GRADIENT: SEND_GRADIENT,
     Op.ALLREDUCE: ALLREDUCE,
 }
@@ -41,6 +42,7 @@ class ReplicaSpec:
     num_activation_in: int
     num_gradient_in: int
     message_s: float = 0.0  # the device's own time per message it sends or receives (packing, posting)
+    weight_s: float = 0.0  # a W action (split backward: parameter gradients); B then takes backward_s
 
 
 @dataclass(frozen=True)
@@ -110,8 +112,9 @@ class _ComponentSim:
         index, fresh = self.cursor[device], True  # fresh: time_s is the global "now" (safe to send)
         while True:
             code, m = program[index]
-            if code <= BACKWARD:
-                end_s = time_s + (replica.forward_s if code == FORWARD else replica.backward_s)
+            if code <= BACKWARD or code == WEIGHT:
+                end_s = time_s + (replica.forward_s if code == FORWARD else replica.backward_s if code == BACKWARD
+                                  else replica.weight_s)
                 if self.record:
                     events.append((code, m, time_s, end_s))
                 fresh, time_s = fresh and end_s == time_s, end_s

@@ -28,9 +28,11 @@ from fxpipe.sim.events import (
     run_component,
 )
 from fxpipe.sim.stagecost import (
+    WEIGHT_GRAD_FRACTION,
     allreduce_times,
     compute_times,
     own_allreduce_bytes,
+    split_backward_times,
     stage_cost,
     stage_memory_bytes,
 )
@@ -61,7 +63,8 @@ class SimulationResult:
 
 def simulate(plan: Plan, chain: CostChain, cluster: Cluster, *, optimizer: str = "adam",
              schedule: Schedule | None = None, timeline: bool = True,
-             compute_scale: Sequence[float] | None = None) -> SimulationResult:
+             compute_scale: Sequence[float] | None = None,
+             weight_fraction: float = WEIGHT_GRAD_FRACTION) -> SimulationResult:
     """Simulate one iteration of ``plan`` exactly under this model (deterministic):
 
     - Every replica device runs its stage's lowered action list (:func:`fxpipe.core.schedule.lower`) in
@@ -86,6 +89,9 @@ def simulate(plan: Plan, chain: CostChain, cluster: Cluster, *, optimizer: str =
       starting when the last of them is ready; the stages' allreduce ends with it. The iteration
       ends with the last allreduce (the runtime's 8-byte loss sum after it is left out).
 
+    - Under a split-backward schedule (W actions, zero-bubble) B takes ``1 - weight_fraction`` of
+      the stage's backward and W the rest (:func:`split_backward_times`; stage 0's B takes it all).
+
     Groups of replicas that exchange nothing with each other are simulated separately, and groups
     with identical inputs once (exact: see :func:`_simulate_components`). ``timeline=False`` skips
     recording events and transfers (faster; figures unchanged).
@@ -95,7 +101,8 @@ def simulate(plan: Plan, chain: CostChain, cluster: Cluster, *, optimizer: str =
     _check_schedule(plan, chain, schedule)
     slowdowns = _slowdowns(cluster, compute_scale)
     programs, inflight = _prepared(schedule)
-    specs = _replica_specs(plan, chain, cluster, slowdowns)
+    specs = _replica_specs(plan, chain, cluster, slowdowns,
+                           weight_fraction if schedule.split_backward else None)
     runs = _simulate_components(specs, programs, plan.num_microbatches, timeline)
     return _collect(plan, chain, cluster, schedule, inflight, runs, optimizer, slowdowns)
 
@@ -111,13 +118,14 @@ def _slowdowns(cluster: Cluster, compute_scale: Sequence[float] | None) -> tuple
     return tuple(cluster.compute_slowdown * factor for factor in scale)
 
 
-# The planner simulates hundreds of plans with the same few schedules: build, validate and lower once.
-@functools.lru_cache(maxsize=32)
+# The planner simulates hundreds of plans with the same few schedules (x4 under schedule="auto"): build,
+# validate and lower once.
+@functools.lru_cache(maxsize=128)
 def _default_schedule(name: str, num_stages: int, num_microbatches: int, warmup_policy: str) -> Schedule:
     return make_schedule(name, num_stages, num_microbatches, warmup_policy)
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=128)
 def _prepared(schedule: Schedule) -> tuple[tuple[Program, ...], tuple[int, ...]]:
     """The validated schedule's per-stage programs and in-flight peaks."""
     validate_schedule(schedule)
@@ -145,9 +153,12 @@ def _pieces(plan: Plan, chain: CostChain, cluster: Cluster, stage_index: int) ->
     ]
 
 
-def _replica_specs(plan: Plan, chain: CostChain, cluster: Cluster,
-                   slowdowns: Sequence[float] | None = None) -> dict[Replica, _Node]:
-    """Every replica's compute times and transfer pieces, keyed by (stage, replica), globally indexed."""
+def _replica_specs(plan: Plan, chain: CostChain, cluster: Cluster, slowdowns: Sequence[float] | None = None,
+                   weight_fraction: float | None = None) -> dict[Replica, _Node]:
+    """Every replica's compute times and transfer pieces, keyed by (stage, replica), globally indexed.
+
+    ``weight_fraction`` (split-backward schedules only) moves that share of backward into W.
+    """
     slowdowns = slowdowns or _slowdowns(cluster, None)
     nodes: dict[Replica, _Node] = {}
     for stage in plan.stages:
@@ -155,8 +166,11 @@ def _replica_specs(plan: Plan, chain: CostChain, cluster: Cluster,
             slowdown = slowdowns[stage.devices[replica_index]]
             forward_s, backward_s = compute_times(chain, stage.first_block, stage.stop_block, rows, slowdown,
                                                   recompute=stage.recompute)
+            weight_s = 0.0
+            if weight_fraction is not None:
+                backward_s, weight_s = split_backward_times(backward_s, stage.stage_index, weight_fraction)
             nodes[stage.stage_index, replica_index] = _Node(stage.stage_index, forward_s, backward_s, [], [], 0, 0,
-                                                            cluster.message_overhead_s * slowdown)
+                                                            cluster.message_overhead_s * slowdown, weight_s)
     for stage_index in range(plan.num_stages - 1):
         for i, j, seconds in _pieces(plan, chain, cluster, stage_index):
             nodes[stage_index, i].activation_out.append(((stage_index + 1, j), seconds))
@@ -178,6 +192,7 @@ class _Node:
     num_activation_in: int
     num_gradient_in: int
     message_s: float = 0.0
+    weight_s: float = 0.0
 
 
 def _components(nodes: dict[Replica, _Node]) -> list[list[Replica]]:
@@ -205,7 +220,7 @@ def _local_specs(nodes: dict[Replica, _Node], members: list[Replica]) -> tuple[R
         ReplicaSpec(node.stage_index, node.forward_s, node.backward_s,
                     tuple((local[k], s) for k, s in node.activation_out),
                     tuple((local[k], s) for k, s in node.gradient_out),
-                    node.num_activation_in, node.num_gradient_in, node.message_s)
+                    node.num_activation_in, node.num_gradient_in, node.message_s, node.weight_s)
         for node in (nodes[key] for key in members)
     )
 

@@ -197,3 +197,22 @@ def transfer_time(
 def allreduce_time(cluster: Cluster, param_bytes: float, devices: Sequence[int]) -> float:
     """Gradient allreduce of one stage over its replicas (ring, slowest link)."""
     return cluster.allreduce_time(param_bytes, devices)
+
+
+# Share of a stage's backward that computes parameter gradients (W) when backward is split (zero-bubble
+# schedules): a linear layer's backward is two matmuls of the same size, one for the input gradient and
+# one for the weight gradient, so half is the default until a measured figure is given.
+WEIGHT_GRAD_FRACTION = 0.5
+
+
+def split_backward_times(backward_s: float, stage_index: int, weight_fraction: float) -> tuple[float, float]:
+    """``(B, W)`` seconds of a stage whose backward of ``backward_s`` is split into input and weight gradients.
+
+    Stage 0 sends no gradient upstream, so the runtime runs its whole backward in B and W is empty.
+    """
+    if not 0.0 <= weight_fraction <= 1.0:
+        raise ValueError(f"weight_fraction must be in [0, 1] (the share of backward spent on parameter "
+                         f"gradients), got {weight_fraction}")
+    if stage_index == 0:
+        return backward_s, 0.0
+    return backward_s * (1.0 - weight_fraction), backward_s * weight_fraction

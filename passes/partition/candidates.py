@@ -12,7 +12,7 @@ from fxpipe.core.costgraph import Affine
 from fxpipe.core.plan import Plan, Prediction, StagePlan
 from fxpipe.core.recompute import RecomputeSetting, check_stage_count, choose_recompute, parse_recompute
 from fxpipe.core.schedule import SCHEDULES, warmup_forwards
-from fxpipe.passes.partition.latency import PipelineSteps, pipeline_latency, pipeline_steps
+from fxpipe.passes.partition.latency import PipelineSteps, pipeline_steps
 from fxpipe.sim.allreduce_overlap import stage_allreduce_offsets
 from fxpipe.sim.stagecost import (
     StageCost,
@@ -157,26 +157,30 @@ class CandidateCosts:
         return pipeline_steps(stages, hops, ties)
 
     def latency(self, spans: Sequence[Span], rows: int) -> float:
-        forward, backward, allreduce, groups = self.steps(spans, rows)
-        return pipeline_latency(forward, backward, allreduce, self.global_batch_size // rows, groups)
+        return self.steps(spans, rows).latency(self.global_batch_size // rows, self.schedule == "zero_bubble")
 
-    def inflight(self, stage_index: int, num_stages: int, num_microbatches: int, warmup_policy: str) -> int:
-        """K_s: micro-batches stage ``stage_index`` holds at once (all of them under GPipe)."""
-        if SCHEDULES[self.schedule].all_in_flight:
+    def inflight(self, stage_index: int, num_stages: int, num_microbatches: int, warmup_policy: str,
+                 schedule: str | None = None) -> int:
+        """K_s: micro-batches stage ``stage_index`` holds at once (all of them under GPipe; zero-bubble
+        holds what early backward holds). ``schedule`` defaults to the model's ("auto" counts as early backward)."""
+        kind = SCHEDULES.get(schedule or self.schedule)
+        if kind is not None and kind.all_in_flight:
             return num_microbatches
         return warmup_forwards(stage_index, num_stages, num_microbatches, warmup_policy)
 
-    def memory(self, spans: Sequence[Span], rows: int, warmup_policy: str) -> list[int]:
-        """Peak bytes per device of every stage under the plan's schedule (recomputing where chosen)."""
-        return [memory for _, memory in self.stage_choices(spans, rows, warmup_policy)]
+    def memory(self, spans: Sequence[Span], rows: int, warmup_policy: str, schedule: str | None = None) -> list[int]:
+        """Peak bytes per device of every stage under ``schedule`` (default: the model's), recomputing where chosen."""
+        return [memory for _, memory in self.stage_choices(spans, rows, warmup_policy, schedule)]
 
-    def recomputes(self, spans: Sequence[Span], rows: int, warmup_policy: str) -> tuple[bool, ...]:
+    def recomputes(self, spans: Sequence[Span], rows: int, warmup_policy: str,
+                   schedule: str | None = None) -> tuple[bool, ...]:
         """Which stages recompute their activations in backward (:func:`choose_recompute`)."""
-        if self.recompute == "never":  # the common case skips the memory arithmetic
+        if self.recompute == "never" or (schedule or self.schedule) == "zero_bubble":  # nothing to work out
             return (False,) * len(spans)
-        return tuple(recompute for recompute, _ in self.stage_choices(spans, rows, warmup_policy))
+        return tuple(recompute for recompute, _ in self.stage_choices(spans, rows, warmup_policy, schedule))
 
-    def stage_choices(self, spans: Sequence[Span], rows: int, warmup_policy: str) -> list[tuple[bool, int]]:
+    def stage_choices(self, spans: Sequence[Span], rows: int, warmup_policy: str,
+                      schedule: str | None = None) -> list[tuple[bool, int]]:
         """``(recompute, peak bytes per device)`` of every stage.
 
         A per-stage setting is for plans of its length (the request fixes the stage count); the search
@@ -186,10 +190,12 @@ class CandidateCosts:
         setting = self.recompute
         if isinstance(setting, tuple) and len(setting) != len(spans):
             setting = "auto"
+        if (schedule or self.schedule) == "zero_bubble":  # split backward cannot rerun a checkpointed forward
+            setting = "never"
         choices = []
         for index, span in enumerate(spans):
             cost = self.cost(span.first, span.stop, rows, len(span.devices))
-            inflight = self.inflight(index, len(spans), num_microbatches, warmup_policy)
+            inflight = self.inflight(index, len(spans), num_microbatches, warmup_policy, schedule)
             keep = stage_memory_bytes(cost, inflight, self.optimizer)
             if choose_recompute(setting, index, len(spans), keep, self.memory_limit_bytes):
                 choices.append((True, stage_memory_bytes(cost, inflight, self.optimizer, recompute=True)))
@@ -197,8 +203,8 @@ class CandidateCosts:
                 choices.append((False, keep))
         return choices
 
-    def fits(self, spans: Sequence[Span], rows: int, warmup_policy: str = "A") -> bool:
-        return max(self.memory(spans, rows, warmup_policy)) <= self.memory_limit_bytes
+    def fits(self, spans: Sequence[Span], rows: int, warmup_policy: str = "A", schedule: str | None = None) -> bool:
+        return max(self.memory(spans, rows, warmup_policy, schedule)) <= self.memory_limit_bytes
 
     def candidate(self, spans: Sequence[Span], rows: int) -> Candidate:
         return Candidate(self.latency(spans, rows), rows, tuple(spans))
@@ -211,7 +217,7 @@ def build_plan(model: CandidateCosts, candidate: Candidate, *, schedule: str, wa
     rows = candidate.microbatch_rows
     num_microbatches = model.global_batch_size // rows
     check_stage_count(model.recompute, len(candidate.spans))
-    choices = model.stage_choices(candidate.spans, rows, warmup_policy)
+    choices = model.stage_choices(candidate.spans, rows, warmup_policy, schedule)
     stages = []
     for index, span in enumerate(candidate.spans):
         cost = model.cost(span.first, span.stop, rows, len(span.devices))
@@ -223,7 +229,8 @@ def build_plan(model: CandidateCosts, candidate: Candidate, *, schedule: str, wa
             allreduce_s=model.allreduce(span.first, span.stop, span.devices),
             param_bytes=cost.param_bytes, activation_bytes=int(cost.activation_bytes),
             peak_memory_bytes=choices[index][1], recompute=choices[index][0],
-            inflight_microbatches=model.inflight(index, len(candidate.spans), num_microbatches, warmup_policy),
+            inflight_microbatches=model.inflight(index, len(candidate.spans), num_microbatches, warmup_policy,
+                                                 schedule),
         ))
     return Plan(
         global_batch_size=model.global_batch_size, num_microbatches=num_microbatches, stages=tuple(stages),

@@ -27,6 +27,7 @@ from fxpipe.passes.partition.every_device import plan_every_device
 from fxpipe.passes.partition.placement import host_aligned
 from fxpipe.passes.partition.polish import polish
 from fxpipe.passes.partition.request import (
+    AUTO_SCHEDULE,
     InfeasiblePlanError,
     LayoutError,
     PlanningError,
@@ -218,6 +219,8 @@ PLANNERS: dict[str, Planner] = {"dapple": plan_dapple, **baselines.BASELINES}
 
 
 def _baseline_results(request: PlanRequest) -> tuple[tuple[str, BaselineResult], ...]:
+    if request.schedule == AUTO_SCHEDULE:  # the baselines keep their published schedule, early backward
+        request = replace(request, schedule="early_backward")
     results = []
     for name, planner in sorted(baselines.BASELINES.items()):
         try:

@@ -7,6 +7,11 @@ activations), AR_s its gradient allreduce, Q the pivot stage.
     L = sum_{s<=Q} F_s + (M-1)(F_Q+B_Q) + max_s(AR_s + Delta_s)
     Delta_s = sum_{t=s..Q} B_t (s <= Q),  -sum_{t=Q+1..s-1} B_t (s > Q)
 
+Split backward (zero-bubble schedules): B_s is the whole backward in the pivot (the stage is busy
+with B and W of every micro-batch), but a gradient crosses stage t in B_t - W_t only, and each stage
+ends with its own last W: Delta_s = sum_{t=s..Q} (B_t - W_t) + W_s for s <= Q (mirrored for s > Q).
+For equal stages this gives M (F+B) + (S-1)(F+B-W) + AR, the exact simulated time.
+
 Every cut between stages becomes an extra stage whose F/B is the activation/gradient transfer
 (:func:`fxpipe.sim.stagecost.transfer_time`) and whose AR is 0; a stage's F and B include its own time
 per message (:attr:`Cluster.message_overhead_s`). The formula is exact for equal
@@ -30,10 +35,12 @@ from fxpipe.core.cluster import Cluster
 from fxpipe.core.plan import Plan
 from fxpipe.sim.allreduce_overlap import stage_allreduce_offsets
 from fxpipe.sim.stagecost import (
+    WEIGHT_GRAD_FRACTION,
     allreduce_times,
     backward_seconds,
     message_seconds,
     own_allreduce_bytes,
+    split_backward_times,
     stage_cost,
     transfer_time,
 )
@@ -60,17 +67,24 @@ def pivot_stage(forward_s: Sequence[float], backward_s: Sequence[float], num_mic
 
 
 def pipeline_latency(forward_s: Sequence[float], backward_s: Sequence[float], allreduce_s: Sequence[float],
-                     num_microbatches: int, group_allreduce_s: Sequence[tuple[Sequence[int], float]] = ()) -> float:
+                     num_microbatches: int, group_allreduce_s: Sequence[tuple[Sequence[int], float]] = (),
+                     weight_s: Sequence[float] | None = None) -> float:
     """L = T_warmup + T_steady + T_ending for stages given as plain numbers (transfers included as stages).
 
     ``group_allreduce_s`` holds ``(step indices, seconds)`` of allreduces over several stages (tied
     parameters): each starts when the last of its stages is done, so it ends at max Delta_s + seconds.
+    ``weight_s`` (split backward) is the W part of each step's backward (0 for transfers).
     """
     _check_lengths(forward_s, backward_s, allreduce_s, num_microbatches)
     q = pivot_stage(forward_s, backward_s, num_microbatches)
     warmup = sum(forward_s[: q + 1])
     steady = (num_microbatches - 1) * (forward_s[q] + backward_s[q])
-    deltas = [sum(backward_s[s: q + 1]) if s <= q else -sum(backward_s[q + 1: s]) for s in range(len(forward_s))]
+    weights = list(weight_s) if weight_s is not None else [0.0] * len(forward_s)
+    if len(weights) != len(forward_s):
+        raise ValueError(f"weight_s needs one entry per step ({len(forward_s)}), got {len(weights)}")
+    crossing = [b - w for b, w in zip(backward_s, weights, strict=True)]  # what a gradient waits for
+    deltas = [(sum(crossing[s: q + 1]) if s <= q else -sum(crossing[q + 1: s])) + weights[s]
+              for s in range(len(forward_s))]
     ending = max(allreduce + delta for allreduce, delta in zip(allreduce_s, deltas, strict=True))
     for steps, seconds in group_allreduce_s:
         ending = max(ending, max(deltas[s] for s in steps) + seconds)
@@ -85,26 +99,37 @@ class PipelineSteps(NamedTuple):
     allreduce: list[float]
     group_allreduce: list[tuple[tuple[int, ...], float]]  # (step indices, seconds)
 
+    weight: list[float]  # split backward: the W part of each step's backward (0 for transfers)
+
+    def latency(self, num_microbatches: int, split_backward: bool = False) -> float:
+        """:func:`pipeline_latency` of these steps, with their W parts when backward is split."""
+        return pipeline_latency(self.forward, self.backward, self.allreduce, num_microbatches,
+                                self.group_allreduce, self.weight if split_backward else None)
+
 
 def pipeline_steps(stages: Sequence[tuple[float, float, float]], hops: Sequence[float],
-                   ties: Sequence[tuple[tuple[int, ...], float]]) -> PipelineSteps:
+                   ties: Sequence[tuple[tuple[int, ...], float]],
+                   weight_fraction: float = WEIGHT_GRAD_FRACTION) -> PipelineSteps:
     """The pivot model's steps from per-stage ``(F, B, own allreduce)``, the transfer time of each cut
     (``hops[s]`` between stages s and s+1) and tie allreduces over stage indices.
 
     Steps in order: stage 0, cut 0, stage 1, ...; a cut that costs nothing adds no step (it would
-    only tie the pivot choice). Tie groups are given step indices.
+    only tie the pivot choice). Tie groups are given step indices. Each stage's W part under split
+    backward is :func:`fxpipe.stagecost.split_backward_times` of its B with ``weight_fraction``.
     """
-    steps = PipelineSteps([], [], [], [])
+    steps = PipelineSteps([], [], [], [], [])
     step_of_stage = []
     for index, (forward, backward, allreduce) in enumerate(stages):
         if index and hops[index - 1] > 0:
             steps.forward.append(hops[index - 1])
             steps.backward.append(hops[index - 1])
             steps.allreduce.append(0.0)
+            steps.weight.append(0.0)
         step_of_stage.append(len(steps.forward))
         steps.forward.append(forward)
         steps.backward.append(backward)
         steps.allreduce.append(allreduce)
+        steps.weight.append(split_backward_times(backward, index, weight_fraction)[1])
     steps.group_allreduce.extend((tuple(step_of_stage[s] for s in group), seconds) for group, seconds in ties)
     return steps
 
@@ -135,9 +160,9 @@ def stage_times(plan: Plan, chain: CostChain, cluster: Cluster) -> PipelineSteps
 
 
 def analytic_iteration_time(plan: Plan, chain: CostChain, cluster: Cluster) -> float:
-    """DAPPLE's latency estimate of one iteration of ``plan`` (schedule-independent)."""
-    forward, backward, allreduce, groups = stage_times(plan, chain, cluster)
-    return pipeline_latency(forward, backward, allreduce, plan.num_microbatches, groups)
+    """DAPPLE's latency estimate of one iteration of ``plan`` (the same for early backward and GPipe;
+    zero-bubble's gradients cross each stage in B alone)."""
+    return stage_times(plan, chain, cluster).latency(plan.num_microbatches, plan.schedule == "zero_bubble")
 
 
 def _check_lengths(forward_s: Sequence[float], backward_s: Sequence[float],

@@ -18,6 +18,10 @@ LARGE_CLUSTER_DEVICES = 16
 MAX_GRID_LARGE = 6
 
 
+# The schedule value that lets the planner pick early backward, zero-bubble or GPipe per plan.
+AUTO_SCHEDULE = "auto"
+
+
 class PlanningError(ValueError):
     """A planning request cannot be served; the message names the bad value and the fix."""
 
@@ -39,7 +43,7 @@ class PlanRequest:
     global_batch_size: int
     layout: tuple[int, ...] | None = None
     num_microbatches: int | None = None
-    schedule: str = "early_backward"
+    schedule: str = "early_backward"  # or "auto": each candidate under every schedule, keep the fastest
     warmup_policy: str | None = None
     optimizer: str = "adam"
     memory_limit_bytes: int = 0
@@ -55,8 +59,9 @@ class PlanRequest:
                               self.memory_limit_bytes, schedule=self.schedule, recompute=self.recompute,
                               allreduce_bucket_bytes=self.allreduce_bucket_bytes)
 
-    def policies(self) -> tuple[str, ...]:
-        if SCHEDULES[self.schedule].all_in_flight:
+    def policies(self, schedule: str | None = None) -> tuple[str, ...]:
+        """Warm-up policies to try under ``schedule`` (default: the request's; not "auto")."""
+        if SCHEDULES[schedule or self.schedule].all_in_flight:
             return ("A",)  # e.g. GPipe: every micro-batch in flight, K_s = M regardless of policy
         return (self.warmup_policy,) if self.warmup_policy else WARMUP_POLICIES
 
@@ -71,8 +76,9 @@ def check_request(request: PlanRequest) -> None:
     """Raise a specific PlanningError for a request no planner can serve."""
     if not isinstance(request.global_batch_size, int) or request.global_batch_size < 1:
         raise PlanningError(f"global_batch_size must be a positive integer, got {request.global_batch_size!r}")
-    if request.schedule not in SCHEDULES:
-        raise PlanningError(f"schedule {request.schedule!r} is unknown; choose one of {sorted(SCHEDULES)}")
+    if request.schedule not in (*SCHEDULES, AUTO_SCHEDULE):
+        raise PlanningError(f"schedule {request.schedule!r} is unknown; choose one of {sorted(SCHEDULES)} or "
+                            f"{AUTO_SCHEDULE!r} (the planner picks per plan)")
     if request.warmup_policy is not None and request.warmup_policy not in WARMUP_POLICIES:
         raise PlanningError(f"warmup_policy {request.warmup_policy!r} is unknown; choose one of "
                             f"{WARMUP_POLICIES} or None to let the planner choose")
@@ -90,6 +96,11 @@ def check_request(request: PlanRequest) -> None:
                                 "(pipe_split markers) make; a pipeline needs M >= S")
     if isinstance(request.recompute, tuple):
         _check_recompute_stages(request.recompute, request.layout, request.num_stages)
+    if request.schedule == "zero_bubble" and (request.recompute == "always" or (
+            isinstance(request.recompute, tuple) and any(request.recompute))):
+        raise PlanningError(f"recompute={request.recompute!r} with schedule='zero_bubble': split backward (B, then W "
+                            "on the same graph) cannot rerun a checkpointed forward; use schedule='early_backward' "
+                            "or 'auto' (the planner then keeps zero-bubble for plans that need no recomputation)")
     bucket = request.allreduce_bucket_bytes
     if not isinstance(bucket, int) or isinstance(bucket, bool) or bucket < 0:
         raise PlanningError(f"allreduce_bucket_bytes must be a non-negative integer (0: one allreduce after "

@@ -9,7 +9,7 @@ from tabulate import tabulate
 
 from fxpipe.core.plan import Plan
 from fxpipe.passes.partition.candidates import Candidate, CandidateCosts, Span, build_plan, with_prediction
-from fxpipe.passes.partition.request import InfeasiblePlanError, PlanRequest, microbatch_grid
+from fxpipe.passes.partition.request import AUTO_SCHEDULE, InfeasiblePlanError, PlanRequest, microbatch_grid
 
 
 @dataclass(frozen=True)
@@ -30,17 +30,46 @@ def simulate_plan(plan: Plan, request: PlanRequest) -> tuple[float, float]:
 
 def score_candidates(request: PlanRequest, model: CandidateCosts, candidates: Iterable[Candidate],
                      planner: str) -> Scored | None:
-    """Simulate every candidate under every allowed warm-up policy that fits in memory; keep the fastest."""
+    """Simulate every candidate under every allowed schedule and warm-up policy that fits in memory;
+    keep the fastest (the first on ties: candidates in the order given)."""
     best: Scored | None = None
     for candidate in candidates:
-        for policy in request.policies():
-            if not model.fits(candidate.spans, candidate.microbatch_rows, policy):
-                continue
-            plan = build_plan(model, candidate, schedule=request.schedule, warmup_policy=policy, planner=planner)
-            time_s, bubble = simulate_plan(plan, request)
-            if best is None or time_s < best.time_s * (1 - 1e-12):
-                plan = with_prediction(plan, time_s, bubble, candidate.latency_s, 0.0)
-                best = Scored(time_s, plan)
+        scored = _score_candidate(request, model, candidate, planner)
+        if scored is not None and (best is None or scored.time_s < best.time_s * (1 - 1e-12)):
+            best = scored
+    return best
+
+
+def _score_candidate(request: PlanRequest, model: CandidateCosts, candidate: Candidate,
+                     planner: str) -> Scored | None:
+    """The candidate's fastest schedule. Under ``"auto"``: early backward (policies A and B) first, then
+    zero-bubble with the better policy (same memory), then GPipe; another schedule must be strictly
+    faster to replace early backward, so the default stays where the others are not predicted faster."""
+    best: Scored | None = None
+    forced_recompute = request.recompute == "always" or (isinstance(request.recompute, tuple) and any(request.recompute))
+
+    def trial(schedule: str, policy: str) -> None:
+        nonlocal best
+        if schedule == "zero_bubble" and forced_recompute:  # split backward cannot rerun a checkpointed forward
+            return
+        if not model.fits(candidate.spans, candidate.microbatch_rows, policy, schedule):
+            return
+        plan = build_plan(model, candidate, schedule=schedule, warmup_policy=policy, planner=planner)
+        time_s, bubble = simulate_plan(plan, request)
+        if best is None or time_s < best.time_s * (1 - 1e-12):
+            analytic_s = candidate.latency_s
+            if schedule == "zero_bubble" and model.schedule != schedule:  # the pivot model of this schedule
+                analytic_s = model.steps(candidate.spans, candidate.microbatch_rows).latency(
+                    plan.num_microbatches, split_backward=True)
+            best = Scored(time_s, with_prediction(plan, time_s, bubble, analytic_s, 0.0))
+
+    auto = request.schedule == AUTO_SCHEDULE
+    first = "early_backward" if auto else request.schedule
+    for policy in request.policies(first):
+        trial(first, policy)
+    if auto and best is not None:  # neither fits when early backward does not (same or more memory)
+        trial("zero_bubble", best.plan.warmup_policy)
+        trial("gpipe", "A")
     return best
 
 
