@@ -7,6 +7,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -279,6 +280,7 @@ def validate_plan(plan: Plan) -> None:
                f"plan uses devices {sorted(seen_devices)} but the cluster has {plan.num_devices}")
 
 
+@lru_cache(maxsize=4096)  # planner and simulator ask for the same few splits millions of times
 def split_rows(num_rows: int, num_parts: int) -> tuple[int, ...]:
     """Sizes of ``num_parts`` contiguous slices of ``num_rows`` rows; they differ by at most one.
 

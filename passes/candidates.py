@@ -75,7 +75,10 @@ class CostModel:
         self.cost = lru_cache(maxsize=None)(self._cost)
         self._hop = lru_cache(maxsize=None)(self._transfer)
         self.hop = lru_cache(maxsize=None)(self._canonical_hop)
+        self._relabelled = lru_cache(maxsize=None)(self._relabel)  # by device sets alone (cuts move, devices stay)
         self.allreduce = lru_cache(maxsize=None)(self._allreduce)
+        # (candidate identity, warm-up policy) -> simulated (iteration s, bubble fraction), for plan_scoring
+        self.simulated: dict[tuple[object, ...], tuple[float, float]] = {}
 
     def _cost(self, first: int, stop: int, rows: int, replicas: int) -> StageCost:
         return stage_cost(self.chain, first, stop, rows, replicas, self.cluster.compute_slowdown)
@@ -83,6 +86,9 @@ class CostModel:
     def _canonical_hop(self, cut: int, rows: int, src: tuple[int, ...], dst: tuple[int, ...]) -> float:
         """Transfer time across cut ``cut``; devices are relabelled host-major in order of appearance
         (the time depends only on which replicas share a host), so equivalent placements share a cache entry."""
+        return self._hop(self.chain.cut_bytes[cut], rows, *self._relabelled(src, dst))
+
+    def _relabel(self, src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         per_host = self.cluster.devices_per_host
         hosts: dict[int, int] = {}
         filled: dict[int, int] = {}
@@ -92,8 +98,7 @@ class CostModel:
                 host = hosts.setdefault(device // per_host, len(hosts))
                 labels[device] = host * per_host + filled.get(host, 0)
                 filled[host] = filled.get(host, 0) + 1
-        return self._hop(self.chain.cut_bytes[cut], rows, tuple(labels[d] for d in src),
-                         tuple(labels[d] for d in dst))
+        return tuple(labels[d] for d in src), tuple(labels[d] for d in dst)
 
     def _transfer(self, cut_bytes: Affine, rows: int, src: tuple[int, ...], dst: tuple[int, ...]) -> float:
         relabelled = Cluster(self.cluster.name, len(set(d // self.cluster.devices_per_host for d in src + dst)),

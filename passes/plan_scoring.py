@@ -18,6 +18,9 @@ MAX_MICROBATCHES = 512
 # On clusters with more devices than this, only the MAX_GRID_LARGE largest micro-batch sizes are tried.
 LARGE_CLUSTER_DEVICES = 16
 MAX_GRID_LARGE = 6
+# A candidate whose simulated_lower_bound exceeds the best time by more than this is not simulated; the
+# slack only absorbs float rounding between the bound's product and the simulator's running sums.
+LOWER_BOUND_SLACK = 1e-9
 
 
 class PlanningError(ValueError):
@@ -127,19 +130,43 @@ def simulate_plan(plan: Plan, request: PlanRequest) -> tuple[float, float]:
 
 
 def score_candidates(request: PlanRequest, model: CostModel, candidates: Iterable[Candidate],
-                     planner: str) -> Scored | None:
-    """Simulate every candidate under every allowed warm-up policy that fits in memory; keep the fastest."""
+                     planner: str, bound_s: float = float("inf")) -> Scored | None:
+    """Simulate every candidate under every allowed warm-up policy that fits in memory; keep the fastest.
+
+    A candidate is not simulated when it cannot be the answer: its :func:`simulated_lower_bound` is
+    above the fastest time so far, or above ``bound_s`` (a time the caller already has and only a
+    faster plan would replace). Simulated times are memoised on ``model`` (polish revisits plans).
+    """
     best: Scored | None = None
     for candidate in candidates:
+        lower_s = simulated_lower_bound(model, candidate)
+        if lower_s > min(bound_s, best.time_s if best else float("inf")) * (1 + LOWER_BOUND_SLACK):
+            continue
         for policy in request.policies():
             if not model.fits(candidate.spans, candidate.microbatch_rows, policy):
                 continue
-            plan = build_plan(model, candidate, schedule=request.schedule, warmup_policy=policy, planner=planner)
-            time_s, bubble = simulate_plan(plan, request)
+            key = (candidate.identity(), policy)
+            plan = None
+            if key not in model.simulated:
+                plan = build_plan(model, candidate, schedule=request.schedule, warmup_policy=policy, planner=planner)
+                model.simulated[key] = simulate_plan(plan, request)
+            time_s, bubble = model.simulated[key]
             if best is None or time_s < best.time_s * (1 - 1e-12):
-                plan = with_prediction(plan, time_s, bubble, candidate.latency_s, 0.0)
-                best = Scored(time_s, plan)
+                plan = plan or build_plan(model, candidate, schedule=request.schedule, warmup_policy=policy,
+                                          planner=planner)
+                best = Scored(time_s, with_prediction(plan, time_s, bubble, candidate.latency_s, 0.0))
     return best
+
+
+def simulated_lower_bound(model: CostModel, candidate: Candidate) -> float:
+    """A time no simulation of ``candidate`` can beat: the busiest stage's compute, M (F_s + B_s) on its
+    largest slice, then its own gradient allreduce (which starts only after its last backward)."""
+    rows = candidate.microbatch_rows
+    num_microbatches = model.global_batch_size // rows
+    own, _ = model.stage_allreduces(candidate.spans)
+    costs = [model.cost(span.first, span.stop, rows, len(span.devices)) for span in candidate.spans]
+    return max(num_microbatches * (cost.forward_s + cost.backward_s) + allreduce_s
+               for cost, allreduce_s in zip(costs, own, strict=True))
 
 
 def dp_candidates(model: CostModel, rows_grid: Sequence[int]) -> list[Candidate]:
