@@ -19,6 +19,7 @@ from fxpipe.timeline_plot import (
     render_timelines,
     timeline_bars,
     timeline_from_chrome_trace,
+    trace_title,
 )
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -76,6 +77,10 @@ def test_simulated_timeline_has_a_row_per_device_and_survives_the_chrome_trace()
         assert ours.end_s == pytest.approx(theirs.end_s, abs=1e-12)
     with pytest.raises(ValueError, match="not a Chrome trace"):
         timeline_from_chrome_trace({"stages": []})
+    measured = {"traceEvents": [], "otherData": {"measured": True, "step_time_s": 0.0125}}  # as train_cli writes
+    assert trace_title(measured, "m.json") == "m.json: measured step 12.5 ms"
+    assert trace_title(to_chrome_trace(result), "s.json") == (
+        f"s.json: simulated iteration {1e3 * result.iteration_time_s:.1f} ms")
 
 
 def test_png_has_one_panel_per_timeline_and_a_row_per_device(tmp_path: Path) -> None:
