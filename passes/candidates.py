@@ -77,6 +77,7 @@ class CostModel:
         self.hop = lru_cache(maxsize=None)(self._canonical_hop)
         self._relabelled = lru_cache(maxsize=None)(self._relabel)  # by device sets alone (cuts move, devices stay)
         self.allreduce = lru_cache(maxsize=None)(self._allreduce)
+        self.stage_step = lru_cache(maxsize=None)(self._stage_step)
         # (candidate identity, warm-up policy) -> simulated (iteration s, bubble fraction), for plan_scoring
         self.simulated: dict[tuple[object, ...], tuple[float, float]] = {}
 
@@ -106,6 +107,11 @@ class CostModel:
                              self.cluster.inter_host, self.cluster.inter_host_collective)
         return transfer_time(relabelled, cut_bytes, rows, src, dst)
 
+    def _stage_step(self, first: int, stop: int, rows: int, devices: tuple[int, ...]) -> tuple[float, float, float]:
+        """(F, B, own allreduce) of a stage when messages cost nothing (:func:`message_seconds` is 0.0)."""
+        cost = self.cost(first, stop, rows, len(devices))
+        return cost.forward_s + 0.0, cost.backward_s + 0.0, self.allreduce(first, stop, devices)
+
     def _allreduce(self, first: int, stop: int, devices: tuple[int, ...]) -> float:
         return allreduce_time(self.cluster, self.cost(first, stop, 1, 1).param_bytes, devices)
 
@@ -117,6 +123,12 @@ class CostModel:
 
     def steps(self, spans: Sequence[Span], rows: int) -> PipelineSteps:
         """Forward, backward and allreduce time of every pipeline step (stages and transfers), tie allreduces."""
+        if not self.chain.shared_params and self.cluster.message_overhead_s <= 0:
+            # the common case: a stage's step depends on its own span only (no ties, no per-message time)
+            hops = [self.hop(before.stop - 1, rows, before.devices, after.devices)
+                    for before, after in zip(spans, spans[1:], strict=False)]
+            return pipeline_steps([self.stage_step(span.first, span.stop, rows, span.devices) for span in spans],
+                                  hops, [])
         own, ties = self.stage_allreduces(spans)
         replicas = [len(span.devices) for span in spans]
         stages = []
