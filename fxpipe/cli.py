@@ -8,9 +8,13 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fxpipe.core.cluster import Cluster
 from fxpipe.core.schedule import SCHEDULES
+
+if TYPE_CHECKING:  # matplotlib is optional: the plot module loads only when a plot is asked for
+    from fxpipe.sim.timeline_plot import Timeline
 
 
 class CommandLineError(ValueError):
@@ -55,9 +59,14 @@ def _build_parser() -> argparse.ArgumentParser:
     simulate = commands.add_parser("simulate", help="simulate a plan file's iteration")
     simulate.add_argument("plan_file")
     simulate.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON here")
+    simulate.add_argument("--plot", default=None, help="draw the timeline (a row per device) into this PNG "
+                          "(needs the plot extra: pip install 'fxpipe[plot]')")
+    simulate.add_argument("--compare-trace", default=None, help="with --plot: a measured trace "
+                          "(`fxpipe train --measure --trace FILE`) drawn under the simulated timeline")
 
-    show = commands.add_parser("show", help="print a plan file's stage table")
-    show.add_argument("plan_file")
+    show = commands.add_parser("show", help="print a plan file's stage table, or draw a trace file")
+    show.add_argument("plan_file", help="a plan file, or with --plot a Chrome trace written by fxpipe")
+    show.add_argument("--plot", default=None, help="draw the trace file's timeline into this PNG")
     show.add_argument("--schedule", action="store_true", help="also print the schedule table")
 
     from fxpipe.train_cli import add_train_arguments
@@ -161,13 +170,41 @@ def _run_simulate(args: argparse.Namespace) -> int:
     if args.trace:
         write_chrome_trace(result, args.trace)
         print(f"wrote {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
+    if args.compare_trace and not args.plot:
+        raise CommandLineError("--compare-trace draws next to the simulated timeline: add --plot OUT.png")
+    if args.plot:
+        from fxpipe.sim import timeline_plot
+
+        title = (f"plan {plan.layout} M={plan.num_microbatches} {plan.schedule}/{plan.warmup_policy}: "
+                 f"simulated iteration {1e3 * result.iteration_time_s:.1f} ms")
+        timelines = [timeline_plot.timeline_bars(result.events, result.transfers, title)]
+        if args.compare_trace:
+            timelines.append(_trace_timeline(args.compare_trace))
+        timeline_plot.save_timelines(timelines, args.plot)
+        print(f"wrote {args.plot}")
     return 0
+
+
+def _trace_timeline(path: str) -> Timeline:
+    from fxpipe.sim import timeline_plot
+
+    try:
+        trace = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise CommandLineError(f"cannot read trace file {path!r}: {error}") from None
+    return timeline_plot.timeline_from_chrome_trace(trace, timeline_plot.trace_title(trace, Path(path).name))
 
 
 def _run_show(args: argparse.Namespace) -> int:
     from fxpipe.core.schedule import format_schedule, make_schedule
     from fxpipe.report import format_plan
 
+    if args.plot:
+        from fxpipe.sim import timeline_plot
+
+        timeline_plot.save_timelines([_trace_timeline(args.plan_file)], args.plot)
+        print(f"wrote {args.plot}")
+        return 0
     plan, chain, cluster = _load(args.plan_file)
     print(format_plan(plan, chain, cluster))
     if args.schedule:

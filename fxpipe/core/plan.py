@@ -7,6 +7,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -301,6 +302,7 @@ def validate_plan(plan: Plan) -> None:
                "an infeasible baseline has no time (None) and a feasible one has a time")
 
 
+@lru_cache(maxsize=4096)  # planner and simulator ask for the same few splits millions of times
 def split_rows(num_rows: int, num_parts: int) -> tuple[int, ...]:
     """Sizes of ``num_parts`` contiguous slices of ``num_rows`` rows; they differ by at most one.
 

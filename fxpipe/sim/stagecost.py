@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from fxpipe.core.block_sums import block_sums
 from fxpipe.core.cluster import Cluster
 from fxpipe.core.costgraph import Affine
 from fxpipe.core.plan import shared_rows, split_rows
@@ -40,7 +41,8 @@ class StageCost:
 
 
 def _block_sum(chain: CostChain, first: int, stop: int, field: str) -> Affine:
-    return Affine.total(getattr(block, field) for block in chain.blocks[first:stop])
+    """``Affine.total`` of the field over ``chain.blocks[first:stop]``, memoised (:mod:`fxpipe.core.block_sums`)."""
+    return block_sums(chain).total(first, stop, field)
 
 
 def compute_times(chain: CostChain, first: int, stop: int, rows: int, slowdown: float = 1.0, *,

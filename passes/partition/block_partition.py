@@ -5,6 +5,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from fxpipe.core.chain import Block, CostChain, regroup_shared_params
 from fxpipe.core.costgraph import Affine
 
@@ -31,27 +33,29 @@ def balanced_cuts(weights: Sequence[float], num_parts: int) -> list[int]:
     """Stop indices of ``num_parts`` non-empty contiguous parts minimising the largest part sum.
 
     Exact dynamic program (torchgpipe's ``balance_by_time`` solves the same block-partition
-    problem); ties prefer earlier cuts so the result is deterministic.
+    problem), vectorised over a part's start; ties prefer earlier cuts so the result is deterministic.
     """
     num_items = len(weights)
     if not 1 <= num_parts <= num_items:
         raise ValueError(f"cannot cut {num_items} blocks into {num_parts} non-empty parts")
     if num_items * num_parts > EXACT_BALANCE_LIMIT:
         return _bisected_cuts(weights, num_parts)
-    prefix = [0.0]
+    prefix_list = [0.0]
     for weight in weights:
-        prefix.append(prefix[-1] + weight)
+        prefix_list.append(prefix_list[-1] + weight)  # left to right, as the plain loop always summed
+    prefix = np.array(prefix_list)
     inf = float("inf")
     # best[k][i]: smallest possible largest part when the first i items form k parts.
-    best = [[inf] * (num_items + 1) for _ in range(num_parts + 1)]
+    best = np.full((num_parts + 1, num_items + 1), inf)
     choice = [[0] * (num_items + 1) for _ in range(num_parts + 1)]
     best[0][0] = 0.0
     for parts in range(1, num_parts + 1):
         for stop in range(parts, num_items - (num_parts - parts) + 1):
-            for start in range(parts - 1, stop):
-                value = max(best[parts - 1][start], prefix[stop] - prefix[start])
-                if value < best[parts][stop]:
-                    best[parts][stop], choice[parts][stop] = value, start
+            # every start in [parts - 1, stop); the first smallest wins, as the strict-< scan did
+            values = np.maximum(best[parts - 1, parts - 1:stop], prefix[stop] - prefix[parts - 1:stop])
+            offset = int(np.argmin(values))
+            if values[offset] < inf:
+                best[parts, stop], choice[parts][stop] = values[offset], parts - 1 + offset
     stops = []
     stop = num_items
     for parts in range(num_parts, 0, -1):

@@ -82,8 +82,12 @@ class CandidateCosts:
         self.cost = lru_cache(maxsize=None)(self._cost)
         self._hop = lru_cache(maxsize=None)(self._transfer)
         self.hop = lru_cache(maxsize=None)(self._canonical_hop)
+        self._relabelled = lru_cache(maxsize=None)(self._relabel)  # by device sets alone (cuts move, devices stay)
         self.allreduce = lru_cache(maxsize=None)(self._allreduce)
         self.allreduce_tail = lru_cache(maxsize=None)(self._allreduce_tail)
+        self.stage_step = lru_cache(maxsize=None)(self._stage_step)
+        # (candidate identity, schedule, warm-up policy) -> simulated (iteration s, bubble fraction), for scoring
+        self.simulated: dict[tuple[object, ...], tuple[float, float]] = {}
 
     def _cost(self, first: int, stop: int, rows: int, replicas: int) -> StageCost:
         return stage_cost(self.chain, first, stop, rows, replicas, self.cluster.compute_slowdown)
@@ -91,6 +95,9 @@ class CandidateCosts:
     def _canonical_hop(self, cut: int, rows: int, src: tuple[int, ...], dst: tuple[int, ...]) -> float:
         """Transfer time across cut ``cut``; devices are relabelled host-major in order of appearance
         (the time depends only on which replicas share a host), so equivalent placements share a cache entry."""
+        return self._hop(self.chain.cut_bytes[cut], rows, *self._relabelled(src, dst))
+
+    def _relabel(self, src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         per_host = self.cluster.devices_per_host
         hosts: dict[int, int] = {}
         filled: dict[int, int] = {}
@@ -100,14 +107,26 @@ class CandidateCosts:
                 host = hosts.setdefault(device // per_host, len(hosts))
                 labels[device] = host * per_host + filled.get(host, 0)
                 filled[host] = filled.get(host, 0) + 1
-        return self._hop(self.chain.cut_bytes[cut], rows, tuple(labels[d] for d in src),
-                         tuple(labels[d] for d in dst))
+        return tuple(labels[d] for d in src), tuple(labels[d] for d in dst)
 
     def _transfer(self, cut_bytes: Affine, rows: int, src: tuple[int, ...], dst: tuple[int, ...]) -> float:
         relabelled = Cluster(self.cluster.name, len(set(d // self.cluster.devices_per_host for d in src + dst)),
                              self.cluster.devices_per_host, self.cluster.device, self.cluster.intra_host,
                              self.cluster.inter_host, self.cluster.inter_host_collective)
         return transfer_time(relabelled, cut_bytes, rows, src, dst)
+
+    def _stage_step(self, first: int, stop: int, rows: int, devices: tuple[int, ...],
+                    recompute: bool) -> tuple[float, float, float]:
+        """(F, B, own allreduce or its tail after backward) of a stage when messages cost nothing
+        (:func:`message_seconds` is 0.0) and no parameter is shared with another stage."""
+        cost = self.cost(first, stop, rows, len(devices))
+        if self.allreduce_bucket_bytes:
+            per_host = self.cluster.devices_per_host
+            own = self.allreduce_tail(first, stop, len(devices), len({d // per_host for d in devices}) == 1, rows,
+                                      self.cost(first, stop, 1, 1).param_bytes)
+        else:
+            own = self.allreduce(first, stop, devices)
+        return cost.forward_s, backward_seconds(cost.forward_s, cost.backward_s, recompute), own
 
     def _allreduce(self, first: int, stop: int, devices: tuple[int, ...]) -> float:
         return allreduce_time(self.cluster, self.cost(first, stop, 1, 1).param_bytes, devices)
@@ -141,6 +160,13 @@ class CandidateCosts:
 
     def steps(self, spans: Sequence[Span], rows: int) -> PipelineSteps:
         """Forward, backward and allreduce time of every pipeline step (stages and transfers), tie allreduces."""
+        if not self.chain.shared_params and self.cluster.message_overhead_s <= 0:
+            # the common case: a stage's step depends on its own span only (no ties, no per-message time)
+            hops = [self.hop(before.stop - 1, rows, before.devices, after.devices)
+                    for before, after in zip(spans, spans[1:], strict=False)]
+            recomputing = self.recomputes(spans, rows, "A")  # the search's memory check uses policy A too
+            return pipeline_steps([self.stage_step(span.first, span.stop, rows, span.devices, recompute)
+                                   for span, recompute in zip(spans, recomputing, strict=True)], hops, [])
         own, ties = self.stage_allreduces(spans)
         if self.allreduce_bucket_bytes:
             own = self.allreduce_tails(spans, rows)

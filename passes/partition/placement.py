@@ -39,12 +39,15 @@ class Usage:
     def take(self, counts: tuple[int, ...]) -> tuple[Usage, tuple[int, ...]]:
         """Take ``counts[h]`` more devices on every host; returns the new usage and the devices (sorted)."""
         devices: list[int] = []
-        for host, (have, extra) in enumerate(zip(self.used, counts, strict=True)):
-            assert have + extra <= self.per_host, "placement took more devices than a host has"
-            start = host * self.per_host + have
-            devices.extend(range(start, start + extra))
-        used = tuple(have + extra for have, extra in zip(self.used, counts, strict=True))
-        return Usage(used, self.per_host, self.num_free - len(devices)), tuple(devices)
+        used = list(self.used)
+        for host, extra in enumerate(counts):
+            if extra:  # most hosts take nothing on large clusters
+                assert used[host] + extra <= self.per_host, "placement took more devices than a host has"
+                start = host * self.per_host + used[host]
+                devices.extend(range(start, start + extra))
+                used[host] += extra
+        assert len(counts) == len(used), "a take vector needs one count per host"
+        return Usage(tuple(used), self.per_host, self.num_free - len(devices)), tuple(devices)
 
     def take_all(self) -> tuple[Usage, tuple[int, ...]]:
         return self.take(tuple(self.per_host - have for have in self.used))

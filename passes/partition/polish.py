@@ -77,12 +77,12 @@ def polish(request: PlanRequest, model: CandidateCosts, best: Scored, grid: list
     while the simulator says they are faster."""
     candidate = as_candidate(model, best)
     if len(candidate.spans) > 1:
-        other = score_candidates(request, model, _alternative_cuts(model, candidate), planner)
+        other = score_candidates(request, model, _alternative_cuts(model, candidate), planner, best.time_s)
         if other is not None and other.time_s < best.time_s * (1 - 1e-9):
             best, candidate = other, as_candidate(model, other)
     for _ in range(MAX_POLISH_ROUNDS):
         neighbours = _neighbours(model, candidate, grid, request.layout is not None)
-        better = score_candidates(request, model, neighbours, planner)
+        better = score_candidates(request, model, neighbours, planner, best.time_s)  # only faster ones matter
         if better is None or better.time_s >= best.time_s * (1 - 1e-9):
             break
         best = better

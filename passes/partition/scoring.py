@@ -11,6 +11,10 @@ from fxpipe.core.plan import Plan
 from fxpipe.passes.partition.candidates import Candidate, CandidateCosts, Span, build_plan, with_prediction
 from fxpipe.passes.partition.request import AUTO_SCHEDULE, InfeasiblePlanError, PlanRequest, microbatch_grid
 
+# A candidate whose simulated_lower_bound exceeds the best time by more than this is not simulated; the
+# slack only absorbs float rounding between the bound's product and the simulator's running sums.
+LOWER_BOUND_SLACK = 1e-9
+
 
 @dataclass(frozen=True)
 class Scored:
@@ -29,15 +33,38 @@ def simulate_plan(plan: Plan, request: PlanRequest) -> tuple[float, float]:
 
 
 def score_candidates(request: PlanRequest, model: CandidateCosts, candidates: Iterable[Candidate],
-                     planner: str) -> Scored | None:
+                     planner: str, bound_s: float = float("inf")) -> Scored | None:
     """Simulate every candidate under every allowed schedule and warm-up policy that fits in memory;
-    keep the fastest (the first on ties: candidates in the order given)."""
+    keep the fastest (the first on ties: candidates in the order given).
+
+    A candidate is not simulated when it cannot be the answer: its :func:`simulated_lower_bound` is
+    above the fastest time so far, or above ``bound_s`` (a time the caller already has and only a
+    faster plan would replace). Simulated times are memoised on ``model`` (polish revisits plans).
+    """
     best: Scored | None = None
     for candidate in candidates:
+        lower_s = simulated_lower_bound(model, candidate)
+        if lower_s > min(bound_s, best.time_s if best else float("inf")) * (1 + LOWER_BOUND_SLACK):
+            continue
         scored = _score_candidate(request, model, candidate, planner)
         if scored is not None and (best is None or scored.time_s < best.time_s * (1 - 1e-12)):
             best = scored
     return best
+
+
+def simulated_lower_bound(model: CandidateCosts, candidate: Candidate) -> float:
+    """A time no simulation of ``candidate`` can beat, under any schedule: the busiest stage's compute,
+    M (F_s + B_s) on its largest slice (recomputation and split backward only add or move work), then
+    its own gradient allreduce, or with buckets the tail left after its last backward."""
+    rows = candidate.microbatch_rows
+    num_microbatches = model.global_batch_size // rows
+    if model.allreduce_bucket_bytes:
+        own = model.allreduce_tails(candidate.spans, rows)
+    else:
+        own, _ = model.stage_allreduces(candidate.spans)
+    costs = [model.cost(span.first, span.stop, rows, len(span.devices)) for span in candidate.spans]
+    return max(num_microbatches * (cost.forward_s + cost.backward_s) + allreduce_s
+               for cost, allreduce_s in zip(costs, own, strict=True))
 
 
 def _score_candidate(request: PlanRequest, model: CandidateCosts, candidate: Candidate,
@@ -54,9 +81,14 @@ def _score_candidate(request: PlanRequest, model: CandidateCosts, candidate: Can
             return
         if not model.fits(candidate.spans, candidate.microbatch_rows, policy, schedule):
             return
-        plan = build_plan(model, candidate, schedule=schedule, warmup_policy=policy, planner=planner)
-        time_s, bubble = simulate_plan(plan, request)
+        key = (candidate.identity(), schedule, policy)
+        plan = None
+        if key not in model.simulated:
+            plan = build_plan(model, candidate, schedule=schedule, warmup_policy=policy, planner=planner)
+            model.simulated[key] = simulate_plan(plan, request)
+        time_s, bubble = model.simulated[key]
         if best is None or time_s < best.time_s * (1 - 1e-12):
+            plan = plan or build_plan(model, candidate, schedule=schedule, warmup_policy=policy, planner=planner)
             analytic_s = candidate.latency_s
             if schedule == "zero_bubble" and model.schedule != schedule:  # the pivot model of this schedule
                 analytic_s = model.steps(candidate.spans, candidate.microbatch_rows).latency(
