@@ -8,12 +8,13 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fxpipe.core.cluster import Cluster
 from fxpipe.core.schedule import SCHEDULES
 
 if TYPE_CHECKING:  # matplotlib is optional: the plot module loads only when a plot is asked for
+    from fxpipe.core.plan import Plan
     from fxpipe.sim.timeline_plot import Timeline
 
 
@@ -41,6 +42,9 @@ def _add_planning_options(parser: argparse.ArgumentParser) -> None:
                         "this many MiB overlapping the last backward (0: one allreduce after backward)")
     parser.add_argument("--compare", action="store_true", help="also run every baseline planner")
     parser.add_argument("--json", dest="json_out", default=None, help="write the plan file here")
+    parser.add_argument("--no-run-info", action="store_true",
+                        help="leave the 'run' object (planning time, host, versions) out of the plan file, so "
+                             "the same command writes the same bytes")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -129,9 +133,19 @@ def _run_plan(args: argparse.Namespace) -> int:
     print(f"cluster {cluster.name}: {cluster.num_hosts} host(s) x {cluster.devices_per_host} {cluster.device.name}")
     print(format_plan(plan, chain, cluster))
     if args.json_out:
-        save_plan_file(args.json_out, plan, chain, cluster)
+        save_plan_file(args.json_out, plan, chain, cluster, run=None if args.no_run_info else _run_info(plan))
         print(f"wrote {args.json_out}")
     return 0
+
+
+def _run_info(plan: Plan) -> dict[str, Any]:
+    """The plan file's ``"run"`` object: what differs between two runs of the same command."""
+    import platform
+
+    import fxpipe
+
+    return {"planning_time_s": round(plan.planning_time_s, 3), "host": platform.node(),
+            "fxpipe_version": fxpipe.__version__, "python_version": platform.python_version()}
 
 
 def _marker_plan(args: argparse.Namespace, cluster: Cluster, options: dict[str, object]):  # type: ignore[no-untyped-def]

@@ -181,3 +181,23 @@ def test_plan_json_is_byte_identical_and_infeasible_baselines_are_null() -> None
     assert "infeasible" in dp_row
     with pytest.raises(PlanError, match="infeasible baseline has no time"):
         first.with_updates(baselines=(("dp", BaselineResult("", 0.0, feasible=False)),))
+
+
+def test_plan_files_differ_only_inside_the_run_object(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """DESIGN: two runs of the same command write the same bytes except inside the top-level "run" object."""
+    from fxpipe.cli import main
+    from fxpipe.core.planfile import load_plan_file
+
+    paths = [tmp_path / name for name in ("a.json", "b.json", "c.json", "d.json")]
+    for path in paths[:2]:
+        assert main(["plan", "gpt-mini", "--cluster", "local:2", "--global-batch", "8", "--json", str(path)]) == 0
+    for path in paths[2:]:
+        assert main(["plan", "gpt-mini", "--cluster", "local:2", "--global-batch", "8", "--json", str(path),
+                     "--no-run-info"]) == 0
+    first, second = (json.loads(path.read_text()) for path in paths[:2])
+    assert set(first["run"]) == {"planning_time_s", "host", "fxpipe_version", "python_version"}
+    assert first["run"]["planning_time_s"] > 0
+    del first["run"], second["run"]
+    assert first == second
+    assert paths[2].read_bytes() == paths[3].read_bytes() and "run" not in json.loads(paths[2].read_text())
+    assert load_plan_file(paths[0])[0] == load_plan_file(paths[2])[0]  # reading ignores the run object

@@ -95,8 +95,8 @@ class Plan:
     num_blocks: int = 0
     block_names: tuple[str, ...] = ()
     predicted: Prediction | None = None
-    # How long planning took: a fact of the run, not of the plan, so it is left out of the plan JSON
-    # (identical inputs give byte-identical files) and out of equality.
+    # How long planning took: a fact of the run, not of the plan, so it is left out of the plan's own JSON
+    # and of equality; `fxpipe plan --json` writes it in the file's top-level "run" object instead.
     planning_time_s: float = field(default=0.0, compare=False)
     baselines: tuple[tuple[str, BaselineResult], ...] = ()
     format_version: int = FORMAT_VERSION

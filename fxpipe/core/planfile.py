@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -67,11 +68,18 @@ def chain_from_json(data: Any) -> CostChain:
         raise PlanError(f"plan file's 'cost_chain' is malformed: {error!r}") from error
 
 
-def save_plan_file(path: str | Path, plan: Plan, chain: CostChain, cluster: Cluster) -> None:
-    """Write ``plan`` with its chain and cluster as deterministic JSON."""
+def save_plan_file(path: str | Path, plan: Plan, chain: CostChain, cluster: Cluster,
+                   run: Mapping[str, Any] | None = None) -> None:
+    """Write ``plan`` with its chain and cluster as deterministic JSON.
+
+    ``run``: facts of the run that made the plan (planning time, host, versions), written as the
+    top-level ``"run"`` object; two runs of the same command differ only inside it. Reading ignores it.
+    """
     data = plan.to_json_dict()
     data["cost_chain"] = chain_to_json(chain)
     data["cluster_spec"] = cluster.to_json()
+    if run is not None:
+        data["run"] = dict(run)
     Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
