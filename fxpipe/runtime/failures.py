@@ -9,6 +9,7 @@ through; every rank reads the record before raising, so all survivors name the s
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 import threading
@@ -40,6 +41,7 @@ class FailureLog:
         self.prefix = f"fxpipe/failures/{namespace}/"
         self.step_index = -1  # the driver bumps it at the start of each step
         self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     @classmethod
     def for_default_group(cls, owner: object, rank: int, world_size: int) -> FailureLog | None:
@@ -47,13 +49,19 @@ class FailureLog:
         if world_size == 1 or not dist.is_initialized():
             return None
         log = cls(_get_default_store(), rank, world_size, str(next(_instances)))
-        thread = threading.Thread(target=log._beat, name=f"fxpipe-heartbeat-{rank}", daemon=True)
-        thread.start()
+        log._thread = threading.Thread(target=log._beat, name=f"fxpipe-heartbeat-{rank}", daemon=True)
+        log._thread.start()
         weakref.finalize(owner, log._stop.set)
+        # At interpreter exit a daemon thread caught inside a store call meets C++ teardown (torch aborts:
+        # "terminate called without an active exception"); stop and join it first.
+        atexit.register(log.stop)
         return log
 
     def stop(self) -> None:
+        """End the heartbeat and wait for its thread (at most one store call)."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=HEARTBEAT_S + 5.0)
 
     def _key(self, name: str) -> str:
         return self.prefix + name
