@@ -5,51 +5,23 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fxpipe.compile_options import CompileOptions
+from fxpipe.compile_plan import resolve_plan
 from fxpipe.core import meta
 from fxpipe.core.cluster import Cluster
-from fxpipe.core.plan import Plan, plan_argument_kind
-from fxpipe.core.recompute import force_recompute, parse_recompute
-from fxpipe.core.schedule import ScheduleError, schedule_name
+from fxpipe.core.plan import Plan
+from fxpipe.core.recompute import parse_recompute
 from fxpipe.runtime.errors import PipelineSetupError
 
 if TYPE_CHECKING:
-    from fxpipe.runtime.comm import DistContext
     from fxpipe.runtime.driver import PipelineDriver
-    from fxpipe.runtime.guard import SetupGroup
     from fxpipe.runtime.measure import MeasureSetting, StepStats
-    from fxpipe.runtime.topology import Topology
 
-
-
-@dataclass(frozen=True)
-class CompileOptions:
-    """Everything ``fxpipe.compile`` takes besides the model and its example inputs."""
-
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None
-    global_batch_size: int | None
-    plan: str | Path | Plan = "auto"
-    schedule: str | None = None
-    num_microbatches: int | None = None
-    warmup_policy: str | None = None
-    cluster: str | Cluster | None = None
-    optimizer: str = "adam"
-    autocast_dtype: torch.dtype | None = None
-    timeout_s: float = 60.0
-    # exactness options (docs/exactness.md)
-    sync_params: str = "broadcast"
-    check_batch: str = "first"
-    loss_reduction: str = "mean"
-    batch_norm: str = "microbatch"
-    # where the batch is (docs/exactness.md, "The batch dimension"): None = dim 0, checked for ambiguity
-    batch_dims: int | Mapping[str, int] | None = None
-    target_batch_dim: int | None = None  # None: batch_dims when it is one int, else 0
-    recompute: str | Sequence[bool | str] = "auto"  # fxpipe.core.recompute.parse_recompute
 
 
 class PipelinedModule:
@@ -364,25 +336,6 @@ def preserved_state(model: torch.nn.Module) -> Iterator[None]:
             param.grad = grad
 
 
-def resolve_plan(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, context: DistContext,
-                 group: SetupGroup = None) -> Plan:
-    """The Plan to run: given, loaded from a file, or made by the planner on rank 0 and broadcast.
-
-    Collective: every rank of ``context``'s group calls it alike; ``group`` carries the setup phases
-    (:func:`fxpipe.runtime.guard.setup_group`).
-    """
-    from fxpipe.runtime.guard import setup_phase
-
-    kind = "plan" if isinstance(options.plan, Plan) else plan_argument_kind(options.plan)
-    if kind in ("plan", "file"):
-        with setup_phase("loading the plan", group):
-            plan = options.plan if isinstance(options.plan, Plan) else Plan.load(options.plan)
-            return apply_overrides(plan, options)
-    plan = _planned(options, model, example_inputs, context, group, markers=kind == "markers")
-    with setup_phase("applying plan overrides", group):
-        return apply_overrides(plan, options)
-
-
 def _keyword_inputs(graph_module: torch.fx.GraphModule, inputs: Any) -> Any:
     """The traced example inputs keyed by forward()'s parameter names, so a re-trace binds keyword-only ones."""
     values = graph_module.meta.get(meta.EXAMPLE_INPUTS)
@@ -390,96 +343,3 @@ def _keyword_inputs(graph_module: torch.fx.GraphModule, inputs: Any) -> Any:
     if values is None or names is None:
         return inputs
     return dict(zip(names, values, strict=True))
-
-
-def apply_overrides(plan: Plan, options: CompileOptions) -> Plan:
-    """Check the batch size against the plan and apply schedule / micro-batch / warm-up overrides."""
-    if options.global_batch_size is not None and options.global_batch_size != plan.global_batch_size:
-        raise PipelineSetupError(f"global_batch_size={options.global_batch_size} but the plan was made for "
-                                 f"{plan.global_batch_size}; re-plan or pass the plan's batch size")
-    changes: dict[str, Any] = {}
-    if options.schedule is not None and _schedule_name(options.schedule) != "auto":  # auto: keep the plan's
-        changes["schedule"] = _schedule_name(options.schedule)
-    if options.num_microbatches is not None:
-        changes["num_microbatches"] = options.num_microbatches
-    if options.warmup_policy is not None:
-        changes["warmup_policy"] = options.warmup_policy
-    return force_recompute(plan.with_updates(**changes) if changes else plan, options.recompute)
-
-
-def _schedule_name(schedule: str) -> str:
-    if schedule == "auto":  # the planner picks early backward, zero-bubble or GPipe per plan
-        return schedule
-    try:
-        return schedule_name(schedule)
-    except ScheduleError as error:
-        raise PipelineSetupError(f"{error}; or 'auto' (the planner picks)") from None
-
-
-def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, context: DistContext,
-             group: SetupGroup, *, markers: bool = False) -> Plan:
-    """Plan for the launched world on rank 0 and broadcast it: every rank gets a role, plan devices land
-    on the ranks of the nodes planned for. The cluster is resolved on every rank first (``local``
-    calibrates over the process group, all ranks together), so rank 0 plans with agreed figures."""
-    from fxpipe.runtime.comm import broadcast_text
-    from fxpipe.runtime.guard import setup_phase
-    from fxpipe.runtime.topology import discover_topology
-
-    topology = discover_topology(group)  # collectives of their own, so outside any phase body
-    cluster = _resolved_cluster(options, topology, context.device)
-    text = None
-    with setup_phase("planning", group):
-        if options.global_batch_size is None:
-            raise PipelineSetupError("global_batch_size is missing; it is required unless a Plan is given")
-        if context.rank == 0:
-            run = _run_marker_planner if markers else _run_planner
-            text = run(options, model, example_inputs, topology, cluster).to_json()
-    return Plan.from_json(broadcast_text(text))
-
-
-def _resolved_cluster(options: CompileOptions, topology: Topology, device: torch.device) -> Cluster:
-    """The cluster to plan for, resolved alike on every rank: the user's, or the launched nodes'."""
-    import fxpipe.runtime.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
-    from fxpipe.core.cluster import parse_cluster
-    from fxpipe.runtime.topology import cluster_for
-
-    if isinstance(options.cluster, Cluster):
-        return options.cluster
-    if options.cluster is not None:
-        return parse_cluster(options.cluster, collective=True)
-    return cluster_for(topology, device, collective=True)
-
-
-def _run_planner(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, topology: Topology,
-                 cluster: Cluster) -> Plan:
-    """Cost the model and plan it (on rank 0) for ``cluster`` with every launched rank in a role."""
-    from fxpipe.planning import costed_model, plan_chain
-    from fxpipe.runtime.topology import check_cluster_size, placed_plan
-
-    check_cluster_size(cluster, topology)
-    costed = costed_model(model, example_inputs if isinstance(example_inputs, Mapping) else tuple(example_inputs),
-                          cluster, batch_dims=options.batch_dims)
-    layout = None if options.plan == "auto" else str(options.plan)
-    assert options.global_batch_size is not None
-    plan = plan_chain(costed.chain, cluster, options.global_batch_size, layout=layout,
-                      num_microbatches=options.num_microbatches,
-                      schedule=_schedule_name(options.schedule or "dapple"),
-                      warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True,
-                      recompute=options.recompute)
-    return placed_plan(plan, topology, cluster)
-
-
-def _run_marker_planner(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, topology: Topology,
-                        cluster: Cluster) -> Plan:
-    """``plan="markers"``: cuts at the model's pipe_split() calls (on rank 0), every launched rank in a role."""
-    from fxpipe.planning import plan_markers
-    from fxpipe.runtime.topology import check_cluster_size, placed_plan
-
-    check_cluster_size(cluster, topology)
-    assert options.global_batch_size is not None
-    plan, _ = plan_markers(model, example_inputs, cluster, options.global_batch_size,
-                           num_microbatches=options.num_microbatches,
-                           schedule=_schedule_name(options.schedule or "dapple"),
-                           warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True,
-                           batch_dims=options.batch_dims, recompute=options.recompute)
-    return placed_plan(plan, topology, cluster)

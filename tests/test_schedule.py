@@ -159,8 +159,8 @@ def test_lower_adds_transfers_and_allreduce() -> None:
 
 
 def test_one_schedule_registry_feeds_plans_the_cli_and_compile() -> None:
-    from fxpipe.api import _schedule_name
     from fxpipe.cli import _build_parser
+    from fxpipe.compile_plan import _schedule_name
     from fxpipe.core.schedule import SCHEDULES, schedule_name
 
     choices = next(action.choices for sub in _build_parser()._subparsers._group_actions  # type: ignore[union-attr]

@@ -22,22 +22,20 @@ from fxpipe.runtime.comm import (
     MessageKind,
     PeerExchange,
     Pending,
-    Route,
     allreduce_async,
-    buffer_shape,
     message_tag,
     new_groups,
     pack,
-    routes_between,
     take_rows,
     unflatten_into,
 )
 from fxpipe.runtime.errors import PipelineSetupError
 from fxpipe.runtime.failures import FailureLog
 from fxpipe.runtime.measure import ActionTimer, MeasureMode, SavedActivationMeter, StepStats
-from fxpipe.runtime.receives import Inbox, Piece
+from fxpipe.runtime.receives import Inbox
 from fxpipe.runtime.rows import RowMap
 from fxpipe.runtime.stage import LossFn, StageRunner, infer_value_dtypes, read_local_loss
+from fxpipe.runtime.stage_routes import StageRoutes, gradient_routes
 
 if TYPE_CHECKING:
     from fxpipe.core.program import SplitProgram
@@ -110,15 +108,15 @@ class PipelineDriver:
         # run at the start and at the end of every step (deferred BN statistics: reset, commit)
         self.start_hooks: list[Callable[[], None]] = []
         self.step_hooks: list[Callable[[], None]] = []
-        self.in_routes = self._input_routes()
-        self.out_routes = self._output_routes()
-        grad_pieces, self.grad_rows = self._gradient_pieces()
+        routes = StageRoutes.of(program, plan, self.stage_index, self.rank, self.dtypes)
+        self.in_routes, self.out_routes, self.grad_rows = routes.inputs, routes.outputs, routes.gradient_rows
         self.exchange = PeerExchange(self.rank, context.device, timeout_s)
         self.preempted = False  # see fxpipe.runtime.preemption
         self.exchange.failures = self.failures = FailureLog.for_default_group(self, self.rank, context.world_size)
         self.batch_checker = BatchChecker(check_batch, self.exchange, describe_batch_dims(program, target_batch_dim))
         self.inbox = Inbox(self.exchange, context.device, self._tag,
-                           {MessageKind.ACTIVATION: self._input_pieces(), MessageKind.GRADIENT: grad_pieces},
+                           {MessageKind.ACTIVATION: routes.activation_pieces,
+                            MessageKind.GRADIENT: routes.gradient_pieces},
                            {kind: [a.microbatch_index for a in self.actions if a.op is op]
                             for kind, op in ((MessageKind.ACTIVATION, Op.RECV_ACTIVATION),
                                              (MessageKind.GRADIENT, Op.RECV_GRADIENT))},
@@ -141,58 +139,6 @@ class PipelineDriver:
         self._meter: SavedActivationMeter | None = None
 
     # ---- setup ---------------------------------------------------------------------------------
-
-    def _routes(self, value: str, producer: int, consumer: int) -> tuple[Route, ...]:
-        spec = self.program.values[value]
-        return routes_between(value, spec.batched and spec.is_tensor, self.plan.microbatch_size,
-                              self.plan.stages[producer].devices, self.plan.stages[consumer].devices)
-
-    def _input_routes(self) -> dict[str, list[Route]]:
-        routes = {}
-        for name in sorted(set(self.stage.input_values)):
-            producer = self.program.producers[name]
-            if producer >= 0:
-                routes[name] = [r for r in self._routes(name, producer, self.stage_index)
-                                if r.receiver_rank == self.rank]
-        return routes
-
-    def _input_pieces(self) -> list[Piece]:
-        """``(sender rank, (value, route index), shape, dtype)`` of every tensor piece received per micro-batch."""
-        pieces = []
-        for name, routes in self.in_routes.items():
-            spec = self.program.values[name]
-            if not spec.is_tensor:
-                continue
-            for index, route in enumerate(routes):
-                num_rows = route.receiver_rows[1] - route.receiver_rows[0] if route.receiver_rows else 0
-                shape = buffer_shape(spec.shape, spec.batched and route.receiver_rows is not None, num_rows,
-                                     spec.batch_dim)
-                pieces.append((route.sender_rank, (name, index), shape, self.dtypes[name] or torch.get_default_dtype()))
-        return pieces
-
-    def _gradient_pieces(self) -> tuple[list[Piece], dict[tuple[str, int], tuple[int, int] | None]]:
-        """Every gradient piece received per micro-batch (from the consumers of this stage's outputs),
-        and the rows of this replica's output each piece covers (None: all of it)."""
-        pieces, rows_of = [], {}
-        for name, routes in self._grad_routes(self.out_routes):
-            spec = self.program.values[name]
-            for index, route in enumerate(routes):
-                rows = route.sender_rows
-                shape = buffer_shape(spec.shape, spec.batched and rows is not None,
-                                     rows[1] - rows[0] if rows is not None else 0, spec.batch_dim)
-                pieces.append((route.receiver_rank, (name, index), shape,
-                               self.dtypes[name] or torch.get_default_dtype()))
-                rows_of[name, index] = rows
-        return pieces, rows_of
-
-    def _output_routes(self) -> dict[str, list[Route]]:
-        routes: dict[str, list[Route]] = {}
-        for name in sorted(set(self.stage.output_values)):
-            for consumer in sorted(self.program.consumers.get(name, ())):
-                if consumer != self.stage_index and self.program.producers.get(name) == self.stage_index:
-                    routes.setdefault(name, []).extend(
-                        r for r in self._routes(name, self.stage_index, consumer) if r.sender_rank == self.rank)
-        return routes
 
     def _make_reduce_sets(self) -> list[tuple[dist.ProcessGroup, list[torch.nn.Parameter]]]:
         """Process groups for gradient sums: the stage's replicas, then one per set of tied stages.
@@ -361,10 +307,6 @@ class PipelineDriver:
                 outgoing.append((route.receiver_rank, name, piece))
         state.sends.extend(self._send(MessageKind.ACTIVATION, m, outgoing, "activation"))
 
-    def _grad_routes(self, routes: dict[str, list[Route]]) -> list[tuple[str, list[Route]]]:
-        return [(name, rs) for name, rs in routes.items()
-                if self.program.values[name].is_tensor and self.program.values[name].requires_grad]
-
     def _recv_gradient(self, state: _StepState, m: int) -> None:
         outputs = state.outputs[m]
         grads: dict[str, torch.Tensor] = {}
@@ -401,7 +343,7 @@ class PipelineDriver:
     def _send_gradient(self, state: _StepState, m: int) -> None:
         grads, received = state.input_grads.pop(m), state.received.pop(m)
         outgoing: list[tuple[int, str, torch.Tensor]] = []
-        for name, routes in self._grad_routes(self.in_routes):
+        for name, routes in gradient_routes(self.program, self.in_routes):
             grad = grads.get(name)
             if grad is None:  # the stage did not use the value on a differentiable path
                 grad = torch.zeros_like(received[name])

@@ -1,0 +1,38 @@
+"""The options of ``fxpipe.compile``, one frozen record that every compile step reads."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fxpipe.core.cluster import Cluster
+from fxpipe.core.plan import Plan
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """Everything ``fxpipe.compile`` takes besides the model and its example inputs."""
+
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None
+    global_batch_size: int | None
+    plan: str | Path | Plan = "auto"
+    schedule: str | None = None
+    num_microbatches: int | None = None
+    warmup_policy: str | None = None
+    cluster: str | Cluster | None = None
+    optimizer: str = "adam"
+    autocast_dtype: torch.dtype | None = None
+    timeout_s: float = 60.0
+    # exactness options (docs/exactness.md)
+    sync_params: str = "broadcast"
+    check_batch: str = "first"
+    loss_reduction: str = "mean"
+    batch_norm: str = "microbatch"
+    # where the batch is (docs/exactness.md, "The batch dimension"): None = dim 0, checked for ambiguity
+    batch_dims: int | Mapping[str, int] | None = None
+    target_batch_dim: int | None = None  # None: batch_dims when it is one int, else 0
+    recompute: str | Sequence[bool | str] = "auto"  # fxpipe.core.recompute.parse_recompute

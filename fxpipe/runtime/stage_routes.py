@@ -1,0 +1,84 @@
+"""Where one rank's stage replica sends and receives: routes per crossing value and the pieces the inbox expects."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from fxpipe.core.plan import Plan
+from fxpipe.runtime.comm import Route, buffer_shape, routes_between
+from fxpipe.runtime.receives import Piece
+
+if TYPE_CHECKING:
+    from fxpipe.core.program import SplitProgram, ValueSpec
+
+Routes = dict[str, list[Route]]
+
+
+@dataclass(frozen=True)
+class StageRoutes:
+    """This rank's routes: ``inputs`` (value -> routes it receives on), ``outputs`` (value -> routes it sends
+    on), the activation and gradient pieces received per micro-batch, and the output rows each gradient
+    piece covers (None: all of it)."""
+
+    inputs: Routes
+    outputs: Routes
+    activation_pieces: list[Piece]
+    gradient_pieces: list[Piece]
+    gradient_rows: dict[tuple[str, int], tuple[int, int] | None]
+
+    @classmethod
+    def of(cls, program: SplitProgram, plan: Plan, stage_index: int, rank: int,
+           dtypes: Mapping[str, torch.dtype | None]) -> StageRoutes:
+        inputs = _input_routes(program, plan, stage_index, rank)
+        outputs = _output_routes(program, plan, stage_index, rank)
+        activation = [_piece(route.sender_rank, name, index, route.receiver_rows, program.values[name], dtypes)
+                      for name, routes in inputs.items() if program.values[name].is_tensor
+                      for index, route in enumerate(routes)]
+        gradient = [_piece(route.receiver_rank, name, index, route.sender_rows, program.values[name], dtypes)
+                    for name, routes in gradient_routes(program, outputs) for index, route in enumerate(routes)]
+        rows = {(name, index): route.sender_rows
+                for name, routes in gradient_routes(program, outputs) for index, route in enumerate(routes)}
+        return cls(inputs, outputs, activation, gradient, rows)
+
+
+def gradient_routes(program: SplitProgram, routes: Routes) -> list[tuple[str, list[Route]]]:
+    """The routes of values that carry a gradient back (tensors that require grad)."""
+    return [(name, rs) for name, rs in routes.items()
+            if program.values[name].is_tensor and program.values[name].requires_grad]
+
+
+def _piece(peer: int, name: str, index: int, rows: tuple[int, int] | None, spec: ValueSpec,
+           dtypes: Mapping[str, torch.dtype | None]) -> Piece:
+    """``(peer rank, (value, route index), shape, dtype)`` of one piece: ``rows`` of the value (None: all)."""
+    shape = buffer_shape(spec.shape, spec.batched and rows is not None, rows[1] - rows[0] if rows else 0,
+                         spec.batch_dim)
+    return peer, (name, index), shape, dtypes[name] or torch.get_default_dtype()
+
+
+def _routes(program: SplitProgram, plan: Plan, value: str, producer: int, consumer: int) -> tuple[Route, ...]:
+    spec = program.values[value]
+    return routes_between(value, spec.batched and spec.is_tensor, plan.microbatch_size,
+                          plan.stages[producer].devices, plan.stages[consumer].devices)
+
+
+def _input_routes(program: SplitProgram, plan: Plan, stage_index: int, rank: int) -> Routes:
+    routes = {}
+    for name in sorted(set(program.stages[stage_index].input_values)):
+        producer = program.producers[name]
+        if producer >= 0:
+            routes[name] = [r for r in _routes(program, plan, name, producer, stage_index) if r.receiver_rank == rank]
+    return routes
+
+
+def _output_routes(program: SplitProgram, plan: Plan, stage_index: int, rank: int) -> Routes:
+    routes: Routes = {}
+    for name in sorted(set(program.stages[stage_index].output_values)):
+        for consumer in sorted(program.consumers.get(name, ())):
+            if consumer != stage_index and program.producers.get(name) == stage_index:
+                routes.setdefault(name, []).extend(
+                    r for r in _routes(program, plan, name, stage_index, consumer) if r.sender_rank == rank)
+    return routes
