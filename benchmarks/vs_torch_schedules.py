@@ -80,7 +80,7 @@ def bubble_rank(rank: int, world_size: int, workload: Workload, num_warmup: int,
     steps, stats, pipes = {}, {}, {}
     for schedule in ("early_backward", "zero_bubble"):
         pipes[schedule] = pipe = compile_fxpipe(workload, world_size, schedule=schedule)
-        pipe.driver.measure = "timeline"
+        pipe.measure = "timeline"
         stats[schedule] = []
         fx_params = list(pipe.parameters())
 
@@ -92,7 +92,7 @@ def bubble_rank(rank: int, world_size: int, workload: Workload, num_warmup: int,
     times = interleaved(steps, num_warmup, num_steps)
     memory = {}
     for schedule, pipe in pipes.items():
-        pipe.driver.measure = True  # exact saved-activation peak of one step
+        pipe.measure = True  # exact saved-activation peak of one step
         fxpipe_step(pipe, list(pipe.parameters()), inputs, targets)
         memory[schedule] = pipe.driver.last_stats.peak_activation_bytes
     return {"times": times, "stats": {k: v[num_warmup:] for k, v in stats.items()}, "memory": memory}
@@ -160,7 +160,7 @@ def report(comparison: list[dict[str, Any]], bubbles: list[dict[str, Any]], num_
                      f"{result['bubble']['zero_bubble']:.3f}", f"{eb * 1e3:.1f}", f"{zb * 1e3:.1f}", f"{eb / zb:.3f}",
                      f"{result['memory']['zero_bubble'] / max(result['memory']['early_backward'], 1):.3f}"])
     lines += ["## Zero-bubble vs early backward in fxpipe (gpt-mini, S=4 on 4 ranks, 4-row micro-batches)", "",
-              "Bubble fraction from the runtime's timeline (`driver.measure = 'timeline'`): per rank 1 - "
+              "Bubble fraction from the runtime's timeline (`pipe.measure = 'timeline'`): per rank 1 - "
               "(F + B + W time) / step time, averaged over ranks, median over steps. Memory ratio: exact "
               "saved-activation peak (`measure = True`), largest rank, zero-bubble / early backward.", "",
               tabulate(rows, ["M", "bubble early backward", "bubble zero-bubble", "early backward ms",

@@ -97,6 +97,7 @@ def test_vs_torch_schedules_smoke() -> None:
         assert 0 < memory["fxpipe zero_bubble"] == memory["fxpipe early_backward"] < memory["fxpipe gpipe"]
     bubbles = run_ranks(vs_torch_schedules.bubble_rank, 2, tiny(8, 4), 0, 2)
     assert all(0 < busy <= step for r in bubbles for busy, step in r["stats"]["zero_bubble"])
+    assert all(r["memory"][s] > 0 for r in bubbles for s in ("early_backward", "zero_bubble"))
 
 
 @pytest.mark.multiprocess
