@@ -27,6 +27,7 @@ from fxpipe.core.cluster import (
 )
 from fxpipe.core.hardware import (
     A100_80GB,
+    CPU_SPLIT_BACKWARD_OVERHEAD,
     GPU_DEFAULT_FIGURES,
     H100_80GB,
     H100_PCIE_80GB,
@@ -188,7 +189,8 @@ def cpu_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(calibrate, "local_device", lambda collective=False: torch.device("cpu"))
 
 
-DEVICE_FIGURES = {"float32": 2e10, "bfloat16": 1e9, "float16": 1.5e9, "memory_bandwidth": 8e9, "kernel_launch": 7e-6}
+DEVICE_FIGURES = {"float32": 2e10, "bfloat16": 1e9, "float16": 1.5e9, "memory_bandwidth": 8e9, "kernel_launch": 7e-6,
+                  "split_backward_overhead": 0.375}
 LINK_FIGURES = {"link_bandwidth": 3e9, "link_latency": 4e-5, "allreduce_bandwidth": 1.5e9, "allreduce_latency": 6e-5,
                 "message_overhead": 3e-4}
 
@@ -229,6 +231,8 @@ def test_local_calibration_reads_its_cache(tmp_path: Path, monkeypatch: pytest.M
     assert cluster.collective_link([0, 1]) == cluster.intra_host_collective == LinkSpec(1.5e9, 6e-5)
     assert cluster.allreduce_time(3e9, [0, 1]) == 2 * 6e-5 + 2.0  # ring: 2 latencies + W / bandwidth
     assert cluster.message_overhead_s == 3e-4
+    assert cluster.split_backward_overhead == 0.375  # measured; uncalibrated CPU ranks get the default
+    assert parse_cluster("local:2", calibrate=False).split_backward_overhead == CPU_SPLIT_BACKWARD_OVERHEAD
     assert Cluster.from_json(json.loads(json.dumps(cluster.to_json()))) == cluster
     overridden = parse_cluster("local:2,intra=1GB/s@1ms", calibrate=True)
     assert overridden.collective_link([0, 1]) == overridden.intra_host == LinkSpec(1e9, 1e-3)
@@ -381,7 +385,7 @@ def test_an_unknown_gpu_is_measured_or_gets_conservative_defaults(monkeypatch: p
 
     _fake_gpus(monkeypatch, "NVIDIA GeForce RTX 4090", 24 * GiB, 2)
     figures = {"float32": 80e12, "bfloat16": 160e12, "float16": 160e12, "memory_bandwidth": 9e11,
-               "kernel_launch": 4e-6}
+               "kernel_launch": 4e-6, "split_backward_overhead": 0.125}
     seen: list[tuple[torch.device, bool, bool]] = []
 
     def measured(device: torch.device, *, collective: bool = False, refresh: bool = False,
@@ -394,6 +398,7 @@ def test_an_unknown_gpu_is_measured_or_gets_conservative_defaults(monkeypatch: p
     cluster = local_cluster(2, calibrate=True, collective=True)
     assert seen == [(torch.device("cuda", 0), True, True)]
     assert cluster.device == measured_device("NVIDIA GeForce RTX 4090", 24 * GiB, figures)
+    assert cluster.split_backward_overhead == 0.125  # measured on this GPU
     assert cluster.intra_host == LinkSpec(3e9, 4e-5) and cluster.intra_host_collective == LinkSpec(1.5e9, 6e-5)
     with pytest.warns(RuntimeWarning, match="'NVIDIA GeForce RTX 4090' has no preset and was not measured"):
         guessed = local_cluster(2, calibrate=False)
@@ -404,6 +409,7 @@ def test_an_unknown_gpu_is_measured_or_gets_conservative_defaults(monkeypatch: p
     assert seen[-1] == (torch.device("cuda", 0), True, False)
     assert known.device.flops_per_s("bfloat16") == 989.5e12 and known.num_devices == 8
     assert known.intra_host == LinkSpec(3e9, 4e-5) and known.message_overhead_s == 0
+    assert known.split_backward_overhead == guessed.split_backward_overhead == 0  # not measured on these GPUs
     assert known.description == ("local GPUs (NVIDIA H200), datasheet preset; links over the nccl process group "
                                  "of 2 rank(s): device measured, links measured")
 

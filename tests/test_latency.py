@@ -54,7 +54,7 @@ def test_transfers_become_stages() -> None:
     chain = CostChain((block, block), (Affine(0, 2.0**8),))
     plan = Plan(8, 2, (StagePlan(0, 0, 1, 1, (0,)), StagePlan(1, 1, 2, 1, (1,))))
     transfer = 2.0**-4 + 4 * 2.0**8 / 2.0**10
-    forward, backward, allreduce, groups, _ = stage_times(plan, chain, net)
+    forward, backward, allreduce, groups, *_ = stage_times(plan, chain, net)
     assert forward == [0.25, transfer, 0.25] and backward == [0.5, transfer, 0.5]
     assert allreduce == [0.0, 0.0, 0.0] and groups == []
     assert analytic_iteration_time(plan, chain, net) == pipeline_latency(forward, backward, allreduce, 2)
@@ -104,7 +104,7 @@ def test_tied_parameters_are_one_allreduce_after_their_last_stage() -> None:
     net = Cluster("t", 1, 2, device, LinkSpec(2.0**20), LinkSpec(2.0**20))
     tied = _tied_chain(4, 2**20, cut_bytes_per_row=0.0)
     plan = Plan(16, 4, (StagePlan(0, 0, 2, 1, (0,)), StagePlan(1, 2, 4, 1, (1,))))
-    forward, backward, allreduce, groups, _ = stage_times(plan, tied, net)
+    forward, backward, allreduce, groups, *_ = stage_times(plan, tied, net)
     assert allreduce == [0.0, 0.0]  # one device per stage: nothing of its own to sum
     assert groups == [((0, 1), net.allreduce_time(2**20, [0, 1]))]
     # equal stages, free transfers: the pivot formula is exact, tie allreduce included

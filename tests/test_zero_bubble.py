@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -135,6 +136,47 @@ def test_planner_picks_zero_bubble_when_predicted_faster_and_keeps_early_backwar
     # the baselines keep early backward
     compared = partition(heavy, net, 8, compare=True, schedule="auto")
     assert compared.schedule == "zero_bubble" and compared.baselines
+
+
+def test_split_overhead_stretches_b_and_w_alike_in_the_simulator_and_the_pivot_model() -> None:
+    # F = 1/8 s and backward = 2/8 s per micro-batch of 8 rows; splitting costs half the backward again
+    # on stage 1 (B = W = 1.5/8 s); stage 0 runs its fused backward (2/8 s) in B, untouched.
+    unit, num_microbatches = 2.0**-3, 4
+    chain_ = uniform_chain(2, param_bytes=0)
+    costly = replace(sim_cluster(), split_backward_overhead=0.5)
+    plan = plan_of((1, 1), 1, 8, num_microbatches, "zero_bubble")
+    assert split_backward_times(2 * unit, 1, 0.5, 0.5) == (1.5 * unit, 1.5 * unit)
+    assert split_backward_times(2 * unit, 0, 0.5, 0.5) == (2 * unit, 0.0)
+    result = simulate(plan, chain_, costly)
+    # stage 1 never waits after its first F: 1 + M (F + B + W), then stage 0's last B after stage 1's last B
+    assert result.iteration_time_s == (1 + num_microbatches * 4 - 1.5 + 2) * unit
+    assert {e.end_s - e.start_s for e in result.events if e.stage_index == 1 and e.op in ("B", "W")} == {1.5 * unit}
+    assert analytic_iteration_time(plan, chain_, costly) == result.iteration_time_s
+    # without the overhead zero-bubble beats early backward ((M + S - 1)(F + B)); with it, it loses
+    eb_plan = plan_of((1, 1), 1, 8, num_microbatches)
+    early = simulate(eb_plan, chain_, costly).iteration_time_s
+    assert early == simulate(eb_plan, chain_, sim_cluster()).iteration_time_s == 5 * 3 * unit
+    assert simulate(plan, chain_, sim_cluster()).iteration_time_s == 14 * unit < early < result.iteration_time_s
+    with pytest.raises(ValueError, match="split backward overhead must be >= 0"):
+        split_backward_times(1.0, 1, 0.5, -0.1)
+    with pytest.raises(ValueError, match="split_backward_overhead must be >= 0"):
+        replace(sim_cluster(), split_backward_overhead=-1.0)
+
+
+def test_split_overhead_turns_auto_to_early_backward() -> None:
+    heavy = chain([1.0, 1.0], [10**9, 10**9])
+    free, costly = cluster(1, 2, intra=1e9), replace(cluster(1, 2, intra=1e9), split_backward_overhead=1.0)
+    assert partition(heavy, free, 8, schedule="auto").schedule == "zero_bubble"
+    auto = partition(heavy, costly, 8, schedule="auto")
+    zb = partition(heavy, costly, 8, schedule="zero_bubble", layout=auto.layout,
+                   num_microbatches=auto.num_microbatches)
+    assert auto.schedule == "early_backward"
+    assert auto.predicted is not None and zb.predicted is not None
+    assert zb.predicted.iteration_time_s > auto.predicted.iteration_time_s
+    # the pivot model, the simulator and the plan's prediction charge the same overhead
+    assert zb.predicted.analytic_iteration_time_s == analytic_iteration_time(zb, heavy, costly)
+    assert analytic_iteration_time(zb, heavy, costly) > analytic_iteration_time(zb, heavy, free)
+    assert zb.predicted.iteration_time_s == simulate(zb, heavy, costly).iteration_time_s
 
 
 @pytest.mark.parametrize(("layout", "expected"), [("2:1", "zero_bubble"), ("2:1:1", "zero_bubble"),

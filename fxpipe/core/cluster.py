@@ -23,6 +23,7 @@ from fxpipe.core.cluster_spec import (
 )
 from fxpipe.core.hardware import (
     A100_80GB,
+    CPU_SPLIT_BACKWARD_OVERHEAD,
     ETHERNET_10G_COLLECTIVE,
     ETHERNET_10G_P2P,
     ETHERNET_25G_COLLECTIVE,
@@ -78,6 +79,11 @@ class Cluster:
     send, posting a receive and taking its data, in the rank's process (stretched like compute when
     ranks share cores). 0 where a copy engine does the work (GPUs); gloo on this project's CPU VM
     took 0.3-0.9 ms per message after a stretch of compute.
+
+    ``split_backward_overhead`` is what the runtime's split backward (zero-bubble schedules: B, then W)
+    costs beyond one fused backward, as a fraction of it (:func:`fxpipe.sim.stagecost.split_backward_times`):
+    on CPU ranks its extra autograd calls (one W pass per parameter group) and graph walks in Python
+    took 0.2-0.5x the backward here; calibration measures it, presets (GPUs) have none measured: 0.
     """
 
     name: str
@@ -91,6 +97,7 @@ class Cluster:
     cores_per_host: int = 0
     intra_host_collective: LinkSpec | None = None
     message_overhead_s: float = 0.0
+    split_backward_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_hosts < 1 or self.devices_per_host < 1:
@@ -104,6 +111,9 @@ class Cluster:
         if not self.message_overhead_s >= 0:
             raise ValueError(f"cluster {self.name!r}: message_overhead_s must be >= 0 seconds; "
                              f"got {self.message_overhead_s}")
+        if not self.split_backward_overhead >= 0:
+            raise ValueError(f"cluster {self.name!r}: split_backward_overhead must be >= 0 (a fraction of the "
+                             f"fused backward); got {self.split_backward_overhead}")
 
     @property
     def compute_slowdown(self) -> float:
@@ -207,6 +217,8 @@ def _cluster_from_json(data: Any) -> Cluster:
         if data.get("intra_host_collective") is not None else None,
         message_overhead_s=json_field(data, "message_overhead_s", float, "", "non-negative")
         if "message_overhead_s" in data else 0.0,
+        split_backward_overhead=json_field(data, "split_backward_overhead", float, "", "non-negative")
+        if "split_backward_overhead" in data else 0.0,
     )
 
 
@@ -222,9 +234,10 @@ _DEVICE_ALIASES = {"v100-16gb": "v100", "a100-80gb": "a100", "h100-80gb": "h100"
 
 def _cpu_cluster(name: str, num_hosts: int, ranks_per_host: int, device: DeviceSpec, link: LinkSpec,
                  description: str, cores_per_host: int = 0, collective: LinkSpec | None = None,
-                 message_overhead_s: float = 0.0) -> Cluster:
+                 message_overhead_s: float = 0.0, split_backward_overhead: float = CPU_SPLIT_BACKWARD_OVERHEAD,
+                 ) -> Cluster:
     return Cluster(name, num_hosts, ranks_per_host, device, link, link, None, description, cores_per_host,
-                   collective, message_overhead_s)
+                   collective, message_overhead_s, split_backward_overhead)
 
 
 def dapple_cluster(config: str) -> Cluster:
@@ -334,17 +347,20 @@ def _local_cpu_cluster(name: str, ranks: int, measured: Calibration | None, coll
         warnings.warn(f"fxpipe: {name} plans with default link figures ({LOCAL_LINK_DEFAULT}): {how}; see "
                       "docs/clusters.md", RuntimeWarning, stacklevel=3)
     link, collective_link, overhead = links or (LOCAL_LINK_DEFAULT, None, 0.0)
+    split = (measured.device or {}).get("split_backward_overhead", CPU_SPLIT_BACKWARD_OVERHEAD)
     return _cpu_cluster(name, 1, ranks, cpu_device(memory, calibrated=measured.device), link,
-                        f"local CPU ranks, calibrated: {measured.source}", usable_cores(), collective_link, overhead)
+                        f"local CPU ranks, calibrated: {measured.source}", usable_cores(), collective_link, overhead,
+                        split)
 
 
 def _local_gpu_cluster(name: str, ranks: int, model: str, memory: int, measured: Calibration | None) -> Cluster:
     """Visible GPUs: a known model's datasheet preset (as ``4x8:h100``), else measured, else conservative defaults."""
-    preset = gpu_preset(model, memory)
+    preset, split = gpu_preset(model, memory), 0.0  # split backward's overhead: 0 unless this GPU was measured
     if preset is not None:
         (device, link), source = preset, "datasheet preset"
     elif measured is not None and measured.device is not None:
         device, link, source = measured_device(model, memory, measured.device), PCIE_GPU_P2P, "measured"
+        split = measured.device.get("split_backward_overhead", 0.0)
     else:
         warnings.warn(f"fxpipe: GPU model {model!r} has no preset and was not measured; planning with "
                       f"conservative default figures {GPU_DEFAULT_FIGURES}", RuntimeWarning, stacklevel=3)
@@ -355,7 +371,7 @@ def _local_gpu_cluster(name: str, ranks: int, model: str, memory: int, measured:
         link, collective_link, _ = links  # copy engines move GPU messages: no per-message device time
         source += f"; links {measured.source}"
     return Cluster(name, 1, ranks, device, link, link, None, f"local GPUs ({model}), {source}",
-                   intra_host_collective=collective_link)
+                   intra_host_collective=collective_link, split_backward_overhead=split)
 
 
 def dgx_h100_cluster(num_nodes: int = 1) -> Cluster:

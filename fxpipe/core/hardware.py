@@ -103,6 +103,12 @@ GPU_DEFAULT_FIGURES = {"float32": 5e12, "bfloat16": 20e12, "float16": 20e12, "me
                        "kernel_launch": 10e-6}
 
 
+# Split backward's cost beyond one fused backward on uncalibrated CPU ranks (Cluster.split_backward_overhead):
+# the runtime's B + W of a 2-block transformer-like stage over 256 rows of width 128, one thread, measured
+# 0.25x here (gpt-mini stages: 0.29x at 4 x 64 tokens, 0.45x at 2 x 64); calibration measures this machine's.
+CPU_SPLIT_BACKWARD_OVERHEAD = 0.3
+
+
 def measured_device(name: str, memory_bytes: int, figures: dict[str, float]) -> DeviceSpec:
     """A DeviceSpec from measured (or default) ``figures``: the keys of ``GPU_DEFAULT_FIGURES``."""
     return DeviceSpec(

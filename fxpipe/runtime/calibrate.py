@@ -113,7 +113,7 @@ def _save(path: Path | None, measured: dict[str, dict[str, float]]) -> None:
 
 def calibrate_here(device: torch.device | None = None, *, refresh: bool = False,
                    need_device: bool = True) -> Calibration:
-    """This process alone: device figures from the cache or measured in-process (~0.4 s); links only from the cache."""
+    """This process alone: device figures from the cache or measured in-process (~1.5 s); links only from the cache."""
     device = device or torch.device("cpu")
     path = _cache_file(device)
     cached = {} if refresh or path is None else read_cache(path)

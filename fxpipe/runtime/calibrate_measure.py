@@ -21,7 +21,11 @@ MESSAGE_GAP_MATMULS = 10
 # Matmul side for timing a GPU: large enough to reach the tensor cores' rate, ~0.1 ms per call on an H100.
 GPU_MATMUL_SIZE = 4096
 
-DEVICE_KEYS = ("float32", "bfloat16", "float16", "memory_bandwidth", "kernel_launch")
+# The reference stage for split backward's overhead: transformer-like blocks (layer norm, a 3x and a 4x
+# projection, GELU) over 256 rows of width 128, as a gpt-mini stage sees a 4 x 64-token micro-batch.
+SPLIT_REFERENCE_ROWS, SPLIT_REFERENCE_WIDTH, SPLIT_REFERENCE_BLOCKS, SPLIT_REPEATS = 256, 128, 2, 20
+
+DEVICE_KEYS = ("float32", "bfloat16", "float16", "memory_bandwidth", "kernel_launch", "split_backward_overhead")
 LINK_KEYS = ("link_latency", "link_bandwidth", "allreduce_latency", "allreduce_bandwidth", "message_overhead")
 
 
@@ -73,6 +77,50 @@ def measure_op_overhead(seconds: float = 0.05, device: torch.device | None = Non
     return elapsed / calls
 
 
+def _reference_stage(device: torch.device) -> torch.nn.Module:
+    width = SPLIT_REFERENCE_WIDTH
+    layers: list[torch.nn.Module] = []
+    for _ in range(SPLIT_REFERENCE_BLOCKS):
+        layers += [torch.nn.LayerNorm(width), torch.nn.Linear(width, 3 * width), torch.nn.Linear(3 * width, width),
+                   torch.nn.LayerNorm(width), torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+                   torch.nn.Linear(4 * width, width)]
+    return torch.nn.Sequential(*layers).to(device)
+
+
+def measure_split_backward_overhead(device: torch.device | None = None, repeats: int = SPLIT_REPEATS) -> float:
+    """(B + W) / fused backward - 1 (at least 0) of a reference stage, with the runtime's split backward.
+
+    Fused and split backwards alternate, each after a fresh forward (not timed) and accumulating into
+    ``.grad`` as a step's micro-batches do; the ratio of their medians is what :attr:`fxpipe.core.cluster.Cluster.split_backward_overhead` holds.
+    """
+    from fxpipe.runtime.split_backward import backward_inputs, backward_weights  # the runtime's own B and W
+
+    device = device or torch.device("cpu")
+    stage, sync = _reference_stage(device), synchronizer(device)
+    params = list(stage.parameters())
+    rows = torch.randn(SPLIT_REFERENCE_ROWS, SPLIT_REFERENCE_WIDTH, device=device)
+
+    def fused(leaf: torch.Tensor, output: torch.Tensor) -> None:
+        torch.autograd.backward([output], [torch.ones_like(output)])
+
+    def split(leaf: torch.Tensor, output: torch.Tensor) -> None:
+        _, work = backward_inputs([output], [torch.ones_like(output)], [leaf], params)
+        backward_weights(work, params)
+
+    times: dict[str, list[float]] = {"fused": [], "split": []}
+    for index in range(repeats + 2):  # two warm-up rounds
+        for name, backward in (("fused", fused), ("split", split)):
+            leaf = rows.detach().requires_grad_(True)
+            output = stage(leaf)
+            sync()
+            start = time.perf_counter()
+            backward(leaf, output)
+            sync()
+            if index >= 2:
+                times[name].append(time.perf_counter() - start)
+    return max(0.0, statistics.median(times["split"]) / statistics.median(times["fused"]) - 1.0)
+
+
 def measure_device(device: torch.device | None = None) -> dict[str, float]:
     """Compute (FLOP/s per dtype), memory bandwidth and op overhead: one CPU thread, or one GPU."""
     device = device or torch.device("cpu")
@@ -83,6 +131,7 @@ def measure_device(device: torch.device | None = None) -> dict[str, float]:
             "float16": measure_matmul_flops(torch.float16, GPU_MATMUL_SIZE, device=device),
             "memory_bandwidth": measure_memory_bandwidth(256 * 2**20, device=device),
             "kernel_launch": measure_op_overhead(device=device),
+            "split_backward_overhead": measure_split_backward_overhead(device),
         }
     previous = torch.get_num_threads()
     torch.set_num_threads(1)  # one rank = one thread, as the local cluster runs them
@@ -93,6 +142,7 @@ def measure_device(device: torch.device | None = None) -> dict[str, float]:
             "float16": measure_matmul_flops(torch.float16, size=128),
             "memory_bandwidth": measure_memory_bandwidth(),
             "kernel_launch": measure_op_overhead(),
+            "split_backward_overhead": measure_split_backward_overhead(),
         }
     finally:
         torch.set_num_threads(previous)

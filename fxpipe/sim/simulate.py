@@ -90,7 +90,8 @@ def simulate(plan: Plan, chain: CostChain, cluster: Cluster, *, optimizer: str =
       ends with the last allreduce (the runtime's 8-byte loss sum after it is left out).
 
     - Under a split-backward schedule (W actions, zero-bubble) B takes ``1 - weight_fraction`` of
-      the stage's backward and W the rest (:func:`split_backward_times`; stage 0's B takes it all).
+      the stage's backward and W the rest, both stretched by what splitting costs
+      (``cluster.split_backward_overhead``; :func:`split_backward_times`; stage 0's B takes it all).
 
     Groups of replicas that exchange nothing with each other are simulated separately, and groups
     with identical inputs once (exact: see :func:`_simulate_components`). ``timeline=False`` skips
@@ -168,7 +169,8 @@ def _replica_specs(plan: Plan, chain: CostChain, cluster: Cluster, slowdowns: Se
                                                   recompute=stage.recompute)
             weight_s = 0.0
             if weight_fraction is not None:
-                backward_s, weight_s = split_backward_times(backward_s, stage.stage_index, weight_fraction)
+                backward_s, weight_s = split_backward_times(backward_s, stage.stage_index, weight_fraction,
+                                                            cluster.split_backward_overhead)
             nodes[stage.stage_index, replica_index] = _Node(stage.stage_index, forward_s, backward_s, [], [], 0, 0,
                                                             cluster.message_overhead_s * slowdown, weight_s)
     for stage_index in range(plan.num_stages - 1):

@@ -207,14 +207,21 @@ def allreduce_time(cluster: Cluster, param_bytes: float, devices: Sequence[int])
 WEIGHT_GRAD_FRACTION = 0.5
 
 
-def split_backward_times(backward_s: float, stage_index: int, weight_fraction: float) -> tuple[float, float]:
+def split_backward_times(backward_s: float, stage_index: int, weight_fraction: float,
+                         overhead: float = 0.0) -> tuple[float, float]:
     """``(B, W)`` seconds of a stage whose backward of ``backward_s`` is split into input and weight gradients.
 
-    Stage 0 sends no gradient upstream, so the runtime runs its whole backward in B and W is empty.
+    ``overhead`` (:attr:`Cluster.split_backward_overhead`) is what splitting costs on top, as a
+    fraction of the fused backward: B + W = ``backward_s * (1 + overhead)``, shared by B and W in
+    the ``weight_fraction`` proportion. Stage 0 sends no gradient upstream, so the runtime runs its
+    whole (fused) backward in B and W is empty.
     """
     if not 0.0 <= weight_fraction <= 1.0:
         raise ValueError(f"weight_fraction must be in [0, 1] (the share of backward spent on parameter "
                          f"gradients), got {weight_fraction}")
+    if not overhead >= 0.0:
+        raise ValueError(f"split backward overhead must be >= 0 (a fraction of the fused backward), got {overhead}")
     if stage_index == 0:
         return backward_s, 0.0
-    return backward_s * (1.0 - weight_fraction), backward_s * weight_fraction
+    split_s = backward_s * (1.0 + overhead)
+    return split_s * (1.0 - weight_fraction), split_s * weight_fraction

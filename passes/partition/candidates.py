@@ -166,21 +166,24 @@ class CandidateCosts:
                     for before, after in zip(spans, spans[1:], strict=False)]
             recomputing = self.recomputes(spans, rows, "A")  # the search's memory check uses policy A too
             return pipeline_steps([self.stage_step(span.first, span.stop, rows, span.devices, recompute)
-                                   for span, recompute in zip(spans, recomputing, strict=True)], hops, [])
+                                   for span, recompute in zip(spans, recomputing, strict=True)], hops, [],
+                                  split_overhead=self.cluster.split_backward_overhead)
         own, ties = self.stage_allreduces(spans)
         if self.allreduce_bucket_bytes:
             own = self.allreduce_tails(spans, rows)
         replicas = [len(span.devices) for span in spans]
         recomputes = self.recomputes(spans, rows, "A")  # the search's memory check uses policy A too
-        stages = []
+        stages, messages = [], []
         for index, span in enumerate(spans):
             cost = self.cost(span.first, span.stop, rows, len(span.devices))
-            messages = message_seconds(self.cluster, rows, replicas, index)
+            message_s = message_seconds(self.cluster, rows, replicas, index)
             backward_s = backward_seconds(cost.forward_s, cost.backward_s, recomputes[index])
-            stages.append((cost.forward_s + messages, backward_s + messages, own[index]))
+            stages.append((cost.forward_s + message_s, backward_s + message_s, own[index]))
+            messages.append(message_s)
         hops = [self.hop(before.stop - 1, rows, before.devices, after.devices)
                 for before, after in zip(spans, spans[1:], strict=False)]
-        return pipeline_steps(stages, hops, ties)
+        return pipeline_steps(stages, hops, ties, split_overhead=self.cluster.split_backward_overhead,
+                              messages=messages)
 
     def latency(self, spans: Sequence[Span], rows: int) -> float:
         return self.steps(spans, rows).latency(self.global_batch_size // rows, self.schedule == "zero_bubble")

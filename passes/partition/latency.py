@@ -7,8 +7,9 @@ activations), AR_s its gradient allreduce, Q the pivot stage.
     L = sum_{s<=Q} F_s + (M-1)(F_Q+B_Q) + max_s(AR_s + Delta_s)
     Delta_s = sum_{t=s..Q} B_t (s <= Q),  -sum_{t=Q+1..s-1} B_t (s > Q)
 
-Split backward (zero-bubble schedules): B_s is the whole backward in the pivot (the stage is busy
-with B and W of every micro-batch), but a gradient crosses stage t in B_t - W_t only, and each stage
+Split backward (zero-bubble schedules): B_s is the whole split backward in the pivot (the stage is
+busy with B and W of every micro-batch; what splitting costs, Cluster.split_backward_overhead, makes
+it longer than the fused one), but a gradient crosses stage t in B_t - W_t only, and each stage
 ends with its own last W: Delta_s = sum_{t=s..Q} (B_t - W_t) + W_s for s <= Q (mirrored for s > Q).
 For equal stages this gives M (F+B) + (S-1)(F+B-W) + AR, the exact simulated time.
 
@@ -100,36 +101,44 @@ class PipelineSteps(NamedTuple):
     group_allreduce: list[tuple[tuple[int, ...], float]]  # (step indices, seconds)
 
     weight: list[float]  # split backward: the W part of each step's backward (0 for transfers)
+    split_backward: list[float]  # split backward: B + W of each step, what splitting costs included
 
     def latency(self, num_microbatches: int, split_backward: bool = False) -> float:
-        """:func:`pipeline_latency` of these steps, with their W parts when backward is split."""
-        return pipeline_latency(self.forward, self.backward, self.allreduce, num_microbatches,
-                                self.group_allreduce, self.weight if split_backward else None)
+        """:func:`pipeline_latency` of these steps, with their split B + W and W parts when backward is split."""
+        if split_backward:
+            return pipeline_latency(self.forward, self.split_backward, self.allreduce, num_microbatches,
+                                    self.group_allreduce, self.weight)
+        return pipeline_latency(self.forward, self.backward, self.allreduce, num_microbatches, self.group_allreduce)
 
 
 def pipeline_steps(stages: Sequence[tuple[float, float, float]], hops: Sequence[float],
                    ties: Sequence[tuple[tuple[int, ...], float]],
-                   weight_fraction: float = WEIGHT_GRAD_FRACTION) -> PipelineSteps:
+                   weight_fraction: float = WEIGHT_GRAD_FRACTION, split_overhead: float = 0.0,
+                   messages: Sequence[float] | None = None) -> PipelineSteps:
     """The pivot model's steps from per-stage ``(F, B, own allreduce)``, the transfer time of each cut
     (``hops[s]`` between stages s and s+1) and tie allreduces over stage indices.
 
     Steps in order: stage 0, cut 0, stage 1, ...; a cut that costs nothing adds no step (it would
-    only tie the pivot choice). Tie groups are given step indices. Each stage's W part under split
-    backward is :func:`fxpipe.stagecost.split_backward_times` of its B with ``weight_fraction``.
+    only tie the pivot choice). Tie groups are given step indices. Each stage's B and W under split
+    backward are :func:`fxpipe.sim.stagecost.split_backward_times` of its B with ``weight_fraction``
+    and ``split_overhead`` (:attr:`Cluster.split_backward_overhead`); ``messages[s]`` is the message
+    time stage s's F and B include (:func:`message_seconds`), which splitting leaves as it is.
     """
-    steps = PipelineSteps([], [], [], [], [])
+    steps = PipelineSteps([], [], [], [], [], [])
     step_of_stage = []
     for index, (forward, backward, allreduce) in enumerate(stages):
         if index and hops[index - 1] > 0:
-            steps.forward.append(hops[index - 1])
-            steps.backward.append(hops[index - 1])
-            steps.allreduce.append(0.0)
-            steps.weight.append(0.0)
+            for values, value in ((steps.forward, hops[index - 1]), (steps.backward, hops[index - 1]),
+                                  (steps.allreduce, 0.0), (steps.weight, 0.0), (steps.split_backward, hops[index - 1])):
+                values.append(value)
         step_of_stage.append(len(steps.forward))
         steps.forward.append(forward)
         steps.backward.append(backward)
         steps.allreduce.append(allreduce)
-        steps.weight.append(split_backward_times(backward, index, weight_fraction)[1])
+        message_s = messages[index] if messages is not None else 0.0
+        input_s, weight_s = split_backward_times(backward - message_s, index, weight_fraction, split_overhead)
+        steps.weight.append(weight_s)
+        steps.split_backward.append(input_s + weight_s + message_s)
     steps.group_allreduce.extend((tuple(step_of_stage[s] for s in group), seconds) for group, seconds in ties)
     return steps
 
@@ -145,18 +154,19 @@ def stage_times(plan: Plan, chain: CostChain, cluster: Cluster) -> PipelineSteps
     _, ties = allreduce_times(chain, cluster, [(s.first_block, s.stop_block, s.devices) for s in plan.stages])
     own_bytes = own_allreduce_bytes(chain, [(s.first_block, s.stop_block) for s in plan.stages])
     replicas = [s.replicas for s in plan.stages]
-    stages = []
+    stages, messages = [], []
     for stage in plan.stages:
         cost = stage_cost(chain, stage.first_block, stage.stop_block, plan.microbatch_size, stage.replicas,
                           cluster.compute_slowdown)
-        messages = message_seconds(cluster, plan.microbatch_size, replicas, stage.stage_index)
+        message_s = message_seconds(cluster, plan.microbatch_size, replicas, stage.stage_index)
         backward_s = backward_seconds(cost.forward_s, cost.backward_s, stage.recompute)
         _, tail = stage_allreduce_offsets(chain, cluster, stage.first_block, stage.stop_block, stage.devices,
                                           cost.rows, own_bytes[stage.stage_index], plan.allreduce_bucket_bytes)
-        stages.append((cost.forward_s + messages, backward_s + messages, tail))
+        stages.append((cost.forward_s + message_s, backward_s + message_s, tail))
+        messages.append(message_s)
     hops = [transfer_time(cluster, chain.cut_bytes[before.stop_block - 1], plan.microbatch_size, before.devices,
                           after.devices) for before, after in zip(plan.stages, plan.stages[1:], strict=False)]
-    return pipeline_steps(stages, hops, ties)
+    return pipeline_steps(stages, hops, ties, split_overhead=cluster.split_backward_overhead, messages=messages)
 
 
 def analytic_iteration_time(plan: Plan, chain: CostChain, cluster: Cluster) -> float:
