@@ -120,9 +120,15 @@ def test_overhead_smoke() -> None:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_runtime_fidelity_smoke() -> None:
-    cases = (runtime_fidelity.PlanCase(2, "1:1", 2),)
+    cases = (runtime_fidelity.PlanCase(2, "1:1", 2), runtime_fidelity.PlanCase(2, "1:1", 2, "zero_bubble"))
     result = runtime_fidelity.run(tiny(4, 2), cases, num_warmup=0, num_steps=1, num_rounds=2)
-    row = result["rows"][0]
-    assert row["simulated_s"] > 0 and row["measured_s"] > 0
-    assert len(row["round_errors"]) == 2 and len(row["chain_s"]) == 3  # a chain before, between and after
-    assert "local:2 1:1 M=2" in runtime_fidelity.report(result)
+    for row in result["rows"]:
+        assert row["simulated_s"] > 0 and row["measured_s"] > 0
+        assert len(row["round_errors"]) == 2 and len(row["chain_s"]) == 3  # a chain before, between and after
+    eb, zb = result["rows"]
+    assert eb["auto"] == zb["auto"] in ("early_backward", "zero_bubble") and eb["allreduce"] == "none"
+    [pair] = runtime_fidelity.schedule_pairs(result["rows"])
+    assert pair[:3] == ["local:2 1:1 M=2", f"{zb['expected_s'] / eb['expected_s']:.3f}",
+                        f"{zb['measured_s'] / eb['measured_s']:.3f}"]
+    report = runtime_fidelity.report(result)
+    assert "local:2 1:1 M=2 zero_bubble" in report and "auto picks" in report
