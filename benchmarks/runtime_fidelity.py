@@ -81,6 +81,8 @@ COMMAND = "python benchmarks/runtime_fidelity.py --write"
 DEFAULT_WORKLOAD = Workload("gpt-mini", (("n_layer", 4), ("n_embd", 128), ("block_size", 64)), 16, 4)
 TARGET_ERROR = 0.20
 NEW_SCHEDULE_TARGET = 0.15  # issue 13: zero-bubble and overlapped-allreduce plans within 15%
+# Measured zero-bubble / early backward this close to 1 is a tie: the median step moves more between runs.
+MEASURED_TIE = 0.02
 EAGER_RUNS = 9  # whole-model forward + backward per rank and round, for the speed spread
 STRAGGLER_DRAWS = 64
 
@@ -301,8 +303,12 @@ def schedule_pairs(rows: list[dict[str, Any]]) -> list[list[str]]:
         if schedule != "zero_bubble" or eb is None:
             continue
         predicted, measured = zb["expected_s"] / eb["expected_s"], zb["measured_s"] / eb["measured_s"]
+        if abs(measured - 1) <= MEASURED_TIE:
+            verdict = f"measured a tie (within {MEASURED_TIE:.0%})"
+        else:
+            verdict = "yes" if (predicted < 1) == (measured < 1) else "NO"
         table.append([f"local:{ranks} {layout} M={num_microbatches}", f"{predicted:.3f}", f"{measured:.3f}",
-                      zb["auto"], "yes" if (predicted < 1) == (measured < 1) else "NO"])
+                      zb["auto"], verdict])
     return table
 
 
@@ -335,7 +341,7 @@ def report(result: dict[str, Any]) -> str:
         "`schedule=\"auto\"` picks for the same layout and M from the first chain:", "",
         tabulate(schedule_pairs(result["rows"]), ["plan", "simulated zero-bubble / early backward",
                                                   "measured zero-bubble / early backward", "auto picks",
-                                                  "same side of 1"], tablefmt="github"),
+                                                  "prediction on the measured side of 1"], tablefmt="github"),
         "", __doc__.split("\n\n", 2)[2].strip() if __doc__ else "", ""])
 
 
