@@ -141,12 +141,13 @@ class Cluster:
             return self.intra_host_collective or self.intra_host
         return self.inter_host_collective or self.inter_host
 
-    def allreduce_time(self, num_bytes: float, devices: Sequence[int]) -> float:
-        """Ring allreduce: 2 W (R-1) / (R * bandwidth) plus 2 (R-1) link latencies."""
+    def allreduce_time(self, num_bytes: float, devices: Sequence[int], link: LinkSpec | None = None) -> float:
+        """Ring allreduce: 2 W (R-1) / (R * bandwidth) plus 2 (R-1) link latencies (``link``: the
+        :meth:`collective_link` of ``devices`` when the caller already has it, for many sizes)."""
         replicas = len(devices)
         if replicas <= 1 or num_bytes <= 0:
             return 0.0
-        link = self.collective_link(devices)
+        link = link or self.collective_link(devices)
         steps = 2 * (replicas - 1)
         return steps * link.latency_s + 2 * num_bytes * (replicas - 1) / (replicas * link.bandwidth_bytes_per_s)
 

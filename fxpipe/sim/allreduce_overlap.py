@@ -77,5 +77,6 @@ def stage_allreduce_offsets(chain: CostChain, cluster: Cluster, first: int, stop
     backward = [block.backward_s.at(rows) * cluster.compute_slowdown for block in blocks]
     held = sum(block.param_bytes for block in blocks)
     scale = own_bytes / held if held > 0 else 0.0
+    link = cluster.collective_link(devices)  # once for every bucket size (the planner asks for many stages)
     return bucket_offsets(backward, [block.param_bytes * scale for block in blocks], bucket_bytes,
-                          lambda num_bytes: cluster.allreduce_time(num_bytes, devices))
+                          lambda num_bytes: cluster.allreduce_time(num_bytes, devices, link))

@@ -93,22 +93,41 @@ def pipeline_latency(forward_s: Sequence[float], backward_s: Sequence[float], al
 
 
 class PipelineSteps(NamedTuple):
-    """The pivot model's input: F, B and allreduce per step (stages and costly transfers), tie allreduces."""
+    """The pivot model's input: F, B and allreduce per step (stages and costly transfers), tie allreduces,
+    and what splitting backward needs (zero-bubble): each step's stage index (-1 for a transfer) and
+    message time (left unsplit), the W share and what splitting costs."""
 
     forward: list[float]
     backward: list[float]
     allreduce: list[float]
     group_allreduce: list[tuple[tuple[int, ...], float]]  # (step indices, seconds)
-
-    weight: list[float]  # split backward: the W part of each step's backward (0 for transfers)
-    split_backward: list[float]  # split backward: B + W of each step, what splitting costs included
+    stage_index: list[int]
+    message: list[float]
+    weight_fraction: float = WEIGHT_GRAD_FRACTION
+    split_overhead: float = 0.0
 
     def latency(self, num_microbatches: int, split_backward: bool = False) -> float:
-        """:func:`pipeline_latency` of these steps, with their split B + W and W parts when backward is split."""
-        if split_backward:
-            return pipeline_latency(self.forward, self.split_backward, self.allreduce, num_microbatches,
-                                    self.group_allreduce, self.weight)
-        return pipeline_latency(self.forward, self.backward, self.allreduce, num_microbatches, self.group_allreduce)
+        """:func:`pipeline_latency` of these steps; with ``split_backward``, of their B + W and W parts."""
+        if not split_backward:
+            return pipeline_latency(self.forward, self.backward, self.allreduce, num_microbatches,
+                                    self.group_allreduce)
+        total, weight = self.split_parts()
+        return pipeline_latency(self.forward, total, self.allreduce, num_microbatches, self.group_allreduce, weight)
+
+    def split_parts(self) -> tuple[list[float], list[float]]:
+        """Each step's split backward B + W (message time included) and its W part (0 for transfers): the
+        stage's compute backward through :func:`fxpipe.sim.stagecost.split_backward_times`."""
+        total, weight = [], []
+        for backward, stage_index, message in zip(self.backward, self.stage_index, self.message, strict=True):
+            if stage_index < 0:
+                total.append(backward)
+                weight.append(0.0)
+                continue
+            input_s, weight_s = split_backward_times(backward - message, stage_index, self.weight_fraction,
+                                                     self.split_overhead)
+            total.append(input_s + weight_s + message)
+            weight.append(weight_s)
+        return total, weight
 
 
 def pipeline_steps(stages: Sequence[tuple[float, float, float]], hops: Sequence[float],
@@ -124,21 +143,21 @@ def pipeline_steps(stages: Sequence[tuple[float, float, float]], hops: Sequence[
     and ``split_overhead`` (:attr:`Cluster.split_backward_overhead`); ``messages[s]`` is the message
     time stage s's F and B include (:func:`message_seconds`), which splitting leaves as it is.
     """
-    steps = PipelineSteps([], [], [], [], [], [])
+    steps = PipelineSteps([], [], [], [], [], [], weight_fraction, split_overhead)
     step_of_stage = []
     for index, (forward, backward, allreduce) in enumerate(stages):
         if index and hops[index - 1] > 0:
-            for values, value in ((steps.forward, hops[index - 1]), (steps.backward, hops[index - 1]),
-                                  (steps.allreduce, 0.0), (steps.weight, 0.0), (steps.split_backward, hops[index - 1])):
-                values.append(value)
+            steps.forward.append(hops[index - 1])
+            steps.backward.append(hops[index - 1])
+            steps.allreduce.append(0.0)
+            steps.stage_index.append(-1)
+            steps.message.append(0.0)
         step_of_stage.append(len(steps.forward))
         steps.forward.append(forward)
         steps.backward.append(backward)
         steps.allreduce.append(allreduce)
-        message_s = messages[index] if messages is not None else 0.0
-        input_s, weight_s = split_backward_times(backward - message_s, index, weight_fraction, split_overhead)
-        steps.weight.append(weight_s)
-        steps.split_backward.append(input_s + weight_s + message_s)
+        steps.stage_index.append(index)
+        steps.message.append(messages[index] if messages is not None else 0.0)
     steps.group_allreduce.extend((tuple(step_of_stage[s] for s in group), seconds) for group, seconds in ties)
     return steps
 
