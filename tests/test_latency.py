@@ -16,6 +16,7 @@ from fxpipe.passes.partition.latency import (
     pivot_stage,
     stage_times,
 )
+from fxpipe.sim.simulate import simulate
 from fxpipe.sim.stagecost import message_seconds
 
 
@@ -57,7 +58,14 @@ def test_transfers_become_stages() -> None:
     forward, backward, allreduce, groups, *_ = stage_times(plan, chain, net)
     assert forward == [0.25, transfer, 0.25] and backward == [0.5, transfer, 0.5]
     assert allreduce == [0.0, 0.0, 0.0] and groups == []
-    assert analytic_iteration_time(plan, chain, net) == pipeline_latency(forward, backward, allreduce, 2)
+    # the link carries activations and gradients at once (full duplex): a transfer's steady time is max(F, B)
+    cycles = [0.75, transfer, 0.75]
+    assert analytic_iteration_time(plan, chain, net) == pipeline_latency(forward, backward, allreduce, 2,
+                                                                         cycle_s=cycles) == 4.375
+    assert pipeline_latency(forward, backward, allreduce, 2) == 5.0  # F + B charged per transfer: DAPPLE's formula
+    assert simulate(plan, chain, net).iteration_time_s == 4.6875  # M = 2: in between
+    with pytest.raises(ValueError, match="cycle_s needs one entry per step"):
+        pipeline_latency(forward, backward, allreduce, 2, cycle_s=[1.0])
 
 
 @pytest.mark.parametrize(("replicas", "expected"), [((1, 1), [1, 1]), ((3, 1), [1, 3]), ((2, 3), [2, 2]),
@@ -98,7 +106,6 @@ def _tied_chain(num_blocks: int, tied_bytes: int, cut_bytes_per_row: float = 2.0
 
 
 def test_tied_parameters_are_one_allreduce_after_their_last_stage() -> None:
-    from fxpipe.sim.simulate import simulate
 
     device = DeviceSpec("t", 2**34, (("float32", 1e12),), 1e11)
     net = Cluster("t", 1, 2, device, LinkSpec(2.0**20), LinkSpec(2.0**20))
@@ -114,12 +121,11 @@ def test_tied_parameters_are_one_allreduce_after_their_last_stage() -> None:
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_exhaustive_lower_bound_holds_with_tied_parameters(seed: int) -> None:
+def test_exhaustive_lower_bound_holds_with_tied_parameters_and_buckets(seed: int) -> None:
     import random
 
     from fxpipe.passes.partition.candidates import CandidateCosts, build_plan
     from fxpipe.passes.partition.exhaustive import _lower_bound, exhaustive_candidates
-    from fxpipe.sim.simulate import simulate
 
     rng = random.Random(seed)
     device = DeviceSpec("t", 2**34, (("float32", 1e12),), 1e11)
@@ -128,7 +134,9 @@ def test_exhaustive_lower_bound_holds_with_tied_parameters(seed: int) -> None:
     net = Cluster("t", 1, 4, device, LinkSpec(2.0**27, 1e-5), LinkSpec(2.0**27, 1e-5),
                   message_overhead_s=rng.choice([0.0, 1e-4]))
     chain = _tied_chain(rng.randint(3, 5), 2**22, param_bytes=rng.choice([2**20, 2**21]))
-    model = CandidateCosts(chain, net, 16, "adam", 2**40)
+    # odd seeds: buckets overlap the allreduce with the last backward, so only its tail may count
+    model = CandidateCosts(chain, net, 16, "adam", 2**40, allreduce_bucket_bytes=(seed % 2) * 2**19)
     for candidate in exhaustive_candidates(model, [2, 4, 8], None):
         plan = build_plan(model, candidate, schedule="early_backward", warmup_policy="A", planner="test")
+        assert plan.allreduce_bucket_bytes == model.allreduce_bucket_bytes
         assert _lower_bound(model, candidate) <= simulate(plan, chain, net).iteration_time_s * (1 + 1e-12)

@@ -77,7 +77,7 @@ def exhaustive_candidates(model: CandidateCosts, grid: list[int], layout: tuple[
 def _lower_bound(model: CandidateCosts, candidate: Candidate) -> float:
     """A time the simulator cannot beat: stage s waits for the first forward of every earlier stage (on
     its smallest slice), then its slowest replica runs M forwards and backwards, then the allreduce of
-    its own parameters; a tie group's allreduce starts after the last of its stages got that far."""
+    its own parameters (with buckets, the tail they leave after the last backward); a tie group's allreduce starts after the last of its stages got that far."""
     forward, backward, first_forward = [], [], []
     rows = candidate.microbatch_rows
     for span in candidate.spans:
@@ -87,6 +87,8 @@ def _lower_bound(model: CandidateCosts, candidate: Candidate) -> float:
         forward.append(cost.forward_s)
         backward.append(cost.backward_s)
     own, ties = model.stage_allreduces(candidate.spans)
+    if model.allreduce_bucket_bytes:  # buckets overlap the last backward: only their tail follows it
+        own = model.allreduce_tails(candidate.spans, rows)
     num_microbatches = model.global_batch_size // candidate.microbatch_rows
     ready = [sum(first_forward[:s]) + num_microbatches * (forward[s] + backward[s]) for s in range(len(forward))]
     return max([ready[s] + own[s] for s in range(len(ready))]
