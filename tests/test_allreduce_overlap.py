@@ -151,6 +151,10 @@ def _tied_weights_overlapped(rank: int, world_size: int, store_dir: str) -> list
             problems += [f"{schedule}: {p}" for p in train_and_compare(pipe, batches, reference)["problems"]]
             if pipe.stage_index == 0 and (pipe.driver.overlap is None or len(pipe.driver.overlap.buckets) < 2):
                 problems.append(f"{schedule}: stage 0 does not all-reduce in several buckets")
+            elif pipe.stage_index == 0 and schedule == "zero_bubble" and pipe.driver.overlap.launch_fractions:
+                # W accumulates gradients itself (no post-accumulate-grad hook fires): every bucket launches
+                # after the last W, as fxpipe.sim.allreduce_overlap.overlapped_bucket_bytes models it
+                problems.append(f"zero_bubble: buckets launched during the last W {pipe.driver.overlap.launch_fractions}")
         finally:
             leave_world()
     return problems

@@ -163,6 +163,20 @@ def test_split_overhead_stretches_b_and_w_alike_in_the_simulator_and_the_pivot_m
         replace(sim_cluster(), split_backward_overhead=-1.0)
 
 
+def test_buckets_overlap_early_backward_but_follow_the_last_w() -> None:
+    chain_ = uniform_chain(4)  # two blocks per stage: a bucket per block, the first ready halfway through backward
+    for schedule in ("early_backward", "zero_bubble"):
+        plan = plan_of((2, 2), 2, 8, 4, schedule).with_updates(allreduce_bucket_bytes=2**10)
+        result = simulate(plan, chain_, sim_cluster())
+        for stage_index in range(2):
+            last = max(e.end_s for e in result.events if e.stage_index == stage_index and e.op != "AR")
+            started = result.allreduce_start_s[stage_index]
+            # early backward: the first bucket launches inside the last backward; split backward: after the last W
+            assert started < last if schedule == "early_backward" else started == last
+        assert analytic_iteration_time(plan, chain_, sim_cluster()) == pytest.approx(result.iteration_time_s,
+                                                                                     rel=0.05)
+
+
 def test_split_overhead_turns_auto_to_early_backward() -> None:
     heavy = chain([1.0, 1.0], [10**9, 10**9])
     free, costly = cluster(1, 2, intra=1e9), replace(cluster(1, 2, intra=1e9), split_backward_overhead=1.0)
@@ -223,15 +237,20 @@ def test_split_backward_equals_one_backward_and_really_defers_w() -> None:
     torch.manual_seed(0)
     reference = _Block()
     split = copy.deepcopy(reference)
-    x, grad_out = torch.randn(5, 6), torch.randn(5, 6)
-    leaf = x.clone().requires_grad_(True)
-    reference(leaf).backward(grad_out)
-    split_leaf = x.clone().requires_grad_(True)
     params = list(split.parameters())
-    input_grads, work = backward_inputs([split(split_leaf)], [grad_out], [split_leaf], params)
-    assert work is not None and all(p.grad is None for p in params)  # B touched no parameter gradient
-    torch.testing.assert_close(input_grads[0], leaf.grad, rtol=1e-6, atol=1e-7)
-    backward_weights(work, params)
+    for microbatch_index in range(2):  # the second accumulates into .grad, as a step's micro-batches do
+        x, grad_out = torch.randn(5, 6), torch.randn(5, 6)
+        leaf = x.clone().requires_grad_(True)
+        reference(leaf).backward(grad_out)
+        split_leaf = x.clone().requires_grad_(True)
+        input_grads, work = backward_inputs([split(split_leaf)], [grad_out], [split_leaf], params)
+        assert work is not None
+        if microbatch_index == 0:
+            # B computed only the group of vectors alone (the scalar scale); the linears' weights and biases wait for W
+            assert [name for name, p in split.named_parameters() if p.grad is not None] == ["scale"]
+            torch.testing.assert_close(split.scale.grad, reference.scale.grad, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(input_grads[0], leaf.grad, rtol=1e-6, atol=1e-7)
+        backward_weights(work, params)
     expected = _grads(reference)
     assert _grads(split).keys() == expected.keys()
     for name, grad in _grads(split).items():

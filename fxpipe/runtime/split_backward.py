@@ -1,8 +1,8 @@
 """Split backward for zero-bubble schedules: input gradients now (B), parameter gradients later (W).
 
-B runs ``torch.autograd.grad`` from the stage's outputs (or loss) to its input leaves only, and
-captures on the way the gradients arriving at every autograd node where a parameter's path joins
-the input path; W later runs ``torch.autograd.grad`` from those captured gradients to the
+B runs ``torch.autograd.grad`` from the stage's outputs (or loss) to its input leaves (and the
+vector parameters, see :func:`_vector_groups`), and captures on the way the gradients arriving at
+every autograd node where another parameter's path joins the input path; W later runs ``torch.autograd.grad`` from those captured gradients to the
 parameters, so no part of the backward runs twice. The graph analysis and the W pass are
 torch.distributed.pipelining's (``_backward``: ``get_param_groups``, ``stage_backward_weight``);
 what this module adds is the check that every parameter the outputs reach is covered, with a
@@ -44,7 +44,9 @@ def backward_inputs(outputs: Sequence[torch.Tensor], output_grads: Sequence[torc
     roots = [node for node in map(pipelining_backward._get_grad_fn_or_grad_acc, outputs) if node is not None]
     reverse_edges = pipelining_backward.construct_reverse_graph(roots)
     input_nodes = [pipelining_backward._get_grad_fn_or_grad_acc(leaf) for leaf in input_leaves]
-    weight_nodes = {node for node in map(pipelining_backward._get_grad_fn_or_grad_acc, params) if node is not None}
+    param_nodes = [(node, param) for param in params
+                   if (node := pipelining_backward._get_grad_fn_or_grad_acc(param)) is not None]
+    weight_nodes = {node for node, _ in param_nodes}
     groups = pipelining_backward.get_param_groups([n for n in input_nodes if n is not None],
                                                   list(weight_nodes), reverse_edges)
     reached = {node for node in weight_nodes if node in reverse_edges}
@@ -52,18 +54,51 @@ def backward_inputs(outputs: Sequence[torch.Tensor], output_grads: Sequence[torc
     if reached - covered:  # a parameter's gradient would not come from the captured values: no split
         torch.autograd.backward(list(outputs), grads)
         return [leaf.grad for leaf in input_leaves], None
+    now, groups = _vector_groups(groups, param_nodes)
     handles = [_capture(group, index, node) for group in groups
                for index, node in enumerate(group.setdefault("intermediates_list", list(group["intermediates"])))]
     try:
-        input_grads = torch.autograd.grad(list(outputs), list(input_leaves), grads, retain_graph=True,
-                                          allow_unused=True)
+        results = torch.autograd.grad(list(outputs), [*input_leaves, *now], grads, retain_graph=True,
+                                      allow_unused=True)
     finally:
         for handle in handles:
             handle.remove()
+    _accumulate(now, results[len(input_leaves):])
     for group in groups:
         group["intermediates"] = group.pop("intermediates_list")
         group.setdefault("grads", [None] * len(group["intermediates"]))
-    return list(input_grads), WeightWork(groups)
+    return list(results[:len(input_leaves)]), WeightWork(groups)
+
+
+def _vector_groups(groups: list[dict[str, Any]], param_nodes: Sequence[tuple[Any, torch.nn.Parameter]],
+                   ) -> tuple[list[torch.nn.Parameter], list[dict[str, Any]]]:
+    """The parameters (in ``param_nodes`` order) of groups holding only vectors (norms' scales and
+    shifts), and the other groups, whose W stays deferred.
+
+    A vector's gradient is a reduction over rows, a few microseconds inside B's own pass, where a W
+    pass of its own costs a whole ``autograd.grad`` call (~0.1 ms on a CPU rank).
+    """
+    is_vector = {node: param.dim() <= 1 for node, param in param_nodes}
+    now_nodes: set[Any] = set()
+    deferred = []
+    for group in groups:
+        if all(is_vector[node] for node in group["params"]):
+            now_nodes |= group["params"]
+        else:
+            deferred.append(group)
+    return [param for node, param in param_nodes if node in now_nodes], deferred
+
+
+def _accumulate(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
+    """Add each gradient to its parameter's ``.grad`` as backward's accumulation does."""
+    with torch.no_grad():
+        for param, grad in zip(params, grads, strict=True):
+            if grad is None:
+                continue
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad += grad
 
 
 def _capture(group: dict[str, Any], index: int, node: torch.autograd.graph.Node) -> Any:

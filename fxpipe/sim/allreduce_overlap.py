@@ -26,6 +26,13 @@ if TYPE_CHECKING:  # fxpipe.passes imports the planner, which imports this modul
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
+def overlapped_bucket_bytes(bucket_bytes: int, split_backward: bool) -> int:
+    """The bucket size whose allreduce overlaps the last backward: ``bucket_bytes``, or 0 (one allreduce
+    after it) under split backward (zero-bubble), whose W accumulates gradients itself so no
+    post-accumulate-grad hook fires (the runtime launches every bucket after the last W)."""
+    return 0 if split_backward else bucket_bytes
+
+
 def bucket_offsets(backward_s: Sequence[float], param_bytes: Sequence[float], bucket_bytes: int,
                    allreduce_s: Callable[[float], float]) -> tuple[float, float]:
     """``(start, end)`` of a stage's bucketed allreduce relative to the end of its last backward.

@@ -18,7 +18,7 @@ from fxpipe.core.schedule import (
     validate_schedule,
 )
 from fxpipe.core.timeline import TimelineEvent, TransferEvent
-from fxpipe.sim.allreduce_overlap import stage_allreduce_offsets
+from fxpipe.sim.allreduce_overlap import overlapped_bucket_bytes, stage_allreduce_offsets
 from fxpipe.sim.events import (
     CODE_OPS,
     ComponentRun,
@@ -261,7 +261,7 @@ def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule,
         # buckets start during the last backward (allreduce_bucket_bytes > 0); offsets from its end
         start_offset, end_offset = stage_allreduce_offsets(
             chain, cluster, stage.first_block, stage.stop_block, stage.devices, cost.rows, own_bytes[stage.stage_index],
-            plan.allreduce_bucket_bytes)
+            overlapped_bucket_bytes(plan.allreduce_bucket_bytes, schedule.split_backward))
         starts.append(readies[-1] + start_offset)
         ends.append(readies[-1] + end_offset)
         peaks.append(stage_memory_bytes(cost, inflight[stage.stage_index], optimizer, stage.recompute))

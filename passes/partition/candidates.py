@@ -13,7 +13,7 @@ from fxpipe.core.plan import Plan, Prediction, StagePlan
 from fxpipe.core.recompute import RecomputeSetting, check_stage_count, choose_recompute, parse_recompute
 from fxpipe.core.schedule import SCHEDULES, warmup_forwards
 from fxpipe.passes.partition.latency import PipelineSteps, pipeline_steps
-from fxpipe.sim.allreduce_overlap import stage_allreduce_offsets
+from fxpipe.sim.allreduce_overlap import overlapped_bucket_bytes, stage_allreduce_offsets
 from fxpipe.sim.stagecost import (
     StageCost,
     allreduce_time,
@@ -72,7 +72,8 @@ class CandidateCosts:
                  optimizer: str, memory_limit_bytes: int, *, schedule: str = "early_backward",
                  recompute: RecomputeSetting = "auto", allreduce_bucket_bytes: int = 0) -> None:
         self.chain = chain
-        self.allreduce_bucket_bytes = allreduce_bucket_bytes
+        self.allreduce_bucket_bytes = allreduce_bucket_bytes  # recorded in the plans
+        self.overlap_bytes = overlapped_bucket_bytes(allreduce_bucket_bytes, schedule == "zero_bubble")  # modelled
         self.recompute = parse_recompute(recompute)
         self.schedule = schedule
         self.cluster = cluster
@@ -120,7 +121,7 @@ class CandidateCosts:
         """(F, B, own allreduce or its tail after backward) of a stage when messages cost nothing
         (:func:`message_seconds` is 0.0) and no parameter is shared with another stage."""
         cost = self.cost(first, stop, rows, len(devices))
-        if self.allreduce_bucket_bytes:
+        if self.overlap_bytes:
             per_host = self.cluster.devices_per_host
             own = self.allreduce_tail(first, stop, len(devices), len({d // per_host for d in devices}) == 1, rows,
                                       self.cost(first, stop, 1, 1).param_bytes)
@@ -139,7 +140,7 @@ class CandidateCosts:
         devices = tuple(range(replicas)) if one_host else (per_host, *range(replicas - 1))
         slice_rows = self.cost(first, stop, rows, replicas).rows
         return stage_allreduce_offsets(self.chain, self.cluster, first, stop, devices, slice_rows, own_bytes,
-                                       self.allreduce_bucket_bytes)[1]
+                                       self.overlap_bytes)[1]
 
     def allreduce_tails(self, spans: Sequence[Span], rows: int) -> list[float]:
         """Each stage's own allreduce time left after its last backward, buckets overlapping it."""
@@ -169,7 +170,7 @@ class CandidateCosts:
                                    for span, recompute in zip(spans, recomputing, strict=True)], hops, [],
                                   split_overhead=self.cluster.split_backward_overhead)
         own, ties = self.stage_allreduces(spans)
-        if self.allreduce_bucket_bytes:
+        if self.overlap_bytes:
             own = self.allreduce_tails(spans, rows)
         replicas = [len(span.devices) for span in spans]
         recomputes = self.recomputes(spans, rows, "A")  # the search's memory check uses policy A too

@@ -9,6 +9,7 @@ from tabulate import tabulate
 
 from fxpipe.core.plan import Plan
 from fxpipe.passes.partition.candidates import Candidate, CandidateCosts, Span, build_plan, with_prediction
+from fxpipe.passes.partition.latency import analytic_iteration_time
 from fxpipe.passes.partition.request import AUTO_SCHEDULE, InfeasiblePlanError, PlanRequest, microbatch_grid
 
 # A candidate whose simulated_lower_bound exceeds the best time by more than this is not simulated; the
@@ -91,8 +92,7 @@ def _score_candidate(request: PlanRequest, model: CandidateCosts, candidate: Can
             plan = plan or build_plan(model, candidate, schedule=schedule, warmup_policy=policy, planner=planner)
             analytic_s = candidate.latency_s
             if schedule == "zero_bubble" and model.schedule != schedule:  # the pivot model of this schedule
-                analytic_s = model.steps(candidate.spans, candidate.microbatch_rows).latency(
-                    plan.num_microbatches, split_backward=True)
+                analytic_s = analytic_iteration_time(plan, request.chain, request.cluster)
             best = Scored(time_s, with_prediction(plan, time_s, bubble, analytic_s, 0.0))
 
     auto = request.schedule == AUTO_SCHEDULE
