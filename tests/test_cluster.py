@@ -153,6 +153,32 @@ def test_message_overhead_is_optional_in_json_and_checked() -> None:
         replace(parse_cluster("1x4:cpu"), message_overhead_s=-1e-3)
 
 
+def test_split_backward_overhead_is_optional_in_json_and_checked() -> None:
+    data = parse_cluster("1x4:cpu").to_json()
+    assert data["split_backward_overhead"] == CPU_SPLIT_BACKWARD_OVERHEAD  # CPU ranks: the measured-here default
+    assert parse_cluster("2x8:h100").split_backward_overhead == parse_cluster("dapple-a").split_backward_overhead == 0
+    data["split_backward_overhead"] = 0.5
+    assert Cluster.from_json(data).split_backward_overhead == 0.5
+    del data["split_backward_overhead"]  # files written before the field existed
+    assert Cluster.from_json(data).split_backward_overhead == 0.0
+    data["split_backward_overhead"] = -0.5
+    with pytest.raises(ClusterSpecError, match="split_backward_overhead"):
+        Cluster.from_json(data)
+
+
+def test_split_backward_overhead_is_timed_with_the_runtime_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fxpipe.runtime import calibrate_measure, split_backward
+
+    calls: list[str] = []
+    for name in ("backward_inputs", "backward_weights"):  # the runtime's own B and W are what gets timed
+        original = getattr(split_backward, name)
+        monkeypatch.setattr(split_backward, name, lambda *args, _f=original, _n=name: calls.append(_n) or _f(*args))
+    overhead = calibrate_measure.measure_split_backward_overhead(repeats=2)
+    assert overhead >= 0 and overhead != float("inf")
+    assert calls == ["backward_inputs", "backward_weights"] * 4  # 2 warm-up rounds + 2 timed
+    assert "split_backward_overhead" in calibrate_measure.DEVICE_KEYS
+
+
 def test_bad_json_names_the_missing_key(tmp_path: Path) -> None:
     data = parse_cluster("dapple-a").to_json()
     del data["num_hosts"]
