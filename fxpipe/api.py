@@ -16,6 +16,7 @@ from fxpipe.plan import Plan, plan_argument_kind
 from fxpipe.runtime.errors import PipelineSetupError
 
 if TYPE_CHECKING:
+    from fxpipe.passes.profile import MeasuredCosts
     from fxpipe.runtime.comm import DistContext
     from fxpipe.runtime.driver import PipelineDriver
     from fxpipe.runtime.guard import SetupGroup
@@ -45,6 +46,7 @@ class CompileOptions:
     check_batch: str = "first"
     loss_reduction: str = "mean"
     batch_norm: str = "microbatch"
+    costs: str = "auto"
 
 
 class PipelinedModule:
@@ -220,7 +222,7 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
             num_microbatches: int | None = None, cluster: str | Cluster | None = None, optimizer: str = "adam",
             warmup_policy: str | None = None, autocast_dtype: torch.dtype | None = None,
             timeout_s: float = 60.0, sync_params: str = "broadcast", check_batch: str = "first",
-            loss_reduction: str = "mean", batch_norm: str = "microbatch") -> Any:
+            loss_reduction: str = "mean", batch_norm: str = "microbatch", costs: str = "auto") -> Any:
     """Pipeline ``model`` over the process group's ranks; returns a :class:`PipelinedModule`.
 
     ``plan``: ``"auto"`` (DAPPLE planner on ``cluster``, default ``local:<world size>``), a layout such as
@@ -234,12 +236,16 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
     ``"verify"`` (fail naming the first differing tensor) or ``"off"``. ``check_batch``: ``"first"``,
     ``"always"`` or ``"off"`` (every rank must pass the same global batch). ``batch_norm``:
     ``"microbatch"``, ``"deferred"`` (running statistics once per step) or ``"sync"`` (also normalise
-    over the stage's replicas, as SyncBatchNorm). See docs/exactness.md. As a decorator, ``@fxpipe.compile(loss_fn=..., global_batch_size=...)``
+    over the stage's replicas, as SyncBatchNorm). See docs/exactness.md. ``costs``: where the planner's
+    block times come from: ``"auto"`` (measured by every rank at once for the launched devices, analytic
+    for a ``cluster`` naming other devices; ``$FXPIPE_COSTS`` overrides), ``"measured"`` or
+    ``"analytic"`` (no measuring). As a decorator, ``@fxpipe.compile(loss_fn=..., global_batch_size=...)``
     on a model class or factory makes ``Factory(*args, example_inputs=..., **kwargs)`` return the module.
     """
     options = CompileOptions(loss_fn, global_batch_size, plan, schedule, num_microbatches, warmup_policy,
                              cluster, optimizer, autocast_dtype, timeout_s, sync_params=sync_params,
-                             check_batch=check_batch, loss_reduction=loss_reduction, batch_norm=batch_norm)
+                             check_batch=check_batch, loss_reduction=loss_reduction, batch_norm=batch_norm,
+                             costs=costs)
     if model is None:
         return functools.partial(_wrap_factory, options=options)
     if isinstance(model, torch.nn.Module):
@@ -393,20 +399,56 @@ def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: An
     """Plan for the launched world on rank 0 and broadcast it: every rank gets a role, plan devices land
     on the ranks of the nodes planned for. The cluster is resolved on every rank first (``local``
     calibrates over the process group, all ranks together), so rank 0 plans with agreed figures."""
+    from fxpipe.planning import labelled
     from fxpipe.runtime.comm import broadcast_text
     from fxpipe.runtime.guard import setup_phase
     from fxpipe.runtime.topology import discover_topology
 
     topology = discover_topology(group)  # collectives of their own, so outside any phase body
     cluster = _resolved_cluster(options, topology, context.device)
+    costs = _job_costs(options, model, example_inputs, cluster, group)
     text = None
     with setup_phase("planning", group):
         if options.global_batch_size is None:
             raise PipelineSetupError("global_batch_size is missing; it is required unless a Plan is given")
         if context.rank == 0:
             run = _run_marker_planner if markers else _run_planner
-            text = run(options, model, example_inputs, topology, cluster).to_json()
+            text = labelled(run(options, model, example_inputs, topology, cluster, costs), costs.source).to_json()
     return Plan.from_json(broadcast_text(text))
+
+
+@dataclass(frozen=True)
+class JobCosts:
+    """The block times compile plans with: their source and, when measured, the agreed figures and their graph."""
+
+    source: str
+    measured: MeasuredCosts | None = None
+    graph_module: torch.fx.GraphModule | None = None
+
+
+def _job_costs(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, cluster: Cluster,
+               group: SetupGroup) -> JobCosts:
+    """Measure block costs on every rank at once (the median agreed by all) unless analytic costs are asked for.
+
+    ``"auto"`` measures when the cluster is the launched devices (no ``cluster=``, or a local one).
+    """
+    from fxpipe import passes
+    from fxpipe.planning import COST_CHOICES, default_costs, is_local
+    from fxpipe.runtime.block_costs import measure_block_costs
+    from fxpipe.runtime.guard import setup_phase
+
+    if options.costs not in COST_CHOICES:
+        raise PipelineSetupError(f"costs={options.costs!r} is unknown; choose one of {COST_CHOICES}")
+    source = options.costs
+    if source == "auto":
+        source = default_costs(cluster, devices_here=options.cluster is None or is_local(cluster))
+    if source == "analytic":
+        return JobCosts("analytic")
+    with setup_phase("tracing for cost measurement", group):
+        graph_module = passes.annotate_costs(passes.trace(model, example_inputs))
+    measured = measure_block_costs(graph_module, graph_module.meta["fxpipe.example_inputs"],
+                                   slowdown=cluster.compute_slowdown, group=group)
+    return JobCosts("measured", measured, graph_module) if measured is not None else JobCosts("analytic")
 
 
 def _resolved_cluster(options: CompileOptions, topology: Topology, device: torch.device) -> Cluster:
@@ -422,14 +464,14 @@ def _resolved_cluster(options: CompileOptions, topology: Topology, device: torch
 
 
 def _run_planner(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, topology: Topology,
-                 cluster: Cluster) -> Plan:
+                 cluster: Cluster, costs: JobCosts) -> Plan:
     """Cost the model and plan it (on rank 0) for ``cluster`` with every launched rank in a role."""
     from fxpipe.planning import cost_model, plan_chain
     from fxpipe.runtime.topology import check_cluster_size, placed_plan
 
     check_cluster_size(cluster, topology)
     costed = cost_model(model, example_inputs if isinstance(example_inputs, Mapping) else tuple(example_inputs),
-                        cluster)
+                        cluster, costs=costs.source, measured=costs.measured, graph_module=costs.graph_module)
     layout = None if options.plan == "auto" else str(options.plan)
     assert options.global_batch_size is not None
     plan = plan_chain(costed.chain, cluster, options.global_batch_size, layout=layout,
@@ -440,15 +482,15 @@ def _run_planner(options: CompileOptions, model: torch.nn.Module, example_inputs
 
 
 def _run_marker_planner(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, topology: Topology,
-                        cluster: Cluster) -> Plan:
+                        cluster: Cluster, costs: JobCosts) -> Plan:
     """``plan="markers"``: cuts at the model's pipe_split() calls (on rank 0), every launched rank in a role."""
     from fxpipe.planning import plan_markers
     from fxpipe.runtime.topology import check_cluster_size, placed_plan
 
     check_cluster_size(cluster, topology)
     assert options.global_batch_size is not None
-    plan, _ = plan_markers(model, example_inputs, cluster, options.global_batch_size,
-                           num_microbatches=options.num_microbatches,
+    plan, _ = plan_markers(model, example_inputs, cluster, options.global_batch_size, costs=costs.source,
+                           measured=costs.measured, num_microbatches=options.num_microbatches,
                            schedule=_schedule_name(options.schedule or "dapple"),
                            warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True)
     return placed_plan(plan, topology, cluster)

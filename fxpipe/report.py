@@ -10,6 +10,13 @@ from fxpipe.cluster import Cluster
 from fxpipe.passes.chain import CostChain
 from fxpipe.plan import Plan
 
+# What each ``predicted.cost_source`` means for the figure above it (how far off: docs/clusters.md).
+COST_SOURCE_NOTES = {
+    "measured": "measured (block times timed on this machine's ranks)",
+    "analytic": "analytic (device model, not measured: optimistic; see docs/clusters.md, Honest predictions)",
+    "profile": "profile (block times from the profile file)",
+}
+
 
 def format_bytes(num_bytes: float) -> str:
     value = float(num_bytes)
@@ -75,6 +82,8 @@ def summary_lines(plan: Plan) -> list[str]:
         lines.append(f"predicted iteration {predicted.iteration_time_s * 1e3:.2f} ms, "
                      f"{predicted.throughput_samples_per_s:.1f} samples/s, bubble {predicted.bubble_fraction:.1%}"
                      + versus_dp)
+        if predicted.cost_source:
+            lines.append(f"cost source: {COST_SOURCE_NOTES.get(predicted.cost_source, predicted.cost_source)}")
     lines.append(f"planning time {plan.planning_time_s:.2f} s")
     return lines
 

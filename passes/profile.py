@@ -22,6 +22,7 @@ __all__ = [
     "ProfileError",
     "default_blocks",
     "device_of",
+    "fit_times",
     "measure_costs",
     "node_values",
     "run_backward",
@@ -117,8 +118,8 @@ def measure_costs(
             BlockTime(
                 name=name,
                 node_names=block,
-                forward_s=_fit(batch_sizes, timings[0][index][0], timings[1][index][0]),
-                backward_s=_fit(batch_sizes, timings[0][index][1], timings[1][index][1]),
+                forward_s=fit_times(batch_sizes, timings[0][index][0], timings[1][index][0]),
+                backward_s=fit_times(batch_sizes, timings[0][index][1], timings[1][index][1]),
             )
             for index, (name, block) in enumerate(zip(names, block_lists, strict=True))
         ),
@@ -155,7 +156,7 @@ def _block_names(gm: fx.GraphModule, blocks: Sequence[tuple[str, ...]]) -> list[
     return names
 
 
-def _fit(batch_sizes: tuple[int, int], low_s: float, high_s: float) -> Affine:
+def fit_times(batch_sizes: tuple[int, int], low_s: float, high_s: float) -> Affine:
     """The line through two (rows, seconds) points, kept non-negative (noise can tilt it)."""
     (low_rows, low_t), (high_rows, high_t) = sorted(zip(batch_sizes, (low_s, high_s), strict=True))
     per_sample = (high_t - low_t) / (high_rows - low_rows)

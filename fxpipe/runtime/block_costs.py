@@ -1,0 +1,112 @@
+"""Block costs measured by every rank of a job at once and agreed as their median: compile's default planner figures."""
+
+from __future__ import annotations
+
+import statistics
+import warnings
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fxpipe.passes.profile import MeasuredCosts, device_of, fit_times, measure_costs
+
+# A few rounds suffice: the median over ranks steadies what each rank's median of REPEATS leaves.
+WARMUP = 1
+REPEATS = 3
+# Side of the matmul a rank repeats while it waits for the others (about a millisecond on one CPU core).
+BUSY_MATRIX = 96
+# One rank's figures: per block, forward and backward seconds at the two measured batch sizes.
+Figures = list[tuple[float, float, float, float]]  # (forward low, forward high, backward low, backward high)
+
+
+def measure_block_costs(graph_module: torch.fx.GraphModule, example_inputs: Sequence[Any], *, slowdown: float,
+                        group: dist.ProcessGroup | None = None) -> MeasuredCosts | None:
+    """Every rank times every block (``measure_costs``) at the same moment; all ranks get the per-block median.
+
+    A collective over ``group``: call it on every rank alike. The ranks measure side by side, as they
+    will train, so cores shared with each other (and with whatever else runs) count; the times are
+    then divided by ``slowdown`` (:attr:`Cluster.compute_slowdown`), the stretch the simulator puts
+    back on compute when ranks share too few cores. The random number generators are left as they
+    were (dropout draws during measuring do not shift training's). If measuring fails on any rank,
+    every rank warns and returns None (the caller plans with the analytic model), never a hang.
+    """
+    if slowdown < 1:
+        raise ValueError(f"slowdown must be >= 1 (ranks per core, at least 1); got {slowdown}")
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if world > 1:
+        dist.barrier(group=group)  # start together: each rank's figures cover the same load
+    local: MeasuredCosts | None = None
+    failure = ""
+    try:
+        with torch.random.fork_rng(devices=_cuda_devices(graph_module, example_inputs)):
+            local = measure_costs(graph_module, example_inputs, warmup=WARMUP, repeats=REPEATS)
+    except (RuntimeError, ValueError, TypeError) as error:  # a model measure_costs cannot run block by block
+        failure = f"{type(error).__name__}: {error}"
+    if world > 1:
+        busy_until_all_done(group)
+    gathered = _all_figures(None if local is None else _figures(local), failure, world, group)
+    failures = [item for item in gathered if isinstance(item, str)]
+    if local is None or failures:
+        reason = failures[0] if failures else failure
+        warnings.warn(f"fxpipe: measuring block costs failed ({reason}); planning with the analytic device model "
+                      "(costs='analytic' skips the attempt)", RuntimeWarning, stacklevel=2)
+        return None
+    figures = [item for item in gathered if not isinstance(item, str)]
+    return agreed_costs(local, figures, slowdown)
+
+
+def busy_until_all_done(group: dist.ProcessGroup | None) -> None:
+    """Keep this rank's core busy (small matmuls) until every rank has finished measuring.
+
+    A rank that finished early and sat idle in a collective would hand its core to the ranks still
+    measuring, which then time their blocks faster than any training step runs them (every rank
+    computes at once there): with 4 ranks on 2 cores, the last ranks' figures came out too fast.
+    """
+    done = dist.barrier(group=group, async_op=True)
+    assert done is not None
+    left = torch.ones(BUSY_MATRIX, BUSY_MATRIX)
+    while not done.is_completed():
+        torch.mm(left, left)
+    done.wait()
+
+
+def _cuda_devices(graph_module: torch.nn.Module, example_inputs: Sequence[Any]) -> list[torch.device]:
+    device = device_of(graph_module, example_inputs)
+    return [device] if device.type == "cuda" else []
+
+
+def _figures(costs: MeasuredCosts) -> Figures:
+    low, high = costs.batch_sizes
+    return [(block.forward_s.at(low), block.forward_s.at(high), block.backward_s.at(low), block.backward_s.at(high))
+            for block in costs.blocks]
+
+
+def _all_figures(figures: Figures | None, failure: str, world: int,
+                 group: dist.ProcessGroup | None) -> list[Figures | str]:
+    """Every rank's figures, or its failure message (a collective)."""
+    mine: Figures | str = figures if figures is not None else (failure or "no figures")
+    if world == 1:
+        return [mine]
+    gathered: list[Figures | str] = [""] * world
+    dist.all_gather_object(gathered, mine, group=group)
+    return gathered
+
+
+def agreed_costs(local: MeasuredCosts, figures: Sequence[Figures], slowdown: float) -> MeasuredCosts:
+    """``local``'s blocks refitted through the median over ranks of each block's times at the two batch sizes,
+    divided by ``slowdown``.
+
+    Pure: the same ``figures`` (every rank gathers the same list) give the same costs on every rank.
+    """
+    counts = {len(item) for item in figures}
+    if counts != {len(local.blocks)}:
+        raise AssertionError(f"ranks measured different block counts {sorted(counts)}; the traced graphs differ")
+    blocks = []
+    for index, block in enumerate(local.blocks):
+        medians = [statistics.median(item[index][field] for item in figures) / slowdown for field in range(4)]
+        blocks.append(replace(block, forward_s=fit_times(local.batch_sizes, medians[0], medians[1]),
+                              backward_s=fit_times(local.batch_sizes, medians[2], medians[3])))
+    return replace(local, blocks=tuple(blocks))
