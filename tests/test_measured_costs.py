@@ -32,24 +32,24 @@ def _loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(output, targets)
 
 
-def test_agreed_costs_are_the_median_over_ranks_refitted_and_unstretched() -> None:
+def test_agreed_costs_are_the_median_work_times_the_median_stretch_refitted() -> None:
     local = MeasuredCosts(blocks=(BlockTime("a", ("x",), Affine(1.0, 0.0), Affine(1.0, 0.0)),
                                   BlockTime("b", ("y",), Affine(1.0, 0.0), Affine(1.0, 0.0))), batch_sizes=(2, 8))
-    # per rank, per block: (forward at 2 rows, forward at 8, backward at 2, backward at 8) in seconds
-    figures = [[(0.002, 0.008, 0.004, 0.016), (0.010, 0.010, 0.001, 0.001)],
-               [(0.004, 0.010, 0.006, 0.022), (0.030, 0.030, 0.003, 0.003)],
-               [(0.100, 0.200, 0.008, 0.020), (0.020, 0.020, 0.002, 0.002)]]
-    agreed = agreed_costs(local, figures, slowdown=2.0)
+    # per rank: (stretch, per block (forward at 2 rows, forward at 8, backward at 2, backward at 8) in seconds)
+    figures = [(3.0, [(0.002, 0.008, 0.004, 0.016), (0.010, 0.010, 0.001, 0.001)]),
+               (1.0, [(0.004, 0.010, 0.006, 0.022), (0.030, 0.030, 0.003, 0.003)]),
+               (2.0, [(0.100, 0.200, 0.008, 0.020), (0.020, 0.020, 0.002, 0.002)])]
+    agreed = agreed_costs(local, figures, slowdown=4.0)
     first, second = agreed.blocks
-    # medians 0.004/0.010 and 0.006/0.020, halved: forward 0.002 at 2 rows, 0.005 at 8 rows
+    # medians 0.004/0.010 and 0.006/0.020, times the median stretch 2 over the slowdown 4: halved
     assert first.forward_s.at(2) == pytest.approx(0.002) and first.forward_s.at(8) == pytest.approx(0.005)
     assert first.backward_s.at(2) == pytest.approx(0.003) and first.backward_s.at(8) == pytest.approx(0.010)
     assert second.forward_s == Affine(pytest.approx(0.010), pytest.approx(0.0))  # type: ignore[arg-type]
     assert second.backward_s.at(8) == pytest.approx(0.001)
     assert (first.name, first.node_names) == ("a", ("x",))
-    assert agreed_costs(local, list(reversed(figures)), slowdown=2.0) == agreed  # rank order does not matter
+    assert agreed_costs(local, list(reversed(figures)), slowdown=4.0) == agreed  # rank order does not matter
     with pytest.raises(AssertionError, match="block counts"):
-        agreed_costs(local, [figures[0][:1]], slowdown=1.0)
+        agreed_costs(local, [(1.0, figures[0][1][:1])], slowdown=1.0)
 
 
 def test_auto_costs_measure_local_clusters_only_and_the_environment_overrides(monkeypatch: pytest.MonkeyPatch) -> None:

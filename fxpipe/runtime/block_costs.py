@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import replace
@@ -18,44 +19,60 @@ WARMUP = 1
 REPEATS = 3
 # Side of the matmul a rank repeats while it waits for the others (about a millisecond on one CPU core).
 BUSY_MATRIX = 96
-# One rank's figures: per block, forward and backward seconds at the two measured batch sizes.
-Figures = list[tuple[float, float, float, float]]  # (forward low, forward high, backward low, backward high)
+# One rank's figures: its stretch (wall seconds per CPU second while every rank measured) and, per block,
+# forward and backward seconds of work at the two measured batch sizes (forward low, forward high,
+# backward low, backward high).
+Figures = tuple[float, list[tuple[float, float, float, float]]]
 
 
 def measure_block_costs(graph_module: torch.fx.GraphModule, example_inputs: Sequence[Any], *, slowdown: float,
                         group: dist.ProcessGroup | None = None) -> MeasuredCosts | None:
     """Every rank times every block (``measure_costs``) at the same moment; all ranks get the per-block median.
 
-    A collective over ``group``: call it on every rank alike. The ranks measure side by side, as they
-    will train, so cores shared with each other (and with whatever else runs) count; the times are
-    then divided by ``slowdown`` (:attr:`Cluster.compute_slowdown`), the stretch the simulator puts
-    back on compute when ranks share too few cores. The random number generators are left as they
-    were (dropout draws during measuring do not shift training's). If measuring fails on any rank,
-    every rank warns and returns None (the caller plans with the analytic model), never a hang.
+    A collective over ``group``: call it on every rank alike. On CPU ranks each block is timed in
+    CPU seconds of this process (its work, however the OS shares the cores), and the whole
+    measuring session gives the rank's stretch: wall seconds per CPU second while every rank (and
+    whatever else runs on the host) computes at once, as in training. A block's time is the median
+    work times the median stretch, divided by ``slowdown`` (:attr:`Cluster.compute_slowdown`), the
+    stretch the simulator puts back on compute. Short blocks timed on the wall clock would miss the
+    sharing: a few-millisecond run mostly fits in one scheduler time slice, while a training step
+    gets the same share of the core as everything else. On a GPU, blocks are timed on the wall
+    clock (kernels, synchronised) and the stretch is 1. The random number generators are left as
+    they were (dropout draws while measuring do not shift training's). If measuring fails on any
+    rank, every rank warns and returns None (the caller plans with the analytic model), never a hang.
     """
     if slowdown < 1:
         raise ValueError(f"slowdown must be >= 1 (ranks per core, at least 1); got {slowdown}")
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world > 1:
         dist.barrier(group=group)  # start together: each rank's figures cover the same load
-    local: MeasuredCosts | None = None
-    failure = ""
-    try:
-        with torch.random.fork_rng(devices=_cuda_devices(graph_module, example_inputs)):
-            local = measure_costs(graph_module, example_inputs, warmup=WARMUP, repeats=REPEATS)
-    except (RuntimeError, ValueError, TypeError) as error:  # a model measure_costs cannot run block by block
-        failure = f"{type(error).__name__}: {error}"
+    local, stretch, failure = _measure_here(graph_module, example_inputs)
     if world > 1:
         busy_until_all_done(group)
-    gathered = _all_figures(None if local is None else _figures(local), failure, world, group)
+    gathered = _all_figures(None if local is None else (stretch, _block_times(local)), failure, world, group)
     failures = [item for item in gathered if isinstance(item, str)]
     if local is None or failures:
         reason = failures[0] if failures else failure
         warnings.warn(f"fxpipe: measuring block costs failed ({reason}); planning with the analytic device model "
                       "(costs='analytic' skips the attempt)", RuntimeWarning, stacklevel=2)
         return None
-    figures = [item for item in gathered if not isinstance(item, str)]
-    return agreed_costs(local, figures, slowdown)
+    return agreed_costs(local, [item for item in gathered if not isinstance(item, str)], slowdown)
+
+
+def _measure_here(graph_module: torch.fx.GraphModule,
+                  example_inputs: Sequence[Any]) -> tuple[MeasuredCosts | None, float, str]:
+    """(this rank's block times, its stretch, a failure message or "")."""
+    cpu = device_of(graph_module, example_inputs).type == "cpu"
+    wall_start, cpu_start = time.perf_counter(), time.process_time()
+    try:
+        with torch.random.fork_rng(devices=_cuda_devices(graph_module, example_inputs)):
+            local = measure_costs(graph_module, example_inputs, warmup=WARMUP, repeats=REPEATS,
+                                  clock=time.process_time if cpu else time.perf_counter)
+    except (RuntimeError, ValueError, TypeError) as error:  # a model measure_costs cannot run block by block
+        return None, 1.0, f"{type(error).__name__}: {error}"
+    cpu_s = time.process_time() - cpu_start
+    stretch = (time.perf_counter() - wall_start) / cpu_s if cpu and cpu_s > 0 else 1.0
+    return local, stretch, ""
 
 
 def busy_until_all_done(group: dist.ProcessGroup | None) -> None:
@@ -78,7 +95,7 @@ def _cuda_devices(graph_module: torch.nn.Module, example_inputs: Sequence[Any]) 
     return [device] if device.type == "cuda" else []
 
 
-def _figures(costs: MeasuredCosts) -> Figures:
+def _block_times(costs: MeasuredCosts) -> list[tuple[float, float, float, float]]:
     low, high = costs.batch_sizes
     return [(block.forward_s.at(low), block.forward_s.at(high), block.backward_s.at(low), block.backward_s.at(high))
             for block in costs.blocks]
@@ -97,16 +114,17 @@ def _all_figures(figures: Figures | None, failure: str, world: int,
 
 def agreed_costs(local: MeasuredCosts, figures: Sequence[Figures], slowdown: float) -> MeasuredCosts:
     """``local``'s blocks refitted through the median over ranks of each block's times at the two batch sizes,
-    divided by ``slowdown``.
+    times the median stretch, divided by ``slowdown``.
 
     Pure: the same ``figures`` (every rank gathers the same list) give the same costs on every rank.
     """
-    counts = {len(item) for item in figures}
+    counts = {len(times) for _, times in figures}
     if counts != {len(local.blocks)}:
         raise AssertionError(f"ranks measured different block counts {sorted(counts)}; the traced graphs differ")
+    scale = statistics.median(stretch for stretch, _ in figures) / slowdown
     blocks = []
     for index, block in enumerate(local.blocks):
-        medians = [statistics.median(item[index][field] for item in figures) / slowdown for field in range(4)]
+        medians = [statistics.median(times[index][field] for _, times in figures) * scale for field in range(4)]
         blocks.append(replace(block, forward_s=fit_times(local.batch_sizes, medians[0], medians[1]),
                               backward_s=fit_times(local.batch_sizes, medians[2], medians[3])))
     return replace(local, blocks=tuple(blocks))
