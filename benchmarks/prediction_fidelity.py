@@ -11,6 +11,11 @@ device model (``costs="analytic"``, the old default) predicts for the same layou
 on the same cluster figures. "step" is the median ``pipe.step`` (what the simulator models),
 "iteration" the median of the whole loop body (what a user's loop takes); errors are
 (measured - predicted) / measured of the iteration, per round, and the table gives medians over rounds.
+"wall/CPU" is the load each round ran under: at compile, the stretch the measured figures include (the
+median over ranks of wall seconds per CPU second while all ranks measured; the plan's note), in
+training the ranks' median wall seconds per CPU second of the timed iterations (waits for other ranks
+count as wall time there). A round whose two differ ran under another load than the one it was
+predicted for.
 """
 
 from __future__ import annotations
@@ -59,6 +64,17 @@ def analytic_prediction(workload: Workload, plan: Any, num_ranks: int) -> float:
     return float(forced.predicted.iteration_time_s)
 
 
+def compile_stretch(plan: Any) -> float:
+    """The wall/CPU stretch compile's measured figures include (from the plan's note), NaN when not recorded."""
+    from fxpipe.job_costs import STRETCH_NOTE
+
+    prefix = STRETCH_NOTE.split("{")[0]
+    for note in plan.notes:
+        if note.startswith(prefix):
+            return float(note[len(prefix):].split()[0])
+    return float("nan")
+
+
 def fidelity_rank(rank: int, world_size: int, workload: Workload, num_rounds: int, num_warmup: int,
                   num_steps: int) -> list[dict[str, Any]]:
     """Rounds of (compile with the defaults, train); rank 0 also prices each plan with the analytic model."""
@@ -73,10 +89,10 @@ def fidelity_rank(rank: int, world_size: int, workload: Workload, num_rounds: in
         pipe = fxpipe.compile(model, example_inputs, loss_fn=workload.loss_fn(),
                               global_batch_size=workload.global_batch_size, plan="auto")
         optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
-        steps, iterations = [], []
+        steps, iterations, cpu_s = [], [], 0.0
         for index in range(num_warmup + num_steps):
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             pipe.step(inputs, targets)
             stepped = time.perf_counter()
             optimizer.step()
@@ -84,12 +100,14 @@ def fidelity_rank(rank: int, world_size: int, workload: Workload, num_rounds: in
             if index >= num_warmup:
                 steps.append(stepped - start)
                 iterations.append(time.perf_counter() - start)
+                cpu_s += time.process_time() - cpu_start
         plan = pipe.plan
         assert plan.predicted is not None
         rounds.append({"plan": f"{plan.layout} M={plan.num_microbatches}",
                        "predicted_s": plan.predicted.iteration_time_s, "cost_source": plan.predicted.cost_source,
                        "analytic_s": analytic_prediction(workload, plan, world_size) if rank == 0 else None,
-                       "step_s": statistics.median(steps), "iteration_s": statistics.median(iterations)})
+                       "step_s": statistics.median(steps), "iteration_s": statistics.median(iterations),
+                       "compile_stretch": compile_stretch(plan), "train_stretch": sum(iterations) / cpu_s})
         dist.barrier()
     return rounds
 
@@ -99,13 +117,17 @@ def run(workloads: tuple[Workload, ...] = DEFAULT_WORKLOADS, ranks: tuple[int, .
     rows = []
     for workload in workloads:
         for num_ranks in ranks:
-            rounds = run_ranks(fidelity_rank, num_ranks, workload, num_rounds, num_warmup, num_steps)[0]
+            by_rank = run_ranks(fidelity_rank, num_ranks, workload, num_rounds, num_warmup, num_steps)
+            rounds = by_rank[0]
+            for index, round_result in enumerate(rounds):  # the ranks' median wall/CPU while training
+                round_result["train_stretch"] = median([r[index]["train_stretch"] for r in by_rank])
             errors = [(r["iteration_s"] - r["predicted_s"]) / r["iteration_s"] for r in rounds]
             rows.append({"case": Case(workload, num_ranks), "rounds": rounds,
                          "plans": sorted({r["plan"] for r in rounds}),
                          "sources": sorted({r["cost_source"] for r in rounds}),
                          **{key: median([r[key] for r in rounds])
-                            for key in ("predicted_s", "analytic_s", "step_s", "iteration_s")},
+                            for key in ("predicted_s", "analytic_s", "step_s", "iteration_s", "compile_stretch",
+                                        "train_stretch")},
                          "errors": errors, "error": median(errors),
                          "analytic_ratio": median([r["iteration_s"] / r["analytic_s"] for r in rounds])})
     return {"workloads": workloads, "rows": rows, "num_rounds": num_rounds, "num_steps": num_steps}
@@ -117,7 +139,8 @@ def report(result: dict[str, Any]) -> str:
 
     table = [[str(r["case"]), ", ".join(r["plans"]), "/".join(r["sources"]), ms(r["predicted_s"]), ms(r["step_s"]),
               ms(r["iteration_s"]), f"{r['error'] * 100:+.1f} %", " ".join(f"{e * 100:+.0f}" for e in r["errors"]),
-              "yes" if abs(r["error"]) <= TARGET_ERROR else "NO", ms(r["analytic_s"]), f"{r['analytic_ratio']:.2f}"]
+              "yes" if abs(r["error"]) <= TARGET_ERROR else "NO", ms(r["analytic_s"]), f"{r['analytic_ratio']:.2f}",
+              " ".join(f"{x['compile_stretch']:.2f}/{x['train_stretch']:.2f}" for x in r["rounds"])]
              for r in result["rows"]]
     num_met = sum(abs(r["error"]) <= TARGET_ERROR for r in result["rows"])
     ratios = [r["analytic_ratio"] for r in result["rows"]]
@@ -128,7 +151,8 @@ def report(result: dict[str, Any]) -> str:
         f"Machine: {machine_notes()}.", "",
         tabulate(table, ["case", "plan (auto)", "cost source", "predicted ms (default)", "measured step ms",
                          "measured iteration ms", "error (meas - pred) / meas", "per-round errors %",
-                         f"within {TARGET_ERROR:.0%}", "analytic ms (same plan)", "measured / analytic"],
+                         f"within {TARGET_ERROR:.0%}", "analytic ms (same plan)", "measured / analytic",
+                         "wall/CPU at compile / in training, per round"],
                  tablefmt="github"), "",
         f"{num_met} of {len(table)} cases within {TARGET_ERROR:.0%} (medians over {result['num_rounds']} rounds of "
         f"{result['num_steps']} iterations). Measured iterations took {min(ratios):.2f}-{max(ratios):.2f}x the "

@@ -16,7 +16,7 @@ from fxpipe.plan import Plan, plan_argument_kind
 from fxpipe.runtime.errors import PipelineSetupError
 
 if TYPE_CHECKING:
-    from fxpipe.passes.profile import MeasuredCosts
+    from fxpipe.job_costs import JobCosts
     from fxpipe.runtime.comm import DistContext
     from fxpipe.runtime.driver import PipelineDriver
     from fxpipe.runtime.guard import SetupGroup
@@ -399,56 +399,22 @@ def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: An
     """Plan for the launched world on rank 0 and broadcast it: every rank gets a role, plan devices land
     on the ranks of the nodes planned for. The cluster is resolved on every rank first (``local``
     calibrates over the process group, all ranks together), so rank 0 plans with agreed figures."""
-    from fxpipe.planning import labelled
+    from fxpipe.job_costs import job_costs
     from fxpipe.runtime.comm import broadcast_text
     from fxpipe.runtime.guard import setup_phase
     from fxpipe.runtime.topology import discover_topology
 
     topology = discover_topology(group)  # collectives of their own, so outside any phase body
     cluster = _resolved_cluster(options, topology, context.device)
-    costs = _job_costs(options, model, example_inputs, cluster, group)
+    costs = job_costs(options.costs, options.cluster is None, model, example_inputs, cluster, group)
     text = None
     with setup_phase("planning", group):
         if options.global_batch_size is None:
             raise PipelineSetupError("global_batch_size is missing; it is required unless a Plan is given")
         if context.rank == 0:
             run = _run_marker_planner if markers else _run_planner
-            text = labelled(run(options, model, example_inputs, topology, cluster, costs), costs.source).to_json()
+            text = costs.label(run(options, model, example_inputs, topology, cluster, costs)).to_json()
     return Plan.from_json(broadcast_text(text))
-
-
-@dataclass(frozen=True)
-class JobCosts:
-    """The block times compile plans with: their source and, when measured, the agreed figures and their graph."""
-
-    source: str
-    measured: MeasuredCosts | None = None
-    graph_module: torch.fx.GraphModule | None = None
-
-
-def _job_costs(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, cluster: Cluster,
-               group: SetupGroup) -> JobCosts:
-    """Measure block costs on every rank at once (the median agreed by all) unless analytic costs are asked for.
-
-    ``"auto"`` measures when the cluster is the launched devices (no ``cluster=``, or a local one).
-    """
-    from fxpipe import passes
-    from fxpipe.planning import COST_CHOICES, default_costs, is_local
-    from fxpipe.runtime.block_costs import measure_block_costs
-    from fxpipe.runtime.guard import setup_phase
-
-    if options.costs not in COST_CHOICES:
-        raise PipelineSetupError(f"costs={options.costs!r} is unknown; choose one of {COST_CHOICES}")
-    source = options.costs
-    if source == "auto":
-        source = default_costs(cluster, devices_here=options.cluster is None or is_local(cluster))
-    if source == "analytic":
-        return JobCosts("analytic")
-    with setup_phase("tracing for cost measurement", group):
-        graph_module = passes.annotate_costs(passes.trace(model, example_inputs))
-    measured = measure_block_costs(graph_module, graph_module.meta["fxpipe.example_inputs"],
-                                   slowdown=cluster.compute_slowdown, group=group)
-    return JobCosts("measured", measured, graph_module) if measured is not None else JobCosts("analytic")
 
 
 def _resolved_cluster(options: CompileOptions, topology: Topology, device: torch.device) -> Cluster:

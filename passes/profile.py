@@ -49,11 +49,16 @@ class BlockTime:
 
 @dataclass(frozen=True)
 class MeasuredCosts:
-    """Measured block times (consumed by ``to_cost_graph(gm, measured=...)``), in graph order."""
+    """Measured block times (consumed by ``to_cost_graph(gm, measured=...)``), in graph order.
+
+    ``stretch`` is the factor the times include for sharing the device: wall seconds per CPU second
+    while every rank measured (:mod:`fxpipe.runtime.block_costs`); 1 for plain wall-clock times.
+    """
 
     blocks: tuple[BlockTime, ...]
     batch_sizes: tuple[int, int]
     device: str = "cpu"
+    stretch: float = 1.0
 
     def by_name(self) -> dict[str, BlockTime]:
         return {block.name: block for block in self.blocks}

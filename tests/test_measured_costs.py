@@ -46,7 +46,7 @@ def test_agreed_costs_are_the_median_work_times_the_median_stretch_refitted() ->
     assert first.backward_s.at(2) == pytest.approx(0.003) and first.backward_s.at(8) == pytest.approx(0.010)
     assert second.forward_s == Affine(pytest.approx(0.010), pytest.approx(0.0))  # type: ignore[arg-type]
     assert second.backward_s.at(8) == pytest.approx(0.001)
-    assert (first.name, first.node_names) == ("a", ("x",))
+    assert (first.name, first.node_names, agreed.stretch) == ("a", ("x",), 2.0)
     assert agreed_costs(local, list(reversed(figures)), slowdown=4.0) == agreed  # rank order does not matter
     with pytest.raises(AssertionError, match="block counts"):
         agreed_costs(local, [(1.0, figures[0][1][:1])], slowdown=1.0)
@@ -130,6 +130,7 @@ def _ranks_agree(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
         results["costs_equal"] = all(item == gathered[0] for item in gathered)
         pipe = fxpipe.compile(model, example_inputs, loss_fn=_loss, global_batch_size=BATCH, plan="auto")
         results["default"] = pipe.plan.to_json()
+        results["notes"] = pipe.plan.notes
         pipe.step(inputs, targets)  # the measured plan trains
         analytic = fxpipe.compile(model, example_inputs, loss_fn=_loss, global_batch_size=BATCH, plan="dp",
                                   costs="analytic")
@@ -148,5 +149,6 @@ def test_every_rank_measures_and_plans_alike(tmp_path: Path) -> None:
     assert all(result["costs_equal"] for result in results)
     assert results[0]["default"] == results[1]["default"]  # the same plan bytes on every rank
     assert json.loads(results[0]["default"])["predicted"]["cost_source"] == "measured"
+    assert any(note.startswith("block costs measured by every rank at once: CPU work x ") for note in results[0]["notes"])
     assert [result["analytic"] for result in results] == ["analytic", "analytic"]
     assert all("costs='guessed'" in result["bad"] and "analytic" in result["bad"] for result in results)

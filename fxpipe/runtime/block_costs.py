@@ -121,10 +121,11 @@ def agreed_costs(local: MeasuredCosts, figures: Sequence[Figures], slowdown: flo
     counts = {len(times) for _, times in figures}
     if counts != {len(local.blocks)}:
         raise AssertionError(f"ranks measured different block counts {sorted(counts)}; the traced graphs differ")
-    scale = statistics.median(stretch for stretch, _ in figures) / slowdown
+    stretch = statistics.median(stretch for stretch, _ in figures)
+    scale = stretch / slowdown
     blocks = []
     for index, block in enumerate(local.blocks):
         medians = [statistics.median(times[index][field] for _, times in figures) * scale for field in range(4)]
         blocks.append(replace(block, forward_s=fit_times(local.batch_sizes, medians[0], medians[1]),
                               backward_s=fit_times(local.batch_sizes, medians[2], medians[3])))
-    return replace(local, blocks=tuple(blocks))
+    return replace(local, blocks=tuple(blocks), stretch=stretch)
