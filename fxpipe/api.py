@@ -407,6 +407,7 @@ def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: An
     topology = discover_topology(group)  # collectives of their own, so outside any phase body
     cluster = _resolved_cluster(options, topology, context.device)
     costs = job_costs(options.costs, options.cluster is None, model, example_inputs, cluster, group)
+    cluster = costs.planning_cluster(cluster)
     text = None
     with setup_phase("planning", group):
         if options.global_batch_size is None:

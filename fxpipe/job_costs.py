@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,6 +27,12 @@ class JobCosts:
     source: str
     measured: MeasuredCosts | None = None
     graph_module: torch.fx.GraphModule | None = None
+
+    def planning_cluster(self, cluster: Cluster) -> Cluster:
+        """``cluster`` with the measured optimizer step (:attr:`Cluster.optimizer_s_per_param_byte`), if any."""
+        if self.measured is None:
+            return cluster
+        return replace(cluster, optimizer_s_per_param_byte=self.measured.optimizer_s_per_param_byte)
 
     def label(self, plan: Plan) -> Plan:
         """``plan`` with ``predicted.cost_source`` set and, for measured CPU figures, the stretch they include."""

@@ -53,12 +53,15 @@ class MeasuredCosts:
 
     ``stretch`` is the factor the times include for sharing the device: wall seconds per CPU second
     while every rank measured (:mod:`fxpipe.runtime.block_costs`); 1 for plain wall-clock times.
+    ``optimizer_s_per_param_byte``: an AdamW step's seconds per parameter byte on the same terms
+    (0: not measured).
     """
 
     blocks: tuple[BlockTime, ...]
     batch_sizes: tuple[int, int]
     device: str = "cpu"
     stretch: float = 1.0
+    optimizer_s_per_param_byte: float = 0.0
 
     def by_name(self) -> dict[str, BlockTime]:
         return {block.name: block for block in self.blocks}

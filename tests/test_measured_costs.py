@@ -36,9 +36,10 @@ def test_agreed_costs_are_the_median_work_times_the_median_stretch_refitted() ->
     local = MeasuredCosts(blocks=(BlockTime("a", ("x",), Affine(1.0, 0.0), Affine(1.0, 0.0)),
                                   BlockTime("b", ("y",), Affine(1.0, 0.0), Affine(1.0, 0.0))), batch_sizes=(2, 8))
     # per rank: (stretch, per block (forward at 2 rows, forward at 8, backward at 2, backward at 8) in seconds)
-    figures = [(3.0, [(0.002, 0.008, 0.004, 0.016), (0.010, 0.010, 0.001, 0.001)]),
-               (1.0, [(0.004, 0.010, 0.006, 0.022), (0.030, 0.030, 0.003, 0.003)]),
-               (2.0, [(0.100, 0.200, 0.008, 0.020), (0.020, 0.020, 0.002, 0.002)])]
+    # and the optimizer step's seconds per parameter byte
+    figures = [(3.0, 1e-9, [(0.002, 0.008, 0.004, 0.016), (0.010, 0.010, 0.001, 0.001)]),
+               (1.0, 5e-9, [(0.004, 0.010, 0.006, 0.022), (0.030, 0.030, 0.003, 0.003)]),
+               (2.0, 2e-9, [(0.100, 0.200, 0.008, 0.020), (0.020, 0.020, 0.002, 0.002)])]
     agreed = agreed_costs(local, figures, slowdown=4.0)
     first, second = agreed.blocks
     # medians 0.004/0.010 and 0.006/0.020, times the median stretch 2 over the slowdown 4: halved
@@ -47,9 +48,10 @@ def test_agreed_costs_are_the_median_work_times_the_median_stretch_refitted() ->
     assert second.forward_s == Affine(pytest.approx(0.010), pytest.approx(0.0))  # type: ignore[arg-type]
     assert second.backward_s.at(8) == pytest.approx(0.001)
     assert (first.name, first.node_names, agreed.stretch) == ("a", ("x",), 2.0)
+    assert agreed.optimizer_s_per_param_byte == pytest.approx(1e-9)  # median 2e-9, halved
     assert agreed_costs(local, list(reversed(figures)), slowdown=4.0) == agreed  # rank order does not matter
     with pytest.raises(AssertionError, match="block counts"):
-        agreed_costs(local, [(1.0, figures[0][1][:1])], slowdown=1.0)
+        agreed_costs(local, [(1.0, 0.0, figures[0][2][:1])], slowdown=1.0)
 
 
 def test_auto_costs_measure_local_clusters_only_and_the_environment_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -104,7 +106,7 @@ def test_measuring_leaves_the_random_state_alone() -> None:
     graph_module = passes.annotate_costs(passes.trace(model, example_inputs))
     before = torch.get_rng_state()
     costs = measure_block_costs(graph_module, graph_module.meta["fxpipe.example_inputs"], slowdown=1.0)
-    assert costs is not None and len(costs.blocks) >= 1
+    assert costs is not None and len(costs.blocks) >= 1 and costs.optimizer_s_per_param_byte > 0
     assert torch.equal(torch.get_rng_state(), before)  # dropout draws while measuring do not shift training's
     with pytest.raises(ValueError, match="slowdown"):
         measure_block_costs(graph_module, graph_module.meta["fxpipe.example_inputs"], slowdown=0.5)

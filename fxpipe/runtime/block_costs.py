@@ -12,17 +12,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpipe.passes.profile import MeasuredCosts, device_of, fit_times, measure_costs
+from fxpipe.passes.profile import MeasuredCosts, device_of, fit_times, measure_costs, synchronizer
 
 # A few rounds suffice: the median over ranks steadies what each rank's median of REPEATS leaves.
 WARMUP = 1
 REPEATS = 3
 # Side of the matmul a rank repeats while it waits for the others (about a millisecond on one CPU core).
 BUSY_MATRIX = 96
-# One rank's figures: its stretch (wall seconds per CPU second while every rank measured) and, per block,
-# forward and backward seconds of work at the two measured batch sizes (forward low, forward high,
-# backward low, backward high).
-Figures = tuple[float, list[tuple[float, float, float, float]]]
+# Parameter bytes an optimizer step is timed on at most (the first parameters' copies; the rest scale).
+OPTIMIZER_SAMPLE_BYTES = 64 * 2**20
+# One rank's figures: its stretch (wall seconds per CPU second while every rank measured), its AdamW
+# step's seconds of work per parameter byte and, per block, forward and backward seconds of work at the
+# two measured batch sizes (forward low, forward high, backward low, backward high).
+Figures = tuple[float, float, list[tuple[float, float, float, float]]]
 
 
 def measure_block_costs(graph_module: torch.fx.GraphModule, example_inputs: Sequence[Any], *, slowdown: float,
@@ -49,7 +51,8 @@ def measure_block_costs(graph_module: torch.fx.GraphModule, example_inputs: Sequ
     local, stretch, failure = _measure_here(graph_module, example_inputs)
     if world > 1:
         busy_until_all_done(group)
-    gathered = _all_figures(None if local is None else (stretch, _block_times(local)), failure, world, group)
+    figures = None if local is None else (stretch, local.optimizer_s_per_param_byte, _block_times(local))
+    gathered = _all_figures(figures, failure, world, group)
     failures = [item for item in gathered if isinstance(item, str)]
     if local is None or failures:
         reason = failures[0] if failures else failure
@@ -64,15 +67,46 @@ def _measure_here(graph_module: torch.fx.GraphModule,
     """(this rank's block times, its stretch, a failure message or "")."""
     cpu = device_of(graph_module, example_inputs).type == "cpu"
     wall_start, cpu_start = time.perf_counter(), time.process_time()
+    clock = time.process_time if cpu else time.perf_counter
     try:
         with torch.random.fork_rng(devices=_cuda_devices(graph_module, example_inputs)):
-            local = measure_costs(graph_module, example_inputs, warmup=WARMUP, repeats=REPEATS,
-                                  clock=time.process_time if cpu else time.perf_counter)
+            local = measure_costs(graph_module, example_inputs, warmup=WARMUP, repeats=REPEATS, clock=clock)
+        local = replace(local, optimizer_s_per_param_byte=optimizer_step_per_byte(graph_module, clock))
     except (RuntimeError, ValueError, TypeError) as error:  # a model measure_costs cannot run block by block
         return None, 1.0, f"{type(error).__name__}: {error}"
     cpu_s = time.process_time() - cpu_start
     stretch = (time.perf_counter() - wall_start) / cpu_s if cpu and cpu_s > 0 else 1.0
     return local, stretch, ""
+
+
+def optimizer_step_per_byte(module: torch.nn.Module, clock: Any = time.perf_counter) -> float:
+    """Seconds per parameter byte of an AdamW step (median of REPEATS after WARMUP) on copies of the
+    module's trainable parameters (the first OPTIMIZER_SAMPLE_BYTES of them), with gradients; 0 without any.
+
+    The module's own parameters, gradients and optimizer state are untouched. On CUDA each timed
+    step ends in a synchronize.
+    """
+    copies: list[torch.nn.Parameter] = []
+    num_bytes = 0
+    for parameter in module.parameters():
+        if not parameter.requires_grad or num_bytes >= OPTIMIZER_SAMPLE_BYTES:
+            continue
+        copy = torch.nn.Parameter(torch.zeros_like(parameter))
+        copy.grad = torch.full_like(parameter, 1e-3)
+        copies.append(copy)
+        num_bytes += parameter.numel() * parameter.element_size()
+    if not copies:
+        return 0.0
+    optimizer = torch.optim.AdamW(copies, lr=1e-3)
+    synchronize = synchronizer(copies[0].device)
+    samples = []
+    for _ in range(WARMUP + REPEATS):
+        synchronize()
+        start = clock()
+        optimizer.step()
+        synchronize()
+        samples.append(clock() - start)
+    return statistics.median(samples[WARMUP:]) / num_bytes
 
 
 def busy_until_all_done(group: dist.ProcessGroup | None) -> None:
@@ -114,18 +148,19 @@ def _all_figures(figures: Figures | None, failure: str, world: int,
 
 def agreed_costs(local: MeasuredCosts, figures: Sequence[Figures], slowdown: float) -> MeasuredCosts:
     """``local``'s blocks refitted through the median over ranks of each block's times at the two batch sizes,
-    times the median stretch, divided by ``slowdown``.
+    and the median optimizer step per byte, times the median stretch, divided by ``slowdown``.
 
     Pure: the same ``figures`` (every rank gathers the same list) give the same costs on every rank.
     """
-    counts = {len(times) for _, times in figures}
+    counts = {len(times) for _, _, times in figures}
     if counts != {len(local.blocks)}:
         raise AssertionError(f"ranks measured different block counts {sorted(counts)}; the traced graphs differ")
-    stretch = statistics.median(stretch for stretch, _ in figures)
+    stretch = statistics.median(stretch for stretch, _, _ in figures)
     scale = stretch / slowdown
     blocks = []
     for index, block in enumerate(local.blocks):
-        medians = [statistics.median(times[index][field] for _, times in figures) * scale for field in range(4)]
+        medians = [statistics.median(times[index][field] for _, _, times in figures) * scale for field in range(4)]
         blocks.append(replace(block, forward_s=fit_times(local.batch_sizes, medians[0], medians[1]),
                               backward_s=fit_times(local.batch_sizes, medians[2], medians[3])))
-    return replace(local, blocks=tuple(blocks), stretch=stretch)
+    optimizer = statistics.median(per_byte for _, per_byte, _ in figures) * scale
+    return replace(local, blocks=tuple(blocks), stretch=stretch, optimizer_s_per_param_byte=optimizer)
