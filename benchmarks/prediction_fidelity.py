@@ -8,8 +8,9 @@ measures the blocks at once and they agree on the median, then the DAPPLE planne
 then warm-up and timed training iterations (``pipe.step``, ``AdamW.step``, ``zero_grad``; a barrier
 before each). "predicted" is the plan's ``predicted.iteration_time_s``; "analytic" is what the analytic
 device model (``costs="analytic"``, the old default) predicts for the same layout and micro-batch count
-on the same cluster figures. "step" is the median ``pipe.step`` (what the simulator models),
-"iteration" the median of the whole loop body (what a user's loop takes); errors are
+on the same cluster figures (no optimizer step). "step" is the median ``pipe.step``, "iteration" the
+median of the whole loop body (what a user's loop takes, and what the default prediction covers:
+compile measures an AdamW step with the blocks); errors are
 (measured - predicted) / measured of the iteration, per round, and the table gives medians over rounds.
 "wall/CPU" is the load each round ran under: at compile, the stretch the measured figures include (the
 median over ranks of wall seconds per CPU second while all ranks measured; the plan's note), in
