@@ -203,7 +203,7 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
             timeout_s: float = 60.0, sync_params: str = "broadcast", check_batch: str = "first",
             loss_reduction: str = "mean", batch_norm: str = "microbatch",
             batch_dims: int | Mapping[str, int] | None = None, target_batch_dim: int | None = None,
-            recompute: str | Sequence[bool | str] = "auto") -> Any:
+            recompute: str | Sequence[bool | str] = "auto", costs: str = "auto") -> Any:
     """Pipeline ``model`` over the process group's ranks; returns a :class:`PipelinedModule`.
 
     ``plan``: ``"auto"`` (DAPPLE planner on ``cluster``, default ``local:<world size>``), a layout such as
@@ -224,13 +224,17 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
     dim 0, and an input whose batch size also sits in another dim the model can grow is refused as
     ambiguous. See docs/exactness.md. ``recompute``: ``"auto"`` (the planner recomputes a stage's
     activations in backward only where keeping them does not fit), ``"never"``, ``"always"``, or one
-    ``"keep"``/``"recompute"`` per stage. As a decorator, ``@fxpipe.compile(loss_fn=..., global_batch_size=...)``
+    ``"keep"``/``"recompute"`` per stage. ``costs``: where the planner's block times come from: ``"auto"``
+    (measured by every rank at once for the launched devices, analytic for a ``cluster`` naming other
+    devices; ``$FXPIPE_COSTS`` overrides), ``"measured"`` or ``"analytic"`` (no measuring). As a decorator,
+    ``@fxpipe.compile(loss_fn=..., global_batch_size=...)``
     on a model class or factory makes ``Factory(*args, example_inputs=..., **kwargs)`` return the module.
     """
     options = CompileOptions(loss_fn, global_batch_size, plan, schedule, num_microbatches, warmup_policy,
                              cluster, optimizer, autocast_dtype, timeout_s, sync_params=sync_params,
                              check_batch=check_batch, loss_reduction=loss_reduction, batch_norm=batch_norm,
-                             batch_dims=batch_dims, target_batch_dim=target_batch_dim, recompute=recompute)
+                             batch_dims=batch_dims, target_batch_dim=target_batch_dim, recompute=recompute,
+                             costs=costs)
     if model is None:
         return functools.partial(_wrap_factory, options=options)
     if isinstance(model, torch.nn.Module):

@@ -55,8 +55,10 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("model", nargs="?", help="zoo name (gpt-mini, bert-48, ...) or package.module:factory")
     plan.add_argument("--profile", default=None, help="PipeDream/DAPPLE profile text instead of a model")
     plan.add_argument("--profile-batch", type=int, default=None, help="batch size the profile was measured at")
-    plan.add_argument("--costs", default="analytic", choices=["analytic", "measured"],
-                      help="model path: analytic device model or times measured on this machine")
+    plan.add_argument("--costs", default="auto", choices=["auto", "analytic", "measured"],
+                      help="model path: block times measured on this machine (auto: for a local cluster) or the "
+                           "analytic device model (auto: for preset and remote clusters; optimistic, see "
+                           "docs/clusters.md)")
     plan.add_argument("--max-blocks", type=int, default=64, help="coarsen the graph to at most this many blocks")
     _add_planning_options(plan)
 
@@ -113,14 +115,26 @@ def _chain_for(args: argparse.Namespace, cluster: Cluster):  # type: ignore[no-u
     return planning.costed_model(model, example_inputs, cluster, costs=args.costs, max_blocks=args.max_blocks).chain
 
 
+def _cost_source(args: argparse.Namespace, cluster: Cluster) -> str:
+    """``--costs`` resolved: auto measures for a local cluster (the devices are here); a profile is its own source."""
+    from fxpipe.planning import cost_source_of
+
+    if args.profile:
+        if args.costs != "auto":
+            raise CommandLineError(f"--costs {args.costs} is for MODEL; a --profile file carries its own times")
+        return "profile"
+    return cost_source_of(args.costs, cluster)
+
+
 def _run_plan(args: argparse.Namespace) -> int:
     import fxpipe.runtime.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
     from fxpipe.core.cluster import parse_cluster
     from fxpipe.core.planfile import save_plan_file
-    from fxpipe.planning import plan_chain
+    from fxpipe.planning import labelled, plan_chain
     from fxpipe.report import format_plan
 
     cluster = parse_cluster(args.cluster)
+    args.costs = _cost_source(args, cluster)
     options = {"num_microbatches": args.num_microbatches, "schedule": args.schedule, "optimizer": args.optimizer,
                "recompute": args.recompute, "allreduce_bucket_bytes": _bucket_bytes(args.allreduce_bucket_mb),
                "compare": args.compare, "progress": sys.stderr.isatty()}
@@ -129,7 +143,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     else:
         chain = _chain_for(args, cluster)
         plan = plan_chain(chain, cluster, args.global_batch, planner=args.planner, layout=args.layout, **options)
-    plan = plan.with_updates(model=args.model or f"profile:{Path(args.profile).name}")
+    plan = labelled(plan.with_updates(model=args.model or f"profile:{Path(args.profile).name}"), args.costs)
     print(f"cluster {cluster.name}: {cluster.num_hosts} host(s) x {cluster.devices_per_host} {cluster.device.name}")
     print(format_plan(plan, chain, cluster))
     if args.json_out:
@@ -148,7 +162,7 @@ def _run_info(plan: Plan) -> dict[str, Any]:
             "fxpipe_version": fxpipe.__version__, "python_version": platform.python_version()}
 
 
-def _marker_plan(args: argparse.Namespace, cluster: Cluster, options: dict[str, object]):  # type: ignore[no-untyped-def]
+def _marker_plan(args: argparse.Namespace, cluster: Cluster, options: dict[str, Any]):  # type: ignore[no-untyped-def]
     from fxpipe import planning
 
     if args.layout not in (None, "markers") or args.planner not in ("dapple", "markers"):

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks import overhead, runtime_fidelity, schedule_memory, vs_torch_pipelining, vs_torch_schedules
+from benchmarks import (
+    overhead,
+    prediction_fidelity,
+    runtime_fidelity,
+    schedule_memory,
+    vs_torch_pipelining,
+    vs_torch_schedules,
+)
 from benchmarks.bench_common import ActivationMeter, Workload, layer_bounds, layer_cut_stages
 
 TINY = (("n_layer", 4), ("n_embd", 16), ("block_size", 8), ("vocab_size", 32), ("n_head", 2))
@@ -126,3 +133,14 @@ def test_runtime_fidelity_smoke() -> None:
     assert row["simulated_s"] > 0 and row["measured_s"] > 0
     assert len(row["round_errors"]) == 2 and len(row["chain_s"]) == 3  # a chain before, between and after
     assert "local:2 1:1 M=2" in runtime_fidelity.report(result)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_prediction_fidelity_smoke(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FXPIPE_COSTS", raising=False)  # the default a user's script gets: measured here
+    result = prediction_fidelity.run((tiny(4, 2),), (2,), num_rounds=1, num_warmup=0, num_steps=1)
+    (row,) = result["rows"]
+    assert row["sources"] == ["measured"] and row["predicted_s"] > 0 and row["analytic_s"] > 0
+    assert row["iteration_s"] >= row["step_s"] > 0 and len(row["errors"]) == 1
+    assert "gpt-mini local:2" in prediction_fidelity.report(result)

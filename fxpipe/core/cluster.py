@@ -78,6 +78,10 @@ class Cluster:
     send, posting a receive and taking its data, in the rank's process (stretched like compute when
     ranks share cores). 0 where a copy engine does the work (GPUs); gloo on this project's CPU VM
     took 0.3-0.9 ms per message after a stretch of compute.
+
+    ``optimizer_s_per_param_byte`` is the time of one optimizer step per byte of parameters a device
+    holds, at one-rank speed (stretched like compute): measured by ``fxpipe.compile`` with its block
+    costs (an AdamW step); 0 leaves the optimizer step out of the iteration (presets, analytic costs).
     """
 
     name: str
@@ -91,6 +95,7 @@ class Cluster:
     cores_per_host: int = 0
     intra_host_collective: LinkSpec | None = None
     message_overhead_s: float = 0.0
+    optimizer_s_per_param_byte: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_hosts < 1 or self.devices_per_host < 1:
@@ -104,6 +109,9 @@ class Cluster:
         if not self.message_overhead_s >= 0:
             raise ValueError(f"cluster {self.name!r}: message_overhead_s must be >= 0 seconds; "
                              f"got {self.message_overhead_s}")
+        if not self.optimizer_s_per_param_byte >= 0:
+            raise ValueError(f"cluster {self.name!r}: optimizer_s_per_param_byte must be >= 0; "
+                             f"got {self.optimizer_s_per_param_byte}")
 
     @property
     def compute_slowdown(self) -> float:
@@ -207,6 +215,8 @@ def _cluster_from_json(data: Any) -> Cluster:
         if data.get("intra_host_collective") is not None else None,
         message_overhead_s=json_field(data, "message_overhead_s", float, "", "non-negative")
         if "message_overhead_s" in data else 0.0,
+        optimizer_s_per_param_byte=json_field(data, "optimizer_s_per_param_byte", float, "", "non-negative")
+        if "optimizer_s_per_param_byte" in data else 0.0,
     )
 
 
