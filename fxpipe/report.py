@@ -90,6 +90,7 @@ def summary_lines(plan: Plan) -> list[str]:
             lines.append(f"cost source: {COST_SOURCE_NOTES.get(predicted.cost_source, predicted.cost_source)}")
     if plan.planning_time_s > 0:  # a plan read from a file does not carry it (a fact of the run, not the plan)
         lines.append(f"planning time {plan.planning_time_s:.2f} s")
+    lines += [f"note: {note}" for note in plan.notes]
     return lines
 
 

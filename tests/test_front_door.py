@@ -245,6 +245,16 @@ def test_a_dp_plan_prints_no_speedup_over_dp() -> None:
     assert "DP not compared" in format_plan(pipelined)
 
 
+def test_the_plan_report_prints_the_plan_notes() -> None:
+    from fxpipe.report import format_plan
+
+    plan = plan_model(FourLinear(), (torch.randn(4, 4),), cluster="local:2", global_batch_size=8, layout="dp")
+    noted = plan.with_updates(notes=("a plan on 1 rank is predicted faster", "second note"))
+    text = format_plan(noted)
+    assert "note: a plan on 1 rank is predicted faster" in text and "note: second note" in text
+    assert "note:" not in format_plan(plan.with_updates(notes=()))
+
+
 def _train_factory(rank: int, world_size: int, store_dir: str) -> int:
     from fxpipe.cli import main
     from tests.mp_utils import join_world, leave_world
