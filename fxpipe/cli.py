@@ -40,6 +40,9 @@ def _add_planning_options(parser: argparse.ArgumentParser) -> None:
                         "stages whose activations do not fit), never, always, or per stage: keep,recompute,...")
     parser.add_argument("--allreduce-bucket-mb", type=float, default=25.0, help="gradient allreduce in buckets of "
                         "this many MiB overlapping the last backward (0: one allreduce after backward)")
+    parser.add_argument("--batch-dims", default=None,
+                        help="where the inputs hold the batch: one dim for every input (1 for a seq-first "
+                             "(T, B, C) model) or name=dim pairs (x=1,mask=0); default dim 0 (docs/exactness.md)")
     parser.add_argument("--compare", action="store_true", help="also run every baseline planner")
     parser.add_argument("--json", dest="json_out", default=None, help="write the plan file here")
     parser.add_argument("--no-run-info", action="store_true",
@@ -112,7 +115,8 @@ def _chain_for(args: argparse.Namespace, cluster: Cluster):  # type: ignore[no-u
         raise CommandLineError("give MODEL (zoo name or package.module:factory) or --profile FILE")
     device = "cpu" if args.costs == "measured" else "meta"
     model, example_inputs = planning.load_model(args.model, device=device)
-    return planning.costed_model(model, example_inputs, cluster, costs=args.costs, max_blocks=args.max_blocks).chain
+    return planning.costed_model(model, example_inputs, cluster, costs=args.costs, max_blocks=args.max_blocks,
+                                 batch_dims=_batch_dims(args)).chain
 
 
 def _cost_source(args: argparse.Namespace, cluster: Cluster) -> str:
@@ -162,6 +166,12 @@ def _run_info(plan: Plan) -> dict[str, Any]:
             "fxpipe_version": fxpipe.__version__, "python_version": platform.python_version()}
 
 
+def _batch_dims(args: argparse.Namespace) -> int | dict[str, int] | None:
+    from fxpipe.train_cli import batch_dims_option
+
+    return batch_dims_option(args)
+
+
 def _marker_plan(args: argparse.Namespace, cluster: Cluster, options: dict[str, Any]):  # type: ignore[no-untyped-def]
     from fxpipe import planning
 
@@ -171,7 +181,8 @@ def _marker_plan(args: argparse.Namespace, cluster: Cluster, options: dict[str, 
     if args.profile or not args.model:
         raise CommandLineError("markers need MODEL (its pipe_split() calls); a profile file has none")
     model, example_inputs = planning.load_model(args.model, device="cpu" if args.costs == "measured" else "meta")
-    return planning.plan_markers(model, example_inputs, cluster, args.global_batch, costs=args.costs, **options)
+    return planning.plan_markers(model, example_inputs, cluster, args.global_batch, costs=args.costs,
+                                 batch_dims=_batch_dims(args), **options)
 
 
 def _load(path: str):  # type: ignore[no-untyped-def]

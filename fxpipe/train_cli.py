@@ -33,6 +33,14 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stdlib: byte-level Python standard library text (language models); random: "
                              "synthetic batches (the zoo's, or for a factory random inputs shaped like its example "
                              "inputs); package.module:function(global_batch, step) -> (inputs, targets)")
+    parser.add_argument("--batch-dims", default=None,
+                        help="where the inputs hold the batch: one dim for every input (1 for a seq-first "
+                             "(T, B, C) model) or name=dim pairs (x=1,mask=0); default dim 0 (docs/exactness.md)")
+    parser.add_argument("--target-batch-dim", type=int, default=None,
+                        help="the targets' batch dim (default: --batch-dims when one dim, else 0)")
+    parser.add_argument("--costs", default="auto", choices=["auto", "measured", "analytic"],
+                        help="planner block times: measured on the launched ranks (auto, measured) or the analytic "
+                             "device model (docs/clusters.md, Honest predictions)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -160,6 +168,13 @@ def _write_trace(path: str, stats: list[Any]) -> None:
         json.dump(trace, handle, sort_keys=True)
 
 
+def batch_dims_option(args: argparse.Namespace) -> int | dict[str, int] | None:
+    """``--batch-dims`` parsed (None when not given)."""
+    from fxpipe.passes.batchdims import parse_batch_dims
+
+    return None if args.batch_dims is None else parse_batch_dims(args.batch_dims)
+
+
 def run_train(args: argparse.Namespace) -> int:
     import fxpipe
     from fxpipe.report import format_plan
@@ -172,7 +187,8 @@ def run_train(args: argparse.Namespace) -> int:
     model, example_inputs, loss_fn, batches = _workload(args)
     pipe = fxpipe.compile(model, example_inputs, loss_fn=loss_fn, global_batch_size=args.global_batch,
                           plan=args.plan, schedule=args.schedule, num_microbatches=args.num_microbatches,
-                          recompute=args.recompute)
+                          recompute=args.recompute, batch_dims=batch_dims_option(args),
+                          target_batch_dim=args.target_batch_dim, costs=args.costs)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
     first_step = _resume(args, pipe, optimizer)
     leader = pipe.rank == 0
@@ -251,11 +267,11 @@ def prediction_check(plan: Any, step_times: list[float], *, measuring: bool = Fa
     import statistics
 
     timed = step_times[1:] if len(step_times) > 1 else step_times
-    line = f"median step {statistics.median(timed) * 1e3:.1f} ms over {len(timed)} steps"
+    line = f"median step {statistics.median(timed) * 1e3:.4g} ms over {len(timed)} steps"
     if plan.predicted is None:
         return line
     source = plan.predicted.cost_source or "unrecorded"
-    line += f"; predicted {plan.predicted.iteration_time_s * 1e3:.1f} ms ({source} block costs)"
+    line += f"; predicted {plan.predicted.iteration_time_s * 1e3:.4g} ms ({source} block costs)"
     return line + (" [--measure: steps also record timelines and saved-tensor peaks, so run slower]" if measuring
                    else "")
 
