@@ -14,6 +14,7 @@ from fxpipe.core.cluster import Cluster
 from fxpipe.core.schedule import SCHEDULES
 
 if TYPE_CHECKING:  # matplotlib is optional: the plot module loads only when a plot is asked for
+    from fxpipe.core.chain import CostChain
     from fxpipe.core.plan import Plan
     from fxpipe.sim.timeline_plot import Timeline
 
@@ -113,10 +114,27 @@ def _chain_for(args: argparse.Namespace, cluster: Cluster):  # type: ignore[no-u
         return planning.profile_chain(args.profile, args.profile_batch, max_blocks=args.max_blocks)
     if not args.model:
         raise CommandLineError("give MODEL (zoo name or package.module:factory) or --profile FILE")
+    chain = _analytic_unless_affordable(args, cluster)
+    if chain is not None:
+        return chain
     device = "cpu" if args.costs == "measured" else "meta"
     model, example_inputs = planning.load_model(args.model, device=device)
     return planning.costed_model(model, example_inputs, cluster, costs=args.costs, max_blocks=args.max_blocks,
                                  batch_dims=_batch_dims(args)).chain
+
+
+def _analytic_unless_affordable(args: argparse.Namespace, cluster: Cluster) -> CostChain | None:
+    """``--costs auto`` resolved to measured: keep it (None) if measuring fits the budget by the analytic model,
+    else switch ``args.costs`` to analytic with a note and return the analytic chain (model built on meta)."""
+    from fxpipe import planning
+
+    if args.costs != "measured" or not args.costs_auto:
+        return None
+    model, example_inputs = planning.load_model(args.model, device="meta")
+    chain = planning.costed_model(model, example_inputs, cluster, costs="analytic", max_blocks=args.max_blocks,
+                                  batch_dims=_batch_dims(args)).chain
+    args.costs, args.cost_note = planning.affordable_costs(chain)
+    return chain if args.costs == "analytic" else None
 
 
 def _cost_source(args: argparse.Namespace, cluster: Cluster) -> str:
@@ -138,6 +156,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     from fxpipe.report import format_plan
 
     cluster = parse_cluster(args.cluster)
+    args.costs_auto, args.cost_note = args.costs == "auto", ""
     args.costs = _cost_source(args, cluster)
     options = {"num_microbatches": args.num_microbatches, "schedule": args.schedule, "optimizer": args.optimizer,
                "recompute": args.recompute, "allreduce_bucket_bytes": _bucket_bytes(args.allreduce_bucket_mb),
@@ -148,6 +167,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         chain = _chain_for(args, cluster)
         plan = plan_chain(chain, cluster, args.global_batch, planner=args.planner, layout=args.layout, **options)
     plan = labelled(plan.with_updates(model=args.model or f"profile:{Path(args.profile).name}"), args.costs)
+    if args.cost_note:
+        plan = plan.with_updates(notes=(*plan.notes, args.cost_note))
     print(f"cluster {cluster.name}: {cluster.num_hosts} host(s) x {cluster.devices_per_host} {cluster.device.name}")
     print(format_plan(plan, chain, cluster))
     if args.json_out:
@@ -180,6 +201,7 @@ def _marker_plan(args: argparse.Namespace, cluster: Cluster, options: dict[str, 
                                f"/ --planner {args.planner}")
     if args.profile or not args.model:
         raise CommandLineError("markers need MODEL (its pipe_split() calls); a profile file has none")
+    _analytic_unless_affordable(args, cluster)
     model, example_inputs = planning.load_model(args.model, device="cpu" if args.costs == "measured" else "meta")
     return planning.plan_markers(model, example_inputs, cluster, args.global_batch, costs=args.costs,
                                  batch_dims=_batch_dims(args), **options)

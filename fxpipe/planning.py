@@ -165,6 +165,35 @@ def cost_source_of(costs: str, cluster: Cluster) -> str:
     return default_costs(cluster) if costs == "auto" else costs
 
 
+# costs="auto" measures only when the analytic model says measuring takes at most this long on the
+# cluster's device (the analytic model is optimistic on CPUs, so the real time is longer).
+MEASURING_BUDGET_S = 20.0
+# What passes.measure_costs runs: its default warm-up plus timed sweeps, at its two batch sizes.
+MEASURING_SWEEPS = 2 + 5
+MEASURING_BATCH_SIZES = (2, 8)
+
+
+def measuring_seconds(chain: CostChain) -> float:
+    """The analytic estimate of measuring every block of ``chain`` (forward and backward, each batch size, each sweep)."""
+    per_sweep = sum(block.forward_s.at(rows) + block.backward_s.at(rows)
+                    for block in chain.blocks for rows in MEASURING_BATCH_SIZES)
+    return MEASURING_SWEEPS * per_sweep
+
+
+def affordable_costs(analytic_chain: CostChain, *, on_meta: bool = False) -> tuple[str, str]:
+    """``(source, note)`` for ``costs="auto"`` where measuring is possible in principle: ``"measured"``, or
+    ``"analytic"`` with a note saying why when the model is on the meta device or measuring would take
+    longer than :data:`MEASURING_BUDGET_S` by the analytic model (a paper-size model on a CPU)."""
+    if on_meta:
+        return "analytic", "costs=auto: the model is on the meta device, so its blocks were not measured (analytic costs)"
+    seconds = measuring_seconds(analytic_chain)
+    if seconds <= MEASURING_BUDGET_S:
+        return "measured", ""
+    return "analytic", (f"costs=auto: measuring every block here would take about {seconds:.0f} s by the analytic "
+                        f"model (over the {MEASURING_BUDGET_S:.0f} s budget), so the analytic model was used; "
+                        "costs='measured' (--costs measured) measures anyway")
+
+
 def plan_chain(chain: CostChain, cluster: Cluster, global_batch_size: int, **options: Any) -> Plan:
     """Run a planner (``planner=`` name, default DAPPLE) over a chain."""
     from fxpipe.passes.partition.dapple import partition
@@ -191,9 +220,17 @@ def plan_model(
     from fxpipe.core.cluster import parse_cluster
 
     resolved = parse_cluster(cluster) if isinstance(cluster, str) else cluster
-    source = cost_source_of(costs, resolved)
-    costed = costed_model(model, example_inputs, resolved, costs=source, batch_dims=batch_dims)
-    return labelled(plan_chain(costed.chain, resolved, global_batch_size, **options), source)
+    source, note = cost_source_of(costs, resolved), ""
+    costed = None
+    if costs == "auto" and source == "measured":
+        costed = costed_model(model, example_inputs, resolved, costs="analytic", batch_dims=batch_dims)
+        on_meta = any(value.is_meta for value in (*model.parameters(), *model.buffers()))
+        source, note = affordable_costs(costed.chain, on_meta=on_meta)
+    if costed is None or source == "measured":
+        costed = costed_model(model, example_inputs, resolved, costs=source, batch_dims=batch_dims,
+                              graph_module=None if costed is None else costed.graph_module)
+    plan = labelled(plan_chain(costed.chain, resolved, global_batch_size, **options), source)
+    return plan.with_updates(notes=(*plan.notes, note)) if note else plan
 
 
 def plan_markers(

@@ -100,6 +100,43 @@ def test_cli_plan_labels_analytic_figures_in_table_and_json(tmp_path: Path, caps
     assert json.loads(out.read_text())["predicted"]["cost_source"] == "analytic"
 
 
+def test_measuring_estimate_is_every_block_at_both_batch_sizes_per_sweep() -> None:
+    from fxpipe.core.chain import Block, CostChain
+    from fxpipe.planning import MEASURING_BATCH_SIZES, MEASURING_SWEEPS, affordable_costs, measuring_seconds
+
+    blocks = tuple(Block(f"b{i}", (f"n{i}",), Affine(0.01, 0.001), Affine(0.02, 0.002), 4) for i in range(3))
+    chain = CostChain(blocks, (Affine(0, 0),) * 2)
+    per_block = sum(0.01 + 0.001 * rows + 0.02 + 0.002 * rows for rows in MEASURING_BATCH_SIZES)
+    assert measuring_seconds(chain) == pytest.approx(MEASURING_SWEEPS * 3 * per_block)
+    assert affordable_costs(chain) == ("measured", "")
+    source, note = affordable_costs(chain, on_meta=True)
+    assert source == "analytic" and "meta device" in note
+    slow = CostChain(tuple(Block(b.name, b.node_names, Affine(10.0, 0), Affine(10.0, 0), 4) for b in blocks),
+                     chain.cut_bytes)
+    source, note = affordable_costs(slow)
+    assert source == "analytic" and f"about {measuring_seconds(slow):.0f} s" in note and "--costs measured" in note
+
+
+def test_auto_costs_fall_back_to_analytic_for_meta_models_and_over_the_budget(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from fxpipe import planning
+    from fxpipe.cli import main
+
+    monkeypatch.delenv(COSTS_ENV, raising=False)
+    model, example_inputs = _mlp()
+    local = parse_cluster("local:2", calibrate=False)
+    plan = plan_model(model.to("meta"), tuple(v.to("meta") for v in example_inputs), cluster=local,
+                      global_batch_size=BATCH, layout="dp")
+    assert plan.predicted is not None and plan.predicted.cost_source == "analytic"
+    assert any("meta device" in note for note in plan.notes)
+    monkeypatch.setattr(planning, "MEASURING_BUDGET_S", 0.0)
+    assert main(["plan", "mlp", "--cluster", "local:2", "--global-batch", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "cost source: analytic" in out and "note: costs=auto: measuring every block here would take" in out
+    assert main(["plan", "mlp", "--cluster", "local:2", "--global-batch", "8", "--costs", "measured"]) == 0
+    assert "cost source: measured" in capsys.readouterr().out
+
+
 def test_measuring_leaves_the_random_state_alone() -> None:
     model, example_inputs = _mlp()
     from fxpipe import passes
