@@ -13,8 +13,8 @@ import fxpipe
 from fxpipe import models as zoo
 from fxpipe.core.recompute import force_recompute
 from fxpipe.passes import trace
+from tests.exactness_oracle import train_and_compare, train_reference
 from tests.mp_utils import join_world, leave_world, plan_from_cuts, run_ranks
-from tests.test_exact_training import train_and_compare, train_reference
 
 pytestmark = pytest.mark.multiprocess
 
