@@ -203,7 +203,7 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
             timeout_s: float = 60.0, sync_params: str = "broadcast", check_batch: str = "first",
             loss_reduction: str = "mean", batch_norm: str = "microbatch",
             batch_dims: int | Mapping[str, int] | None = None, target_batch_dim: int | None = None,
-            recompute: str | Sequence[bool | str] = "auto") -> Any:
+            recompute: str | Sequence[bool | str] = "auto", costs: str = "auto", check_rows: bool = True) -> Any:
     """Pipeline ``model`` over the process group's ranks; returns a :class:`PipelinedModule`.
 
     ``plan``: ``"auto"`` (DAPPLE planner on ``cluster``, default ``local:<world size>``), a layout such as
@@ -224,13 +224,19 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
     dim 0, and an input whose batch size also sits in another dim the model can grow is refused as
     ambiguous. See docs/exactness.md. ``recompute``: ``"auto"`` (the planner recomputes a stage's
     activations in backward only where keeping them does not fit), ``"never"``, ``"always"``, or one
-    ``"keep"``/``"recompute"`` per stage. As a decorator, ``@fxpipe.compile(loss_fn=..., global_batch_size=...)``
+    ``"keep"``/``"recompute"`` per stage. ``costs``: where the planner's block times come from: ``"auto"``
+    (measured by every rank at once for the launched devices, analytic for a ``cluster`` naming other
+    devices; ``$FXPIPE_COSTS`` overrides), ``"measured"`` or ``"analytic"`` (no measuring). ``check_rows``:
+    when the plan splits the batch (micro-batches or replicas), run the model in eval mode on the example
+    batch whole and in halves and refuse it if rows see each other (docs/exactness.md). As a decorator,
+    ``@fxpipe.compile(loss_fn=..., global_batch_size=...)``
     on a model class or factory makes ``Factory(*args, example_inputs=..., **kwargs)`` return the module.
     """
     options = CompileOptions(loss_fn, global_batch_size, plan, schedule, num_microbatches, warmup_policy,
                              cluster, optimizer, autocast_dtype, timeout_s, sync_params=sync_params,
                              check_batch=check_batch, loss_reduction=loss_reduction, batch_norm=batch_norm,
-                             batch_dims=batch_dims, target_batch_dim=target_batch_dim, recompute=recompute)
+                             batch_dims=batch_dims, target_batch_dim=target_batch_dim, recompute=recompute,
+                             costs=costs, check_rows=check_rows)
     if model is None:
         return functools.partial(_wrap_factory, options=options)
     if isinstance(model, torch.nn.Module):
@@ -262,6 +268,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     from fxpipe.passes import trace
     from fxpipe.passes.batchdims import resolve_target_dim
     from fxpipe.passes.codegen import split_for_plan
+    from fxpipe.passes.row_independence import check_rows_independent
     from fxpipe.plan_checks import check_plan_matches, check_stages_hold_parameters
     from fxpipe.runtime.batchcheck import check_batch_mode
     from fxpipe.runtime.batchnorm import check_batch_norm_mode, check_layers_kept, warn_batch_norm
@@ -290,6 +297,10 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
             with setup_phase("tracing", group):
                 graph_module = trace(model, inputs, batch_dims=options.batch_dims)
             resolved = resolve_plan(options, model, _keyword_inputs(graph_module, inputs), context, group)
+            if options.check_rows and (resolved.num_microbatches > 1 or any(s.replicas > 1 for s in resolved.stages)):
+                with setup_phase("checking that batch rows are independent", group):
+                    check_rows_independent(model, _keyword_inputs(graph_module, inputs),
+                                           graph_module.meta[meta.BATCH_DIMS])
             with setup_phase("code generation", group):
                 check_plan_matches(resolved, graph_module)
                 program = split_for_plan(graph_module, resolved)

@@ -14,6 +14,7 @@ from fxpipe.core.cluster import Cluster
 from fxpipe.core.schedule import SCHEDULES
 
 if TYPE_CHECKING:  # matplotlib is optional: the plot module loads only when a plot is asked for
+    from fxpipe.core.chain import CostChain
     from fxpipe.core.plan import Plan
     from fxpipe.sim.timeline_plot import Timeline
 
@@ -40,6 +41,9 @@ def _add_planning_options(parser: argparse.ArgumentParser) -> None:
                         "stages whose activations do not fit), never, always, or per stage: keep,recompute,...")
     parser.add_argument("--allreduce-bucket-mb", type=float, default=25.0, help="gradient allreduce in buckets of "
                         "this many MiB overlapping the last backward (0: one allreduce after backward)")
+    parser.add_argument("--batch-dims", default=None,
+                        help="where the inputs hold the batch: one dim for every input (1 for a seq-first "
+                             "(T, B, C) model) or name=dim pairs (x=1,mask=0); default dim 0 (docs/exactness.md)")
     parser.add_argument("--compare", action="store_true", help="also run every baseline planner")
     parser.add_argument("--json", dest="json_out", default=None, help="write the plan file here")
     parser.add_argument("--no-run-info", action="store_true",
@@ -55,8 +59,10 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("model", nargs="?", help="zoo name (gpt-mini, bert-48, ...) or package.module:factory")
     plan.add_argument("--profile", default=None, help="PipeDream/DAPPLE profile text instead of a model")
     plan.add_argument("--profile-batch", type=int, default=None, help="batch size the profile was measured at")
-    plan.add_argument("--costs", default="analytic", choices=["analytic", "measured"],
-                      help="model path: analytic device model or times measured on this machine")
+    plan.add_argument("--costs", default="auto", choices=["auto", "analytic", "measured"],
+                      help="model path: block times measured on this machine (auto: for a local cluster) or the "
+                           "analytic device model (auto: for preset and remote clusters; optimistic, see "
+                           "docs/clusters.md)")
     plan.add_argument("--max-blocks", type=int, default=64, help="coarsen the graph to at most this many blocks")
     _add_planning_options(plan)
 
@@ -108,19 +114,50 @@ def _chain_for(args: argparse.Namespace, cluster: Cluster):  # type: ignore[no-u
         return planning.profile_chain(args.profile, args.profile_batch, max_blocks=args.max_blocks)
     if not args.model:
         raise CommandLineError("give MODEL (zoo name or package.module:factory) or --profile FILE")
+    chain = _analytic_unless_affordable(args, cluster)
+    if chain is not None:
+        return chain
     device = "cpu" if args.costs == "measured" else "meta"
     model, example_inputs = planning.load_model(args.model, device=device)
-    return planning.costed_model(model, example_inputs, cluster, costs=args.costs, max_blocks=args.max_blocks).chain
+    return planning.costed_model(model, example_inputs, cluster, costs=args.costs, max_blocks=args.max_blocks,
+                                 batch_dims=_batch_dims(args)).chain
+
+
+def _analytic_unless_affordable(args: argparse.Namespace, cluster: Cluster) -> CostChain | None:
+    """``--costs auto`` resolved to measured: keep it (None) if measuring fits the budget by the analytic model,
+    else switch ``args.costs`` to analytic with a note and return the analytic chain (model built on meta)."""
+    from fxpipe import planning
+
+    if args.costs != "measured" or not args.costs_auto:
+        return None
+    model, example_inputs = planning.load_model(args.model, device="meta")
+    chain = planning.costed_model(model, example_inputs, cluster, costs="analytic", max_blocks=args.max_blocks,
+                                  batch_dims=_batch_dims(args)).chain
+    args.costs, args.cost_note = planning.affordable_costs(chain)
+    return chain if args.costs == "analytic" else None
+
+
+def _cost_source(args: argparse.Namespace, cluster: Cluster) -> str:
+    """``--costs`` resolved: auto measures for a local cluster (the devices are here); a profile is its own source."""
+    from fxpipe.planning import cost_source_of
+
+    if args.profile:
+        if args.costs != "auto":
+            raise CommandLineError(f"--costs {args.costs} is for MODEL; a --profile file carries its own times")
+        return "profile"
+    return cost_source_of(args.costs, cluster)
 
 
 def _run_plan(args: argparse.Namespace) -> int:
     import fxpipe.runtime.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
     from fxpipe.core.cluster import parse_cluster
     from fxpipe.core.planfile import save_plan_file
-    from fxpipe.planning import plan_chain
+    from fxpipe.planning import labelled, plan_chain
     from fxpipe.report import format_plan
 
     cluster = parse_cluster(args.cluster)
+    args.costs_auto, args.cost_note = args.costs == "auto", ""
+    args.costs = _cost_source(args, cluster)
     options = {"num_microbatches": args.num_microbatches, "schedule": args.schedule, "optimizer": args.optimizer,
                "recompute": args.recompute, "allreduce_bucket_bytes": _bucket_bytes(args.allreduce_bucket_mb),
                "compare": args.compare, "progress": sys.stderr.isatty()}
@@ -129,7 +166,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     else:
         chain = _chain_for(args, cluster)
         plan = plan_chain(chain, cluster, args.global_batch, planner=args.planner, layout=args.layout, **options)
-    plan = plan.with_updates(model=args.model or f"profile:{Path(args.profile).name}")
+    plan = labelled(plan.with_updates(model=args.model or f"profile:{Path(args.profile).name}"), args.costs)
+    if args.cost_note:
+        plan = plan.with_updates(notes=(*plan.notes, args.cost_note))
     print(f"cluster {cluster.name}: {cluster.num_hosts} host(s) x {cluster.devices_per_host} {cluster.device.name}")
     print(format_plan(plan, chain, cluster))
     if args.json_out:
@@ -148,7 +187,13 @@ def _run_info(plan: Plan) -> dict[str, Any]:
             "fxpipe_version": fxpipe.__version__, "python_version": platform.python_version()}
 
 
-def _marker_plan(args: argparse.Namespace, cluster: Cluster, options: dict[str, object]):  # type: ignore[no-untyped-def]
+def _batch_dims(args: argparse.Namespace) -> int | dict[str, int] | None:
+    from fxpipe.train_cli import batch_dims_option
+
+    return batch_dims_option(args)
+
+
+def _marker_plan(args: argparse.Namespace, cluster: Cluster, options: dict[str, Any]):  # type: ignore[no-untyped-def]
     from fxpipe import planning
 
     if args.layout not in (None, "markers") or args.planner not in ("dapple", "markers"):
@@ -156,8 +201,10 @@ def _marker_plan(args: argparse.Namespace, cluster: Cluster, options: dict[str, 
                                f"/ --planner {args.planner}")
     if args.profile or not args.model:
         raise CommandLineError("markers need MODEL (its pipe_split() calls); a profile file has none")
+    _analytic_unless_affordable(args, cluster)
     model, example_inputs = planning.load_model(args.model, device="cpu" if args.costs == "measured" else "meta")
-    return planning.plan_markers(model, example_inputs, cluster, args.global_batch, costs=args.costs, **options)
+    return planning.plan_markers(model, example_inputs, cluster, args.global_batch, costs=args.costs,
+                                 batch_dims=_batch_dims(args), **options)
 
 
 def _load(path: str):  # type: ignore[no-untyped-def]

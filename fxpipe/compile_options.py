@@ -36,3 +36,5 @@ class CompileOptions:
     batch_dims: int | Mapping[str, int] | None = None
     target_batch_dim: int | None = None  # None: batch_dims when it is one int, else 0
     recompute: str | Sequence[bool | str] = "auto"  # fxpipe.core.recompute.parse_recompute
+    costs: str = "auto"  # where the planner's block times come from (fxpipe.job_costs)
+    check_rows: bool = True  # refuse a model whose rows see each other when the plan splits the batch

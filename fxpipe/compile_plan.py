@@ -15,6 +15,7 @@ from fxpipe.core.schedule import ScheduleError, schedule_name
 from fxpipe.runtime.errors import PipelineSetupError
 
 if TYPE_CHECKING:
+    from fxpipe.job_costs import JobCosts
     from fxpipe.runtime.comm import DistContext
     from fxpipe.runtime.guard import SetupGroup
     from fxpipe.runtime.topology import Topology
@@ -68,19 +69,23 @@ def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: An
     """Plan for the launched world on rank 0 and broadcast it: every rank gets a role, plan devices land
     on the ranks of the nodes planned for. The cluster is resolved on every rank first (``local``
     calibrates over the process group, all ranks together), so rank 0 plans with agreed figures."""
+    from fxpipe.job_costs import job_costs
     from fxpipe.runtime.comm import broadcast_text
     from fxpipe.runtime.guard import setup_phase
     from fxpipe.runtime.topology import discover_topology
 
     topology = discover_topology(group)  # collectives of their own, so outside any phase body
     cluster = _resolved_cluster(options, topology, context.device)
+    costs = job_costs(options.costs, options.cluster is None, model, example_inputs, cluster, group,
+                      batch_dims=options.batch_dims)
+    cluster = costs.planning_cluster(cluster)
     text = None
     with setup_phase("planning", group):
         if options.global_batch_size is None:
             raise PipelineSetupError("global_batch_size is missing; it is required unless a Plan is given")
         if context.rank == 0:
             run = _run_marker_planner if markers else _run_planner
-            text = run(options, model, example_inputs, topology, cluster).to_json()
+            text = costs.label(run(options, model, example_inputs, topology, cluster, costs)).to_json()
     return Plan.from_json(broadcast_text(text))
 
 
@@ -98,14 +103,15 @@ def _resolved_cluster(options: CompileOptions, topology: Topology, device: torch
 
 
 def _run_planner(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, topology: Topology,
-                 cluster: Cluster) -> Plan:
+                 cluster: Cluster, costs: JobCosts) -> Plan:
     """Cost the model and plan it (on rank 0) for ``cluster`` with every launched rank in a role."""
     from fxpipe.planning import costed_model, plan_chain
     from fxpipe.runtime.topology import check_cluster_size, placed_plan
 
     check_cluster_size(cluster, topology)
     costed = costed_model(model, example_inputs if isinstance(example_inputs, Mapping) else tuple(example_inputs),
-                          cluster, batch_dims=options.batch_dims)
+                          cluster, batch_dims=options.batch_dims, costs=costs.source, measured=costs.measured,
+                          graph_module=costs.graph_module)
     layout = None if options.plan == "auto" else str(options.plan)
     assert options.global_batch_size is not None
     plan = plan_chain(costed.chain, cluster, options.global_batch_size, layout=layout,
@@ -117,15 +123,15 @@ def _run_planner(options: CompileOptions, model: torch.nn.Module, example_inputs
 
 
 def _run_marker_planner(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, topology: Topology,
-                        cluster: Cluster) -> Plan:
+                        cluster: Cluster, costs: JobCosts) -> Plan:
     """``plan="markers"``: cuts at the model's pipe_split() calls (on rank 0), every launched rank in a role."""
     from fxpipe.planning import plan_markers
     from fxpipe.runtime.topology import check_cluster_size, placed_plan
 
     check_cluster_size(cluster, topology)
     assert options.global_batch_size is not None
-    plan, _ = plan_markers(model, example_inputs, cluster, options.global_batch_size,
-                           num_microbatches=options.num_microbatches,
+    plan, _ = plan_markers(model, example_inputs, cluster, options.global_batch_size, costs=costs.source,
+                           measured=costs.measured, num_microbatches=options.num_microbatches,
                            schedule=_schedule_name(options.schedule or "dapple"),
                            warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True,
                            batch_dims=options.batch_dims, recompute=options.recompute)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,6 +15,13 @@ from fxpipe.core.cluster import Cluster
 from fxpipe.core.costgraph import CostGraph, CostNode
 from fxpipe.core.plan import Plan
 from fxpipe.passes.batchdims import BatchDims
+
+if TYPE_CHECKING:
+    from fxpipe.passes.profile import MeasuredCosts
+
+# What ``costs=`` takes: "auto" measures where the cluster's devices are this machine's (see default_costs).
+COST_CHOICES = ("auto", "measured", "analytic")
+COSTS_ENV = "FXPIPE_COSTS"
 
 
 class ModelSpecError(ValueError):
@@ -65,23 +73,58 @@ def costed_model(
     max_blocks: int | None = 64,
     dtype: str = "float32",
     batch_dims: BatchDims = None,
+    measured: MeasuredCosts | None = None,
+    graph_module: torch.fx.GraphModule | None = None,
 ) -> CostedModel:
     """Trace, annotate and chain a model. ``costs="measured"`` times every block on this machine.
 
     ``batch_dims``: where each input holds the batch (``fxpipe.passes.trace``; default dim 0).
+    ``measured`` gives block times measured already (e.g. agreed by every rank of a job,
+    :func:`fxpipe.block_costs.measure_block_costs`) on ``graph_module``, the annotated
+    graph they were measured on; ``"auto"`` resolves with :func:`default_costs`.
     """
     from fxpipe import passes
 
-    graph_module = passes.annotate_costs(passes.trace(model, example_inputs, batch_dims=batch_dims))
-    if costs == "analytic":
-        graph = passes.to_cost_graph(graph_module, device=cluster.device, dtype=dtype)
-    elif costs == "measured":
+    costs = default_costs(cluster) if costs == "auto" else costs
+    if costs not in COST_CHOICES:
+        raise ValueError(f"costs={costs!r} is unknown; choose one of {COST_CHOICES}")
+    if graph_module is None:
+        graph_module = passes.annotate_costs(passes.trace(model, example_inputs, batch_dims=batch_dims))
+    if costs == "measured" and measured is None:
         measured = passes.measure_costs(graph_module, graph_module.meta[meta.EXAMPLE_INPUTS])
-        graph = passes.to_cost_graph(graph_module, device=cluster.device, measured=measured, dtype=dtype)
-    else:
-        raise ValueError(f"costs={costs!r} is unknown; choose 'analytic' or 'measured'")
+    graph = passes.to_cost_graph(graph_module, device=cluster.device, measured=measured if costs == "measured"
+                                 else None, dtype=dtype)
     graph = parameter_reads_at_first_use(graph)
     return CostedModel(graph_module, graph, build_chain(graph, max_blocks=max_blocks))
+
+
+def default_costs(cluster: Cluster, *, devices_here: bool | None = None) -> str:
+    """Where ``costs="auto"`` takes block times from: ``$FXPIPE_COSTS`` when set, else ``"measured"`` when
+    the cluster's devices are this machine's (``local:N``, the nodes a torchrun job forms), else ``"analytic"``.
+
+    Measuring needs the devices at hand; a preset or remote cluster (``dapple-a``, ``4x8:h100``) gets the
+    analytic device model, labelled as such in the plan (``predicted.cost_source``). ``devices_here``
+    overrides the guess from the cluster's name (compile knows whether it plans for the launched ranks).
+    """
+    chosen = os.environ.get(COSTS_ENV, "").strip().lower()
+    if chosen:
+        if chosen not in ("measured", "analytic"):
+            raise ValueError(f"${COSTS_ENV}={chosen!r} is unknown; set it to 'measured' or 'analytic' or unset it")
+        return chosen
+    here = is_local(cluster) if devices_here is None else devices_here
+    return "measured" if here else "analytic"
+
+
+def is_local(cluster: Cluster) -> bool:
+    """Whether the cluster describes this machine's own ranks (``local:N``, ``NxR:local`` under torchrun)."""
+    return cluster.name.startswith("local") or cluster.name.endswith(":local")
+
+
+def labelled(plan: Plan, cost_source: str) -> Plan:
+    """``plan`` with ``predicted.cost_source`` set: where the block times behind its figures came from."""
+    if plan.predicted is None:
+        return plan
+    return plan.with_updates(predicted=replace(plan.predicted, cost_source=cost_source))
 
 
 def parameter_reads_at_first_use(graph: CostGraph) -> CostGraph:
@@ -117,6 +160,40 @@ def profile_chain(path: str, profile_batch_size: int, *, max_blocks: int | None 
     return build_chain(read_profile(path, profile_batch_size=profile_batch_size), max_blocks=max_blocks)
 
 
+def cost_source_of(costs: str, cluster: Cluster) -> str:
+    """The label a plan's figures carry for a ``costs=`` choice (``"auto"`` resolved for ``cluster``)."""
+    return default_costs(cluster) if costs == "auto" else costs
+
+
+# costs="auto" measures only when the analytic model says measuring takes at most this long on the
+# cluster's device (the analytic model is optimistic on CPUs, so the real time is longer).
+MEASURING_BUDGET_S = 20.0
+# What passes.measure_costs runs: its default warm-up plus timed sweeps, at its two batch sizes.
+MEASURING_SWEEPS = 2 + 5
+MEASURING_BATCH_SIZES = (2, 8)
+
+
+def measuring_seconds(chain: CostChain) -> float:
+    """The analytic estimate of measuring every block of ``chain`` (forward and backward, each batch size, each sweep)."""
+    per_sweep = sum(block.forward_s.at(rows) + block.backward_s.at(rows)
+                    for block in chain.blocks for rows in MEASURING_BATCH_SIZES)
+    return MEASURING_SWEEPS * per_sweep
+
+
+def affordable_costs(analytic_chain: CostChain, *, on_meta: bool = False) -> tuple[str, str]:
+    """``(source, note)`` for ``costs="auto"`` where measuring is possible in principle: ``"measured"``, or
+    ``"analytic"`` with a note saying why when the model is on the meta device or measuring would take
+    longer than :data:`MEASURING_BUDGET_S` by the analytic model (a paper-size model on a CPU)."""
+    if on_meta:
+        return "analytic", "costs=auto: the model is on the meta device, so its blocks were not measured (analytic costs)"
+    seconds = measuring_seconds(analytic_chain)
+    if seconds <= MEASURING_BUDGET_S:
+        return "measured", ""
+    return "analytic", (f"costs=auto: measuring every block here would take about {seconds:.0f} s by the analytic "
+                        f"model (over the {MEASURING_BUDGET_S:.0f} s budget), so the analytic model was used; "
+                        "costs='measured' (--costs measured) measures anyway")
+
+
 def plan_chain(chain: CostChain, cluster: Cluster, global_batch_size: int, **options: Any) -> Plan:
     """Run a planner (``planner=`` name, default DAPPLE) over a chain."""
     from fxpipe.passes.partition.dapple import partition
@@ -130,17 +207,30 @@ def plan_model(
     *,
     cluster: Cluster | str,
     global_batch_size: int,
-    costs: str = "analytic",
+    costs: str = "auto",
     batch_dims: BatchDims = None,
     **options: Any,
 ) -> Plan:
-    """``fxpipe.plan``: trace, cost, chain and partition a model for a cluster in one call."""
+    """``fxpipe.plan``: trace, cost, chain and partition a model for a cluster in one call.
+
+    ``costs="auto"``: block times measured here for a local cluster, the analytic model otherwise
+    (:func:`default_costs`); the plan says which in ``predicted.cost_source``.
+    """
     import fxpipe.runtime.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
     from fxpipe.core.cluster import parse_cluster
 
     resolved = parse_cluster(cluster) if isinstance(cluster, str) else cluster
-    costed = costed_model(model, example_inputs, resolved, costs=costs, batch_dims=batch_dims)
-    return plan_chain(costed.chain, resolved, global_batch_size, **options)
+    source, note = cost_source_of(costs, resolved), ""
+    costed = None
+    if costs == "auto" and source == "measured":
+        costed = costed_model(model, example_inputs, resolved, costs="analytic", batch_dims=batch_dims)
+        on_meta = any(value.is_meta for value in (*model.parameters(), *model.buffers()))
+        source, note = affordable_costs(costed.chain, on_meta=on_meta)
+    if costed is None or source == "measured":
+        costed = costed_model(model, example_inputs, resolved, costs=source, batch_dims=batch_dims,
+                              graph_module=None if costed is None else costed.graph_module)
+    plan = labelled(plan_chain(costed.chain, resolved, global_batch_size, **options), source)
+    return plan.with_updates(notes=(*plan.notes, note)) if note else plan
 
 
 def plan_markers(
@@ -150,6 +240,7 @@ def plan_markers(
     global_batch_size: int,
     *,
     costs: str = "analytic",
+    measured: MeasuredCosts | None = None,
     **options: Any,
 ) -> tuple[Plan, CostChain]:
     """Cut at the model's ``pipe_split()`` markers; DAPPLE picks replica counts, placement and micro-batches.
@@ -166,7 +257,8 @@ def plan_markers(
     batch_dims: BatchDims = options.pop("batch_dims", None)  # trace's, not the planner's
     graph_module = passes.trace(model, example_inputs, batch_dims=batch_dims)
     groups = marker_stages(model, example_inputs, graph_module)
-    chain = costed_model(model, example_inputs, cluster, costs=costs, max_blocks=None, batch_dims=batch_dims).chain
+    chain = costed_model(model, example_inputs, cluster, costs=costs, max_blocks=None, batch_dims=batch_dims,
+                         measured=measured).chain
     stops = marker_stops(chain, groups)
     marked = coarsen_chain(chain, stops)
     empty = [index for index, holds in enumerate(holds_parameters(marked)) if not holds]
@@ -174,4 +266,5 @@ def plan_markers(
         raise MarkerError(f"pipe_split() markers give stage(s) {empty} no parameters, so their ranks would have "
                           "nothing to optimise; remove the marker before or after each such stage")
     plan = partition(marked, cluster, global_batch_size, num_stages=len(stops), **options)
-    return on_fine_chain(plan, chain, stops).with_updates(planner="markers"), chain
+    plan = on_fine_chain(plan, chain, stops).with_updates(planner="markers")
+    return labelled(plan, cost_source_of(costs, cluster)), chain

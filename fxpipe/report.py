@@ -11,6 +11,13 @@ from fxpipe.core.cluster import Cluster
 from fxpipe.core.plan import Plan
 from fxpipe.sim.stagecost import backward_seconds
 
+# What each ``predicted.cost_source`` means for the figure above it (how far off: docs/clusters.md).
+COST_SOURCE_NOTES = {
+    "measured": "measured (block times timed on this machine's ranks)",
+    "analytic": "analytic (device model, not measured: optimistic; see docs/clusters.md, Honest predictions)",
+    "profile": "profile (block times from the profile file)",
+}
+
 
 def format_bytes(num_bytes: float) -> str:
     value = float(num_bytes)
@@ -79,8 +86,11 @@ def summary_lines(plan: Plan) -> list[str]:
         lines.append(f"predicted iteration {predicted.iteration_time_s * 1e3:.2f} ms, "
                      f"{predicted.throughput_samples_per_s:.1f} samples/s, bubble {predicted.bubble_fraction:.1%}"
                      + versus_dp)
+        if predicted.cost_source:
+            lines.append(f"cost source: {COST_SOURCE_NOTES.get(predicted.cost_source, predicted.cost_source)}")
     if plan.planning_time_s > 0:  # a plan read from a file does not carry it (a fact of the run, not the plan)
         lines.append(f"planning time {plan.planning_time_s:.2f} s")
+    lines += [f"note: {note}" for note in plan.notes]
     return lines
 
 

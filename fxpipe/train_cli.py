@@ -33,6 +33,14 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stdlib: byte-level Python standard library text (language models); random: "
                              "synthetic batches (the zoo's, or for a factory random inputs shaped like its example "
                              "inputs); package.module:function(global_batch, step) -> (inputs, targets)")
+    parser.add_argument("--batch-dims", default=None,
+                        help="where the inputs hold the batch: one dim for every input (1 for a seq-first "
+                             "(T, B, C) model) or name=dim pairs (x=1,mask=0); default dim 0 (docs/exactness.md)")
+    parser.add_argument("--target-batch-dim", type=int, default=None,
+                        help="the targets' batch dim (default: --batch-dims when one dim, else 0)")
+    parser.add_argument("--costs", default="auto", choices=["auto", "measured", "analytic"],
+                        help="planner block times: measured on the launched ranks (auto, measured) or the analytic "
+                             "device model (docs/clusters.md, Honest predictions)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -160,6 +168,13 @@ def _write_trace(path: str, stats: list[Any]) -> None:
         json.dump(trace, handle, sort_keys=True)
 
 
+def batch_dims_option(args: argparse.Namespace) -> int | dict[str, int] | None:
+    """``--batch-dims`` parsed (None when not given)."""
+    from fxpipe.passes.batchdims import parse_batch_dims
+
+    return None if args.batch_dims is None else parse_batch_dims(args.batch_dims)
+
+
 def run_train(args: argparse.Namespace) -> int:
     import fxpipe
     from fxpipe.report import format_plan
@@ -172,7 +187,8 @@ def run_train(args: argparse.Namespace) -> int:
     model, example_inputs, loss_fn, batches = _workload(args)
     pipe = fxpipe.compile(model, example_inputs, loss_fn=loss_fn, global_batch_size=args.global_batch,
                           plan=args.plan, schedule=args.schedule, num_microbatches=args.num_microbatches,
-                          recompute=args.recompute)
+                          recompute=args.recompute, batch_dims=batch_dims_option(args),
+                          target_batch_dim=args.target_batch_dim, costs=args.costs)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
     first_step = _resume(args, pipe, optimizer)
     leader = pipe.rank == 0
@@ -180,7 +196,7 @@ def run_train(args: argparse.Namespace) -> int:
         print(format_plan(pipe.plan), flush=True)
     pipe.measure = args.measure
     start = time.perf_counter()
-    losses, stats, last_step = _train_steps(args, pipe, optimizer, batches, first_step)
+    losses, stats, last_step, step_times = _train_steps(args, pipe, optimizer, batches, first_step)
     if leader and pipe.preempted and not args.checkpoint_dir:
         print(f"preempted: stopped after step {last_step} (no --checkpoint-dir: nothing saved)", flush=True)
     if leader and losses:
@@ -188,6 +204,7 @@ def run_train(args: argparse.Namespace) -> int:
         num_steps = last_step - first_step
         print(f"trained {num_steps} steps in {elapsed:.1f} s: loss {losses[0]:.3f} -> {losses[-1]:.3f} "
               f"({num_steps * args.global_batch / elapsed:.0f} samples/s)", flush=True)
+        print(prediction_check(pipe.plan, step_times, measuring=args.measure), flush=True)
         if args.trace and stats:
             _write_trace(args.trace, stats)
             print(f"wrote measured timeline {args.trace}", flush=True)
@@ -196,10 +213,12 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def _train_steps(args: argparse.Namespace, pipe: Any, optimizer: torch.optim.Optimizer, batches: Any,
-                 first_step: int) -> tuple[list[float], list[Any], int]:
+                 first_step: int) -> tuple[list[float], list[Any], int, list[float]]:
     """Steps ``first_step..--steps`` (checkpoints as asked); stops early, saved, once every rank agrees on a preemption.
 
-    Returns the losses, the last step's stats (with --measure) and the number of steps done in all.
+    Returns the losses, the last step's stats (with --measure), the number of steps done in all and
+    each iteration's seconds (``pipe.step`` and the optimizer step, what the plan predicts; loading the
+    batch and checkpoints left out).
     """
     leader = pipe.rank == 0
     progress = None
@@ -209,13 +228,16 @@ def _train_steps(args: argparse.Namespace, pipe: Any, optimizer: torch.optim.Opt
         progress = tqdm(total=args.steps, initial=first_step, unit="step", file=sys.stdout)
     losses: list[float] = []
     stats: list[Any] = []
+    step_times: list[float] = []
     last_step = first_step
     for step in range(first_step, args.steps):
         step_start = time.perf_counter()
         inputs, targets = batches(step)
+        pipe_start = time.perf_counter()
         loss = pipe.step(inputs, targets)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        step_times.append(time.perf_counter() - pipe_start)
         losses.append(loss)
         step_time = time.perf_counter() - step_start
         if args.measure:
@@ -233,7 +255,25 @@ def _train_steps(args: argparse.Namespace, pipe: Any, optimizer: torch.optim.Opt
             break
     if progress is not None:
         progress.close()
-    return losses, stats, last_step
+    return losses, stats, last_step, step_times
+
+
+def prediction_check(plan: Any, step_times: list[float], *, measuring: bool = False) -> str:
+    """``median step X ms vs predicted Y ms (cost source)``: the plan's prediction next to what the iterations took.
+
+    The first step is left out when there are others (it pays one-time costs); with --measure the
+    steps also record timelines and saved-tensor peaks, so they run slower than predicted.
+    """
+    import statistics
+
+    timed = step_times[1:] if len(step_times) > 1 else step_times
+    line = f"median step {statistics.median(timed) * 1e3:.4g} ms over {len(timed)} steps"
+    if plan.predicted is None:
+        return line
+    source = plan.predicted.cost_source or "unrecorded"
+    line += f"; predicted {plan.predicted.iteration_time_s * 1e3:.4g} ms ({source} block costs)"
+    return line + (" [--measure: steps also record timelines and saved-tensor peaks, so run slower]" if measuring
+                   else "")
 
 
 def _resume(args: argparse.Namespace, pipe: Any, optimizer: torch.optim.Optimizer) -> int:

@@ -38,6 +38,29 @@ class BatchDimError(ValueError):
     """A batch dim is malformed, ambiguous, or not followed by the model; names the input and the fix."""
 
 
+def parse_batch_dims(text: str) -> int | dict[str, int]:
+    """``--batch-dims`` of the CLI: ``"1"`` (every input) or ``"x=1,mask=0"`` (per input name; others dim 0)."""
+    text = text.strip()
+    if "=" not in text:
+        try:
+            return int(text)
+        except ValueError:
+            raise BatchDimError(f"batch dims {text!r} are neither a dim (e.g. 1) nor name=dim pairs "
+                                "(e.g. x=1,mask=0)") from None
+    dims: dict[str, int] = {}
+    for item in text.split(","):
+        name, _, dim = item.partition("=")
+        name = name.strip()
+        try:
+            dims[name] = int(dim)
+        except ValueError:
+            raise BatchDimError(f"batch dims {text!r}: {item.strip()!r} is not name=dim with an integer dim "
+                                "(e.g. x=1,mask=0)") from None
+        if not name:
+            raise BatchDimError(f"batch dims {text!r}: {item.strip()!r} has no input name before '='")
+    return dims
+
+
 def _normalised(name: str, value: torch.Tensor, dim: object) -> int:
     if not isinstance(dim, int) or isinstance(dim, bool):
         raise BatchDimError(f"batch_dims for input {name!r} is {dim!r}; give an int dim (e.g. 1 for a seq-first "

@@ -23,6 +23,7 @@ __all__ = [
     "ProfileError",
     "default_blocks",
     "device_of",
+    "fit_times",
     "measure_costs",
     "node_values",
     "run_backward",
@@ -49,11 +50,19 @@ class BlockTime:
 
 @dataclass(frozen=True)
 class MeasuredCosts:
-    """Measured block times (consumed by ``to_cost_graph(gm, measured=...)``), in graph order."""
+    """Measured block times (consumed by ``to_cost_graph(gm, measured=...)``), in graph order.
+
+    ``stretch`` is the factor the times include for sharing the device: wall seconds per CPU second
+    while every rank measured (:mod:`fxpipe.block_costs`); 1 for plain wall-clock times.
+    ``optimizer_s_per_param_byte``: an AdamW step's seconds per parameter byte on the same terms
+    (0: not measured).
+    """
 
     blocks: tuple[BlockTime, ...]
     batch_sizes: tuple[int, int]
     device: str = "cpu"
+    stretch: float = 1.0
+    optimizer_s_per_param_byte: float = 0.0
 
     def by_name(self) -> dict[str, BlockTime]:
         return {block.name: block for block in self.blocks}
@@ -94,6 +103,7 @@ def measure_costs(
     batch_sizes: tuple[int, int] = (2, 8),
     warmup: int = 2,
     repeats: int = 5,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> MeasuredCosts:
     """Time forward and backward of every block on its own (median of ``repeats`` after ``warmup``).
 
@@ -103,12 +113,14 @@ def measure_costs(
     run on its own pays it once, a stage running many blocks once in all. Parameter
     ``.grad`` fields are restored afterwards, so ``gm`` is left as it was. Blocks run where the
     inputs live (``MeasuredCosts.device``); on CUDA every timed region ends in a synchronize.
+    ``clock`` reads the time (``time.process_time``: CPU seconds of work, whatever share of a core
+    the process got; see :mod:`fxpipe.block_costs`).
     """
     block_lists = [tuple(block) for block in (blocks if blocks is not None else default_blocks(gm))]
     _check_arguments(gm, block_lists, batch_sizes, repeats)
     saved_grads = {id(p): p.grad for p in gm.parameters()}
     try:
-        timings = _time_blocks(gm, example_inputs, block_lists, batch_sizes, warmup, repeats)
+        timings = _time_blocks(gm, example_inputs, block_lists, batch_sizes, warmup, repeats, clock)
     finally:
         for parameter in gm.parameters():
             parameter.grad = saved_grads[id(parameter)]
@@ -118,8 +130,8 @@ def measure_costs(
             BlockTime(
                 name=name,
                 node_names=block,
-                forward_s=_fit(batch_sizes, timings[0][index][0], timings[1][index][0]),
-                backward_s=_fit(batch_sizes, timings[0][index][1], timings[1][index][1]),
+                forward_s=fit_times(batch_sizes, timings[0][index][0], timings[1][index][0]),
+                backward_s=fit_times(batch_sizes, timings[0][index][1], timings[1][index][1]),
             )
             for index, (name, block) in enumerate(zip(names, block_lists, strict=True))
         ),
@@ -156,7 +168,7 @@ def _block_names(gm: fx.GraphModule, blocks: Sequence[tuple[str, ...]]) -> list[
     return names
 
 
-def _fit(batch_sizes: tuple[int, int], low_s: float, high_s: float) -> Affine:
+def fit_times(batch_sizes: tuple[int, int], low_s: float, high_s: float) -> Affine:
     """The line through two (rows, seconds) points, kept non-negative (noise can tilt it)."""
     (low_rows, low_t), (high_rows, high_t) = sorted(zip(batch_sizes, (low_s, high_s), strict=True))
     per_sample = (high_t - low_t) / (high_rows - low_rows)
@@ -183,6 +195,7 @@ def _time_blocks(
     batch_sizes: tuple[int, int],
     warmup: int,
     repeats: int,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> list[list[tuple[float, float]]]:
     """Median (forward, backward) seconds per batch size and block, harness overhead subtracted.
 
@@ -211,9 +224,9 @@ def _time_blocks(
                     sweep.append((empty_samples, *empty))
             # As in training: every forward in order, then every backward in reverse, so a backward
             # finds its saved tensors where a real step leaves them (not hot from its own forward).
-            forwards = [run_forward(module, args) for _, module, args in sweep]
+            forwards = [run_forward(module, args, clock) for _, module, args in sweep]
             for (target, module, args), (forward_s, output) in zip(reversed(sweep), reversed(forwards), strict=True):
-                backward_s = run_backward(module, args, output)
+                backward_s = run_backward(module, args, output, clock)
                 if iteration >= warmup:
                     target.append((forward_s, backward_s))
     overhead = (statistics.median(f for f, _ in empty_samples), statistics.median(b for _, b in empty_samples))
@@ -274,29 +287,31 @@ def _block_input(value: Any) -> Any:
     return value
 
 
-def run_forward(module: torch.nn.Module, args: Sequence[Any]) -> tuple[float, Any]:
+def run_forward(module: torch.nn.Module, args: Sequence[Any],
+                clock: Callable[[], float] = time.perf_counter) -> tuple[float, Any]:
     """Seconds of one ``module(*args)`` and its output (gradients of the module and inputs cleared first)."""
     for tensor in [*module.parameters(), *(a for a in args if isinstance(a, torch.Tensor))]:
         tensor.grad = None
     synchronize = synchronizer(device_of(module, args))
     synchronize()
-    start = time.perf_counter()
+    start = clock()
     output = module(*args)
     synchronize()
-    return time.perf_counter() - start, output
+    return clock() - start, output
 
 
-def run_backward(module: torch.nn.Module, args: Sequence[Any], output: Any) -> float:
+def run_backward(module: torch.nn.Module, args: Sequence[Any], output: Any,
+                 clock: Callable[[], float] = time.perf_counter) -> float:
     """Seconds of the backward of every output of ``run_forward`` that needs a gradient (ones as gradients)."""
     synchronize = synchronizer(device_of(module, args))
     tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     grads = [torch.ones_like(t) for t in tensors]
     synchronize()
-    start = time.perf_counter()
+    start = clock()
     if tensors:
         torch.autograd.backward(tensors, grads)
     synchronize()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def run_once(module: torch.nn.Module, args: Sequence[Any]) -> tuple[float, float]:

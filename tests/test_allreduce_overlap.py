@@ -23,8 +23,8 @@ from fxpipe.sim.allreduce_overlap import (
     stage_allreduce_offsets,
 )
 from fxpipe.sim.simulate import simulate
+from tests.exactness_oracle import train_and_compare, train_reference
 from tests.mp_utils import join_world, leave_world, plan_from_cuts, run_ranks
-from tests.test_exact_training import train_and_compare, train_reference
 from tests.test_simulate import BACKWARD_PER_ROW, FORWARD_PER_ROW, cluster, plan_of, uniform_chain
 
 

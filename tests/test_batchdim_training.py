@@ -15,8 +15,8 @@ from torch import nn
 import fxpipe
 from fxpipe.passes import trace
 from fxpipe.runtime.rows import gather_rows
+from tests.exactness_oracle import train_and_compare, train_reference
 from tests.mp_utils import join_world, leave_world, plan_from_cuts, run_ranks
-from tests.test_exact_training import train_and_compare, train_reference
 
 pytestmark = pytest.mark.multiprocess
 

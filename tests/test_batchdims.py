@@ -280,3 +280,19 @@ def test_batch_mismatch_messages_name_the_batch_dims() -> None:
     with pytest.raises(BatchMismatchError, match=r"other shapes or dtypes than rank 0 \(batch in dim 1 of 'x', dim 1 "
                                                  r"of the targets\)"):
         raise_on_difference([(1, 5), (2, 5)], where)
+
+
+@pytest.mark.parametrize("text, expected", [("1", 1), (" 0 ", 0), ("x=1", {"x": 1}), ("x=1, mask=0", {"x": 1, "mask": 0})])
+def test_batch_dims_text_parses(text: str, expected: object) -> None:
+    from fxpipe.passes.batchdims import parse_batch_dims
+
+    assert parse_batch_dims(text) == expected
+
+
+@pytest.mark.parametrize("text, message", [("one", "neither a dim"), ("x=1,y", "'y' is not name=dim"),
+                                           ("=1", "no input name")])
+def test_bad_batch_dims_text_is_refused(text: str, message: str) -> None:
+    from fxpipe.passes.batchdims import BatchDimError, parse_batch_dims
+
+    with pytest.raises(BatchDimError, match=message):
+        parse_batch_dims(text)

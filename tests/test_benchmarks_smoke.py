@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks import overhead, runtime_fidelity, schedule_memory, vs_torch_pipelining, vs_torch_schedules
+from benchmarks import (
+    overhead,
+    prediction_fidelity,
+    runtime_fidelity,
+    schedule_memory,
+    vs_torch_pipelining,
+    vs_torch_schedules,
+)
 from benchmarks.bench_common import ActivationMeter, Workload, layer_bounds, layer_cut_stages
 
 TINY = (("n_layer", 4), ("n_embd", 16), ("block_size", 8), ("vocab_size", 32), ("n_head", 2))
@@ -132,3 +139,14 @@ def test_runtime_fidelity_smoke() -> None:
                         f"{zb['measured_s'] / eb['measured_s']:.3f}"]
     report = runtime_fidelity.report(result)
     assert "local:2 1:1 M=2 zero_bubble" in report and "auto picks" in report
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_prediction_fidelity_smoke(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FXPIPE_COSTS", raising=False)  # the default a user's script gets: measured here
+    result = prediction_fidelity.run((tiny(4, 2),), (2,), num_rounds=1, num_warmup=0, num_steps=1)
+    (row,) = result["rows"]
+    assert row["sources"] == ["measured"] and row["predicted_s"] > 0 and row["analytic_s"] > 0
+    assert row["iteration_s"] >= row["step_s"] > 0 and len(row["errors"]) == 1
+    assert "gpt-mini local:2" in prediction_fidelity.report(result)

@@ -12,6 +12,7 @@ import torch
 import fxpipe
 from fxpipe import models as zoo
 from fxpipe.passes import trace
+from tests.exactness_oracle import train_and_compare, train_reference
 from tests.mp_utils import join_world, leave_world, plan_from_cuts, run_ranks
 
 pytestmark = pytest.mark.multiprocess
@@ -19,7 +20,6 @@ pytestmark = pytest.mark.multiprocess
 WORLD_SIZE = 4
 GLOBAL_BATCH = 12
 NUM_STEPS = 3
-LEARNING_RATE = 1e-2
 
 
 @dataclass(frozen=True)
@@ -48,55 +48,12 @@ def _reference(entry: zoo.ModelEntry, batches: list[Any]) -> dict[str, Any]:
     return train_reference(zoo.build(entry.name, **entry.tiny_overrides)[0], entry.loss_fn, batches)
 
 
-def train_reference(model: torch.nn.Module, loss_fn: Any, batches: list[Any]) -> dict[str, Any]:
-    """One process, whole batch: gradients of step 1, losses, parameters after len(batches) AdamW steps."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
-    losses, grads = [], {}
-    for step, (inputs, targets) in enumerate(batches):
-        loss = loss_fn(model(*inputs), targets)
-        loss.backward()
-        losses.append(loss.item())
-        if step == 0:
-            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-        optimizer.step()
-        optimizer.zero_grad()
-    params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return {"losses": losses, "grads": grads, "params": params, "model": model}
-
-
-def _mismatches(kind: str, actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], *, rtol: float,
-                atol: float) -> list[str]:
-    problems = []
-    for name, tensor in actual.items():
-        try:
-            torch.testing.assert_close(tensor, expected[name], rtol=rtol, atol=atol)
-        except AssertionError as error:
-            problems.append(f"{kind} {name}: {str(error).splitlines()[0:3]}")
-    return problems
-
-
 def _run_config(entry: zoo.ModelEntry, config: Config, batches: list[Any], reference: dict[str, Any]) -> dict[str, Any]:
     model, example_inputs = zoo.build(entry.name, **entry.tiny_overrides)
     plan = plan_from_cuts(trace(copy.deepcopy(model), example_inputs), config.replicas, GLOBAL_BATCH,
                           config.num_microbatches, schedule=config.schedule, warmup_policy=config.warmup_policy)
     pipe = fxpipe.compile(model, example_inputs, loss_fn=entry.loss_fn, global_batch_size=GLOBAL_BATCH, plan=plan)
     return {**train_and_compare(pipe, batches, reference), "stage": pipe.stage_index}
-
-
-def train_and_compare(pipe: Any, batches: list[Any], reference: dict[str, Any]) -> dict[str, Any]:
-    """AdamW steps on ``pipe``; step-1 gradients and final parameters against ``reference`` (problems)."""
-    optimizer = torch.optim.AdamW(pipe.parameters(), lr=LEARNING_RATE)
-    losses, problems = [], []
-    for step, (inputs, targets) in enumerate(batches):
-        losses.append(pipe.step(inputs, targets))
-        if step == 0:
-            grads = {name: p.grad for name, p in pipe.named_parameters()}
-            problems += _mismatches("grad", grads, reference["grads"], rtol=1e-4, atol=1e-6)
-        optimizer.step()
-        optimizer.zero_grad()
-    params = {name: p.detach() for name, p in pipe.named_parameters()}
-    problems += _mismatches("param", params, reference["params"], rtol=0.0, atol=1e-4)
-    return {"losses": losses, "problems": problems, "names": sorted(params)}
 
 
 def _train_all_configs(rank: int, world_size: int, store_dir: str, model_name: str) -> list[dict[str, Any]]:

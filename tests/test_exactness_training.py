@@ -19,8 +19,8 @@ from fxpipe.passes import trace
 from fxpipe.runtime.batchcheck import BatchMismatchError
 from fxpipe.runtime.batchnorm import BatchNormWarning
 from fxpipe.runtime.sync import ReplicaMismatchError
+from tests.exactness_oracle import mismatches, train_and_compare, train_reference
 from tests.mp_utils import join_world, leave_world, plan_from_cuts, run_ranks
-from tests.test_exact_training import _mismatches, train_and_compare, train_reference
 
 pytestmark = pytest.mark.multiprocess
 
@@ -220,8 +220,8 @@ def _batch_norm_scenario(rank: int) -> dict[str, Any]:
     reference_loss.backward()
     grads = {name: p.grad for name, p in reference_model.named_parameters()}
     own_grads = {n: p.grad for n, p in pipe.named_parameters()}
-    problems += _mismatches("eval grad", own_grads, grads, rtol=1e-4, atol=1e-6)
-    problems += _mismatches("buffer", dict(pipe.state_dict()), reference_model.state_dict(), rtol=1e-5, atol=1e-6)
+    problems += mismatches("eval grad", own_grads, grads, rtol=1e-4, atol=1e-6)
+    problems += mismatches("buffer", dict(pipe.state_dict()), reference_model.state_dict(), rtol=1e-5, atol=1e-6)
     if abs(loss - reference_loss.item()) > 1e-5 * abs(reference_loss.item()):
         problems.append(f"eval loss {loss} != reference {reference_loss.item()}")
     return {"problems": problems}
@@ -240,7 +240,7 @@ def _sync_batch_norm_scenario(rank: int) -> dict[str, Any]:
                         batch_norm="sync")
     record = _train(pipe, batches, reference)
     buffers = {name: value for name, value in pipe.state_dict().items() if name in reference_buffers}
-    record["problems"] += _mismatches("buffer", buffers, reference_buffers, rtol=1e-5, atol=1e-6)
+    record["problems"] += mismatches("buffer", buffers, reference_buffers, rtol=1e-5, atol=1e-6)
     record["problems"] += [f"unexpected warning {w.message}" for w in caught if isinstance(w.message, BatchNormWarning)]
     return record
 

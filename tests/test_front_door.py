@@ -135,6 +135,21 @@ class Marked(Net):
 
 def marked():
     return Marked(), {"x": torch.randn(4, 4), "scale": torch.ones(4, 1)}
+
+
+class SeqFirst(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, x):  # (T, B, 4): mixes positions along T, rows of B apart
+        hidden = torch.relu(self.a(x))
+        return self.b(hidden + hidden.mean(0, keepdim=True))
+
+
+def seq_first():
+    return SeqFirst(), (torch.randn(4, 4, 4),)  # T == B == 4: dim 0 or 1 could be the batch
 '''
 
 
@@ -162,6 +177,18 @@ def test_cli_plans_a_factory_from_the_current_folder(factory_folder: Any, capsys
     assert (code, err) == (0, "")
     assert "wrote plan.json" in out
     assert fxpipe_plan_model(factory_folder / "plan.json") == "frontdoor_models:factory"
+
+
+def test_cli_batch_dims_flag_settles_an_ambiguous_batch(factory_folder: Any,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["plan", "frontdoor_models:seq_first", "--cluster", "local:2", "--global-batch", "8", "--costs", "analytic"]
+    code, _, err = _cli(base, capsys)
+    assert code == 2 and "batch_dims" in err, err
+    code, out, err = _cli([*base, "--batch-dims", "1"], capsys)
+    assert (code, err) == (0, ""), err
+    assert "predicted iteration" in out
+    code, _, err = _cli([*base, "--batch-dims", "x=one"], capsys)
+    assert code == 2 and "'x=one' is not name=dim" in err, err
 
 
 def test_cli_plans_at_markers_and_the_file_simulates(factory_folder: Any,
@@ -243,6 +270,16 @@ def test_a_dp_plan_prints_no_speedup_over_dp() -> None:
     pipelined = plan_model(FourLinear(), (torch.randn(4, 4),), cluster="local:2", global_batch_size=8,
                            layout="1:1")
     assert "DP not compared" in format_plan(pipelined)
+
+
+def test_the_plan_report_prints_the_plan_notes() -> None:
+    from fxpipe.report import format_plan
+
+    plan = plan_model(FourLinear(), (torch.randn(4, 4),), cluster="local:2", global_batch_size=8, layout="dp")
+    noted = plan.with_updates(notes=("a plan on 1 rank is predicted faster", "second note"))
+    text = format_plan(noted)
+    assert "note: a plan on 1 rank is predicted faster" in text and "note: second note" in text
+    assert "note:" not in format_plan(plan.with_updates(notes=()))
 
 
 def _train_factory(rank: int, world_size: int, store_dir: str) -> int:

@@ -19,6 +19,7 @@ from fxpipe.passes import annotate_costs, to_cost_graph, trace
 from fxpipe.passes.codegen import CodegenError, split_stages
 from fxpipe.passes.costs import CostAnnotationError
 from fxpipe.planning import costed_model, plan_chain
+from tests.exactness_oracle import mismatches, train_and_compare, train_reference
 from tests.mp_utils import join_world, leave_world, run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -27,7 +28,6 @@ hf_examples = pytest.importorskip("fxpipe.hf_examples")
 WORLD_SIZE = 4
 GLOBAL_BATCH = 8
 NUM_STEPS = 3
-LEARNING_RATE = 1e-2
 # Attention key biases get exactly zero gradient in exact arithmetic (softmax ignores a shift), so their
 # gradients are rounding noise that Adam would scale up to full lr steps; a larger eps keeps noise small.
 ADAM_EPS = 1e-5
@@ -40,47 +40,14 @@ def _batches(name: str) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
 
 def _reference(name: str, batches: list[Any]) -> dict[str, Any]:
     """One process, whole batch: step-1 gradients, losses, parameters after NUM_STEPS AdamW steps."""
-    model, _ = hf_examples.HF_FACTORIES[name]()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
-    losses, grads = [], {}
-    for step, (inputs, targets) in enumerate(batches):
-        loss = hf_examples.hf_loss(model(**inputs), targets)
-        loss.backward()
-        losses.append(loss.item())
-        if step == 0:
-            grads = {key: p.grad.clone() for key, p in model.named_parameters()}
-        optimizer.step()
-        optimizer.zero_grad()
-    return {"losses": losses, "grads": grads, "params": {key: p.detach().clone() for key, p in model.named_parameters()}}
-
-
-def _mismatches(kind: str, actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], *, rtol: float,
-                atol: float) -> list[str]:
-    problems = []
-    for key, tensor in actual.items():
-        try:
-            torch.testing.assert_close(tensor, expected[key], rtol=rtol, atol=atol)
-        except AssertionError as error:
-            problems.append(f"{kind} {key}: {str(error).splitlines()[0:3]}")
-    return problems
+    return train_reference(hf_examples.HF_FACTORIES[name]()[0], hf_examples.hf_loss, batches, adam_eps=ADAM_EPS)
 
 
 def _train(name: str, plan: Plan, batches: list[Any], reference: dict[str, Any]) -> dict[str, Any]:
     model, example_inputs = hf_examples.HF_FACTORIES[name]()
     pipe = fxpipe.compile(model, example_inputs, loss_fn=hf_examples.hf_loss, global_batch_size=GLOBAL_BATCH,
                           plan=plan)
-    optimizer = torch.optim.AdamW(pipe.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
-    losses, problems = [], []
-    for step, (inputs, targets) in enumerate(batches):
-        losses.append(pipe.step(inputs, targets))
-        if step == 0:
-            grads = {key: p.grad for key, p in pipe.named_parameters()}
-            problems += _mismatches("grad", grads, reference["grads"], rtol=1e-4, atol=1e-6)
-        optimizer.step()
-        optimizer.zero_grad()
-    params = {key: p.detach() for key, p in pipe.named_parameters()}
-    problems += _mismatches("param", params, reference["params"], rtol=0.0, atol=1e-4)
-    return {"plan": pipe.plan.layout, "losses": losses, "problems": problems, "names": sorted(params)}
+    return {"plan": pipe.plan.layout, **train_and_compare(pipe, batches, reference, adam_eps=ADAM_EPS)}
 
 
 def _plans(name: str) -> list[Plan]:
@@ -236,4 +203,4 @@ def test_wrapped_gpt2_compiles_and_steps_exactly_in_a_world_of_one() -> None:
     expected.backward()
     assert loss == pytest.approx(expected.item(), rel=1e-6)
     grads = {key: p.grad for key, p in reference.named_parameters()}
-    assert not _mismatches("grad", {key: p.grad for key, p in pipe.named_parameters()}, grads, rtol=1e-4, atol=1e-6)
+    assert not mismatches("grad", {key: p.grad for key, p in pipe.named_parameters()}, grads, rtol=1e-4, atol=1e-6)

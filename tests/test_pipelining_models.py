@@ -18,13 +18,12 @@ import fxpipe
 from fxpipe.core.cluster import parse_cluster
 from fxpipe.passes.markers import MarkerError
 from fxpipe.planning import plan_markers
+from tests.exactness_oracle import train_and_compare, train_reference
 from tests.mp_utils import join_world, leave_world, run_ranks
-from tests.test_exact_training import _mismatches
 
 WIDTH = 8
 GLOBAL_BATCH = 8
 NUM_STEPS = 2
-LEARNING_RATE = 1e-2
 DEFAULT_SHIFT = torch.full((WIDTH,), 0.5)  # a tensor default argument, as in pipelining's ModelWithKwargs
 
 
@@ -117,46 +116,17 @@ def _loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(output, targets)
 
 
-def _call(model: nn.Module, inputs: Any) -> torch.Tensor:
-    return model(**inputs) if isinstance(inputs, dict) else model(inputs)  # type: ignore[no-any-return]
-
-
-def _reference(make: Callable[[], nn.Module], batches: list[tuple[Any, torch.Tensor]]) -> dict[str, Any]:
-    torch.manual_seed(0)
-    model = make()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
-    losses, grads = [], {}
-    for step, (inputs, targets) in enumerate(batches):
-        loss = _loss(_call(model, inputs), targets)
-        loss.backward()
-        losses.append(loss.item())
-        if step == 0:
-            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-        optimizer.step()
-        optimizer.zero_grad()
-    return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
-
-
 def _train_case(make: Callable[[], nn.Module], make_inputs: Callable[[int, int], Any], plan: str,
                 batches: list[tuple[Any, torch.Tensor]]) -> dict[str, Any]:
-    reference = _reference(make, batches)
+    torch.manual_seed(0)
+    reference = train_reference(make(), _loss, batches)
     torch.manual_seed(0)
     model = make()
     pipe = fxpipe.compile(model, make_inputs(GLOBAL_BATCH, 0), loss_fn=_loss, global_batch_size=GLOBAL_BATCH,
                           plan=plan, num_microbatches=4)
-    optimizer = torch.optim.AdamW(pipe.parameters(), lr=LEARNING_RATE)  # the README loop, on every rank
-    losses, problems = [], []
-    for step, (inputs, targets) in enumerate(batches):
-        losses.append(pipe.step(inputs, targets))
-        if step == 0:
-            problems += _mismatches("grad", {n: p.grad for n, p in pipe.named_parameters()}, reference["grads"],
-                                    rtol=1e-4, atol=1e-6)
-        optimizer.step()
-        optimizer.zero_grad()
-    problems += _mismatches("param", {n: p.detach() for n, p in pipe.named_parameters()}, reference["params"],
-                            rtol=0.0, atol=1e-4)
-    record = {"losses": losses, "reference": reference["losses"], "problems": problems, "layout": pipe.plan.layout,
-              "names": sorted(n for n, _ in pipe.named_parameters()), "all_names": sorted(reference["params"])}
+    result = train_and_compare(pipe, batches, reference)  # the README loop, on every rank
+    record = {"losses": result["losses"], "reference": reference["losses"], "problems": result["problems"],
+              "layout": pipe.plan.layout, "names": result["names"], "all_names": sorted(reference["params"])}
     pipe.close()
     return record
 

@@ -8,7 +8,7 @@ from torch import fx, nn
 
 from fxpipe.passes import profile
 from fxpipe.passes.costs import annotate_costs, to_cost_graph
-from fxpipe.passes.profile import ProfileError, _fit, default_blocks, measure_costs
+from fxpipe.passes.profile import ProfileError, default_blocks, fit_times, measure_costs
 
 torch.set_num_threads(1)
 
@@ -67,11 +67,11 @@ def test_bad_arguments_say_what_to_pass() -> None:
 
 
 def test_fit_is_exact_on_a_line_and_non_negative_on_noise() -> None:
-    for fitted in (_fit((2, 8), 0.3, 0.9), _fit((8, 2), 0.9, 0.3)):
+    for fitted in (fit_times((2, 8), 0.3, 0.9), fit_times((8, 2), 0.9, 0.3)):
         assert fitted.fixed == pytest.approx(0.1) and fitted.per_sample == pytest.approx(0.1)
-    noisy = _fit((2, 8), 0.5, 0.4)
+    noisy = fit_times((2, 8), 0.5, 0.4)
     assert noisy.per_sample == 0 and noisy.fixed == pytest.approx(0.45)
-    assert _fit((2, 8), 0.1, 0.8).fixed == 0
+    assert fit_times((2, 8), 0.1, 0.8).fixed == 0
 
 
 def test_measured_costs_name_the_inputs_device() -> None:

@@ -13,8 +13,8 @@ import fxpipe
 from fxpipe import models as zoo
 from fxpipe.core.recompute import force_recompute
 from fxpipe.passes import trace
+from tests.exactness_oracle import train_and_compare, train_reference
 from tests.mp_utils import join_world, leave_world, plan_from_cuts, run_ranks
-from tests.test_exact_training import train_and_compare, train_reference
 
 pytestmark = pytest.mark.multiprocess
 
@@ -100,7 +100,7 @@ def _all_checks(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
         "mismatches": mismatches,
         "seed_matters": any(not torch.allclose(other_seed["grads"][name], grad)
                             for name, grad in keep["grads"].items()),
-        "peaks": (keep["peak"], recompute["peak"]),
+        "peaks": (keep["peak"], recompute["peak"]),  # printed by the assertions below
         "oracle_problems": oracle["problems"],
     }
 
@@ -133,8 +133,12 @@ def test_recompute_is_exact_with_dropout_and_against_one_process(tmp_path: Any) 
         assert result["mismatches"] == [], (rank, result["mismatches"])
         # dropout is live: another seed gives other gradients, so the equality above is not vacuous
         assert result["seed_matters"], rank
-        # only inputs are kept between forward and backward (rank 0 holds two micro-batches in flight)
-        assert result["peaks"][1] < result["peaks"][0], (rank, result["peaks"])
+        # only inputs are kept between forward and backward, plus the one micro-batch rebuilt in each
+        # backward: less than keeping two micro-batches (rank 0, S - s = 2 in flight) and at least one's
+        keep_peak, recompute_peak = result["peaks"]
+        in_flight = 2 - rank
+        assert keep_peak / in_flight <= recompute_peak, (rank, result["peaks"])
+        assert recompute_peak < keep_peak or in_flight == 1, (rank, result["peaks"])
         # per-stage setting "recompute,keep": gradients and AdamW parameters against one process
         assert result["oracle_problems"] == [], (rank, result["oracle_problems"])
         assert result["zoo_problems"] == [], (rank, result["zoo_problems"])

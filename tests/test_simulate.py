@@ -405,3 +405,18 @@ def test_compute_scale_stretches_each_device_alone() -> None:
 def test_compute_scale_needs_one_positive_factor_per_device(scale: list[float]) -> None:
     with pytest.raises(ValueError, match=r"one positive factor per device of cluster 'test' \(8\)"):
         simulate(plan_of((1,), 1, 2, 2), uniform_chain(1), cluster(), compute_scale=scale)
+
+
+def test_measured_optimizer_step_ends_each_stage_after_its_allreduce() -> None:
+    chain, base = uniform_chain(4, param_bytes=2**16), cluster(1, 4, latency=2.0**-12)
+    per_byte = 2.0**-24  # dyadic: exact sums
+    net = dataclasses.replace(base, optimizer_s_per_param_byte=per_byte, cores_per_host=2)  # 4 ranks on 2 cores: 2x
+    plan = plan_of((2, 2), 2, 8, 2)
+    without = simulate(plan, chain, dataclasses.replace(base, cores_per_host=2))
+    result = simulate(plan, chain, net)
+    optimizer = [2 * per_byte * 2 * 2**16] * 2  # 2 blocks' parameters per stage, stretched 2x
+    assert result.allreduce_end_s == without.allreduce_end_s  # the allreduces are not moved
+    assert result.iteration_time_s == max(end + o for end, o in zip(without.allreduce_end_s, optimizer, strict=True))
+    assert Cluster.from_json(net.to_json()) == net
+    with pytest.raises(ValueError, match="optimizer_s_per_param_byte"):
+        dataclasses.replace(base, optimizer_s_per_param_byte=-1.0)

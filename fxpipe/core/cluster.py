@@ -84,6 +84,10 @@ class Cluster:
     costs beyond one fused backward, as a fraction of it (:func:`fxpipe.sim.stagecost.split_backward_times`):
     on CPU ranks its extra autograd calls (one W pass per parameter group) and graph walks in Python
     took 0.2-0.5x the backward here; calibration measures it, presets (GPUs) have none measured: 0.
+
+    ``optimizer_s_per_param_byte`` is the time of one optimizer step per byte of parameters a device
+    holds, at one-rank speed (stretched like compute): measured by ``fxpipe.compile`` with its block
+    costs (an AdamW step); 0 leaves the optimizer step out of the iteration (presets, analytic costs).
     """
 
     name: str
@@ -98,6 +102,7 @@ class Cluster:
     intra_host_collective: LinkSpec | None = None
     message_overhead_s: float = 0.0
     split_backward_overhead: float = 0.0
+    optimizer_s_per_param_byte: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_hosts < 1 or self.devices_per_host < 1:
@@ -114,6 +119,9 @@ class Cluster:
         if not self.split_backward_overhead >= 0:
             raise ValueError(f"cluster {self.name!r}: split_backward_overhead must be >= 0 (a fraction of the "
                              f"fused backward); got {self.split_backward_overhead}")
+        if not self.optimizer_s_per_param_byte >= 0:
+            raise ValueError(f"cluster {self.name!r}: optimizer_s_per_param_byte must be >= 0; "
+                             f"got {self.optimizer_s_per_param_byte}")
 
     @property
     def compute_slowdown(self) -> float:
@@ -220,6 +228,8 @@ def _cluster_from_json(data: Any) -> Cluster:
         if "message_overhead_s" in data else 0.0,
         split_backward_overhead=json_field(data, "split_backward_overhead", float, "", "non-negative")
         if "split_backward_overhead" in data else 0.0,
+        optimizer_s_per_param_byte=json_field(data, "optimizer_s_per_param_byte", float, "", "non-negative")
+        if "optimizer_s_per_param_byte" in data else 0.0,
     )
 
 
@@ -238,7 +248,8 @@ def _cpu_cluster(name: str, num_hosts: int, ranks_per_host: int, device: DeviceS
                  message_overhead_s: float = 0.0, split_backward_overhead: float = CPU_SPLIT_BACKWARD_OVERHEAD,
                  ) -> Cluster:
     return Cluster(name, num_hosts, ranks_per_host, device, link, link, None, description, cores_per_host,
-                   collective, message_overhead_s, split_backward_overhead)
+                   collective, message_overhead_s=message_overhead_s,
+                   split_backward_overhead=split_backward_overhead)
 
 
 def dapple_cluster(config: str) -> Cluster:

@@ -52,13 +52,19 @@ class StagePlan:
 
 @dataclass(frozen=True)
 class Prediction:
-    """What the planner expects of a plan (from the exact simulator when it ran)."""
+    """What the planner expects of a plan (from the exact simulator when it ran).
+
+    ``cost_source`` says where the block times behind the figures came from: ``"measured"`` (timed on
+    this machine's devices), ``"analytic"`` (the device model; optimistic, see docs/clusters.md),
+    ``"profile"`` (a profile file), or ``""`` when not recorded.
+    """
 
     iteration_time_s: float
     throughput_samples_per_s: float
     bubble_fraction: float = 0.0
     analytic_iteration_time_s: float = 0.0
     dp_iteration_time_s: float = 0.0
+    cost_source: str = ""
 
     @property
     def speedup_over_dp(self) -> float:

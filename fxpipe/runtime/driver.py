@@ -218,8 +218,12 @@ class PipelineDriver:
             meter = self._meter
             meter.reset_peak()
         timer = ActionTimer(self.rank, self.stage_index, synchronize=self.context.device.type == "cuda")
-        with meter.measure() if meter is not None else contextlib.nullcontext():
-            self._run_actions(state, stash, handlers, timer)
+        self.runner.meter = meter  # a recomputing stage adds the forward it rebuilds in each backward
+        try:
+            with meter.measure() if meter is not None else contextlib.nullcontext():
+                self._run_actions(state, stash, handlers, timer)
+        finally:
+            self.runner.meter = None
         step_time = timer.start()
         self.last_stats = StepStats(self.rank, self.stage_index, step_time,
                                     meter.peak_bytes if meter is not None else None, tuple(timer.events))

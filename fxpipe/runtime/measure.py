@@ -37,6 +37,11 @@ class SavedActivationMeter:
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
 
+    def note_transient(self, num_bytes: int) -> None:
+        """Bytes held for a while outside the hooks' sight (a recomputed forward's saved tensors, kept by
+        checkpointing during one backward), on top of what is live now: they count toward the peak."""
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes + num_bytes)
+
     def _pack(self, tensor: torch.Tensor) -> Any:
         key = tensor.untyped_storage().data_ptr()
         if key in self.excluded or tensor.device.type == "meta":

@@ -25,6 +25,24 @@ def checkpointed_call(module: torch.nn.Module, args: Sequence[Any]) -> Any:
                       context_fn=lambda: (contextlib.nullcontext(), _buffers_restored(module)))
 
 
+def recomputed_bytes(module: torch.nn.Module, args: Sequence[Any]) -> int:
+    """Bytes autograd saves in one forward of ``module`` on ``args``: what a recomputing stage holds again
+    while its backward runs (measured by running that forward once more, outside the step's graph; the
+    random number generators and buffers are left as they were)."""
+    from fxpipe.runtime.measure import SavedActivationMeter
+
+    meter = SavedActivationMeter.for_parameters(module.parameters())
+    with torch.random.fork_rng(devices=_cuda_devices(args)), _buffers_restored(module), torch.enable_grad():
+        with meter.measure():
+            outputs = module(*args)
+        del outputs
+    return meter.peak_bytes
+
+
+def _cuda_devices(args: Sequence[Any]) -> list[torch.device]:
+    return sorted({a.device for a in args if isinstance(a, torch.Tensor) and a.device.type == "cuda"}, key=str)
+
+
 @contextlib.contextmanager
 def _buffers_restored(module: torch.nn.Module) -> Iterator[None]:
     saved = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]

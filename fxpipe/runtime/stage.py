@@ -12,7 +12,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpipe.runtime.errors import BatchShapeError, PipelineSetupError
-from fxpipe.runtime.recompute import checkpointed_call
+from fxpipe.runtime.measure import SavedActivationMeter
+from fxpipe.runtime.recompute import checkpointed_call, recomputed_bytes
 from fxpipe.runtime.split_backward import WeightWork, backward_inputs, backward_weights
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ class _Saved:
     outputs: dict[str, Any]
     input_leaves: dict[str, torch.Tensor]
     loss: torch.Tensor | None = None
+    args: list[Any] | None = None  # a recomputing stage's forward arguments (checkpointing keeps them anyway)
 
 
 def rebuild_tree(tree: Any, values: Mapping[str, Any]) -> Any:
@@ -137,6 +139,8 @@ class StageRunner:
         self._saved: dict[int, _Saved] = {}
         self._weight_work: dict[int, WeightWork | None] = {}  # split backward: W still to run, per micro-batch
         self._trained: list[torch.nn.Parameter] | None = None
+        # set by the driver for a step measured with saved-activation bytes (MeasureMode.FULL)
+        self.meter: SavedActivationMeter | None = None
 
     def parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """``(original name, parameter)`` for every parameter of this stage."""
@@ -162,7 +166,7 @@ class StageRunner:
             args.append(value)
         results = checkpointed_call(self.module, args) if self.recompute else self.module(*args)
         outputs = dict(zip(self.stage.output_values, results, strict=True))
-        self._saved[microbatch_index] = _Saved(outputs, leaves)
+        self._saved[microbatch_index] = _Saved(outputs, leaves, args=args if self.recompute else None)
         return outputs
 
     def forward_loss(self, microbatch_index: int, inputs: Mapping[str, Any], targets: Any,
@@ -207,6 +211,9 @@ class StageRunner:
         """Backward of one micro-batch; returns the gradient of every input leaf (None when unused)."""
         saved = self._saved.pop(microbatch_index)
         outputs, grads = _roots(saved, output_grads)
+        if self.meter is not None and saved.args is not None:  # the forward rebuilt inside this backward
+            with autocast_context(self.device, self.autocast_dtype):
+                self.meter.note_transient(recomputed_bytes(self.module, saved.args))
         if outputs:
             torch.autograd.backward(outputs, grads)
         return {name: leaf.grad for name, leaf in saved.input_leaves.items()}

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from fxpipe.core.chain import CostChain
 from fxpipe.core.cluster import Cluster
-from fxpipe.core.plan import Plan, shared_rows, split_rows
+from fxpipe.core.plan import Plan, StagePlan, shared_rows, split_rows
 from fxpipe.core.schedule import (
     Schedule,
     ScheduleError,
@@ -86,8 +86,10 @@ def simulate(plan: Plan, chain: CostChain, cluster: Cluster, *, optimizer: str =
     - A stage's allreduce starts when all its replicas finished their last backward and lasts
       :meth:`Cluster.allreduce_time` of its own parameters. Parameters several stages hold (tied
       weights, :func:`tie_groups`) are summed in one allreduce over all those stages' devices,
-      starting when the last of them is ready; the stages' allreduce ends with it. The iteration
-      ends with the last allreduce (the runtime's 8-byte loss sum after it is left out).
+      starting when the last of them is ready; the stages' allreduce ends with it. Then each stage's
+      optimizer step takes :attr:`Cluster.optimizer_s_per_param_byte` per byte of its parameters
+      (stretched like compute; 0 unless measured); the iteration ends with the last of them (the
+      runtime's 8-byte loss sum is left out).
 
     - Under a split-backward schedule (W actions, zero-bubble) B takes ``1 - weight_fraction`` of
       the stage's backward and W the rest, both stretched by what splitting costs
@@ -269,7 +271,8 @@ def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule,
         tie_end = max(readies[s] for s in stages) + seconds
         for s in stages:
             ends[s] = max(ends[s], tie_end)
-    iteration_s = max(ends)
+    iteration_s = max(end + _optimizer_s(chain, cluster, stage, slowdowns)
+                      for end, stage in zip(ends, plan.stages, strict=True))
     busy = {device: _busy(plan, chain, stage.stage_index, replica_index, slowdowns[device])
             for stage in plan.stages for replica_index, device in enumerate(stage.devices)}
     devices = tuple(sorted(busy))
@@ -288,6 +291,14 @@ def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule,
         events=_events(plan, runs, starts, ends),
         transfers=_transfers(plan, runs),
     )
+
+
+def _optimizer_s(chain: CostChain, cluster: Cluster, stage: StagePlan, slowdowns: Sequence[float]) -> float:
+    """The optimizer step after a stage's last allreduce (:attr:`Cluster.optimizer_s_per_param_byte`)."""
+    if cluster.optimizer_s_per_param_byte <= 0:
+        return 0.0
+    param_bytes = sum(block.param_bytes for block in chain.blocks[stage.first_block:stage.stop_block])
+    return cluster.optimizer_s_per_param_byte * param_bytes * max(slowdowns[d] for d in stage.devices)
 
 
 def _busy(plan: Plan, chain: CostChain, stage_index: int, replica_index: int, slowdown: float) -> float:

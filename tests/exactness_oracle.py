@@ -1,0 +1,65 @@
+"""The single-process oracle every multi-rank exactness test compares with: AdamW steps of the unsplit model on
+the whole batch (step-1 gradients, losses, final parameters) and the same steps through a pipeline."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+LEARNING_RATE = 1e-2
+ADAM_EPS = 1e-8  # AdamW's default
+
+
+def _call(model: torch.nn.Module, inputs: Any) -> Any:
+    """Inputs as ``pipe.step`` takes them: keyword inputs, one tensor, or a tuple of positional inputs."""
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    return model(inputs) if isinstance(inputs, torch.Tensor) else model(*inputs)
+
+
+def train_reference(model: torch.nn.Module, loss_fn: Any, batches: list[Any], *,
+                    adam_eps: float = ADAM_EPS) -> dict[str, Any]:
+    """One process, whole batch: gradients of step 1, losses, parameters after len(batches) AdamW steps."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, eps=adam_eps)
+    losses, grads = [], {}
+    for step, (inputs, targets) in enumerate(batches):
+        loss = loss_fn(_call(model, inputs), targets)
+        loss.backward()
+        losses.append(loss.item())
+        if step == 0:
+            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return {"losses": losses, "grads": grads, "params": params, "model": model}
+
+
+def mismatches(kind: str, actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], *, rtol: float,
+               atol: float) -> list[str]:
+    """One line per tensor of ``actual`` that differs from ``expected`` beyond the tolerances."""
+    problems = []
+    for name, tensor in actual.items():
+        try:
+            torch.testing.assert_close(tensor, expected[name], rtol=rtol, atol=atol)
+        except AssertionError as error:
+            problems.append(f"{kind} {name}: {str(error).splitlines()[0:3]}")
+    return problems
+
+
+def train_and_compare(pipe: Any, batches: list[Any], reference: dict[str, Any], *,
+                      adam_eps: float = ADAM_EPS) -> dict[str, Any]:
+    """AdamW steps on ``pipe``; step-1 gradients (rtol 1e-4) and final parameters against ``reference`` (problems)."""
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=LEARNING_RATE, eps=adam_eps)
+    losses, problems = [], []
+    for step, (inputs, targets) in enumerate(batches):
+        losses.append(pipe.step(inputs, targets))
+        if step == 0:
+            grads = {name: p.grad for name, p in pipe.named_parameters()}
+            problems += mismatches("grad", grads, reference["grads"], rtol=1e-4, atol=1e-6)
+        optimizer.step()
+        optimizer.zero_grad()
+    params = {name: p.detach() for name, p in pipe.named_parameters()}
+    problems += mismatches("param", params, reference["params"], rtol=0.0, atol=1e-4)
+    return {"losses": losses, "problems": problems, "names": sorted(params)}
