@@ -105,6 +105,7 @@ def test_vs_torch_schedules_smoke() -> None:
     bubbles = run_ranks(vs_torch_schedules.bubble_rank, 2, tiny(8, 4), 0, 2)
     assert all(0 < busy <= step for r in bubbles for busy, step in r["stats"]["zero_bubble"])
     assert all(r["memory"][s] > 0 for r in bubbles for s in ("early_backward", "zero_bubble"))
+    assert vs_torch_schedules.auto_schedule(tiny(8, 4), 2) in vs_torch_schedules.FX_SCHEDULES
 
 
 @pytest.mark.multiprocess

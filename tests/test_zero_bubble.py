@@ -119,7 +119,30 @@ def test_pivot_model_is_exact_for_equal_stages(num_microbatches: int) -> None:
         [1.0] * 3, [2.0] * 3, [0.0] * 3, 4)
 
 
-def test_planner_picks_zero_bubble_when_predicted_faster_and_keeps_early_backward_otherwise() -> None:
+@pytest.fixture
+def no_switch_margin(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The choice mechanics alone: under auto, any strictly faster schedule replaces early backward."""
+    from fxpipe.passes.partition import scoring
+
+    monkeypatch.setattr(scoring, "AUTO_SWITCH_MARGIN", 0.0)
+
+
+def test_auto_keeps_early_backward_unless_another_schedule_is_clearly_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fxpipe.passes.partition import scoring
+    from fxpipe.passes.partition.request import AUTO_SWITCH_MARGIN
+
+    heavy = chain([1.0, 1.0], [10**9, 10**9])
+    net = cluster(1, 2, intra=1e9)
+    times = {name: partition(heavy, net, 8, schedule=name).predicted for name in ("early_backward", "zero_bubble")}
+    assert times["early_backward"] is not None and times["zero_bubble"] is not None
+    gain = 1 - times["zero_bubble"].iteration_time_s / times["early_backward"].iteration_time_s
+    assert 0 < gain < AUTO_SWITCH_MARGIN  # zero-bubble predicted faster, but within the model's error
+    assert partition(heavy, net, 8, schedule="auto").schedule == "early_backward"
+    monkeypatch.setattr(scoring, "AUTO_SWITCH_MARGIN", gain / 2)
+    assert partition(heavy, net, 8, schedule="auto").schedule == "zero_bubble"
+
+
+def test_planner_picks_zero_bubble_when_predicted_faster_and_keeps_early_backward_otherwise(no_switch_margin: None) -> None:
     # heavy weights on a slow link make a 1:1 pipeline; its second stage has W to defer
     heavy = chain([1.0, 1.0], [10**9, 10**9])
     net = cluster(1, 2, intra=1e9)
@@ -177,7 +200,7 @@ def test_buckets_overlap_early_backward_but_follow_the_last_w() -> None:
                                                                                      rel=0.05)
 
 
-def test_split_overhead_turns_auto_to_early_backward() -> None:
+def test_split_overhead_turns_auto_to_early_backward(no_switch_margin: None) -> None:
     heavy = chain([1.0, 1.0], [10**9, 10**9])
     free, costly = cluster(1, 2, intra=1e9), replace(cluster(1, 2, intra=1e9), split_backward_overhead=1.0)
     assert partition(heavy, free, 8, schedule="auto").schedule == "zero_bubble"
@@ -195,7 +218,8 @@ def test_split_overhead_turns_auto_to_early_backward() -> None:
 
 @pytest.mark.parametrize(("layout", "expected"), [("2:1", "zero_bubble"), ("2:1:1", "zero_bubble"),
                                                 ("3:1", "zero_bubble"), ("1:2", "gpipe")])
-def test_planner_picks_the_fastest_schedule_with_any_replica_counts(layout: str, expected: str) -> None:
+def test_planner_picks_the_fastest_schedule_with_any_replica_counts(layout: str, expected: str,
+                                                                  no_switch_margin: None) -> None:
     # 1:2: GPipe's last stage runs all its backwards early, so its 2-replica allreduce overlaps stage 0
     heavy = chain([1.0, 1.0, 1.0], [10**8, 10**8, 10**8], cut_bytes_per_row=1.0)
     net = cluster(1, 4, intra=1e9)

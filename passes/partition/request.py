@@ -20,6 +20,10 @@ MAX_GRID_LARGE = 6
 
 # The schedule value that lets the planner pick early backward, zero-bubble or GPipe per plan.
 AUTO_SCHEDULE = "auto"
+# Under "auto", zero-bubble or GPipe replaces early backward only when predicted this much faster: the
+# simulated ratio between two schedules was off from the measured one by up to 0.16 on local CPU ranks
+# (benchmarks/runtime_fidelity.md), and a near tie picked the schedule that measured 1.2x slower.
+AUTO_SWITCH_MARGIN = 0.10
 
 
 class PlanningError(ValueError):
