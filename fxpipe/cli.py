@@ -117,7 +117,7 @@ def _chain_for(args: argparse.Namespace, cluster: Cluster):  # type: ignore[no-u
     chain = _analytic_unless_affordable(args, cluster)
     if chain is not None:
         return chain
-    device = "cpu" if args.costs == "measured" else "meta"
+    device = planning.measuring_device(cluster) if args.costs == "measured" else "meta"
     model, example_inputs = planning.load_model(args.model, device=device)
     return planning.costed_model(model, example_inputs, cluster, costs=args.costs, max_blocks=args.max_blocks,
                                  batch_dims=_batch_dims(args)).chain
@@ -202,7 +202,8 @@ def _marker_plan(args: argparse.Namespace, cluster: Cluster, options: dict[str, 
     if args.profile or not args.model:
         raise CommandLineError("markers need MODEL (its pipe_split() calls); a profile file has none")
     _analytic_unless_affordable(args, cluster)
-    model, example_inputs = planning.load_model(args.model, device="cpu" if args.costs == "measured" else "meta")
+    model, example_inputs = planning.load_model(args.model, device=planning.measuring_device(cluster)
+                                                if args.costs == "measured" else "meta")
     return planning.plan_markers(model, example_inputs, cluster, args.global_batch, costs=args.costs,
                                  batch_dims=_batch_dims(args), **options)
 

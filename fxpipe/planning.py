@@ -54,14 +54,24 @@ def load_model(spec: str, *, device: str = "cpu", **overrides: Any) -> tuple[tor
                else type(result).__name__)
         raise ModelSpecError(f"factory {spec!r} must return (nn.Module, example_inputs), got {got}")
     model, example_inputs = result
-    if isinstance(example_inputs, torch.Tensor):
-        return model, (example_inputs,)
-    if isinstance(example_inputs, list):
-        return model, tuple(example_inputs)
+    if isinstance(example_inputs, torch.Tensor | list):
+        example_inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     if not isinstance(example_inputs, tuple | Mapping):
         raise ModelSpecError(f"factory {spec!r} returned example inputs of type {type(example_inputs).__name__}; "
                              "return a tensor, a tuple of tensors or a dict of keyword tensors")
+    if device not in ("cpu", "meta"):  # measuring on a GPU: the factory built on the CPU
+        model = model.to(device)
+        example_inputs = torch.utils._pytree.tree_map(
+            lambda value: value.to(device) if isinstance(value, torch.Tensor) else value, example_inputs)
     return model, example_inputs
+
+
+def measuring_device(cluster: Cluster) -> str:
+    """Where ``fxpipe plan`` times blocks for ``cluster``: this machine's GPU when the cluster describes its
+    GPUs (``local`` on a CUDA machine maps them to a GPU preset), else the CPU."""
+    if is_local(cluster) and cluster.device.name != "CPU" and torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
 
 
 def costed_model(

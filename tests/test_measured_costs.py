@@ -192,3 +192,18 @@ def test_every_rank_measures_and_plans_alike(tmp_path: Path) -> None:
     assert any(note.startswith("block costs measured by every rank at once: CPU work x ") for note in results[0]["notes"])
     assert [result["analytic"] for result in results] == ["analytic", "analytic"]
     assert all("costs='guessed'" in result["bad"] and "analytic" in result["bad"] for result in results)
+
+
+def test_fxpipe_plan_measures_a_local_gpu_cluster_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import replace
+
+    from fxpipe.core.cluster import H200_141GB
+    from fxpipe.planning import measuring_device
+
+    local_cpu = parse_cluster("local:2", calibrate=False)
+    local_gpu = replace(local_cpu, device=H200_141GB)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert (measuring_device(local_gpu), measuring_device(local_cpu), measuring_device(parse_cluster("dgx-h100:1"))) \
+        == ("cuda", "cpu", "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert measuring_device(local_gpu) == "cpu"
