@@ -3,8 +3,9 @@
 B runs ``torch.autograd.grad`` from the stage's outputs (or loss) to its input leaves (and the
 vector parameters, see :func:`_vector_groups`), and captures on the way the gradients arriving at
 every autograd node where another parameter's path joins the input path; W later runs ``torch.autograd.grad`` from those captured gradients to the
-parameters, so no part of the backward runs twice. The graph analysis and the W pass are
-torch.distributed.pipelining's (``_backward``: ``get_param_groups``, ``stage_backward_weight``);
+parameters, so no part of the backward runs twice. The graph analysis and the W pass follow
+torch.distributed.pipelining's (``_backward``) on public autograd calls only
+(:mod:`fxpipe.runtime.autograd_graph`: its private helpers changed between torch releases);
 what this module adds is the check that every parameter the outputs reach is covered, with a
 fallback to one whole backward in B otherwise (never a silently missing gradient), and the
 bookkeeping for one micro-batch.
@@ -17,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.pipelining import _backward as pipelining_backward
+
+from fxpipe.runtime.autograd_graph import grad_node, param_groups, reverse_edges, weight_gradients
 
 
 @dataclass
@@ -41,15 +43,12 @@ def backward_inputs(outputs: Sequence[torch.Tensor], output_grads: Sequence[torc
     if not input_leaves:
         torch.autograd.backward(list(outputs), grads)
         return [], None
-    roots = [node for node in map(pipelining_backward._get_grad_fn_or_grad_acc, outputs) if node is not None]
-    reverse_edges = pipelining_backward.construct_reverse_graph(roots)
-    input_nodes = [pipelining_backward._get_grad_fn_or_grad_acc(leaf) for leaf in input_leaves]
-    param_nodes = [(node, param) for param in params
-                   if (node := pipelining_backward._get_grad_fn_or_grad_acc(param)) is not None]
+    edges = reverse_edges(grad_node(t) for t in outputs)
+    input_nodes = [grad_node(leaf) for leaf in input_leaves]
+    param_nodes = [(node, param) for param in params if (node := grad_node(param)) is not None]
     weight_nodes = {node for node, _ in param_nodes}
-    groups = pipelining_backward.get_param_groups([n for n in input_nodes if n is not None],
-                                                  list(weight_nodes), reverse_edges)
-    reached = {node for node in weight_nodes if node in reverse_edges}
+    groups = param_groups([n for n in input_nodes if n is not None], list(weight_nodes), edges)
+    reached = {node for node in weight_nodes if node in edges}
     covered = set().union(*(group["params"] for group in groups)) if groups else set()
     if reached - covered:  # a parameter's gradient would not come from the captured values: no split
         torch.autograd.backward(list(outputs), grads)
@@ -117,4 +116,7 @@ def backward_weights(work: WeightWork | None, params: Sequence[torch.nn.Paramete
     # every join lies on the inputs' path, so B reached it (internal invariant)
     assert all(grads is not None for group in work.param_groups for grads in group["grads"]), \
         "split backward: B did not reach every join of the parameter paths"
-    pipelining_backward.stage_backward_weight(iter(params), work.param_groups)
+    by_node = {grad_node(param): param for param in params}
+    for group in work.param_groups:
+        gradients = weight_gradients(group)
+        _accumulate([by_node[node] for node, _ in gradients], [grad for _, grad in gradients])
