@@ -470,8 +470,8 @@ def test_local_on_a_real_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_local_cluster_without_the_runtime_probe_names_the_import(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fxpipe.core import cluster as core_cluster
+    from fxpipe.core import local_probe
 
-    monkeypatch.setattr(core_cluster, "_LOCAL_PROBE", [])
+    monkeypatch.setattr(local_probe, "_LOCAL_PROBE", [])
     with pytest.raises(ClusterSpecError, match="import fxpipe.runtime.calibrate"):
         parse_cluster("local:2", calibrate=False)

@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from fxpipe.core.cluster_spec import (
     COUNT_DIGITS,
@@ -49,12 +49,13 @@ from fxpipe.core.hardware import (
     measured_device,
     usable_cores,
 )
+from fxpipe.core.local_probe import calibration_enabled, local_probe
 
 # ClusterSpecError and the hardware names are re-exported: callers import them from fxpipe.core.cluster.
 __all__ = ["A100_80GB", "CLUSTER_FORMAT_VERSION", "H100_80GB", "H200_141GB", "V100_16GB", "Cluster",
-           "ClusterSpecError", "DeviceSpec", "GiB", "LinkSpec", "LocalMachine", "calibration_enabled", "compact_cluster",
+           "ClusterSpecError", "DeviceSpec", "GiB", "LinkSpec", "compact_cluster",
            "cpu_device", "dapple_cluster", "dgx_h100_cluster", "host_memory_bytes", "local_cluster",
-           "parse_cluster", "register_local_probe", "usable_cores"]
+           "parse_cluster", "usable_cores"]
 
 CLUSTER_FORMAT_VERSION = 1
 
@@ -285,36 +286,6 @@ def compact_cluster(num_hosts: int, devices_per_host: int, kind: str, name: str 
                    f"{num_hosts} hosts x {devices_per_host} {device.name}")
 
 
-def calibration_enabled(calibrate: bool | None) -> bool:
-    """``calibrate`` when given, else the environment: ``FXPIPE_CALIBRATE=0`` turns measuring off (CI)."""
-    if calibrate is not None:
-        return calibrate
-    return os.environ.get("FXPIPE_CALIBRATE", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-@dataclass(frozen=True)
-class LocalMachine:
-    """This machine as the ``local`` cluster sees it: ``gpu`` (model name, memory bytes, visible count) when
-    ranks compute on GPUs, and the calibrated figures (None when calibration is off)."""
-
-    gpu: tuple[str, int, int] | None
-    measured: Calibration | None
-
-
-class LocalProbe(Protocol):
-    def __call__(self, *, measure: bool, collective: bool, refresh: bool) -> LocalMachine: ...
-
-
-# Measuring the machine is the runtime's job and core never imports the runtime: fxpipe.runtime.calibrate
-# registers its probe when imported (the CLI, fxpipe.plan and fxpipe.compile import it before planning).
-_LOCAL_PROBE: list[LocalProbe] = []
-
-
-def register_local_probe(probe: LocalProbe) -> None:
-    """Make ``probe`` the way :func:`local_cluster` measures this machine (``fxpipe.runtime.calibrate`` calls this)."""
-    _LOCAL_PROBE[:] = [probe]
-
-
 def local_cluster(num_ranks: int | None = None, *, calibrate: bool | None = None, refresh: bool = False,
                   collective: bool = False) -> Cluster:
     """This machine's ranks, 1 host x ``num_ranks`` (default: all visible GPUs, else CPUs up to 8); see docs/clusters.md.
@@ -324,11 +295,12 @@ def local_cluster(num_ranks: int | None = None, *, calibrate: bool | None = None
     does), so the ranks measure together, agree, and the group's device decides CPU or GPU. Otherwise
     only this process's device is measured; links come from the cache or defaults. Never starts a process.
     """
-    if not _LOCAL_PROBE:
+    probe = local_probe()
+    if probe is None:
         raise ClusterSpecError("the 'local' cluster is this machine as measured by fxpipe.runtime.calibrate, "
                                "which is not loaded; `import fxpipe.runtime.calibrate` first (fxpipe's CLI, "
                                "fxpipe.plan and fxpipe.compile do)")
-    machine = _LOCAL_PROBE[0](measure=calibration_enabled(calibrate), collective=collective, refresh=refresh)
+    machine = probe(measure=calibration_enabled(calibrate), collective=collective, refresh=refresh)
     default_ranks = machine.gpu[2] if machine.gpu is not None else max(1, min(os.cpu_count() or 1, 8))
     ranks = num_ranks if num_ranks is not None else default_ranks
     if ranks < 1:

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpipe.core.cluster import LocalMachine, register_local_probe
 from fxpipe.core.hardware import Calibration, gpu_preset
+from fxpipe.core.local_probe import LocalMachine, register_local_probe
 from fxpipe.runtime.calibrate_measure import DEVICE_KEYS, LINK_KEYS, measure_device, measure_pair_link
 
 # 5: sections (device, link) with their own age, per device kind; links measured over the process group.
