@@ -274,7 +274,7 @@ def test_split_backward_equals_one_backward_and_really_defers_w() -> None:
             assert [name for name, p in split.named_parameters() if p.grad is not None] == ["scale"]
             torch.testing.assert_close(split.scale.grad, reference.scale.grad, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(input_grads[0], leaf.grad, rtol=1e-6, atol=1e-7)
-        backward_weights(work, params)
+        backward_weights(work)
     expected = _grads(reference)
     assert _grads(split).keys() == expected.keys()
     for name, grad in _grads(split).items():

@@ -105,7 +105,7 @@ def measure_split_backward_overhead(device: torch.device | None = None, repeats:
 
     def split(leaf: torch.Tensor, output: torch.Tensor) -> None:
         _, work = backward_inputs([output], [torch.ones_like(output)], [leaf], params)
-        backward_weights(work, params)
+        backward_weights(work)
 
     times: dict[str, list[float]] = {"fused": [], "split": []}
     for index in range(repeats + 2):  # two warm-up rounds

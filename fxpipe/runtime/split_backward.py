@@ -24,9 +24,11 @@ from fxpipe.runtime.autograd_graph import grad_node, param_groups, reverse_edges
 
 @dataclass
 class WeightWork:
-    """What W of one micro-batch needs: the parameter groups with their captured gradients."""
+    """What W of one micro-batch needs: the parameter groups with their captured gradients, and the
+    parameter behind each gradient accumulator node (found in B's graph walk)."""
 
     param_groups: list[dict[str, Any]]
+    params_by_node: dict[Any, torch.nn.Parameter]
 
 
 def backward_inputs(outputs: Sequence[torch.Tensor], output_grads: Sequence[torch.Tensor | None],
@@ -66,7 +68,7 @@ def backward_inputs(outputs: Sequence[torch.Tensor], output_grads: Sequence[torc
     for group in groups:
         group["intermediates"] = group.pop("intermediates_list")
         group.setdefault("grads", [None] * len(group["intermediates"]))
-    return list(results[:len(input_leaves)]), WeightWork(groups)
+    return list(results[:len(input_leaves)]), WeightWork(groups, dict(param_nodes))
 
 
 def _vector_groups(groups: list[dict[str, Any]], param_nodes: Sequence[tuple[Any, torch.nn.Parameter]],
@@ -109,14 +111,13 @@ def _capture(group: dict[str, Any], index: int, node: torch.autograd.graph.Node)
     return node.register_prehook(hook)
 
 
-def backward_weights(work: WeightWork | None, params: Sequence[torch.nn.Parameter]) -> None:
+def backward_weights(work: WeightWork | None) -> None:
     """W: accumulate the parameter gradients of one micro-batch into ``.grad`` (as backward would)."""
     if work is None or not work.param_groups:
         return
     # every join lies on the inputs' path, so B reached it (internal invariant)
     assert all(grads is not None for group in work.param_groups for grads in group["grads"]), \
         "split backward: B did not reach every join of the parameter paths"
-    by_node = {grad_node(param): param for param in params}
     for group in work.param_groups:
         gradients = weight_gradients(group)
-        _accumulate([by_node[node] for node, _ in gradients], [grad for _, grad in gradients])
+        _accumulate([work.params_by_node[node] for node, _ in gradients], [grad for _, grad in gradients])

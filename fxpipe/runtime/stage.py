@@ -231,7 +231,7 @@ class StageRunner:
 
     def backward_weight(self, microbatch_index: int) -> None:
         """W of a split backward: accumulate this micro-batch's parameter gradients into ``.grad``."""
-        backward_weights(self._weight_work.pop(microbatch_index), self._trained_params())
+        backward_weights(self._weight_work.pop(microbatch_index))
 
     def _trained_params(self) -> list[torch.nn.Parameter]:
         if self._trained is None:  # walking parameters by path costs; the set never changes
