@@ -61,13 +61,14 @@ def test_simulator_and_pivot_model_charge_only_the_tail(replicas: int) -> None:
     start, tail = stage_allreduce_offsets(chain, net, 0, 4, tuple(range(replicas)), slice_rows, 4 * 2**16, 2**16)
     block_backward = slice_rows * BACKWARD_PER_ROW
     assert start == -3 * block_backward  # the first bucket is full after the last block's backward
-    full = net.allreduce_time(4 * 2**16, tuple(range(replicas)))
+    full = net.gradient_allreduce_time(4 * 2**16, tuple(range(replicas)))
     assert 0 < tail < full
+    sync = net.step_end_sync_time(range(replicas))
     result = simulate(overlapped, chain, net)
-    assert result.iteration_time_s == pytest.approx(compute + tail, rel=1e-12)
+    assert result.iteration_time_s == pytest.approx(compute + tail + sync, rel=1e-12)
     assert result.allreduce_start_s[0] == pytest.approx(compute + start, rel=1e-12)
     assert analytic_iteration_time(overlapped, chain, net) == pytest.approx(result.iteration_time_s, rel=1e-12)
-    assert simulate(after, chain, net).iteration_time_s == pytest.approx(compute + full, rel=1e-12)
+    assert simulate(after, chain, net).iteration_time_s == pytest.approx(compute + full + sync, rel=1e-12)
 
 
 def test_plans_record_the_bucket_size_and_old_files_mean_after_backward() -> None:

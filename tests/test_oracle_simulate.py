@@ -66,6 +66,17 @@ def ring_allreduce_seconds(net: Cluster, num_bytes: float, devices: tuple[int, .
     return 2 * (count - 1) * link.latency_s + 2 * (count - 1) * num_bytes / (count * link.bandwidth_bytes_per_s)
 
 
+def gradient_allreduce_seconds(net: Cluster, num_bytes: float, devices: tuple[int, ...]) -> float:
+    """The ring allreduce plus copying the gradients into one buffer and back (read + write each time)."""
+    ring = ring_allreduce_seconds(net, num_bytes, devices)
+    return ring + 4 * num_bytes / net.device.memory_bandwidth_bytes_per_s if ring > 0 else 0.0
+
+
+def step_end_seconds(net: Cluster, plan: Plan) -> float:
+    """The allreduce of seven float64 numbers (loss, count, vote, batch-check folds) over every device."""
+    return ring_allreduce_seconds(net, 7 * 8, tuple(sorted({d for stage in plan.stages for d in stage.devices})))
+
+
 def my_lowering(plan: Plan) -> list[list[tuple[str, int]]]:
     """Per stage: receive before each forward/backward that needs one, send after, allreduce handled apart."""
     order = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, plan.warmup_policy).per_stage
@@ -187,8 +198,8 @@ def reference_run(plan: Plan, chain: CostChain, net: Cluster) -> tuple[float, li
         start = max(clock[stage.stage_index, r] for r in range(stage.replicas))
         weights = sum(b.param_bytes for b in chain.blocks[stage.first_block:stage.stop_block])
         starts.append(start)
-        ends.append(start + ring_allreduce_seconds(net, weights, stage.devices))
-    return max(ends), starts, busy
+        ends.append(start + gradient_allreduce_seconds(net, weights, stage.devices))
+    return max(ends) + step_end_seconds(net, plan), starts, busy
 
 
 def random_setup(seed: int, layout: tuple[int, ...], schedule: str, policy: str,

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 from planner_cases import GiB, chain, cluster, random_case
-from test_oracle_simulate import ring_allreduce_seconds
+from test_oracle_simulate import gradient_allreduce_seconds, step_end_seconds
 
 from fxpipe.core.chain import CostChain
 from fxpipe.core.cluster import Cluster
-from fxpipe.core.plan import BaselineResult, Plan, PlanError
+from fxpipe.core.plan import BaselineResult, Plan, PlanError, StagePlan
 from fxpipe.passes.partition.dapple import (
     PLANNERS,
     InfeasiblePlanError,
@@ -62,12 +62,15 @@ def test_forced_layouts(layout: str, replicas: tuple[int, ...]) -> None:
 
 
 def dp_closed_form(chain_: CostChain, cluster_: Cluster, batch: int, num_microbatches: int) -> float:
-    """Plain data parallelism by hand: the largest slice's M x (forward + backward), then one ring allreduce."""
+    """Plain data parallelism by hand: the largest slice's M x (forward + backward), then one ring allreduce
+    of the gradients (copied into one buffer and back), then the loss allreduce ending the step."""
     rows = -(-batch // num_microbatches // cluster_.num_devices)
     per_microbatch = sum(b.forward_s.at(rows) + b.backward_s.at(rows) for b in chain_.blocks)
     weights = sum(b.param_bytes for b in chain_.blocks)
-    return num_microbatches * per_microbatch + ring_allreduce_seconds(cluster_, weights,
-                                                                      tuple(range(cluster_.num_devices)))
+    devices = tuple(range(cluster_.num_devices))
+    plan = Plan(batch, num_microbatches, (StagePlan(0, 0, chain_.num_blocks, len(devices), devices),))
+    return (num_microbatches * per_microbatch + gradient_allreduce_seconds(cluster_, weights, devices)
+            + step_end_seconds(cluster_, plan))
 
 
 def dp_fits(chain_: CostChain, cluster_: Cluster, batch: int, num_microbatches: int) -> bool:

@@ -84,9 +84,11 @@ def test_simulated_bubble_is_lower_than_early_backward_at_s4(num_microbatches: i
                for name in ("early_backward", "zero_bubble")}
     eb, zb = results["early_backward"], results["zero_bubble"]
     unit = 2.0**-3
-    # closed forms: early backward (M + S - 1)(F + B + W); zero-bubble M (F + B + W) + (S - 1)(F + B)
-    assert eb.iteration_time_s == (num_microbatches + 3) * 3 * unit
-    assert zb.iteration_time_s == num_microbatches * 3 * unit + 3 * 2 * unit
+    # closed forms: early backward (M + S - 1)(F + B + W); zero-bubble M (F + B + W) + (S - 1)(F + B); then
+    # the loss allreduce ending the step
+    sync = sim_cluster().step_end_sync_time(range(4))
+    assert eb.iteration_time_s == (num_microbatches + 3) * 3 * unit + sync
+    assert zb.iteration_time_s == num_microbatches * 3 * unit + 3 * 2 * unit + sync
     assert zb.bubble_fraction < eb.bubble_fraction
     assert zb.inflight_microbatches == eb.inflight_microbatches == (4, 3, 2, 1)
     assert zb.peak_memory_bytes == eb.peak_memory_bytes
@@ -172,14 +174,15 @@ def test_split_overhead_stretches_b_and_w_alike_in_the_simulator_and_the_pivot_m
     assert split_backward_times(2 * unit, 0, 0.5, 0.5) == (2 * unit, 0.0)
     result = simulate(plan, chain_, costly)
     # stage 1 never waits after its first F: 1 + M (F + B + W), then stage 0's last B after stage 1's last B
-    assert result.iteration_time_s == (1 + num_microbatches * 4 - 1.5 + 2) * unit
+    sync = costly.step_end_sync_time([0, 1])  # the loss allreduce ending the step
+    assert result.iteration_time_s == (1 + num_microbatches * 4 - 1.5 + 2) * unit + sync
     assert {e.end_s - e.start_s for e in result.events if e.stage_index == 1 and e.op in ("B", "W")} == {1.5 * unit}
     assert analytic_iteration_time(plan, chain_, costly) == result.iteration_time_s
     # without the overhead zero-bubble beats early backward ((M + S - 1)(F + B)); with it, it loses
     eb_plan = plan_of((1, 1), 1, 8, num_microbatches)
     early = simulate(eb_plan, chain_, costly).iteration_time_s
-    assert early == simulate(eb_plan, chain_, sim_cluster()).iteration_time_s == 5 * 3 * unit
-    assert simulate(plan, chain_, sim_cluster()).iteration_time_s == 14 * unit < early < result.iteration_time_s
+    assert early == simulate(eb_plan, chain_, sim_cluster()).iteration_time_s == 5 * 3 * unit + sync
+    assert simulate(plan, chain_, sim_cluster()).iteration_time_s == 14 * unit + sync < early < result.iteration_time_s
     with pytest.raises(ValueError, match="split backward overhead must be >= 0"):
         split_backward_times(1.0, 1, 0.5, -0.1)
     with pytest.raises(ValueError, match="split_backward_overhead must be >= 0"):

@@ -86,4 +86,4 @@ def stage_allreduce_offsets(chain: CostChain, cluster: Cluster, first: int, stop
     scale = own_bytes / held if held > 0 else 0.0
     link = cluster.collective_link(devices)  # once for every bucket size (the planner asks for many stages)
     return bucket_offsets(backward, [block.param_bytes * scale for block in blocks], bucket_bytes,
-                          lambda num_bytes: cluster.allreduce_time(num_bytes, devices, link))
+                          lambda num_bytes: cluster.gradient_allreduce_time(num_bytes, devices, link))

@@ -82,14 +82,17 @@ def simulate(plan: Plan, chain: CostChain, cluster: Cluster, *, optimizer: str =
       issue-time order, with no backfilling. Zero-byte pieces arrive at once.
     - ``cut_bytes`` already counts skip values crossing a cut, so values read by a non-adjacent
       stage are modelled as relayed through the stages between (bytes per cut are exact).
-      Loading inputs (every rank slices the batch itself) and the loss are local: not modelled.
+      Loading inputs (every rank slices the batch itself) is local: not modelled.
     - A stage's allreduce starts when all its replicas finished their last backward and lasts
       :meth:`Cluster.allreduce_time` of its own parameters. Parameters several stages hold (tied
       weights, :func:`tie_groups`) are summed in one allreduce over all those stages' devices,
-      starting when the last of them is ready; the stages' allreduce ends with it. Then each stage's
-      optimizer step takes :attr:`Cluster.optimizer_s_per_param_byte` per byte of its parameters
-      (stretched like compute; 0 unless measured); the iteration ends with the last of them (the
-      runtime's 8-byte loss sum is left out).
+      starting when the last of them is ready; the stages' allreduce ends with it. Each includes
+      copying the gradients into one buffer and back (:meth:`Cluster.gradient_allreduce_time`).
+    - The step ends on every rank together, with an allreduce of a few numbers over all devices
+      (the loss sum: :meth:`Cluster.step_end_sync_time`) once the last stage's allreduce is done.
+      Then each stage's optimizer step takes :attr:`Cluster.optimizer_s_per_param_byte` per byte of
+      its parameters (stretched like compute; 0 unless measured); the iteration ends with the
+      slowest of them.
 
     - Under a split-backward schedule (W actions, zero-bubble) B takes ``1 - weight_fraction`` of
       the stage's backward and W the rest, both stretched by what splitting costs
@@ -271,8 +274,10 @@ def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule,
         tie_end = max(readies[s] for s in stages) + seconds
         for s in stages:
             ends[s] = max(ends[s], tie_end)
-    iteration_s = max(end + _optimizer_s(chain, cluster, stage, slowdowns)
-                      for end, stage in zip(ends, plan.stages, strict=True))
+    # every rank leaves the step together, after the allreduce that ends it; then its optimizer steps
+    all_devices = sorted({device for stage in plan.stages for device in stage.devices})
+    iteration_s = (max(ends) + cluster.step_end_sync_time(all_devices)
+                   + max(_optimizer_s(chain, cluster, stage, slowdowns) for stage in plan.stages))
     busy = {device: _busy(plan, chain, stage.stage_index, replica_index, slowdowns[device])
             for stage in plan.stages for replica_index, device in enumerate(stage.devices)}
     devices = tuple(sorted(busy))

@@ -140,9 +140,9 @@ def allreduce_times(chain: CostChain, cluster: Cluster, stages: Sequence[tuple[i
     """
     bounds = [(first, stop) for first, stop, _ in stages]
     ties = tie_groups(chain, bounds)
-    own = [cluster.allreduce_time(num_bytes, devices)
+    own = [cluster.gradient_allreduce_time(num_bytes, devices)
            for num_bytes, (_, _, devices) in zip(own_allreduce_bytes(chain, bounds, ties), stages, strict=True)]
-    groups = [(holders, cluster.allreduce_time(num_bytes, sorted(d for s in holders for d in stages[s][2])))
+    groups = [(holders, cluster.gradient_allreduce_time(num_bytes, sorted(d for s in holders for d in stages[s][2])))
               for holders, num_bytes in ties]
     return own, groups
 
@@ -197,8 +197,8 @@ def transfer_time(
 
 
 def allreduce_time(cluster: Cluster, param_bytes: float, devices: Sequence[int]) -> float:
-    """Gradient allreduce of one stage over its replicas (ring, slowest link)."""
-    return cluster.allreduce_time(param_bytes, devices)
+    """Gradient allreduce of one stage over its replicas (ring, slowest link; :meth:`Cluster.gradient_allreduce_time`)."""
+    return cluster.gradient_allreduce_time(param_bytes, devices)
 
 
 # Share of a stage's backward that computes parameter gradients (W) when backward is split (zero-bubble

@@ -98,9 +98,7 @@ def _score_candidate(request: PlanRequest, model: CandidateCosts, candidate: Can
         time_s, bubble = model.simulated[key]
         if best is None or time_s < best.time_s * (1 - margin):
             plan = plan or build_plan(model, candidate, schedule=schedule, warmup_policy=policy, planner=planner)
-            analytic_s = candidate.latency_s
-            if schedule == "zero_bubble" and model.schedule != schedule:  # the pivot model of this schedule
-                analytic_s = analytic_iteration_time(plan, request.chain, request.cluster)
+            analytic_s = analytic_iteration_time(plan, request.chain, request.cluster)  # the pivot model's figure
             best = Scored(time_s, with_prediction(plan, time_s, bubble, analytic_s, 0.0))
 
     auto = request.schedule == AUTO_SCHEDULE
