@@ -77,7 +77,7 @@ def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: An
     topology = discover_topology(group)  # collectives of their own, so outside any phase body
     cluster = _resolved_cluster(options, topology, context.device)
     costs = job_costs(options.costs, options.cluster is None, model, example_inputs, cluster, group,
-                      batch_dims=options.batch_dims)
+                      batch_dims=options.batch_dims, device=context.device)
     cluster = costs.planning_cluster(cluster)
     text = None
     with setup_phase("planning", group):

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fxpipe.core import meta
-from fxpipe.core.cluster import Cluster
+from fxpipe.core.cluster import Cluster, LinkSpec
 from fxpipe.core.plan import Plan
 from fxpipe.planning import COST_CHOICES, default_costs, is_local, labelled
 from fxpipe.runtime.errors import PipelineSetupError
@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
 # The plan note that records how measured figures were taken (benchmarks/prediction_fidelity.py reads it).
 STRETCH_NOTE = "block costs measured by every rank at once: CPU work x {stretch:.3f} wall/CPU seconds"
+COLLECTIVE_NOTE = ("allreduce over the job's {ranks} ranks measured: {latency_ms:.3f} ms per ring step, "
+                   "{bandwidth_mb:.0f} MB/s, the collective link planned with")
 
 
 @dataclass(frozen=True)
@@ -29,31 +31,49 @@ class JobCosts:
     source: str
     measured: MeasuredCosts | None = None
     graph_module: torch.fx.GraphModule | None = None
+    # (ranks, latency s, bandwidth B/s) of an allreduce over all the job's ranks, measured with the blocks
+    collective: tuple[int, float, float] | None = None
 
     def planning_cluster(self, cluster: Cluster) -> Cluster:
-        """``cluster`` with the measured optimizer step (:attr:`Cluster.optimizer_s_per_param_byte`), if any."""
+        """``cluster`` with the measured optimizer step (:attr:`Cluster.optimizer_s_per_param_byte`) and the
+        measured allreduce as its collective link (intra-host on one host, inter-host across several), if any."""
         if self.measured is None:
             return cluster
-        return replace(cluster, optimizer_s_per_param_byte=self.measured.optimizer_s_per_param_byte)
+        cluster = replace(cluster, optimizer_s_per_param_byte=self.measured.optimizer_s_per_param_byte)
+        if self.collective is None:
+            return cluster
+        _, latency_s, bandwidth = self.collective
+        link = LinkSpec(bandwidth, latency_s)
+        if cluster.num_hosts == 1:
+            return replace(cluster, intra_host_collective=link)
+        return replace(cluster, inter_host_collective=link)
 
     def label(self, plan: Plan) -> Plan:
-        """``plan`` with ``predicted.cost_source`` set and, for measured CPU figures, the stretch they include."""
+        """``plan`` with ``predicted.cost_source`` set and notes on how the measured figures were taken."""
         plan = labelled(plan, self.source)
-        if self.measured is None or self.measured.device != "cpu":
-            return plan
-        return plan.with_updates(notes=(*plan.notes, STRETCH_NOTE.format(stretch=self.measured.stretch)))
+        notes = []
+        if self.measured is not None and self.measured.device == "cpu":
+            notes.append(STRETCH_NOTE.format(stretch=self.measured.stretch))
+        if self.measured is not None and self.collective is not None:
+            ranks, latency_s, bandwidth = self.collective
+            notes.append(COLLECTIVE_NOTE.format(ranks=ranks, latency_ms=latency_s * 1e3, bandwidth_mb=bandwidth / 1e6))
+        return plan.with_updates(notes=(*plan.notes, *notes)) if notes else plan
 
 
 def job_costs(costs: str, launched_cluster: bool, model: torch.nn.Module, example_inputs: Any, cluster: Cluster,
-              group: SetupGroup, *, batch_dims: BatchDims = None) -> JobCosts:
+              group: SetupGroup, *, batch_dims: BatchDims = None, device: torch.device | None = None) -> JobCosts:
     """Measure block costs on every rank at once (the median agreed by all) unless analytic costs are asked for.
 
     A collective: every rank calls it alike. ``costs="auto"`` measures when the cluster is the launched
     devices (``launched_cluster``: the user gave no ``cluster=``, or a local one); ``$FXPIPE_COSTS`` overrides.
+    With ``device`` (where the training backend's tensors live) and a cluster of exactly the launched
+    ranks, it also times an allreduce over all of them on the default process group
+    (:func:`fxpipe.runtime.calibrate_measure.measure_job_collective`).
     """
     from fxpipe import passes
     from fxpipe.block_costs import measure_block_costs
     from fxpipe.runtime.guard import setup_phase
+    from fxpipe.runtime.measure_together import job_collective
 
     if costs not in COST_CHOICES:
         raise PipelineSetupError(f"costs={costs!r} is unknown; choose one of {COST_CHOICES}")
@@ -64,4 +84,7 @@ def job_costs(costs: str, launched_cluster: bool, model: torch.nn.Module, exampl
         graph_module = passes.annotate_costs(passes.trace(model, example_inputs, batch_dims=batch_dims))
     measured = measure_block_costs(graph_module, graph_module.meta[meta.EXAMPLE_INPUTS],
                                    slowdown=cluster.compute_slowdown, group=group)
-    return JobCosts("measured", measured, graph_module) if measured is not None else JobCosts("analytic")
+    if measured is None:
+        return JobCosts("analytic")
+    return JobCosts("measured", measured, graph_module, job_collective(cluster.num_devices, device, group))
+

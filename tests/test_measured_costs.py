@@ -156,6 +156,7 @@ def _ranks_agree(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from fxpipe import passes
+    from fxpipe.runtime.calibrate_measure import measure_job_collective
 
     os.environ.pop(COSTS_ENV, None)  # the default path, as a user's script gets it
     model, example_inputs = _mlp()
@@ -171,6 +172,7 @@ def _ranks_agree(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
         pipe = fxpipe.compile(model, example_inputs, loss_fn=_loss, global_batch_size=BATCH, plan="auto")
         results["default"] = pipe.plan.to_json()
         results["notes"] = pipe.plan.notes
+        results["collective"] = measure_job_collective(torch.device("cpu"))
         pipe.step(inputs, targets)  # the measured plan trains
         analytic = fxpipe.compile(model, example_inputs, loss_fn=_loss, global_batch_size=BATCH, plan="dp",
                                   costs="analytic")
@@ -190,6 +192,12 @@ def test_every_rank_measures_and_plans_alike(tmp_path: Path) -> None:
     assert results[0]["default"] == results[1]["default"]  # the same plan bytes on every rank
     assert json.loads(results[0]["default"])["predicted"]["cost_source"] == "measured"
     assert any(note.startswith("block costs measured by every rank at once: CPU work x ") for note in results[0]["notes"])
+    # the job's own allreduce over both ranks, the same figures on each, planned with as the collective link
+    collective = [note for note in results[0]["notes"] if note.startswith("allreduce over the job's 2 ranks measured")]
+    assert len(collective) == 1 and results[0]["notes"] == results[1]["notes"]
+    assert results[0]["collective"] == results[1]["collective"]
+    latency_s, bandwidth = results[0]["collective"]
+    assert 0 <= latency_s < 1 and bandwidth > 0
     assert [result["analytic"] for result in results] == ["analytic", "analytic"]
     assert all("costs='guessed'" in result["bad"] and "analytic" in result["bad"] for result in results)
 
@@ -207,3 +215,36 @@ def test_fxpipe_plan_measures_a_local_gpu_cluster_on_the_gpu(monkeypatch: pytest
         == ("cuda", "cpu", "cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert measuring_device(local_gpu) == "cpu"
+
+
+def test_ring_allreduce_fit_inverts_the_ring_formula_and_job_costs_plan_with_it() -> None:
+    from dataclasses import replace
+
+    from fxpipe.core.cluster import Cluster, LinkSpec, parse_cluster
+    from fxpipe.job_costs import JobCosts
+    from fxpipe.passes.profile import MeasuredCosts
+    from fxpipe.runtime.calibrate_measure import ring_allreduce_fit
+
+    base = parse_cluster("2x4:v100")
+    for num_ranks in (2, 3, 8):
+        link = LinkSpec(3e9, 2e-4)
+        net = replace(base, intra_host_collective=link, inter_host_collective=link)
+        devices = list(range(num_ranks))
+        small, large = (56, net.allreduce_time(56, devices)), (2**22, net.allreduce_time(2**22, devices))
+        latency_s, bandwidth = ring_allreduce_fit(num_ranks, small, large)
+        assert latency_s == pytest.approx(2e-4, rel=1e-9) and bandwidth == pytest.approx(3e9, rel=1e-9)
+    # noise: a large allreduce no slower than the small one gives a huge bandwidth, never a negative time
+    assert ring_allreduce_fit(2, (56, 1e-3), (2**22, 1e-3))[1] > 1e12
+    assert ring_allreduce_fit(2, (2**10, 1e-9), (2**22, 1.0))[0] == 0.0
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        ring_allreduce_fit(1, (56, 1e-3), (2**22, 1e-2))
+    with pytest.raises(ValueError, match="must carry more"):
+        ring_allreduce_fit(2, (2**22, 1e-3), (56, 1e-2))
+    measured = MeasuredCosts(blocks=(), batch_sizes=(2, 8), device="cpu", optimizer_s_per_param_byte=1e-9)
+    one_host: Cluster = replace(base, num_hosts=1)
+    costs = JobCosts("measured", measured, None, (4, 5e-4, 2e9))
+    planned = costs.planning_cluster(one_host)
+    assert planned.intra_host_collective == LinkSpec(2e9, 5e-4) and planned.optimizer_s_per_param_byte == 1e-9
+    assert planned.inter_host_collective == one_host.inter_host_collective
+    assert costs.planning_cluster(base).inter_host_collective == LinkSpec(2e9, 5e-4)
+    assert JobCosts("analytic").planning_cluster(base) == base

@@ -44,7 +44,7 @@ def test_no_spread_gives_the_deterministic_time() -> None:
 def test_data_parallel_waits_for_its_slowest_replica() -> None:
     """Two replicas, no communication cost: the step is the slower replica's compute (exact oracle)."""
     rows, num_microbatches = 4, 2
-    plan, chain, net = plan_of((2,), 1, rows, num_microbatches), uniform_chain(1), cluster(per_host=2, bandwidth=1e30)
+    plan, chain, net = plan_of((2,), 1, rows, num_microbatches), uniform_chain(1, param_bytes=0), cluster(per_host=2, bandwidth=1e30)
     spread = SpeedSpread((0.5, 1.5))
     compute = num_microbatches * (rows // 2) * (FORWARD_PER_ROW + BACKWARD_PER_ROW)
     # every pair of draws is equally likely: E[max] = (0.5 + 1.5 + 1.5 + 1.5) / 4 = 1.25

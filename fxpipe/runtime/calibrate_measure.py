@@ -1,4 +1,5 @@
-"""Short timings of one device (compute, memory, op overhead) and of the link between ranks 0 and 1 of a process group."""
+"""Short timings of one device (compute, memory, op overhead), of the link between ranks 0 and 1 of a process
+group, and of an allreduce over every rank of a job."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ import torch.distributed as dist
 PING_LARGE_BYTES = 8 * 2**20
 PING_SMALL_BYTES = 8
 PING_REPEATS = 20
+# A job's own allreduce over all its ranks (measure_job_collective): the step-end sync's size and a
+# gradient bucket's order of size, timed in JOB_ROUNDS alternating rounds of JOB_REPEATS calls.
+JOB_SMALL_BYTES, JOB_LARGE_BYTES, JOB_ROUNDS, JOB_REPEATS = 7 * 8, 4 * 2**20, 3, 5
 # A message as a pipeline cut sends it: two activations of 4 x 64 x 128 float32, packed into one buffer.
 MESSAGE_PIECES = ((4, 64, 128), (4, 64, 128))
 # Compute run between timed messages: a step posts its transfers between forwards and backwards, whose
@@ -166,7 +170,7 @@ def _round_trip_s(rank: int, tensor: torch.Tensor, repeats: int) -> list[float]:
 
 
 def _allreduce_s(tensor: torch.Tensor, repeats: int, group: dist.ProcessGroup | None) -> list[float]:
-    """Per-repeat times of a SUM allreduce of ``tensor`` over ``group``'s two ranks, each started together."""
+    """Per-repeat times of a SUM allreduce of ``tensor`` over ``group``'s ranks, each started together."""
     sync = synchronizer(tensor.device)
     times = []
     for _ in range(repeats):
@@ -230,7 +234,58 @@ def measure_pair_link(rank: int, device: torch.device, group: dist.ProcessGroup 
         overhead = float(mine.item()) / 2
     latency = small_rt / 2
     one_way = max(large_rt / 2 - latency, 1e-9)
-    # Two-rank ring allreduce (Cluster.allreduce_time): 2 latencies + W / bandwidth.
+    allreduce_latency, allreduce_bandwidth = ring_allreduce_fit(2, (PING_SMALL_BYTES, small_ar),
+                                                                (PING_LARGE_BYTES, large_ar))
     return {"link_latency": latency, "link_bandwidth": PING_LARGE_BYTES / one_way,
-            "allreduce_latency": small_ar / 2, "allreduce_bandwidth": PING_LARGE_BYTES / max(large_ar - small_ar, 1e-9),
+            "allreduce_latency": allreduce_latency, "allreduce_bandwidth": allreduce_bandwidth,
             "message_overhead": overhead}
+
+
+def ring_allreduce_fit(num_ranks: int, small: tuple[float, float], large: tuple[float, float]) -> tuple[float, float]:
+    """``(latency s, bandwidth B/s)`` that make :meth:`fxpipe.core.cluster.Cluster.allreduce_time`'s ring
+    formula, ``2 (R-1) latency + 2 (R-1) W / (R bandwidth)``, give the two measured ``(bytes, seconds)``.
+
+    A large allreduce no slower than the small one (noise) gives the bandwidth of 1 ns for the
+    difference; the latency is never negative.
+    """
+    if num_ranks < 2:
+        raise ValueError(f"a ring allreduce needs at least 2 ranks; got {num_ranks}")
+    (small_bytes, small_s), (large_bytes, large_s) = small, large
+    if large_bytes <= small_bytes:
+        raise ValueError(f"the large allreduce ({large_bytes} B) must carry more than the small one ({small_bytes} B)")
+    steps, share = 2 * (num_ranks - 1), 2 * (num_ranks - 1) / num_ranks
+    bandwidth = share * (large_bytes - small_bytes) / max(large_s - small_s, 1e-9)
+    latency = max(small_s - share * small_bytes / bandwidth, 0.0) / steps
+    return latency, bandwidth
+
+
+def measure_job_collective(device: torch.device, group: dist.ProcessGroup | None = None) -> tuple[float, float]:
+    """``(latency s, bandwidth B/s)`` of a SUM allreduce over every rank of ``group`` (the training backend's
+    default group when None), fitted by :func:`ring_allreduce_fit` to the mean over ranks of each rank's
+    median time at JOB_SMALL_BYTES and JOB_LARGE_BYTES. A collective: call it on every rank alike.
+
+    The calibrated figures come from two ranks; a job's own ranks can be slower per hop (4 gloo ranks
+    sharing 2 cores: 2-7 ms for the step-end allreduce against 0.3-0.6 ms for 2 ranks). Small
+    allreduces on this VM switch between a fast and a slow regime (0.4 or 2-4 ms on 2 ranks) for
+    several calls at a time, so the two sizes alternate, JOB_ROUNDS rounds of JOB_REPEATS back-to-back
+    calls each (as the step's allreduces follow each other), and the medians take every round.
+    """
+    small = torch.zeros(JOB_SMALL_BYTES // 4, dtype=torch.float32, device=device)
+    large = torch.zeros(JOB_LARGE_BYTES // 4, dtype=torch.float32, device=device)
+    sync = synchronizer(device)
+    samples: tuple[list[float], list[float]] = ([], [])
+    dist.barrier(group=group)
+    for _ in range(JOB_ROUNDS):
+        for tensor, times in zip((small, large), samples, strict=True):
+            dist.all_reduce(tensor, group=group)  # warm-up: the previous size's buffers, the other regime
+            sync()
+            for _ in range(JOB_REPEATS):
+                start = time.perf_counter()
+                dist.all_reduce(tensor, group=group)
+                sync()
+                times.append(time.perf_counter() - start)
+    medians = torch.tensor([statistics.median(times) for times in samples], dtype=torch.float64, device=device)
+    dist.all_reduce(medians, group=group)
+    num_ranks = dist.get_world_size(group)
+    small_s, large_s = (value / num_ranks for value in medians.tolist())
+    return ring_allreduce_fit(num_ranks, (JOB_SMALL_BYTES, small_s), (JOB_LARGE_BYTES, large_s))

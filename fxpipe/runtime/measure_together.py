@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -12,6 +12,9 @@ import torch.distributed as dist
 BUSY_MATRIX = 96
 
 Result = TypeVar("Result")
+
+if TYPE_CHECKING:
+    from fxpipe.runtime.guard import SetupGroup
 
 
 def measured_together(measure: Callable[[], Result], group: dist.ProcessGroup | None = None) -> list[Result]:
@@ -44,3 +47,20 @@ def busy_until_all_done(group: dist.ProcessGroup | None) -> None:
     while not done.is_completed():
         torch.mm(left, left)
     done.wait()
+
+
+def job_collective(num_devices: int, device: torch.device | None,
+                   group: SetupGroup = None) -> tuple[int, float, float] | None:
+    """``(ranks, latency s, bandwidth B/s)`` of an allreduce over every rank of the job on the default
+    process group (:func:`fxpipe.runtime.calibrate_measure.measure_job_collective`), the same on every
+    rank; None for one rank, no ``device``, or a cluster of ``num_devices`` that is not the launched ranks.
+    A collective: call it on every rank alike (``group`` carries the setup phase's failures)."""
+    from fxpipe.runtime.calibrate_measure import measure_job_collective
+    from fxpipe.runtime.guard import setup_phase
+
+    num_ranks = dist.get_world_size() if dist.is_initialized() else 1
+    if device is None or num_ranks < 2 or num_devices != num_ranks:
+        return None
+    with setup_phase("measuring the allreduce over all ranks", group):
+        latency_s, bandwidth = measure_job_collective(device)
+    return num_ranks, latency_s, bandwidth
