@@ -136,26 +136,35 @@ def _overlapped_training(rank: int, world_size: int, store_dir: str) -> dict[str
 
 
 def _tied_weights_overlapped(rank: int, world_size: int, store_dir: str) -> list[str]:
-    """tied-lm on 2:1 with 1 KiB buckets: many buckets per replica, tied weights summed after backward;
-    under early backward and under zero-bubble (buckets armed at the last W, where the gradients land)."""
+    """tied-lm with 1 KiB buckets: many buckets per replica, tied weights summed after backward. Early
+    backward on 2:1; zero-bubble on 2:1 (stage 0's W is empty: B did its whole backward, so every bucket
+    launches as the last W starts) and on 1:2 (the replicated last stage: W writes the gradients and
+    reports each, so buckets launch one by one during the last W)."""
     entry = zoo.get("tied-lm")
     batches = [entry.make_batch(12, 100 + step, **entry.tiny_overrides) for step in range(2)]
     reference = train_reference(zoo.build(entry.name, **entry.tiny_overrides)[0], entry.loss_fn, batches)
     problems: list[str] = []
-    for schedule in ("early_backward", "zero_bubble"):
+    for schedule, layout in (("early_backward", (2, 1)), ("zero_bubble", (2, 1)), ("zero_bubble", (1, 2))):
+        case = f"{schedule} {layout}"
         model, example = zoo.build(entry.name, **entry.tiny_overrides)
-        plan = plan_from_cuts(trace_model(model, example), (2, 1), 12, 3, schedule=schedule)
-        join_world(store_dir, f"overlap-tied-{schedule}", rank, world_size)
+        plan = plan_from_cuts(trace_model(model, example), layout, 12, 3, schedule=schedule)
+        replicated = layout.index(2)
+        join_world(store_dir, f"overlap-tied-{schedule}-{layout[0]}", rank, world_size)
         try:
             pipe = fxpipe.compile(model, example, loss_fn=entry.loss_fn, global_batch_size=12,
                                   plan=plan.with_updates(allreduce_bucket_bytes=1024))
-            problems += [f"{schedule}: {p}" for p in train_and_compare(pipe, batches, reference)["problems"]]
-            if pipe.stage_index == 0 and (pipe.driver.overlap is None or len(pipe.driver.overlap.buckets) < 2):
-                problems.append(f"{schedule}: stage 0 does not all-reduce in several buckets")
-            elif pipe.stage_index == 0 and schedule == "zero_bubble" and pipe.driver.overlap.launch_fractions:
-                # W accumulates gradients itself (no post-accumulate-grad hook fires): every bucket launches
-                # after the last W, as fxpipe.sim.allreduce_overlap.overlapped_bucket_bytes models it
-                problems.append(f"zero_bubble: buckets launched during the last W {pipe.driver.overlap.launch_fractions}")
+            problems += [f"{case}: {p}" for p in train_and_compare(pipe, batches, reference)["problems"]]
+            overlap = pipe.driver.overlap
+            if pipe.stage_index != replicated:
+                continue
+            if overlap is None or len(overlap.buckets) < 2:
+                problems.append(f"{case}: stage {replicated} does not all-reduce in several buckets")
+                continue
+            fractions = overlap.launch_fractions
+            if len(fractions) != len(overlap.buckets) or list(fractions) != sorted(fractions):
+                problems.append(f"{case}: not every bucket launched in order in the last pass: {fractions}")
+            elif replicated == 1 and not fractions[0] < fractions[-1]:
+                problems.append(f"{case}: the buckets did not launch one by one during the last pass: {fractions}")
         finally:
             leave_world()
     return problems

@@ -41,8 +41,9 @@ class OverlappedAllreduce:
     """SUM allreduce of ``params``' gradients over ``group``, bucket by bucket, during the armed backward.
 
     :meth:`arm` before the step's last backward on this rank: a post-accumulate-grad hook counts
-    each parameter's final gradient, and full buckets are launched in bucket order (the same order on
-    every replica, as collectives on one group must be). :meth:`launch_rest` launches what the
+    each parameter's final gradient (split backward's W, which writes ``.grad`` itself, calls
+    :meth:`gradient_ready`), and full buckets are launched in bucket order (the same order on every
+    replica, as collectives on one group must be). :meth:`launch_rest` launches what the
     backward did not complete (parameters without a gradient contribute zeros) and returns every
     reduction to wait for before the optimizer step.
     """
@@ -59,14 +60,20 @@ class OverlappedAllreduce:
         self._launched: list[Reduction] = []
         self._times: list[float] = []  # perf_counter: arm, then each launch in the armed backward
         self.launch_fractions: tuple[float, ...] = ()  # of the last armed backward (see backward_done)
-        self._hooks = [param.register_post_accumulate_grad_hook(self._on_gradient) for param in params]
+        self._counted: set[int] = set()  # parameters counted in the armed pass
+        self._hooks = [param.register_post_accumulate_grad_hook(self.gradient_ready) for param in params]
 
-    def arm(self) -> None:
+    def arm(self, ready: Sequence[torch.nn.Parameter] = ()) -> None:
+        """Count final gradients from now on; ``ready`` already hold theirs (under split backward, what B
+        produced before the last W), so full buckets of them launch at once."""
         self._missing = [len(bucket) for bucket in self.buckets]
         self._next = 0
         self._launched = []
         self._armed = True
+        self._counted = set()
         self._times = [time.perf_counter()]
+        for param in ready:
+            self.gradient_ready(param)
 
     def backward_done(self) -> None:
         """End of the armed backward: :attr:`launch_fractions` becomes each bucket launched during it as
@@ -75,9 +82,12 @@ class OverlappedAllreduce:
         start = self._times[0]
         self.launch_fractions = tuple((t - start) / (now - start) for t in self._times[1:])
 
-    def _on_gradient(self, param: torch.Tensor) -> None:
-        if not self._armed:
+    def gradient_ready(self, param: torch.Tensor) -> None:
+        """``param``'s gradient is final for this step (a hook fired, or split backward's W wrote it): launch
+        every bucket that is now full, in order. A parameter counts once per armed pass; others are ignored."""
+        if not self._armed or id(param) in self._counted or id(param) not in self._bucket_of:
             return
+        self._counted.add(id(param))
         self._missing[self._bucket_of[id(param)]] -= 1
         while self._next < len(self.buckets) and self._missing[self._next] <= 0:
             self._launch(self._next)

@@ -341,8 +341,16 @@ class PipelineDriver:
         state.outputs.pop(m, None)
 
     def _backward_weight(self, state: _StepState, m: int) -> None:
-        with self._overlapping(m):
+        overlap = self.overlap if m == self._last_backward else None
+        if overlap is None:
             self.runner.backward_weight(m)
+            return
+        # W writes .grad itself (no hook fires): it reports each gradient; what B gave (norm scales,
+        # stage 0's whole backward) is final already
+        in_w = {id(param) for param in self.runner.weight_params(m)}
+        overlap.arm(ready=[param for _, param in self._own_params if id(param) not in in_w])
+        self.runner.backward_weight(m, overlap.gradient_ready)
+        overlap.backward_done()
 
     def _send_gradient(self, state: _StepState, m: int) -> None:
         grads, received = state.input_grads.pop(m), state.received.pop(m)

@@ -13,7 +13,7 @@ bookkeeping for one micro-batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,8 +111,17 @@ def _capture(group: dict[str, Any], index: int, node: torch.autograd.graph.Node)
     return node.register_prehook(hook)
 
 
-def backward_weights(work: WeightWork | None) -> None:
-    """W: accumulate the parameter gradients of one micro-batch into ``.grad`` (as backward would)."""
+def weight_params(work: WeightWork | None) -> list[torch.nn.Parameter]:
+    """The parameters whose gradients W of ``work`` accumulates (none when B did the whole backward)."""
+    if work is None:
+        return []
+    return [work.params_by_node[node] for group in work.param_groups for node in group["params"]]
+
+
+def backward_weights(work: WeightWork | None,
+                     on_gradient: Callable[[torch.nn.Parameter], None] | None = None) -> None:
+    """W: accumulate the parameter gradients of one micro-batch into ``.grad`` (as backward would);
+    ``on_gradient(param)`` after each parameter's gradient is in (the bucketed allreduce's readiness)."""
     if work is None or not work.param_groups:
         return
     # every join lies on the inputs' path, so B reached it (internal invariant)
@@ -120,4 +129,8 @@ def backward_weights(work: WeightWork | None) -> None:
         "split backward: B did not reach every join of the parameter paths"
     for group in work.param_groups:
         gradients = weight_gradients(group)
-        _accumulate([work.params_by_node[node] for node, _ in gradients], [grad for _, grad in gradients])
+        params = [work.params_by_node[node] for node, _ in gradients]
+        _accumulate(params, [grad for _, grad in gradients])
+        if on_gradient is not None:
+            for param in params:
+                on_gradient(param)

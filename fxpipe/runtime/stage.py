@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fxpipe.runtime.errors import BatchShapeError, PipelineSetupError
 from fxpipe.runtime.measure import SavedActivationMeter
 from fxpipe.runtime.recompute import checkpointed_call, recomputed_bytes
-from fxpipe.runtime.split_backward import WeightWork, backward_inputs, backward_weights
+from fxpipe.runtime.split_backward import WeightWork, backward_inputs, backward_weights, weight_params
 
 if TYPE_CHECKING:
     from fxpipe.core.program import SplitProgram, StageProgram, ValueSpec
@@ -229,9 +229,15 @@ class StageRunner:
         self._weight_work[microbatch_index] = work
         return dict(zip(names, input_grads, strict=True))
 
-    def backward_weight(self, microbatch_index: int) -> None:
-        """W of a split backward: accumulate this micro-batch's parameter gradients into ``.grad``."""
-        backward_weights(self._weight_work.pop(microbatch_index))
+    def backward_weight(self, microbatch_index: int,
+                        on_gradient: Callable[[torch.nn.Parameter], None] | None = None) -> None:
+        """W of a split backward: accumulate this micro-batch's parameter gradients into ``.grad``
+        (``on_gradient(param)`` after each: :func:`fxpipe.runtime.split_backward.backward_weights`)."""
+        backward_weights(self._weight_work.pop(microbatch_index), on_gradient)
+
+    def weight_params(self, microbatch_index: int) -> list[torch.nn.Parameter]:
+        """The parameters W of this micro-batch will give gradients (the others had theirs in B)."""
+        return weight_params(self._weight_work.get(microbatch_index))
 
     def _trained_params(self) -> list[torch.nn.Parameter]:
         if self._trained is None:  # walking parameters by path costs; the set never changes

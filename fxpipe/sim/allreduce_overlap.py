@@ -9,7 +9,9 @@ full and the previous one is done (the runtime launches them in this order on ev
 
 Offsets are relative to the end of the backward: the first bucket starts ``ready_0 - B`` (<= 0),
 the tail ``end_last - B`` is what the iteration still waits for. Without buckets the whole
-allreduce starts after the backward (tail = AR of all bytes), as DAPPLE's formula charges it.
+allreduce starts after the backward (tail = AR of all bytes), as DAPPLE's formula charges it. Under
+split backward (zero-bubble) the last gradients land in the last W, and buckets fill over W's share
+of each block's backward (:func:`last_pass_share`).
 """
 
 from __future__ import annotations
@@ -26,11 +28,16 @@ if TYPE_CHECKING:  # fxpipe.passes imports the planner, which imports this modul
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
-def overlapped_bucket_bytes(bucket_bytes: int, split_backward: bool) -> int:
-    """The bucket size whose allreduce overlaps the last backward: ``bucket_bytes``, or 0 (one allreduce
-    after it) under split backward (zero-bubble), whose W accumulates gradients itself so no
-    post-accumulate-grad hook fires (the runtime launches every bucket after the last W)."""
-    return 0 if split_backward else bucket_bytes
+def last_pass_share(stage_index: int, split_backward: bool, weight_fraction: float, overhead: float) -> float:
+    """The share of a stage's fused backward that its last gradient-producing pass takes, per block: 1 (the
+    backward), or under split backward (zero-bubble) W's share (:func:`fxpipe.sim.stagecost.split_backward_times`):
+    the runtime arms the buckets at the last W, whose gradients land there; B's gradients (norm scales,
+    stage 0's whole backward) are ready as it starts. Stage 0's W is empty: its buckets all launch at once."""
+    if not split_backward:
+        return 1.0
+    from fxpipe.sim.stagecost import split_backward_times
+
+    return split_backward_times(1.0, stage_index, weight_fraction, overhead)[1]
 
 
 def bucket_offsets(backward_s: Sequence[float], param_bytes: Sequence[float], bucket_bytes: int,
@@ -74,14 +81,16 @@ def bucket_readiness(backward_s: Sequence[float], param_bytes: Sequence[float], 
 
 
 def stage_allreduce_offsets(chain: CostChain, cluster: Cluster, first: int, stop: int, devices: Sequence[int],
-                            rows: int, own_bytes: float, bucket_bytes: int) -> tuple[float, float]:
+                            rows: int, own_bytes: float, bucket_bytes: int, window_share: float = 1.0,
+                            ) -> tuple[float, float]:
     """:func:`bucket_offsets` of blocks ``[first, stop)`` on ``devices`` for a slice of ``rows`` rows.
 
     ``own_bytes`` is what the stage's replica allreduce carries (tied parameters left out, see
-    :func:`fxpipe.stagecost.allreduce_times`); block bytes are scaled to add up to it.
+    :func:`fxpipe.stagecost.allreduce_times`); block bytes are scaled to add up to it. The buckets fill
+    over ``window_share`` of each block's backward (:func:`last_pass_share`).
     """
     blocks = chain.blocks[first:stop]
-    backward = [block.backward_s.at(rows) * cluster.compute_slowdown for block in blocks]
+    backward = [block.backward_s.at(rows) * cluster.compute_slowdown * window_share for block in blocks]
     held = sum(block.param_bytes for block in blocks)
     scale = own_bytes / held if held > 0 else 0.0
     link = cluster.collective_link(devices)  # once for every bucket size (the planner asks for many stages)

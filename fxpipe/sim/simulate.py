@@ -18,7 +18,7 @@ from fxpipe.core.schedule import (
     validate_schedule,
 )
 from fxpipe.core.timeline import TimelineEvent, TransferEvent
-from fxpipe.sim.allreduce_overlap import overlapped_bucket_bytes, stage_allreduce_offsets
+from fxpipe.sim.allreduce_overlap import last_pass_share, stage_allreduce_offsets
 from fxpipe.sim.events import (
     CODE_OPS,
     ComponentRun,
@@ -110,7 +110,7 @@ def simulate(plan: Plan, chain: CostChain, cluster: Cluster, *, optimizer: str =
     specs = _replica_specs(plan, chain, cluster, slowdowns,
                            weight_fraction if schedule.split_backward else None)
     runs = _simulate_components(specs, programs, plan.num_microbatches, timeline)
-    return _collect(plan, chain, cluster, schedule, inflight, runs, optimizer, slowdowns)
+    return _collect(plan, chain, cluster, schedule, inflight, runs, optimizer, slowdowns, weight_fraction)
 
 
 def _slowdowns(cluster: Cluster, compute_scale: Sequence[float] | None) -> tuple[float, ...]:
@@ -254,7 +254,7 @@ def _simulate_components(nodes: dict[Replica, _Node], programs: Sequence[Program
 
 def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule, inflight: tuple[int, ...],
              runs: list[tuple[list[Replica], ComponentRun]], optimizer: str,
-             slowdowns: Sequence[float]) -> SimulationResult:
+             slowdowns: Sequence[float], weight_fraction: float) -> SimulationResult:
     """Add the allreduces and turn component runs into per-device figures and events."""
     ready = {key: run.allreduce_ready_s[local] for members, run in runs for local, key in enumerate(members)}
     _, ties = allreduce_times(chain, cluster, [(s.first_block, s.stop_block, s.devices) for s in plan.stages])
@@ -263,10 +263,11 @@ def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule,
     for stage in plan.stages:
         cost = stage_cost(chain, stage.first_block, stage.stop_block, plan.microbatch_size, stage.replicas)
         readies.append(max(ready[stage.stage_index, r] for r in range(stage.replicas)))
-        # buckets start during the last backward (allreduce_bucket_bytes > 0); offsets from its end
+        # buckets start during the last backward or W (allreduce_bucket_bytes > 0); offsets from its end
         start_offset, end_offset = stage_allreduce_offsets(
             chain, cluster, stage.first_block, stage.stop_block, stage.devices, cost.rows, own_bytes[stage.stage_index],
-            overlapped_bucket_bytes(plan.allreduce_bucket_bytes, schedule.split_backward))
+            plan.allreduce_bucket_bytes, last_pass_share(stage.stage_index, schedule.split_backward, weight_fraction,
+                                                         cluster.split_backward_overhead))
         starts.append(readies[-1] + start_offset)
         ends.append(readies[-1] + end_offset)
         peaks.append(stage_memory_bytes(cost, inflight[stage.stage_index], optimizer, stage.recompute))

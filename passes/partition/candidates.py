@@ -13,7 +13,7 @@ from fxpipe.core.plan import Plan, Prediction, StagePlan
 from fxpipe.core.recompute import RecomputeSetting, check_stage_count, choose_recompute, parse_recompute
 from fxpipe.core.schedule import SCHEDULES, warmup_forwards
 from fxpipe.passes.partition.latency import PipelineSteps, pipeline_steps
-from fxpipe.sim.allreduce_overlap import overlapped_bucket_bytes, stage_allreduce_offsets
+from fxpipe.sim.allreduce_overlap import stage_allreduce_offsets
 from fxpipe.sim.stagecost import (
     StageCost,
     allreduce_time,
@@ -73,7 +73,9 @@ class CandidateCosts:
                  recompute: RecomputeSetting = "auto", allreduce_bucket_bytes: int = 0) -> None:
         self.chain = chain
         self.allreduce_bucket_bytes = allreduce_bucket_bytes  # recorded in the plans
-        self.overlap_bytes = overlapped_bucket_bytes(allreduce_bucket_bytes, schedule == "zero_bubble")  # modelled
+        # tails as under a fused backward for every schedule: a screen and a lower bound (zero-bubble's
+        # buckets fill over the shorter last W, so its tails are no shorter: fxpipe.sim.allreduce_overlap)
+        self.overlap_bytes = allreduce_bucket_bytes
         self.recompute = parse_recompute(recompute)
         self.schedule = schedule
         self.cluster = cluster

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from fxpipe.core.cluster import Cluster
 from fxpipe.core.plan import Plan
-from fxpipe.sim.allreduce_overlap import overlapped_bucket_bytes, stage_allreduce_offsets
+from fxpipe.sim.allreduce_overlap import last_pass_share, stage_allreduce_offsets
 from fxpipe.sim.stagecost import (
     WEIGHT_GRAD_FRACTION,
     allreduce_times,
@@ -201,9 +201,9 @@ def stage_times(plan: Plan, chain: CostChain, cluster: Cluster) -> PipelineSteps
         message_s = message_seconds(cluster, plan.microbatch_size, replicas, stage.stage_index)
         backward_s = backward_seconds(cost.forward_s, cost.backward_s, stage.recompute)
         _, tail = stage_allreduce_offsets(chain, cluster, stage.first_block, stage.stop_block, stage.devices,
-                                          cost.rows, own_bytes[stage.stage_index],
-                                          overlapped_bucket_bytes(plan.allreduce_bucket_bytes,
-                                                                  plan.schedule == "zero_bubble"))
+                                          cost.rows, own_bytes[stage.stage_index], plan.allreduce_bucket_bytes,
+                                          last_pass_share(stage.stage_index, plan.schedule == "zero_bubble",
+                                                          WEIGHT_GRAD_FRACTION, cluster.split_backward_overhead))
         stages.append((cost.forward_s + message_s, backward_s + message_s, tail))
         messages.append(message_s)
     hops = [transfer_time(cluster, chain.cut_bytes[before.stop_block - 1], plan.microbatch_size, before.devices,
