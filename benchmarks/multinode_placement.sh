@@ -7,19 +7,10 @@
 set -euo pipefail
 plan=${1:-auto}; port=${2:-29741}
 root=$(pwd); out=$(mktemp -d)
-cat > "$out/worker.py" <<'PY'
-import json, os, sys
-from pathlib import Path
-import torch
-from tests.multinode_worker import check_rank
-torch.set_num_threads(1)
-result = check_rank(f"agent{os.environ['GROUP_RANK']}", sys.argv[2])
-(Path(sys.argv[1]) / f"rank{result['rank']}.json").write_text(json.dumps(result))
-PY
 export FXPIPE_COSTS=analytic OMP_NUM_THREADS=1 FXPIPE_CALIBRATE=0 PYTHONPATH="$root"
 for node in 0 1; do
   python -m torch.distributed.run --nnodes 2 --node-rank "$node" --nproc-per-node 2 --rdzv-backend c10d \
-    --rdzv-endpoint "localhost:$port" --max-restarts 0 "$out/worker.py" "$out" "$plan" > "$out/launch$node.log" 2>&1 &
+    --rdzv-endpoint "localhost:$port" --max-restarts 0 tests/multinode_worker.py "$out" "$plan" > "$out/launch$node.log" 2>&1 &
 done
 wait
 for rank in 0 1 2 3; do

@@ -69,9 +69,10 @@ def check_rank(node_id: str, plan: str = "auto") -> dict[str, Any]:
 
 
 def main() -> None:
-    """torchrun entry: the node is torchrun's agent (GROUP_RANK); writes ``rank<R>.json`` to argv[1]."""
+    """torchrun entry: the node is torchrun's agent (GROUP_RANK); writes ``rank<R>.json`` to argv[1]; argv[2],
+    when given, is the plan (default "auto")."""
     torch.set_num_threads(1)
-    result = check_rank(f"agent{os.environ['GROUP_RANK']}")
+    result = check_rank(f"agent{os.environ['GROUP_RANK']}", sys.argv[2] if len(sys.argv) > 2 else "auto")
     (Path(sys.argv[1]) / f"rank{result['rank']}.json").write_text(json.dumps(result))
 
 

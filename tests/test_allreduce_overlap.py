@@ -23,6 +23,7 @@ from fxpipe.sim.allreduce_overlap import (
     stage_allreduce_offsets,
 )
 from fxpipe.sim.simulate import simulate
+from fxpipe.sim.stagecost import gradient_allreduce_time, step_end_sync_time
 from tests.exactness_oracle import train_and_compare, train_reference
 from tests.mp_utils import join_world, leave_world, plan_from_cuts, run_ranks
 from tests.test_simulate import BACKWARD_PER_ROW, FORWARD_PER_ROW, cluster, plan_of, uniform_chain
@@ -61,9 +62,9 @@ def test_simulator_and_pivot_model_charge_only_the_tail(replicas: int) -> None:
     start, tail = stage_allreduce_offsets(chain, net, 0, 4, tuple(range(replicas)), slice_rows, 4 * 2**16, 2**16)
     block_backward = slice_rows * BACKWARD_PER_ROW
     assert start == -3 * block_backward  # the first bucket is full after the last block's backward
-    full = net.gradient_allreduce_time(4 * 2**16, tuple(range(replicas)))
+    full = gradient_allreduce_time(net, 4 * 2**16, tuple(range(replicas)))
     assert 0 < tail < full
-    sync = net.step_end_sync_time(range(replicas))
+    sync = step_end_sync_time(net, range(replicas))
     result = simulate(overlapped, chain, net)
     assert result.iteration_time_s == pytest.approx(compute + tail + sync, rel=1e-12)
     assert result.allreduce_start_s[0] == pytest.approx(compute + start, rel=1e-12)

@@ -17,7 +17,7 @@ from fxpipe.passes.partition.latency import (
     stage_times,
 )
 from fxpipe.sim.simulate import simulate
-from fxpipe.sim.stagecost import message_seconds
+from fxpipe.sim.stagecost import gradient_allreduce_time, message_seconds, step_end_sync_time
 
 
 def test_pivot_is_the_last_of_equal_stages() -> None:
@@ -62,9 +62,9 @@ def test_transfers_become_stages() -> None:
     cycles = [0.75, transfer, 0.75]
     assert pipeline_latency(forward, backward, allreduce, 2, cycle_s=cycles) == 4.375
     # the loss allreduce ending every step crosses the slow inter-host link
-    assert analytic_iteration_time(plan, chain, net) == 4.375 + net.step_end_sync_time([0, 1])
+    assert analytic_iteration_time(plan, chain, net) == 4.375 + step_end_sync_time(net, [0, 1])
     assert pipeline_latency(forward, backward, allreduce, 2) == 5.0  # F + B charged per transfer: DAPPLE's formula
-    assert simulate(plan, chain, net).iteration_time_s == 4.6875 + net.step_end_sync_time([0, 1])  # M = 2: in between
+    assert simulate(plan, chain, net).iteration_time_s == 4.6875 + step_end_sync_time(net, [0, 1])  # M = 2: in between
     with pytest.raises(ValueError, match="cycle_s needs one entry per step"):
         pipeline_latency(forward, backward, allreduce, 2, cycle_s=[1.0])
 
@@ -114,7 +114,7 @@ def test_tied_parameters_are_one_allreduce_after_their_last_stage() -> None:
     plan = Plan(16, 4, (StagePlan(0, 0, 2, 1, (0,)), StagePlan(1, 2, 4, 1, (1,))))
     forward, backward, allreduce, groups, *_ = stage_times(plan, tied, net)
     assert allreduce == [0.0, 0.0]  # one device per stage: nothing of its own to sum
-    assert groups == [((0, 1), net.gradient_allreduce_time(2**20, [0, 1]))]
+    assert groups == [((0, 1), gradient_allreduce_time(net, 2**20, [0, 1]))]
     # equal stages, free transfers: the pivot formula is exact, tie allreduce included
     assert analytic_iteration_time(plan, tied, net) == simulate(plan, tied, net).iteration_time_s
     untied = CostChain(tied.blocks, tied.cut_bytes)

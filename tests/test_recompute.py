@@ -17,7 +17,7 @@ from fxpipe.passes.partition.latency import analytic_iteration_time
 from fxpipe.passes.partition.request import InfeasiblePlanError, PlanningError
 from fxpipe.report import stage_table
 from fxpipe.sim.simulate import simulate
-from fxpipe.sim.stagecost import compute_times, stage_cost, stage_memory_bytes
+from fxpipe.sim.stagecost import compute_times, stage_cost, stage_memory_bytes, step_end_sync_time
 from tests.test_simulate import BACKWARD_PER_ROW, FORWARD_PER_ROW, cluster, plan_of, uniform_chain
 
 PROFILES = Path(__file__).resolve().parents[2] / "shared" / "profiles"
@@ -68,7 +68,7 @@ def test_simulator_and_pivot_model_charge_one_forward_per_microbatch(num_stages:
     plan = force_recompute(plan_of((1,) * num_stages, 2, rows, num_microbatches), "always")
     result = simulate(plan, chain, net)
     forward, backward = 2 * rows * FORWARD_PER_ROW, 2 * rows * BACKWARD_PER_ROW
-    sync = net.step_end_sync_time(range(num_stages))  # the loss allreduce ending the step
+    sync = step_end_sync_time(net, range(num_stages))  # the loss allreduce ending the step
     assert result.iteration_time_s == (num_microbatches + num_stages - 1) * (2 * forward + backward) + sync
     assert analytic_iteration_time(plan, chain, net) == result.iteration_time_s
     assert result.busy_s == (num_microbatches * (2 * forward + backward),) * num_stages

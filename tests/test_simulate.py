@@ -21,7 +21,7 @@ from fxpipe.passes.partition.latency import analytic_iteration_time
 from fxpipe.sim.chrome_trace import to_chrome_trace, write_chrome_trace
 from fxpipe.sim.events import ReplicaSpec, encode_program
 from fxpipe.sim.simulate import SimulationResult, simulate
-from fxpipe.sim.stagecost import stage_cost, stage_memory_bytes
+from fxpipe.sim.stagecost import gradient_allreduce_time, stage_cost, stage_memory_bytes, step_end_sync_time
 
 DEVICE = DeviceSpec("test", 2**34, (("float32", 1e12),), 1e11)
 # Dyadic numbers (1/16, 1/8, ...) keep every sum exact, so closed forms can be compared with ==.
@@ -73,7 +73,7 @@ def test_equal_stages_without_communication(schedule: str, policy: str, num_stag
     plan = plan_of((1,) * num_stages, 2, rows, num_microbatches, schedule, policy)
     result = simulate(plan, uniform_chain(2 * num_stages), cluster())
     step = 2 * rows * (FORWARD_PER_ROW + BACKWARD_PER_ROW)  # F + B of one stage
-    sync = cluster().step_end_sync_time(range(num_stages))  # the loss allreduce ending the step
+    sync = step_end_sync_time(cluster(), range(num_stages))  # the loss allreduce ending the step
     assert (sync > 0) == (num_stages > 1)
     assert result.iteration_time_s == (num_microbatches + num_stages - 1) * step + sync
     bubble = 1 - num_microbatches * step / result.iteration_time_s
@@ -91,9 +91,9 @@ def test_one_stage_is_m_compute_plus_allreduce(replicas: int) -> None:
     devices = tuple(range(replicas))
     # ring allreduce, plus the gradients copied into one buffer and back at memory bandwidth
     allreduce = net.allreduce_time(3 * 2**16, devices) + 4 * 3 * 2**16 / DEVICE.memory_bandwidth_bytes_per_s
-    assert net.gradient_allreduce_time(3 * 2**16, devices) == (allreduce if replicas > 1 else 0.0)
-    allreduce = net.gradient_allreduce_time(3 * 2**16, devices)
-    assert result.iteration_time_s == compute + allreduce + net.step_end_sync_time(devices)
+    assert gradient_allreduce_time(net, 3 * 2**16, devices) == (allreduce if replicas > 1 else 0.0)
+    allreduce = gradient_allreduce_time(net, 3 * 2**16, devices)
+    assert result.iteration_time_s == compute + allreduce + step_end_sync_time(net, devices)
     assert result.allreduce_end_s == (compute + allreduce,)
     assert analytic_iteration_time(plan, chain, net) == pytest.approx(result.iteration_time_s, rel=1e-15)
 
@@ -104,7 +104,7 @@ def test_transfer_time_adds_on_a_straight_pipeline() -> None:
     transfer = 2.0**-10 + rows * cut / 2.0**20
     forward, backward = rows * FORWARD_PER_ROW, rows * BACKWARD_PER_ROW
     chain = uniform_chain(2, cut)
-    sync = net.step_end_sync_time([0, 1])
+    sync = step_end_sync_time(net, [0, 1])
     one = simulate(plan_of((1, 1), 1, rows, 1), chain, net)
     assert one.iteration_time_s == 2 * forward + 2 * backward + 2 * transfer + sync
     # GPipe, transfer shorter than a forward: (M+1)(F+B) + 2 X
@@ -123,7 +123,7 @@ def test_pieces_queue_on_the_receiving_port() -> None:
     piece = cut / 2.0**20
     result = simulate(plan_of((2, 1), 1, rows, 1), uniform_chain(2, cut, param_bytes=0), net)
     f1, b1 = FORWARD_PER_ROW, BACKWARD_PER_ROW
-    assert result.iteration_time_s == f1 + 2 * piece + 2 * f1 + 2 * b1 + 2 * piece + b1 + net.step_end_sync_time(range(3))
+    assert result.iteration_time_s == f1 + 2 * piece + 2 * f1 + 2 * b1 + 2 * piece + b1 + step_end_sync_time(net, range(3))
     starts = sorted((t.start_s, t.end_s, t.op) for t in result.transfers)
     assert starts == [(f1, f1 + piece, "SA"), (f1 + piece, f1 + 2 * piece, "SA"),
                       (f1 + 2 * piece + 2 * f1 + 2 * b1, f1 + 3 * piece + 2 * f1 + 2 * b1, "SG"),
@@ -144,7 +144,7 @@ def test_three_to_one_slices() -> None:
     pieces = sorted((t.src_device, (t.end_s - t.start_s) * 2.0**20 / 2.0**10)
                     for t in result.transfers if t.op == "SA" and t.microbatch_index == 0)
     assert pieces == [(0, 4.0), (1, 3.0), (2, 3.0)]
-    assert result.iteration_time_s == max(result.allreduce_end_s) + net.step_end_sync_time(range(4))
+    assert result.iteration_time_s == max(result.allreduce_end_s) + step_end_sync_time(net, range(4))
     assert all(i == pytest.approx(result.iteration_time_s - b) for i, b in zip(result.idle_s, result.busy_s,
                                                                                  strict=True))
 
@@ -257,9 +257,9 @@ def reference_iteration_time(plan: Plan, chain: CostChain, net: Cluster) -> floa
     ends = []
     for stage in plan.stages:
         start = max(done[stage.stage_index, r] for r in range(stage.replicas))
-        ends.append(start + net.gradient_allreduce_time(stage_cost(chain, stage.first_block, stage.stop_block, 1, 1)
+        ends.append(start + gradient_allreduce_time(net, stage_cost(chain, stage.first_block, stage.stop_block, 1, 1)
                                                         .param_bytes, stage.devices))
-    return max(ends) + net.step_end_sync_time([d for stage in plan.stages for d in stage.devices])
+    return max(ends) + step_end_sync_time(net, [d for stage in plan.stages for d in stage.devices])
 
 
 def check_events_consistent(result: SimulationResult, message_s: float = 0.0) -> None:
@@ -313,7 +313,7 @@ def test_message_overhead_on_a_straight_pipeline_is_exact() -> None:
     transfer = 2.0**-10 + rows * cut / 2.0**20
     forward, backward = rows * FORWARD_PER_ROW, rows * BACKWARD_PER_ROW
     # F0, pack+post, transfer, take it, F1, B1, pack+post, transfer, take it, B0
-    expected = 2 * (forward + backward) + 2 * (2 * overhead + transfer) + net.step_end_sync_time([0, 1])
+    expected = 2 * (forward + backward) + 2 * (2 * overhead + transfer) + step_end_sync_time(net, [0, 1])
     result = simulate(plan, chain, net)
     assert result.iteration_time_s == expected
     sends = [(e.op, e.end_s - e.start_s) for e in result.events if e.op in ("SA", "SG")]
@@ -371,7 +371,7 @@ def test_ranks_sharing_too_few_cores_stretch_compute_by_ranks_over_cores() -> No
     # Transfers keep their time, so the iteration is longer but less than twice as long.
     assert base.iteration_time_s < slow.iteration_time_s < 2 * base.iteration_time_s
     no_transfers = uniform_chain(4)
-    sync = dedicated.step_end_sync_time(range(4))  # a collective: not stretched
+    sync = step_end_sync_time(dedicated, range(4))  # a collective: not stretched
     assert simulate(plan, no_transfers, shared).iteration_time_s - sync == 2 * (
         simulate(plan, no_transfers, dedicated).iteration_time_s - sync)
     assert analytic_iteration_time(plan, no_transfers, shared) == simulate(plan, no_transfers, shared).iteration_time_s
@@ -384,11 +384,11 @@ def test_tied_parameters_are_summed_across_their_stages_after_both_are_ready() -
     link = cluster()
     untied, result = simulate(plan, base, link), simulate(plan, tied, link)
     assert result.allreduce_start_s == untied.allreduce_start_s  # stages are ready at the same times
-    tie_s = link.gradient_allreduce_time(2**18, [0, 1])
+    tie_s = gradient_allreduce_time(link, 2**18, [0, 1])
     assert tie_s > 0
     expected_end = max(untied.allreduce_start_s) + tie_s  # the one-replica stages have no allreduce of their own
     assert result.allreduce_end_s == (expected_end, expected_end)
-    assert result.iteration_time_s == expected_end + link.step_end_sync_time([0, 1]) > untied.iteration_time_s
+    assert result.iteration_time_s == expected_end + step_end_sync_time(link, [0, 1]) > untied.iteration_time_s
     # the second stage keeps a copy of the tied weight: its memory grows by the optimizer factor x the copy
     assert result.peak_memory_bytes[1] - untied.peak_memory_bytes[1] == 4 * 2**18
     assert result.peak_memory_bytes[0] == untied.peak_memory_bytes[0]
@@ -406,7 +406,7 @@ def test_compute_scale_stretches_each_device_alone() -> None:
     assert slow_last.busy_s == (num_microbatches * stage, 3 * num_microbatches * stage)
     forward = 2 * rows * FORWARD_PER_ROW
     assert slow_last.iteration_time_s == pytest.approx(forward + 3 * num_microbatches * stage + 2 * rows * BACKWARD_PER_ROW
-                                                       + net.step_end_sync_time([0, 1]))
+                                                       + step_end_sync_time(net, [0, 1]))
 
 
 @pytest.mark.parametrize("scale", [[1.0], [1.0] * 7 + [0.0], [1.0] * 7 + [-2.0]])
@@ -425,7 +425,7 @@ def test_measured_optimizer_step_ends_each_stage_after_its_allreduce() -> None:
     optimizer = 2 * per_byte * 2 * 2**16  # 2 blocks' parameters per stage, stretched 2x
     assert result.allreduce_end_s == without.allreduce_end_s  # the allreduces are not moved
     # every rank leaves the step with the loss allreduce after the last stage's allreduce, then steps
-    assert result.iteration_time_s == max(without.allreduce_end_s) + net.step_end_sync_time(range(4)) + optimizer
+    assert result.iteration_time_s == max(without.allreduce_end_s) + step_end_sync_time(net, range(4)) + optimizer
     assert Cluster.from_json(net.to_json()) == net
     with pytest.raises(ValueError, match="optimizer_s_per_param_byte"):
         dataclasses.replace(base, optimizer_s_per_param_byte=-1.0)

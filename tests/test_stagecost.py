@@ -9,8 +9,8 @@ from fxpipe.core.cluster import Cluster, DeviceSpec, LinkSpec
 from fxpipe.core.costgraph import Affine
 from fxpipe.passes.partition.block_partition import coarsen_chain
 from fxpipe.sim.stagecost import (
-    allreduce_time,
     compute_times,
+    gradient_allreduce_time,
     optimizer_factor,
     stage_cost,
     stage_memory_bytes,
@@ -88,9 +88,9 @@ def test_transfer_time_serializes_on_the_busiest_port() -> None:
 
 def test_allreduce_matches_the_ring_formula() -> None:
     net = two_hosts()
-    assert allreduce_time(net, 1000, [0]) == 0.0
-    assert allreduce_time(net, 1000, [0, 1]) == pytest.approx(2 * 1000 * 1 / (2 * 100))
-    assert allreduce_time(net, 1000, [0, 1, 2]) == pytest.approx(4 * 0.5 + 2 * 1000 * 2 / (3 * 10))
+    assert gradient_allreduce_time(net, 1000, [0]) == 0.0
+    assert gradient_allreduce_time(net, 1000, [0, 1]) == pytest.approx(2 * 1000 * 1 / (2 * 100))
+    assert gradient_allreduce_time(net, 1000, [0, 1, 2]) == pytest.approx(4 * 0.5 + 2 * 1000 * 2 / (3 * 10))
 
 
 def test_shared_rows_equals_every_overlapping_pair() -> None:

@@ -15,6 +15,7 @@ from fxpipe.core.timeline import TimelineEvent, TransferEvent
 from fxpipe.passes.partition.dapple import partition
 from fxpipe.sim.chrome_trace import to_chrome_trace
 from fxpipe.sim.simulate import simulate
+from fxpipe.sim.stagecost import step_end_sync_time
 from fxpipe.sim.timeline_plot import (
     Bar,
     MissingPlotExtraError,
@@ -71,7 +72,7 @@ def test_simulated_timeline_has_a_row_per_device_and_survives_the_chrome_trace()
     assert sum(bar.kind == "forward" for bar in timeline.bars) == plan.num_microbatches * 3
     assert sum(bar.kind == "transfer" for bar in timeline.bars) > 0
     # the bars end with the last allreduce; the step's closing loss allreduce has no bar
-    assert timeline.end_s == pytest.approx(result.iteration_time_s - devices.step_end_sync_time(range(3)))
+    assert timeline.end_s == pytest.approx(result.iteration_time_s - step_end_sync_time(devices, range(3)))
     back = timeline_from_chrome_trace(to_chrome_trace(result))
     assert back.rows == timeline.rows
     assert [(b.row, b.kind, b.label) for b in back.bars] == [(b.row, b.kind, b.label) for b in timeline.bars]

@@ -27,7 +27,7 @@ from fxpipe.passes.partition.dapple import partition
 from fxpipe.passes.partition.latency import analytic_iteration_time, pipeline_latency
 from fxpipe.runtime.split_backward import backward_inputs, backward_weights
 from fxpipe.sim.simulate import simulate
-from fxpipe.sim.stagecost import split_backward_times
+from fxpipe.sim.stagecost import split_backward_times, step_end_sync_time
 
 
 def test_zero_bubble_table_three_stages() -> None:
@@ -86,7 +86,7 @@ def test_simulated_bubble_is_lower_than_early_backward_at_s4(num_microbatches: i
     unit = 2.0**-3
     # closed forms: early backward (M + S - 1)(F + B + W); zero-bubble M (F + B + W) + (S - 1)(F + B); then
     # the loss allreduce ending the step
-    sync = sim_cluster().step_end_sync_time(range(4))
+    sync = step_end_sync_time(sim_cluster(), range(4))
     assert eb.iteration_time_s == (num_microbatches + 3) * 3 * unit + sync
     assert zb.iteration_time_s == num_microbatches * 3 * unit + 3 * 2 * unit + sync
     assert zb.bubble_fraction < eb.bubble_fraction
@@ -174,7 +174,7 @@ def test_split_overhead_stretches_b_and_w_alike_in_the_simulator_and_the_pivot_m
     assert split_backward_times(2 * unit, 0, 0.5, 0.5) == (2 * unit, 0.0)
     result = simulate(plan, chain_, costly)
     # stage 1 never waits after its first F: 1 + M (F + B + W), then stage 0's last B after stage 1's last B
-    sync = costly.step_end_sync_time([0, 1])  # the loss allreduce ending the step
+    sync = step_end_sync_time(costly, [0, 1])  # the loss allreduce ending the step
     assert result.iteration_time_s == (1 + num_microbatches * 4 - 1.5 + 2) * unit + sync
     assert {e.end_s - e.start_s for e in result.events if e.stage_index == 1 and e.op in ("B", "W")} == {1.5 * unit}
     assert analytic_iteration_time(plan, chain_, costly) == result.iteration_time_s

@@ -60,10 +60,6 @@ __all__ = ["A100_80GB", "CLUSTER_FORMAT_VERSION", "H100_80GB", "H200_141GB", "V1
 CLUSTER_FORMAT_VERSION = 1
 
 
-# What the allreduce ending every step carries (fxpipe.runtime.driver._broadcast_loss): float64 loss sum,
-# token count, preemption vote and four batch-check folds.
-STEP_END_SYNC_BYTES = 7 * 8
-
 @dataclass(frozen=True)
 class Cluster:
     """``num_hosts`` hosts with ``devices_per_host`` identical devices each.
@@ -163,21 +159,6 @@ class Cluster:
         link = link or self.collective_link(devices)
         steps = 2 * (replicas - 1)
         return steps * link.latency_s + 2 * num_bytes * (replicas - 1) / (replicas * link.bandwidth_bytes_per_s)
-
-    def gradient_allreduce_time(self, num_bytes: float, devices: Sequence[int], link: LinkSpec | None = None,
-                                ) -> float:
-        """A gradient allreduce as the runtime runs it: the gradients copied into one flat buffer, the ring
-        allreduce (:meth:`allreduce_time`), the sums copied back; each copy reads and writes the bytes
-        once at the device's memory bandwidth. 0 for one replica (nothing is copied or summed)."""
-        ring = self.allreduce_time(num_bytes, devices, link)
-        if ring <= 0 or self.device.memory_bandwidth_bytes_per_s <= 0:
-            return ring
-        return ring + 2 * 2 * num_bytes / self.device.memory_bandwidth_bytes_per_s
-
-    def step_end_sync_time(self, devices: Sequence[int]) -> float:
-        """The allreduce over every rank that ends each step (the loss sum, with the preemption vote and
-        batch check folded in: :data:`STEP_END_SYNC_BYTES`); 0 on one device."""
-        return self.allreduce_time(STEP_END_SYNC_BYTES, devices)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict; :meth:`from_json` reads it back to an equal Cluster."""

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from fxpipe.core.cluster import Cluster
+from fxpipe.sim.stagecost import gradient_allreduce_time, split_backward_times
 
 if TYPE_CHECKING:  # fxpipe.passes imports the planner, which imports this module
     from fxpipe.core.chain import CostChain
@@ -35,8 +36,6 @@ def last_pass_share(stage_index: int, split_backward: bool, weight_fraction: flo
     stage 0's whole backward) are ready as it starts. Stage 0's W is empty: its buckets all launch at once."""
     if not split_backward:
         return 1.0
-    from fxpipe.sim.stagecost import split_backward_times
-
     return split_backward_times(1.0, stage_index, weight_fraction, overhead)[1]
 
 
@@ -95,4 +94,4 @@ def stage_allreduce_offsets(chain: CostChain, cluster: Cluster, first: int, stop
     scale = own_bytes / held if held > 0 else 0.0
     link = cluster.collective_link(devices)  # once for every bucket size (the planner asks for many stages)
     return bucket_offsets(backward, [block.param_bytes * scale for block in blocks], bucket_bytes,
-                          lambda num_bytes: cluster.gradient_allreduce_time(num_bytes, devices, link))
+                          lambda num_bytes: gradient_allreduce_time(cluster, num_bytes, devices, link))

@@ -35,6 +35,7 @@ from fxpipe.sim.stagecost import (
     split_backward_times,
     stage_cost,
     stage_memory_bytes,
+    step_end_sync_time,
 )
 
 __all__ = ["SimulationResult", "TimelineEvent", "TransferEvent", "simulate"]
@@ -87,9 +88,9 @@ def simulate(plan: Plan, chain: CostChain, cluster: Cluster, *, optimizer: str =
       :meth:`Cluster.allreduce_time` of its own parameters. Parameters several stages hold (tied
       weights, :func:`tie_groups`) are summed in one allreduce over all those stages' devices,
       starting when the last of them is ready; the stages' allreduce ends with it. Each includes
-      copying the gradients into one buffer and back (:meth:`Cluster.gradient_allreduce_time`).
+      copying the gradients into one buffer and back (:func:`gradient_allreduce_time`).
     - The step ends on every rank together, with an allreduce of a few numbers over all devices
-      (the loss sum: :meth:`Cluster.step_end_sync_time`) once the last stage's allreduce is done.
+      (the loss sum: :func:`step_end_sync_time`) once the last stage's allreduce is done.
       Then each stage's optimizer step takes :attr:`Cluster.optimizer_s_per_param_byte` per byte of
       its parameters (stretched like compute; 0 unless measured); the iteration ends with the
       slowest of them.
@@ -276,8 +277,7 @@ def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule,
         for s in stages:
             ends[s] = max(ends[s], tie_end)
     # every rank leaves the step together, after the allreduce that ends it; then its optimizer steps
-    all_devices = sorted({device for stage in plan.stages for device in stage.devices})
-    iteration_s = (max(ends) + cluster.step_end_sync_time(all_devices)
+    iteration_s = (max(ends) + step_end_sync_time(cluster, plan.all_devices())
                    + max(_optimizer_s(chain, cluster, stage, slowdowns) for stage in plan.stages))
     busy = {device: _busy(plan, chain, stage.stage_index, replica_index, slowdowns[device])
             for stage in plan.stages for replica_index, device in enumerate(stage.devices)}

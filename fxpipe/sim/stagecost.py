@@ -9,13 +9,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fxpipe.core.block_sums import block_sums
-from fxpipe.core.cluster import Cluster
+from fxpipe.core.cluster import Cluster, LinkSpec
 from fxpipe.core.costgraph import Affine
 from fxpipe.core.plan import shared_rows, split_rows
 
 if TYPE_CHECKING:  # fxpipe.passes imports the planner, which imports this module
     from fxpipe.core.chain import CostChain
 
+# What the allreduce ending every step carries (fxpipe.runtime.driver._broadcast_loss): float64 loss sum,
+# token count, preemption vote and four batch-check folds.
+STEP_END_SYNC_BYTES = 7 * 8
 # Bytes kept per parameter byte: weights + gradients (+ optimizer state).
 OPTIMIZER_STATE_FACTORS: dict[str, float] = {"sgd": 2.0, "momentum": 3.0, "adam": 4.0, "adamw": 4.0}
 
@@ -140,9 +143,9 @@ def allreduce_times(chain: CostChain, cluster: Cluster, stages: Sequence[tuple[i
     """
     bounds = [(first, stop) for first, stop, _ in stages]
     ties = tie_groups(chain, bounds)
-    own = [cluster.gradient_allreduce_time(num_bytes, devices)
+    own = [gradient_allreduce_time(cluster, num_bytes, devices)
            for num_bytes, (_, _, devices) in zip(own_allreduce_bytes(chain, bounds, ties), stages, strict=True)]
-    groups = [(holders, cluster.gradient_allreduce_time(num_bytes, sorted(d for s in holders for d in stages[s][2])))
+    groups = [(holders, gradient_allreduce_time(cluster, num_bytes, sorted(d for s in holders for d in stages[s][2])))
               for holders, num_bytes in ties]
     return own, groups
 
@@ -196,9 +199,22 @@ def transfer_time(
     return max(busy.values(), default=0.0)
 
 
-def allreduce_time(cluster: Cluster, param_bytes: float, devices: Sequence[int]) -> float:
-    """Gradient allreduce of one stage over its replicas (ring, slowest link; :meth:`Cluster.gradient_allreduce_time`)."""
-    return cluster.gradient_allreduce_time(param_bytes, devices)
+def gradient_allreduce_time(cluster: Cluster, num_bytes: float, devices: Sequence[int],
+                            link: LinkSpec | None = None) -> float:
+    """A gradient allreduce as the runtime runs it: the gradients copied into one flat buffer, the ring
+    allreduce over ``devices`` (:meth:`Cluster.allreduce_time`, slowest link or ``link``), the sums
+    copied back; each copy reads and writes the bytes once at the device's memory bandwidth. 0 for
+    one replica (nothing is copied or summed)."""
+    ring = cluster.allreduce_time(num_bytes, devices, link)
+    if ring <= 0 or cluster.device.memory_bandwidth_bytes_per_s <= 0:
+        return ring
+    return ring + 2 * 2 * num_bytes / cluster.device.memory_bandwidth_bytes_per_s
+
+
+def step_end_sync_time(cluster: Cluster, devices: Sequence[int]) -> float:
+    """The allreduce over every rank that ends each step (the loss sum, with the preemption vote and
+    batch check folded in: :data:`STEP_END_SYNC_BYTES`); 0 on one device."""
+    return cluster.allreduce_time(STEP_END_SYNC_BYTES, devices)
 
 
 # Share of a stage's backward that computes parameter gradients (W) when backward is split (zero-bubble

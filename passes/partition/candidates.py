@@ -16,9 +16,9 @@ from fxpipe.passes.partition.latency import PipelineSteps, pipeline_steps
 from fxpipe.sim.allreduce_overlap import stage_allreduce_offsets
 from fxpipe.sim.stagecost import (
     StageCost,
-    allreduce_time,
     allreduce_times,
     backward_seconds,
+    gradient_allreduce_time,
     message_seconds,
     own_allreduce_bytes,
     stage_cost,
@@ -132,7 +132,7 @@ class CandidateCosts:
         return cost.forward_s, backward_seconds(cost.forward_s, cost.backward_s, recompute), own
 
     def _allreduce(self, first: int, stop: int, devices: tuple[int, ...]) -> float:
-        return allreduce_time(self.cluster, self.cost(first, stop, 1, 1).param_bytes, devices)
+        return gradient_allreduce_time(self.cluster, self.cost(first, stop, 1, 1).param_bytes, devices)
 
     def _allreduce_tail(self, first: int, stop: int, replicas: int, one_host: bool, rows: int, own_bytes: int
                         ) -> float:

@@ -46,6 +46,7 @@ from fxpipe.sim.stagecost import (
     own_allreduce_bytes,
     split_backward_times,
     stage_cost,
+    step_end_sync_time,
     transfer_time,
 )
 
@@ -214,9 +215,8 @@ def stage_times(plan: Plan, chain: CostChain, cluster: Cluster) -> PipelineSteps
 def analytic_iteration_time(plan: Plan, chain: CostChain, cluster: Cluster) -> float:
     """DAPPLE's latency estimate of one iteration of ``plan`` (the same for early backward and GPipe;
     zero-bubble's gradients cross each stage in B alone), with the allreduce that ends every step."""
-    devices = sorted({device for stage in plan.stages for device in stage.devices})
     return (stage_times(plan, chain, cluster).latency(plan.num_microbatches, plan.schedule == "zero_bubble")
-            + cluster.step_end_sync_time(devices))
+            + step_end_sync_time(cluster, plan.all_devices()))
 
 
 def _check_lengths(forward_s: Sequence[float], backward_s: Sequence[float],

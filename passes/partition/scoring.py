@@ -17,6 +17,7 @@ from fxpipe.passes.partition.request import (
     PlanRequest,
     microbatch_grid,
 )
+from fxpipe.sim.stagecost import step_end_sync_time
 
 # A candidate whose simulated_lower_bound exceeds the best time by more than this is not simulated; the
 # slack only absorbs float rounding between the bound's product and the simulator's running sums.
@@ -98,7 +99,10 @@ def _score_candidate(request: PlanRequest, model: CandidateCosts, candidate: Can
         time_s, bubble = model.simulated[key]
         if best is None or time_s < best.time_s * (1 - margin):
             plan = plan or build_plan(model, candidate, schedule=schedule, warmup_policy=policy, planner=planner)
-            analytic_s = analytic_iteration_time(plan, request.chain, request.cluster)  # the pivot model's figure
+            # the pivot model's figure: the candidate's own, or that of the schedule tried when it differs
+            analytic_s = candidate.latency_s + step_end_sync_time(request.cluster, plan.all_devices())
+            if schedule == "zero_bubble" and model.schedule != schedule:
+                analytic_s = analytic_iteration_time(plan, request.chain, request.cluster)
             best = Scored(time_s, with_prediction(plan, time_s, bubble, analytic_s, 0.0))
 
     auto = request.schedule == AUTO_SCHEDULE
