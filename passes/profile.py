@@ -289,15 +289,29 @@ def _block_input(value: Any) -> Any:
 
 def run_forward(module: torch.nn.Module, args: Sequence[Any],
                 clock: Callable[[], float] = time.perf_counter) -> tuple[float, Any]:
-    """Seconds of one ``module(*args)`` and its output (gradients of the module and inputs cleared first)."""
+    """Seconds of one ``module(*args)`` and its output (gradients of the module and inputs cleared first).
+
+    The module gets fresh copies of the tensor arguments, made before the clock starts: a block whose
+    first op works in place on its input (``ReLU(inplace=True)``) modifies the copy, not an autograd
+    leaf (which autograd refuses), and every run starts from the same values. Gradients still reach
+    the ``args`` themselves; the empty block gets copies too, so the harness overhead includes them.
+    """
     for tensor in [*module.parameters(), *(a for a in args if isinstance(a, torch.Tensor))]:
         tensor.grad = None
+    copies = [_fresh_copy(arg) for arg in args]
     synchronize = synchronizer(device_of(module, args))
     synchronize()
     start = clock()
-    output = module(*args)
+    output = module(*copies)
     synchronize()
     return clock() - start, output
+
+
+def _fresh_copy(value: Any) -> Any:
+    """A tensor argument's clone (a non-leaf when it needs gradients); parameters and non-tensors as they are."""
+    if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+        return value.clone()
+    return value
 
 
 def run_backward(module: torch.nn.Module, args: Sequence[Any], output: Any,
