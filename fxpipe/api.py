@@ -52,8 +52,32 @@ class PipelinedModule:
         """
         if partial and inputs is None:
             inputs = {name: None for name in self.driver.program.model_inputs}
+        return self._collective(self.driver.step, self._positional(inputs, partial), targets, partial=partial)
+
+    def evaluate(self, inputs: Any, targets: Any) -> float:
+        """The loss of the global batch, forward only: what ``step`` would return, with no gradient touched.
+
+        Collective (every rank passes the same batch); runs under ``torch.no_grad`` in the module's
+        current mode, so call ``eval()`` first for dropout and BatchNorm as in validation.
+        """
+        from fxpipe.runtime.inference import evaluate
+
+        return self._collective(evaluate, self.driver, self._positional(inputs), targets)
+
+    def predict(self, inputs: Any) -> Any:
+        """The model's output for the global batch, with the structure the model returns, on every rank.
+
+        Collective and forward only, like :meth:`evaluate`; ``pipe(inputs)`` is the same call.
+        """
+        from fxpipe.runtime.inference import predict
+
+        return self._collective(predict, self.driver, self._positional(inputs))
+
+    __call__ = predict
+
+    def _collective(self, run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
-            return self.driver.step(self._positional(inputs, partial), targets, partial=partial)
+            return run(*args, **kwargs)
         except Exception as error:  # the job's root cause when this rank failed first (docs/faults.md)
             if self.driver.failures is not None:
                 self.driver.failures.note_error(error)

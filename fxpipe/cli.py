@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fxpipe.core.cluster import Cluster
-from fxpipe.core.schedule import SCHEDULES
+from fxpipe.core.schedule import TRAINING_SCHEDULES
 
 if TYPE_CHECKING:  # matplotlib is optional: the plot module loads only when a plot is asked for
     from fxpipe.core.chain import CostChain
@@ -33,7 +33,7 @@ def _add_planning_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", default=None, help="force replica counts per stage: 3:1, 1:1:1:1, dp; or "
                         "markers: cut at the model's pipe_split() calls, the planner picks replicas and placement")
     parser.add_argument("--num-microbatches", type=int, default=None, help="force M (default: planner chooses)")
-    parser.add_argument("--schedule", default="early_backward", choices=[*sorted(SCHEDULES), "auto"],
+    parser.add_argument("--schedule", default="early_backward", choices=[*sorted(TRAINING_SCHEDULES), "auto"],
                         help="early_backward (default, DAPPLE's 1F1B); zero_bubble splits backward (B, W); "
                              "auto: the planner picks per plan")
     parser.add_argument("--optimizer", default="adam", help="memory model: sgd, momentum, adam")

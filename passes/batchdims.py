@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -12,6 +11,7 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpipe.core import meta
+from fxpipe.core.fake_log import quiet_fake_tensor_log
 
 __all__ = [
     "BatchDimError",
@@ -222,22 +222,10 @@ def check_unambiguous(model: nn.Module, names: Sequence[str], values: Sequence[A
         "other dim has")
 
 
-@contextlib.contextmanager
-def _quiet_fake_tensor_log() -> Iterator[None]:
-    """A probe that fails is an answer, not an error: keep FakeTensorMode from logging its traceback."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 def _runs_with_rows(model: nn.Module, names: Sequence[str], values: Sequence[Any], dims: Sequence[int | None],
                     rows: int, bound: Mapping[str, Any]) -> bool:
     """Does ``model`` run on fakes with ``rows`` rows in ``dims``? (fake weights: the model is not changed)"""
-    with FakeTensorMode(allow_non_fake_inputs=True), _quiet_fake_tensor_log(), _fake_weights(model):
+    with FakeTensorMode(allow_non_fake_inputs=True), quiet_fake_tensor_log(), _fake_weights(model):
         kwargs = {name: _fake_input(value, dim, rows) for name, value, dim in zip(names, values, dims, strict=True)}
         try:
             model(**kwargs, **bound)

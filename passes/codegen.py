@@ -12,7 +12,7 @@ from torch import fx
 
 from fxpipe.core import meta
 from fxpipe.core.plan import Plan
-from fxpipe.core.program import MODEL_INPUT, SplitProgram, StageProgram, ValueSpec
+from fxpipe.core.program import MODEL_INPUT, SplitProgram, StageProgram, ValueSpec, tree_leaves
 from fxpipe.passes.batchdims import (
     MERGED,
     batch_size_of,
@@ -60,14 +60,15 @@ def split_stages(
     _check_crossing_values(consumers, at_batch, at_next, batch)
     producers = {name: assignment.get(name, MODEL_INPUT) for name in consumers}
     output_tree = _output_tree(gm)
-    leaves = _unique(_tree_leaves(output_tree))
+    leaves = _unique(tree_leaves(output_tree))
     stages = tuple(
         _build_stage(gm, index, members[index], consumers, producers, leaves if index == last else None)
         for index in range(last + 1)
     )
     model_inputs = tuple(node.name for node in gm.graph.nodes if node.op == "placeholder")
     value_names = _unique([*model_inputs, *consumers, *leaves])
-    values = {name: _spec(name, at_batch[name], at_next[name], batch) for name in value_names}
+    fixed = gm.meta.get(meta.STATIC_INPUT_DIMS, {})
+    values = {name: _spec(name, at_batch[name], at_next[name], batch, fixed.get(name, ())) for name in value_names}
     for leaf in leaves:
         producers.setdefault(leaf, last)  # a leaf no other stage reads is computed on the last stage
     for name in model_inputs:
@@ -311,16 +312,6 @@ def _output_tree(gm: fx.GraphModule) -> Any:
     return fx.node.map_arg(output.args[0], lambda node: node.name)  # type: ignore[arg-type,return-value]
 
 
-def _tree_leaves(tree: Any) -> list[str]:
-    if isinstance(tree, str):
-        return [tree]
-    if isinstance(tree, tuple | list):
-        return [leaf for item in tree for leaf in _tree_leaves(item)]
-    if isinstance(tree, dict):
-        return [leaf for item in tree.values() for leaf in _tree_leaves(item)]
-    return []  # constants (None, numbers) in the output are not values
-
-
 def _unique(names: Sequence[str] | Any) -> list[str]:
     return list(dict.fromkeys(names))
 
@@ -347,7 +338,7 @@ def _fake_values(gm: fx.GraphModule, example_inputs: Sequence[Any], dims: Sequen
         ) from error
 
 
-def _spec(name: str, value: Any, value_next: Any, batch: int | None) -> ValueSpec:
+def _spec(name: str, value: Any, value_next: Any, batch: int | None, fixed_dims: tuple[int, ...] = ()) -> ValueSpec:
     if not isinstance(value, torch.Tensor):
         return ValueSpec(name=name, shape=(), dtype=None, batched=False, is_tensor=False, requires_grad=False)
     batch_dim = derive_batch_dim(value, value_next, batch)
@@ -360,6 +351,7 @@ def _spec(name: str, value: Any, value_next: Any, batch: int | None) -> ValueSpe
         is_tensor=True,
         requires_grad=bool(value.requires_grad and value.dtype.is_floating_point),
         batch_dim=batch_dim if batched and batch_dim is not None else 0,
+        fixed_dims=tuple(fixed_dims),
     )
 
 

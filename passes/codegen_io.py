@@ -234,6 +234,7 @@ def _spec_to_json(spec: ValueSpec) -> dict[str, Any]:
         "batch_dim": spec.batch_dim,
         "is_tensor": spec.is_tensor,
         "requires_grad": spec.requires_grad,
+        "fixed_dims": list(spec.fixed_dims),
     }
 
 
@@ -249,6 +250,7 @@ def _spec_from_json(name: str, data: Mapping[str, Any]) -> ValueSpec:
         is_tensor=bool(data["is_tensor"]),
         requires_grad=bool(data["requires_grad"]),
         batch_dim=int(data.get("batch_dim", 0)),  # folders written before batch_dims: dim 0
+        fixed_dims=tuple(int(dim) for dim in data.get("fixed_dims", ())),
     )
 
 

@@ -42,9 +42,14 @@ def trace_export(model: nn.Module, inputs: TraceInputs, dims: Sequence[int | Non
     kwargs = {**dict(zip(inputs.names, inputs.values, strict=True)), **inputs.bound}
     batch_shapes = _batch_dynamic_shapes(inputs, dims)
     exported = None
-    if batch_shapes is not None:
-        try:  # a symbolic batch keeps every view generic in the batch size
-            exported = torch.export.export(model, (), kwargs, dynamic_shapes=batch_shapes, strict=False)
+    # a symbolic batch keeps every view generic in the batch size; the other dims (sequence length, image
+    # size) symbolic where the model allows (Dim.AUTO specialises a dim the model fixes instead of failing),
+    # so one program runs batches of other shapes (STATIC_INPUT_DIMS records the dims it fixed)
+    for shapes in (_other_dims_auto(inputs, batch_shapes), batch_shapes):
+        if shapes is None or exported is not None:
+            continue
+        try:
+            exported = torch.export.export(model, (), kwargs, dynamic_shapes=shapes, strict=False)
         except Exception:  # the model specialises the batch: export it static, annotate_costs names the op
             exported = None
     if exported is None:
@@ -55,7 +60,30 @@ def trace_export(model: nn.Module, inputs: TraceInputs, dims: Sequence[int | Non
     gm = fx.GraphModule(unlifted, graph, class_name=type(model).__name__)
     _annotate_module_paths(gm.graph)
     gm.meta[meta.SYMBOLIC_BATCH] = batch_shapes is not None and _has_symbolic_batch(gm.graph, dims)
+    gm.meta[meta.STATIC_INPUT_DIMS] = _static_input_dims(gm.graph)
     return gm
+
+
+def _other_dims_auto(inputs: TraceInputs, batch_shapes: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``batch_shapes`` with ``Dim.AUTO`` on every other dim of every batched tensor input."""
+    if batch_shapes is None:
+        return None
+    shapes = dict(batch_shapes)
+    for name, value in zip(inputs.names, inputs.values, strict=True):
+        batch = shapes.get(name)
+        if batch and isinstance(value, torch.Tensor):
+            shapes[name] = {dim: batch.get(dim, torch.export.Dim.AUTO) for dim in range(value.dim())}
+    return shapes
+
+
+def _static_input_dims(graph: fx.Graph) -> dict[str, tuple[int, ...]]:
+    """``{input name: dims export fixed}``: a batch of another size in such a dim does not fit the program."""
+    static = {}
+    for node in graph.nodes:
+        value = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(value, torch.Tensor):
+            static[node.name] = tuple(dim for dim, size in enumerate(value.shape) if isinstance(size, int))
+    return static
 
 
 def _export_static(model: nn.Module, kwargs: dict[str, Any]) -> torch.export.ExportedProgram:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from benchmarks import (
+    evaluate_vs_step,
     overhead,
     prediction_fidelity,
     runtime_fidelity,
@@ -115,6 +116,14 @@ def test_schedule_memory_smoke() -> None:
     stage0 = result["peaks"][0]
     assert 0 < stage0["early backward (A)"] < stage0["GPipe"]
     assert "Stage 0" in schedule_memory.report(result)
+
+
+@pytest.mark.multiprocess
+def test_evaluate_vs_step_smoke() -> None:
+    result = evaluate_vs_step.run(tiny(8, 4), num_warmup=0, num_steps=1)
+    for stage_peaks in result["peaks"]:
+        assert stage_peaks["evaluate"] == 0 < stage_peaks["step"]  # forward only saves nothing for backward
+    assert "evaluate / step" in evaluate_vs_step.report(result)
 
 
 @pytest.mark.multiprocess

@@ -10,6 +10,7 @@ from fxpipe.core.plan import Plan, StagePlan
 from fxpipe.core.schedule import Action, Op
 from fxpipe.passes import trace
 from fxpipe.passes.codegen import split_for_plan
+from fxpipe.runtime.batch_layout import infer_value_dtypes
 from fxpipe.runtime.comm import (
     PACK_ALIGN,
     MessageKind,
@@ -24,7 +25,7 @@ from fxpipe.runtime.comm import (
 )
 from fxpipe.runtime.driver import check_world, lowered_actions
 from fxpipe.runtime.errors import CommunicationError, PipelineSetupError
-from fxpipe.runtime.stage import infer_value_dtypes, rebuild_tree
+from fxpipe.runtime.stage import rebuild_tree
 from tests.mp_utils import plan_from_cuts
 
 torch.set_num_threads(1)

@@ -161,15 +161,41 @@ def test_lower_adds_transfers_and_allreduce() -> None:
 def test_one_schedule_registry_feeds_plans_the_cli_and_compile() -> None:
     from fxpipe.cli import _build_parser
     from fxpipe.compile_plan import _schedule_name
-    from fxpipe.core.schedule import SCHEDULES, schedule_name
+    from fxpipe.core.schedule import SCHEDULES, TRAINING_SCHEDULES, schedule_name
 
     choices = next(action.choices for sub in _build_parser()._subparsers._group_actions  # type: ignore[union-attr]
                    for action in sub.choices["plan"]._actions if action.dest == "schedule")
-    assert sorted(choices) == sorted([*SCHEDULES, "auto"])  # "auto": the planner picks per plan
-    for name, kind in SCHEDULES.items():
+    assert sorted(choices) == sorted([*TRAINING_SCHEDULES, "auto"])  # "auto": the planner picks per plan
+    assert set(SCHEDULES) - set(TRAINING_SCHEDULES) == {"forward_only"}  # evaluate/predict run it
+    for name, kind in TRAINING_SCHEDULES.items():
         built = make_schedule(name, 3, 4, "B")
         validate_schedule(built)
         assert all(schedule_name(alias) == name == _schedule_name(alias) for alias in (name, *kind.aliases))
         # all_in_flight says every stage runs all forwards before its first backward
         firsts = [[action.op for action in stage].index(Op.BACKWARD) for stage in built.per_stage]
         assert kind.all_in_flight == all(first == 4 for first in firsts)
+
+
+def test_forward_only_is_forwards_in_order_without_allreduce() -> None:
+    schedule = make_schedule("forward_only", 3, 2)
+    validate_schedule(schedule)
+    assert schedule.forward_only and not schedule.split_backward
+    assert [[str(a) for a in stage] for stage in lower(schedule)] == [
+        ["F0", "SA0", "F1", "SA1"],
+        ["RA0", "F0", "SA0", "RA1", "F1", "SA1"],
+        ["RA0", "F0", "RA1", "F1"],
+    ]
+    assert [inflight_peak(schedule, s) for s in range(3)] == [1, 1, 1]  # nothing kept for a backward
+
+
+def test_forward_only_cannot_train_a_plan_and_a_training_schedule_without_backwards_fails() -> None:
+    from dataclasses import replace
+
+    from fxpipe.core.plan import Plan, PlanError, StagePlan
+
+    with pytest.raises(ScheduleError, match="B of micro-batches"):
+        validate_schedule(replace(make_schedule("forward_only", 2, 2), name="gpipe"))
+    stages = (StagePlan(0, 0, 1, 1, (0,)), StagePlan(1, 1, 2, 1, (1,)))
+    Plan(4, 2, stages)  # a training schedule: fine
+    with pytest.raises(PlanError, match="forward_only.* is unknown"):
+        Plan(4, 2, stages, schedule="forward_only")

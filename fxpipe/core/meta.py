@@ -13,6 +13,8 @@ EXAMPLE_INPUTS = "fxpipe.example_inputs"  # tuple of the example inputs, one per
 INPUT_NAMES = "fxpipe.input_names"  # tuple of the placeholder names (the model's input names)
 STATE_DICT_NAMES = "fxpipe.state_dict_names"  # {key of the model's state_dict() -> canonical name}
 SYMBOLIC_BATCH = "fxpipe.symbolic_batch"  # bool: the export front end kept the batch dimension symbolic
+# {input name: dims the export front end fixed at the example's sizes}; absent (fx front end): none fixed
+STATIC_INPUT_DIMS = "fxpipe.static_input_dims"
 BATCH_DIMS = "fxpipe.batch_dims"  # tuple of each placeholder's batch dim (None: the input is not batched)
 BATCH_DIMS_DECLARED = "fxpipe.batch_dims_declared"  # bool: the user passed batch_dims (not the dim-0 default)
 # --- written by `trace` on the GraphModule and on each node; codegen writes the GraphModule key per stage

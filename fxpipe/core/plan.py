@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fxpipe.core.jsonvalues import JSONValueError, field_hints, read_field
-from fxpipe.core.schedule import SCHEDULES, WARMUP_POLICIES
+from fxpipe.core.schedule import TRAINING_SCHEDULES, WARMUP_POLICIES
 
 FORMAT_VERSION = 1
 PLAN_KEYWORDS = ("auto", "markers")
@@ -271,7 +271,8 @@ def validate_plan(plan: Plan) -> None:
     _check(isinstance(plan.allreduce_bucket_bytes, int) and plan.allreduce_bucket_bytes >= 0,
            f"allreduce_bucket_bytes must be a non-negative integer (0: allreduce after backward), got "
            f"{plan.allreduce_bucket_bytes!r}")
-    _check(plan.schedule in SCHEDULES, f"schedule {plan.schedule!r} is unknown; choose one of {sorted(SCHEDULES)}")
+    _check(plan.schedule in TRAINING_SCHEDULES,
+           f"schedule {plan.schedule!r} is unknown; choose one of {sorted(TRAINING_SCHEDULES)}")
     _check(plan.warmup_policy in WARMUP_POLICIES,
            f"warmup_policy {plan.warmup_policy!r} is unknown; choose one of {WARMUP_POLICIES}")
     _check(len(plan.stages) > 0, "a plan needs at least one stage")

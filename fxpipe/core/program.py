@@ -22,6 +22,9 @@ class ValueSpec:
     is_tensor: bool
     requires_grad: bool
     batch_dim: int = 0  # the dim holding the batch rows when ``batched`` (fxpipe.passes.batchdims derives it)
+    # model inputs: the dims the traced program fixed at the example's sizes (a batch must match them there);
+    # every other dim (sequence length, image size) may differ from step to step
+    fixed_dims: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -53,3 +56,14 @@ class SplitProgram:
 
 
 MODEL_INPUT = -1  # producer index of model inputs: every rank holds the global batch and slices it
+
+
+def tree_leaves(tree: Any) -> list[str]:
+    """The value names in an output tree (``SplitProgram.output_tree``), in order, repeats included."""
+    if isinstance(tree, str):
+        return [tree]
+    if isinstance(tree, tuple | list):
+        return [leaf for item in tree for leaf in tree_leaves(item)]
+    if isinstance(tree, dict):
+        return [leaf for item in tree.values() for leaf in tree_leaves(item)]
+    return []  # constants (None, numbers) in the output are not values

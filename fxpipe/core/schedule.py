@@ -1,4 +1,5 @@
-"""Pipeline schedules as data: per-stage action lists (GPipe, early-backward, zero-bubble), lowering, validation."""
+"""Pipeline schedules as data: per-stage action lists (GPipe, early-backward, zero-bubble, forward-only), lowering,
+validation."""
 
 from __future__ import annotations
 
@@ -57,6 +58,12 @@ class Schedule:
     def split_backward(self) -> bool:
         """Whether backward is split into B (input gradients) and W (parameter gradients)."""
         return any(action.op is Op.WEIGHT for actions in self.per_stage for action in actions)
+
+    @property
+    def forward_only(self) -> bool:
+        """Whether this is the forward-only schedule (evaluation and prediction): by name, so a training
+        schedule that lost its backwards still fails validation."""
+        return self.name == FORWARD_ONLY
 
 
 class ScheduleError(ValueError):
@@ -143,6 +150,24 @@ def zero_bubble(num_stages: int, num_microbatches: int, warmup_policy: str = "A"
     return Schedule(f"zero_bubble_{warmup_policy}", num_stages, num_microbatches, tuple(per_stage))
 
 
+FORWARD_ONLY = "forward_only"
+
+
+def forward_only(num_stages: int, num_microbatches: int) -> Schedule:
+    """Every micro-batch's forward in order, no backward: evaluation and prediction.
+
+    Nothing is kept for a backward, so a stage holds one micro-batch's activations at a time; the
+    pipeline fills as in GPipe's forward phase.
+    """
+    _check_sizes(num_stages, num_microbatches)
+    forwards = tuple(Action(Op.FORWARD, m) for m in range(num_microbatches))
+    return Schedule(FORWARD_ONLY, num_stages, num_microbatches, tuple(forwards for _ in range(num_stages)))
+
+
+def _forward_only_any_policy(num_stages: int, num_microbatches: int, warmup_policy: str) -> Schedule:
+    return forward_only(num_stages, num_microbatches)  # no backward: no warm-up to choose
+
+
 def _gpipe_any_policy(num_stages: int, num_microbatches: int, warmup_policy: str) -> Schedule:
     return gpipe(num_stages, num_microbatches)  # every micro-batch is in flight: no warm-up policy applies
 
@@ -155,6 +180,7 @@ class ScheduleKind:
     build: Callable[[int, int, str], Schedule]  # (num_stages, num_microbatches, warmup_policy)
     aliases: tuple[str, ...] = ()
     all_in_flight: bool = False
+    trains: bool = True  # False: no backward (evaluate/predict run it); a training plan cannot name it
 
 
 # The one registry of schedules: plans, the planner, the CLI and fxpipe.compile all read it.
@@ -162,13 +188,16 @@ SCHEDULES: dict[str, ScheduleKind] = {
     "early_backward": ScheduleKind(early_backward, aliases=("dapple", "1f1b")),
     "gpipe": ScheduleKind(_gpipe_any_policy, all_in_flight=True),
     "zero_bubble": ScheduleKind(zero_bubble, aliases=("zb", "zbh1")),
+    FORWARD_ONLY: ScheduleKind(_forward_only_any_policy, aliases=("eval",), trains=False),
 }
+# The schedules a plan trains with (plans, the planner and the CLI offer these).
+TRAINING_SCHEDULES: dict[str, ScheduleKind] = {name: kind for name, kind in SCHEDULES.items() if kind.trains}
 WARMUP_POLICIES = ("A", "B")  # DAPPLE's warm-up policies for early backward (see warmup_forwards)
 
 
 def schedule_names() -> list[str]:
-    """Every name a user may write for a schedule (plan names and aliases), sorted."""
-    return sorted([*SCHEDULES, *(alias for kind in SCHEDULES.values() for alias in kind.aliases)])
+    """Every name a user may write for a training schedule (plan names and aliases), sorted."""
+    return sorted([*TRAINING_SCHEDULES, *(alias for kind in TRAINING_SCHEDULES.values() for alias in kind.aliases)])
 
 
 def schedule_name(name: str) -> str:
@@ -192,9 +221,10 @@ def lower(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
     A forward is preceded by receiving its activations (except on stage 0) and followed by
     sending them (except on the last stage); a backward mirrors this with gradients. A WEIGHT
     action moves nothing. The allreduce follows the stage's last backward or weight action, so
-    it sums only complete gradients.
+    it sums only complete gradients; a forward-only schedule has no gradients and no allreduce.
     """
     last = schedule.num_stages - 1
+    reduces = not schedule.forward_only
     lowered = []
     for stage_index, actions in enumerate(schedule.per_stage):
         out: list[Action] = []
@@ -216,7 +246,8 @@ def lower(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
                 out.append(action)
             else:
                 raise ScheduleError(f"stage {stage_index}: unlowered schedules hold only F, B and W, got {action}")
-        out.append(Action(Op.ALLREDUCE))
+        if reduces:
+            out.append(Action(Op.ALLREDUCE))
         lowered.append(tuple(out))
     return tuple(lowered)
 
@@ -227,6 +258,8 @@ def inflight_peak(schedule: Schedule, stage_index: int) -> int:
     if not 0 <= stage_index < len(schedule.per_stage):
         raise ScheduleError(f"stage {stage_index} is not in schedule {schedule.name!r} "
                             f"(stages 0..{len(schedule.per_stage) - 1})")
+    if schedule.forward_only:  # nothing is kept for a backward: one micro-batch at a time
+        return 1 if schedule.per_stage[stage_index] else 0
     release = Op.WEIGHT if schedule.split_backward else Op.BACKWARD
     inflight = peak = 0
     for action in schedule.per_stage[stage_index]:
@@ -257,16 +290,18 @@ def _shape_problems(schedule: Schedule) -> list[str]:
     if len(schedule.per_stage) != schedule.num_stages:
         return [f"num_stages is {schedule.num_stages} but per_stage has {len(schedule.per_stage)} lists"]
     problems: list[str] = []
-    split = schedule.split_backward
+    split, trains = schedule.split_backward, not schedule.forward_only
     for stage_index, actions in enumerate(schedule.per_stage):
         problems.extend(f"stage {stage_index}: {p}"
-                        for p in _stage_problems(actions, schedule.num_microbatches, split))
+                        for p in _stage_problems(actions, schedule.num_microbatches, split, trains))
     return problems
 
 
-def _stage_problems(actions: tuple[Action, ...], num_microbatches: int, split: bool) -> list[str]:
+def _stage_problems(actions: tuple[Action, ...], num_microbatches: int, split: bool, trains: bool = True) -> list[str]:
     problems = []
-    done: dict[Op, set[int]] = {Op.FORWARD: set(), Op.BACKWARD: set()}
+    done: dict[Op, set[int]] = {Op.FORWARD: set()}
+    if trains:
+        done[Op.BACKWARD] = set()
     if split:
         done[Op.WEIGHT] = set()
     for step, action in enumerate(actions):

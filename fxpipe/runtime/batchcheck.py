@@ -85,20 +85,25 @@ class BatchChecker:
         # a world of one has no other batch to compare: no digest, no collective, no cost per step
         self.active = self.mode != "off" and dist.is_initialized() and dist.get_world_size() > 1
 
-    def check(self, inputs: tuple[Any, ...], targets: Any, *, partial: bool = False) -> None:
-        """Before the step: digest the batch; on the first steps, compare now (all ranks call it).
+    def check(self, inputs: tuple[Any, ...], targets: Any, *, partial: bool = False, new_shape: bool = False,
+              fold: bool = True) -> None:
+        """Before the step: digest the batch; on the first steps and for a shape this rank has not run
+        (``new_shape``, the same on every rank that passes the same batches), compare now (all ranks call it):
+        ranks with other shapes would post transfers of other sizes.
 
         Partial data differs between ranks by design: then only the choice of partial data is compared.
+        ``fold=False`` (a pass that ends without the loss allreduce): later steps are not compared.
         """
         self.folded = None
         if not self.active:
             return
         leaves = tree_flatten((tuple(inputs), targets))[0]
         layout = layout_digest(["partial data"] if partial else leaves)
-        wants_data = not partial and (self.mode == "always" or self.num_steps < NUM_CHECKED_FIRST_STEPS
-                                      or layout != self.last_layout)
+        before_step = self.mode == "always" or self.num_steps < NUM_CHECKED_FIRST_STEPS or new_shape
+        wants_data = not partial and (before_step or layout != self.last_layout)
+        if not before_step and not fold:
+            return
         data = data_digest(leaves) if wants_data else 0
-        before_step = self.mode == "always" or self.num_steps < NUM_CHECKED_FIRST_STEPS
         self.num_steps += 1
         self.last_layout = layout
         if before_step:

@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe.core import schedule as schedules
 from fxpipe.core.plan import Plan
 from fxpipe.runtime import preemption
+from fxpipe.runtime.batch_layout import batch_rows, infer_value_dtypes, make_layout
 from fxpipe.runtime.batchcheck import BatchChecker, check_shapes, describe_batch_dims
 from fxpipe.runtime.buckets import split_overlapped
 from fxpipe.runtime.comm import (
@@ -34,8 +35,8 @@ from fxpipe.runtime.failures import FailureLog
 from fxpipe.runtime.measure import ActionTimer, MeasureMode, SavedActivationMeter, StepStats
 from fxpipe.runtime.receives import Inbox
 from fxpipe.runtime.rows import RowMap
-from fxpipe.runtime.stage import LossFn, StageRunner, infer_value_dtypes, read_local_loss
-from fxpipe.runtime.stage_routes import StageRoutes, gradient_routes
+from fxpipe.runtime.stage import LossFn, StageRunner, read_local_loss
+from fxpipe.runtime.stage_routes import ShapedStep, gradient_routes
 
 if TYPE_CHECKING:
     from fxpipe.core.program import SplitProgram
@@ -44,11 +45,12 @@ Op = schedules.Op
 
 
 @dataclass
-class _StepState:
+class StepState:
     """Everything one step keeps between actions, per micro-batch."""
 
     inputs: tuple[Any, ...]
     targets: Any
+    shaped: ShapedStep  # the batch's layout: rows, routes and messages per micro-batch
     partial: bool = False  # inputs/targets hold only this replica's rows (RowMap), not the global batch
     received: dict[int, dict[str, Any]] = field(default_factory=dict)
     outputs: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -99,8 +101,9 @@ class PipelineDriver:
         self.actions = lowered_actions(plan, self.stage_index)
         # zero-bubble: B computes input gradients only and W (after it) the parameter gradients
         self.split_backward = any(action.op is Op.WEIGHT for action in self.actions)
-        self.rows = RowMap.of(plan, self.replica_index, self.num_replicas)
+        self.rows = RowMap.of(plan, self.replica_index, self.num_replicas)  # at the plan's batch (partial data)
         self.value_index = {name: i for i, name in enumerate(sorted(program.values))}
+        self.autocast_dtype = autocast_dtype
         self.dtypes = infer_value_dtypes(program, context.device, autocast_dtype)
         self.runner = StageRunner(self.stage, program, context.device, loss_fn=loss_fn,
                                   autocast_dtype=autocast_dtype, loss_reduction=loss_reduction,
@@ -108,15 +111,17 @@ class PipelineDriver:
         # run at the start and at the end of every step (deferred BN statistics: reset, commit)
         self.start_hooks: list[Callable[[], None]] = []
         self.step_hooks: list[Callable[[], None]] = []
-        routes = StageRoutes.of(program, plan, self.stage_index, self.rank, self.dtypes)
-        self.in_routes, self.out_routes, self.grad_rows = routes.inputs, routes.outputs, routes.gradient_rows
+        # one ShapedStep per batch shape seen (the plan's is made now): no message asks a peer for shapes
+        plan_rows = plan.global_batch_size
+        self.plan_step = ShapedStep.of(program, plan, self.stage_index, self.rank, make_layout(
+            program, plan, [_example(program.values[n]) for n in program.model_inputs], plan_rows, context.device,
+            autocast_dtype, self.dtypes))
+        self.shaped_steps: dict[Any, ShapedStep] = {}
         self.exchange = PeerExchange(self.rank, context.device, timeout_s)
         self.preempted = False  # see fxpipe.runtime.preemption
         self.exchange.failures = self.failures = FailureLog.for_default_group(self, self.rank, context.world_size)
         self.batch_checker = BatchChecker(check_batch, self.exchange, describe_batch_dims(program, target_batch_dim))
         self.inbox = Inbox(self.exchange, context.device, self._tag,
-                           {MessageKind.ACTIVATION: routes.activation_pieces,
-                            MessageKind.GRADIENT: routes.gradient_pieces},
                            {kind: [a.microbatch_index for a in self.actions if a.op is op]
                             for kind, op in ((MessageKind.ACTIVATION, Op.RECV_ACTIVATION),
                                              (MessageKind.GRADIENT, Op.RECV_GRADIENT))},
@@ -134,6 +139,7 @@ class PipelineDriver:
         # the micro-batch whose backward (W under split backward) accumulates the step's last gradients
         grad_op = Op.WEIGHT if self.split_backward else Op.BACKWARD
         self._last_backward = [a.microbatch_index for a in self.actions if a.op is grad_op][-1]
+        self.forward_only = False  # True while evaluate/predict run (fxpipe.runtime.inference)
         self.measure = MeasureMode.OFF  # what each step records in last_stats (see MeasureMode)
         self.last_stats: StepStats | None = None
         self._meter: SavedActivationMeter | None = None
@@ -176,17 +182,15 @@ class PipelineDriver:
         """
         if self.failures is not None:
             self.failures.step_index += 1
-        self.inbox.check_clean()  # local refusals first: a collective with ranks that went on would hang
-        self.batch_checker.check(inputs, targets, partial=partial)
-        self.check_batch(inputs, targets, partial=partial)
-        self.inbox.start_step()
+        shaped = self.begin(inputs, targets, partial=partial)
+        self.inbox.start_step(shaped.messages)
         for hook in self.start_hooks:
             hook()
         stash = self._stash_grads() if self._stashes else None
-        state = _StepState(inputs, targets, partial)
+        state = StepState(inputs, targets, shaped, partial)
         self.runner.reset()
-        handlers = {Op.RECV_ACTIVATION: self._recv_activation, Op.FORWARD: self._forward,
-                    Op.SEND_ACTIVATION: self._send_activation, Op.RECV_GRADIENT: self._recv_gradient,
+        handlers = {Op.RECV_ACTIVATION: self.recv_activation, Op.FORWARD: self._forward,
+                    Op.SEND_ACTIVATION: self.send_activation, Op.RECV_GRADIENT: self._recv_gradient,
                     Op.BACKWARD: self._backward_input if self.split_backward else self._backward,
                     Op.WEIGHT: self._backward_weight, Op.SEND_GRADIENT: self._send_gradient}
         if self.measure is MeasureMode.OFF:
@@ -195,8 +199,8 @@ class PipelineDriver:
             self._measured_step(state, stash, handlers)
         return state.loss
 
-    def _run_actions(self, state: _StepState, stash: dict[int, torch.Tensor | None] | None,
-                     handlers: Mapping[Op, Callable[[_StepState, int], None]], timer: ActionTimer | None) -> None:
+    def _run_actions(self, state: StepState, stash: dict[int, torch.Tensor | None] | None,
+                     handlers: Mapping[Op, Callable[[StepState, int], None]], timer: ActionTimer | None) -> None:
         """This rank's actions in schedule order, then the step's end; ``timer`` records each action."""
         for action in self.actions:
             started = timer.start() if timer is not None else 0.0
@@ -208,8 +212,8 @@ class PipelineDriver:
                 timer.stop(action, started)
         self._finish(state, stash)
 
-    def _measured_step(self, state: _StepState, stash: dict[int, torch.Tensor | None] | None,
-                       handlers: Mapping[Op, Callable[[_StepState, int], None]]) -> None:
+    def _measured_step(self, state: StepState, stash: dict[int, torch.Tensor | None] | None,
+                       handlers: Mapping[Op, Callable[[StepState, int], None]]) -> None:
         """The same step with a timeline of every action and exact saved-activation bytes (StepStats)."""
         meter: SavedActivationMeter | None = None
         if self.measure is MeasureMode.FULL:
@@ -228,25 +232,47 @@ class PipelineDriver:
         self.last_stats = StepStats(self.rank, self.stage_index, step_time,
                                     meter.peak_bytes if meter is not None else None, tuple(timer.events))
 
-    def check_batch(self, inputs: tuple[Any, ...], targets: Any, *, partial: bool = False) -> None:
-        """Shapes against the plan, on every rank before any communication (all ranks see the same batch)."""
-        check_shapes(self.program, inputs, targets,
-                     num_rows=self.rows.num_rows if partial else self.plan.global_batch_size,
-                     reads=self.stage.input_values if partial else None, reads_targets=self.is_last or not partial,
-                     target_batch_dim=self.target_batch_dim)
+    def begin(self, inputs: tuple[Any, ...], targets: Any, *, partial: bool = False,
+              fold: bool = True) -> ShapedStep:
+        """Check the batch and find its layout, on every rank before any transfer; returns the ShapedStep.
+
+        Local refusals come first and last: a collective with ranks that went on would hang. The batch
+        check compares the batch over all ranks before the first steps and before any shape this rank has
+        not run yet (all ranks pass the same batches, so all see the same shapes as new); later it folds
+        into the step's closing allreduce (``fold=False``: nothing folds, only the compare before).
+        Every rank sees the same batch, so every rank works out the same layout and raises the same errors.
+        """
+        self.inbox.check_clean()
+        key = None if partial else _shape_signature(inputs, targets)
+        shaped = self.plan_step if partial else self.shaped_steps.get(key)
+        self.batch_checker.check(inputs, targets, partial=partial, new_shape=shaped is None, fold=fold)
+        if partial:  # partial data runs at the plan's shapes (the rows each rank reads are the plan's)
+            check_shapes(self.program, inputs, targets, num_rows=self.rows.num_rows, reads=self.stage.input_values,
+                         reads_targets=self.is_last, target_batch_dim=self.target_batch_dim)
+            return self.plan_step
+        if shaped is None:
+            num_rows = batch_rows(self.program, self.plan, inputs, targets, target_batch_dim=self.target_batch_dim)
+            layout = make_layout(self.program, self.plan, inputs, num_rows, self.context.device, self.autocast_dtype,
+                                 self.dtypes)
+            shaped = ShapedStep.of(self.program, self.plan, self.stage_index, self.rank, layout)
+            if len(self.shaped_steps) >= MAX_CACHED_SHAPES:  # a loop over ever-new lengths: forget the oldest
+                self.shaped_steps.pop(next(iter(self.shaped_steps)))
+            self.shaped_steps[key] = shaped
+        return shaped
 
     def _tag(self, kind: MessageKind, microbatch_index: int, value: str) -> int:
         return message_tag(kind, microbatch_index, self.value_index[value], len(self.value_index))
 
-    def _recv_activation(self, state: _StepState, m: int) -> None:
+    def recv_activation(self, state: StepState, m: int) -> None:
         received: dict[str, Any] = {}
-        for name, routes in self.in_routes.items():
+        in_routes = state.shaped.routes[m].inputs
+        for name, routes in in_routes.items():
             if not self.program.values[name].is_tensor:
                 tags = (self._tag(MessageKind.OBJECT_LENGTH, m, name), self._tag(MessageKind.OBJECT_BYTES, m, name))
                 received[name] = self.exchange.recv_object(routes[0].sender_rank, tags,
                                                            f"receive object {name!r} of micro-batch {m}")
         pieces = self.inbox.take(MessageKind.ACTIVATION, m)
-        for name, routes in self.in_routes.items():
+        for name, routes in in_routes.items():
             if self.program.values[name].is_tensor:
                 bufs = [pieces[name, index] for index in range(len(routes))]
                 received[name] = bufs[0] if len(bufs) == 1 else torch.cat(bufs, self.program.values[name].batch_dim)
@@ -266,16 +292,24 @@ class PipelineDriver:
                         f"send {what} {', '.join(map(repr, names))} of micro-batch {m}"))
         return self.exchange.post(ops)
 
-    def _forward(self, state: _StepState, m: int) -> None:
-        start, stop = self.rows.local(m) if state.partial else self.rows.per_microbatch[m]
-        values = dict(state.received.get(m, {}))
+    def stage_inputs(self, state: StepState, m: int) -> tuple[dict[str, Any], Any, float]:
+        """Micro-batch ``m``'s stage inputs (received and sliced from the batch), targets and loss weight."""
+        rows = state.shaped.rows
+        start, stop = rows.local(m) if state.partial else rows.per_microbatch[m]
+        values = state.received.pop(m, {}) if self.forward_only else dict(state.received.get(m, {}))
         for index, name in enumerate(self.program.model_inputs):
             if name in self.stage.input_values:
                 spec = self.program.values[name]
                 values[name] = self._slice(state.inputs[index], spec.batch_dim if spec.batched else None, start, stop)
+        if not self.is_last or state.targets is None:
+            return values, None, 1.0
+        targets = tree_map(lambda t: self._slice(t, self.target_batch_dim, start, stop), state.targets)
+        weight = (stop - start) / state.shaped.layout.num_rows if self.runner.loss_reduction == "mean" else 1.0
+        return values, targets, weight
+
+    def _forward(self, state: StepState, m: int) -> None:
+        values, targets, weight = self.stage_inputs(state, m)
         if self.is_last:
-            targets = tree_map(lambda t: self._slice(t, self.target_batch_dim, start, stop), state.targets)
-            weight = (stop - start) / self.plan.global_batch_size if self.runner.loss_reduction == "mean" else 1.0
             loss, count = self.runner.forward_loss(m, values, targets, weight)
             state.loss_parts.append(loss)  # no float(loss) here: it would wait for the device per micro-batch
             state.count_parts.append(count)
@@ -294,10 +328,10 @@ class PipelineDriver:
         # caller may reuse its batch after step() (a copy to the CPU must block: CPU ops do not wait)
         return value.to(self.context.device, non_blocking=self.context.device.type == "cuda")
 
-    def _send_activation(self, state: _StepState, m: int) -> None:
+    def send_activation(self, state: StepState, m: int) -> None:
         outputs = state.outputs[m]
         outgoing: list[tuple[int, str, torch.Tensor]] = []
-        for name, routes in self.out_routes.items():
+        for name, routes in state.shaped.routes[m].outputs.items():
             value = outputs[name]
             for route in routes:
                 if not isinstance(value, torch.Tensor):
@@ -311,17 +345,17 @@ class PipelineDriver:
                 outgoing.append((route.receiver_rank, name, piece))
         state.sends.extend(self._send(MessageKind.ACTIVATION, m, outgoing, "activation"))
 
-    def _recv_gradient(self, state: _StepState, m: int) -> None:
+    def _recv_gradient(self, state: StepState, m: int) -> None:
         outputs = state.outputs[m]
         grads: dict[str, torch.Tensor] = {}
         for (name, index), buf in self.inbox.take(MessageKind.GRADIENT, m).items():
-            rows = self.grad_rows[name, index]
+            rows = state.shaped.routes[m].gradient_rows[name, index]
             grad = grads.setdefault(name, torch.zeros_like(outputs[name]))
             target = grad if rows is None else take_rows(grad, self.program.values[name].batch_dim, *rows)
             target.add_(buf)
         state.output_grads[m] = grads
 
-    def _backward(self, state: _StepState, m: int) -> None:
+    def _backward(self, state: StepState, m: int) -> None:
         with self._overlapping(m):
             state.input_grads[m] = self.runner.backward(m, state.output_grads.pop(m, {}))
         state.outputs.pop(m, None)
@@ -336,11 +370,11 @@ class PipelineDriver:
         if overlap is not None:
             overlap.backward_done()
 
-    def _backward_input(self, state: _StepState, m: int) -> None:
+    def _backward_input(self, state: StepState, m: int) -> None:
         state.input_grads[m] = self.runner.backward_input(m, state.output_grads.pop(m, {}))
         state.outputs.pop(m, None)
 
-    def _backward_weight(self, state: _StepState, m: int) -> None:
+    def _backward_weight(self, state: StepState, m: int) -> None:
         overlap = self.overlap if m == self._last_backward else None
         if overlap is None:
             self.runner.backward_weight(m)
@@ -352,10 +386,10 @@ class PipelineDriver:
         self.runner.backward_weight(m, overlap.gradient_ready)
         overlap.backward_done()
 
-    def _send_gradient(self, state: _StepState, m: int) -> None:
+    def _send_gradient(self, state: StepState, m: int) -> None:
         grads, received = state.input_grads.pop(m), state.received.pop(m)
         outgoing: list[tuple[int, str, torch.Tensor]] = []
-        for name, routes in gradient_routes(self.program, self.in_routes):
+        for name, routes in gradient_routes(self.program, state.shaped.routes[m].inputs):
             grad = grads.get(name)
             if grad is None:  # the stage did not use the value on a differentiable path
                 grad = torch.zeros_like(received[name])
@@ -375,7 +409,7 @@ class PipelineDriver:
             param.grad = None
         return stash
 
-    def _start_allreduce(self, state: _StepState) -> None:
+    def _start_allreduce(self, state: StepState) -> None:
         if self.overlap is not None:
             state.reductions.extend(self.overlap.launch_rest())
         for group, params in self.reduce_sets:
@@ -388,7 +422,7 @@ class PipelineDriver:
                 work, flat = allreduce_async(tensors, group)
                 state.reductions.append((work, flat, tensors))
 
-    def _finish(self, state: _StepState, stash: dict[int, torch.Tensor | None] | None) -> None:
+    def _finish(self, state: StepState, stash: dict[int, torch.Tensor | None] | None) -> None:
         for work, flat, tensors in state.reductions:
             self.exchange.wait([Pending(work, -1, f"gradient allreduce of stage {self.stage_index}", flat)])
             unflatten_into(flat, tensors)
@@ -402,12 +436,17 @@ class PipelineDriver:
         for hook in self.step_hooks:
             hook()
 
-    def _broadcast_loss(self, state: _StepState) -> float:
+    def _broadcast_loss(self, state: StepState) -> float:
         """Sum the last stage replicas' weighted losses and hand the total to every rank.
 
         ``token_mean``: the slices' losses are sums; the total count comes with the loss, and this
         step's gradients (already summed over ranks) are divided by it, as one process would.
         """
+        return self.runner.batch_loss(*self.reduce_loss(state), self._param_list)
+
+    def reduce_loss(self, state: StepState) -> tuple[float, float]:
+        """The summed weighted losses and counts of all last-stage replicas, on every rank (one allreduce that
+        also carries the preemption vote and the folded batch check)."""
         loss_sum, count = read_local_loss(state.loss_parts, state.count_parts)
         if self.context.world_size > 1:  # a world of one has nothing to add (and no batch to compare)
             folds = self.batch_checker.fold_values()
@@ -421,7 +460,7 @@ class PipelineDriver:
             self.batch_checker.check_folded(folded)
         else:
             self.preempted = preemption.vote() > 0
-        return self.runner.batch_loss(loss_sum, count, self._param_list)
+        return loss_sum, count
 
     def gather_stats(self) -> list[StepStats]:
         """Every rank's StepStats of the last measured step, by rank (a collective: call on all ranks)."""
@@ -430,6 +469,20 @@ class PipelineDriver:
         gathered: list[StepStats | None] = [None] * self.context.world_size
         dist.all_gather_object(gathered, self.last_stats)
         return [stats for stats in gathered if stats is not None]
+
+
+MAX_CACHED_SHAPES = 64  # ShapedSteps kept per driver (each holds a few small route tables)
+
+
+def _shape_signature(inputs: tuple[Any, ...], targets: Any) -> tuple[Any, ...]:
+    """What decides a batch's layout and checks: every tensor's shape and dtype (other leaves: their type)."""
+    return tuple((tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else type(leaf)
+                 for leaf in (*inputs, *tree_flatten(targets)[0]))
+
+
+def _example(spec: Any) -> Any:
+    """A meta tensor of the plan's shape for a tensor value (None otherwise): the plan's layout without data."""
+    return torch.empty(spec.shape, dtype=spec.dtype, device="meta") if spec.is_tensor else None
 
 
 def _unique_params(named: Any) -> list[tuple[str, torch.nn.Parameter]]:

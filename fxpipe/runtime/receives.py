@@ -16,7 +16,7 @@ Tag = Callable[[MessageKind, int, str], int]  # (kind, micro-batch, value name) 
 
 
 @dataclass(frozen=True)
-class _Message:
+class Message:
     """What one peer sends per micro-batch: its pieces' keys, and their layouts when packed together."""
 
     peer: int
@@ -27,7 +27,7 @@ class _Message:
     names: str  # for error messages
 
 
-def _messages(pieces: Sequence[Piece]) -> list[_Message]:
+def _messages(pieces: Sequence[Piece]) -> list[Message]:
     by_peer: dict[int, list[tuple[tuple[str, int], tuple[int, ...], torch.dtype]]] = {}
     for peer, key, shape, dtype in pieces:
         by_peer.setdefault(peer, []).append((key, shape, dtype))
@@ -36,17 +36,27 @@ def _messages(pieces: Sequence[Piece]) -> list[_Message]:
         keys = tuple(key for key, _, _ in items)
         names = ", ".join(repr(name) for name, _ in keys)
         if len(items) == 1:
-            messages.append(_Message(peer, keys, None, items[0][1], items[0][2], names))
+            messages.append(Message(peer, keys, None, items[0][1], items[0][2], names))
         else:
             layouts = [(shape, dtype) for _, shape, dtype in items]
-            messages.append(_Message(peer, keys, layouts, (packed_bytes(layouts),), torch.uint8, names))
+            messages.append(Message(peer, keys, layouts, (packed_bytes(layouts),), torch.uint8, names))
     return messages
 
 
 @dataclass
 class _Posted:
     pending: list[Pending]
-    messages: list[_Message]
+    messages: list[Message]
+
+
+# kind -> per micro-batch -> the messages that micro-batch receives (one per peer)
+MessagePlan = Mapping[MessageKind, Sequence[Sequence[Message]]]
+
+
+def plan_messages(pieces: Mapping[MessageKind, Sequence[Sequence[Piece]]]) -> dict[MessageKind, list[list[Message]]]:
+    """The messages of every kind and micro-batch from their pieces (done once per batch layout)."""
+    return {kind: [_messages(microbatch_pieces) for microbatch_pieces in per_microbatch]
+            for kind, per_microbatch in pieces.items()}
 
 
 class Inbox:
@@ -58,22 +68,24 @@ class Inbox:
     ranks compute, against 0.02-0.04 ms when the receive was already posted). With ``ahead`` the
     inbox posts the first receive of each kind when a step starts and the next one whenever it
     hands one out. Not for NCCL: its point-to-point operations between two ranks run in order on
-    one stream, so an early receive would hold back this rank's sends to that peer.
+    one stream, so an early receive would hold back this rank's sends to that peer. Each step says
+    which messages it receives (:meth:`start_step`): their shapes follow the step's batch.
     """
 
     def __init__(self, exchange: PeerExchange, device: torch.device, tag: Tag,
-                 pieces: Mapping[MessageKind, Sequence[Piece]], order: Mapping[MessageKind, Sequence[int]],
-                 *, ahead: bool) -> None:
+                 order: Mapping[MessageKind, Sequence[int]], *, ahead: bool) -> None:
         self.exchange, self.device, self.tag, self.ahead = exchange, device, tag, ahead
-        self.messages = {kind: _messages(kind_pieces) for kind, kind_pieces in pieces.items()}
         # the micro-batch each kind receives after micro-batch m (-1: the first), in action order
         self.following = {kind: dict(zip([-1, *ms], ms, strict=False)) for kind, ms in order.items()}
         self.posted: dict[tuple[MessageKind, int], _Posted] = {}
+        self.messages: MessagePlan = {}
 
-    def start_step(self) -> None:
-        """Post each kind's first receive; refuse if a failed step left receives posted."""
+    def start_step(self, messages: MessagePlan) -> None:
+        """Receive ``messages`` this step (kinds left out: none); post each kind's first receive; refuse if a
+        failed step left receives posted."""
         self.check_clean()
-        for kind in self.following:
+        self.messages = messages
+        for kind in messages:
             self._post_following(kind, -1)
 
     def check_clean(self) -> None:
@@ -96,13 +108,13 @@ class Inbox:
 
     def _post_following(self, kind: MessageKind, m: int) -> None:
         following = self.following[kind].get(m)
-        if self.ahead and following is not None and self.messages[kind]:
+        if self.ahead and following is not None and self.messages[kind][following]:
             self.posted[kind, following] = self._post(kind, following)
 
     def _post(self, kind: MessageKind, m: int) -> _Posted:
         what = "activation" if kind is MessageKind.ACTIVATION else "gradient of"
-        messages = self.messages[kind]
+        messages = self.messages[kind][m]
         ops = [(False, torch.empty(message.shape, dtype=message.dtype, device=self.device), message.peer,
                 self.tag(kind, m, message.keys[0][0]), f"receive {what} {message.names} of micro-batch {m}")
                for message in messages]
-        return _Posted(self.exchange.post(ops), messages)
+        return _Posted(self.exchange.post(ops), list(messages))

@@ -7,8 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fxpipe.core.plan import Plan
-from fxpipe.runtime.comm import slice_rows
+from fxpipe.core.plan import Plan, row_ranges
 
 if TYPE_CHECKING:
     from fxpipe.core.program import SplitProgram
@@ -28,8 +27,14 @@ class RowMap:
 
     @classmethod
     def of(cls, plan: Plan, replica_index: int, num_replicas: int) -> RowMap:
-        return cls(tuple(slice_rows(m, plan.microbatch_size, replica_index, num_replicas)
-                         for m in range(plan.num_microbatches)))
+        """At the plan's global batch size."""
+        return cls.split(row_ranges(plan.global_batch_size, plan.num_microbatches), replica_index, num_replicas)
+
+    @classmethod
+    def split(cls, microbatch_ranges: RowRanges, replica_index: int, num_replicas: int) -> RowMap:
+        """Replica ``replica_index``'s share of each micro-batch ``[start, stop)`` (shares differ by at most a row)."""
+        return cls(tuple((start + first, start + last) for start, stop in microbatch_ranges
+                         for first, last in (row_ranges(stop - start, num_replicas)[replica_index],)))
 
     @property
     def num_rows(self) -> int:

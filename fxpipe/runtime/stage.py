@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpipe.runtime.errors import BatchShapeError, PipelineSetupError
+from fxpipe.runtime.inplace import inputs_changed_in_place
 from fxpipe.runtime.measure import SavedActivationMeter
 from fxpipe.runtime.recompute import checkpointed_call, recomputed_bytes
 from fxpipe.runtime.split_backward import WeightWork, backward_inputs, backward_weights, weight_params
 
 if TYPE_CHECKING:
-    from fxpipe.core.program import SplitProgram, StageProgram, ValueSpec
+    from fxpipe.core.program import SplitProgram, StageProgram
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -49,39 +48,6 @@ def autocast_context(device: torch.device, dtype: torch.dtype | None) -> context
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def infer_value_dtypes(program: SplitProgram, device: torch.device,
-                       autocast_dtype: torch.dtype | None) -> dict[str, torch.dtype | None]:
-    """Dtype of every value as the stages produce it, under autocast when it is on.
-
-    Runs the stage modules in order on fake tensors of the plan-time shapes (no memory, no data),
-    so every rank knows its receive-buffer dtypes without asking the sender.
-    """
-    dtypes = {name: spec.dtype for name, spec in program.values.items()}
-    if autocast_dtype is None:
-        return dtypes
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        known: dict[str, Any] = {name: _fake_value(program.values[name], device) for name in program.model_inputs}
-        for stage in program.stages:
-            # weights as fake tensors on this rank's device: autocast op lists differ between CPU and CUDA
-            weights = {name: mode.from_tensor(t).to(device) for name, t in
-                       itertools.chain(stage.module.named_parameters(), stage.module.named_buffers())}
-            args = tuple(known[name] if name in known else _fake_value(program.values[name], device)
-                         for name in stage.input_values)
-            with torch.autocast(device_type=device.type, dtype=autocast_dtype):
-                outputs = torch.func.functional_call(stage.module, weights, args)
-            for name, value in zip(stage.output_values, outputs, strict=True):
-                known[name] = value
-                if isinstance(value, torch.Tensor):
-                    dtypes[name] = value.dtype
-    return dtypes
-
-
-def _fake_value(spec: ValueSpec, device: torch.device) -> Any:
-    if not spec.is_tensor or spec.dtype is None:
-        raise ValueError(f"value {spec.name!r} is not a tensor; autocast dtype inference needs tensor inputs")
-    return torch.empty(spec.shape, dtype=spec.dtype, device=device)
 
 
 LOSS_REDUCTIONS = ("mean", "sum", "token_mean")
@@ -136,6 +102,7 @@ class StageRunner:
         self.loss_reduction = check_loss_reduction(loss_reduction)
         self.is_last = stage.stage_index == len(program.stages) - 1
         self.recompute = recompute
+        self._copied_inputs = inputs_changed_in_place(self.module)  # leaves these would write into
         self._saved: dict[int, _Saved] = {}
         self._weight_work: dict[int, WeightWork | None] = {}  # split backward: W still to run, per micro-batch
         self._trained: list[torch.nn.Parameter] | None = None
@@ -163,6 +130,8 @@ class StageRunner:
             if self.program.producers[name] >= 0 and spec.requires_grad and isinstance(value, torch.Tensor):
                 value = value.detach().requires_grad_(True)
                 leaves[name] = value
+                if name in self._copied_inputs:  # autograd refuses in-place ops on a leaf; the copy carries them
+                    value = value.clone()
             args.append(value)
         results = checkpointed_call(self.module, args) if self.recompute else self.module(*args)
         outputs = dict(zip(self.stage.output_values, results, strict=True))
@@ -189,6 +158,33 @@ class StageRunner:
             weighted = weighted * weight
         self._saved[microbatch_index].loss = weighted
         return weighted.detach(), count
+
+    def infer(self, inputs: Mapping[str, Any], targets: Any = None,
+              weight: float = 1.0) -> tuple[dict[str, Any], torch.Tensor | None, torch.Tensor | float]:
+        """Forward of one slice for evaluate/predict (the caller runs it under no_grad): nothing is saved.
+
+        Returns the outputs and, on the last stage with ``targets``, the weighted loss and the count (as
+        :meth:`forward_loss`; one autocast region for both, as there).
+        """
+        args = [inputs[name] for name in self.stage.input_values]
+        with autocast_context(self.device, self.autocast_dtype):
+            outputs = dict(zip(self.stage.output_values, self.module(*args), strict=True))
+            if targets is None or not self.is_last:
+                return outputs, None, 0.0
+            assert self.loss_fn is not None, "the driver checks loss_fn before running a last stage"
+            result = self.loss_fn(rebuild_tree(self.program.output_tree, outputs), targets)
+        loss, count = split_loss(result, self.loss_reduction)
+        weighted = loss.float().reshape(())
+        return outputs, weighted * weight if weight != 1.0 else weighted, count
+
+    def evaluated_loss(self, loss_sum: float, count: float) -> float:
+        """The global batch's loss of a forward-only pass (gradients untouched; ``token_mean``: sum / count)."""
+        if self.loss_reduction != "token_mean":
+            return loss_sum
+        if count <= 0:
+            raise BatchShapeError(f"loss_fn counted {count} tokens over the whole batch; a token_mean loss needs at "
+                                  "least one counted target (are all targets ignore_index?)")
+        return loss_sum / count
 
     def batch_loss(self, loss_sum: float, count: float, params: Sequence[torch.nn.Parameter]) -> float:
         """The global batch's loss from the summed slice losses (and counts, for ``token_mean``).

@@ -9,8 +9,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from fxpipe.core.plan import Plan
-from fxpipe.runtime.comm import Route, buffer_shape, routes_between
-from fxpipe.runtime.receives import Piece
+from fxpipe.runtime.batch_layout import BatchLayout
+from fxpipe.runtime.comm import MessageKind, Route, buffer_shape, routes_between
+from fxpipe.runtime.receives import Message, Piece, plan_messages
+from fxpipe.runtime.rows import RowMap
 
 if TYPE_CHECKING:
     from fxpipe.core.program import SplitProgram, ValueSpec
@@ -32,13 +34,20 @@ class StageRoutes:
 
     @classmethod
     def of(cls, program: SplitProgram, plan: Plan, stage_index: int, rank: int,
-           dtypes: Mapping[str, torch.dtype | None]) -> StageRoutes:
-        inputs = _input_routes(program, plan, stage_index, rank)
-        outputs = _output_routes(program, plan, stage_index, rank)
-        activation = [_piece(route.sender_rank, name, index, route.receiver_rows, program.values[name], dtypes)
+           dtypes: Mapping[str, torch.dtype | None], microbatch_rows: int | None = None,
+           shapes: Mapping[str, tuple[int, ...]] | None = None) -> StageRoutes:
+        """Routes for micro-batches of ``microbatch_rows`` rows (default: the plan's) whose values have
+        ``shapes`` in their other dims (default: the plan's)."""
+        rows = plan.microbatch_size if microbatch_rows is None else microbatch_rows
+        inputs = _input_routes(program, plan, stage_index, rank, rows)
+        outputs = _output_routes(program, plan, stage_index, rank, rows)
+        shape_of = shapes or {name: spec.shape for name, spec in program.values.items()}
+        activation = [_piece(route.sender_rank, name, index, route.receiver_rows, program.values[name], dtypes,
+                             shape_of[name])
                       for name, routes in inputs.items() if program.values[name].is_tensor
                       for index, route in enumerate(routes)]
-        gradient = [_piece(route.receiver_rank, name, index, route.sender_rows, program.values[name], dtypes)
+        gradient = [_piece(route.receiver_rank, name, index, route.sender_rows, program.values[name], dtypes,
+                           shape_of[name])
                     for name, routes in gradient_routes(program, outputs) for index, route in enumerate(routes)]
         rows = {(name, index): route.sender_rows
                 for name, routes in gradient_routes(program, outputs) for index, route in enumerate(routes)}
@@ -52,33 +61,63 @@ def gradient_routes(program: SplitProgram, routes: Routes) -> list[tuple[str, li
 
 
 def _piece(peer: int, name: str, index: int, rows: tuple[int, int] | None, spec: ValueSpec,
-           dtypes: Mapping[str, torch.dtype | None]) -> Piece:
+           dtypes: Mapping[str, torch.dtype | None], value_shape: tuple[int, ...]) -> Piece:
     """``(peer rank, (value, route index), shape, dtype)`` of one piece: ``rows`` of the value (None: all)."""
-    shape = buffer_shape(spec.shape, spec.batched and rows is not None, rows[1] - rows[0] if rows else 0,
+    shape = buffer_shape(value_shape, spec.batched and rows is not None, rows[1] - rows[0] if rows else 0,
                          spec.batch_dim)
     return peer, (name, index), shape, dtypes[name] or torch.get_default_dtype()
 
 
-def _routes(program: SplitProgram, plan: Plan, value: str, producer: int, consumer: int) -> tuple[Route, ...]:
+def _routes(program: SplitProgram, plan: Plan, value: str, producer: int, consumer: int,
+            rows: int) -> tuple[Route, ...]:
     spec = program.values[value]
-    return routes_between(value, spec.batched and spec.is_tensor, plan.microbatch_size,
+    return routes_between(value, spec.batched and spec.is_tensor, rows,
                           plan.stages[producer].devices, plan.stages[consumer].devices)
 
 
-def _input_routes(program: SplitProgram, plan: Plan, stage_index: int, rank: int) -> Routes:
+def _input_routes(program: SplitProgram, plan: Plan, stage_index: int, rank: int, rows: int) -> Routes:
     routes = {}
     for name in sorted(set(program.stages[stage_index].input_values)):
         producer = program.producers[name]
         if producer >= 0:
-            routes[name] = [r for r in _routes(program, plan, name, producer, stage_index) if r.receiver_rank == rank]
+            routes[name] = [r for r in _routes(program, plan, name, producer, stage_index, rows)
+                            if r.receiver_rank == rank]
     return routes
 
 
-def _output_routes(program: SplitProgram, plan: Plan, stage_index: int, rank: int) -> Routes:
+def _output_routes(program: SplitProgram, plan: Plan, stage_index: int, rank: int, rows: int) -> Routes:
     routes: Routes = {}
     for name in sorted(set(program.stages[stage_index].output_values)):
         for consumer in sorted(program.consumers.get(name, ())):
             if consumer != stage_index and program.producers.get(name) == stage_index:
                 routes.setdefault(name, []).extend(
-                    r for r in _routes(program, plan, name, stage_index, consumer) if r.sender_rank == rank)
+                    r for r in _routes(program, plan, name, stage_index, consumer, rows) if r.sender_rank == rank)
     return routes
+
+
+@dataclass(frozen=True)
+class ShapedStep:
+    """What a step of one batch layout needs on this rank: the layout, this replica's rows, the routes of each
+    micro-batch, and the messages it receives per micro-batch (made once per shape signature)."""
+
+    layout: BatchLayout
+    rows: RowMap
+    routes: tuple[StageRoutes, ...]  # per micro-batch (micro-batches of equal rows share one)
+    messages: dict[MessageKind, list[list[Message]]]
+
+    @classmethod
+    def of(cls, program: SplitProgram, plan: Plan, stage_index: int, rank: int, layout: BatchLayout) -> ShapedStep:
+        replica_index, num_replicas = plan.stage_of_device(rank)[1], plan.stages[stage_index].replicas
+        by_rows: dict[int, StageRoutes] = {}
+        for m in range(plan.num_microbatches):
+            rows = layout.microbatch_rows(m)
+            if rows not in by_rows:
+                by_rows[rows] = StageRoutes.of(program, plan, stage_index, rank, layout.dtypes, rows, layout.shapes)
+        routes = tuple(by_rows[layout.microbatch_rows(m)] for m in range(plan.num_microbatches))
+        messages = plan_messages({MessageKind.ACTIVATION: [r.activation_pieces for r in routes],
+                                  MessageKind.GRADIENT: [r.gradient_pieces for r in routes]})
+        return cls(layout, RowMap.split(layout.microbatch_ranges, replica_index, num_replicas), routes, messages)
+
+    def forward_messages(self) -> dict[MessageKind, list[list[Message]]]:
+        """The messages of a forward-only pass: activations only."""
+        return {MessageKind.ACTIVATION: self.messages[MessageKind.ACTIVATION]}

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from fxpipe.core.chain import CostChain
 from fxpipe.core.cluster import Cluster
 from fxpipe.core.recompute import RecomputeError, RecomputeSetting, check_stage_count
-from fxpipe.core.schedule import SCHEDULES, WARMUP_POLICIES
+from fxpipe.core.schedule import SCHEDULES, TRAINING_SCHEDULES, WARMUP_POLICIES
 from fxpipe.passes.partition.candidates import Candidate, CandidateCosts
 
 # Largest number of micro-batches the grid offers: beyond this the bubble is already < 1% for any
@@ -80,8 +80,8 @@ def check_request(request: PlanRequest) -> None:
     """Raise a specific PlanningError for a request no planner can serve."""
     if not isinstance(request.global_batch_size, int) or request.global_batch_size < 1:
         raise PlanningError(f"global_batch_size must be a positive integer, got {request.global_batch_size!r}")
-    if request.schedule not in (*SCHEDULES, AUTO_SCHEDULE):
-        raise PlanningError(f"schedule {request.schedule!r} is unknown; choose one of {sorted(SCHEDULES)} or "
+    if request.schedule not in (*TRAINING_SCHEDULES, AUTO_SCHEDULE):
+        raise PlanningError(f"schedule {request.schedule!r} is unknown; choose one of {sorted(TRAINING_SCHEDULES)} or "
                             f"{AUTO_SCHEDULE!r} (the planner picks per plan)")
     if request.warmup_policy is not None and request.warmup_policy not in WARMUP_POLICIES:
         raise PlanningError(f"warmup_policy {request.warmup_policy!r} is unknown; choose one of "

@@ -1,0 +1,198 @@
+"""The shapes one step runs at: the batch's rows, their split into micro-batches, every crossing value's shape and dtype.
+
+A plan is made at the example's shapes but runs any batch the traced program accepts: another
+sequence length, a short last batch, a bigger evaluation batch. Every rank sees the same global
+batch, so every rank works out the same layout on its own, with no message: the rows split as
+evenly as possible over micro-batches and then over each stage's replicas (``split_rows``), and the
+values' shapes come from the plan (only the batch dim differs) or, when another dim changes, from
+one run of every stage on fake tensors (no memory, no data), done once per shape signature.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_flatten
+
+from fxpipe.core.fake_log import quiet_fake_tensor_log
+from fxpipe.core.plan import Plan, row_ranges
+from fxpipe.runtime.errors import BatchShapeError
+
+if TYPE_CHECKING:
+    from fxpipe.core.program import SplitProgram, ValueSpec
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """``num_rows`` global rows in micro-batches ``microbatch_ranges``; ``shapes``/``dtypes`` of every tensor value
+    (a batched value's batch dim at any row count: receivers put their own rows there)."""
+
+    num_rows: int
+    microbatch_ranges: tuple[tuple[int, int], ...]
+    shapes: Mapping[str, Shape]
+    dtypes: Mapping[str, torch.dtype | None]
+
+    def microbatch_rows(self, microbatch_index: int) -> int:
+        start, stop = self.microbatch_ranges[microbatch_index]
+        return stop - start
+
+
+def min_rows(plan: Plan) -> int:
+    """The smallest batch the plan runs: every replica of every stage gets a row of every micro-batch."""
+    return plan.num_microbatches * max(stage.replicas for stage in plan.stages)
+
+
+def shape_key(program: SplitProgram, inputs: Sequence[Any]) -> tuple[Any, ...]:
+    """What the layout depends on: each input's shape with the batch dim left out (None for non-tensors)."""
+    key = []
+    for name, value in zip(program.model_inputs, inputs, strict=False):
+        if not isinstance(value, torch.Tensor):
+            key.append(None)
+            continue
+        spec = program.values[name]
+        shape = tuple(value.shape)
+        key.append(shape[:spec.batch_dim] + shape[spec.batch_dim + 1:] if spec.batched else shape)
+    return tuple(key)
+
+
+def batch_rows(program: SplitProgram, plan: Plan, inputs: Sequence[Any], targets: Any, *,
+               target_batch_dim: int = 0) -> int:
+    """The batch's row count after checking it against the program (BatchShapeError, no communication).
+
+    Every tensor input must have the dtype and number of dims the model was traced with and the sizes
+    the traced program fixed (``ValueSpec.fixed_dims``); the batched inputs and the targets must agree on
+    the rows, and there must be at least :func:`min_rows`. A model without batched inputs runs the plan's.
+    """
+    names = program.model_inputs
+    if len(inputs) != len(names):
+        raise BatchShapeError(f"step got {len(inputs)} inputs but the model takes {len(names)} ({list(names)})")
+    rows_by_input: dict[str, int] = {}
+    for name, value in zip(names, inputs, strict=True):
+        spec = program.values[name]
+        if spec.is_tensor:
+            _check_input(spec, value)
+            if spec.batched:
+                rows_by_input[name] = int(value.shape[spec.batch_dim])
+    if len(set(rows_by_input.values())) > 1:
+        raise BatchShapeError(f"inputs disagree on the batch rows {rows_by_input}; every batched input holds the same "
+                              "rows in its batch dim (batch_dims of fxpipe.compile says which)")
+    num_rows = next(iter(rows_by_input.values()), plan.global_batch_size)
+    _check_targets(targets, num_rows, target_batch_dim)
+    needed = min_rows(plan)
+    if num_rows < needed:
+        replicas = max(stage.replicas for stage in plan.stages)
+        raise BatchShapeError(
+            f"a batch of {num_rows} rows is too small for plan {plan.layout!r}: {plan.num_microbatches} micro-batches, "
+            f"each split over up to {replicas} replicas, need at least {needed} rows (one per replica per "
+            "micro-batch); pad the batch, drop it (DataLoader drop_last=True), or compile with fewer micro-batches")
+    return num_rows
+
+
+def _check_input(spec: ValueSpec, value: Any) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise BatchShapeError(f"input {spec.name!r} must be a tensor, got {type(value).__name__}")
+    expected = f"{spec.dtype}, {len(spec.shape)} dims as the example {spec.shape}"
+    if value.dim() != len(spec.shape) or (spec.dtype is not None and value.dtype != spec.dtype):
+        raise BatchShapeError(f"input {spec.name!r} has shape {tuple(value.shape)} {value.dtype} but the model was "
+                              f"traced with {expected}; pass that dtype and number of dims")
+    fixed = [dim for dim in spec.fixed_dims if not (spec.batched and dim == spec.batch_dim)]
+    differs = [dim for dim in fixed if value.shape[dim] != spec.shape[dim]]
+    if differs:
+        raise BatchShapeError(
+            f"input {spec.name!r} has shape {tuple(value.shape)} but the traced program fixed dims {differs} at "
+            f"{[spec.shape[dim] for dim in differs]} (the example {spec.shape}: torch.export specialised them, the "
+            "model's code treats them as constants); pass those sizes, or compile with an example of the new shape")
+
+
+def _check_targets(targets: Any, num_rows: int, dim: int) -> None:
+    for leaf in tree_flatten(targets)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and (leaf.dim() <= dim or leaf.shape[dim] != num_rows):
+            rows = leaf.shape[dim] if leaf.dim() > dim else "no"
+            raise BatchShapeError(f"targets have {rows} rows in their batch dim {dim} (shape {tuple(leaf.shape)}) "
+                                  f"but the inputs hold {num_rows} rows; pass targets with the batch in dim {dim} or "
+                                  "set target_batch_dim")
+
+
+def make_layout(program: SplitProgram, plan: Plan, inputs: Sequence[Any], num_rows: int, device: torch.device,
+                autocast_dtype: torch.dtype | None, plan_dtypes: Mapping[str, torch.dtype | None]) -> BatchLayout:
+    """The layout of a checked batch: the plan's value shapes when only the rows differ, else a fake run."""
+    ranges = row_ranges(num_rows, plan.num_microbatches)
+    if shape_key(program, inputs) == _example_key(program):  # batched values differ in the batch dim only
+        shapes = {name: spec.shape for name, spec in program.values.items() if spec.is_tensor}
+        return BatchLayout(num_rows, ranges, shapes, plan_dtypes)
+    rows = ranges[0][1] - ranges[0][0]
+    try:
+        with quiet_fake_tensor_log():
+            shapes, dtypes = fake_layouts(program, device, autocast_dtype,
+                                          {name: _slice_layout(program.values[name], value, rows)
+                                           for name, value in zip(program.model_inputs, inputs, strict=True)})
+    except Exception as error:
+        given = {name: tuple(value.shape) for name, value in zip(program.model_inputs, inputs, strict=True)
+                 if isinstance(value, torch.Tensor)}
+        traced = {name: program.values[name].shape for name in given}
+        raise BatchShapeError(f"the model does not run at input shapes {given} (traced at {traced}): "
+                              f"{type(error).__name__}: {str(error)[:300]}") from error
+    return BatchLayout(num_rows, ranges, shapes, {**plan_dtypes, **dtypes} if autocast_dtype else dict(plan_dtypes))
+
+
+def _example_key(program: SplitProgram) -> tuple[Any, ...]:
+    specs = [program.values[name] for name in program.model_inputs]
+    return shape_key(program, [torch.empty(spec.shape, device="meta") if spec.is_tensor else None for spec in specs])
+
+
+def _slice_layout(spec: ValueSpec, value: Any, rows: int) -> Any:
+    """``(shape, dtype)`` of one micro-batch slice of input ``value`` with ``rows`` rows (non-tensors as they are)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    shape = list(value.shape)
+    if spec.batched:
+        shape[spec.batch_dim] = rows
+    return tuple(shape), value.dtype
+
+
+def fake_layouts(program: SplitProgram, device: torch.device, autocast_dtype: torch.dtype | None,
+                 inputs: Mapping[str, Any]) -> tuple[dict[str, Shape], dict[str, torch.dtype]]:
+    """Shape and dtype of every tensor value as the stages produce it (under autocast when it is on) from model
+    inputs given as ``(shape, dtype)`` (non-tensor inputs as their values).
+
+    Runs the stage modules in order on fake tensors (no memory, no data), with the weights as fake
+    tensors on this rank's device: autocast's op lists differ between CPU and CUDA.
+    """
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        known: dict[str, Any] = {name: torch.empty(value[0], dtype=value[1], device=device)
+                                 if program.values[name].is_tensor else value for name, value in inputs.items()}
+        for stage in program.stages:
+            weights = {name: mode.from_tensor(t).to(device) for name, t in
+                       itertools.chain(stage.module.named_parameters(), stage.module.named_buffers())}
+            args = tuple(known[name] for name in stage.input_values)
+            with torch.autocast(device_type=device.type, dtype=autocast_dtype or torch.bfloat16,
+                                enabled=autocast_dtype is not None):
+                outputs = torch.func.functional_call(stage.module, weights, args)
+            known.update(zip(stage.output_values, outputs, strict=True))
+    tensors = {name: value for name, value in known.items() if isinstance(value, torch.Tensor)}
+    return ({name: tuple(int(size) for size in value.shape) for name, value in tensors.items()},
+            {name: value.dtype for name, value in tensors.items()})
+
+
+def infer_value_dtypes(program: SplitProgram, device: torch.device,
+                       autocast_dtype: torch.dtype | None) -> dict[str, torch.dtype | None]:
+    """Dtype of every value as the stages produce it at the plan's shapes, under autocast when it is on,
+    so every rank knows its receive-buffer dtypes without asking the sender."""
+    dtypes: dict[str, torch.dtype | None] = {name: spec.dtype for name, spec in program.values.items()}
+    if autocast_dtype is None:
+        return dtypes
+    inputs = {}
+    for name in program.model_inputs:
+        spec = program.values[name]
+        if not spec.is_tensor or spec.dtype is None:
+            raise ValueError(f"value {spec.name!r} is not a tensor; autocast dtype inference needs tensor inputs")
+        inputs[name] = (spec.shape, spec.dtype)
+    dtypes.update(fake_layouts(program, device, autocast_dtype, inputs)[1])
+    return dtypes
