@@ -119,6 +119,18 @@ class PipelinedModule:
         for _, param in self.named_parameters():
             yield param
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model: the norm of every stage's gradients.
+
+        Call on every rank after ``step``; returns the same total on every rank. Each parameter counts
+        once (not once per replica or per stage holding a tied weight). ``clip_grad_norm_(pipe.parameters())``
+        would clip each rank by its own stage's norm instead.
+        """
+        from fxpipe.runtime.clipping import clip_grad_norm
+
+        return clip_grad_norm(self.driver, list(self.named_parameters()), max_norm, norm_type, error_if_nonfinite)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers of this rank's stage under their original names (detached)."""
         module = self.driver.runner.module

@@ -3,7 +3,7 @@ the whole batch (step-1 gradients, losses, final parameters) and the same steps 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -19,21 +19,26 @@ def _call(model: torch.nn.Module, inputs: Any) -> Any:
     return model(inputs) if isinstance(inputs, torch.Tensor) else model(*inputs)
 
 
-def train_reference(model: torch.nn.Module, loss_fn: Any, batches: list[Any], *,
-                    adam_eps: float = ADAM_EPS) -> dict[str, Any]:
-    """One process, whole batch: gradients of step 1, losses, parameters after len(batches) AdamW steps."""
+def train_reference(model: torch.nn.Module, loss_fn: Any, batches: list[Any], *, adam_eps: float = ADAM_EPS,
+                    after_backward: Callable[[torch.nn.Module], Any] | None = None) -> dict[str, Any]:
+    """One process, whole batch: gradients of step 1, losses, parameters after len(batches) AdamW steps.
+
+    ``after_backward(model)`` runs before each optimizer step (e.g. clipping); its results are ``"after_backward"``.
+    """
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, eps=adam_eps)
-    losses, grads = [], {}
+    losses, grads, hooked = [], {}, []
     for step, (inputs, targets) in enumerate(batches):
         loss = loss_fn(_call(model, inputs), targets)
         loss.backward()
         losses.append(loss.item())
+        if after_backward is not None:
+            hooked.append(after_backward(model))
         if step == 0:
             grads = {name: p.grad.clone() for name, p in model.named_parameters()}
         optimizer.step()
         optimizer.zero_grad()
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return {"losses": losses, "grads": grads, "params": params, "model": model}
+    return {"losses": losses, "grads": grads, "params": params, "model": model, "after_backward": hooked}
 
 
 def mismatches(kind: str, actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], *, rtol: float,
@@ -48,13 +53,19 @@ def mismatches(kind: str, actual: dict[str, torch.Tensor], expected: dict[str, t
     return problems
 
 
-def train_and_compare(pipe: Any, batches: list[Any], reference: dict[str, Any], *,
-                      adam_eps: float = ADAM_EPS) -> dict[str, Any]:
-    """AdamW steps on ``pipe``; step-1 gradients (rtol 1e-4) and final parameters against ``reference`` (problems)."""
+def train_and_compare(pipe: Any, batches: list[Any], reference: dict[str, Any], *, adam_eps: float = ADAM_EPS,
+                      after_backward: Callable[[Any], Any] | None = None) -> dict[str, Any]:
+    """AdamW steps on ``pipe``; step-1 gradients (rtol 1e-4) and final parameters against ``reference`` (problems).
+
+    ``after_backward(pipe)`` runs after each ``step`` (before the gradients are compared); results as in
+    :func:`train_reference`.
+    """
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=LEARNING_RATE, eps=adam_eps)
-    losses, problems = [], []
+    losses, problems, hooked = [], [], []
     for step, (inputs, targets) in enumerate(batches):
         losses.append(pipe.step(inputs, targets))
+        if after_backward is not None:
+            hooked.append(after_backward(pipe))
         if step == 0:
             grads = {name: p.grad for name, p in pipe.named_parameters()}
             problems += mismatches("grad", grads, reference["grads"], rtol=1e-4, atol=1e-6)
@@ -62,4 +73,4 @@ def train_and_compare(pipe: Any, batches: list[Any], reference: dict[str, Any], 
         optimizer.zero_grad()
     params = {name: p.detach() for name, p in pipe.named_parameters()}
     problems += mismatches("param", params, reference["params"], rtol=0.0, atol=1e-4)
-    return {"losses": losses, "problems": problems, "names": sorted(params)}
+    return {"losses": losses, "problems": problems, "names": sorted(params), "after_backward": hooked}
