@@ -84,7 +84,7 @@ def batch_rows(program: SplitProgram, plan: Plan, inputs: Sequence[Any], targets
         raise BatchShapeError(f"inputs disagree on the batch rows {rows_by_input}; every batched input holds the same "
                               "rows in its batch dim (batch_dims of fxpipe.compile says which)")
     num_rows = next(iter(rows_by_input.values()), plan.global_batch_size)
-    _check_targets(targets, num_rows, target_batch_dim)
+    check_targets(targets, num_rows, target_batch_dim)
     needed = min_rows(plan)
     if num_rows < needed:
         replicas = max(stage.replicas for stage in plan.stages)
@@ -111,7 +111,8 @@ def _check_input(spec: ValueSpec, value: Any) -> None:
             "model's code treats them as constants); pass those sizes, or compile with an example of the new shape")
 
 
-def _check_targets(targets: Any, num_rows: int, dim: int) -> None:
+def check_targets(targets: Any, num_rows: int, dim: int) -> None:
+    """Every tensor leaf of the targets holds ``num_rows`` rows in dim ``dim`` (BatchShapeError otherwise)."""
     for leaf in tree_flatten(targets)[0]:
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and (leaf.dim() <= dim or leaf.shape[dim] != num_rows):
             rows = leaf.shape[dim] if leaf.dim() > dim else "no"

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from fxpipe.core import schedule as schedules
 from fxpipe.core.plan import Plan
 from fxpipe.runtime import preemption
-from fxpipe.runtime.batch_layout import batch_rows, infer_value_dtypes, make_layout
+from fxpipe.runtime.batch_layout import batch_rows, check_targets, infer_value_dtypes, make_layout
 from fxpipe.runtime.batchcheck import BatchChecker, check_shapes, describe_batch_dims
 from fxpipe.runtime.buckets import split_overlapped
 from fxpipe.runtime.comm import (
@@ -243,7 +243,9 @@ class PipelineDriver:
         Every rank sees the same batch, so every rank works out the same layout and raises the same errors.
         """
         self.inbox.check_clean()
-        key = None if partial else _shape_signature(inputs, targets)
+        # keyed by the inputs alone: targets do not change the layout, and a rank whose targets alone differ
+        # must not take a shape as new when the others do not (it would wait in a gather they never join)
+        key = None if partial else _shape_signature(inputs)
         shaped = self.plan_step if partial else self.shaped_steps.get(key)
         self.batch_checker.check(inputs, targets, partial=partial, new_shape=shaped is None, fold=fold)
         if partial:  # partial data runs at the plan's shapes (the rows each rank reads are the plan's)
@@ -258,6 +260,8 @@ class PipelineDriver:
             if len(self.shaped_steps) >= MAX_CACHED_SHAPES:  # a loop over ever-new lengths: forget the oldest
                 self.shaped_steps.pop(next(iter(self.shaped_steps)))
             self.shaped_steps[key] = shaped
+        else:
+            check_targets(targets, shaped.layout.num_rows, self.target_batch_dim)
         return shaped
 
     def _tag(self, kind: MessageKind, microbatch_index: int, value: str) -> int:
@@ -474,10 +478,10 @@ class PipelineDriver:
 MAX_CACHED_SHAPES = 64  # ShapedSteps kept per driver (each holds a few small route tables)
 
 
-def _shape_signature(inputs: tuple[Any, ...], targets: Any) -> tuple[Any, ...]:
-    """What decides a batch's layout and checks: every tensor's shape and dtype (other leaves: their type)."""
-    return tuple((tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else type(leaf)
-                 for leaf in (*inputs, *tree_flatten(targets)[0]))
+def _shape_signature(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What decides a batch's layout: every input tensor's shape and dtype (other inputs: their type)."""
+    return tuple((tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else type(value)
+                 for value in inputs)
 
 
 def _example(spec: Any) -> Any:
