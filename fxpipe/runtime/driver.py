@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -14,7 +13,7 @@ from torch.utils._pytree import tree_map
 from fxpipe.core import schedule as schedules
 from fxpipe.core.plan import Plan
 from fxpipe.runtime import preemption
-from fxpipe.runtime.batch_layout import batch_rows, check_targets, infer_value_dtypes, make_layout
+from fxpipe.runtime.batch_layout import infer_value_dtypes
 from fxpipe.runtime.batchcheck import BatchChecker, check_shapes, describe_batch_dims
 from fxpipe.runtime.buckets import split_overlapped
 from fxpipe.runtime.comm import (
@@ -36,32 +35,13 @@ from fxpipe.runtime.measure import ActionTimer, MeasureMode, SavedActivationMete
 from fxpipe.runtime.receives import Inbox
 from fxpipe.runtime.rows import RowMap
 from fxpipe.runtime.stage import LossFn, StageRunner, read_local_loss
-from fxpipe.runtime.stage_routes import ShapedStep, gradient_routes
+from fxpipe.runtime.stage_routes import ShapedStep, ShapedSteps, gradient_routes
+from fxpipe.runtime.step_state import StepState
 
 if TYPE_CHECKING:
     from fxpipe.core.program import SplitProgram
 
 Op = schedules.Op
-
-
-@dataclass
-class StepState:
-    """Everything one step keeps between actions, per micro-batch."""
-
-    inputs: tuple[Any, ...]
-    targets: Any
-    shaped: ShapedStep  # the batch's layout: rows, routes and messages per micro-batch
-    partial: bool = False  # inputs/targets hold only this replica's rows (RowMap), not the global batch
-    received: dict[int, dict[str, Any]] = field(default_factory=dict)
-    outputs: dict[int, dict[str, Any]] = field(default_factory=dict)
-    output_grads: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-    input_grads: dict[int, dict[str, Any]] = field(default_factory=dict)
-    sends: list[Pending] = field(default_factory=list)
-    reductions: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor]]] = field(default_factory=list)
-    # this rank's weighted slice losses and (loss_reduction="token_mean") counts, read once at the end
-    loss_parts: list[torch.Tensor] = field(default_factory=list)
-    count_parts: list[torch.Tensor | float] = field(default_factory=list)
-    loss: float = 0.0  # the global batch's loss, once the step is finished
 
 
 def lowered_actions(plan: Plan, stage_index: int) -> tuple[schedules.Action, ...]:
@@ -112,11 +92,8 @@ class PipelineDriver:
         self.start_hooks: list[Callable[[], None]] = []
         self.step_hooks: list[Callable[[], None]] = []
         # one ShapedStep per batch shape seen (the plan's is made now): no message asks a peer for shapes
-        plan_rows = plan.global_batch_size
-        self.plan_step = ShapedStep.of(program, plan, self.stage_index, self.rank, make_layout(
-            program, plan, [_example(program.values[n]) for n in program.model_inputs], plan_rows, context.device,
-            autocast_dtype, self.dtypes))
-        self.shaped_steps: dict[Any, ShapedStep] = {}
+        self.shapes = ShapedSteps(program, plan, self.stage_index, self.rank, context.device, autocast_dtype,
+                                  self.dtypes, target_batch_dim)
         self.exchange = PeerExchange(self.rank, context.device, timeout_s)
         self.preempted = False  # see fxpipe.runtime.preemption
         self.exchange.failures = self.failures = FailureLog.for_default_group(self, self.rank, context.world_size)
@@ -243,26 +220,12 @@ class PipelineDriver:
         Every rank sees the same batch, so every rank works out the same layout and raises the same errors.
         """
         self.inbox.check_clean()
-        # keyed by the inputs alone: targets do not change the layout, and a rank whose targets alone differ
-        # must not take a shape as new when the others do not (it would wait in a gather they never join)
-        key = None if partial else _shape_signature(inputs)
-        shaped = self.plan_step if partial else self.shaped_steps.get(key)
+        shaped = self.shapes.plan_step if partial else self.shapes.known(inputs, targets)
         self.batch_checker.check(inputs, targets, partial=partial, new_shape=shaped is None, fold=fold)
         if partial:  # partial data runs at the plan's shapes (the rows each rank reads are the plan's)
             check_shapes(self.program, inputs, targets, num_rows=self.rows.num_rows, reads=self.stage.input_values,
                          reads_targets=self.is_last, target_batch_dim=self.target_batch_dim)
-            return self.plan_step
-        if shaped is None:
-            num_rows = batch_rows(self.program, self.plan, inputs, targets, target_batch_dim=self.target_batch_dim)
-            layout = make_layout(self.program, self.plan, inputs, num_rows, self.context.device, self.autocast_dtype,
-                                 self.dtypes)
-            shaped = ShapedStep.of(self.program, self.plan, self.stage_index, self.rank, layout)
-            if len(self.shaped_steps) >= MAX_CACHED_SHAPES:  # a loop over ever-new lengths: forget the oldest
-                self.shaped_steps.pop(next(iter(self.shaped_steps)))
-            self.shaped_steps[key] = shaped
-        else:
-            check_targets(targets, shaped.layout.num_rows, self.target_batch_dim)
-        return shaped
+        return shaped or self.shapes.add(inputs, targets)
 
     def _tag(self, kind: MessageKind, microbatch_index: int, value: str) -> int:
         return message_tag(kind, microbatch_index, self.value_index[value], len(self.value_index))
@@ -473,20 +436,6 @@ class PipelineDriver:
         gathered: list[StepStats | None] = [None] * self.context.world_size
         dist.all_gather_object(gathered, self.last_stats)
         return [stats for stats in gathered if stats is not None]
-
-
-MAX_CACHED_SHAPES = 64  # ShapedSteps kept per driver (each holds a few small route tables)
-
-
-def _shape_signature(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
-    """What decides a batch's layout: every input tensor's shape and dtype (other inputs: their type)."""
-    return tuple((tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else type(value)
-                 for value in inputs)
-
-
-def _example(spec: Any) -> Any:
-    """A meta tensor of the plan's shape for a tensor value (None otherwise): the plan's layout without data."""
-    return torch.empty(spec.shape, dtype=spec.dtype, device="meta") if spec.is_tensor else None
 
 
 def _unique_params(named: Any) -> list[tuple[str, torch.nn.Parameter]]:

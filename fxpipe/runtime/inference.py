@@ -14,9 +14,10 @@ import torch.distributed as dist
 from fxpipe.core import schedule as schedules
 from fxpipe.core.program import tree_leaves
 from fxpipe.runtime.comm import buffer_shape, pack, packed_bytes, unpack
-from fxpipe.runtime.driver import PipelineDriver, StepState
+from fxpipe.runtime.driver import PipelineDriver
 from fxpipe.runtime.rows import RowMap
 from fxpipe.runtime.stage import rebuild_tree
+from fxpipe.runtime.step_state import StepState
 
 Op = schedules.Op
 

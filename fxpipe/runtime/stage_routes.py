@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fxpipe.core.plan import Plan
-from fxpipe.runtime.batch_layout import BatchLayout
+from fxpipe.runtime.batch_layout import BatchLayout, batch_rows, check_targets, make_layout
 from fxpipe.runtime.comm import MessageKind, Route, buffer_shape, routes_between
 from fxpipe.runtime.receives import Message, Piece, plan_messages
 from fxpipe.runtime.rows import RowMap
@@ -121,3 +121,49 @@ class ShapedStep:
     def forward_messages(self) -> dict[MessageKind, list[list[Message]]]:
         """The messages of a forward-only pass: activations only."""
         return {MessageKind.ACTIVATION: self.messages[MessageKind.ACTIVATION]}
+
+
+class ShapedSteps:
+    """The ShapedStep of every batch shape this rank has run (the plan's made at once), keyed by the inputs'
+    shapes and dtypes: targets do not change the layout, and a rank whose targets alone differ must not take a
+    shape as new when the others do not (its batch check would wait in a gather they never join)."""
+
+    def __init__(self, program: SplitProgram, plan: Plan, stage_index: int, rank: int, device: torch.device,
+                 autocast_dtype: torch.dtype | None, dtypes: Mapping[str, torch.dtype | None],
+                 target_batch_dim: int) -> None:
+        self.program, self.plan, self.stage_index, self.rank = program, plan, stage_index, rank
+        self.device, self.autocast_dtype, self.dtypes = device, autocast_dtype, dtypes
+        self.target_batch_dim = target_batch_dim
+        example = [torch.empty(spec.shape, dtype=spec.dtype, device="meta") if spec.is_tensor else None
+                   for spec in (program.values[name] for name in program.model_inputs)]
+        self.plan_step = self._made(example, plan.global_batch_size)
+        self.by_signature: dict[tuple[Any, ...], ShapedStep] = {}
+
+    def known(self, inputs: Sequence[Any], targets: Any) -> ShapedStep | None:
+        """The ShapedStep of a shape run before (its targets checked), or None for a new shape."""
+        shaped = self.by_signature.get(_signature(inputs))
+        if shaped is not None:
+            check_targets(targets, shaped.layout.num_rows, self.target_batch_dim)
+        return shaped
+
+    def add(self, inputs: Sequence[Any], targets: Any) -> ShapedStep:
+        """Check a new shape's batch (BatchShapeError) and make its ShapedStep."""
+        num_rows = batch_rows(self.program, self.plan, inputs, targets, target_batch_dim=self.target_batch_dim)
+        shaped = self._made(inputs, num_rows)
+        if len(self.by_signature) >= MAX_CACHED_SHAPES:  # a loop over ever-new lengths: forget the oldest
+            self.by_signature.pop(next(iter(self.by_signature)))
+        self.by_signature[_signature(inputs)] = shaped
+        return shaped
+
+    def _made(self, inputs: Sequence[Any], num_rows: int) -> ShapedStep:
+        layout = make_layout(self.program, self.plan, inputs, num_rows, self.device, self.autocast_dtype, self.dtypes)
+        return ShapedStep.of(self.program, self.plan, self.stage_index, self.rank, layout)
+
+
+MAX_CACHED_SHAPES = 64  # ShapedSteps kept per rank (each holds a few small route tables)
+
+
+def _signature(inputs: Sequence[Any]) -> tuple[Any, ...]:
+    """Every input tensor's shape and dtype (other inputs: their type)."""
+    return tuple((tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else type(value)
+                 for value in inputs)
