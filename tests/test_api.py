@@ -124,8 +124,8 @@ def _error_cases(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
 
     def bad_batches() -> Any:
         pipe = compile_mlp((1, 1))
-        # 2 micro-batches of 1 replica: a batch needs 2 rows; a batch twice as wide does not fit the weights
-        short = _outcome(lambda: pipe.step(inputs[0][:1], targets[:1]))
+        # one replica per stage: a batch needs a row; a batch twice as wide does not fit the weights
+        short = _outcome(lambda: pipe.step(inputs[0][:0], targets[:0]))
         wide = _outcome(lambda: pipe.step(torch.cat([inputs[0], inputs[0]], dim=1), targets))
         good = pipe.step(inputs, targets)  # the pipeline still works after rejected batches
         reference, _ = _mlp()
@@ -186,8 +186,8 @@ def test_errors_reach_every_rank_quickly(tmp_path: Any) -> None:
     results = run_ranks(_error_cases, 2, tmp_path)
     for rank, result in enumerate(results):
         short, wide, good, eager = result["bad-batch"]
-        assert short[0] == BatchShapeError.__name__ and "a batch of 1 rows is too small" in short[1], (rank, short)
-        assert "need at least 2 rows" in short[1] and short[2] < 5.0, (rank, short)
+        assert short[0] == BatchShapeError.__name__ and "a batch of 0 rows is too small" in short[1], (rank, short)
+        assert "at least 1 rows" in short[1] and short[2] < 5.0, (rank, short)
         assert wide[0] == BatchShapeError.__name__ and "does not run at input shapes" in wide[1], (rank, wide)
         assert good == pytest.approx(eager, rel=1e-5), (rank, good, eager)  # the one-process eager loss
         devices, auto_loss, notes, auto_eager = result["auto-plan"]

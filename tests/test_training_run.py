@@ -25,8 +25,9 @@ WORLD_SIZE = 3
 GLOBAL_BATCH = 8
 MODEL = "gpt-mini"
 OVERRIDES = {"n_layer": 2, "n_embd": 16, "n_head": 2, "vocab_size": 32, "block_size": 16}
-# rows x sequence length of each training step: the example's, shorter sequences, and a short last batch
-STEP_SHAPES = [(8, 16), (8, 11), (8, 16), (5, 9)]
+# rows x sequence length of each training step: the example's, shorter sequences, a short last batch, and one
+# too short for every micro-batch to give each replica a row (it runs as fewer micro-batches)
+STEP_SHAPES = [(8, 16), (8, 11), (8, 16), (5, 9), (3, 16)]
 
 
 @dataclass(frozen=True)
@@ -74,8 +75,10 @@ def _run(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
             output = pipe(eval_batch[0])
             untouched = all(bool((param.grad == 7.0).all()) for param in pipe.parameters())
             too_small = None
-            try:
-                pipe.step(*_batch(1, 16, 5))
+            try:  # fewer rows than the widest stage has replicas
+                tokens, targets = _batch(2, 16, 5)
+                rows = max(config.replicas) - 1
+                pipe.step(tokens[:rows], targets[:rows])
             except BatchShapeError as error:
                 too_small = str(error)
             results[str(config)] = {
@@ -100,8 +103,9 @@ def test_evaluate_predict_and_any_batch_shape_match_one_process(tmp_path: Any) -
             assert result["output_shape"] == (20, 13, OVERRIDES["vocab_size"]), where
             assert result["output_error"] < 1e-5, (where, result["output_error"])
             assert result["grads_untouched"], where
-            message = result["too_small"]
-            assert message is not None and "a batch of 1 rows is too small" in message, (where, message)
+            message, widest = result["too_small"], max(CONFIGS[[str(c) for c in CONFIGS].index(config)].replicas)
+            assert message is not None and f"a batch of {widest - 1} rows is too small" in message, (where, message)
+            assert f"at least {widest} rows" in message, (where, message)
 
 
 # ---- gradient accumulation (mean and token_mean) and bf16 autocast, against one process ---------------------

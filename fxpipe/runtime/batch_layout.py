@@ -31,8 +31,9 @@ Shape = tuple[int, ...]
 
 @dataclass(frozen=True)
 class BatchLayout:
-    """``num_rows`` global rows in micro-batches ``microbatch_ranges``; ``shapes``/``dtypes`` of every tensor value
-    (a batched value's batch dim at any row count: receivers put their own rows there)."""
+    """``num_rows`` global rows in micro-batches ``microbatch_ranges`` (the plan's count, fewer for a batch too small
+    for it); ``shapes``/``dtypes`` of every tensor value (a batched value's batch dim at any row count: receivers
+    put their own rows there)."""
 
     num_rows: int
     microbatch_ranges: tuple[tuple[int, int], ...]
@@ -45,8 +46,13 @@ class BatchLayout:
 
 
 def min_rows(plan: Plan) -> int:
-    """The smallest batch the plan runs: every replica of every stage gets a row of every micro-batch."""
-    return plan.num_microbatches * max(stage.replicas for stage in plan.stages)
+    """The smallest batch the plan runs: one micro-batch with a row for every replica of every stage."""
+    return max(stage.replicas for stage in plan.stages)
+
+
+def num_microbatches_for(plan: Plan, num_rows: int) -> int:
+    """The plan's micro-batch count, or fewer for a batch too small to give every replica a row of each."""
+    return max(1, min(plan.num_microbatches, num_rows // min_rows(plan)))
 
 
 def shape_key(program: SplitProgram, inputs: Sequence[Any]) -> tuple[Any, ...]:
@@ -87,11 +93,9 @@ def batch_rows(program: SplitProgram, plan: Plan, inputs: Sequence[Any], targets
     check_targets(targets, num_rows, target_batch_dim)
     needed = min_rows(plan)
     if num_rows < needed:
-        replicas = max(stage.replicas for stage in plan.stages)
         raise BatchShapeError(
-            f"a batch of {num_rows} rows is too small for plan {plan.layout!r}: {plan.num_microbatches} micro-batches, "
-            f"each split over up to {replicas} replicas, need at least {needed} rows (one per replica per "
-            "micro-batch); pad the batch, drop it (DataLoader drop_last=True), or compile with fewer micro-batches")
+            f"a batch of {num_rows} rows is too small for plan {plan.layout!r}: a stage of {needed} replicas needs "
+            f"at least {needed} rows (one per replica); pad the batch or drop it (DataLoader drop_last=True)")
     return num_rows
 
 
@@ -124,7 +128,7 @@ def check_targets(targets: Any, num_rows: int, dim: int) -> None:
 def make_layout(program: SplitProgram, plan: Plan, inputs: Sequence[Any], num_rows: int, device: torch.device,
                 autocast_dtype: torch.dtype | None, plan_dtypes: Mapping[str, torch.dtype | None]) -> BatchLayout:
     """The layout of a checked batch: the plan's value shapes when only the rows differ, else a fake run."""
-    ranges = row_ranges(num_rows, plan.num_microbatches)
+    ranges = row_ranges(num_rows, num_microbatches_for(plan, num_rows))
     if shape_key(program, inputs) == _example_key(program):  # batched values differ in the batch dim only
         shapes = {name: spec.shape for name, spec in program.values.items() if spec.is_tensor}
         return BatchLayout(num_rows, ranges, shapes, plan_dtypes)

@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_map
 from fxpipe.core import schedule as schedules
 from fxpipe.core.plan import Plan
 from fxpipe.runtime import preemption
+from fxpipe.runtime.actions import stage_actions
 from fxpipe.runtime.batch_layout import infer_value_dtypes
 from fxpipe.runtime.batchcheck import BatchChecker, check_shapes, describe_batch_dims
 from fxpipe.runtime.buckets import split_overlapped
@@ -46,9 +47,8 @@ Op = schedules.Op
 
 def lowered_actions(plan: Plan, stage_index: int) -> tuple[schedules.Action, ...]:
     """This stage's full action list from the plan's schedule, validated."""
-    schedule = schedules.make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, plan.warmup_policy)
-    schedules.validate_schedule(schedule)
-    return schedules.lower(schedule)[stage_index]
+    return stage_actions(plan.schedule, plan.num_stages, plan.num_microbatches, plan.warmup_policy,
+                         stage_index).actions
 
 
 def check_world(plan: Plan, program: SplitProgram, world_size: int) -> None:
@@ -78,9 +78,8 @@ class PipelineDriver:
         self.stage = program.stages[self.stage_index]
         self.num_replicas = plan.stages[self.stage_index].replicas
         self.is_last = self.stage_index == plan.num_stages - 1
-        self.actions = lowered_actions(plan, self.stage_index)
         # zero-bubble: B computes input gradients only and W (after it) the parameter gradients
-        self.split_backward = any(action.op is Op.WEIGHT for action in self.actions)
+        self.split_backward = any(action.op is Op.WEIGHT for action in lowered_actions(plan, self.stage_index))
         self.rows = RowMap.of(plan, self.replica_index, self.num_replicas)  # at the plan's batch (partial data)
         self.value_index = {name: i for i, name in enumerate(sorted(program.values))}
         self.autocast_dtype = autocast_dtype
@@ -98,11 +97,7 @@ class PipelineDriver:
         self.preempted = False  # see fxpipe.runtime.preemption
         self.exchange.failures = self.failures = FailureLog.for_default_group(self, self.rank, context.world_size)
         self.batch_checker = BatchChecker(check_batch, self.exchange, describe_batch_dims(program, target_batch_dim))
-        self.inbox = Inbox(self.exchange, context.device, self._tag,
-                           {kind: [a.microbatch_index for a in self.actions if a.op is op]
-                            for kind, op in ((MessageKind.ACTIVATION, Op.RECV_ACTIVATION),
-                                             (MessageKind.GRADIENT, Op.RECV_GRADIENT))},
-                           ahead=context.backend == "gloo")
+        self.inbox = Inbox(self.exchange, context.device, self._tag, ahead=context.backend == "gloo")
         # Walking parameters by path costs milliseconds; the set never changes, so walk once.
         self._own_params = _unique_params(self.runner.parameters())
         self._param_list = [param for _, param in self._own_params]
@@ -113,9 +108,6 @@ class PipelineDriver:
         # the stage's own gradients: buckets launched during its last backward (plan.allreduce_bucket_bytes)
         self.overlap, self.reduce_sets = split_overlapped(self.reduce_sets, self.groups[self.stage_index],
                                                           plan.allreduce_bucket_bytes)
-        # the micro-batch whose backward (W under split backward) accumulates the step's last gradients
-        grad_op = Op.WEIGHT if self.split_backward else Op.BACKWARD
-        self._last_backward = [a.microbatch_index for a in self.actions if a.op is grad_op][-1]
         self.forward_only = False  # True while evaluate/predict run (fxpipe.runtime.inference)
         self.measure = MeasureMode.OFF  # what each step records in last_stats (see MeasureMode)
         self.last_stats: StepStats | None = None
@@ -160,7 +152,7 @@ class PipelineDriver:
         if self.failures is not None:
             self.failures.step_index += 1
         shaped = self.begin(inputs, targets, partial=partial)
-        self.inbox.start_step(shaped.messages)
+        self.inbox.start_step(shaped.messages, shaped.actions.following)
         for hook in self.start_hooks:
             hook()
         stash = self._stash_grads() if self._stashes else None
@@ -179,7 +171,7 @@ class PipelineDriver:
     def _run_actions(self, state: StepState, stash: dict[int, torch.Tensor | None] | None,
                      handlers: Mapping[Op, Callable[[StepState, int], None]], timer: ActionTimer | None) -> None:
         """This rank's actions in schedule order, then the step's end; ``timer`` records each action."""
-        for action in self.actions:
+        for action in state.shaped.actions.actions:
             started = timer.start() if timer is not None else 0.0
             if action.op is Op.ALLREDUCE:
                 self._start_allreduce(state)
@@ -323,14 +315,14 @@ class PipelineDriver:
         state.output_grads[m] = grads
 
     def _backward(self, state: StepState, m: int) -> None:
-        with self._overlapping(m):
+        with self._overlapping(m == state.shaped.actions.last_gradient):
             state.input_grads[m] = self.runner.backward(m, state.output_grads.pop(m, {}))
         state.outputs.pop(m, None)
 
     @contextlib.contextmanager
-    def _overlapping(self, m: int) -> Iterator[None]:
+    def _overlapping(self, last: bool) -> Iterator[None]:
         """Around the step's last gradient-producing backward: buckets launch as gradients land."""
-        overlap = self.overlap if m == self._last_backward else None
+        overlap = self.overlap if last else None
         if overlap is not None:
             overlap.arm()
         yield
@@ -342,7 +334,7 @@ class PipelineDriver:
         state.outputs.pop(m, None)
 
     def _backward_weight(self, state: StepState, m: int) -> None:
-        overlap = self.overlap if m == self._last_backward else None
+        overlap = self.overlap if m == state.shaped.actions.last_gradient else None
         if overlap is None:
             self.runner.backward_weight(m)
             return

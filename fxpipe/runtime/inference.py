@@ -3,7 +3,6 @@ every rank), run as the forward-only schedule under ``torch.no_grad``."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -20,14 +19,6 @@ from fxpipe.runtime.stage import rebuild_tree
 from fxpipe.runtime.step_state import StepState
 
 Op = schedules.Op
-
-
-@functools.cache
-def forward_actions(num_stages: int, num_microbatches: int) -> tuple[tuple[schedules.Action, ...], ...]:
-    """Every stage's lowered forward-only actions (validated like every schedule)."""
-    schedule = schedules.make_schedule(schedules.FORWARD_ONLY, num_stages, num_microbatches)
-    schedules.validate_schedule(schedule)
-    return schedules.lower(schedule)
 
 
 def evaluate(driver: PipelineDriver, inputs: tuple[Any, ...], targets: Any) -> float:
@@ -59,10 +50,10 @@ def _run(driver: PipelineDriver, inputs: tuple[Any, ...], targets: Any, *, keep_
         driver.failures.step_index += 1
     # predict ends without the loss allreduce, so its batch check cannot fold into one
     shaped = driver.begin(inputs, targets, fold=not keep_outputs)
-    driver.inbox.start_step(shaped.forward_messages())
+    driver.inbox.start_step(shaped.forward_messages(), shaped.forward_actions.following)
     state = StepState(inputs, targets, shaped)
     with _forward_only(driver):
-        for action in forward_actions(driver.plan.num_stages, driver.plan.num_microbatches)[driver.stage_index]:
+        for action in shaped.forward_actions.actions:
             m = action.microbatch_index
             if action.op is Op.RECV_ACTIVATION:
                 driver.recv_activation(state, m)
@@ -98,7 +89,7 @@ def _gather_outputs(driver: PipelineDriver, state: StepState) -> dict[str, Any]:
         values[name] = torch.empty(shape, dtype=layout.dtypes[name] or spec.dtype, device=driver.context.device)
     for replica_index, rank in enumerate(last.devices):
         rows = RowMap.split(layout.microbatch_ranges, replica_index, last.replicas)
-        pieces = [(name, m, rows.per_microbatch[m]) for m in range(plan.num_microbatches) for name in tensors
+        pieces = [(name, m, rows.per_microbatch[m]) for m in range(len(layout.microbatch_ranges)) for name in tensors
                   if program.values[name].batched or (m == 0 and replica_index == 0)]
         received = _broadcast_pieces(driver, state, rank, pieces)
         for (name, _, (start, stop)), piece in zip(pieces, received, strict=True):

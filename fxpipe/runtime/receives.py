@@ -72,19 +72,18 @@ class Inbox:
     which messages it receives (:meth:`start_step`): their shapes follow the step's batch.
     """
 
-    def __init__(self, exchange: PeerExchange, device: torch.device, tag: Tag,
-                 order: Mapping[MessageKind, Sequence[int]], *, ahead: bool) -> None:
+    def __init__(self, exchange: PeerExchange, device: torch.device, tag: Tag, *, ahead: bool) -> None:
         self.exchange, self.device, self.tag, self.ahead = exchange, device, tag, ahead
-        # the micro-batch each kind receives after micro-batch m (-1: the first), in action order
-        self.following = {kind: dict(zip([-1, *ms], ms, strict=False)) for kind, ms in order.items()}
         self.posted: dict[tuple[MessageKind, int], _Posted] = {}
         self.messages: MessagePlan = {}
+        self.following: Mapping[MessageKind, Mapping[int, int]] = {}
 
-    def start_step(self, messages: MessagePlan) -> None:
-        """Receive ``messages`` this step (kinds left out: none); post each kind's first receive; refuse if a
-        failed step left receives posted."""
+    def start_step(self, messages: MessagePlan, following: Mapping[MessageKind, Mapping[int, int]]) -> None:
+        """Receive ``messages`` this step (kinds left out: none), in the order ``following`` gives (the
+        micro-batch each kind receives after micro-batch m, -1: the first); post each kind's first receive;
+        refuse if a failed step left receives posted."""
         self.check_clean()
-        self.messages = messages
+        self.messages, self.following = messages, following
         for kind in messages:
             self._post_following(kind, -1)
 

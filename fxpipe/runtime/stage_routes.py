@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fxpipe.core.plan import Plan
+from fxpipe.core.schedule import FORWARD_ONLY
+from fxpipe.runtime.actions import StageActions, stage_actions
 from fxpipe.runtime.batch_layout import BatchLayout, batch_rows, check_targets, make_layout
 from fxpipe.runtime.comm import MessageKind, Route, buffer_shape, routes_between
 from fxpipe.runtime.receives import Message, Piece, plan_messages
@@ -104,19 +106,25 @@ class ShapedStep:
     rows: RowMap
     routes: tuple[StageRoutes, ...]  # per micro-batch (micro-batches of equal rows share one)
     messages: dict[MessageKind, list[list[Message]]]
+    actions: StageActions  # the plan's schedule at the layout's micro-batch count
+    forward_actions: StageActions  # the forward-only schedule (evaluate, predict)
 
     @classmethod
     def of(cls, program: SplitProgram, plan: Plan, stage_index: int, rank: int, layout: BatchLayout) -> ShapedStep:
         replica_index, num_replicas = plan.stage_of_device(rank)[1], plan.stages[stage_index].replicas
         by_rows: dict[int, StageRoutes] = {}
-        for m in range(plan.num_microbatches):
+        num_microbatches = len(layout.microbatch_ranges)
+        for m in range(num_microbatches):
             rows = layout.microbatch_rows(m)
             if rows not in by_rows:
                 by_rows[rows] = StageRoutes.of(program, plan, stage_index, rank, layout.dtypes, rows, layout.shapes)
-        routes = tuple(by_rows[layout.microbatch_rows(m)] for m in range(plan.num_microbatches))
+        routes = tuple(by_rows[layout.microbatch_rows(m)] for m in range(num_microbatches))
         messages = plan_messages({MessageKind.ACTIVATION: [r.activation_pieces for r in routes],
                                   MessageKind.GRADIENT: [r.gradient_pieces for r in routes]})
-        return cls(layout, RowMap.split(layout.microbatch_ranges, replica_index, num_replicas), routes, messages)
+        actions = stage_actions(plan.schedule, plan.num_stages, num_microbatches, plan.warmup_policy, stage_index)
+        forward = stage_actions(FORWARD_ONLY, plan.num_stages, num_microbatches, plan.warmup_policy, stage_index)
+        return cls(layout, RowMap.split(layout.microbatch_ranges, replica_index, num_replicas), routes, messages,
+                   actions, forward)
 
     def forward_messages(self) -> dict[MessageKind, list[list[Message]]]:
         """The messages of a forward-only pass: activations only."""
