@@ -85,7 +85,7 @@ class PipelineDriver:
 
     def __init__(self, program: SplitProgram, plan: Plan, loss_fn: LossFn | None, *, context: DistContext,
                  autocast_dtype: torch.dtype | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 loss_reduction: str = "mean", check_batch: str = "first", target_batch_dim: int = 0) -> None:
+                 loss_reduction: str = "auto", check_batch: str = "first", target_batch_dim: int = 0) -> None:
         check_world(plan, program, context.world_size)
         if loss_fn is None:
             raise PipelineSetupError("loss_fn is missing; pass loss_fn=callable(output, targets) -> scalar tensor")
@@ -104,7 +104,7 @@ class PipelineDriver:
         self.dtypes = infer_value_dtypes(program, context.device, autocast_dtype)
         self.runner = StageRunner(self.stage, program, context.device, loss_fn=loss_fn,
                                   autocast_dtype=autocast_dtype, loss_reduction=loss_reduction,
-                                  recompute=plan.stages[self.stage_index].recompute)
+                                  recompute=plan.stages[self.stage_index].recompute, target_batch_dim=target_batch_dim)
         # run at the start and at the end of every step (deferred BN statistics: reset, commit)
         self.start_hooks: list[Callable[[], None]] = []
         self.step_hooks: list[Callable[[], None]] = []
@@ -182,7 +182,8 @@ class PipelineDriver:
         self.inbox.start_step()
         for hook in self.start_hooks:
             hook()
-        stash = self._stash_grads() if self._stashes else None
+        # while the loss probe is open (the first step) a contradiction drops the step's gradients: keep them apart
+        stash = self._stash_grads() if self._stashes or self.runner.probe.active else None
         state = _StepState(inputs, targets, partial)
         self.runner.reset()
         handlers = {Op.RECV_ACTIVATION: self._recv_activation, Op.FORWARD: self._forward,
@@ -275,8 +276,8 @@ class PipelineDriver:
                 values[name] = self._slice(state.inputs[index], spec.batch_dim if spec.batched else None, start, stop)
         if self.is_last:
             targets = tree_map(lambda t: self._slice(t, self.target_batch_dim, start, stop), state.targets)
-            weight = (stop - start) / self.plan.global_batch_size if self.runner.loss_reduction == "mean" else 1.0
-            loss, count = self.runner.forward_loss(m, values, targets, weight)
+            # weighted by rows / global batch if the loss is a per-row mean (the runner's probe finds out)
+            loss, count = self.runner.forward_loss(m, values, targets, stop - start, self.plan.global_batch_size)
             state.loss_parts.append(loss)  # no float(loss) here: it would wait for the device per micro-batch
             state.count_parts.append(count)
         else:
@@ -394,11 +395,16 @@ class PipelineDriver:
             unflatten_into(flat, tensors)
         self.exchange.wait(state.sends)
         state.loss = self._broadcast_loss(state)
+        dropped = self.runner.probe.take_error()  # the same on every rank (folded into the loss allreduce)
         if stash is not None:
             for _, param in self._own_params:
                 earlier = stash[id(param)]
-                if earlier is not None:
+                if dropped is not None:
+                    param.grad = earlier  # this step's gradients go: loss_fn is not what they were weighted for
+                elif earlier is not None:
                     param.grad = earlier if param.grad is None else param.grad + earlier
+        if dropped is not None:
+            raise dropped
         for hook in self.step_hooks:
             hook()
 
@@ -409,18 +415,22 @@ class PipelineDriver:
         step's gradients (already summed over ranks) are divided by it, as one process would.
         """
         loss_sum, count = read_local_loss(state.loss_parts, state.count_parts)
+        probe = self.runner.probe.fold_values()  # while open: every rank's verdict on loss_fn (loss_probe)
         if self.context.world_size > 1:  # a world of one has nothing to add (and no batch to compare)
             folds = self.batch_checker.fold_values()
-            total = torch.tensor([loss_sum, count, preemption.vote(), *folds], dtype=torch.float64,
+            total = torch.tensor([loss_sum, count, preemption.vote(), *probe, *folds], dtype=torch.float64,
                                  device=self.context.device)
             work = dist.all_reduce(total, op=dist.ReduceOp.SUM, async_op=True)
             assert work is not None
             self.exchange.wait([Pending(work, -1, "loss allreduce over all ranks", total)])
             loss_sum, count, stop_votes, *folded = total.tolist()
             self.preempted = stop_votes > 0  # the same on every rank: a signal reached at least one of them
+            probe, folded = folded[:len(probe)], folded[len(probe):]
+            self.runner.probe.conclude(probe)
             self.batch_checker.check_folded(folded)
         else:
             self.preempted = preemption.vote() > 0
+            self.runner.probe.conclude(probe)
         return self.runner.batch_loss(loss_sum, count, self._param_list)
 
     def gather_stats(self) -> list[StepStats]:

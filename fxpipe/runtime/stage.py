@@ -12,6 +12,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpipe.runtime.errors import BatchShapeError, PipelineSetupError
+from fxpipe.runtime.loss_probe import LossProbe
 from fxpipe.runtime.measure import SavedActivationMeter
 from fxpipe.runtime.recompute import checkpointed_call, recomputed_bytes
 from fxpipe.runtime.split_backward import WeightWork, backward_inputs, backward_weights, weight_params
@@ -84,13 +85,14 @@ def _fake_value(spec: ValueSpec, device: torch.device) -> Any:
     return torch.empty(spec.shape, dtype=spec.dtype, device=device)
 
 
-LOSS_REDUCTIONS = ("mean", "sum", "token_mean")
+LOSS_REDUCTIONS = ("auto", "mean", "sum", "token_mean")
 
 
 def check_loss_reduction(reduction: str) -> str:
     if reduction not in LOSS_REDUCTIONS:
-        raise PipelineSetupError(f"loss_reduction={reduction!r} is unknown; choose 'mean' (loss_fn returns a per-row mean), "
-                         "'sum' (a sum over rows) or 'token_mean' (loss_fn returns (sum, count))")
+        raise PipelineSetupError(f"loss_reduction={reduction!r} is unknown; choose 'auto' (the first step finds out "
+                                 "whether loss_fn is a per-row mean or a sum), 'mean' (loss_fn returns a per-row mean), "
+                                 "'sum' (a sum over rows) or 'token_mean' (loss_fn returns (sum, count))")
     return reduction
 
 
@@ -107,9 +109,9 @@ def split_loss(result: Any, reduction: str) -> tuple[torch.Tensor, torch.Tensor 
         count = result[1]
         return result[0], count.detach() if isinstance(count, torch.Tensor) else float(count)
     if not _is_scalar(result):
+        pair = " (a (sum, count) pair needs loss_reduction='token_mean')" if isinstance(result, tuple | list) else ""
         raise TypeError(f"loss_fn must return a scalar tensor, got {type(result).__name__} "
-                        f"{getattr(result, 'shape', '')}; reduce the loss with mean() (or sum() with "
-                        "loss_reduction='sum')")
+                        f"{getattr(result, 'shape', '')}{pair}; reduce the loss with mean() or sum()")
     return result, 0.0
 
 
@@ -125,8 +127,8 @@ class StageRunner:
     """
 
     def __init__(self, stage: StageProgram, program: SplitProgram, device: torch.device, *,
-                 loss_fn: LossFn | None, autocast_dtype: torch.dtype | None, loss_reduction: str = "mean",
-                 recompute: bool = False) -> None:
+                 loss_fn: LossFn | None, autocast_dtype: torch.dtype | None, loss_reduction: str = "auto",
+                 recompute: bool = False, target_batch_dim: int = 0) -> None:
         self.stage = stage
         self.program = program
         self.device = device
@@ -134,6 +136,9 @@ class StageRunner:
         self.loss_fn = loss_fn
         self.autocast_dtype = autocast_dtype
         self.loss_reduction = check_loss_reduction(loss_reduction)
+        # on every rank (each folds the same values into the step's loss allreduce); probes on the last stage
+        self.probe = LossProbe(self.loss_reduction, {name: program.values[name].batch_dim if program.values[name].batched
+                                                     else None for name in stage.output_values}, target_batch_dim)
         self.is_last = stage.stage_index == len(program.stages) - 1
         self.recompute = recompute
         self._saved: dict[int, _Saved] = {}
@@ -169,19 +174,22 @@ class StageRunner:
         self._saved[microbatch_index] = _Saved(outputs, leaves, args=args if self.recompute else None)
         return outputs
 
-    def forward_loss(self, microbatch_index: int, inputs: Mapping[str, Any], targets: Any,
-                     weight: float) -> tuple[torch.Tensor, torch.Tensor | float]:
-        """Last stage: forward, then the loss times ``weight``; returns the detached weighted loss and the
-        slice's count (``loss_reduction="token_mean"``: the loss_fn returns ``(sum, count)``; else 0).
+    def forward_loss(self, microbatch_index: int, inputs: Mapping[str, Any], targets: Any, rows: int,
+                     global_rows: int) -> tuple[torch.Tensor, torch.Tensor | float]:
+        """Last stage: forward, then the weighted loss of this slice of ``rows`` rows; returns it detached
+        and the slice's count (``loss_reduction="token_mean"``: the loss_fn returns ``(sum, count)``; else 0).
 
-        One autocast region for both, as an eager loop writes it (entering one costs, and leaving it
-        drops its cache of cast weights); nothing here waits for the device.
+        A per-row mean is weighted by ``rows / global_rows``, a sum (or token_mean's sum) by 1. Under
+        ``"auto"`` the loss probe reads the first step's slices before their weight is chosen
+        (fxpipe.runtime.loss_probe). One autocast region for forward and loss, as an eager loop writes
+        it (entering one costs, and leaving it drops its cache of cast weights); once the probe is
+        settled nothing here waits for the device.
         """
-        assert self.loss_fn is not None, "the driver checks loss_fn before running a last stage"
         with autocast_context(self.device, self.autocast_dtype):
             outputs = self._forward(microbatch_index, inputs)
-            result = self.loss_fn(rebuild_tree(self.program.output_tree, outputs), targets)
-        loss, count = split_loss(result, self.loss_reduction)
+            loss, count = self._evaluate_loss(outputs, targets)
+            reduction = self.probe.observe(self._evaluate_loss, outputs, targets, rows, loss, count)
+        weight = rows / global_rows if reduction == "mean" else 1.0
         # each op skipped when it would change nothing: they cost a dispatch here and in backward
         weighted = loss if loss.dtype == torch.float32 else loss.float()
         weighted = weighted if weighted.dim() == 0 else weighted.reshape(())
@@ -189,6 +197,11 @@ class StageRunner:
             weighted = weighted * weight
         self._saved[microbatch_index].loss = weighted
         return weighted.detach(), count
+
+    def _evaluate_loss(self, outputs: Mapping[str, Any], targets: Any) -> tuple[torch.Tensor, torch.Tensor | float]:
+        """loss_fn on a slice's outputs (by value name) and targets, as ``(loss, count)``."""
+        assert self.loss_fn is not None, "the driver checks loss_fn before running a last stage"
+        return split_loss(self.loss_fn(rebuild_tree(self.program.output_tree, outputs), targets), self.loss_reduction)
 
     def batch_loss(self, loss_sum: float, count: float, params: Sequence[torch.nn.Parameter]) -> float:
         """The global batch's loss from the summed slice losses (and counts, for ``token_mean``).
@@ -248,6 +261,7 @@ class StageRunner:
         """Drop state a failed step may have left behind."""
         self._saved.clear()
         self._weight_work.clear()
+        self.probe.start_step()
 
 
 def _roots(saved: _Saved, output_grads: Mapping[str, torch.Tensor]
