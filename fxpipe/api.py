@@ -42,6 +42,8 @@ class PipelinedModule:
     stage_index = property(lambda self: self.driver.stage_index, doc="The stage this rank runs.")
     replica_index = property(lambda self: self.driver.replica_index, doc="Which replica of the stage.")
     module = property(lambda self: self.driver.runner.module, doc="This rank's stage GraphModule.")
+    loss_reduction = property(lambda self: self.driver.runner.probe.resolved,
+                              doc="The loss_reduction in force: the declared one, or what 'auto' found (None before).")
 
     def step(self, inputs: Any, targets: Any, *, partial: bool = False) -> float:
         """Forward and backward of the global batch; gradients land in ``parameters()``; returns the loss.
@@ -237,7 +239,7 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
             num_microbatches: int | None = None, cluster: str | Cluster | None = None, optimizer: str = "adam",
             warmup_policy: str | None = None, autocast_dtype: torch.dtype | None = None,
             timeout_s: float = 60.0, sync_params: str = "broadcast", check_batch: str = "first",
-            loss_reduction: str = "mean", batch_norm: str = "microbatch",
+            loss_reduction: str = "auto", batch_norm: str = "microbatch",
             batch_dims: int | Mapping[str, int] | None = None, target_batch_dim: int | None = None,
             recompute: str | Sequence[bool | str] = "auto", costs: str = "auto", check_rows: bool = True) -> Any:
     """Pipeline ``model`` over the process group's ranks; returns a :class:`PipelinedModule`.
@@ -248,8 +250,10 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
     every rank), a :class:`Plan`, or a plan JSON path. ``schedule``:
     ``"dapple"`` (early backward), ``"gpipe"``, ``"zero_bubble"`` (split backward, W deferred) or
     ``"auto"`` (the planner picks per plan); None keeps the plan's (plans made here: ``"dapple"``). ``loss_fn(output, targets)``
-    returns what ``loss_reduction`` says: ``"mean"`` a per-row mean scalar, ``"sum"`` a sum over rows,
-    ``"token_mean"`` a ``(sum, count)`` pair (e.g. tokens not equal to ``ignore_index``).
+    returns what ``loss_reduction`` says: ``"auto"`` (default) a scalar that the first step finds to be a
+    per-row mean or a sum over rows (a loss that is neither raises on every rank, naming ``"token_mean"``),
+    ``"mean"`` a per-row mean scalar, ``"sum"`` a sum over rows, ``"token_mean"`` a ``(sum, count)`` pair
+    (e.g. tokens not equal to ``ignore_index``); a declared one the first step contradicts raises too.
     ``sync_params``: ``"broadcast"`` (replicas and tied weights start from the lowest rank's values),
     ``"verify"`` (fail naming the first differing tensor) or ``"off"``. ``check_batch``: ``"first"``,
     ``"always"`` or ``"off"`` (every rank must pass the same global batch). ``batch_norm``:

@@ -30,7 +30,7 @@ class CompileOptions:
     # exactness options (docs/exactness.md)
     sync_params: str = "broadcast"
     check_batch: str = "first"
-    loss_reduction: str = "mean"
+    loss_reduction: str = "auto"  # fxpipe.runtime.loss_probe
     batch_norm: str = "microbatch"
     # where the batch is (docs/exactness.md, "The batch dimension"): None = dim 0, checked for ambiguity
     batch_dims: int | Mapping[str, int] | None = None

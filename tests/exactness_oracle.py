@@ -7,6 +7,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+
+from fxpipe import models as zoo
 
 LEARNING_RATE = 1e-2
 ADAM_EPS = 1e-8  # AdamW's default
@@ -74,3 +77,35 @@ def train_and_compare(pipe: Any, batches: list[Any], reference: dict[str, Any], 
     params = {name: p.detach() for name, p in pipe.named_parameters()}
     problems += mismatches("param", params, reference["params"], rtol=0.0, atol=1e-4)
     return {"losses": losses, "problems": problems, "names": sorted(params), "after_backward": hooked}
+
+
+def sum_mse(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output, targets, reduction="sum")
+
+
+def summed_lm(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+def padded_lm_mean(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """What the unsplit model computes: mean over the tokens that are not padding (ignore_index)."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+
+def padded_lm_sum_count(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same loss for fxpipe's loss_reduction="token_mean": (sum over tokens, number of tokens)."""
+    total = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+    return total, (targets != -100).sum()
+
+
+def padded_lm_batches(batch_size: int, seed: int, num_steps: int) -> list[Any]:
+    """The tiny tied-lm's batches with rows of random lengths (targets after each row's length are -100)."""
+    entry = zoo.get("tied-lm")
+    batches = []
+    for step in range(num_steps):
+        inputs, targets = entry.make_batch(batch_size, seed + step, **entry.tiny_overrides)
+        generator = torch.Generator().manual_seed(seed + step)
+        lengths = torch.randint(1, targets.shape[1] + 1, (targets.shape[0],), generator=generator)
+        padding = torch.arange(targets.shape[1])[None, :] >= lengths[:, None]  # rows of different lengths
+        batches.append((inputs, targets.masked_fill(padding, -100)))
+    return batches

@@ -10,7 +10,7 @@ import pickle
 import queue
 import socket
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -155,6 +155,19 @@ def join_world(store_dir: str, name: str, rank: int, world_size: int, timeout_s:
 def leave_world() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def run_scenarios(scenarios: Mapping[str, Callable[[], Any]], rank: int, world_size: int, store_dir: str,
+                  prefix: str) -> dict[str, Any]:
+    """Each scenario in a fresh default group of its own (rendezvous file ``prefix-index``); results by name."""
+    results = {}
+    for index, (name, scenario) in enumerate(scenarios.items()):
+        join_world(store_dir, f"{prefix}-{index}", rank, world_size)
+        try:
+            results[name] = scenario()
+        finally:
+            leave_world()
+    return results
 
 
 def compute_nodes(gm: fx.GraphModule) -> list[str]:

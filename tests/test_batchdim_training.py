@@ -16,7 +16,7 @@ import fxpipe
 from fxpipe.passes import trace
 from fxpipe.runtime.rows import gather_rows
 from tests.exactness_oracle import train_and_compare, train_reference
-from tests.mp_utils import join_world, leave_world, plan_from_cuts, run_ranks
+from tests.mp_utils import plan_from_cuts, run_ranks, run_scenarios
 
 pytestmark = pytest.mark.multiprocess
 
@@ -136,14 +136,7 @@ SCENARIOS = {
 
 
 def _all_scenarios(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
-    results = {}
-    for index, (name, scenario) in enumerate(SCENARIOS.items()):
-        join_world(store_dir, f"batchdim-{index}", rank, world_size)
-        try:
-            results[name] = scenario()
-        finally:
-            leave_world()
-    return results
+    return run_scenarios(SCENARIOS, rank, world_size, store_dir, "batchdim")
 
 
 def test_seq_first_batch_dims_match_one_process(tmp_path: Any) -> None:

@@ -19,7 +19,16 @@ from fxpipe.passes import trace
 from fxpipe.runtime.batchcheck import BatchMismatchError
 from fxpipe.runtime.batchnorm import BatchNormWarning
 from fxpipe.runtime.sync import ReplicaMismatchError
-from tests.exactness_oracle import mismatches, train_and_compare, train_reference
+from tests.exactness_oracle import (
+    mismatches,
+    padded_lm_batches,
+    padded_lm_mean,
+    padded_lm_sum_count,
+    sum_mse,
+    summed_lm,
+    train_and_compare,
+    train_reference,
+)
 from tests.mp_utils import join_world, leave_world, plan_from_cuts, run_ranks
 
 pytestmark = pytest.mark.multiprocess
@@ -28,25 +37,6 @@ WORLD_SIZE = 3
 GLOBAL_BATCH = 12
 NUM_STEPS = 3
 LossFn = Callable[[Any, Any], Any]
-
-
-def sum_mse(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(output, targets, reduction="sum")
-
-
-def summed_lm(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
-
-
-def padded_lm_mean(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """What the unsplit model computes: mean over the tokens that are not padding (ignore_index)."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
-
-
-def padded_lm_sum_count(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same loss for fxpipe's loss_reduction="token_mean": (sum over tokens, number of tokens)."""
-    total = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
-    return total, (targets != -100).sum()
 
 
 class SmallCNN(nn.Module):
@@ -81,15 +71,7 @@ def _zoo_batches(name: str, seed: int) -> list[Any]:
 
 
 def _padded_batches(seed: int) -> list[Any]:
-    entry = zoo.get("tied-lm")
-    batches = []
-    for step in range(NUM_STEPS):
-        inputs, targets = entry.make_batch(GLOBAL_BATCH, seed + step, **entry.tiny_overrides)
-        generator = torch.Generator().manual_seed(seed + step)
-        lengths = torch.randint(1, targets.shape[1] + 1, (targets.shape[0],), generator=generator)
-        padding = torch.arange(targets.shape[1])[None, :] >= lengths[:, None]  # rows of different lengths
-        batches.append((inputs, targets.masked_fill(padding, -100)))
-    return batches
+    return padded_lm_batches(GLOBAL_BATCH, seed, NUM_STEPS)
 
 
 def _cnn_batches(seed: int) -> list[Any]:

@@ -67,7 +67,7 @@ class PipelineDriver:
 
     def __init__(self, program: SplitProgram, plan: Plan, loss_fn: LossFn | None, *, context: DistContext,
                  autocast_dtype: torch.dtype | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 loss_reduction: str = "mean", check_batch: str = "first", target_batch_dim: int = 0) -> None:
+                 loss_reduction: str = "auto", check_batch: str = "first", target_batch_dim: int = 0) -> None:
         check_world(plan, program, context.world_size)
         if loss_fn is None:
             raise PipelineSetupError("loss_fn is missing; pass loss_fn=callable(output, targets) -> scalar tensor")
@@ -86,7 +86,7 @@ class PipelineDriver:
         self.dtypes = infer_value_dtypes(program, context.device, autocast_dtype)
         self.runner = StageRunner(self.stage, program, context.device, loss_fn=loss_fn,
                                   autocast_dtype=autocast_dtype, loss_reduction=loss_reduction,
-                                  recompute=plan.stages[self.stage_index].recompute)
+                                  recompute=plan.stages[self.stage_index].recompute, target_batch_dim=target_batch_dim)
         # run at the start and at the end of every step (deferred BN statistics: reset, commit)
         self.start_hooks: list[Callable[[], None]] = []
         self.step_hooks: list[Callable[[], None]] = []
@@ -155,7 +155,8 @@ class PipelineDriver:
         self.inbox.start_step(shaped.messages, shaped.actions.following)
         for hook in self.start_hooks:
             hook()
-        stash = self._stash_grads() if self._stashes else None
+        # while the loss probe is open (the first step) a contradiction drops the step's gradients: keep them apart
+        stash = self._stash_grads() if self._stashes or self.runner.probe.active else None
         state = StepState(inputs, targets, shaped, partial)
         self.runner.reset()
         handlers = {Op.RECV_ACTIVATION: self.recv_activation, Op.FORWARD: self._forward,
@@ -251,8 +252,8 @@ class PipelineDriver:
                         f"send {what} {', '.join(map(repr, names))} of micro-batch {m}"))
         return self.exchange.post(ops)
 
-    def stage_inputs(self, state: StepState, m: int) -> tuple[dict[str, Any], Any, float]:
-        """Micro-batch ``m``'s stage inputs (received and sliced from the batch), targets and loss weight."""
+    def stage_inputs(self, state: StepState, m: int) -> tuple[dict[str, Any], Any, int]:
+        """Micro-batch ``m``'s stage inputs (received and sliced from the batch), targets and rows."""
         rows = state.shaped.rows
         start, stop = rows.local(m) if state.partial else rows.per_microbatch[m]
         values = state.received.pop(m, {}) if self.forward_only else dict(state.received.get(m, {}))
@@ -261,15 +262,15 @@ class PipelineDriver:
                 spec = self.program.values[name]
                 values[name] = self._slice(state.inputs[index], spec.batch_dim if spec.batched else None, start, stop)
         if not self.is_last or state.targets is None:
-            return values, None, 1.0
+            return values, None, stop - start
         targets = tree_map(lambda t: self._slice(t, self.target_batch_dim, start, stop), state.targets)
-        weight = (stop - start) / state.shaped.layout.num_rows if self.runner.loss_reduction == "mean" else 1.0
-        return values, targets, weight
+        return values, targets, stop - start
 
     def _forward(self, state: StepState, m: int) -> None:
-        values, targets, weight = self.stage_inputs(state, m)
+        values, targets, rows = self.stage_inputs(state, m)
         if self.is_last:
-            loss, count = self.runner.forward_loss(m, values, targets, weight)
+            # weighted by rows / batch rows if the loss is a per-row mean (the runner's probe finds out)
+            loss, count = self.runner.forward_loss(m, values, targets, rows, state.shaped.layout.num_rows)
             state.loss_parts.append(loss)  # no float(loss) here: it would wait for the device per micro-batch
             state.count_parts.append(count)
         else:
@@ -387,11 +388,16 @@ class PipelineDriver:
             unflatten_into(flat, tensors)
         self.exchange.wait(state.sends)
         state.loss = self._broadcast_loss(state)
+        dropped = self.runner.probe.take_error()  # the same on every rank (folded into the loss allreduce)
         if stash is not None:
             for _, param in self._own_params:
                 earlier = stash[id(param)]
-                if earlier is not None:
+                if dropped is not None:
+                    param.grad = earlier  # this step's gradients go: loss_fn is not what they were weighted for
+                elif earlier is not None:
                     param.grad = earlier if param.grad is None else param.grad + earlier
+        if dropped is not None:
+            raise dropped
         for hook in self.step_hooks:
             hook()
 
@@ -407,18 +413,22 @@ class PipelineDriver:
         """The summed weighted losses and counts of all last-stage replicas, on every rank (one allreduce that
         also carries the preemption vote and the folded batch check)."""
         loss_sum, count = read_local_loss(state.loss_parts, state.count_parts)
+        probe = self.runner.probe.fold_values()  # while open: every rank's verdict on loss_fn (loss_probe)
         if self.context.world_size > 1:  # a world of one has nothing to add (and no batch to compare)
             folds = self.batch_checker.fold_values()
-            total = torch.tensor([loss_sum, count, preemption.vote(), *folds], dtype=torch.float64,
+            total = torch.tensor([loss_sum, count, preemption.vote(), *probe, *folds], dtype=torch.float64,
                                  device=self.context.device)
             work = dist.all_reduce(total, op=dist.ReduceOp.SUM, async_op=True)
             assert work is not None
             self.exchange.wait([Pending(work, -1, "loss allreduce over all ranks", total)])
             loss_sum, count, stop_votes, *folded = total.tolist()
             self.preempted = stop_votes > 0  # the same on every rank: a signal reached at least one of them
+            probe, folded = folded[:len(probe)], folded[len(probe):]
+            self.runner.probe.conclude(probe)
             self.batch_checker.check_folded(folded)
         else:
             self.preempted = preemption.vote() > 0
+            self.runner.probe.conclude(probe)
         return loss_sum, count
 
     def gather_stats(self) -> list[StepStats]:

@@ -18,3 +18,8 @@ class CommunicationError(RuntimeError):
 class RemoteSetupError(PipelineSetupError):
     """Another rank failed while the pipeline was being set up; the message names that rank, the phase and
     its original error (every rank raises at the same phase, so none waits for a timeout)."""
+
+
+class LossReductionError(PipelineSetupError):
+    """``loss_fn`` is not what ``loss_reduction`` needs (or ``"auto"`` found): found by the loss probe on the
+    first step and raised on every rank after it, with that step's gradients dropped (fxpipe.runtime.loss_probe)."""

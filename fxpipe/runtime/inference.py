@@ -24,7 +24,11 @@ Op = schedules.Op
 def evaluate(driver: PipelineDriver, inputs: tuple[Any, ...], targets: Any) -> float:
     """The loss of the global batch under the step's reduction rules, gradients untouched (collective)."""
     state = _run(driver, inputs, targets, keep_outputs=False)
-    return driver.runner.evaluated_loss(*driver.reduce_loss(state))
+    loss = driver.runner.evaluated_loss(*driver.reduce_loss(state))
+    error = driver.runner.probe.take_error()  # an open loss probe checks evaluate's slices too
+    if error is not None:
+        raise error
+    return loss
 
 
 def predict(driver: PipelineDriver, inputs: tuple[Any, ...]) -> Any:
@@ -52,14 +56,15 @@ def _run(driver: PipelineDriver, inputs: tuple[Any, ...], targets: Any, *, keep_
     shaped = driver.begin(inputs, targets, fold=not keep_outputs)
     driver.inbox.start_step(shaped.forward_messages(), shaped.forward_actions.following)
     state = StepState(inputs, targets, shaped)
+    driver.runner.reset()
     with _forward_only(driver):
         for action in shaped.forward_actions.actions:
             m = action.microbatch_index
             if action.op is Op.RECV_ACTIVATION:
                 driver.recv_activation(state, m)
             elif action.op is Op.FORWARD:
-                values, slice_targets, weight = driver.stage_inputs(state, m)
-                outputs, loss, count = driver.runner.infer(values, slice_targets, weight)
+                values, slice_targets, rows = driver.stage_inputs(state, m)
+                outputs, loss, count = driver.runner.infer(values, slice_targets, rows, shaped.layout.num_rows)
                 if loss is not None:
                     state.loss_parts.append(loss)
                     state.count_parts.append(count)

@@ -11,6 +11,7 @@ import torch
 
 from fxpipe.runtime.errors import BatchShapeError, PipelineSetupError
 from fxpipe.runtime.inplace import inputs_changed_in_place
+from fxpipe.runtime.loss_probe import LossProbe
 from fxpipe.runtime.measure import SavedActivationMeter
 from fxpipe.runtime.recompute import checkpointed_call, recomputed_bytes
 from fxpipe.runtime.split_backward import WeightWork, backward_inputs, backward_weights, weight_params
@@ -50,13 +51,14 @@ def autocast_context(device: torch.device, dtype: torch.dtype | None) -> context
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-LOSS_REDUCTIONS = ("mean", "sum", "token_mean")
+LOSS_REDUCTIONS = ("auto", "mean", "sum", "token_mean")
 
 
 def check_loss_reduction(reduction: str) -> str:
     if reduction not in LOSS_REDUCTIONS:
-        raise PipelineSetupError(f"loss_reduction={reduction!r} is unknown; choose 'mean' (loss_fn returns a per-row mean), "
-                         "'sum' (a sum over rows) or 'token_mean' (loss_fn returns (sum, count))")
+        raise PipelineSetupError(f"loss_reduction={reduction!r} is unknown; choose 'auto' (the first step finds out "
+                                 "whether loss_fn is a per-row mean or a sum), 'mean' (loss_fn returns a per-row mean), "
+                                 "'sum' (a sum over rows) or 'token_mean' (loss_fn returns (sum, count))")
     return reduction
 
 
@@ -73,9 +75,9 @@ def split_loss(result: Any, reduction: str) -> tuple[torch.Tensor, torch.Tensor 
         count = result[1]
         return result[0], count.detach() if isinstance(count, torch.Tensor) else float(count)
     if not _is_scalar(result):
+        pair = " (a (sum, count) pair needs loss_reduction='token_mean')" if isinstance(result, tuple | list) else ""
         raise TypeError(f"loss_fn must return a scalar tensor, got {type(result).__name__} "
-                        f"{getattr(result, 'shape', '')}; reduce the loss with mean() (or sum() with "
-                        "loss_reduction='sum')")
+                        f"{getattr(result, 'shape', '')}{pair}; reduce the loss with mean() or sum()")
     return result, 0.0
 
 
@@ -91,8 +93,8 @@ class StageRunner:
     """
 
     def __init__(self, stage: StageProgram, program: SplitProgram, device: torch.device, *,
-                 loss_fn: LossFn | None, autocast_dtype: torch.dtype | None, loss_reduction: str = "mean",
-                 recompute: bool = False) -> None:
+                 loss_fn: LossFn | None, autocast_dtype: torch.dtype | None, loss_reduction: str = "auto",
+                 recompute: bool = False, target_batch_dim: int = 0) -> None:
         self.stage = stage
         self.program = program
         self.device = device
@@ -100,6 +102,9 @@ class StageRunner:
         self.loss_fn = loss_fn
         self.autocast_dtype = autocast_dtype
         self.loss_reduction = check_loss_reduction(loss_reduction)
+        # on every rank (each folds the same values into the step's loss allreduce); probes on the last stage
+        self.probe = LossProbe(self.loss_reduction, {name: program.values[name].batch_dim if program.values[name].batched
+                                                     else None for name in stage.output_values}, target_batch_dim)
         self.is_last = stage.stage_index == len(program.stages) - 1
         self.recompute = recompute
         self._copied_inputs = inputs_changed_in_place(self.module)  # leaves these would write into
@@ -138,19 +143,22 @@ class StageRunner:
         self._saved[microbatch_index] = _Saved(outputs, leaves, args=args if self.recompute else None)
         return outputs
 
-    def forward_loss(self, microbatch_index: int, inputs: Mapping[str, Any], targets: Any,
-                     weight: float) -> tuple[torch.Tensor, torch.Tensor | float]:
-        """Last stage: forward, then the loss times ``weight``; returns the detached weighted loss and the
-        slice's count (``loss_reduction="token_mean"``: the loss_fn returns ``(sum, count)``; else 0).
+    def forward_loss(self, microbatch_index: int, inputs: Mapping[str, Any], targets: Any, rows: int,
+                     global_rows: int) -> tuple[torch.Tensor, torch.Tensor | float]:
+        """Last stage: forward, then the weighted loss of this slice of ``rows`` rows; returns it detached
+        and the slice's count (``loss_reduction="token_mean"``: the loss_fn returns ``(sum, count)``; else 0).
 
-        One autocast region for both, as an eager loop writes it (entering one costs, and leaving it
-        drops its cache of cast weights); nothing here waits for the device.
+        A per-row mean is weighted by ``rows / global_rows``, a sum (or token_mean's sum) by 1. Under
+        ``"auto"`` the loss probe reads the first step's slices before their weight is chosen
+        (fxpipe.runtime.loss_probe). One autocast region for forward and loss, as an eager loop writes
+        it (entering one costs, and leaving it drops its cache of cast weights); once the probe is
+        settled nothing here waits for the device.
         """
-        assert self.loss_fn is not None, "the driver checks loss_fn before running a last stage"
         with autocast_context(self.device, self.autocast_dtype):
             outputs = self._forward(microbatch_index, inputs)
-            result = self.loss_fn(rebuild_tree(self.program.output_tree, outputs), targets)
-        loss, count = split_loss(result, self.loss_reduction)
+            loss, count = self._evaluate_loss(outputs, targets)
+            reduction = self.probe.observe(self._evaluate_loss, outputs, targets, rows, loss, count)
+        weight = rows / global_rows if reduction == "mean" else 1.0
         # each op skipped when it would change nothing: they cost a dispatch here and in backward
         weighted = loss if loss.dtype == torch.float32 else loss.float()
         weighted = weighted if weighted.dim() == 0 else weighted.reshape(())
@@ -159,23 +167,27 @@ class StageRunner:
         self._saved[microbatch_index].loss = weighted
         return weighted.detach(), count
 
-    def infer(self, inputs: Mapping[str, Any], targets: Any = None,
-              weight: float = 1.0) -> tuple[dict[str, Any], torch.Tensor | None, torch.Tensor | float]:
+    def _evaluate_loss(self, outputs: Mapping[str, Any], targets: Any) -> tuple[torch.Tensor, torch.Tensor | float]:
+        """loss_fn on a slice's outputs (by value name) and targets, as ``(loss, count)``."""
+        assert self.loss_fn is not None, "the driver checks loss_fn before running a last stage"
+        return split_loss(self.loss_fn(rebuild_tree(self.program.output_tree, outputs), targets), self.loss_reduction)
+
+    def infer(self, inputs: Mapping[str, Any], targets: Any = None, rows: int = 0,
+              global_rows: int = 1) -> tuple[dict[str, Any], torch.Tensor | None, torch.Tensor | float]:
         """Forward of one slice for evaluate/predict (the caller runs it under no_grad): nothing is saved.
 
-        Returns the outputs and, on the last stage with ``targets``, the weighted loss and the count (as
-        :meth:`forward_loss`; one autocast region for both, as there).
+        Returns the outputs and, on the last stage with ``targets``, the slice's weighted loss and count,
+        weighted as :meth:`forward_loss` weights them (an open loss probe looks at this slice too).
         """
         args = [inputs[name] for name in self.stage.input_values]
         with autocast_context(self.device, self.autocast_dtype):
             outputs = dict(zip(self.stage.output_values, self.module(*args), strict=True))
             if targets is None or not self.is_last:
                 return outputs, None, 0.0
-            assert self.loss_fn is not None, "the driver checks loss_fn before running a last stage"
-            result = self.loss_fn(rebuild_tree(self.program.output_tree, outputs), targets)
-        loss, count = split_loss(result, self.loss_reduction)
+            loss, count = self._evaluate_loss(outputs, targets)
+            reduction = self.probe.observe(self._evaluate_loss, outputs, targets, rows, loss, count)
         weighted = loss.float().reshape(())
-        return outputs, weighted * weight if weight != 1.0 else weighted, count
+        return outputs, weighted * (rows / global_rows) if reduction == "mean" else weighted, count
 
     def evaluated_loss(self, loss_sum: float, count: float) -> float:
         """The global batch's loss of a forward-only pass (gradients untouched; ``token_mean``: sum / count)."""
@@ -244,6 +256,7 @@ class StageRunner:
         """Drop state a failed step may have left behind."""
         self._saved.clear()
         self._weight_work.clear()
+        self.probe.start_step()
 
 
 def _roots(saved: _Saved, output_grads: Mapping[str, torch.Tensor]
