@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from planner_cases import GiB, chain, cluster, random_case
-from test_oracle_simulate import gradient_allreduce_seconds, step_end_seconds
+from reference_sim import gradient_allreduce_seconds, step_end_seconds
 
 from fxpipe.core.chain import CostChain
 from fxpipe.core.cluster import Cluster
