@@ -14,20 +14,13 @@ steps; no optimizer step is timed.
 
 from __future__ import annotations
 
+import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from tabulate import tabulate
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleavedZeroBubble,
-)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_common import (  # noqa: E402
@@ -41,126 +34,12 @@ from benchmarks.bench_common import (  # noqa: E402
     mib,
     run_ranks,
     stage_names,
-    zero_grads,
 )
+from benchmarks.torch_pipelining_common import TorchSide, build_torch_side, fxpipe_step, torch_step  # noqa: E402
 
 RESULTS = Path(__file__).with_suffix(".md")
 COMMAND = "python benchmarks/vs_torch_pipelining.py --write"
 DEFAULT_WORKLOAD = Workload("gpt-mini", (("n_layer", 4), ("n_embd", 128), ("block_size", 64)), 32, 8)
-
-
-class StageAdapter(torch.nn.Module):
-    """A codegen stage GraphModule with torch.distributed.pipelining's calling convention.
-
-    Torch passes the previous stage's outputs positionally, in that stage's output order; the last
-    stage returns the bare model output (the loss function's first argument).
-    """
-
-    def __init__(self, module: torch.nn.Module, argument_order: list[int], output_tree: Any) -> None:
-        super().__init__()
-        self.module = module
-        self.argument_order = argument_order
-        self.output_tree = output_tree
-
-    def forward(self, *args: Any) -> Any:
-        outputs = self.module(*(args[i] for i in self.argument_order))
-        return outputs if self.output_tree is None else outputs[0]
-
-
-@dataclass
-class TorchSide:
-    """This rank's torch.distributed.pipelining stage, schedule and tied-gradient group."""
-
-    schedule: Any  # a torch.distributed.pipelining schedule (TORCH_SCHEDULES)
-    module: StageAdapter
-    parameters: list[torch.nn.Parameter]
-    names: dict[int, str]
-    tied: list[tuple[Any, list[torch.nn.Parameter]]]  # (process group of the owner stages, their params)
-    stage_index: int
-    num_stages: int
-
-
-# torch's schedules that run the same stages (one per rank): single-stage ones take the stage, the
-# interleaved family a list of this rank's stages (here one; ZBV needs two per rank, so it does not apply).
-TORCH_SCHEDULES: dict[str, tuple[Any, bool]] = {
-    "Schedule1F1B": (Schedule1F1B, False), "ScheduleGPipe": (ScheduleGPipe, False),
-    "ScheduleInterleavedZeroBubble": (ScheduleInterleavedZeroBubble, True),
-}
-
-
-def build_torch_side(workload: Workload, stages: list[list[str]], schedule_name: str = "Schedule1F1B") -> TorchSide:
-    """The same layer-cut stage code as fxpipe's, run by torch's PipelineStage + ``schedule_name``."""
-    from fxpipe.passes import trace
-    from fxpipe.passes.codegen import split_stages
-
-    model, example_inputs = workload.build()
-    program = split_stages(trace(model, example_inputs), stages)
-    rank, num_stages = dist.get_rank(), len(stages)
-    stage = program.stages[rank]
-    adapter = StageAdapter(stage.module, _argument_order(program, rank), _last_output(program, rank))
-    pipeline_stage = PipelineStage(adapter, rank, num_stages, torch.device("cpu"))
-    schedule_cls, takes_list = TORCH_SCHEDULES[schedule_name]
-    schedule = schedule_cls([pipeline_stage] if takes_list else pipeline_stage, workload.num_microbatches,
-                            loss_fn=workload.loss_fn())
-    names = {id(stage.module.get_parameter(path)): original for path, original in stage.param_names
-             if _is_parameter(stage.module, path)}
-    parameters = list(dict.fromkeys(adapter.parameters()))
-    tied = []
-    for owners in sorted({tuple(sorted(owners)) for _, owners in program.tie_groups}):
-        group = dist.new_group(list(owners))  # every rank creates every group, in the same order
-        shared = {name for name, stages in program.tie_groups if tuple(sorted(stages)) == owners}
-        if rank in owners:
-            tied.append((group, [p for p in parameters if names.get(id(p)) in shared]))
-    return TorchSide(schedule, adapter, parameters, names, tied, rank, num_stages)
-
-
-def _is_parameter(module: torch.nn.Module, path: str) -> bool:
-    owner_path, _, attribute = path.rpartition(".")
-    owner = module.get_submodule(owner_path) if owner_path else module
-    return owner._parameters.get(attribute) is not None
-
-
-def _argument_order(program: Any, stage_index: int) -> list[int]:
-    """Where each of this stage's inputs sits among the previous stage's outputs (what torch passes)."""
-    stage = program.stages[stage_index]
-    if stage_index == 0:
-        return list(range(len(stage.input_values)))
-    previous = list(program.stages[stage_index - 1].output_values)
-    missing = [name for name in stage.input_values if name not in previous]
-    if missing:
-        raise ValueError(f"stage {stage_index} reads {missing}, which stage {stage_index - 1} does not output; "
-                         "torch's PipelineStage passes only adjacent-stage values; cut elsewhere")
-    return [previous.index(name) for name in stage.input_values]
-
-
-def _last_output(program: Any, stage_index: int) -> Any:
-    if stage_index != len(program.stages) - 1:
-        return None
-    if not isinstance(program.output_tree, str):
-        raise ValueError(f"model output {program.output_tree!r} is not a single tensor; the benchmark's loss "
-                         "adapter handles single-tensor outputs only")
-    return program.output_tree
-
-
-def torch_step(side: TorchSide, inputs: tuple[Any, ...], targets: Any) -> None:
-    """One torch.distributed.pipelining iteration plus the tied-gradient sum fxpipe also does."""
-    zero_grads(side.parameters)
-    if side.stage_index == 0:
-        side.schedule.step(*inputs, return_outputs=False)
-    elif side.stage_index == side.num_stages - 1:
-        side.schedule.step(target=targets, losses=[], return_outputs=False)
-    else:
-        side.schedule.step(return_outputs=False)
-    for group, parameters in side.tied:
-        for parameter in parameters:
-            if parameter.grad is None:
-                parameter.grad = torch.zeros_like(parameter)
-            dist.all_reduce(parameter.grad, group=group)
-
-
-def fxpipe_step(pipe: Any, parameters: list[torch.nn.Parameter], inputs: tuple[Any, ...], targets: Any) -> None:
-    zero_grads(parameters)
-    pipe.step(inputs, targets)
 
 
 def _gradient_gap(pipe: Any, side: TorchSide) -> float:
@@ -253,11 +132,13 @@ def report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from benchmarks import vs_torch_schedules  # it imports this module's torch side
-
     def run_and_report(warmup: int, steps: int) -> str:
         first = report(run(DEFAULT_WORKLOAD, num_warmup=warmup, num_steps=steps))
-        return first + "\n" + vs_torch_schedules.run_and_report(warmup, steps)
+        # the page also holds vs_torch_schedules.py's tables: run that script (the two import only common code)
+        schedules = subprocess.run([sys.executable, str(Path(__file__).with_name("vs_torch_schedules.py")),
+                                    "--warmup", str(warmup), "--steps", str(steps)],
+                                   check=True, capture_output=True, text=True).stdout
+        return first + "\n" + schedules.rstrip("\n") + "\n"
 
     bench_main(argv, __doc__, RESULTS, run_and_report, steps=10, warmup=2)
 

@@ -27,7 +27,7 @@ from benchmarks.bench_common import (  # noqa: E402
     run_ranks,
     stage_names,
 )
-from benchmarks.vs_torch_pipelining import TORCH_SCHEDULES, build_torch_side, fxpipe_step, torch_step  # noqa: E402
+from benchmarks.torch_pipelining_common import TORCH_SCHEDULES, build_torch_side, fxpipe_step, torch_step  # noqa: E402
 
 WORKLOADS = {
     "gpt-mini": Workload("gpt-mini", (("n_layer", 4), ("n_embd", 128), ("block_size", 64)), 32, 8),

@@ -1,5 +1,11 @@
 """The single-process oracle every multi-rank exactness test compares with: AdamW steps of the unsplit model on
-the whole batch (step-1 gradients, losses, final parameters) and the same steps through a pipeline."""
+the whole batch (every step's gradients, losses, final parameters) and the same steps through a pipeline.
+
+Gradients are compared on every step, not only the first: AdamW's update is invariant to a uniform gradient
+scale, so a scale bug from step 2 on would leave the parameters right. The parameters the ranks hold
+together must be the model's, each held by some rank (:func:`coverage_problems`, gathered across the
+ranks that run the pipeline).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from fxpipe import models as zoo
@@ -24,24 +31,25 @@ def _call(model: torch.nn.Module, inputs: Any) -> Any:
 
 def train_reference(model: torch.nn.Module, loss_fn: Any, batches: list[Any], *, adam_eps: float = ADAM_EPS,
                     after_backward: Callable[[torch.nn.Module], Any] | None = None) -> dict[str, Any]:
-    """One process, whole batch: gradients of step 1, losses, parameters after len(batches) AdamW steps.
+    """One process, whole batch: gradients of every step (``"grads"``: step 1's), losses, parameters after
+    len(batches) AdamW steps.
 
     ``after_backward(model)`` runs before each optimizer step (e.g. clipping); its results are ``"after_backward"``.
     """
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, eps=adam_eps)
-    losses, grads, hooked = [], {}, []
-    for step, (inputs, targets) in enumerate(batches):
+    losses, grads_per_step, hooked = [], [], []
+    for inputs, targets in batches:
         loss = loss_fn(_call(model, inputs), targets)
         loss.backward()
         losses.append(loss.item())
         if after_backward is not None:
             hooked.append(after_backward(model))
-        if step == 0:
-            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        grads_per_step.append({name: p.grad.clone() for name, p in model.named_parameters()})
         optimizer.step()
         optimizer.zero_grad()
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return {"losses": losses, "grads": grads, "params": params, "model": model, "after_backward": hooked}
+    return {"losses": losses, "grads": grads_per_step[0] if grads_per_step else {}, "grads_per_step": grads_per_step,
+            "params": params, "model": model, "after_backward": hooked}
 
 
 def mismatches(kind: str, actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], *, rtol: float,
@@ -56,27 +64,46 @@ def mismatches(kind: str, actual: dict[str, torch.Tensor], expected: dict[str, t
     return problems
 
 
+def coverage_problems(names_by_rank: list[list[str]], model_names: list[str]) -> list[str]:
+    """Problems with which parameters the ranks hold: a name no rank holds, or one the model does not have."""
+    held = {name for names in names_by_rank for name in names}
+    problems = [f"parameter {name} is held by no rank" for name in sorted(set(model_names) - held)]
+    return problems + [f"parameter {name} held by a rank is not the model's" for name in sorted(held - set(model_names))]
+
+
+def _names_of_every_rank(names: list[str]) -> list[list[str]]:
+    """Each rank's parameter names (this process's alone outside a process group)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [names]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, names)
+    return gathered
+
+
 def train_and_compare(pipe: Any, batches: list[Any], reference: dict[str, Any], *, adam_eps: float = ADAM_EPS,
                       after_backward: Callable[[Any], Any] | None = None) -> dict[str, Any]:
-    """AdamW steps on ``pipe``; step-1 gradients (rtol 1e-4) and final parameters against ``reference`` (problems).
+    """AdamW steps on ``pipe``; every step's gradients (rtol 1e-4) and the final parameters against ``reference``,
+    and the parameters held across the process group against the model's (:func:`coverage_problems`).
 
+    Every rank of the process group calls this together (the names are gathered once, before training).
     ``after_backward(pipe)`` runs after each ``step`` (before the gradients are compared); results as in
     :func:`train_reference`.
     """
+    names = sorted(name for name, _ in pipe.named_parameters())
+    problems = coverage_problems(_names_of_every_rank(names), sorted(reference["params"]))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=LEARNING_RATE, eps=adam_eps)
-    losses, problems, hooked = [], [], []
+    losses, hooked = [], []
     for step, (inputs, targets) in enumerate(batches):
         losses.append(pipe.step(inputs, targets))
         if after_backward is not None:
             hooked.append(after_backward(pipe))
-        if step == 0:
-            grads = {name: p.grad for name, p in pipe.named_parameters()}
-            problems += mismatches("grad", grads, reference["grads"], rtol=1e-4, atol=1e-6)
+        grads = {name: p.grad for name, p in pipe.named_parameters()}
+        problems += mismatches(f"step {step} grad", grads, reference["grads_per_step"][step], rtol=1e-4, atol=1e-6)
         optimizer.step()
         optimizer.zero_grad()
     params = {name: p.detach() for name, p in pipe.named_parameters()}
     problems += mismatches("param", params, reference["params"], rtol=0.0, atol=1e-4)
-    return {"losses": losses, "problems": problems, "names": sorted(params), "after_backward": hooked}
+    return {"losses": losses, "problems": problems, "names": names, "after_backward": hooked}
 
 
 def sum_mse(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

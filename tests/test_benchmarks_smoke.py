@@ -11,6 +11,7 @@ from benchmarks import (
     prediction_fidelity,
     runtime_fidelity,
     schedule_memory,
+    torch_pipelining_common,
     vs_torch_pipelining,
     vs_torch_schedules,
 )
@@ -99,7 +100,7 @@ def test_vs_torch_schedules_smoke() -> None:
 
     per_rank = run_ranks(vs_torch_schedules.compare_rank, 2, tiny(8, 4), 0, 1)
     names = {f"fxpipe {s}" for s in vs_torch_schedules.FX_SCHEDULES} | {
-        f"torch {s}" for s in vs_torch_pipelining.TORCH_SCHEDULES}
+        f"torch {s}" for s in torch_pipelining_common.TORCH_SCHEDULES}
     assert set(per_rank[0]["times"]) == set(per_rank[0]["memory"]) == names
     for memory in (r["memory"] for r in per_rank):  # zero-bubble keeps what early backward keeps
         assert 0 < memory["fxpipe zero_bubble"] == memory["fxpipe early_backward"] < memory["fxpipe gpipe"]
@@ -107,6 +108,17 @@ def test_vs_torch_schedules_smoke() -> None:
     assert all(0 < busy <= step for r in bubbles for busy, step in r["stats"]["zero_bubble"])
     assert all(r["memory"][s] > 0 for r in bubbles for s in ("early_backward", "zero_bubble"))
     assert vs_torch_schedules.auto_schedule(tiny(8, 4), 2) in vs_torch_schedules.FX_SCHEDULES
+
+
+def test_the_torch_benchmarks_share_code_without_importing_each_other() -> None:
+    import ast
+    from pathlib import Path
+
+    for name, other in (("vs_torch_pipelining", "vs_torch_schedules"), ("vs_torch_schedules", "vs_torch_pipelining")):
+        tree = ast.parse((Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py").read_text())
+        imported = {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)} | {
+            alias.name for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom) for alias in node.names}
+        assert not any(other in module for module in imported), f"{name} imports {other}"
 
 
 @pytest.mark.multiprocess

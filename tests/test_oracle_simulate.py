@@ -1,205 +1,25 @@
-"""Simulator oracle: a separately written event engine (own row slicing, routing, lowering, allreduce,
-message costs and core sharing) against fxpipe.simulate on hybrid layouts, for early-backward
-(policies A, B) and GPipe.
+"""Simulator oracle: fxpipe.simulate against the separately written reference in tests/reference_sim.py
+(own row slicing, routing, lowering, allreduce with buckets and ties, message costs, core sharing, split
+backward, recomputation, optimizer step, memory) on random hybrid layouts under every training schedule.
 
-Nothing here imports the simulator's helpers (``_replica_specs``, ``stage_cost``, ``allreduce_time``,
-``split_rows``, ``shared_rows``, ``lower``): only the F/B order of the schedule is shared, and the
-cost model is re-derived from the simulator's docstring.
+Nothing here or there imports the simulator's helpers (``_replica_specs``, ``stage_cost``, ``allreduce_time``,
+``split_rows``, ``shared_rows``, ``lower``, ``stage_memory_bytes``): only the F/B/W order of the schedule is
+shared, and the cost model is re-derived from the simulator's docstring.
 """
 
 from __future__ import annotations
 
-import heapq
 import random
-from dataclasses import dataclass, field
+from dataclasses import replace
 
 import pytest
+from reference_sim import reference_run, routes, slice_bounds
 
-from fxpipe.core.chain import Block, CostChain
+from fxpipe.core.chain import Block, CostChain, SharedParam
 from fxpipe.core.cluster import Cluster, DeviceSpec, LinkSpec
 from fxpipe.core.costgraph import Affine
 from fxpipe.core.plan import Plan, StagePlan
-from fxpipe.core.schedule import make_schedule
 from fxpipe.sim.simulate import simulate
-
-Key = tuple[int, int]  # (stage, replica)
-
-
-def slice_bounds(num_rows: int, num_replicas: int) -> list[tuple[int, int]]:
-    """Contiguous row ranges; the first ``num_rows mod num_replicas`` replicas take one extra row."""
-    bounds, start = [], 0
-    for replica in range(num_replicas):
-        size = num_rows // num_replicas + (1 if replica < num_rows % num_replicas else 0)
-        bounds.append((start, start + size))
-        start += size
-    assert start == num_rows
-    return bounds
-
-
-def routes(num_rows: int, senders: int, receivers: int) -> list[tuple[int, int, int]]:
-    """``(sender, receiver, shared rows)`` for every overlapping pair (brute force over all pairs)."""
-    out = []
-    for i, (a, b) in enumerate(slice_bounds(num_rows, senders)):
-        for j, (c, d) in enumerate(slice_bounds(num_rows, receivers)):
-            if min(b, d) > max(a, c):
-                out.append((i, j, min(b, d) - max(a, c)))
-    return out
-
-
-def piece_seconds(net: Cluster, src: int, dst: int, num_bytes: float) -> float:
-    if num_bytes <= 0:
-        return 0.0
-    same_host = src // net.devices_per_host == dst // net.devices_per_host
-    link = net.intra_host if same_host else net.inter_host
-    return link.latency_s + num_bytes / link.bandwidth_bytes_per_s
-
-
-def ring_allreduce_seconds(net: Cluster, num_bytes: float, devices: tuple[int, ...]) -> float:
-    count = len(devices)
-    if count < 2 or num_bytes <= 0:
-        return 0.0
-    hosts = {d // net.devices_per_host for d in devices}
-    if len(hosts) == 1:
-        link = net.intra_host_collective or net.intra_host
-    else:
-        link = net.inter_host_collective or net.inter_host
-    return 2 * (count - 1) * link.latency_s + 2 * (count - 1) * num_bytes / (count * link.bandwidth_bytes_per_s)
-
-
-def gradient_allreduce_seconds(net: Cluster, num_bytes: float, devices: tuple[int, ...]) -> float:
-    """The ring allreduce plus copying the gradients into one buffer and back (read + write each time)."""
-    ring = ring_allreduce_seconds(net, num_bytes, devices)
-    return ring + 4 * num_bytes / net.device.memory_bandwidth_bytes_per_s if ring > 0 else 0.0
-
-
-def step_end_seconds(net: Cluster, plan: Plan) -> float:
-    """The allreduce of seven float64 numbers (loss, count, vote, batch-check folds) over every device."""
-    return ring_allreduce_seconds(net, 7 * 8, tuple(sorted({d for stage in plan.stages for d in stage.devices})))
-
-
-def my_lowering(plan: Plan) -> list[list[tuple[str, int]]]:
-    """Per stage: receive before each forward/backward that needs one, send after, allreduce handled apart."""
-    order = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, plan.warmup_policy).per_stage
-    last = plan.num_stages - 1
-    programs = []
-    for stage, actions in enumerate(order):
-        program: list[tuple[str, int]] = []
-        for action in actions:
-            kind, m = action.op.value, action.microbatch_index
-            receive = (kind == "F" and stage > 0) or (kind == "B" and stage < last)
-            send = (kind == "F" and stage < last) or (kind == "B" and stage > 0)
-            if receive:
-                program.append(("R" + ("A" if kind == "F" else "G"), m))
-            program.append((kind, m))
-            if send:
-                program.append(("S" + ("A" if kind == "F" else "G"), m))
-        programs.append(program)
-    return programs
-
-
-@dataclass
-class Replica:
-    stage: int
-    device: int
-    forward_s: float
-    backward_s: float
-    sends: dict[str, list[tuple[Key, float]]] = field(default_factory=dict)  # "A"/"G" -> pieces in issue order
-    expects: dict[str, int] = field(default_factory=dict)  # "A"/"G" -> pieces per receive
-
-
-def stretch(net: Cluster) -> float:
-    """Ranks sharing too few cores compute (and pack messages) at cores/ranks of their speed."""
-    if 0 < net.cores_per_host < net.devices_per_host:
-        return net.devices_per_host / net.cores_per_host
-    return 1.0
-
-
-def build_replicas(plan: Plan, chain: CostChain, net: Cluster) -> dict[Key, Replica]:
-    rows_of = plan.global_batch_size // plan.num_microbatches
-    replicas: dict[Key, Replica] = {}
-    for stage in plan.stages:
-        blocks = chain.blocks[stage.first_block:stage.stop_block]
-        for r, (start, stop) in enumerate(slice_bounds(rows_of, stage.replicas)):
-            rows = stop - start
-            forward = sum(b.forward_s.fixed + b.forward_s.per_sample * rows for b in blocks) * stretch(net)
-            backward = sum(b.backward_s.fixed + b.backward_s.per_sample * rows for b in blocks) * stretch(net)
-            replicas[stage.stage_index, r] = Replica(stage.stage_index, stage.devices[r], forward, backward,
-                                                     {"A": [], "G": []}, {"A": 0, "G": 0})
-    for left, right in zip(plan.stages, plan.stages[1:], strict=False):
-        cut = chain.cut_bytes[left.stop_block - 1]
-        pairs = routes(rows_of, left.replicas, right.replicas)
-        for i, j, rows in pairs:
-            seconds = piece_seconds(net, left.devices[i], right.devices[j], cut.fixed + cut.per_sample * rows)
-            replicas[left.stage_index, i].sends["A"].append(((right.stage_index, j), seconds))
-            replicas[right.stage_index, j].expects["A"] += 1
-        for i, j, rows in sorted(pairs, key=lambda p: (p[1], p[0])):  # gradients: each sender in receiver order
-            seconds = piece_seconds(net, right.devices[j], left.devices[i], cut.fixed + cut.per_sample * rows)
-            replicas[right.stage_index, j].sends["G"].append(((left.stage_index, i), seconds))
-            replicas[left.stage_index, i].expects["G"] += 1
-    return replicas
-
-
-def reference_run(plan: Plan, chain: CostChain, net: Cluster) -> tuple[float, list[float], dict[int, float]]:
-    """(iteration time, allreduce start per stage, busy seconds per device) by a plain time-ordered loop.
-
-    Each message costs its sender and its receiver ``message_overhead_s`` (stretched like compute): a send
-    first packs all its pieces, then issues them; a receive takes them after the last one arrived.
-    """
-    replicas = build_replicas(plan, chain, net)
-    per_message = net.message_overhead_s * stretch(net)
-    packed: set[tuple[Key, int]] = set()
-    programs = my_lowering(plan)
-    clock = dict.fromkeys(replicas, 0.0)
-    cursor = dict.fromkeys(replicas, 0)
-    send_free: dict[int, float] = {}
-    recv_free: dict[int, float] = {}
-    arrivals: dict[tuple[Key, str, int], list[float]] = {}
-    blocked: set[Key] = set()
-    busy: dict[int, float] = {r.device: 0.0 for r in replicas.values()}
-    queue = [(0.0, key) for key in sorted(replicas)]
-    while queue:
-        now, key = heapq.heappop(queue)
-        replica, program = replicas[key], programs[key[0]]
-        if cursor[key] == len(program):
-            continue
-        kind, m = program[cursor[key]]
-        if kind in ("F", "B"):
-            seconds = replica.forward_s if kind == "F" else replica.backward_s
-            busy[replica.device] += seconds
-            now += seconds
-        elif kind[0] == "R":
-            got = arrivals.get((key, kind[1], m), [])
-            if len(got) < replica.expects[kind[1]]:
-                blocked.add(key)
-                clock[key] = now
-                continue
-            now = max([now, *got]) + per_message * len(got)
-        elif per_message > 0 and (key, cursor[key]) not in packed:
-            packed.add((key, cursor[key]))  # pack and post, then issue the pieces at that later time
-            heapq.heappush(queue, (now + per_message * len(replica.sends[kind[1]]), key))
-            continue
-        else:
-            for other, seconds in replica.sends[kind[1]]:
-                device = replicas[other].device
-                start = now if seconds == 0 else max(now, send_free.get(replica.device, 0.0),
-                                                     recv_free.get(device, 0.0))
-                if seconds > 0:
-                    send_free[replica.device] = recv_free[device] = start + seconds
-                arrivals.setdefault((other, kind[1], m), []).append(start + seconds)
-                if other in blocked:
-                    blocked.discard(other)
-                    heapq.heappush(queue, (clock[other], other))
-        cursor[key] += 1
-        clock[key] = now
-        heapq.heappush(queue, (now, key))
-    assert not blocked and all(cursor[k] == len(programs[k[0]]) for k in replicas), "the reference deadlocked"
-    starts, ends = [], []
-    for stage in plan.stages:
-        start = max(clock[stage.stage_index, r] for r in range(stage.replicas))
-        weights = sum(b.param_bytes for b in chain.blocks[stage.first_block:stage.stop_block])
-        starts.append(start)
-        ends.append(start + gradient_allreduce_seconds(net, weights, stage.devices))
-    return max(ends) + step_end_seconds(net, plan), starts, busy
 
 
 def random_setup(seed: int, layout: tuple[int, ...], schedule: str, policy: str,
@@ -233,28 +53,101 @@ LAYOUTS = [(2, 1), (1, 2), (2, 1, 1), (3, 1), (1, 3), (1, 2, 1), (2, 2)]
 SCHEDULES = [("early_backward", "A"), ("early_backward", "B"), ("gpipe", "A")]
 
 
+def assert_agrees(plan: Plan, chain: CostChain, net: Cluster, where: str, **options: float | str) -> None:
+    """fxpipe.simulate and the reference agree on time, allreduce windows, busy seconds and memory."""
+    weight_share = options.pop("weight_fraction", 0.5)
+    expected = reference_run(plan, chain, net, weight_share=float(weight_share), **options)  # type: ignore[arg-type]
+    result = simulate(plan, chain, net, weight_fraction=float(weight_share), **options)  # type: ignore[arg-type]
+    assert result.iteration_time_s == pytest.approx(expected.iteration_time_s, rel=1e-9), where
+    assert result.allreduce_start_s == pytest.approx(expected.allreduce_start_s, rel=1e-9, abs=1e-15), where
+    assert result.allreduce_end_s == pytest.approx(expected.allreduce_end_s, rel=1e-9), where
+    assert dict(zip(result.devices, result.busy_s, strict=True)) == pytest.approx(expected.busy, rel=1e-9), where
+    assert list(result.inflight_microbatches) == expected.inflight, where
+    assert list(result.peak_memory_bytes) == expected.peak_memory_bytes, where
+
+
 @pytest.mark.parametrize("schedule, policy", SCHEDULES)
 def test_simulator_matches_the_separate_reference_on_hybrid_layouts(schedule: str, policy: str) -> None:
     for seed, layout in enumerate(LAYOUTS * 2):
         plan, chain, net = random_setup(seed, layout, schedule, policy)
-        expected, starts, busy = reference_run(plan, chain, net)
-        result = simulate(plan, chain, net)
-        where = f"seed {seed}, layout {layout}, {schedule}/{policy}, M={plan.num_microbatches}"
-        assert result.iteration_time_s == pytest.approx(expected, rel=1e-9), where
-        assert result.allreduce_start_s == pytest.approx(starts, rel=1e-9), where
-        assert dict(zip(result.devices, result.busy_s, strict=True)) == pytest.approx(busy, rel=1e-9), where
+        assert_agrees(plan, chain, net, f"seed {seed}, layout {layout}, {schedule}/{policy}, M={plan.num_microbatches}")
 
 
 @pytest.mark.parametrize("schedule, policy", SCHEDULES)
 def test_message_overhead_and_shared_cores_match_the_reference(schedule: str, policy: str) -> None:
     for seed, layout in enumerate(LAYOUTS):
         plan, chain, net = random_setup(100 + seed, layout, schedule, policy, per_message_s=3e-5)
-        expected, starts, busy = reference_run(plan, chain, net)
-        result = simulate(plan, chain, net)
-        where = f"seed {100 + seed}, layout {layout}, {schedule}/{policy}"
-        assert result.iteration_time_s == pytest.approx(expected, rel=1e-9), where
-        assert result.allreduce_start_s == pytest.approx(starts, rel=1e-9), where
-        assert dict(zip(result.devices, result.busy_s, strict=True)) == pytest.approx(busy, rel=1e-9), where
+        assert_agrees(plan, chain, net, f"seed {100 + seed}, layout {layout}, {schedule}/{policy}")
+
+
+def rich_setup(seed: int) -> tuple[Plan, CostChain, Cluster, dict[str, float | str]]:
+    """Everything at once, drawn at random: any training schedule and policy, 1-4 stages of 1-3 replicas on
+    2 hosts x 3 devices, tied parameters, saved activations, buckets (often several per stage), recomputing
+    stages (not under zero-bubble, which cannot rerun a checkpointed forward), an optimizer step, message
+    overhead with shared cores, split-backward overhead and weight fraction, and the optimizer's memory factor."""
+    rng = random.Random(seed)
+    layout = rng.choice([(1,), (3,), (2, 1), (1, 2), (2, 2), (1, 1, 1), (2, 1, 1), (1, 2, 3), (1, 1, 1, 1), (3, 1, 2)])
+    num_stages = len(layout)
+    num_blocks = num_stages + rng.randint(0, 3)
+    blocks = tuple(Block(f"b{i}", (), Affine(rng.choice([0.0, 1e-4]), rng.uniform(1e-5, 1e-3)),
+                         Affine(rng.choice([0.0, 2e-4]), rng.uniform(2e-5, 2e-3)), int(10 ** rng.uniform(5, 8.3)),
+                         Affine(rng.choice([0.0, 1e5]), 10 ** rng.uniform(3, 6)))
+                   for i in range(num_blocks))
+    cuts = tuple(Affine(rng.choice([0.0, 1e3]), 10 ** rng.uniform(3, 6)) for _ in range(num_blocks - 1))
+    shared: tuple[SharedParam, ...] = ()
+    if num_blocks > 1 and rng.random() < 0.4:
+        tied = tuple(sorted(rng.sample(range(num_blocks), rng.randint(2, min(3, num_blocks)))))
+        shared = (SharedParam("tied", min(blocks[tied[0]].param_bytes, int(10 ** rng.uniform(4, 7))), tied),)
+    chain = CostChain(blocks, cuts, Affine(0, 1e3), Affine(0, 1e2), shared_params=shared)
+    per_message = rng.choice([0.0, 0.0, 3e-5])
+    net = Cluster("2x3", 2, 3, DeviceSpec("dev", 2**40, (("float32", 1e13),), rng.choice([1e11, 1e12])),
+                  LinkSpec(25e9, 5e-6), LinkSpec(rng.choice([1e9, 3e9]), 2e-5),
+                  inter_host_collective=rng.choice([None, LinkSpec(3e9, 1e-5)]),
+                  cores_per_host=rng.choice([0, 2]) if per_message else 0, message_overhead_s=per_message,
+                  split_backward_overhead=rng.choice([0.0, 0.3]),
+                  optimizer_s_per_param_byte=rng.choice([0.0, 2e-11]))
+    schedule, policy = rng.choice([*SCHEDULES, ("zero_bubble", "A"), ("zero_bubble", "B")])
+    cut_points = sorted(rng.sample(range(1, num_blocks), num_stages - 1))
+    bounds = list(zip([0, *cut_points], [*cut_points, num_blocks], strict=True))
+    devices = rng.sample(range(net.num_devices), sum(layout))
+    stages, used = [], 0
+    for index, (count, (first, stop)) in enumerate(zip(layout, bounds, strict=True)):
+        recompute = schedule != "zero_bubble" and rng.random() < 0.4
+        stages.append(StagePlan(index, first, stop, count, tuple(devices[used:used + count]), recompute=recompute))
+        used += count
+    rows, num_microbatches = rng.choice([3, 5, 7]), rng.choice([num_stages, num_stages + 1, 6])
+    bucket = rng.choice([0, 2**20, 25 * 2**20, 10**9])
+    plan = Plan(rows * num_microbatches, num_microbatches, tuple(stages), schedule=schedule, warmup_policy=policy,
+                allreduce_bucket_bytes=bucket)
+    options: dict[str, float | str] = {"optimizer": rng.choice(["adam", "sgd", "momentum"]),
+                                       "weight_fraction": rng.choice([0.5, 0.3])}
+    return plan, chain, net, options
+
+
+@pytest.mark.parametrize("first_seed", range(0, 400, 100))
+def test_simulator_matches_the_reference_with_buckets_zero_bubble_recompute_optimizer_and_memory(
+        first_seed: int) -> None:
+    for seed in range(first_seed, first_seed + 100):
+        plan, chain, net, options = rich_setup(seed)
+        where = (f"seed {seed}: layout {plan.layout}, {plan.schedule}/{plan.warmup_policy}, M={plan.num_microbatches}, "
+                 f"buckets {plan.allreduce_bucket_bytes}, recompute {[s.recompute for s in plan.stages]}, {options}")
+        assert_agrees(plan, chain, net, where, **options)
+
+
+def test_rich_cases_cover_every_feature() -> None:
+    """The random cases above exercise each feature they claim to (else the comparison proves little)."""
+    seen: set[str] = set()
+    for seed in range(400):
+        plan, chain, net, _ = rich_setup(seed)
+        seen |= {plan.schedule} | ({"recompute"} if any(s.recompute for s in plan.stages) else set())
+        seen |= {"ties"} if chain.shared_params and len({s.stage_index for s in plan.stages for b in
+                                                         chain.shared_params[0].blocks
+                                                         if s.first_block <= b < s.stop_block}) > 1 else set()
+        seen |= {"buckets"} if plan.allreduce_bucket_bytes and max(s.replicas for s in plan.stages) > 1 else set()
+        seen |= {"optimizer"} if net.optimizer_s_per_param_byte else set()
+        seen |= {"messages"} if net.message_overhead_s else set()
+    assert seen == {"early_backward", "gpipe", "zero_bubble", "recompute", "ties", "buckets", "optimizer",
+                    "messages"}, seen
 
 
 def test_reference_helpers_on_hand_cases() -> None:
@@ -262,3 +155,44 @@ def test_reference_helpers_on_hand_cases() -> None:
     assert slice_bounds(7, 3) == [(0, 3), (3, 5), (5, 7)]
     assert routes(5, 2, 1) == [(0, 0, 3), (1, 0, 2)]
     assert routes(7, 3, 2) == [(0, 0, 3), (1, 0, 1), (1, 1, 1), (2, 1, 2)]
+
+
+# Disagreements the reference found, where fxpipe.simulate was wrong (fixed with these checks):
+
+
+def _three_stage_case(**cluster_options: float) -> tuple[Plan, CostChain, Cluster]:
+    block = Block("b", (), Affine(0, 1e-3), Affine(0, 2e-3), 10**8, Affine(0, 1e4))
+    chain = CostChain((block,) * 3, (Affine(0, 1e4),) * 2, shared_params=(SharedParam("tied", 10**7, (0, 2)),))
+    net = Cluster("1x4", 1, 4, DeviceSpec("dev", 2**40, (("float32", 1e13),), 1e12), LinkSpec(25e9, 5e-6),
+                  LinkSpec(25e9, 5e-6), **cluster_options)  # type: ignore[arg-type]
+    stages = (StagePlan(0, 0, 1, 1, (0,)), StagePlan(1, 1, 2, 2, (1, 2)), StagePlan(2, 2, 3, 1, (3,)))
+    return Plan(16, 4, stages, allreduce_bucket_bytes=10**12), chain, net
+
+
+def test_buckets_launch_during_the_last_backward_not_after_its_gradient_send() -> None:
+    """One bucket holding everything launches when the last backward ends, before the gradient send's
+    packing (message overhead); it used to start after the send."""
+    plan, chain, net = _three_stage_case(message_overhead_s=1e-3)
+    result = simulate(plan, chain, net)
+    last_backward = max(e.end_s for e in result.events if e.stage_index == 1 and e.op == "B")
+    last_send = max(e.end_s for e in result.events if e.stage_index == 1 and e.op == "SG")
+    assert last_send > last_backward
+    assert result.allreduce_start_s[1] == last_backward
+
+
+def test_optimizer_step_covers_the_stages_tied_copies() -> None:
+    """The last stage holds a copy of the tied parameter and its optimizer steps it too (the memory rule
+    already counted the copy's optimizer state); it used to be left out of the step's time."""
+    plan, chain, net = _three_stage_case(optimizer_s_per_param_byte=1e-10)
+    without = simulate(plan, chain, replace(net, optimizer_s_per_param_byte=0.0)).iteration_time_s
+    assert simulate(plan, chain, net).iteration_time_s == pytest.approx(without + 1e-10 * (10**8 + 10**7), rel=1e-12)
+
+
+def test_busy_time_includes_what_splitting_the_backward_costs() -> None:
+    plan, chain, net = _three_stage_case(split_backward_overhead=0.5)
+    result = simulate(replace(plan, schedule="zero_bubble"), chain, net)
+    computed: dict[int, float] = {}
+    for event in result.events:
+        if event.op in ("F", "B", "W"):
+            computed[event.device] = computed.get(event.device, 0.0) + event.end_s - event.start_s
+    assert dict(zip(result.devices, result.busy_s, strict=True)) == pytest.approx(computed, rel=1e-12)

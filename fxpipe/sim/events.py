@@ -47,11 +47,13 @@ class ReplicaSpec:
 
 @dataclass(frozen=True)
 class ComponentRun:
-    """What one component's devices did (local indices): when each reached its allreduce, and when."""
+    """What one component's devices did (local indices): when each reached its allreduce, when its last
+    gradient-producing compute (B, or W under split backward) ended, and what it did when."""
 
     allreduce_ready_s: tuple[float, ...]
     events: tuple[tuple[tuple[int, int, float, float], ...], ...]  # per device: (code, m, start, end)
     transfers: tuple[tuple[int, int, int, int, float, float], ...]  # (src, dst, code, m, start, end)
+    gradient_end_s: tuple[float, ...] = ()  # buckets fill during that last pass (before its gradient send)
 
 
 class _ComponentSim:
@@ -85,6 +87,7 @@ class _ComponentSim:
         self.send_start = [0.0] * count  # when that send action began
         self.blocked_since = [-1.0] * count
         self.ready_s = [-1.0] * count
+        self.gradient_end_s = [0.0] * count
         self.events: list[list[tuple[int, int, float, float]]] = [[] for _ in replicas]
         self.transfers: list[tuple[int, int, int, int, float, float]] = []
         self.heap: list[tuple[float, int, int]] = []
@@ -104,7 +107,8 @@ class _ComponentSim:
         if stuck:
             raise ScheduleError(f"simulation deadlocked: local devices {stuck} stopped at actions "
                                 f"{[self.programs[d][self.cursor[d]] for d in stuck]}")
-        return ComponentRun(tuple(self.ready_s), tuple(tuple(e) for e in self.events), tuple(self.transfers))
+        return ComponentRun(tuple(self.ready_s), tuple(tuple(e) for e in self.events), tuple(self.transfers),
+                            tuple(self.gradient_end_s))
 
     def advance(self, device: int, time_s: float) -> None:
         """Execute ``device``'s actions from ``time_s`` until it blocks, must wait its turn, or ends."""
@@ -117,6 +121,8 @@ class _ComponentSim:
                                   else replica.weight_s)
                 if self.record:
                     events.append((code, m, time_s, end_s))
+                if code != FORWARD:
+                    self.gradient_end_s[device] = end_s
                 fresh, time_s = fresh and end_s == time_s, end_s
             elif code <= RECV_GRADIENT:
                 kind = code - RECV_ACTIVATION

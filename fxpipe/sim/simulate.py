@@ -35,6 +35,7 @@ from fxpipe.sim.stagecost import (
     split_backward_times,
     stage_cost,
     stage_memory_bytes,
+    stage_param_bytes,
     step_end_sync_time,
 )
 
@@ -84,7 +85,12 @@ def simulate(plan: Plan, chain: CostChain, cluster: Cluster, *, optimizer: str =
     - ``cut_bytes`` already counts skip values crossing a cut, so values read by a non-adjacent
       stage are modelled as relayed through the stages between (bytes per cut are exact).
       Loading inputs (every rank slices the batch itself) is local: not modelled.
-    - A stage's allreduce starts when all its replicas finished their last backward and lasts
+    - With ``plan.allreduce_bucket_bytes`` > 0 the stage's own gradients go in buckets launched during
+      the last gradient pass (B, or W under split backward), before that pass's gradient send:
+      :mod:`fxpipe.sim.allreduce_overlap`'s offsets count from the end of that pass on the slowest
+      replica, and the stage is done once its buckets are and every replica reached its allreduce.
+      Busy time is each device's F, B and W, split-backward overhead included.
+    - Otherwise a stage's allreduce starts when all its replicas finished their last backward and lasts
       :meth:`Cluster.allreduce_time` of its own parameters. Parameters several stages hold (tied
       weights, :func:`tie_groups`) are summed in one allreduce over all those stages' devices,
       starting when the last of them is ready; the stages' allreduce ends with it. Each includes
@@ -258,19 +264,23 @@ def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule,
              slowdowns: Sequence[float], weight_fraction: float) -> SimulationResult:
     """Add the allreduces and turn component runs into per-device figures and events."""
     ready = {key: run.allreduce_ready_s[local] for members, run in runs for local, key in enumerate(members)}
+    # buckets launch during the last B or W, before that pass's gradient send: anchored at its end
+    anchor_of = {key: run.gradient_end_s[local] for members, run in runs for local, key in enumerate(members)
+                 } if plan.allreduce_bucket_bytes > 0 else ready
     _, ties = allreduce_times(chain, cluster, [(s.first_block, s.stop_block, s.devices) for s in plan.stages])
     own_bytes = own_allreduce_bytes(chain, [(s.first_block, s.stop_block) for s in plan.stages])
     readies, starts, ends, peaks = [], [], [], []
     for stage in plan.stages:
         cost = stage_cost(chain, stage.first_block, stage.stop_block, plan.microbatch_size, stage.replicas)
         readies.append(max(ready[stage.stage_index, r] for r in range(stage.replicas)))
+        anchor = max(anchor_of[stage.stage_index, r] for r in range(stage.replicas))
         # buckets start during the last backward or W (allreduce_bucket_bytes > 0); offsets from its end
         start_offset, end_offset = stage_allreduce_offsets(
             chain, cluster, stage.first_block, stage.stop_block, stage.devices, cost.rows, own_bytes[stage.stage_index],
             plan.allreduce_bucket_bytes, last_pass_share(stage.stage_index, schedule.split_backward, weight_fraction,
                                                          cluster.split_backward_overhead))
-        starts.append(readies[-1] + start_offset)
-        ends.append(readies[-1] + end_offset)
+        starts.append(anchor + start_offset)
+        ends.append(max(anchor + end_offset, readies[-1]))  # the rank also finishes its list (the send)
         peaks.append(stage_memory_bytes(cost, inflight[stage.stage_index], optimizer, stage.recompute))
     for stages, seconds in ties:  # starts when every holder is ready; its stages end with it
         tie_end = max(readies[s] for s in stages) + seconds
@@ -279,7 +289,8 @@ def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule,
     # every rank leaves the step together, after the allreduce that ends it; then its optimizer steps
     iteration_s = (max(ends) + step_end_sync_time(cluster, plan.all_devices())
                    + max(_optimizer_s(chain, cluster, stage, slowdowns) for stage in plan.stages))
-    busy = {device: _busy(plan, chain, stage.stage_index, replica_index, slowdowns[device])
+    split = cluster.split_backward_overhead if schedule.split_backward else None
+    busy = {device: _busy(plan, chain, stage.stage_index, replica_index, slowdowns[device], split)
             for stage in plan.stages for replica_index, device in enumerate(stage.devices)}
     devices = tuple(sorted(busy))
     return SimulationResult(
@@ -303,15 +314,20 @@ def _optimizer_s(chain: CostChain, cluster: Cluster, stage: StagePlan, slowdowns
     """The optimizer step after a stage's last allreduce (:attr:`Cluster.optimizer_s_per_param_byte`)."""
     if cluster.optimizer_s_per_param_byte <= 0:
         return 0.0
-    param_bytes = sum(block.param_bytes for block in chain.blocks[stage.first_block:stage.stop_block])
+    param_bytes = stage_param_bytes(chain, stage.first_block, stage.stop_block)  # its tied copies step too
     return cluster.optimizer_s_per_param_byte * param_bytes * max(slowdowns[d] for d in stage.devices)
 
 
-def _busy(plan: Plan, chain: CostChain, stage_index: int, replica_index: int, slowdown: float) -> float:
+def _busy(plan: Plan, chain: CostChain, stage_index: int, replica_index: int, slowdown: float,
+          split_overhead: float | None) -> float:
+    """A replica's compute seconds in one iteration; a split backward (``split_overhead`` not None) takes
+    what splitting costs on top (:func:`split_backward_times`: B + W, none on stage 0)."""
     stage = plan.stages[stage_index]
     rows = split_rows(plan.microbatch_size, stage.replicas)[replica_index]
     forward_s, backward_s = compute_times(chain, stage.first_block, stage.stop_block, rows, slowdown,
                                           recompute=stage.recompute)
+    if split_overhead is not None:
+        backward_s = sum(split_backward_times(backward_s, stage_index, WEIGHT_GRAD_FRACTION, split_overhead))
     return plan.num_microbatches * (forward_s + backward_s)
 
 

@@ -1,0 +1,370 @@
+"""A separately written reference of fxpipe's simulator, for oracle tests: iteration time, allreduce start/end,
+busy seconds and per-stage peak memory of one training iteration.
+
+It shares no code with ``fxpipe.sim`` (nor the planner): only plain data (Plan, CostChain, Cluster) and the
+F/B/W order of the schedule (``make_schedule(...).per_stage``) come from fxpipe. Row slicing, routing,
+lowering, message costs, core sharing, split backward (zero-bubble), recomputation, bucketed and tied
+gradient allreduces, the step-end allreduce, the optimizer step and the memory rule are re-derived from the
+documented model (``fxpipe.sim.simulate.simulate``'s docstring, docs) and written the plain way: one
+time-ordered loop over all replicas, lists instead of prefix sums, no caching, no component splitting.
+
+Not covered: ``compute_scale`` (per-device stretch) and schedules other than the training ones.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+from fxpipe.core.chain import CostChain
+from fxpipe.core.cluster import Cluster
+from fxpipe.core.plan import Plan
+from fxpipe.core.schedule import make_schedule
+
+Key = tuple[int, int]  # (stage, replica)
+STEP_END_NUMBERS = 7  # float64 loss sum, token count, preemption vote, four batch-check folds
+BYTES_KEPT_PER_PARAM_BYTE = {"sgd": 2, "momentum": 3, "adam": 4, "adamw": 4}  # weights, grads, optimizer state
+WEIGHT_SHARE = 0.5  # default share of backward that computes parameter gradients under split backward
+
+
+def slice_bounds(num_rows: int, num_replicas: int) -> list[tuple[int, int]]:
+    """Contiguous row ranges; the first ``num_rows mod num_replicas`` replicas take one extra row."""
+    bounds, start = [], 0
+    for replica in range(num_replicas):
+        size = num_rows // num_replicas + (1 if replica < num_rows % num_replicas else 0)
+        bounds.append((start, start + size))
+        start += size
+    assert start == num_rows
+    return bounds
+
+
+def routes(num_rows: int, senders: int, receivers: int) -> list[tuple[int, int, int]]:
+    """``(sender, receiver, shared rows)`` for every overlapping pair (brute force over all pairs)."""
+    out = []
+    for i, (a, b) in enumerate(slice_bounds(num_rows, senders)):
+        for j, (c, d) in enumerate(slice_bounds(num_rows, receivers)):
+            if min(b, d) > max(a, c):
+                out.append((i, j, min(b, d) - max(a, c)))
+    return out
+
+
+def at(affine, rows: float) -> float:  # type: ignore[no-untyped-def]
+    return affine.fixed + affine.per_sample * rows
+
+
+def stretch(net: Cluster) -> float:
+    """Ranks sharing too few cores compute (and pack messages) at cores/ranks of their speed."""
+    if 0 < net.cores_per_host < net.devices_per_host:
+        return net.devices_per_host / net.cores_per_host
+    return 1.0
+
+
+def piece_seconds(net: Cluster, src: int, dst: int, num_bytes: float) -> float:
+    if num_bytes <= 0:
+        return 0.0
+    same_host = src // net.devices_per_host == dst // net.devices_per_host
+    link = net.intra_host if same_host else net.inter_host
+    return link.latency_s + num_bytes / link.bandwidth_bytes_per_s
+
+
+def ring_allreduce_seconds(net: Cluster, num_bytes: float, devices: tuple[int, ...]) -> float:
+    count = len(devices)
+    if count < 2 or num_bytes <= 0:
+        return 0.0
+    hosts = {d // net.devices_per_host for d in devices}
+    if len(hosts) == 1:
+        link = net.intra_host_collective or net.intra_host
+    else:
+        link = net.inter_host_collective or net.inter_host
+    return 2 * (count - 1) * link.latency_s + 2 * (count - 1) * num_bytes / (count * link.bandwidth_bytes_per_s)
+
+
+def gradient_allreduce_seconds(net: Cluster, num_bytes: float, devices: tuple[int, ...]) -> float:
+    """The ring allreduce plus copying the gradients into one buffer and back (read + write each time)."""
+    ring = ring_allreduce_seconds(net, num_bytes, devices)
+    return ring + 4 * num_bytes / net.device.memory_bandwidth_bytes_per_s if ring > 0 else 0.0
+
+
+def step_end_seconds(net: Cluster, plan: Plan) -> float:
+    """The allreduce of seven float64 numbers over every device of the plan."""
+    devices = tuple(sorted({d for stage in plan.stages for d in stage.devices}))
+    return ring_allreduce_seconds(net, STEP_END_NUMBERS * 8, devices)
+
+
+def compute_order(plan: Plan) -> list[list[tuple[str, int]]]:
+    """Per stage, ``(kind, micro-batch)`` with kind F, B or W: the schedule as data."""
+    schedule = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, plan.warmup_policy)
+    return [[(action.op.value, action.microbatch_index) for action in actions] for actions in schedule.per_stage]
+
+
+def is_split(order: list[list[tuple[str, int]]]) -> bool:
+    return any(kind == "W" for actions in order for kind, _ in actions)
+
+
+def my_lowering(order: list[list[tuple[str, int]]]) -> list[list[tuple[str, int]]]:
+    """Per stage: receive before each forward/backward that needs one, send after; W moves nothing."""
+    last = len(order) - 1
+    programs = []
+    for stage, actions in enumerate(order):
+        program: list[tuple[str, int]] = []
+        for kind, m in actions:
+            receive = (kind == "F" and stage > 0) or (kind == "B" and stage < last)
+            send = (kind == "F" and stage < last) or (kind == "B" and stage > 0)
+            if receive:
+                program.append(("R" + ("A" if kind == "F" else "G"), m))
+            program.append((kind, m))
+            if send:
+                program.append(("S" + ("A" if kind == "F" else "G"), m))
+        programs.append(program)
+    return programs
+
+
+@dataclass
+class Replica:
+    stage: int
+    device: int
+    rows: int
+    seconds: dict[str, float]  # "F", "B", "W" -> compute seconds of one micro-batch
+    sends: dict[str, list[tuple[Key, float]]] = field(default_factory=dict)  # "A"/"G" -> pieces in issue order
+    expects: dict[str, int] = field(default_factory=dict)  # "A"/"G" -> pieces per receive
+
+
+def stage_seconds(plan: Plan, chain: CostChain, net: Cluster, stage_index: int, rows: int, split: bool,
+                  weight_share: float) -> dict[str, float]:
+    """F, B, W seconds of one slice: recomputation reruns the forward in B; a split backward costs
+    ``1 + split_backward_overhead`` of the fused one, W taking ``weight_share`` (stage 0: all in B)."""
+    stage = plan.stages[stage_index]
+    blocks = chain.blocks[stage.first_block:stage.stop_block]
+    forward = sum(at(b.forward_s, rows) for b in blocks) * stretch(net)
+    backward = sum(at(b.backward_s, rows) for b in blocks) * stretch(net)
+    if stage.recompute:
+        backward += forward
+    if not split or stage_index == 0:
+        return {"F": forward, "B": backward, "W": 0.0}
+    total = backward * (1 + net.split_backward_overhead)
+    return {"F": forward, "B": total * (1 - weight_share), "W": total * weight_share}
+
+
+def build_replicas(plan: Plan, chain: CostChain, net: Cluster, split: bool, weight_share: float) -> dict[Key, Replica]:
+    rows_of = plan.global_batch_size // plan.num_microbatches
+    replicas: dict[Key, Replica] = {}
+    for stage in plan.stages:
+        for r, (start, stop) in enumerate(slice_bounds(rows_of, stage.replicas)):
+            seconds = stage_seconds(plan, chain, net, stage.stage_index, stop - start, split, weight_share)
+            replicas[stage.stage_index, r] = Replica(stage.stage_index, stage.devices[r], stop - start, seconds,
+                                                     {"A": [], "G": []}, {"A": 0, "G": 0})
+    for left, right in zip(plan.stages, plan.stages[1:], strict=False):
+        cut = chain.cut_bytes[left.stop_block - 1]
+        pairs = routes(rows_of, left.replicas, right.replicas)
+        for i, j, rows in pairs:
+            seconds = piece_seconds(net, left.devices[i], right.devices[j], at(cut, rows))
+            replicas[left.stage_index, i].sends["A"].append(((right.stage_index, j), seconds))
+            replicas[right.stage_index, j].expects["A"] += 1
+        for i, j, rows in sorted(pairs, key=lambda p: (p[1], p[0])):  # gradients: each sender in receiver order
+            seconds = piece_seconds(net, right.devices[j], left.devices[i], at(cut, rows))
+            replicas[right.stage_index, j].sends["G"].append(((left.stage_index, i), seconds))
+            replicas[left.stage_index, i].expects["G"] += 1
+    return replicas
+
+
+@dataclass
+class Run:
+    """What the event loop found per replica: when it reached its allreduce, when its last B/W ended, busy."""
+
+    ready: dict[Key, float]
+    last_gradient_end: dict[Key, float]
+    busy: dict[int, float]
+
+
+def event_loop(plan: Plan, replicas: dict[Key, Replica], programs: list[list[tuple[str, int]]],
+               net: Cluster) -> Run:
+    """A plain time-ordered loop. Each message costs its sender and its receiver ``message_overhead_s``
+    (stretched like compute): a send first packs all its pieces, then issues them; a receive takes them
+    after the last one arrived. One send and one receive port per device, first come first served."""
+    per_message = net.message_overhead_s * stretch(net)
+    packed: set[tuple[Key, int]] = set()
+    clock = dict.fromkeys(replicas, 0.0)
+    cursor = dict.fromkeys(replicas, 0)
+    last_gradient = dict.fromkeys(replicas, 0.0)
+    send_free: dict[int, float] = {}
+    recv_free: dict[int, float] = {}
+    arrivals: dict[tuple[Key, str, int], list[float]] = {}
+    blocked: set[Key] = set()
+    busy: dict[int, float] = {r.device: 0.0 for r in replicas.values()}
+    queue = [(0.0, key) for key in sorted(replicas)]
+    while queue:
+        now, key = heapq.heappop(queue)
+        replica, program = replicas[key], programs[key[0]]
+        if cursor[key] == len(program):
+            continue
+        kind, m = program[cursor[key]]
+        if kind in ("F", "B", "W"):
+            busy[replica.device] += replica.seconds[kind]
+            now += replica.seconds[kind]
+            if kind != "F":
+                last_gradient[key] = now
+        elif kind[0] == "R":
+            got = arrivals.get((key, kind[1], m), [])
+            if len(got) < replica.expects[kind[1]]:
+                blocked.add(key)
+                clock[key] = now
+                continue
+            now = max([now, *got]) + per_message * len(got)
+        elif per_message > 0 and (key, cursor[key]) not in packed:
+            packed.add((key, cursor[key]))  # pack and post, then issue the pieces at that later time
+            heapq.heappush(queue, (now + per_message * len(replica.sends[kind[1]]), key))
+            continue
+        else:
+            for other, seconds in replica.sends[kind[1]]:
+                device = replicas[other].device
+                start = now if seconds == 0 else max(now, send_free.get(replica.device, 0.0),
+                                                     recv_free.get(device, 0.0))
+                if seconds > 0:
+                    send_free[replica.device] = recv_free[device] = start + seconds
+                arrivals.setdefault((other, kind[1], m), []).append(start + seconds)
+                if other in blocked:
+                    blocked.discard(other)
+                    heapq.heappush(queue, (clock[other], other))
+        cursor[key] += 1
+        clock[key] = now
+        heapq.heappush(queue, (now, key))
+    assert not blocked and all(cursor[k] == len(programs[k[0]]) for k in replicas), "the reference deadlocked"
+    return Run(clock, last_gradient, busy)
+
+
+def held_bytes(chain: CostChain, first: int, stop: int) -> int:
+    """Parameter bytes a stage over blocks [first, stop) holds: its blocks', plus a copy of every shared
+    parameter one of its blocks reads while an earlier block (another stage's) holds it."""
+    copies = sum(s.num_bytes for s in chain.shared_params
+                 if s.blocks[0] < first and any(first <= b < stop for b in s.blocks))
+    return sum(b.param_bytes for b in chain.blocks[first:stop]) + copies
+
+
+def tie_sets(plan: Plan, chain: CostChain) -> dict[tuple[int, ...], int]:
+    """Stages sharing a parameter -> bytes summed over all of them in one allreduce."""
+    stage_of = {}
+    for stage in plan.stages:
+        for block in range(stage.first_block, stage.stop_block):
+            stage_of[block] = stage.stage_index
+    ties: dict[tuple[int, ...], int] = {}
+    for shared in chain.shared_params:
+        holders = tuple(sorted({stage_of[b] for b in shared.blocks}))
+        if len(holders) > 1:
+            ties[holders] = ties.get(holders, 0) + shared.num_bytes
+    return ties
+
+
+def bucket_window(plan: Plan, chain: CostChain, net: Cluster, stage_index: int, split: bool,
+                  weight_share: float) -> tuple[list[float], list[float]]:
+    """Per block (forward order): seconds of the last gradient pass over it (largest slice) and bytes."""
+    stage = plan.stages[stage_index]
+    rows = max(stop - start for start, stop in slice_bounds(plan.microbatch_size, stage.replicas))
+    blocks = chain.blocks[stage.first_block:stage.stop_block]
+    share = 1.0
+    if split:  # the buckets are armed at the last W: they fill over W's share of each block (stage 0: none)
+        share = 0.0 if stage_index == 0 else (1 + net.split_backward_overhead) * weight_share
+    return [at(b.backward_s, rows) * stretch(net) * share for b in blocks], [float(b.param_bytes) for b in blocks]
+
+
+def stage_allreduce(plan: Plan, chain: CostChain, net: Cluster, stage_index: int, own_bytes: float,
+                    ready: float, split: bool, weight_share: float) -> tuple[float, float]:
+    """(start, end) of the stage's replica allreduce of its own bytes; buckets close once they hold
+    ``plan.allreduce_bucket_bytes`` as the last gradient pass walks the blocks backwards, and go one after
+    another on one channel, each once full and the previous one done."""
+    devices = plan.stages[stage_index].devices
+    whole = gradient_allreduce_seconds(net, own_bytes, devices)
+    if own_bytes <= 0 or whole <= 0:
+        return ready, ready
+    if plan.allreduce_bucket_bytes <= 0:
+        return ready, ready + whole
+    seconds, block_bytes = bucket_window(plan, chain, net, stage_index, split, weight_share)
+    scale = own_bytes / sum(block_bytes)
+    window_start = ready - sum(seconds)
+    buckets, elapsed, filled = [], 0.0, 0.0
+    for block in reversed(range(len(seconds))):
+        elapsed += seconds[block]
+        filled += block_bytes[block] * scale
+        if filled >= plan.allreduce_bucket_bytes:
+            buckets.append((window_start + elapsed, filled))
+            filled = 0.0
+    if filled > 0:
+        buckets.append((window_start + elapsed, filled))
+    end = -math.inf
+    for full_at, num_bytes in buckets:
+        end = max(end, full_at) + gradient_allreduce_seconds(net, num_bytes, devices)
+    return buckets[0][0], end
+
+
+def inflight_peak(order: list[tuple[str, int]], split: bool) -> int:
+    """Micro-batches whose forward ran and whose activations are still kept (until B, or W when split)."""
+    held: set[int] = set()
+    worst = 0
+    for kind, m in order:
+        if kind == "F":
+            held.add(m)
+        elif kind == ("W" if split else "B"):
+            held.discard(m)
+        worst = max(worst, len(held))
+    return worst
+
+
+def stage_peak_bytes(plan: Plan, chain: CostChain, stage_index: int, inflight: int, optimizer: str = "adam") -> int:
+    """Weights x (weights, gradients, optimizer state) + kept activations + one buffer each way, largest slice.
+
+    Kept per in-flight micro-batch: its saved activations and its input slice; recomputing stages keep only
+    the input slice, plus one micro-batch's activations while backward reruns the forward."""
+    stage = plan.stages[stage_index]
+    rows = -(-plan.microbatch_size // stage.replicas)
+    blocks = chain.blocks[stage.first_block:stage.stop_block]
+    weights = BYTES_KEPT_PER_PARAM_BYTE[optimizer] * held_bytes(chain, stage.first_block, stage.stop_block)
+    saved = sum(at(b.saved_bytes, rows) for b in blocks)
+    incoming = at(chain.cut_bytes[stage.first_block - 1], rows) if stage.first_block > 0 else 0.0
+    outgoing = at(chain.cut_bytes[stage.stop_block - 1], rows) if stage.stop_block < chain.num_blocks else 0.0
+    kept = inflight * incoming + saved if stage.recompute else inflight * (saved + incoming)
+    return math.ceil(weights + kept + incoming + outgoing)
+
+
+@dataclass
+class Reference:
+    iteration_time_s: float
+    allreduce_start_s: list[float]
+    allreduce_end_s: list[float]
+    busy: dict[int, float]  # device -> compute seconds
+    peak_memory_bytes: list[int]
+    inflight: list[int]
+
+
+def reference_run(plan: Plan, chain: CostChain, net: Cluster, *, optimizer: str = "adam",
+                  weight_share: float = WEIGHT_SHARE) -> Reference:
+    """One iteration of ``plan`` under the documented model."""
+    order = compute_order(plan)
+    split = is_split(order)
+    replicas = build_replicas(plan, chain, net, split, weight_share)
+    run = event_loop(plan, replicas, my_lowering(order), net)
+    ties = tie_sets(plan, chain)
+    starts, ends, readies = [], [], []
+    for stage in plan.stages:
+        keys = [(stage.stage_index, r) for r in range(stage.replicas)]
+        readies.append(max(run.ready[k] for k in keys))
+        own = held_bytes(chain, stage.first_block, stage.stop_block) - sum(
+            num_bytes for holders, num_bytes in ties.items() if stage.stage_index in holders)
+        # buckets fill during the last gradient pass: anchored at its end on the slowest replica
+        anchor = max(run.last_gradient_end[k] for k in keys) if plan.allreduce_bucket_bytes > 0 else readies[-1]
+        start, end = stage_allreduce(plan, chain, net, stage.stage_index, own, anchor, split, weight_share)
+        starts.append(start)
+        ends.append(max(end, readies[-1]))
+    for holders, num_bytes in ties.items():
+        devices = tuple(sorted(d for s in holders for d in plan.stages[s].devices))
+        tie_end = max(readies[s] for s in holders) + gradient_allreduce_seconds(net, num_bytes, devices)
+        for s in holders:
+            ends[s] = max(ends[s], tie_end)
+    optimizer_s = max(net.optimizer_s_per_param_byte * stretch(net) * held_bytes(chain, s.first_block, s.stop_block)
+                      for s in plan.stages)
+    inflight = [inflight_peak(order[s], split) for s in range(plan.num_stages)]
+    return Reference(
+        iteration_time_s=max(ends) + step_end_seconds(net, plan) + optimizer_s,
+        allreduce_start_s=starts, allreduce_end_s=ends, busy=run.busy,
+        peak_memory_bytes=[stage_peak_bytes(plan, chain, s, inflight[s], optimizer) for s in range(plan.num_stages)],
+        inflight=inflight,
+    )
