@@ -120,7 +120,7 @@ def _chain_for(args: argparse.Namespace, cluster: Cluster):  # type: ignore[no-u
     device = planning.measuring_device(cluster) if args.costs == "measured" else "meta"
     model, example_inputs = planning.load_model(args.model, device=device)
     return planning.costed_model(model, example_inputs, cluster, costs=args.costs, max_blocks=args.max_blocks,
-                                 batch_dims=_batch_dims(args)).chain
+                                 batch_dims=_batch_dims(args), **planning.model_loss(args.model, example_inputs)).chain
 
 
 def _analytic_unless_affordable(args: argparse.Namespace, cluster: Cluster) -> CostChain | None:
@@ -132,7 +132,7 @@ def _analytic_unless_affordable(args: argparse.Namespace, cluster: Cluster) -> C
         return None
     model, example_inputs = planning.load_model(args.model, device="meta")
     chain = planning.costed_model(model, example_inputs, cluster, costs="analytic", max_blocks=args.max_blocks,
-                                  batch_dims=_batch_dims(args)).chain
+                                  batch_dims=_batch_dims(args), **planning.model_loss(args.model, example_inputs)).chain
     args.costs, args.cost_note = planning.affordable_costs(chain)
     return chain if args.costs == "analytic" else None
 

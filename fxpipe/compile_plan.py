@@ -77,7 +77,7 @@ def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: An
     topology = discover_topology(group)  # collectives of their own, so outside any phase body
     cluster = _resolved_cluster(options, topology, context.device)
     costs = job_costs(options.costs, options.cluster is None, model, example_inputs, cluster, group,
-                      batch_dims=options.batch_dims, device=context.device)
+                      batch_dims=options.batch_dims, device=context.device, loss_fn=options.loss_fn)
     cluster = costs.planning_cluster(cluster)
     text = None
     with setup_phase("planning", group):
@@ -111,7 +111,7 @@ def _run_planner(options: CompileOptions, model: torch.nn.Module, example_inputs
     check_cluster_size(cluster, topology)
     costed = costed_model(model, example_inputs if isinstance(example_inputs, Mapping) else tuple(example_inputs),
                           cluster, batch_dims=options.batch_dims, costs=costs.source, measured=costs.measured,
-                          graph_module=costs.graph_module)
+                          graph_module=costs.graph_module, loss_fn=options.loss_fn)
     layout = None if options.plan == "auto" else str(options.plan)
     assert options.global_batch_size is not None
     plan = plan_chain(costed.chain, cluster, options.global_batch_size, layout=layout,
@@ -134,5 +134,5 @@ def _run_marker_planner(options: CompileOptions, model: torch.nn.Module, example
                            measured=costs.measured, num_microbatches=options.num_microbatches,
                            schedule=_schedule_name(options.schedule or "dapple"),
                            warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True,
-                           batch_dims=options.batch_dims, recompute=options.recompute)
+                           batch_dims=options.batch_dims, recompute=options.recompute, loss_fn=options.loss_fn)
     return placed_plan(plan, topology, cluster)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -61,14 +62,16 @@ class JobCosts:
 
 
 def job_costs(costs: str, launched_cluster: bool, model: torch.nn.Module, example_inputs: Any, cluster: Cluster,
-              group: SetupGroup, *, batch_dims: BatchDims = None, device: torch.device | None = None) -> JobCosts:
+              group: SetupGroup, *, batch_dims: BatchDims = None, device: torch.device | None = None,
+              loss_fn: Callable[[Any, Any], Any] | None = None) -> JobCosts:
     """Measure block costs on every rank at once (the median agreed by all) unless analytic costs are asked for.
 
     A collective: every rank calls it alike. ``costs="auto"`` measures when the cluster is the launched
     devices (``launched_cluster``: the user gave no ``cluster=``, or a local one); ``$FXPIPE_COSTS`` overrides.
     With ``device`` (where the training backend's tensors live) and a cluster of exactly the launched
     ranks, it also times an allreduce over all of them on the default process group
-    (:func:`fxpipe.runtime.calibrate_measure.measure_job_collective`).
+    (:func:`fxpipe.runtime.calibrate_measure.measure_job_collective`). The traced graph costs the loss with
+    ``loss_fn`` (:func:`fxpipe.passes.annotate_costs`).
     """
     from fxpipe import passes
     from fxpipe.block_costs import measure_block_costs
@@ -81,7 +84,8 @@ def job_costs(costs: str, launched_cluster: bool, model: torch.nn.Module, exampl
     if source == "analytic":
         return JobCosts("analytic")
     with setup_phase("tracing for cost measurement", group):
-        graph_module = passes.annotate_costs(passes.trace(model, example_inputs, batch_dims=batch_dims))
+        graph_module = passes.annotate_costs(passes.trace(model, example_inputs, batch_dims=batch_dims),
+                                             loss_fn=loss_fn)
     measured = measure_block_costs(graph_module, graph_module.meta[meta.EXAMPLE_INPUTS],
                                    slowdown=cluster.compute_slowdown, group=group)
     if measured is None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 # What ``costs=`` takes: "auto" measures where the cluster's devices are this machine's (see default_costs).
 COST_CHOICES = ("auto", "measured", "analytic")
 COSTS_ENV = "FXPIPE_COSTS"
+
+
+LossFn = Callable[[Any, Any], Any]
 
 
 class ModelSpecError(ValueError):
@@ -66,6 +69,19 @@ def load_model(spec: str, *, device: str = "cpu", **overrides: Any) -> tuple[tor
     return model, example_inputs
 
 
+def model_loss(spec: str, example_inputs: Any) -> dict[str, Any]:
+    """``loss_fn`` and ``example_targets`` for :func:`costed_model`: a zoo model's own loss on targets of its
+    data (as many rows as the example inputs); nothing for a ``package.module:factory`` (the estimate)."""
+    if ":" in spec:
+        return {}
+    from fxpipe import models
+
+    entry = models.get(spec)
+    first = next(iter(example_inputs.values() if isinstance(example_inputs, Mapping) else example_inputs))
+    _, targets = entry.make_batch(int(first.shape[0]), 0)
+    return {"loss_fn": entry.loss_fn, "example_targets": targets}
+
+
 def measuring_device(cluster: Cluster) -> str:
     """Where ``fxpipe plan`` times blocks for ``cluster``: this machine's GPU when the cluster describes its
     GPUs (``local`` on a CUDA machine maps them to a GPU preset), else the CPU."""
@@ -85,8 +101,14 @@ def costed_model(
     batch_dims: BatchDims = None,
     measured: MeasuredCosts | None = None,
     graph_module: torch.fx.GraphModule | None = None,
+    loss_fn: LossFn | None = None,
+    example_targets: Any = None,
 ) -> CostedModel:
     """Trace, annotate and chain a model. ``costs="measured"`` times every block on this machine.
+
+    The loss is costed on the last block: ``loss_fn`` on the output's fakes (``example_targets``, else
+    guessed), without one the documented estimate (:mod:`fxpipe.passes.losscost`). A given
+    ``graph_module`` carries the loss it was annotated with.
 
     ``batch_dims``: where each input holds the batch (``fxpipe.passes.trace``; default dim 0).
     ``measured`` gives block times measured already (e.g. agreed by every rank of a job,
@@ -99,7 +121,8 @@ def costed_model(
     if costs not in COST_CHOICES:
         raise ValueError(f"costs={costs!r} is unknown; choose one of {COST_CHOICES}")
     if graph_module is None:
-        graph_module = passes.annotate_costs(passes.trace(model, example_inputs, batch_dims=batch_dims))
+        graph_module = passes.annotate_costs(passes.trace(model, example_inputs, batch_dims=batch_dims),
+                                             loss_fn=loss_fn, example_targets=example_targets)
     if costs == "measured" and measured is None:
         measured = passes.measure_costs(graph_module, graph_module.meta[meta.EXAMPLE_INPUTS])
     graph = passes.to_cost_graph(graph_module, device=cluster.device, measured=measured if costs == "measured"
@@ -219,9 +242,14 @@ def plan_model(
     global_batch_size: int,
     costs: str = "auto",
     batch_dims: BatchDims = None,
+    loss_fn: LossFn | None = None,
+    example_targets: Any = None,
     **options: Any,
 ) -> Plan:
     """``fxpipe.plan``: trace, cost, chain and partition a model for a cluster in one call.
+
+    ``loss_fn`` (and ``example_targets``): the loss the last stage runs, costed with it (else the
+    documented estimate, :mod:`fxpipe.passes.losscost`).
 
     ``costs="auto"``: block times measured here for a local cluster, the analytic model otherwise
     (:func:`default_costs`); the plan says which in ``predicted.cost_source``.
@@ -233,12 +261,14 @@ def plan_model(
     source, note = cost_source_of(costs, resolved), ""
     costed = None
     if costs == "auto" and source == "measured":
-        costed = costed_model(model, example_inputs, resolved, costs="analytic", batch_dims=batch_dims)
+        costed = costed_model(model, example_inputs, resolved, costs="analytic", batch_dims=batch_dims,
+                              loss_fn=loss_fn, example_targets=example_targets)
         on_meta = any(value.is_meta for value in (*model.parameters(), *model.buffers()))
         source, note = affordable_costs(costed.chain, on_meta=on_meta)
     if costed is None or source == "measured":
         costed = costed_model(model, example_inputs, resolved, costs=source, batch_dims=batch_dims,
-                              graph_module=None if costed is None else costed.graph_module)
+                              graph_module=None if costed is None else costed.graph_module, loss_fn=loss_fn,
+                              example_targets=example_targets)
     plan = labelled(plan_chain(costed.chain, resolved, global_batch_size, **options), source)
     return plan.with_updates(notes=(*plan.notes, note)) if note else plan
 
@@ -265,10 +295,11 @@ def plan_markers(
     from fxpipe.passes.partition.dapple import on_fine_chain, partition
 
     batch_dims: BatchDims = options.pop("batch_dims", None)  # trace's, not the planner's
+    loss_fn: LossFn | None = options.pop("loss_fn", None)  # the cost pass's
     graph_module = passes.trace(model, example_inputs, batch_dims=batch_dims)
     groups = marker_stages(model, example_inputs, graph_module)
     chain = costed_model(model, example_inputs, cluster, costs=costs, max_blocks=None, batch_dims=batch_dims,
-                         measured=measured).chain
+                         measured=measured, loss_fn=loss_fn).chain
     stops = marker_stops(chain, groups)
     marked = coarsen_chain(chain, stops)
     empty = [index for index, holds in enumerate(holds_parameters(marked)) if not holds]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import sympy
@@ -17,8 +19,9 @@ from fxpipe.core import meta
 from fxpipe.core.cluster import DeviceSpec
 from fxpipe.core.costgraph import ZERO, Affine, CostGraph, CostNode
 from fxpipe.passes.batchdims import graph_batch_dims
-from fxpipe.passes.fakerun import SymbolicCost
+from fxpipe.passes.fakerun import RunState, SymbolicCost
 from fxpipe.passes.flops import NodeRunError, run_fake
+from fxpipe.passes.losscost import LossRun
 from fxpipe.passes.trace_inputs import recorded_inputs
 
 if TYPE_CHECKING:
@@ -37,7 +40,8 @@ class CostAnnotationError(ValueError):
 
 
 def annotate_costs(
-    gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, *, cache: bool = True
+    gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, *, cache: bool = True,
+    loss_fn: Callable[[Any, Any], Any] | None = None, example_targets: Any = None,
 ) -> fx.GraphModule:
     """Return a copy of ``gm`` whose nodes carry ``node.meta["fxpipe.cost"]`` (a SymbolicCost).
 
@@ -47,25 +51,60 @@ def annotate_costs(
     two batch sizes and fitted as affine expressions; ``gm.meta["fxpipe.cost_mode"]`` says which.
     With ``cache`` (the default) nodes with equal signatures (repeated layers) share one FLOP, byte
     and kernel count; the results equal those of ``cache=False``, which measures every node.
+
+    The loss is costed too (``gm.meta["fxpipe.loss_cost"]``, :mod:`fxpipe.passes.losscost`): ``loss_fn``
+    run on the output's fakes (targets from ``example_targets``, batch in dim 0, else guessed), or
+    without one the documented estimate; ``gm.meta["fxpipe.loss_source"]`` says which.
     """
     inputs = recorded_inputs(gm, example_inputs, CostAnnotationError, "annotate_costs")
     result = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
     result.meta.update(copy.copy(gm.meta))
     dims = graph_batch_dims(gm, inputs)
     batch = _batch_hint(inputs, dims)
+    loss = _LossSpec(loss_fn, example_targets)
     try:
-        costs = _run_symbolic(result, inputs, batch, cache, dims)
+        costs = _run_symbolic(result, inputs, batch, cache, dims, loss)
         mode = "symbolic"
     except _NotSymbolic as error:
-        costs = _fit_affine(result, inputs, batch, cache, str(error), dims)
+        costs = _fit_affine(result, inputs, batch, cache, str(error), dims, loss)
         mode = f"affine-fit (symbolic batch failed: {error})"
     for node in result.graph.nodes:
         if node.name in costs:
             node.meta[meta.COST] = costs[node.name]
+    result.meta[meta.LOSS_COST] = costs[_LOSS_KEY]
+    result.meta[meta.INPUT_SAVED_BYTES] = costs[_INPUT_SAVED_KEY].saved_bytes
+    result.meta[meta.TARGET_SAVED_BYTES] = costs[_TARGET_SAVED_KEY].saved_bytes
+    result.meta[meta.LOSS_SOURCE] = loss.source
     result.meta[meta.BATCH_SYMBOL] = BATCH
     result.meta[meta.COST_MODE] = mode
     result.meta[meta.COST_BATCH_HINT] = batch  # the batch the costs were sampled at (for non-affine terms)
     return result
+
+
+# Keys of the loss's cost and of the saved model inputs and targets among a run's costs (no fx node name
+# has a dot); the latter two are costs whose saved bytes are those figures.
+_LOSS_KEY, _INPUT_SAVED_KEY, _TARGET_SAVED_KEY = "fxpipe.loss", "fxpipe.input_saved", "fxpipe.target_saved"
+
+
+@dataclass
+class _LossSpec:
+    """What annotate_costs costs the loss with; ``source`` is the last run's (``LossRun.source``)."""
+
+    loss_fn: Callable[[Any, Any], Any] | None
+    example_targets: Any
+    source: str = ""
+
+    def run(self, batch_size: Any) -> LossRun:
+        return LossRun(self.loss_fn, self.example_targets, batch_size)
+
+    def record(self, run: LossRun, costs: dict[str, SymbolicCost]) -> dict[str, SymbolicCost]:
+        """``costs`` with the loss's and, as costs whose saved bytes they are, the saved inputs' and targets'."""
+        assert run.cost is not None, "run_fake calls the loss run last"
+        self.source = run.source
+        costs[_LOSS_KEY] = run.cost
+        costs[_INPUT_SAVED_KEY] = dataclasses.replace(run.cost, saved_bytes=run.input_saved_bytes)
+        costs[_TARGET_SAVED_KEY] = dataclasses.replace(run.cost, saved_bytes=run.target_saved_bytes)
+        return costs
 
 
 class _NotSymbolic(Exception):
@@ -83,7 +122,7 @@ def _batch_hint(inputs: Sequence[Any], dims: Sequence[int | None]) -> int:
 
 
 def _run_symbolic(gm: fx.GraphModule, inputs: Sequence[Any], batch: int, cache: bool,
-                  dims: Sequence[int | None]) -> dict[str, SymbolicCost]:
+                  dims: Sequence[int | None], loss: _LossSpec) -> dict[str, SymbolicCost]:
     shape_env = ShapeEnv()
     fake_mode = FakeTensorMode(shape_env=shape_env)
     symbol = shape_env.create_symbol(batch, ConstantSource("fxpipe_batch"))
@@ -102,8 +141,15 @@ def _run_symbolic(gm: fx.GraphModule, inputs: Sequence[Any], batch: int, cache: 
         if not specialised_by and symbol in shape_env.replacements:
             specialised_by.append(node)
 
+    loss_run = loss.run(batch_size)
+
+    def finish(output: fx.Node, values: dict[str, Any], state: RunState) -> None:
+        loss_run(output, values, state)
+        watch(output)
+
     try:
-        costs = run_fake(gm, inputs, fake_mode, batch_size, to_expr, cache=cache, after_node=watch, batch_dims=dims)
+        costs = run_fake(gm, inputs, fake_mode, batch_size, to_expr, cache=cache, after_node=watch, batch_dims=dims,
+                         finish=finish)
     except NodeRunError as error:  # an op that cannot take a symbolic batch: fall back, say where in meta
         if isinstance(error.reason, _NotSymbolic):
             raise _NotSymbolic(f"{describe_node(gm, error.node)}: {error.reason}") from error
@@ -112,7 +158,7 @@ def _run_symbolic(gm: fx.GraphModule, inputs: Sequence[Any], batch: int, cache: 
     if specialised_by:
         raise _NotSymbolic(f"{describe_node(gm, specialised_by[0])} specialised the batch to "
                            f"{shape_env.replacements[symbol]}")
-    return costs
+    return loss.record(loss_run, costs)
 
 
 def describe_node(gm: fx.GraphModule, node: fx.Node) -> str:
@@ -126,7 +172,7 @@ def _first_line(error: BaseException) -> str:
 
 
 def _fit_affine(gm: fx.GraphModule, inputs: Sequence[Any], batch: int, cache: bool,
-                why: str, dims: Sequence[int | None]) -> dict[str, SymbolicCost]:
+                why: str, dims: Sequence[int | None], loss: _LossSpec) -> dict[str, SymbolicCost]:
     """Cost the graph at batch sizes b and 2b with concrete fakes and join them by a line in BATCH.
 
     A graph that cannot run at 2b (its views hard-code the example batch) has no line to fit: the
@@ -135,8 +181,10 @@ def _fit_affine(gm: fx.GraphModule, inputs: Sequence[Any], batch: int, cache: bo
     runs = []
     for rows in (batch, 2 * batch):
         fake_mode = FakeTensorMode()
+        loss_run = loss.run(rows)
         try:
-            runs.append(run_fake(gm, inputs, fake_mode, rows, sympy.sympify, cache=cache, batch_dims=dims))
+            runs.append(loss.record(loss_run, run_fake(gm, inputs, fake_mode, rows, sympy.sympify, cache=cache,
+                                                        batch_dims=dims, finish=loss_run)))
         except NodeRunError as error:
             if rows == batch:  # not about the batch at all: the graph fails at its own example
                 raise CostAnnotationError(
@@ -205,7 +253,28 @@ def to_cost_graph(
         node.name: _roofline(node.meta[meta.COST], device, dtype, hint) for node in annotated
     }
     nodes = tuple(_cost_node(gm, node, times[node.name], hint) for node in annotated)
-    return CostGraph(nodes=nodes, source="fx", input_bytes=input_bytes, shared_params=_shared_params(gm, nodes))
+    return CostGraph(nodes=nodes, source="fx", input_bytes=input_bytes, shared_params=_shared_params(gm, nodes),
+                     loss=_loss_node(gm, device, dtype, hint),
+                     input_saved_bytes=_affine(gm.meta.get(meta.INPUT_SAVED_BYTES, 0), hint),
+                     target_saved_bytes=_affine(gm.meta.get(meta.TARGET_SAVED_BYTES, 0), hint))
+
+
+def _loss_node(gm: fx.GraphModule, device: DeviceSpec | None, dtype: str, hint: int) -> CostNode | None:
+    """The loss as a CostNode reading the output's producers; times from the roofline model (measured
+    block costs time the model's blocks, not the loss), None when the graph has no loss cost."""
+    cost: SymbolicCost | None = gm.meta.get(meta.LOSS_COST)
+    if cost is None:
+        return None
+    output = next(node for node in reversed(gm.graph.nodes) if node.op == "output")
+    forward, backward = _roofline(cost, device, dtype, hint)
+    source = str(gm.meta.get(meta.LOSS_SOURCE, ""))
+    return CostNode(
+        name="loss", inputs=tuple(arg.name for arg in output.all_input_nodes if arg.op != "placeholder"),
+        forward_s=forward, backward_s=backward, output_bytes=_affine(cost.output_bytes, hint),
+        saved_bytes=_affine(cost.saved_bytes, hint), forward_flops=_affine(cost.forward_flops, hint),
+        backward_flops=_affine(cost.backward_flops, hint),
+        op="loss:loss_fn" if source == "loss_fn" else "loss:estimate",
+    )
 
 
 def _shared_params(gm: fx.GraphModule, nodes: Sequence[CostNode]) -> tuple[tuple[str, int], ...]:

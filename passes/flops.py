@@ -180,10 +180,13 @@ def run_fake(
     cache: bool = True,
     after_node: Callable[[fx.Node], None] | None = None,
     batch_dims: Sequence[int | None] | None = None,
+    finish: Callable[[fx.Node, dict[str, Any], RunState], None] | None = None,
 ) -> dict[str, SymbolicCost]:
     """Run every node on fakes (batch dim = ``batch_size``) and cost it; ``after_node`` sees each node run.
 
     ``batch_dims``: each input's batch dim (None: none); default dim 0 of every tensor input.
+    ``finish(output_node, values, state)`` runs last, inside the fake mode, with every node's fake value
+    (the loss pass, :mod:`fxpipe.passes.losscost`, costs the loss on the model's output there).
 
     A node that fails raises :class:`NodeRunError` naming it.
 
@@ -203,7 +206,7 @@ def run_fake(
                 continue
             try:
                 if node.op == "placeholder":
-                    env[node.name] = _fake_input(next(placeholders), batch_size, next(dims))
+                    env[node.name] = fake_input(next(placeholders), batch_size, next(dims))
                     costs[node.name] = _value_cost(env[node.name], state)
                 elif node.op == "get_attr":
                     env[node.name], costs[node.name] = _run_get_attr(gm, node, state)
@@ -215,6 +218,8 @@ def run_fake(
                 state.keys[node.name] = state.key_tree(env[node.name])
             if after_node is not None:
                 after_node(node)
+        if finish is not None:
+            finish(next(iter(reversed(gm.graph.nodes))), env, state)
     return costs
 
 
@@ -239,7 +244,7 @@ def _fake_weights(gm: fx.GraphModule, fake_mode: FakeTensorMode, state: RunState
         state.weight_keys.add(state.storage_key(fake))
 
 
-def _fake_input(value: Any, batch_size: Any, dim: int | None) -> Any:
+def fake_input(value: Any, batch_size: Any, dim: int | None) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
     if value.dim() == 0 or dim is None:
@@ -308,13 +313,20 @@ def _run_call(gm: fx.GraphModule, node: fx.Node, env: dict[str, Any], state: Run
 def _run_node(gm: fx.GraphModule, node: fx.Node, arguments: Any, state: RunState) -> tuple[Any, SymbolicCost, list[torch.Tensor]]:
     """Run one call node on detached local copies of its inputs; count forward, saved and backward."""
     leaves: list[torch.Tensor] = []
-    args, kwargs = tree_map(lambda value: _local_copy(value, state, leaves), arguments)
+    args, kwargs = tree_map(lambda value: local_copy(value, state, leaves), arguments)
     call, weights, param_bytes = _callable(gm, node, state)
+    return run_counted(call, args, kwargs, leaves + weights, state, param_bytes)
+
+
+def run_counted(call: Callable[..., Any], args: Any, kwargs: Any, grad_inputs: list[torch.Tensor], state: RunState,
+                param_bytes: int = 0) -> tuple[Any, SymbolicCost, list[torch.Tensor]]:
+    """``call(*args, **kwargs)`` on fakes: its output, its costs (gradients of ``grad_inputs`` for the
+    backward) and the tensors autograd saved, each storage counted once per run (``state.saved_keys``)."""
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(_pack_into(saved), lambda tensor: tensor):
         with count_ops() as forward:
             output = call(*args, **kwargs)
-    backward = _run_backward(output, leaves + weights)
+    backward = _run_backward(output, grad_inputs)
     state.keep_alive.extend(saved)
     cost = _value_cost(output, state, param_bytes=param_bytes, forward=forward, backward=backward)
     saved_bytes = _saved_bytes(saved, state)
@@ -323,7 +335,7 @@ def _run_node(gm: fx.GraphModule, node: fx.Node, arguments: Any, state: RunState
 
 
 
-def _local_copy(value: Any, state: RunState, leaves: list[torch.Tensor]) -> Any:
+def local_copy(value: Any, state: RunState, leaves: list[torch.Tensor]) -> Any:
     """A non-leaf clone with its own autograd root, so a node's backward stops at its inputs."""
     if not isinstance(value, torch.Tensor):
         return value

@@ -7,6 +7,7 @@ import torch
 
 from benchmarks import (
     evaluate_vs_step,
+    memory_fidelity,
     overhead,
     prediction_fidelity,
     runtime_fidelity,
@@ -172,3 +173,9 @@ def test_prediction_fidelity_smoke(monkeypatch: pytest.MonkeyPatch) -> None:
     assert row["sources"] == ["measured"] and row["predicted_s"] > 0 and row["analytic_s"] > 0
     assert row["iteration_s"] >= row["step_s"] > 0 and len(row["errors"]) == 1
     assert "gpt-mini local:2" in prediction_fidelity.report(result)
+
+
+def test_memory_fidelity_runs_tiny(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    case = memory_fidelity.Case("gpt-mini", TINY, "1:1", global_batch_size=4, num_microbatches=2)
+    text = memory_fidelity.report(memory_fidelity.run((case,), str(tmp_path)))
+    assert "measured / predicted" in text and memory_fidelity.COMMAND in text

@@ -50,7 +50,9 @@ def test_plan_simulate_show_agree_with_the_library(tmp_path: Path, monkeypatch: 
     plan, chain, cluster = load_plan_file(tmp_path / "p.json")
     assert chain is not None and cluster is not None and plan.model == "mlp"
     model, example_inputs = zoo.build("mlp", device="meta")
-    direct = fxpipe.plan(model, example_inputs, cluster="local:2", global_batch_size=8)  # the Python front door
+    entry = zoo.get("mlp")  # the CLI costs a zoo model's own loss on its own targets
+    direct = fxpipe.plan(model, example_inputs, cluster="local:2", global_batch_size=8, loss_fn=entry.loss_fn,
+                         example_targets=entry.make_batch(example_inputs[0].shape[0], 0)[1])  # the Python front door
     assert (direct.layout, direct.num_microbatches, direct.stages) == (plan.layout, plan.num_microbatches, plan.stages)
     expected = fxpipe.simulate(plan, chain, cluster)
     assert plan.predicted is not None and plan.predicted.iteration_time_s == pytest.approx(expected.iteration_time_s)
@@ -190,8 +192,10 @@ def _auto_plan_checks(rank: int, cluster: Cluster) -> dict[str, Any]:
     x, y = _batch()
     pipe = fxpipe.compile(_model(0), (x,), loss_fn=F.cross_entropy, global_batch_size=BATCH, cluster=cluster,
                           optimizer="sgd")
-    sgd = fxpipe.plan(_model(0), (x,), cluster=cluster, global_batch_size=BATCH, optimizer="sgd", all_devices=True)
-    adam = fxpipe.plan(_model(0), (x,), cluster=cluster, global_batch_size=BATCH, all_devices=True)
+    sgd = fxpipe.plan(_model(0), (x,), cluster=cluster, global_batch_size=BATCH, optimizer="sgd", all_devices=True,
+                      loss_fn=F.cross_entropy)  # compile costs its loss_fn: the same loss
+    adam = fxpipe.plan(_model(0), (x,), cluster=cluster, global_batch_size=BATCH, all_devices=True,
+                       loss_fn=F.cross_entropy)
 
     def memory(plan: Any) -> list[int]:
         return [stage.peak_memory_bytes for stage in plan.stages]

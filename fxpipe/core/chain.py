@@ -42,6 +42,12 @@ class CostChain:
     block j > k+... crosses every cut between them. ``input_bytes`` is what block 0 reads from
     the data loader; ``output_bytes`` what the last block hands to the loss. ``shared_params`` are
     the parameters several blocks read (:class:`SharedParam`).
+
+    The loss runs with the last block, so its times and saved bytes are in ``blocks[-1]``;
+    ``loss_saved_bytes`` repeats its saved part (a recomputing last stage still keeps it: the loss runs
+    outside the recomputed forward). ``input_saved_bytes`` / ``target_saved_bytes`` are the parts of the
+    first / last block's saved bytes that are the model's own inputs / the targets (slices of the global
+    batch every rank holds).
     """
 
     blocks: tuple[Block, ...]
@@ -50,6 +56,9 @@ class CostChain:
     output_bytes: Affine = ZERO
     source: str = ""
     shared_params: tuple[SharedParam, ...] = ()
+    loss_saved_bytes: Affine = ZERO
+    input_saved_bytes: Affine = ZERO
+    target_saved_bytes: Affine = ZERO
 
     def __post_init__(self) -> None:
         if not self.blocks:
@@ -199,14 +208,16 @@ def _best_cut(window: list[int], prefix: list[float], target: float, tolerance: 
 
 
 def _make_block(graph: CostGraph, index: int, first: int, stop: int) -> Block:
+    """Block ``index`` over nodes ``[first, stop)``; the last block runs the loss too (its costs, no node name)."""
     nodes = graph.nodes[first:stop]
+    costed = (*nodes, graph.loss) if stop == len(graph.nodes) and graph.loss is not None else nodes
     return Block(
         name=f"block{index}",
         node_names=tuple(node.name for node in nodes),
-        forward_s=Affine.total(node.forward_s for node in nodes),
-        backward_s=Affine.total(node.backward_s for node in nodes),
+        forward_s=Affine.total(node.forward_s for node in costed),
+        backward_s=Affine.total(node.backward_s for node in costed),
         param_bytes=sum(node.param_bytes for node in nodes),
-        saved_bytes=Affine.total(node.saved_bytes for node in nodes),
+        saved_bytes=Affine.total(node.saved_bytes for node in costed),
     )
 
 
@@ -230,6 +241,8 @@ def build_chain(graph: CostGraph, *, max_blocks: int | None = 64, balance_rows: 
     allowed = [k for k, forbidden in enumerate(cuts.forbidden) if not forbidden]
     if max_blocks is not None and len(allowed) > max_blocks - 1:
         weights = [(node.forward_s + node.backward_s).at(balance_rows) for node in graph.nodes]
+        if graph.loss is not None:  # the loss runs with the last node's block
+            weights[-1] += (graph.loss.forward_s + graph.loss.backward_s).at(balance_rows)
         if max_blocks == 1:
             allowed = []
         elif sum(weights) > 0:
@@ -246,6 +259,9 @@ def build_chain(graph: CostGraph, *, max_blocks: int | None = 64, balance_rows: 
         output_bytes=graph.nodes[-1].output_bytes,
         source=graph.source,
         shared_params=_shared_params(graph, bounds),
+        loss_saved_bytes=graph.loss.saved_bytes if graph.loss is not None else ZERO,
+        input_saved_bytes=graph.input_saved_bytes,
+        target_saved_bytes=graph.target_saved_bytes if graph.loss is not None else ZERO,
     )
 
 

@@ -97,16 +97,25 @@ class CostGraph:
     ``shared_params`` gives ``(name, bytes)`` of every trainable parameter more than one node reads
     (a tied embedding and head): a stage holding a later user keeps its own copy, and the copies'
     gradients are summed across stages.
+
+    ``loss`` is the loss on the model's output (no fx node: it runs with the last stage, outside the
+    stage's code; ``name`` says what costed it), None when not costed (profile files).
+    ``input_saved_bytes`` is the part of the nodes' ``saved_bytes`` that is the model's own inputs
+    (token ids an embedding saves, images a first convolution saves), ``target_saved_bytes`` the part of
+    the loss's that is the targets.
     """
 
     nodes: tuple[CostNode, ...]
     source: str = ""
     input_bytes: Affine = ZERO
     shared_params: tuple[tuple[str, int], ...] = ()
+    loss: CostNode | None = None
+    input_saved_bytes: Affine = ZERO
+    target_saved_bytes: Affine = ZERO
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
-        for node in self.nodes:
+        for node in (*self.nodes, *((self.loss,) if self.loss is not None else ())):
             if node.name in seen:
                 raise CostGraphError(f"duplicate node name {node.name!r} in cost graph")
             for producer in node.inputs:
@@ -123,7 +132,8 @@ class CostGraph:
                     raise CostGraphError(f"node {node.name!r} has a negative {field}: {value}")
             if node.param_bytes < 0:
                 raise CostGraphError(f"node {node.name!r} has negative param_bytes {node.param_bytes}")
-            seen.add(node.name)
+            if node is not self.loss:
+                seen.add(node.name)
         for name, num_bytes in self.shared_params:
             if num_bytes < 0:
                 raise CostGraphError(f"shared parameter {name!r} has negative size {num_bytes}")
@@ -162,4 +172,7 @@ class CostGraph:
             "input_bytes": self.input_bytes.to_json(),
             "nodes": [node_json(node) for node in self.nodes],
             "shared_params": [[name, num_bytes] for name, num_bytes in self.shared_params],
+            "loss": None if self.loss is None else node_json(self.loss),
+            "input_saved_bytes": self.input_saved_bytes.to_json(),
+            "target_saved_bytes": self.target_saved_bytes.to_json(),
         }

@@ -27,6 +27,10 @@ COST = "fxpipe.cost"  # node: its SymbolicCost
 BATCH_SYMBOL = "fxpipe.batch_symbol"  # gm: the sympy symbol of the batch size in the costs
 COST_MODE = "fxpipe.cost_mode"  # gm: "symbolic", or "affine-fit (...)" when evaluated at two batches and fitted
 COST_BATCH_HINT = "fxpipe.cost_batch_hint"  # gm: the example batch size the costs were evaluated at
+LOSS_COST = "fxpipe.loss_cost"  # gm: the SymbolicCost of the loss on the model's output (fxpipe.passes.losscost)
+LOSS_SOURCE = "fxpipe.loss_source"  # gm: "loss_fn", or "estimate (why)": the documented cross-entropy estimate
+INPUT_SAVED_BYTES = "fxpipe.input_saved_bytes"  # gm: bytes of the model's inputs autograd saves (sympy in the batch)
+TARGET_SAVED_BYTES = "fxpipe.target_saved_bytes"  # gm: bytes of the targets the loss saves (sympy in the batch)
 
 # --- written by codegen (fxpipe.passes.codegen), on each stage's GraphModule
 STAGE_INDEX = "fxpipe.stage_index"  # int: which stage the module is

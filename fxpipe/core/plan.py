@@ -32,6 +32,9 @@ class StagePlan:
     receive buffers. ``node_names`` lists the fx nodes the stage computes (empty for plans made
     from profile files). ``recompute``: the stage keeps only its inputs per in-flight micro-batch and
     runs its forward again in backward (``backward_s`` excludes that extra forward); absent = keep.
+    ``activation_bytes`` is what autograd saves for one slice (the loss's saved tensors included on the
+    last stage); ``activation_peak_bytes`` the most it holds at once over a step, what a measured step
+    records (``pipe.step_stats()``; :func:`fxpipe.sim.stagecost.activation_peak_bytes`).
     """
 
     stage_index: int
@@ -48,6 +51,7 @@ class StagePlan:
     peak_memory_bytes: int = 0
     inflight_microbatches: int = 0
     recompute: bool = False
+    activation_peak_bytes: int = 0
 
 
 @dataclass(frozen=True)

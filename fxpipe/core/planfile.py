@@ -33,6 +33,9 @@ def chain_to_json(chain: CostChain) -> dict[str, Any]:
         ],
         "shared_params": [{"name": shared.name, "num_bytes": shared.num_bytes, "blocks": list(shared.blocks)}
                           for shared in chain.shared_params],
+        "loss_saved_bytes": chain.loss_saved_bytes.to_json(),
+        "input_saved_bytes": chain.input_saved_bytes.to_json(),
+        "target_saved_bytes": chain.target_saved_bytes.to_json(),
     }
 
 
@@ -63,6 +66,9 @@ def chain_from_json(data: Any) -> CostChain:
             source=read_field(data, "source", str, "cost_chain") if "source" in data else "",
             shared_params=tuple(_shared_from_json(item, f"cost_chain.shared_params[{i}]")
                                 for i, item in enumerate(data.get("shared_params", []))),
+            loss_saved_bytes=Affine.from_json(data.get("loss_saved_bytes", [0.0, 0.0])),
+            input_saved_bytes=Affine.from_json(data.get("input_saved_bytes", [0.0, 0.0])),
+            target_saved_bytes=Affine.from_json(data.get("target_saved_bytes", [0.0, 0.0])),
         )
     except (KeyError, TypeError, ValueError) as error:
         raise PlanError(f"plan file's 'cost_chain' is malformed: {error!r}") from error

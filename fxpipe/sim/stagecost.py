@@ -38,9 +38,14 @@ class StageCost:
     forward_s: float
     backward_s: float
     param_bytes: int
-    activation_bytes: float  # saved for backward, one slice
+    activation_bytes: float  # saved for backward, one slice (the loss's too on the last stage)
     input_bytes: float  # activations received for one slice (0 for stage 0 except data)
     output_bytes: float  # activations sent for one slice (0 for the last stage)
+    loss_bytes: float = 0.0  # of activation_bytes, what the loss saves (last stage): kept even when recomputing
+    # of activation_bytes, the model's inputs (stage 0) and targets (last stage) saved: views of the global
+    # batch, for one slice and for a whole micro-batch (every replica's rows)
+    batch_view_bytes: float = 0.0
+    microbatch_view_bytes: float = 0.0
 
 
 def _block_sum(chain: CostChain, first: int, stop: int, field: str) -> Affine:
@@ -96,7 +101,16 @@ def stage_cost(chain: CostChain, first: int, stop: int, microbatch_rows: int, re
         activation_bytes=_block_sum(chain, first, stop, "saved_bytes").at(rows),
         input_bytes=0.0 if first == 0 else input_bytes.at(rows),
         output_bytes=0.0 if stop == chain.num_blocks else output_bytes.at(rows),
+        loss_bytes=chain.loss_saved_bytes.at(rows) if stop == chain.num_blocks else 0.0,
+        batch_view_bytes=_batch_views(chain, first, stop).at(rows),
+        microbatch_view_bytes=_batch_views(chain, first, stop).at(microbatch_rows),
     )
+
+
+def _batch_views(chain: CostChain, first: int, stop: int) -> Affine:
+    """Saved bytes of blocks ``[first, stop)`` that are slices of the global batch: inputs and targets."""
+    inputs = chain.input_saved_bytes if first == 0 else Affine()
+    return inputs + (chain.target_saved_bytes if stop == chain.num_blocks else Affine())
 
 
 def backward_seconds(forward_s: float, backward_s: float, recompute: bool) -> float:
@@ -163,17 +177,43 @@ def stage_memory_bytes(cost: StageCost, inflight_microbatches: int, optimizer: s
                        recompute: bool = False) -> int:
     """Peak bytes per device: weights x optimizer factor + in-flight activations + receive buffers.
 
-    Receive buffers: one activation slice in and one gradient slice back per in-flight micro-batch
-    boundary (the runtime preallocates one of each). With ``recompute`` a stage keeps only its inputs
-    per in-flight micro-batch, plus one micro-batch's activations while backward recomputes them.
+    Activations: what autograd saves (:func:`saved_bytes`) plus, when kept, each in-flight micro-batch's
+    received inputs (held as the backward's leaves). Receive buffers: one activation slice in and one
+    gradient slice back per in-flight micro-batch boundary (the runtime preallocates one of each).
+    With ``recompute`` a stage keeps only its inputs per in-flight micro-batch, plus one micro-batch's
+    activations while backward recomputes them (and, last stage, every in-flight loss's saved tensors).
     """
     weights = cost.param_bytes * optimizer_factor(optimizer)
-    if recompute:
-        activations = inflight_microbatches * cost.input_bytes + cost.activation_bytes
-    else:
-        activations = inflight_microbatches * (cost.activation_bytes + cost.input_bytes)
+    held = 0.0 if recompute else inflight_microbatches * cost.input_bytes
+    activations = saved_bytes(cost, inflight_microbatches, recompute) + held
     buffers = cost.input_bytes + cost.output_bytes
     return int(math.ceil(weights + activations + buffers))
+
+
+def saved_bytes(cost: StageCost, inflight_microbatches: int, recompute: bool = False) -> float:
+    """Bytes autograd saves at the peak, counted per slice: every in-flight micro-batch's activations, or
+    with ``recompute`` their inputs (and the loss's saved tensors, outside the recomputed forward) plus one
+    micro-batch's activations rebuilt in backward."""
+    if recompute:
+        kept = cost.input_bytes + cost.loss_bytes
+        return inflight_microbatches * kept + cost.activation_bytes - cost.loss_bytes
+    return inflight_microbatches * cost.activation_bytes
+
+
+def activation_peak_bytes(cost: StageCost, inflight_microbatches: int, num_microbatches: int,
+                          recompute: bool = False) -> int:
+    """Peak bytes autograd saves for backward on one device: what a measured step records
+    (``pipe.measure = True``, ``StepStats.peak_activation_bytes``).
+
+    :func:`saved_bytes`, except that the model inputs stage 0 saves (token ids an embedding saves) and
+    the targets the loss saves are slices of the global batch every rank holds: autograd keeps the whole
+    batch's storage alive, all ``num_microbatches`` micro-batches of it, not one slice per micro-batch.
+    """
+    saved = saved_bytes(cost, inflight_microbatches, recompute)
+    if cost.batch_view_bytes > 0:
+        slices = 1 if recompute else inflight_microbatches
+        saved += num_microbatches * cost.microbatch_view_bytes - slices * cost.batch_view_bytes
+    return int(math.ceil(max(saved, 0.0)))
 
 
 def transfer_time(

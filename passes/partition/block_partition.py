@@ -136,7 +136,9 @@ def coarsen_chain(chain: CostChain, stops: Sequence[int]) -> CostChain:
     cuts = tuple(chain.cut_bytes[stop - 1] for stop in stops[:-1])
     group_of_block = [bisect.bisect_right(stops, block) for block in range(chain.num_blocks)]
     return CostChain(tuple(blocks), cuts, chain.input_bytes, chain.output_bytes, chain.source,
-                     regroup_shared_params(chain.shared_params, group_of_block))
+                     regroup_shared_params(chain.shared_params, group_of_block),
+                     loss_saved_bytes=chain.loss_saved_bytes, input_saved_bytes=chain.input_saved_bytes,
+                     target_saved_bytes=chain.target_saved_bytes)
 
 
 def refine_cuts(stops: list[int], num_blocks: int, score: Callable[[list[int]], float],

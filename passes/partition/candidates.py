@@ -16,6 +16,7 @@ from fxpipe.passes.partition.latency import PipelineSteps, pipeline_steps
 from fxpipe.sim.allreduce_overlap import stage_allreduce_offsets
 from fxpipe.sim.stagecost import (
     StageCost,
+    activation_peak_bytes,
     allreduce_times,
     backward_seconds,
     gradient_allreduce_time,
@@ -250,6 +251,8 @@ def build_plan(model: CandidateCosts, candidate: Candidate, *, schedule: str, wa
     num_microbatches = model.global_batch_size // rows
     check_stage_count(model.recompute, len(candidate.spans))
     choices = model.stage_choices(candidate.spans, rows, warmup_policy, schedule)
+    inflight = [model.inflight(index, len(candidate.spans), num_microbatches, warmup_policy, schedule)
+                for index in range(len(candidate.spans))]
     stages = []
     for index, span in enumerate(candidate.spans):
         cost = model.cost(span.first, span.stop, rows, len(span.devices))
@@ -261,8 +264,8 @@ def build_plan(model: CandidateCosts, candidate: Candidate, *, schedule: str, wa
             allreduce_s=model.allreduce(span.first, span.stop, span.devices),
             param_bytes=cost.param_bytes, activation_bytes=int(cost.activation_bytes),
             peak_memory_bytes=choices[index][1], recompute=choices[index][0],
-            inflight_microbatches=model.inflight(index, len(candidate.spans), num_microbatches, warmup_policy,
-                                                 schedule),
+            inflight_microbatches=inflight[index],
+            activation_peak_bytes=activation_peak_bytes(cost, inflight[index], num_microbatches, choices[index][0]),
         ))
     return Plan(
         global_batch_size=model.global_batch_size, num_microbatches=num_microbatches, stages=tuple(stages),
