@@ -8,6 +8,7 @@ import torch
 from benchmarks import (
     evaluate_vs_step,
     overhead,
+    precision_plans,
     prediction_fidelity,
     runtime_fidelity,
     schedule_memory,
@@ -160,3 +161,14 @@ def test_prediction_fidelity_smoke(monkeypatch: pytest.MonkeyPatch) -> None:
     assert row["sources"] == ["measured"] and row["predicted_s"] > 0 and row["analytic_s"] > 0
     assert row["iteration_s"] >= row["step_s"] > 0 and len(row["errors"]) == 1
     assert "gpt-mini local:2" in prediction_fidelity.report(result)
+
+
+def test_precision_plans_smoke() -> None:
+    case = precision_plans.Case("gpt-mini tiny", precision_plans.zoo("gpt-mini", **dict(TINY)), 16)
+    rows = precision_plans.plan_rows(case, ("1x2:h100", "1x2:v100"))
+    assert [(row.cluster, row.precision) for row in rows] == [
+        ("1x2:h100", "fp32"), ("1x2:v100", "fp32"), ("1x2:h100", "bf16"), ("1x2:v100", "fp16")]
+    assert all(row.plan is not None and row.plan.precision == row.precision for row in rows)
+    lines = precision_plans.report(rows, 1.0).splitlines()
+    assert [line.split("|")[2:4] for line in lines if "gpt-mini tiny" in line] == [
+        [" 1x2:h100  ", " bf16  "], [" 1x2:v100  ", " fp16  "]]

@@ -27,6 +27,7 @@ COST = "fxpipe.cost"  # node: its SymbolicCost
 BATCH_SYMBOL = "fxpipe.batch_symbol"  # gm: the sympy symbol of the batch size in the costs
 COST_MODE = "fxpipe.cost_mode"  # gm: "symbolic", or "affine-fit (...)" when evaluated at two batches and fitted
 COST_BATCH_HINT = "fxpipe.cost_batch_hint"  # gm: the example batch size the costs were evaluated at
+AUTOCAST = "fxpipe.autocast"  # gm: (device type, dtype name) of the autocast the costs ran under, or None
 
 # --- written by codegen (fxpipe.passes.codegen), on each stage's GraphModule
 STAGE_INDEX = "fxpipe.stage_index"  # int: which stage the module is
