@@ -118,12 +118,12 @@ def table(rows: Sequence[Row]) -> str:
                 cells += ["infeasible", "-", "-", "-"]
                 continue
             time_s = row.plan.predicted.iteration_time_s
-            cells += [f"{time_s:.3g}", f"{_bound_s(row, cluster) / time_s:.0%}",
+            cells += [f"{time_s:.2f}", f"{_bound_s(row, cluster) / time_s:.0%}",
                       f"{row.plan.layout} M={row.plan.num_microbatches}",
                       " / ".join(_gib(stage.peak_memory_bytes) for stage in row.plan.stages)]
         ratio = (fp32.plan.predicted.iteration_time_s / low.plan.predicted.iteration_time_s
                  if fp32.plan and low.plan and fp32.plan.predicted and low.plan.predicted else float("nan"))
-        cells.insert(3, f"{ratio:.1f}x")
+        cells.insert(3, f"{ratio:.1f}x" if ratio == ratio else "-")  # NaN: a side has no plan
         lines.append(cells)
     headers = ["model", "cluster", "low", "fp32/low", "fp32 s", "fp32 of bound", "fp32 layout",
                "fp32 peak GiB per stage", "low s", "low of bound", "low layout", "low peak GiB per stage"]
@@ -140,7 +140,10 @@ def report(rows: Sequence[Row], seconds: float) -> str:
         "activations and messages in the dtypes autocast gives them (CUDA's op lists: softmax, layer norm and "
         "sums stay fp32), weights, gradients and Adam state in fp32 (16 bytes per parameter, as under autocast). "
         "'of bound' is the iteration's FLOPs over the whole cluster's peak rate for the precision divided by the "
-        "predicted time (a model-FLOP utilisation). Peak memory is per stage, the largest replica.", "",
+        "predicted time (a model-FLOP utilisation). Peak memory is per stage, the largest replica, of the plan "
+        "chosen (recompute=auto: activations are recomputed only where keeping them does not fit, so a bf16 plan "
+        "can keep, at a higher peak, what the fp32 plan recomputes). Infeasible: no plan fits the devices' memory.",
+        "",
         table(rows), "",
     ])
 
