@@ -268,7 +268,9 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
     (measured by every rank at once for the launched devices, analytic for a ``cluster`` naming other
     devices; ``$FXPIPE_COSTS`` overrides), ``"measured"`` or ``"analytic"`` (no measuring). ``check_rows``:
     when the plan splits the batch (micro-batches or replicas), run the model in eval mode on the example
-    batch whole and in halves and refuse it if rows see each other (docs/exactness.md). As a decorator,
+    batch whole and in halves and refuse it if rows see each other (docs/exactness.md). ``autocast_dtype``:
+    ``torch.bfloat16`` or ``torch.float16`` trains under autocast (fp32 master weights), and the planner costs
+    and measures the model under the same autocast (the plan's ``precision``, docs/clusters.md). As a decorator,
     ``@fxpipe.compile(loss_fn=..., global_batch_size=...)``
     on a model class or factory makes ``Factory(*args, example_inputs=..., **kwargs)`` return the module.
     """

@@ -33,7 +33,7 @@ Figures = tuple[float, float, list[tuple[float, float, float, float]]]
 
 
 def measure_block_costs(graph_module: torch.fx.GraphModule, example_inputs: Sequence[Any], *, slowdown: float,
-                        group: SetupGroup = None) -> MeasuredCosts | None:
+                        group: SetupGroup = None, autocast_dtype: torch.dtype | None = None) -> MeasuredCosts | None:
     """Every rank times every block (``measure_costs``) at the same moment; all ranks get the per-block median.
 
     A collective over ``group``: call it on every rank alike. On CPU ranks each block is timed in
@@ -55,7 +55,7 @@ def measure_block_costs(graph_module: torch.fx.GraphModule, example_inputs: Sequ
     local: list[MeasuredCosts | None] = [None]
 
     def measure() -> Figures | str:
-        local[0], stretch, failure = _measure_here(graph_module, example_inputs)
+        local[0], stretch, failure = _measure_here(graph_module, example_inputs, autocast_dtype)
         if local[0] is None:
             return failure or "no figures"
         return (stretch, local[0].optimizer_s_per_param_byte, _block_times(local[0]))
@@ -70,15 +70,16 @@ def measure_block_costs(graph_module: torch.fx.GraphModule, example_inputs: Sequ
     return agreed_costs(local[0], [item for item in gathered if not isinstance(item, str)], slowdown)
 
 
-def _measure_here(graph_module: torch.fx.GraphModule,
-                  example_inputs: Sequence[Any]) -> tuple[MeasuredCosts | None, float, str]:
+def _measure_here(graph_module: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                  autocast_dtype: torch.dtype | None) -> tuple[MeasuredCosts | None, float, str]:
     """(this rank's block times, its stretch, a failure message or "")."""
     cpu = device_of(graph_module, example_inputs).type == "cpu"
     wall_start, cpu_start = time.perf_counter(), time.process_time()
     clock = time.process_time if cpu else time.perf_counter
     try:
         with torch.random.fork_rng(devices=_cuda_devices(graph_module, example_inputs)):
-            local = measure_costs(graph_module, example_inputs, warmup=WARMUP, repeats=REPEATS, clock=clock)
+            local = measure_costs(graph_module, example_inputs, warmup=WARMUP, repeats=REPEATS, clock=clock,
+                                  autocast_dtype=autocast_dtype)
         local = replace(local, optimizer_s_per_param_byte=optimizer_step_per_byte(graph_module, clock))
     except (RuntimeError, ValueError, TypeError) as error:  # a model measure_costs cannot run block by block
         return None, 1.0, f"{type(error).__name__}: {error}"

@@ -64,6 +64,9 @@ def _build_parser() -> argparse.ArgumentParser:
                            "analytic device model (auto: for preset and remote clusters; optimistic, see "
                            "docs/clusters.md)")
     plan.add_argument("--max-blocks", type=int, default=64, help="coarsen the graph to at most this many blocks")
+    plan.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                      help="what the job trains in: fp32, or bf16/fp16 autocast (tensor-core matmuls, half-size "
+                           "activations, fp32 master weights); recorded in the plan (docs/clusters.md)")
     _add_planning_options(plan)
 
     simulate = commands.add_parser("simulate", help="simulate a plan file's iteration")
@@ -120,7 +123,8 @@ def _chain_for(args: argparse.Namespace, cluster: Cluster):  # type: ignore[no-u
     device = planning.measuring_device(cluster) if args.costs == "measured" else "meta"
     model, example_inputs = planning.load_model(args.model, device=device)
     return planning.costed_model(model, example_inputs, cluster, costs=args.costs, max_blocks=args.max_blocks,
-                                 batch_dims=_batch_dims(args), **planning.model_loss(args.model, example_inputs)).chain
+                                 batch_dims=_batch_dims(args), precision=args.precision,
+                                  **planning.model_loss(args.model, example_inputs)).chain
 
 
 def _analytic_unless_affordable(args: argparse.Namespace, cluster: Cluster) -> CostChain | None:
@@ -132,7 +136,8 @@ def _analytic_unless_affordable(args: argparse.Namespace, cluster: Cluster) -> C
         return None
     model, example_inputs = planning.load_model(args.model, device="meta")
     chain = planning.costed_model(model, example_inputs, cluster, costs="analytic", max_blocks=args.max_blocks,
-                                  batch_dims=_batch_dims(args), **planning.model_loss(args.model, example_inputs)).chain
+                                  batch_dims=_batch_dims(args), precision=args.precision,
+                                   **planning.model_loss(args.model, example_inputs)).chain
     args.costs, args.cost_note = planning.affordable_costs(chain)
     return chain if args.costs == "analytic" else None
 
@@ -142,8 +147,9 @@ def _cost_source(args: argparse.Namespace, cluster: Cluster) -> str:
     from fxpipe.planning import cost_source_of
 
     if args.profile:
-        if args.costs != "auto":
-            raise CommandLineError(f"--costs {args.costs} is for MODEL; a --profile file carries its own times")
+        if args.costs != "auto" or args.precision != "fp32":
+            option = f"--costs {args.costs}" if args.costs != "auto" else f"--precision {args.precision}"
+            raise CommandLineError(f"{option} is for MODEL; a --profile file carries its own times")
         return "profile"
     return cost_source_of(args.costs, cluster)
 
@@ -165,7 +171,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         plan, chain = _marker_plan(args, cluster, options)
     else:
         chain = _chain_for(args, cluster)
-        plan = plan_chain(chain, cluster, args.global_batch, planner=args.planner, layout=args.layout, **options)
+        plan = plan_chain(chain, cluster, args.global_batch, planner=args.planner, layout=args.layout,
+                          precision=args.precision, **options)
     plan = labelled(plan.with_updates(model=args.model or f"profile:{Path(args.profile).name}"), args.costs)
     if args.cost_note:
         plan = plan.with_updates(notes=(*plan.notes, args.cost_note))
@@ -205,7 +212,7 @@ def _marker_plan(args: argparse.Namespace, cluster: Cluster, options: dict[str, 
     model, example_inputs = planning.load_model(args.model, device=planning.measuring_device(cluster)
                                                 if args.costs == "measured" else "meta")
     return planning.plan_markers(model, example_inputs, cluster, args.global_batch, costs=args.costs,
-                                 batch_dims=_batch_dims(args), **options)
+                                 batch_dims=_batch_dims(args), precision=args.precision, **options)
 
 
 def _load(path: str):  # type: ignore[no-untyped-def]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -10,6 +11,7 @@ import torch
 from fxpipe.compile_options import CompileOptions
 from fxpipe.core.cluster import Cluster
 from fxpipe.core.plan import Plan, plan_argument_kind
+from fxpipe.core.precision import PrecisionError, precision_of_dtype
 from fxpipe.core.recompute import force_recompute
 from fxpipe.core.schedule import ScheduleError, schedule_name
 from fxpipe.runtime.errors import PipelineSetupError
@@ -34,6 +36,7 @@ def resolve_plan(options: CompileOptions, model: torch.nn.Module, example_inputs
     if kind in ("plan", "file"):
         with setup_phase("loading the plan", group):
             plan = options.plan if isinstance(options.plan, Plan) else Plan.load(options.plan)
+            _check_precision(plan, options)
             return apply_overrides(plan, options)
     plan = _planned(options, model, example_inputs, context, group, markers=kind == "markers")
     with setup_phase("applying plan overrides", group):
@@ -53,6 +56,25 @@ def apply_overrides(plan: Plan, options: CompileOptions) -> Plan:
     if options.warmup_policy is not None:
         changes["warmup_policy"] = options.warmup_policy
     return force_recompute(plan.with_updates(**changes) if changes else plan, options.recompute)
+
+
+def training_precision(options: CompileOptions) -> str:
+    """The precision ``autocast_dtype`` trains in (``"bf16"`` for torch.bfloat16, ``"fp32"`` for None)."""
+    dtype = options.autocast_dtype
+    try:
+        return precision_of_dtype(None if dtype is None else str(dtype).removeprefix("torch."))
+    except PrecisionError as error:
+        raise PipelineSetupError(f"autocast_dtype={dtype}: {error}") from None
+
+
+def _check_precision(plan: Plan, options: CompileOptions) -> None:
+    """A given plan whose predictions are for another precision still runs (as ``autocast_dtype`` says), with a warning."""
+    precision = training_precision(options)
+    if plan.precision != precision and plan.predicted is not None:
+        warnings.warn(f"fxpipe: the plan was costed for precision {plan.precision!r} but the job trains in "
+                      f"{precision!r} (autocast_dtype={options.autocast_dtype}); its predictions are for the "
+                      f"former: re-plan with precision {precision!r} (`fxpipe plan --precision {precision}`)",
+                      RuntimeWarning, stacklevel=3)
 
 
 def _schedule_name(schedule: str) -> str:
@@ -77,7 +99,8 @@ def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: An
     topology = discover_topology(group)  # collectives of their own, so outside any phase body
     cluster = _resolved_cluster(options, topology, context.device)
     costs = job_costs(options.costs, options.cluster is None, model, example_inputs, cluster, group,
-                      batch_dims=options.batch_dims, device=context.device, loss_fn=options.loss_fn)
+                      batch_dims=options.batch_dims, device=context.device, loss_fn=options.loss_fn,
+                      precision=training_precision(options))
     cluster = costs.planning_cluster(cluster)
     text = None
     with setup_phase("planning", group):
@@ -109,16 +132,17 @@ def _run_planner(options: CompileOptions, model: torch.nn.Module, example_inputs
     from fxpipe.runtime.topology import check_cluster_size, placed_plan
 
     check_cluster_size(cluster, topology)
+    precision = training_precision(options)
     costed = costed_model(model, example_inputs if isinstance(example_inputs, Mapping) else tuple(example_inputs),
                           cluster, batch_dims=options.batch_dims, costs=costs.source, measured=costs.measured,
-                          graph_module=costs.graph_module, loss_fn=options.loss_fn)
+                          graph_module=costs.graph_module, loss_fn=options.loss_fn, precision=precision)
     layout = None if options.plan == "auto" else str(options.plan)
     assert options.global_batch_size is not None
     plan = plan_chain(costed.chain, cluster, options.global_batch_size, layout=layout,
                       num_microbatches=options.num_microbatches,
                       schedule=_schedule_name(options.schedule or "dapple"),
                       warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True,
-                      recompute=options.recompute)
+                      recompute=options.recompute, precision=precision)
     return placed_plan(plan, topology, cluster)
 
 
@@ -134,5 +158,6 @@ def _run_marker_planner(options: CompileOptions, model: torch.nn.Module, example
                            measured=costs.measured, num_microbatches=options.num_microbatches,
                            schedule=_schedule_name(options.schedule or "dapple"),
                            warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True,
-                           batch_dims=options.batch_dims, recompute=options.recompute, loss_fn=options.loss_fn)
+                           batch_dims=options.batch_dims, recompute=options.recompute, loss_fn=options.loss_fn,
+                           precision=training_precision(options))
     return placed_plan(plan, topology, cluster)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["HF_FACTORIES", "bert_mlm", "gpt2", "gpt2_small", "hf_loss", "llama", "make_batch", "vit"]
+__all__ = ["HF_FACTORIES", "bert_mlm", "gpt2", "gpt2_small", "hf_loss", "llama", "llama3_8b", "make_batch", "vit"]
 
 # Examples are built with dropout off so a split run can be compared with one process exactly.
 _NO_DROPOUT_GPT2 = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
@@ -65,12 +65,22 @@ def bert_mlm(*, num_layers: int = 2, hidden: int = 32, heads: int = 2, vocab_siz
 
 
 def llama(*, num_layers: int = 2, hidden: int = 32, heads: int = 2, vocab_size: int = 100, seq_len: int = 16,
-          batch_size: int = 4, seed: int = 0, device: str = "cpu") -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    """A ``LlamaForCausalLM`` (rotary embeddings, grouped-query attention with 1 KV head)."""
-    config = _transformers().LlamaConfig(num_hidden_layers=num_layers, hidden_size=hidden, intermediate_size=2 * hidden,
-                                         num_attention_heads=heads, num_key_value_heads=1, vocab_size=vocab_size,
+          batch_size: int = 4, seed: int = 0, device: str = "cpu", intermediate: int | None = None,
+          kv_heads: int = 1) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A ``LlamaForCausalLM`` (rotary embeddings, grouped-query attention with ``kv_heads`` KV heads; MLP width
+    ``intermediate``, default 2 x hidden)."""
+    config = _transformers().LlamaConfig(num_hidden_layers=num_layers, hidden_size=hidden,
+                                         intermediate_size=intermediate or 2 * hidden, num_attention_heads=heads,
+                                         num_key_value_heads=kv_heads, vocab_size=vocab_size,
                                          max_position_embeddings=max(seq_len, 32))
     return _build("LlamaForCausalLM", config, seed, device), _token_inputs(batch_size, seq_len, vocab_size, seed)
+
+
+def llama3_8b(*, batch_size: int = 2, seq_len: int = 4096,
+              device: str = "meta") -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """Llama-3-8B's shape (32 layers, 4096 wide, MLP 14336, 32 heads, 8 KV heads, 128256 tokens) on the meta device."""
+    return llama(num_layers=32, hidden=4096, heads=32, vocab_size=128256, seq_len=seq_len, batch_size=batch_size,
+                 device=device, intermediate=14336, kv_heads=8)
 
 
 def vit(*, num_layers: int = 2, hidden: int = 32, heads: int = 2, image_size: int = 16, patch_size: int = 8,

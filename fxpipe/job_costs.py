@@ -11,7 +11,8 @@ import torch
 from fxpipe.core import meta
 from fxpipe.core.cluster import Cluster, LinkSpec
 from fxpipe.core.plan import Plan
-from fxpipe.planning import COST_CHOICES, default_costs, is_local, labelled
+from fxpipe.core.precision import DEFAULT_PRECISION, autocast_device_type
+from fxpipe.planning import COST_CHOICES, autocast_dtype, default_costs, is_local, labelled
 from fxpipe.runtime.errors import PipelineSetupError
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ class JobCosts:
 
 def job_costs(costs: str, launched_cluster: bool, model: torch.nn.Module, example_inputs: Any, cluster: Cluster,
               group: SetupGroup, *, batch_dims: BatchDims = None, device: torch.device | None = None,
-              loss_fn: Callable[[Any, Any], Any] | None = None) -> JobCosts:
+              loss_fn: Callable[[Any, Any], Any] | None = None, precision: str = DEFAULT_PRECISION) -> JobCosts:
     """Measure block costs on every rank at once (the median agreed by all) unless analytic costs are asked for.
 
     A collective: every rank calls it alike. ``costs="auto"`` measures when the cluster is the launched
@@ -71,7 +72,8 @@ def job_costs(costs: str, launched_cluster: bool, model: torch.nn.Module, exampl
     With ``device`` (where the training backend's tensors live) and a cluster of exactly the launched
     ranks, it also times an allreduce over all of them on the default process group
     (:func:`fxpipe.runtime.calibrate_measure.measure_job_collective`). The traced graph costs the loss with
-    ``loss_fn`` (:func:`fxpipe.passes.annotate_costs`).
+    ``loss_fn`` (:func:`fxpipe.passes.annotate_costs`); blocks are costed and timed under the autocast of
+    ``precision``, on the autocast op lists of the cluster's devices.
     """
     from fxpipe import passes
     from fxpipe.block_costs import measure_block_costs
@@ -83,11 +85,13 @@ def job_costs(costs: str, launched_cluster: bool, model: torch.nn.Module, exampl
     source = default_costs(cluster, devices_here=launched_cluster or is_local(cluster)) if costs == "auto" else costs
     if source == "analytic":
         return JobCosts("analytic")
+    dtype = autocast_dtype(precision)
     with setup_phase("tracing for cost measurement", group):
         graph_module = passes.annotate_costs(passes.trace(model, example_inputs, batch_dims=batch_dims),
-                                             loss_fn=loss_fn)
+                                             loss_fn=loss_fn, autocast_dtype=dtype,
+                                             autocast_device=autocast_device_type(cluster.device))
     measured = measure_block_costs(graph_module, graph_module.meta[meta.EXAMPLE_INPUTS],
-                                   slowdown=cluster.compute_slowdown, group=group)
+                                   slowdown=cluster.compute_slowdown, group=group, autocast_dtype=dtype)
     if measured is None:
         return JobCosts("analytic")
     return JobCosts("measured", measured, graph_module, job_collective(cluster.num_devices, device, group))

@@ -14,6 +14,7 @@ from fxpipe.core.chain import CostChain, build_chain
 from fxpipe.core.cluster import Cluster
 from fxpipe.core.costgraph import CostGraph, CostNode
 from fxpipe.core.plan import Plan
+from fxpipe.core.precision import DEFAULT_PRECISION, autocast_device_type, autocast_dtype_name
 from fxpipe.passes.batchdims import BatchDims
 
 if TYPE_CHECKING:
@@ -97,7 +98,7 @@ def costed_model(
     *,
     costs: str = "analytic",
     max_blocks: int | None = 64,
-    dtype: str = "float32",
+    precision: str = DEFAULT_PRECISION,
     batch_dims: BatchDims = None,
     measured: MeasuredCosts | None = None,
     graph_module: torch.fx.GraphModule | None = None,
@@ -111,24 +112,34 @@ def costed_model(
     ``graph_module`` carries the loss it was annotated with.
 
     ``batch_dims``: where each input holds the batch (``fxpipe.passes.trace``; default dim 0).
-    ``measured`` gives block times measured already (e.g. agreed by every rank of a job,
-    :func:`fxpipe.block_costs.measure_block_costs`) on ``graph_module``, the annotated
-    graph they were measured on; ``"auto"`` resolves with :func:`default_costs`.
+    ``precision`` (``fxpipe.core.precision``): costs are taken under the autocast it trains in, with the
+    autocast op lists of the cluster's devices, measured blocks included. ``measured`` gives block times
+    measured already (e.g. agreed by every rank of a job, :func:`fxpipe.block_costs.measure_block_costs`)
+    on ``graph_module``, the annotated graph they were measured on; ``"auto"`` resolves with
+    :func:`default_costs`.
     """
     from fxpipe import passes
 
     costs = default_costs(cluster) if costs == "auto" else costs
     if costs not in COST_CHOICES:
         raise ValueError(f"costs={costs!r} is unknown; choose one of {COST_CHOICES}")
+    dtype = autocast_dtype(precision)
     if graph_module is None:
         graph_module = passes.annotate_costs(passes.trace(model, example_inputs, batch_dims=batch_dims),
-                                             loss_fn=loss_fn, example_targets=example_targets)
+                                             loss_fn=loss_fn, example_targets=example_targets, autocast_dtype=dtype,
+                                             autocast_device=autocast_device_type(cluster.device))
     if costs == "measured" and measured is None:
-        measured = passes.measure_costs(graph_module, graph_module.meta[meta.EXAMPLE_INPUTS])
+        measured = passes.measure_costs(graph_module, graph_module.meta[meta.EXAMPLE_INPUTS], autocast_dtype=dtype)
     graph = passes.to_cost_graph(graph_module, device=cluster.device, measured=measured if costs == "measured"
-                                 else None, dtype=dtype)
+                                 else None)
     graph = parameter_reads_at_first_use(graph)
     return CostedModel(graph_module, graph, build_chain(graph, max_blocks=max_blocks))
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    """The torch dtype ``precision`` trains under with autocast (``torch.bfloat16``), None for fp32."""
+    name = autocast_dtype_name(precision)
+    return None if name is None else getattr(torch, name)  # type: ignore[no-any-return]
 
 
 def default_costs(cluster: Cluster, *, devices_here: bool | None = None) -> str:
@@ -227,11 +238,13 @@ def affordable_costs(analytic_chain: CostChain, *, on_meta: bool = False) -> tup
                         "costs='measured' (--costs measured) measures anyway")
 
 
-def plan_chain(chain: CostChain, cluster: Cluster, global_batch_size: int, **options: Any) -> Plan:
-    """Run a planner (``planner=`` name, default DAPPLE) over a chain."""
+def plan_chain(chain: CostChain, cluster: Cluster, global_batch_size: int, *,
+               precision: str = DEFAULT_PRECISION, **options: Any) -> Plan:
+    """Run a planner (``planner=`` name, default DAPPLE) over a chain costed for ``precision`` (recorded in the plan)."""
     from fxpipe.passes.partition.dapple import partition
 
-    return partition(chain, cluster, global_batch_size, **options)
+    plan = partition(chain, cluster, global_batch_size, **options)
+    return plan if precision == DEFAULT_PRECISION else plan.with_updates(precision=precision)
 
 
 def plan_model(
@@ -244,6 +257,7 @@ def plan_model(
     batch_dims: BatchDims = None,
     loss_fn: LossFn | None = None,
     example_targets: Any = None,
+    precision: str = DEFAULT_PRECISION,
     **options: Any,
 ) -> Plan:
     """``fxpipe.plan``: trace, cost, chain and partition a model for a cluster in one call.
@@ -252,7 +266,8 @@ def plan_model(
     documented estimate, :mod:`fxpipe.passes.losscost`).
 
     ``costs="auto"``: block times measured here for a local cluster, the analytic model otherwise
-    (:func:`default_costs`); the plan says which in ``predicted.cost_source``.
+    (:func:`default_costs`); the plan says which in ``predicted.cost_source``. ``precision``: what the
+    job trains in (``"fp32"``, ``"bf16"``, ``"fp16"``), recorded in the plan.
     """
     import fxpipe.runtime.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
     from fxpipe.core.cluster import parse_cluster
@@ -262,14 +277,14 @@ def plan_model(
     costed = None
     if costs == "auto" and source == "measured":
         costed = costed_model(model, example_inputs, resolved, costs="analytic", batch_dims=batch_dims,
-                              loss_fn=loss_fn, example_targets=example_targets)
+                              loss_fn=loss_fn, example_targets=example_targets, precision=precision)
         on_meta = any(value.is_meta for value in (*model.parameters(), *model.buffers()))
         source, note = affordable_costs(costed.chain, on_meta=on_meta)
     if costed is None or source == "measured":
         costed = costed_model(model, example_inputs, resolved, costs=source, batch_dims=batch_dims,
                               graph_module=None if costed is None else costed.graph_module, loss_fn=loss_fn,
-                              example_targets=example_targets)
-    plan = labelled(plan_chain(costed.chain, resolved, global_batch_size, **options), source)
+                              example_targets=example_targets, precision=precision)
+    plan = labelled(plan_chain(costed.chain, resolved, global_batch_size, precision=precision, **options), source)
     return plan.with_updates(notes=(*plan.notes, note)) if note else plan
 
 
@@ -281,13 +296,15 @@ def plan_markers(
     *,
     costs: str = "analytic",
     measured: MeasuredCosts | None = None,
+    precision: str = DEFAULT_PRECISION,
     **options: Any,
 ) -> tuple[Plan, CostChain]:
     """Cut at the model's ``pipe_split()`` markers; DAPPLE picks replica counts, placement and micro-batches.
 
     Returns the plan and the cost chain it is stated in. Every marked stage must hold parameters
     (otherwise the README's ``torch.optim.AdamW(pipe.parameters())`` fails on its ranks): a
-    MarkerError names the stage to merge. ``batch_dims=`` among ``options`` goes to ``trace``.
+    MarkerError names the stage to merge. ``batch_dims=`` among ``options`` goes to ``trace``,
+    ``precision`` to :func:`costed_model`.
     """
     from fxpipe import passes
     from fxpipe.passes.markers import MarkerError, marker_stages, marker_stops
@@ -299,7 +316,7 @@ def plan_markers(
     graph_module = passes.trace(model, example_inputs, batch_dims=batch_dims)
     groups = marker_stages(model, example_inputs, graph_module)
     chain = costed_model(model, example_inputs, cluster, costs=costs, max_blocks=None, batch_dims=batch_dims,
-                         measured=measured, loss_fn=loss_fn).chain
+                         measured=measured, loss_fn=loss_fn, precision=precision).chain
     stops = marker_stops(chain, groups)
     marked = coarsen_chain(chain, stops)
     empty = [index for index, holds in enumerate(holds_parameters(marked)) if not holds]
@@ -307,5 +324,5 @@ def plan_markers(
         raise MarkerError(f"pipe_split() markers give stage(s) {empty} no parameters, so their ranks would have "
                           "nothing to optimise; remove the marker before or after each such stage")
     plan = partition(marked, cluster, global_batch_size, num_stages=len(stops), **options)
-    plan = on_fine_chain(plan, chain, stops).with_updates(planner="markers")
+    plan = on_fine_chain(plan, chain, stops).with_updates(planner="markers", precision=precision)
     return labelled(plan, cost_source_of(costs, cluster)), chain

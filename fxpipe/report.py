@@ -74,7 +74,7 @@ def summary_lines(plan: Plan) -> list[str]:
     lines = [
         f"plan {plan.layout}  planner={plan.planner}  schedule={plan.schedule} (warm-up {plan.warmup_policy})  "
         f"global batch={plan.global_batch_size}  micro-batches={plan.num_microbatches} "
-        f"x {plan.microbatch_size} rows",
+        f"x {plan.microbatch_size} rows" + (f"  precision={plan.precision}" if plan.precision != "fp32" else ""),
     ]
     predicted = plan.predicted
     if predicted is not None:

@@ -41,6 +41,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--costs", default="auto", choices=["auto", "measured", "analytic"],
                         help="planner block times: measured on the launched ranks (auto, measured) or the analytic "
                              "device model (docs/clusters.md, Honest predictions)")
+    parser.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"],
+                        help="train in fp32 or under bf16/fp16 autocast (fp32 master weights); the planner costs "
+                             "the model in it; default: a plan file's precision, else fp32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -134,16 +137,18 @@ def synthetic_batches(model: torch.nn.Module, example_inputs: Any, global_batch:
     return batch
 
 
-def _check_plan_file(args: argparse.Namespace) -> None:
-    """A plan file made for another MODEL fails here, naming both, rather than deep in codegen."""
+def _check_plan_file(args: argparse.Namespace) -> str:
+    """The precision to train in (``--precision``, else a plan file's, else fp32). A plan file made for another
+    MODEL fails here, naming both, rather than deep in codegen."""
     from fxpipe.core.plan import Plan, plan_argument_kind
 
     if plan_argument_kind(args.plan) != "file":
-        return
+        return str(args.precision or "fp32")
     plan = Plan.load(args.plan)
     if plan.model and plan.model != args.model:
         raise ValueError(f"plan file {args.plan} was made for model {plan.model!r}, not {args.model!r}; "
                          f"re-plan with `fxpipe plan {args.model} ... --json FILE`")
+    return str(args.precision or plan.precision)
 
 
 def _stage_memory(stats: list[Any]) -> str:
@@ -177,18 +182,20 @@ def batch_dims_option(args: argparse.Namespace) -> int | dict[str, int] | None:
 
 def run_train(args: argparse.Namespace) -> int:
     import fxpipe
+    from fxpipe.planning import autocast_dtype
     from fxpipe.report import format_plan
     from fxpipe.runtime import preemption
 
     preemption.install()  # first: SIGTERM before the handler would kill the rank without a checkpoint
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    _check_plan_file(args)
+    precision = _check_plan_file(args)
     model, example_inputs, loss_fn, batches = _workload(args)
     pipe = fxpipe.compile(model, example_inputs, loss_fn=loss_fn, global_batch_size=args.global_batch,
                           plan=args.plan, schedule=args.schedule, num_microbatches=args.num_microbatches,
                           recompute=args.recompute, batch_dims=batch_dims_option(args),
-                          target_batch_dim=args.target_batch_dim, costs=args.costs)
+                          target_batch_dim=args.target_batch_dim, costs=args.costs,
+                          autocast_dtype=autocast_dtype(precision))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
     first_step = _resume(args, pipe, optimizer)
     leader = pipe.rank == 0

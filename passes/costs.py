@@ -18,6 +18,8 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from fxpipe.core import meta
 from fxpipe.core.cluster import DeviceSpec
 from fxpipe.core.costgraph import ZERO, Affine, CostGraph, CostNode
+from fxpipe.core.precision import matmul_flops_per_s
+from fxpipe.passes.autocast_policy import fake_autocast
 from fxpipe.passes.batchdims import graph_batch_dims
 from fxpipe.passes.fakerun import RunState, SymbolicCost
 from fxpipe.passes.flops import NodeRunError, run_fake
@@ -42,6 +44,7 @@ class CostAnnotationError(ValueError):
 def annotate_costs(
     gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, *, cache: bool = True,
     loss_fn: Callable[[Any, Any], Any] | None = None, example_targets: Any = None,
+    autocast_dtype: torch.dtype | None = None, autocast_device: str = "cuda",
 ) -> fx.GraphModule:
     """Return a copy of ``gm`` whose nodes carry ``node.meta["fxpipe.cost"]`` (a SymbolicCost).
 
@@ -55,6 +58,9 @@ def annotate_costs(
     The loss is costed too (``gm.meta["fxpipe.loss_cost"]``, :mod:`fxpipe.passes.losscost`): ``loss_fn``
     run on the output's fakes (targets from ``example_targets``, batch in dim 0, else guessed), or
     without one the documented estimate; ``gm.meta["fxpipe.loss_source"]`` says which.
+    With ``autocast_dtype`` the graph runs under the autocast of ``autocast_device`` (``"cuda"``: CUDA's op
+    lists, played on CPU fakes; see ``passes.autocast_policy``), so every value, saved tensor and matmul
+    has the dtype training gives it; ``gm.meta["fxpipe.autocast"]`` records ``(device, dtype name)``.
     """
     inputs = recorded_inputs(gm, example_inputs, CostAnnotationError, "annotate_costs")
     result = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
@@ -62,12 +68,13 @@ def annotate_costs(
     dims = graph_batch_dims(gm, inputs)
     batch = _batch_hint(inputs, dims)
     loss = _LossSpec(loss_fn, example_targets)
-    try:
-        costs = _run_symbolic(result, inputs, batch, cache, dims, loss)
-        mode = "symbolic"
-    except _NotSymbolic as error:
-        costs = _fit_affine(result, inputs, batch, cache, str(error), dims, loss)
-        mode = f"affine-fit (symbolic batch failed: {error})"
+    with fake_autocast(autocast_device, autocast_dtype):
+        try:
+            costs = _run_symbolic(result, inputs, batch, cache, dims, loss)
+            mode = "symbolic"
+        except _NotSymbolic as error:
+            costs = _fit_affine(result, inputs, batch, cache, str(error), dims, loss)
+            mode = f"affine-fit (symbolic batch failed: {error})"
     for node in result.graph.nodes:
         if node.name in costs:
             node.meta[meta.COST] = costs[node.name]
@@ -78,6 +85,8 @@ def annotate_costs(
     result.meta[meta.BATCH_SYMBOL] = BATCH
     result.meta[meta.COST_MODE] = mode
     result.meta[meta.COST_BATCH_HINT] = batch  # the batch the costs were sampled at (for non-affine terms)
+    result.meta[meta.AUTOCAST] = (None if autocast_dtype is None
+                                  else (autocast_device, str(autocast_dtype).removeprefix("torch.")))
     return result
 
 
@@ -211,6 +220,9 @@ def _fit_node(low: SymbolicCost, high: SymbolicCost, batch: int) -> SymbolicCost
         fitted[name] = line(getattr(low, name), getattr(high, name))
     for name in ("forward_bytes_moved", "backward_bytes_moved"):
         fitted[name] = line(getattr(low, name), getattr(high, name))
+    for name in ("forward_matmul_flops", "backward_matmul_flops"):
+        high_by_dtype = dict(getattr(high, name))
+        fitted[name] = tuple((dtype, line(flops, high_by_dtype.get(dtype, 0))) for dtype, flops in getattr(low, name))
     shapes = tuple(
         tuple(line(a, b) for a, b in zip(shape_low, shape_high, strict=True))
         for shape_low, shape_high in zip(low.output_shapes, high.output_shapes, strict=True)
@@ -233,14 +245,17 @@ def to_cost_graph(
     *,
     device: DeviceSpec | None = None,
     measured: MeasuredCosts | None = None,
-    dtype: str = "float32",
+    dtype: str | None = None,
 ) -> CostGraph:
     """Turn an annotated graph into a CostGraph of plain Affine numbers (per batch row and fixed).
 
     Times come from ``measured`` (each block's time spread over its nodes in proportion to their
     analytic FLOPs, evenly when a block has none) or else from the roofline model of ``device``:
-    ``max(flops / peak_flops[dtype], bytes_moved / bandwidth) + kernels * kernel_launch_s``, taken
-    separately for the fixed and the per-row part. Without either, times are zero. Placeholders
+    ``max(compute_s, bytes_moved / bandwidth) + kernels * kernel_launch_s``, taken separately for the
+    fixed and the per-row part. ``compute_s`` runs matmuls, convolutions and attention at the rate of
+    the dtype they ran in (tensor-core rates under bf16/fp16 autocast, ``annotate_costs(autocast_dtype=)``)
+    and every other FLOP at the float32 rate; ``dtype`` (a peak_flops key) instead runs every FLOP at
+    that one rate. Without either, times are zero. Placeholders
     are not nodes: their bytes form ``input_bytes`` and they are dropped from ``inputs``; the
     output node is dropped too; ``get_attr`` nodes stay (zero time, their parameter bytes).
     """
@@ -313,23 +328,37 @@ def _affine(expr: sympy.Expr, hint: int) -> Affine:
     return Affine(max(fixed, 0.0), max(per_sample, 0.0))  # a fitted line may dip below zero at B=0
 
 
-def _roofline_time(flops: Affine, bytes_moved: Affine, num_kernels: int, device: DeviceSpec, dtype: str) -> Affine:
-    peak = device.flops_per_s(dtype)
+def _roofline_time(compute_s: Affine, bytes_moved: Affine, num_kernels: int, device: DeviceSpec) -> Affine:
     bandwidth = device.memory_bandwidth_bytes_per_s
     return Affine(
-        max(flops.fixed / peak, bytes_moved.fixed / bandwidth) + num_kernels * device.kernel_launch_s,
-        max(flops.per_sample / peak, bytes_moved.per_sample / bandwidth),
+        max(compute_s.fixed, bytes_moved.fixed / bandwidth) + num_kernels * device.kernel_launch_s,
+        max(compute_s.per_sample, bytes_moved.per_sample / bandwidth),
     )
 
 
-def _roofline(cost: SymbolicCost, device: DeviceSpec | None, dtype: str, hint: int) -> tuple[Affine, Affine]:
+def _compute_s(flops: Affine, matmul_flops: Sequence[tuple[str, sympy.Expr]], device: DeviceSpec,
+               dtype: str | None, hint: int) -> Affine:
+    """Seconds of arithmetic: ``flops`` at one rate, or matmuls at their dtype's rate and the rest at float32's."""
+    fast = [(_affine(part, hint), matmul_flops_per_s(device, name)) for name, part in matmul_flops]
+    peak = device.flops_per_s(dtype or "float32")
+    if dtype is not None or all(rate == peak for _, rate in fast):
+        return Affine(flops.fixed / peak, flops.per_sample / peak)  # one rate (float32 models: as before)
+    rest = Affine(flops.fixed - sum(part.fixed for part, _ in fast),
+                  flops.per_sample - sum(part.per_sample for part, _ in fast))
+    return Affine(max(rest.fixed, 0.0) / peak + sum(part.fixed / rate for part, rate in fast),
+                  max(rest.per_sample, 0.0) / peak + sum(part.per_sample / rate for part, rate in fast))
+
+
+def _roofline(cost: SymbolicCost, device: DeviceSpec | None, dtype: str | None, hint: int) -> tuple[Affine, Affine]:
     if device is None:
         return ZERO, ZERO
     forward = _roofline_time(
-        _affine(cost.forward_flops, hint), _affine(cost.forward_bytes_moved, hint), cost.num_forward_kernels, device, dtype
+        _compute_s(_affine(cost.forward_flops, hint), cost.forward_matmul_flops, device, dtype, hint),
+        _affine(cost.forward_bytes_moved, hint), cost.num_forward_kernels, device,
     )
     backward = _roofline_time(
-        _affine(cost.backward_flops, hint), _affine(cost.backward_bytes_moved, hint), cost.num_backward_kernels, device, dtype
+        _compute_s(_affine(cost.backward_flops, hint), cost.backward_matmul_flops, device, dtype, hint),
+        _affine(cost.backward_bytes_moved, hint), cost.num_backward_kernels, device,
     )
     return forward, backward
 

@@ -19,7 +19,9 @@ class SymbolicCost:
     ``saved_bytes`` is what autograd keeps for backward because of this node (each storage counted
     at the first node that saves it; parameters and buffers excluded); ``param_bytes`` counts the
     parameters this node is the first user of. ``*_bytes_moved`` and ``num_*_kernels`` feed the
-    roofline time model. ``is_tensor`` is False unless the output is a tensor or a non-empty
+    roofline time model. ``*_matmul_flops`` are the part of ``*_flops`` that matmuls, convolutions and
+    attention did, by the dtype they ran in (``(("bfloat16", ...),)`` under bf16 autocast): they run at
+    that dtype's rate, the rest at the float32 rate. ``is_tensor`` is False unless the output is a tensor or a non-empty
     container of tensors only.
     """
 
@@ -35,6 +37,8 @@ class SymbolicCost:
     backward_bytes_moved: sympy.Expr = sympy.Integer(0)
     num_forward_kernels: int = 0
     num_backward_kernels: int = 0
+    forward_matmul_flops: tuple[tuple[str, sympy.Expr], ...] = ()
+    backward_matmul_flops: tuple[tuple[str, sympy.Expr], ...] = ()
 
 
 @dataclass

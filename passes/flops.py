@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import sympy
@@ -132,10 +132,18 @@ class OpTally:
     bytes_moved: Count = 0
     num_kernels: int = 0
     matmul_flops: Count = 0  # ops with a torch.utils.flop_counter formula
+    # those ops' FLOPs by the dtype of their first floating input (what autocast gave them)
+    matmul_flops_by_dtype: dict[str, Count] = field(default_factory=dict)
 
     @property
     def flops(self) -> Count:
         return self.matmul_flops + self.elementwise_flops
+
+    def add_matmul(self, flops: Count, args: Any, kwargs: Any) -> None:
+        dtype = next((str(t.dtype).removeprefix("torch.") for t in _tensors((args, kwargs)) if t.is_floating_point()),
+                     "float32")
+        self.matmul_flops = self.matmul_flops + flops
+        self.matmul_flops_by_dtype[dtype] = self.matmul_flops_by_dtype.get(dtype, 0) + flops
 
 
 class _TallyMode(TorchDispatchMode):
@@ -156,7 +164,7 @@ class _TallyMode(TorchDispatchMode):
         for tensor in _tensors((args, kwargs)) + _tensors(out):
             tally.bytes_moved = tally.bytes_moved + _tensor_bytes(tensor)
         if packet in FLOP_FORMULAS:
-            tally.matmul_flops = tally.matmul_flops + FLOP_FORMULAS[packet](*args, **kwargs, out_val=out)
+            tally.add_matmul(FLOP_FORMULAS[packet](*args, **kwargs, out_val=out), args, kwargs)
         else:
             tally.elementwise_flops = tally.elementwise_flops + elementwise_flops(func, args, kwargs, out)
         return out
@@ -389,7 +397,8 @@ def _run_backward(output: Any, grad_inputs: list[torch.Tensor]) -> OpTally:
     if not outputs or not targets:
         return OpTally()
     grad_outputs = [torch.ones_like(t) for t in outputs]
-    with count_ops() as tally:
+    # autograd runs backward ops in the dtypes forward saved, as a training loop's backward outside autocast
+    with torch.autocast("cpu", enabled=False), count_ops() as tally:
         torch.autograd.grad(outputs, targets, grad_outputs, retain_graph=True, allow_unused=True)
     return tally
 
@@ -426,6 +435,8 @@ def _value_cost(
         output_bytes=sympy.expand(sum((to_expr(t.numel()) * t.element_size() for t in tensors), sympy.Integer(0))),
         forward_flops=to_expr(forward.flops),
         backward_flops=to_expr(backward.flops),
+        forward_matmul_flops=_by_dtype(forward, to_expr),
+        backward_matmul_flops=_by_dtype(backward, to_expr),
         saved_bytes=sympy.Integer(0),
         param_bytes=param_bytes,
         is_tensor=bool(leaves) and len(tensors) == len(leaves),
@@ -434,3 +445,7 @@ def _value_cost(
         num_forward_kernels=forward.num_kernels,
         num_backward_kernels=backward.num_kernels,
     )
+
+
+def _by_dtype(tally: OpTally, to_expr: Callable[[Any], sympy.Expr]) -> tuple[tuple[str, sympy.Expr], ...]:
+    return tuple(sorted((dtype, to_expr(flops)) for dtype, flops in tally.matmul_flops_by_dtype.items()))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -104,6 +105,7 @@ def measure_costs(
     warmup: int = 2,
     repeats: int = 5,
     clock: Callable[[], float] = time.perf_counter,
+    autocast_dtype: torch.dtype | None = None,
 ) -> MeasuredCosts:
     """Time forward and backward of every block on its own (median of ``repeats`` after ``warmup``).
 
@@ -114,13 +116,14 @@ def measure_costs(
     ``.grad`` fields are restored afterwards, so ``gm`` is left as it was. Blocks run where the
     inputs live (``MeasuredCosts.device``); on CUDA every timed region ends in a synchronize.
     ``clock`` reads the time (``time.process_time``: CPU seconds of work, whatever share of a core
-    the process got; see :mod:`fxpipe.block_costs`).
+    the process got; see :mod:`fxpipe.block_costs`). With ``autocast_dtype`` the values are computed and
+    every forward runs under autocast on the blocks' device, as training runs them (backward outside it).
     """
     block_lists = [tuple(block) for block in (blocks if blocks is not None else default_blocks(gm))]
     _check_arguments(gm, block_lists, batch_sizes, repeats)
     saved_grads = {id(p): p.grad for p in gm.parameters()}
     try:
-        timings = _time_blocks(gm, example_inputs, block_lists, batch_sizes, warmup, repeats, clock)
+        timings = _time_blocks(gm, example_inputs, block_lists, batch_sizes, warmup, repeats, clock, autocast_dtype)
     finally:
         for parameter in gm.parameters():
             parameter.grad = saved_grads[id(parameter)]
@@ -196,6 +199,7 @@ def _time_blocks(
     warmup: int,
     repeats: int,
     clock: Callable[[], float] = time.perf_counter,
+    autocast_dtype: torch.dtype | None = None,
 ) -> list[list[tuple[float, float]]]:
     """Median (forward, backward) seconds per batch size and block, harness overhead subtracted.
 
@@ -207,7 +211,9 @@ def _time_blocks(
     runs: list[tuple[torch.nn.Module, list[Any]]] = []
     dims = graph_batch_dims(gm, example_inputs)
     for rows in batch_sizes:
-        values = node_values(gm, [resize_batch(value, rows, dim) for value, dim in zip(example_inputs, dims, strict=True)])
+        with autocast(device_of(gm, example_inputs), autocast_dtype):
+            values = node_values(gm, [resize_batch(value, rows, dim)
+                                      for value, dim in zip(example_inputs, dims, strict=True)])
         for block in blocks:
             sub = extract_subgraph(gm, block)
             runs.append((sub.module, [_block_input(values[name]) for name in sub.input_names]))
@@ -224,7 +230,7 @@ def _time_blocks(
                     sweep.append((empty_samples, *empty))
             # As in training: every forward in order, then every backward in reverse, so a backward
             # finds its saved tensors where a real step leaves them (not hot from its own forward).
-            forwards = [run_forward(module, args, clock) for _, module, args in sweep]
+            forwards = [run_forward(module, args, clock, autocast_dtype) for _, module, args in sweep]
             for (target, module, args), (forward_s, output) in zip(reversed(sweep), reversed(forwards), strict=True):
                 backward_s = run_backward(module, args, output, clock)
                 if iteration >= warmup:
@@ -287,8 +293,13 @@ def _block_input(value: Any) -> Any:
     return value
 
 
-def run_forward(module: torch.nn.Module, args: Sequence[Any],
-                clock: Callable[[], float] = time.perf_counter) -> tuple[float, Any]:
+def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
+    """``torch.autocast`` on ``device`` in ``dtype``; nothing when ``dtype`` is None."""
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+
+
+def run_forward(module: torch.nn.Module, args: Sequence[Any], clock: Callable[[], float] = time.perf_counter,
+                autocast_dtype: torch.dtype | None = None) -> tuple[float, Any]:
     """Seconds of one ``module(*args)`` and its output (gradients of the module and inputs cleared first).
 
     The module gets fresh copies of the tensor arguments, made before the clock starts: a block whose
@@ -299,11 +310,13 @@ def run_forward(module: torch.nn.Module, args: Sequence[Any],
     for tensor in [*module.parameters(), *(a for a in args if isinstance(a, torch.Tensor))]:
         tensor.grad = None
     copies = [_fresh_copy(arg) for arg in args]
-    synchronize = synchronizer(device_of(module, args))
-    synchronize()
-    start = clock()
-    output = module(*copies)
-    synchronize()
+    device = device_of(module, args)
+    synchronize = synchronizer(device)
+    with autocast(device, autocast_dtype):
+        synchronize()
+        start = clock()
+        output = module(*copies)
+        synchronize()
     return clock() - start, output
 
 

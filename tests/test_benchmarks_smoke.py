@@ -9,6 +9,7 @@ from benchmarks import (
     evaluate_vs_step,
     memory_fidelity,
     overhead,
+    precision_plans,
     prediction_fidelity,
     runtime_fidelity,
     schedule_memory,
@@ -179,3 +180,12 @@ def test_memory_fidelity_runs_tiny(tmp_path) -> None:  # type: ignore[no-untyped
     case = memory_fidelity.Case("gpt-mini", TINY, "1:1", global_batch_size=4, num_microbatches=2)
     text = memory_fidelity.report(memory_fidelity.run((case,), str(tmp_path)))
     assert "measured / predicted" in text and memory_fidelity.COMMAND in text
+def test_precision_plans_smoke() -> None:
+    case = precision_plans.Case("gpt-mini tiny", precision_plans.zoo("gpt-mini", **dict(TINY)), 16)
+    rows = precision_plans.plan_rows(case, ("1x2:h100", "1x2:v100"))
+    assert [(row.cluster, row.precision) for row in rows] == [
+        ("1x2:h100", "fp32"), ("1x2:v100", "fp32"), ("1x2:h100", "bf16"), ("1x2:v100", "fp16")]
+    assert all(row.plan is not None and row.plan.precision == row.precision for row in rows)
+    lines = precision_plans.report(rows, 1.0).splitlines()
+    assert [line.split("|")[2:4] for line in lines if "gpt-mini tiny" in line] == [
+        [" 1x2:h100  ", " bf16  "], [" 1x2:v100  ", " fp16  "]]

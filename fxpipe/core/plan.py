@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fxpipe.core.jsonvalues import JSONValueError, field_hints, read_field
+from fxpipe.core.precision import DEFAULT_PRECISION, PRECISIONS
 from fxpipe.core.schedule import TRAINING_SCHEDULES, WARMUP_POLICIES
 
 FORMAT_VERSION = 1
@@ -114,6 +115,9 @@ class Plan:
     # > 0: each stage all-reduces its gradients in buckets of this many bytes as the last backward
     # produces them (fxpipe.sim.allreduce_overlap); 0 (plans written before): one allreduce after it
     allreduce_bucket_bytes: int = 0
+    # what the job trains in (fxpipe.core.precision): "fp32", or "bf16"/"fp16" autocast with fp32 master
+    # weights; the predictions were costed for it. Plans written before it existed are fp32.
+    precision: str = DEFAULT_PRECISION
 
     def __post_init__(self) -> None:
         validate_plan(self)
@@ -275,6 +279,8 @@ def validate_plan(plan: Plan) -> None:
     _check(isinstance(plan.allreduce_bucket_bytes, int) and plan.allreduce_bucket_bytes >= 0,
            f"allreduce_bucket_bytes must be a non-negative integer (0: allreduce after backward), got "
            f"{plan.allreduce_bucket_bytes!r}")
+    _check(plan.precision in PRECISIONS,
+           f"precision {plan.precision!r} is unknown; choose one of {sorted(PRECISIONS)}")
     _check(plan.schedule in TRAINING_SCHEDULES,
            f"schedule {plan.schedule!r} is unknown; choose one of {sorted(TRAINING_SCHEDULES)}")
     _check(plan.warmup_policy in WARMUP_POLICIES,

@@ -1,0 +1,59 @@
+"""The precision a job trains in (``fp32``, ``bf16``, ``fp16``): names, autocast dtypes, and the rates that apply."""
+
+from __future__ import annotations
+
+from fxpipe.core.hardware import DeviceSpec
+
+# precision -> the autocast dtype it trains under (None: no autocast, everything float32)
+PRECISIONS: dict[str, str | None] = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
+DEFAULT_PRECISION = "fp32"
+# Dtypes a device's matmul units run faster than float32 (tensor cores); no preset has any other fast dtype.
+LOW_PRECISION_DTYPES = ("bfloat16", "float16")
+
+
+class PrecisionError(ValueError):
+    """A precision name is unknown, or the device has no rate for its dtype."""
+
+
+def check_precision(precision: str) -> str:
+    """``precision`` itself when it is one of :data:`PRECISIONS`, else a PrecisionError naming the choices."""
+    if precision not in PRECISIONS:
+        raise PrecisionError(f"precision {precision!r} is unknown; choose one of {sorted(PRECISIONS)} "
+                             "(fp32: no autocast; bf16/fp16: torch.autocast with that dtype, fp32 master weights)")
+    return precision
+
+
+def autocast_dtype_name(precision: str) -> str | None:
+    """The autocast dtype name of ``precision`` (``"bfloat16"``), None for fp32."""
+    return PRECISIONS[check_precision(precision)]
+
+
+def precision_of_dtype(dtype_name: str | None) -> str:
+    """The precision of an autocast dtype name (``"bfloat16"`` -> ``"bf16"``; None -> ``"fp32"``)."""
+    for precision, name in PRECISIONS.items():
+        if name == dtype_name:
+            return precision
+    raise PrecisionError(f"autocast dtype {dtype_name!r} is not one fxpipe plans for; use torch.bfloat16, "
+                         "torch.float16 or None (float32)")
+
+
+def autocast_device_type(device: DeviceSpec) -> str:
+    """Whose autocast op lists cost a model for ``device``: ``"cpu"`` for CPU ranks, ``"cuda"`` for GPUs."""
+    return "cpu" if device.name.startswith("CPU") else "cuda"
+
+
+def matmul_flops_per_s(device: DeviceSpec, dtype_name: str) -> float:
+    """The rate matmuls and convolutions run at in ``dtype_name`` on ``device``.
+
+    Tensor-core dtypes take the device's rate for them (a PrecisionError when it has none, such as
+    bfloat16 on a V100); any other dtype (float32, float64) takes the float32 rate.
+    """
+    table = dict(device.peak_flops)
+    if dtype_name in table:
+        return table[dtype_name]
+    if dtype_name in LOW_PRECISION_DTYPES:
+        precision = precision_of_dtype(dtype_name)
+        raise PrecisionError(f"device {device.name!r} has no {dtype_name} rate (it lists {sorted(table)}), so "
+                             f"precision {precision!r} cannot be planned for it; choose a precision it lists "
+                             "(fp16 on a V100) or fp32")
+    return device.flops_per_s("float32")
