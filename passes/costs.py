@@ -274,7 +274,7 @@ def to_cost_graph(
                      target_saved_bytes=_affine(gm.meta.get(meta.TARGET_SAVED_BYTES, 0), hint))
 
 
-def _loss_node(gm: fx.GraphModule, device: DeviceSpec | None, dtype: str, hint: int) -> CostNode | None:
+def _loss_node(gm: fx.GraphModule, device: DeviceSpec | None, dtype: str | None, hint: int) -> CostNode | None:
     """The loss as a CostNode reading the output's producers; times from the roofline model (measured
     block costs time the model's blocks, not the loss), None when the graph has no loss cost."""
     cost: SymbolicCost | None = gm.meta.get(meta.LOSS_COST)

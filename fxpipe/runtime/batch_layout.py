@@ -57,7 +57,7 @@ def num_microbatches_for(plan: Plan, num_rows: int) -> int:
 
 def shape_key(program: SplitProgram, inputs: Sequence[Any]) -> tuple[Any, ...]:
     """What the layout depends on: each input's shape with the batch dim left out (None for non-tensors)."""
-    key = []
+    key: list[tuple[int, ...] | None] = []
     for name, value in zip(program.model_inputs, inputs, strict=False):
         if not isinstance(value, torch.Tensor):
             key.append(None)

@@ -91,7 +91,8 @@ def _gather_outputs(driver: PipelineDriver, state: StepState) -> dict[str, Any]:
     for name in tensors:
         spec = program.values[name]
         shape = buffer_shape(layout.shapes[name], spec.batched, layout.num_rows, spec.batch_dim)
-        values[name] = torch.empty(shape, dtype=layout.dtypes[name] or spec.dtype, device=driver.context.device)
+        dtype = layout.dtypes[name] or spec.dtype or torch.get_default_dtype()
+        values[name] = torch.empty(shape, dtype=dtype, device=driver.context.device)
     for replica_index, rank in enumerate(last.devices):
         rows = RowMap.split(layout.microbatch_ranges, replica_index, last.replicas)
         pieces = [(name, m, rows.per_microbatch[m]) for m in range(len(layout.microbatch_ranges)) for name in tensors
@@ -120,11 +121,11 @@ def _broadcast_pieces(driver: PipelineDriver, state: StepState, source: int,
             return own
         dist.broadcast(pack(own), src=source)
         return own
-    layouts = []
+    layouts: list[tuple[tuple[int, ...], torch.dtype]] = []
     for name, _, (start, stop) in pieces:
         spec = program.values[name]
         layouts.append((buffer_shape(layout.shapes[name], spec.batched, stop - start, spec.batch_dim),
-                        layout.dtypes[name] or spec.dtype))
+                        layout.dtypes[name] or spec.dtype or torch.get_default_dtype()))
     buffer = torch.empty(packed_bytes(layouts), dtype=torch.uint8, device=driver.context.device)
     dist.broadcast(buffer, src=source)
     return unpack(buffer, layouts)

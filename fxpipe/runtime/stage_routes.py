@@ -51,9 +51,9 @@ class StageRoutes:
         gradient = [_piece(route.receiver_rank, name, index, route.sender_rows, program.values[name], dtypes,
                            shape_of[name])
                     for name, routes in gradient_routes(program, outputs) for index, route in enumerate(routes)]
-        rows = {(name, index): route.sender_rows
-                for name, routes in gradient_routes(program, outputs) for index, route in enumerate(routes)}
-        return cls(inputs, outputs, activation, gradient, rows)
+        gradient_rows = {(name, index): route.sender_rows
+                         for name, routes in gradient_routes(program, outputs) for index, route in enumerate(routes)}
+        return cls(inputs, outputs, activation, gradient, gradient_rows)
 
 
 def gradient_routes(program: SplitProgram, routes: Routes) -> list[tuple[str, list[Route]]]:
