@@ -241,7 +241,8 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
             timeout_s: float = 60.0, sync_params: str = "broadcast", check_batch: str = "first",
             loss_reduction: str = "auto", batch_norm: str = "microbatch",
             batch_dims: int | Mapping[str, int] | None = None, target_batch_dim: int | None = None,
-            recompute: str | Sequence[bool | str] = "auto", costs: str = "auto", check_rows: bool = True) -> Any:
+            recompute: str | Sequence[bool | str] = "auto", costs: str = "auto", check_rows: bool = True,
+            stall_timeout_s: float = 5.0) -> Any:
     """Pipeline ``model`` over the process group's ranks; returns a :class:`PipelinedModule`.
 
     ``plan``: ``"auto"`` (DAPPLE planner on ``cluster``, default ``local:<world size>``), a layout such as
@@ -270,7 +271,9 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
     when the plan splits the batch (micro-batches or replicas), run the model in eval mode on the example
     batch whole and in halves and refuse it if rows see each other (docs/exactness.md). ``autocast_dtype``:
     ``torch.bfloat16`` or ``torch.float16`` trains under autocast (fp32 master weights), and the planner costs
-    and measures the model under the same autocast (the plan's ``precision``, docs/clusters.md). As a decorator,
+    and measures the model under the same autocast (the plan's ``precision``, docs/clusters.md). ``timeout_s``:
+    how long a transfer or collective waits on ranks that are alive; ``stall_timeout_s``: a rank whose heartbeat
+    stopped this long (frozen, stopped) is named as the root cause on every rank (docs/faults.md). As a decorator,
     ``@fxpipe.compile(loss_fn=..., global_batch_size=...)``
     on a model class or factory makes ``Factory(*args, example_inputs=..., **kwargs)`` return the module.
     """
@@ -278,7 +281,7 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
                              cluster, optimizer, autocast_dtype, timeout_s, sync_params=sync_params,
                              check_batch=check_batch, loss_reduction=loss_reduction, batch_norm=batch_norm,
                              batch_dims=batch_dims, target_batch_dim=target_batch_dim, recompute=recompute,
-                             costs=costs, check_rows=check_rows)
+                             costs=costs, check_rows=check_rows, stall_timeout_s=stall_timeout_s)
     if model is None:
         return functools.partial(_wrap_factory, options=options)
     if isinstance(model, torch.nn.Module):
@@ -334,6 +337,9 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
             check_batch_mode(options.check_batch)
             target_dim = resolve_target_dim(options.batch_dims, options.target_batch_dim)
             parse_recompute(options.recompute)
+            if not options.stall_timeout_s > 0:
+                raise PipelineSetupError(f"stall_timeout_s={options.stall_timeout_s!r}; pass a positive number of "
+                                         "seconds (default 5.0: longer than any call that holds the GIL)")
         inputs = example_inputs if isinstance(example_inputs, tuple | dict) else (example_inputs,)
         with preserved_state(model):  # tracing, cost measurement and codegen's shape run use the real module
             with setup_phase("tracing", group):
@@ -355,7 +361,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     driver = PipelineDriver(program, resolved, options.loss_fn, context=context,
                             autocast_dtype=options.autocast_dtype, timeout_s=options.timeout_s,
                             loss_reduction=options.loss_reduction, check_batch=options.check_batch,
-                            target_batch_dim=target_dim)
+                            target_batch_dim=target_dim, stall_timeout_s=options.stall_timeout_s)
     check_layers_kept(model, [stage.module for stage in program.stages], options.batch_norm)
     if options.batch_norm != "microbatch":
         from fxpipe.runtime.batchnorm import DeferredCommit, install_deferred

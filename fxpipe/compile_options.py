@@ -27,6 +27,7 @@ class CompileOptions:
     optimizer: str = "adam"
     autocast_dtype: torch.dtype | None = None
     timeout_s: float = 60.0
+    stall_timeout_s: float = 5.0  # a rank silent this long is named as stalled (fxpipe.runtime.failures)
     # exactness options (docs/exactness.md)
     sync_params: str = "broadcast"
     check_batch: str = "first"

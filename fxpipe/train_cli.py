@@ -54,6 +54,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                              "and every --checkpoint-every steps")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="with --checkpoint-dir: steps between saves "
                         "(0: only at the end and on preemption)")
+    parser.add_argument("--stall-timeout", type=float, default=5.0, help="seconds without a heartbeat after which "
+                        "a rank is named as stalled on every rank, which then exit (docs/faults.md)")
     parser.add_argument("--trace", default=None, help="with --measure: write the last step's measured timeline "
                         "(Chrome/Perfetto trace, same format as `fxpipe simulate --trace`)")
 
@@ -195,7 +197,7 @@ def run_train(args: argparse.Namespace) -> int:
                           plan=args.plan, schedule=args.schedule, num_microbatches=args.num_microbatches,
                           recompute=args.recompute, batch_dims=batch_dims_option(args),
                           target_batch_dim=args.target_batch_dim, costs=args.costs,
-                          autocast_dtype=autocast_dtype(precision))
+                          autocast_dtype=autocast_dtype(precision), stall_timeout_s=args.stall_timeout)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
     first_step = _resume(args, pipe, optimizer)
     leader = pipe.rank == 0

@@ -195,3 +195,30 @@ def plan_from_cuts(gm: fx.GraphModule, replicas: Sequence[int], global_batch_siz
                                 devices=devices, node_names=tuple(names[bounds[index]:bounds[index + 1]])))
     return Plan(global_batch_size=global_batch_size, num_microbatches=num_microbatches, stages=tuple(stages),
                 schedule=schedule, warmup_policy=warmup_policy, planner="test-cuts")
+
+
+def before_each_forward(runner: Any, hook: Callable[[], None]) -> None:
+    """Run ``hook()`` first in each forward of a StageRunner (``forward``, and ``forward_loss`` on the last stage)."""
+    for name in ("forward", "forward_loss"):
+        original = getattr(runner, name)
+
+        def forward(*args: Any, _original: Any = original) -> Any:
+            hook()
+            return _original(*args)
+
+        setattr(runner, name, forward)
+
+
+def eager_weights(model_name: str, num_steps: int, batch: int, lr: float) -> dict[str, torch.Tensor]:
+    """The zoo model's tiny weights after ``num_steps`` AdamW steps in one process (batches ``make_batch(batch, step)``)."""
+    from fxpipe import models as zoo
+
+    entry = zoo.get(model_name)
+    model, _ = zoo.build(model_name, **entry.tiny_overrides)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    for step in range(num_steps):
+        inputs, targets = entry.make_batch(batch, step, **entry.tiny_overrides)
+        entry.loss_fn(model(*inputs), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {name: tensor.detach() for name, tensor in model.state_dict().items()}

@@ -21,7 +21,15 @@ from fxpipe import models as zoo
 from fxpipe.passes import trace
 from fxpipe.runtime import failures
 from fxpipe.runtime.errors import BatchShapeError
-from tests.mp_utils import join_world, plan_from_cuts, rank_context, reserved_port, start_ranks
+from tests.mp_utils import (
+    before_each_forward,
+    eager_weights,
+    join_world,
+    plan_from_cuts,
+    rank_context,
+    reserved_port,
+    start_ranks,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -93,18 +101,13 @@ def _rank_until_killed(rank: int, world_size: int, store_dir: str, results: Any,
                           timeout_s=20.0)
     step_box = [0]
     if rank == lost_rank:  # die at this rank's first forward of the step: mid-iteration for everyone
-        runner = pipe.driver.runner
-        for name in ("forward", "forward_loss"):  # the last stage runs forward_loss
-            original = getattr(runner, name)
+        def die() -> None:
+            if step_box[0] == KILL_STEP and how == "raise":
+                raise RuntimeError("loss exploded")
+            if step_box[0] == KILL_STEP:
+                os.kill(os.getpid(), signal.SIGKILL)
 
-            def forward_then_die(*args: Any, _original: Any = original) -> Any:
-                if step_box[0] == KILL_STEP and how == "raise":
-                    raise RuntimeError("loss exploded")
-                if step_box[0] == KILL_STEP:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                return _original(*args)
-
-            setattr(runner, name, forward_then_die)
+        before_each_forward(pipe.driver.runner, die)
     try:
         for step in range(KILL_STEP + 2):
             step_box[0] = step
@@ -242,17 +245,6 @@ JOB = textwrap.dedent("""
 """)
 
 
-def _uninterrupted(num_steps: int) -> dict[str, torch.Tensor]:
-    model, _ = zoo.build("mlp", **ENTRY.tiny_overrides)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(num_steps):
-        inputs, targets = ENTRY.make_batch(BATCH, step, **ENTRY.tiny_overrides)
-        ENTRY.loss_fn(model(*inputs), targets).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return {name: tensor.detach() for name, tensor in model.state_dict().items()}
-
-
 @pytest.mark.slow  # two torchrun launches of two workers: ~25 s idle, 80 s on a loaded 2-core machine
 def test_torchrun_restart_resumes_from_last_complete_checkpoint(tmp_path: Path) -> None:
     script, root, marker = tmp_path / "job.py", tmp_path / "checkpoints", tmp_path / "killed"
@@ -280,7 +272,7 @@ def test_torchrun_restart_resumes_from_last_complete_checkpoint(tmp_path: Path) 
     final: dict[str, torch.Tensor] = {}
     for rank in range(2):
         final.update(torch.load(tmp_path / f"rank{rank}.pt", weights_only=True))
-    expected = _uninterrupted(num_steps)
+    expected = eager_weights("mlp", num_steps, BATCH, 1e-2)
     assert sorted(final) == sorted(expected)
     for name, tensor in expected.items():
         torch.testing.assert_close(final[name], tensor, rtol=1e-5, atol=1e-6)

@@ -269,19 +269,36 @@ class PeerExchange:
                 for work, (_, tensor, peer, _, description) in zip(works, ops, strict=True)]
 
     def wait(self, pending: Sequence[Pending]) -> None:
-        """Wait for every operation; a failure or timeout raises CommunicationError naming the peer."""
+        """Wait for every operation; a failure, a timeout or a stalled rank raises CommunicationError naming the rank.
+
+        While it waits, the failure log's heartbeat thread watches the job (``failures.waiting``): a
+        recorded failure or a rank whose heartbeat stopped breaks the wait within ``stall_timeout_s``.
+        """
+        log = self.failures
         for item in pending:
             if item.work is None:
                 continue
+            if log is not None:
+                log.waiting = item
             try:
                 item.work.wait(self.timeout)
             except RuntimeError as error:
-                peer = f"rank {item.peer}" if item.peer >= 0 else "a rank of the group"
-                hint = root_cause_hint(self.failures, item.peer, f"{item.description} with {peer}", error)
-                raise CommunicationError(
-                    f"rank {self.rank}: {item.description} with {peer} failed or timed out after "
-                    f"{self.timeout.total_seconds():.0f} s (is {peer} alive and running the same "
-                    f"plan and batch?): {error}.{hint}") from error
+                raise self._failed(item, error) from error
+            finally:
+                if log is not None:
+                    log.waiting = None
+
+    def _failed(self, item: Pending, error: RuntimeError) -> CommunicationError:
+        peer = f"rank {item.peer}" if item.peer >= 0 else "a rank of the group"
+        if self.failures is not None and self.failures.aborted is not None:
+            return CommunicationError(
+                f"rank {self.rank}: stopped waiting for {item.description} with {peer}: the job cannot finish this "
+                f"step. Root cause (the job's first failure): {self.failures.aborted}.")
+        hint = root_cause_hint(self.failures, item.peer, f"{item.description} with {peer}", error)
+        return CommunicationError(
+            f"rank {self.rank}: {item.description} with {peer} failed or timed out after "
+            f"{self.timeout.total_seconds():.0f} s (is {peer} alive and running the same "
+            f"plan and batch?): {error}.{hint}")
 
     def send_object(self, obj: object, peer: int, tags: tuple[int, int], description: str) -> list[Pending]:
         """Send a Python object as its pickled length then its bytes (for non-tensor values)."""

@@ -31,11 +31,11 @@ from fxpipe.runtime.comm import (
     unflatten_into,
 )
 from fxpipe.runtime.errors import PipelineSetupError
-from fxpipe.runtime.failures import FailureLog
+from fxpipe.runtime.failures import DEFAULT_STALL_TIMEOUT_S, FailureLog, NoLog
 from fxpipe.runtime.measure import ActionTimer, MeasureMode, SavedActivationMeter, StepStats
 from fxpipe.runtime.receives import Inbox
 from fxpipe.runtime.rows import RowMap
-from fxpipe.runtime.stage import LossFn, StageRunner, read_local_loss
+from fxpipe.runtime.stage import LossFn, StageRunner, read_local_loss, unique_params
 from fxpipe.runtime.stage_routes import ShapedStep, ShapedSteps, gradient_routes
 from fxpipe.runtime.step_state import StepState
 
@@ -67,7 +67,8 @@ class PipelineDriver:
 
     def __init__(self, program: SplitProgram, plan: Plan, loss_fn: LossFn | None, *, context: DistContext,
                  autocast_dtype: torch.dtype | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 loss_reduction: str = "auto", check_batch: str = "first", target_batch_dim: int = 0) -> None:
+                 loss_reduction: str = "auto", check_batch: str = "first", target_batch_dim: int = 0,
+                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S) -> None:
         check_world(plan, program, context.world_size)
         if loss_fn is None:
             raise PipelineSetupError("loss_fn is missing; pass loss_fn=callable(output, targets) -> scalar tensor")
@@ -96,12 +97,15 @@ class PipelineDriver:
         self.exchange = PeerExchange(self.rank, context.device, timeout_s)
         self.preempted = False  # see fxpipe.runtime.preemption
         self.exchange.failures = self.failures = FailureLog.for_default_group(self, self.rank, context.world_size)
+        self._doing: FailureLog | NoLog = self.failures or NoLog()  # its .action: one write per action
         self.batch_checker = BatchChecker(check_batch, self.exchange, describe_batch_dims(program, target_batch_dim))
         self.inbox = Inbox(self.exchange, context.device, self._tag, ahead=context.backend == "gloo")
         # Walking parameters by path costs milliseconds; the set never changes, so walk once.
-        self._own_params = _unique_params(self.runner.parameters())
+        self._own_params = unique_params(self.runner.parameters())
         self._param_list = [param for _, param in self._own_params]
         self.reduce_sets = self._make_reduce_sets()
+        if self.failures is not None:  # the heartbeat thread watches this rank's waits (failures.py)
+            self.failures.watch_waits(stall_timeout_s, self.groups)
         # Earlier steps' gradients are set aside only when this step's must be reduced or divided on
         # their own; otherwise autograd accumulates into them as in eager (old + new == new + old).
         self._stashes = bool(self.reduce_sets) or loss_reduction == "token_mean"
@@ -172,7 +176,9 @@ class PipelineDriver:
     def _run_actions(self, state: StepState, stash: dict[int, torch.Tensor | None] | None,
                      handlers: Mapping[Op, Callable[[StepState, int], None]], timer: ActionTimer | None) -> None:
         """This rank's actions in schedule order, then the step's end; ``timer`` records each action."""
+        doing = self._doing
         for action in state.shaped.actions.actions:
+            doing.action = action
             started = timer.start() if timer is not None else 0.0
             if action.op is Op.ALLREDUCE:
                 self._start_allreduce(state)
@@ -181,6 +187,7 @@ class PipelineDriver:
             if timer is not None:
                 timer.stop(action, started)
         self._finish(state, stash)
+        doing.action = None
 
     def _measured_step(self, state: StepState, stash: dict[int, torch.Tensor | None] | None,
                        handlers: Mapping[Op, Callable[[StepState, int], None]]) -> None:
@@ -438,14 +445,4 @@ class PipelineDriver:
         gathered: list[StepStats | None] = [None] * self.context.world_size
         dist.all_gather_object(gathered, self.last_stats)
         return [stats for stats in gathered if stats is not None]
-
-
-def _unique_params(named: Any) -> list[tuple[str, torch.nn.Parameter]]:
-    seen: set[int] = set()
-    result = []
-    for name, param in named:
-        if id(param) not in seen and param.requires_grad:
-            seen.add(id(param))
-            result.append((name, param))
-    return result
 

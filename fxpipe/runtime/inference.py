@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from fxpipe.core import schedule as schedules
 from fxpipe.core.program import tree_leaves
-from fxpipe.runtime.comm import buffer_shape, pack, packed_bytes, unpack
+from fxpipe.runtime.comm import Pending, buffer_shape, pack, packed_bytes, unpack
 from fxpipe.runtime.driver import PipelineDriver
 from fxpipe.runtime.rows import RowMap
 from fxpipe.runtime.stage import rebuild_tree
@@ -119,7 +119,7 @@ def _broadcast_pieces(driver: PipelineDriver, state: StepState, source: int,
         own = [state.outputs[m][name] for name, m, _ in pieces]
         if driver.context.world_size == 1:
             return own
-        dist.broadcast(pack(own), src=source)
+        _broadcast(driver, pack(own), source)
         return own
     layouts: list[tuple[tuple[int, ...], torch.dtype]] = []
     for name, _, (start, stop) in pieces:
@@ -127,5 +127,12 @@ def _broadcast_pieces(driver: PipelineDriver, state: StepState, source: int,
         layouts.append((buffer_shape(layout.shapes[name], spec.batched, stop - start, spec.batch_dim),
                         layout.dtypes[name] or spec.dtype or torch.get_default_dtype()))
     buffer = torch.empty(packed_bytes(layouts), dtype=torch.uint8, device=driver.context.device)
-    dist.broadcast(buffer, src=source)
+    _broadcast(driver, buffer, source)
     return unpack(buffer, layouts)
+
+
+def _broadcast(driver: PipelineDriver, buffer: torch.Tensor, source: int) -> None:
+    """One broadcast over all ranks, waited on as every transfer is (a dead or stalled rank is named)."""
+    work = dist.broadcast(buffer, src=source, async_op=True)
+    assert work is not None
+    driver.exchange.wait([Pending(work, source, f"broadcast of predict outputs from rank {source}", buffer)])

@@ -297,3 +297,15 @@ def read_local_loss(loss_parts: list[torch.Tensor], count_parts: list[Any]) -> t
     for part in count_parts:
         count += next(tensor_counts) if isinstance(part, torch.Tensor) else part
     return loss_sum, count
+
+
+def unique_params(named: Any) -> list[tuple[str, torch.nn.Parameter]]:
+    """Each trainable parameter once (tied ones appear under several names), with its first name."""
+    seen: set[int] = set()
+    result = []
+    for name, param in named:
+        if id(param) not in seen and param.requires_grad:
+            seen.add(id(param))
+            result.append((name, param))
+    return result
+
