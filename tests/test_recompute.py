@@ -5,9 +5,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-from pathlib import Path
 
 import pytest
+from conftest import SHARED_PROFILES as PROFILES
 
 from fxpipe import planning
 from fxpipe.core.cluster import parse_cluster
@@ -20,8 +20,7 @@ from fxpipe.sim.simulate import simulate
 from fxpipe.sim.stagecost import compute_times, stage_cost, stage_memory_bytes, step_end_sync_time
 from tests.test_simulate import BACKWARD_PER_ROW, FORWARD_PER_ROW, cluster, plan_of, uniform_chain
 
-PROFILES = Path(__file__).resolve().parents[2] / "shared" / "profiles"
-needs_profiles = pytest.mark.skipif(not PROFILES.is_dir(), reason="shared/profiles is not next to the repository")
+needs_profiles = pytest.mark.needs_profiles  # conftest: skip locally, fail under CI=true
 GIB = 2**30
 
 
