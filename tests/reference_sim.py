@@ -4,7 +4,7 @@ busy seconds and per-stage peak memory of one training iteration.
 It shares no code with ``fxpipe.sim`` (nor the planner): only plain data (Plan, CostChain, Cluster) and the
 F/B/W order of the schedule (``make_schedule(...).per_stage``) come from fxpipe. Row slicing, routing,
 lowering, message costs, core sharing, split backward (zero-bubble), recomputation, bucketed and tied
-gradient allreduces, the step-end allreduce, the optimizer step and the memory rule are re-derived from the
+gradient allreduces (and what overlapping them with the last gradient pass costs both sides), the step-end allreduce, the optimizer step and the memory rule are re-derived from the
 documented model (``fxpipe.sim.simulate.simulate``'s docstring, docs) and written the plain way: one
 time-ordered loop over all replicas, lists instead of prefix sums, no caching, no component splitting.
 
@@ -178,10 +178,14 @@ class Run:
 
 
 def event_loop(plan: Plan, replicas: dict[Key, Replica], programs: list[list[tuple[str, int]]],
-               net: Cluster) -> Run:
+               net: Cluster, extra: dict[int, float] | None = None) -> Run:
     """A plain time-ordered loop. Each message costs its sender and its receiver ``message_overhead_s``
     (stretched like compute): a send first packs all its pieces, then issues them; a receive takes them
-    after the last one arrived. One send and one receive port per device, first come first served."""
+    after the last one arrived. One send and one receive port per device, first come first served.
+    ``extra[stage]``: the stage's last B or W takes that much longer (buckets in flight beside it)."""
+    extra = extra or {}
+    last_pass = {stage: max(i for i, (kind, _) in enumerate(program) if kind in ("B", "W"))
+                 for stage, program in enumerate(programs)}
     per_message = net.message_overhead_s * stretch(net)
     packed: set[tuple[Key, int]] = set()
     clock = dict.fromkeys(replicas, 0.0)
@@ -200,8 +204,9 @@ def event_loop(plan: Plan, replicas: dict[Key, Replica], programs: list[list[tup
             continue
         kind, m = program[cursor[key]]
         if kind in ("F", "B", "W"):
-            busy[replica.device] += replica.seconds[kind]
-            now += replica.seconds[kind]
+            seconds = replica.seconds[kind] + (extra.get(key[0], 0.0) if cursor[key] == last_pass[key[0]] else 0.0)
+            busy[replica.device] += seconds
+            now += seconds
             if kind != "F":
                 last_gradient[key] = now
         elif kind[0] == "R":
@@ -267,17 +272,88 @@ def bucket_window(plan: Plan, chain: CostChain, net: Cluster, stage_index: int, 
     return [at(b.backward_s, rows) * stretch(net) * share for b in blocks], [float(b.param_bytes) for b in blocks]
 
 
+def rate_loop(buckets: list[tuple[float, float]], pass_s: float, net: Cluster) -> tuple[float, float]:
+    """(when the pass ends, when the last bucket ends) from the pass's start: both advance at their rates
+    (1 / (1 + slowdown) while the other runs too, else 1) from event to event; buckets run one at a time,
+    each once compute reached its readiness (compute seconds) and the previous one is done."""
+    compute_rate = 1 / (1 + net.overlap_compute_slowdown)
+    comm_rate = 1 / (1 + net.overlap_comm_slowdown)
+    clock, computed, pass_end = 0.0, 0.0, (0.0 if pass_s <= 0 else None)
+    waiting, flying = list(buckets), None  # flying: allreduce seconds left of the bucket in flight
+    while True:
+        if flying is None and waiting and waiting[0][0] <= computed:
+            flying = waiting.pop(0)[1]
+        computing = pass_end is None
+        if not computing and flying is None:
+            if not waiting:
+                return pass_end, clock
+            flying = waiting.pop(0)[1]
+            continue
+        goal = pass_s if flying is not None or not waiting else min(waiting[0][0], pass_s)
+        steps = []
+        if computing:
+            steps.append((goal - computed) / (compute_rate if flying is not None else 1.0))
+        if flying is not None:
+            steps.append(flying / (comm_rate if computing else 1.0))
+        step = min(steps)
+        if computing:
+            computed = goal if step == steps[0] else computed + step * (compute_rate if flying is not None else 1.0)
+        if flying is not None:
+            left = flying - step * (comm_rate if computing else 1.0)
+            flying = None if step == steps[-1] else left
+        clock += step
+        if computing and computed >= pass_s:
+            pass_end = clock
+
+
+def stage_buckets(plan: Plan, chain: CostChain, net: Cluster, stage_index: int, own_bytes: float, split: bool,
+                  weight_share: float) -> tuple[list[tuple[float, float]], float] | None:
+    """The stage's buckets as (compute seconds into the last gradient pass when full, allreduce seconds),
+    and the pass's length; None without buckets or anything to reduce. Buckets close once they hold
+    ``plan.allreduce_bucket_bytes`` as the pass walks the blocks backwards."""
+    devices = plan.stages[stage_index].devices
+    if own_bytes <= 0 or gradient_allreduce_seconds(net, own_bytes, devices) <= 0 or plan.allreduce_bucket_bytes <= 0:
+        return None
+    seconds, block_bytes = bucket_window(plan, chain, net, stage_index, split, weight_share)
+    scale = own_bytes / sum(block_bytes)
+    out, elapsed, filled = [], 0.0, 0.0
+    for block in reversed(range(len(seconds))):
+        elapsed += seconds[block]
+        filled += block_bytes[block] * scale
+        if filled >= plan.allreduce_bucket_bytes:
+            out.append((elapsed, gradient_allreduce_seconds(net, filled, devices)))
+            filled = 0.0
+    if filled > 0:
+        out.append((elapsed, gradient_allreduce_seconds(net, filled, devices)))
+    return out, elapsed
+
+
+def pass_stretch(plan: Plan, chain: CostChain, net: Cluster, stage_index: int, own_bytes: float, split: bool,
+                 weight_share: float) -> float:
+    """How much longer the stage's last gradient pass takes beside its buckets (0 when overlap is free)."""
+    found = stage_buckets(plan, chain, net, stage_index, own_bytes, split, weight_share)
+    if found is None or (net.overlap_compute_slowdown == 0 and net.overlap_comm_slowdown == 0):
+        return 0.0
+    return rate_loop(found[0], found[1], net)[0] - found[1]
+
+
 def stage_allreduce(plan: Plan, chain: CostChain, net: Cluster, stage_index: int, own_bytes: float,
                     ready: float, split: bool, weight_share: float) -> tuple[float, float]:
     """(start, end) of the stage's replica allreduce of its own bytes; buckets close once they hold
     ``plan.allreduce_bucket_bytes`` as the last gradient pass walks the blocks backwards, and go one after
-    another on one channel, each once full and the previous one done."""
+    another on one channel, each once full and the previous one done. ``ready``: when that pass ended."""
     devices = plan.stages[stage_index].devices
     whole = gradient_allreduce_seconds(net, own_bytes, devices)
     if own_bytes <= 0 or whole <= 0:
         return ready, ready
     if plan.allreduce_bucket_bytes <= 0:
         return ready, ready + whole
+    if net.overlap_compute_slowdown or net.overlap_comm_slowdown:
+        found = stage_buckets(plan, chain, net, stage_index, own_bytes, split, weight_share)
+        assert found is not None
+        pass_end, last_end = rate_loop(found[0], found[1], net)
+        pass_start = ready - pass_end
+        return pass_start + found[0][0][0], pass_start + max(last_end, pass_end)
     seconds, block_bytes = bucket_window(plan, chain, net, stage_index, split, weight_share)
     scale = own_bytes / sum(block_bytes)
     window_start = ready - sum(seconds)
@@ -341,14 +417,16 @@ def reference_run(plan: Plan, chain: CostChain, net: Cluster, *, optimizer: str 
     order = compute_order(plan)
     split = is_split(order)
     replicas = build_replicas(plan, chain, net, split, weight_share)
-    run = event_loop(plan, replicas, my_lowering(order), net)
     ties = tie_sets(plan, chain)
+    owns = [held_bytes(chain, stage.first_block, stage.stop_block) - sum(
+        num_bytes for holders, num_bytes in ties.items() if stage.stage_index in holders) for stage in plan.stages]
+    extra = {s: pass_stretch(plan, chain, net, s, owns[s], split, weight_share) for s in range(plan.num_stages)}
+    run = event_loop(plan, replicas, my_lowering(order), net, extra)
     starts, ends, readies = [], [], []
     for stage in plan.stages:
         keys = [(stage.stage_index, r) for r in range(stage.replicas)]
         readies.append(max(run.ready[k] for k in keys))
-        own = held_bytes(chain, stage.first_block, stage.stop_block) - sum(
-            num_bytes for holders, num_bytes in ties.items() if stage.stage_index in holders)
+        own = owns[stage.stage_index]
         # buckets fill during the last gradient pass: anchored at its end on the slowest replica
         anchor = max(run.last_gradient_end[k] for k in keys) if plan.allreduce_bucket_bytes > 0 else readies[-1]
         start, end = stage_allreduce(plan, chain, net, stage.stage_index, own, anchor, split, weight_share)

@@ -107,6 +107,9 @@ def rich_setup(seed: int) -> tuple[Plan, CostChain, Cluster, dict[str, float | s
                   split_backward_overhead=rng.choice([0.0, 0.3]),
                   optimizer_s_per_param_byte=rng.choice([0.0, 2e-11]))
     schedule, policy = rng.choice([*SCHEDULES, ("zero_bubble", "A"), ("zero_bubble", "B")])
+    overlap = random.Random(seed + 10**6)  # its own draws: the cases above stay as they were
+    net = replace(net, overlap_compute_slowdown=overlap.choice([0.0, 0.19, 0.4]),
+                  overlap_comm_slowdown=overlap.choice([0.0, 0.1, 2.5]))
     cut_points = sorted(rng.sample(range(1, num_blocks), num_stages - 1))
     bounds = list(zip([0, *cut_points], [*cut_points, num_blocks], strict=True))
     devices = rng.sample(range(net.num_devices), sum(layout))
@@ -146,8 +149,10 @@ def test_rich_cases_cover_every_feature() -> None:
         seen |= {"buckets"} if plan.allreduce_bucket_bytes and max(s.replicas for s in plan.stages) > 1 else set()
         seen |= {"optimizer"} if net.optimizer_s_per_param_byte else set()
         seen |= {"messages"} if net.message_overhead_s else set()
+        seen |= {"overlap cost"} if plan.allreduce_bucket_bytes and net.overlap_comm_slowdown and max(
+            s.replicas for s in plan.stages) > 1 else set()
     assert seen == {"early_backward", "gpipe", "zero_bubble", "recompute", "ties", "buckets", "optimizer",
-                    "messages"}, seen
+                    "messages", "overlap cost"}, seen
 
 
 def test_reference_helpers_on_hand_cases() -> None:

@@ -23,12 +23,14 @@ from fxpipe.core.cluster_spec import (
 )
 from fxpipe.core.hardware import (
     A100_80GB,
+    CPU_OVERLAP_SLOWDOWNS,
     CPU_SPLIT_BACKWARD_OVERHEAD,
     ETHERNET_10G_COLLECTIVE,
     ETHERNET_10G_P2P,
     ETHERNET_25G_COLLECTIVE,
     ETHERNET_25G_P2P,
     GPU_DEFAULT_FIGURES,
+    GPU_OVERLAP_SLOWDOWNS,
     H100_80GB,
     H200_141GB,
     IB_HDR_200G,
@@ -86,6 +88,11 @@ class Cluster:
     on CPU ranks its extra autograd calls (one W pass per parameter group) and graph walks in Python
     took 0.2-0.5x the backward here; calibration measures it, presets (GPUs) have none measured: 0.
 
+    ``overlap_compute_slowdown`` and ``overlap_comm_slowdown`` are what a gradient allreduce overlapped
+    with compute costs, as fractions: compute beside an allreduce in flight takes ``1 + compute`` times as
+    long, the allreduce ``1 + comm`` times (:mod:`fxpipe.sim.allreduce_overlap`). Calibration measures
+    them on CPU ranks (gloo's threads take cores); GPU presets carry a published estimate (docs/clusters.md).
+
     ``optimizer_s_per_param_byte`` is the time of one optimizer step per byte of parameters a device
     holds, at one-rank speed (stretched like compute): measured by ``fxpipe.compile`` with its block
     costs (an AdamW step); 0 leaves the optimizer step out of the iteration (presets, analytic costs).
@@ -104,6 +111,8 @@ class Cluster:
     message_overhead_s: float = 0.0
     split_backward_overhead: float = 0.0
     optimizer_s_per_param_byte: float = 0.0
+    overlap_compute_slowdown: float = 0.0
+    overlap_comm_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_hosts < 1 or self.devices_per_host < 1:
@@ -120,6 +129,10 @@ class Cluster:
         if not self.split_backward_overhead >= 0:
             raise ValueError(f"cluster {self.name!r}: split_backward_overhead must be >= 0 (a fraction of the "
                              f"fused backward); got {self.split_backward_overhead}")
+        for field_name in ("overlap_compute_slowdown", "overlap_comm_slowdown"):
+            if not getattr(self, field_name) >= 0:
+                raise ValueError(f"cluster {self.name!r}: {field_name} must be >= 0 (a fraction: the extra "
+                                 f"time while overlapped); got {getattr(self, field_name)}")
         if not self.optimizer_s_per_param_byte >= 0:
             raise ValueError(f"cluster {self.name!r}: optimizer_s_per_param_byte must be >= 0; "
                              f"got {self.optimizer_s_per_param_byte}")
@@ -231,6 +244,8 @@ def _cluster_from_json(data: Any) -> Cluster:
         if "split_backward_overhead" in data else 0.0,
         optimizer_s_per_param_byte=json_field(data, "optimizer_s_per_param_byte", float, "", "non-negative")
         if "optimizer_s_per_param_byte" in data else 0.0,
+        **{key: json_field(data, key, float, "", "non-negative")
+           for key in ("overlap_compute_slowdown", "overlap_comm_slowdown") if key in data},
     )
 
 
@@ -247,10 +262,17 @@ _DEVICE_ALIASES = {"v100-16gb": "v100", "a100-80gb": "a100", "h100-80gb": "h100"
 def _cpu_cluster(name: str, num_hosts: int, ranks_per_host: int, device: DeviceSpec, link: LinkSpec,
                  description: str, cores_per_host: int = 0, collective: LinkSpec | None = None,
                  message_overhead_s: float = 0.0, split_backward_overhead: float = CPU_SPLIT_BACKWARD_OVERHEAD,
-                 ) -> Cluster:
+                 overlap: tuple[float, float] = CPU_OVERLAP_SLOWDOWNS) -> Cluster:
     return Cluster(name, num_hosts, ranks_per_host, device, link, link, None, description, cores_per_host,
                    collective, message_overhead_s=message_overhead_s,
-                   split_backward_overhead=split_backward_overhead)
+                   split_backward_overhead=split_backward_overhead, overlap_compute_slowdown=overlap[0],
+                   overlap_comm_slowdown=overlap[1])
+
+
+def _gpu_overlap(cluster: Cluster) -> Cluster:
+    """A GPU cluster with the published estimate of what overlap costs (hardware.GPU_OVERLAP_SLOWDOWNS)."""
+    return replace(cluster, overlap_compute_slowdown=GPU_OVERLAP_SLOWDOWNS[0],
+                   overlap_comm_slowdown=GPU_OVERLAP_SLOWDOWNS[1])
 
 
 def dapple_cluster(config: str) -> Cluster:
@@ -258,16 +280,16 @@ def dapple_cluster(config: str) -> Cluster:
     key = config.upper()
     nominal = "nominal 25 Gbps = 3.125 GB/s" if key != "C" else "nominal 10 Gbps = 1.25 GB/s"
     if key == "A":
-        return Cluster("dapple-a", 2, 8, V100_16GB, NVLINK_V100, ETHERNET_25G_P2P, ETHERNET_25G_COLLECTIVE,
+        return _gpu_overlap(Cluster("dapple-a", 2, 8, V100_16GB, NVLINK_V100, ETHERNET_25G_P2P, ETHERNET_25G_COLLECTIVE,
                        f"2 servers x 8 V100; NVLink 25 GB/s p2p; Ethernet {nominal}, effective "
-                       "1 GB/s p2p and 3 GB/s collectives (DAPPLE planner)")
+                       "1 GB/s p2p and 3 GB/s collectives (DAPPLE planner)"))
     if key in ("B", "C"):
         p2p, coll = (ETHERNET_25G_P2P, ETHERNET_25G_COLLECTIVE) if key == "B" else (
             ETHERNET_10G_P2P, ETHERNET_10G_COLLECTIVE)
-        return Cluster(f"dapple-{key.lower()}", 16, 1, V100_16GB, NVLINK_V100, p2p, coll,
+        return _gpu_overlap(Cluster(f"dapple-{key.lower()}", 16, 1, V100_16GB, NVLINK_V100, p2p, coll,
                        f"16 servers x 1 V100; Ethernet {nominal}, effective "
                        f"{p2p.bandwidth_bytes_per_s / 1e9:g} GB/s p2p and "
-                       f"{coll.bandwidth_bytes_per_s / 1e9:g} GB/s collectives")
+                       f"{coll.bandwidth_bytes_per_s / 1e9:g} GB/s collectives"))
     raise ClusterSpecError(f"DAPPLE config {config!r} is unknown; choose A, B or C")
 
 
@@ -282,8 +304,8 @@ def compact_cluster(num_hosts: int, devices_per_host: int, kind: str, name: str 
     if key not in _DEVICE_KINDS:
         raise ClusterSpecError(f"device kind {kind!r} is unknown; choose one of {sorted([*_DEVICE_KINDS, 'cpu'])}")
     device, intra, inter, collective = _DEVICE_KINDS[key]
-    return Cluster(name, num_hosts, devices_per_host, device, intra, inter, collective,
-                   f"{num_hosts} hosts x {devices_per_host} {device.name}")
+    return _gpu_overlap(Cluster(name, num_hosts, devices_per_host, device, intra, inter, collective,
+                                f"{num_hosts} hosts x {devices_per_host} {device.name}"))
 
 
 def local_cluster(num_ranks: int | None = None, *, calibrate: bool | None = None, refresh: bool = False,
@@ -332,9 +354,12 @@ def _local_cpu_cluster(name: str, ranks: int, measured: Calibration | None, coll
                       "docs/clusters.md", RuntimeWarning, stacklevel=3)
     link, collective_link, overhead = links or (LOCAL_LINK_DEFAULT, None, 0.0)
     split = (measured.device or {}).get("split_backward_overhead", CPU_SPLIT_BACKWARD_OVERHEAD)
+    measured_links = measured.links or {}
+    overlap = tuple(measured_links.get(f"overlap_{side}_slowdown", default)
+                    for side, default in zip(("compute", "comm"), CPU_OVERLAP_SLOWDOWNS, strict=True))
     return _cpu_cluster(name, 1, ranks, cpu_device(memory, calibrated=measured.device), link,
                         f"local CPU ranks, calibrated: {measured.source}", usable_cores(), collective_link, overhead,
-                        split)
+                        split, (overlap[0], overlap[1]))
 
 
 def _local_gpu_cluster(name: str, ranks: int, model: str, memory: int, measured: Calibration | None) -> Cluster:
@@ -354,8 +379,8 @@ def _local_gpu_cluster(name: str, ranks: int, model: str, memory: int, measured:
     if links is not None and measured is not None:
         link, collective_link, _ = links  # copy engines move GPU messages: no per-message device time
         source += f"; links {measured.source}"
-    return Cluster(name, 1, ranks, device, link, link, None, f"local GPUs ({model}), {source}",
-                   intra_host_collective=collective_link, split_backward_overhead=split)
+    return _gpu_overlap(Cluster(name, 1, ranks, device, link, link, None, f"local GPUs ({model}), {source}",
+                                intra_host_collective=collective_link, split_backward_overhead=split))
 
 
 def dgx_h100_cluster(num_nodes: int = 1) -> Cluster:

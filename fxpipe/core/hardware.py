@@ -107,6 +107,15 @@ GPU_DEFAULT_FIGURES = {"float32": 5e12, "bfloat16": 20e12, "float16": 20e12, "me
 # the runtime's B + W of a 2-block transformer-like stage over 256 rows of width 128, one thread, measured
 # 0.25x here (gpt-mini stages: 0.29x at 4 x 64 tokens, 0.45x at 2 x 64); calibration measures this machine's.
 CPU_SPLIT_BACKWARD_OVERHEAD = 0.3
+# What a gradient allreduce overlapped with compute costs (Cluster.overlap_compute_slowdown, overlap_comm_slowdown),
+# fractions of extra time. Uncalibrated CPU ranks: 2 gloo ranks on this project's 2-core VM measured compute
+# 0-0.44 and allreduce 2.4-3.6 (fxpipe.runtime.calibrate_overlap; gloo's threads and the compute share cores).
+# GPU presets: an estimate from Lee et al., "Characterizing Compute-Communication Overlap in GPU-Accelerated
+# Distributed Deep Learning" (arXiv 2507.03114, 2025): compute overlapped with NCCL collectives ran 18.9%
+# slower on average (up to 40%) on A100/H100/MI250/MI210; the collective's own slowdown is not reported there:
+# 10% is our estimate (NCCL's kernels get fewer SMs and less memory bandwidth). See docs/clusters.md.
+CPU_OVERLAP_SLOWDOWNS = (0.4, 2.5)
+GPU_OVERLAP_SLOWDOWNS = (0.19, 0.1)
 
 
 def measured_device(name: str, memory_bytes: int, figures: dict[str, float]) -> DeviceSpec:

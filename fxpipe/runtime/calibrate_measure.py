@@ -10,6 +10,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from fxpipe.runtime.calibrate_overlap import measure_overlap
+
 # Bytes for the bandwidth ping: big enough that latency is small next to it, small enough to be quick.
 PING_LARGE_BYTES = 8 * 2**20
 PING_SMALL_BYTES = 8
@@ -30,7 +32,8 @@ GPU_MATMUL_SIZE = 4096
 SPLIT_REFERENCE_ROWS, SPLIT_REFERENCE_WIDTH, SPLIT_REFERENCE_BLOCKS, SPLIT_REPEATS = 256, 128, 2, 20
 
 DEVICE_KEYS = ("float32", "bfloat16", "float16", "memory_bandwidth", "kernel_launch", "split_backward_overhead")
-LINK_KEYS = ("link_latency", "link_bandwidth", "allreduce_latency", "allreduce_bandwidth", "message_overhead")
+LINK_KEYS = ("link_latency", "link_bandwidth", "allreduce_latency", "allreduce_bandwidth", "message_overhead",
+             "overlap_compute_slowdown", "overlap_comm_slowdown")
 
 
 def synchronizer(device: torch.device) -> Callable[[], None]:
@@ -215,7 +218,8 @@ def measure_pair_link(rank: int, device: torch.device, group: dist.ProcessGroup 
     Latency (s) and bandwidth (B/s) of send/recv and of a two-rank allreduce (what
     :meth:`fxpipe.core.cluster.Cluster.allreduce_time`'s ring formula needs to give the measured times), and
     the seconds each end spends on a message of its own time (``message_overhead``; 0 on CUDA, where
-    copy engines move the data).
+    copy engines move the data), and what overlapping an allreduce with compute costs on CPU ranks
+    (:func:`fxpipe.runtime.calibrate_overlap.measure_overlap`).
     """
     small = torch.zeros(PING_SMALL_BYTES // 4, dtype=torch.float32, device=device)
     large = torch.zeros(PING_LARGE_BYTES // 4, dtype=torch.float32, device=device)
@@ -238,7 +242,7 @@ def measure_pair_link(rank: int, device: torch.device, group: dist.ProcessGroup 
                                                                 (PING_LARGE_BYTES, large_ar))
     return {"link_latency": latency, "link_bandwidth": PING_LARGE_BYTES / one_way,
             "allreduce_latency": allreduce_latency, "allreduce_bandwidth": allreduce_bandwidth,
-            "message_overhead": overhead}
+            "message_overhead": overhead, **measure_overlap(device, group)}
 
 
 def ring_allreduce_fit(num_ranks: int, small: tuple[float, float], large: tuple[float, float]) -> tuple[float, float]:

@@ -43,6 +43,7 @@ class ReplicaSpec:
     num_gradient_in: int
     message_s: float = 0.0  # the device's own time per message it sends or receives (packing, posting)
     weight_s: float = 0.0  # a W action (split backward: parameter gradients); B then takes backward_s
+    stretch_s: float = 0.0  # the last B or W takes this longer: gradient buckets in flight beside it
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,9 @@ class _ComponentSim:
                  record: bool) -> None:
         self.replicas = replicas
         self.programs = [programs[r.stage_index] for r in replicas]
+        # the index of each device's last gradient-producing pass (B, or W under split backward)
+        self.last_pass = [max((i for i, (code, _) in enumerate(program) if code in (BACKWARD, WEIGHT)), default=-1)
+                          for program in self.programs]
         self.num_microbatches = num_microbatches
         self.record = record
         count = len(replicas)
@@ -119,6 +123,8 @@ class _ComponentSim:
             if code <= BACKWARD or code == WEIGHT:
                 end_s = time_s + (replica.forward_s if code == FORWARD else replica.backward_s if code == BACKWARD
                                   else replica.weight_s)
+                if index == self.last_pass[device] and replica.stretch_s:
+                    end_s += replica.stretch_s
                 if self.record:
                     events.append((code, m, time_s, end_s))
                 if code != FORWARD:

@@ -18,7 +18,7 @@ from fxpipe.core.schedule import (
     validate_schedule,
 )
 from fxpipe.core.timeline import TimelineEvent, TransferEvent
-from fxpipe.sim.allreduce_overlap import last_pass_share, stage_allreduce_offsets
+from fxpipe.sim.allreduce_overlap import Overlap, last_pass_share, stage_allreduce_overlap
 from fxpipe.sim.events import (
     CODE_OPS,
     ComponentRun,
@@ -89,7 +89,10 @@ def simulate(plan: Plan, chain: CostChain, cluster: Cluster, *, optimizer: str =
       the last gradient pass (B, or W under split backward), before that pass's gradient send:
       :mod:`fxpipe.sim.allreduce_overlap`'s offsets count from the end of that pass on the slowest
       replica, and the stage is done once its buckets are and every replica reached its allreduce.
-      Busy time is each device's F, B and W, split-backward overhead included.
+      Overlap costs both sides (:attr:`Cluster.overlap_compute_slowdown`, ``overlap_comm_slowdown``): the
+      stage's last gradient pass takes the offsets' ``stretch`` longer on every replica (computed for the
+      stage's largest slice at the cluster's core sharing), and the buckets end as the fluid schedule
+      there says. Busy time is each device's F, B and W, split-backward overhead and stretch included.
     - Otherwise a stage's allreduce starts when all its replicas finished their last backward and lasts
       :meth:`Cluster.allreduce_time` of its own parameters. Parameters several stages hold (tied
       weights, :func:`tie_groups`) are summed in one allreduce over all those stages' devices,
@@ -114,10 +117,24 @@ def simulate(plan: Plan, chain: CostChain, cluster: Cluster, *, optimizer: str =
     _check_schedule(plan, chain, schedule)
     slowdowns = _slowdowns(cluster, compute_scale)
     programs, inflight = _prepared(schedule)
+    overlaps = _overlaps(plan, chain, cluster, schedule.split_backward, weight_fraction)
     specs = _replica_specs(plan, chain, cluster, slowdowns,
-                           weight_fraction if schedule.split_backward else None)
+                           weight_fraction if schedule.split_backward else None,
+                           [overlap.stretch for overlap in overlaps])
     runs = _simulate_components(specs, programs, plan.num_microbatches, timeline)
-    return _collect(plan, chain, cluster, schedule, inflight, runs, optimizer, slowdowns, weight_fraction)
+    return _collect(plan, chain, cluster, schedule, inflight, runs, optimizer, slowdowns, overlaps)
+
+
+def _overlaps(plan: Plan, chain: CostChain, cluster: Cluster, split_backward: bool,
+              weight_fraction: float) -> list[Overlap]:
+    """Each stage's bucket offsets from the end of its last gradient pass run alone, and that pass's stretch."""
+    own_bytes = own_allreduce_bytes(chain, [(s.first_block, s.stop_block) for s in plan.stages])
+    return [stage_allreduce_overlap(
+        chain, cluster, stage.first_block, stage.stop_block, stage.devices,
+        max(split_rows(plan.microbatch_size, stage.replicas)), own_bytes[stage.stage_index],
+        plan.allreduce_bucket_bytes, last_pass_share(stage.stage_index, split_backward, weight_fraction,
+                                                     cluster.split_backward_overhead))
+        for stage in plan.stages]
 
 
 def _slowdowns(cluster: Cluster, compute_scale: Sequence[float] | None) -> tuple[float, ...]:
@@ -167,10 +184,12 @@ def _pieces(plan: Plan, chain: CostChain, cluster: Cluster, stage_index: int) ->
 
 
 def _replica_specs(plan: Plan, chain: CostChain, cluster: Cluster, slowdowns: Sequence[float] | None = None,
-                   weight_fraction: float | None = None) -> dict[Replica, _Node]:
+                   weight_fraction: float | None = None, stretches: Sequence[float] | None = None,
+                   ) -> dict[Replica, _Node]:
     """Every replica's compute times and transfer pieces, keyed by (stage, replica), globally indexed.
 
-    ``weight_fraction`` (split-backward schedules only) moves that share of backward into W.
+    ``weight_fraction`` (split-backward schedules only) moves that share of backward into W;
+    ``stretches[s]`` lengthens stage s's last gradient pass (overlapped buckets).
     """
     slowdowns = slowdowns or _slowdowns(cluster, None)
     nodes: dict[Replica, _Node] = {}
@@ -184,7 +203,8 @@ def _replica_specs(plan: Plan, chain: CostChain, cluster: Cluster, slowdowns: Se
                 backward_s, weight_s = split_backward_times(backward_s, stage.stage_index, weight_fraction,
                                                             cluster.split_backward_overhead)
             nodes[stage.stage_index, replica_index] = _Node(stage.stage_index, forward_s, backward_s, [], [], 0, 0,
-                                                            cluster.message_overhead_s * slowdown, weight_s)
+                                                            cluster.message_overhead_s * slowdown, weight_s,
+                                                            stretches[stage.stage_index] if stretches else 0.0)
     for stage_index in range(plan.num_stages - 1):
         for i, j, seconds in _pieces(plan, chain, cluster, stage_index):
             nodes[stage_index, i].activation_out.append(((stage_index + 1, j), seconds))
@@ -207,6 +227,7 @@ class _Node:
     num_gradient_in: int
     message_s: float = 0.0
     weight_s: float = 0.0
+    stretch_s: float = 0.0
 
 
 def _components(nodes: dict[Replica, _Node]) -> list[list[Replica]]:
@@ -234,7 +255,7 @@ def _local_specs(nodes: dict[Replica, _Node], members: list[Replica]) -> tuple[R
         ReplicaSpec(node.stage_index, node.forward_s, node.backward_s,
                     tuple((local[k], s) for k, s in node.activation_out),
                     tuple((local[k], s) for k, s in node.gradient_out),
-                    node.num_activation_in, node.num_gradient_in, node.message_s, node.weight_s)
+                    node.num_activation_in, node.num_gradient_in, node.message_s, node.weight_s, node.stretch_s)
         for node in (nodes[key] for key in members)
     )
 
@@ -261,26 +282,23 @@ def _simulate_components(nodes: dict[Replica, _Node], programs: Sequence[Program
 
 def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule, inflight: tuple[int, ...],
              runs: list[tuple[list[Replica], ComponentRun]], optimizer: str,
-             slowdowns: Sequence[float], weight_fraction: float) -> SimulationResult:
+             slowdowns: Sequence[float], overlaps: Sequence[Overlap]) -> SimulationResult:
     """Add the allreduces and turn component runs into per-device figures and events."""
     ready = {key: run.allreduce_ready_s[local] for members, run in runs for local, key in enumerate(members)}
     # buckets launch during the last B or W, before that pass's gradient send: anchored at its end
     anchor_of = {key: run.gradient_end_s[local] for members, run in runs for local, key in enumerate(members)
                  } if plan.allreduce_bucket_bytes > 0 else ready
     _, ties = allreduce_times(chain, cluster, [(s.first_block, s.stop_block, s.devices) for s in plan.stages])
-    own_bytes = own_allreduce_bytes(chain, [(s.first_block, s.stop_block) for s in plan.stages])
     readies, starts, ends, peaks = [], [], [], []
     for stage in plan.stages:
         cost = stage_cost(chain, stage.first_block, stage.stop_block, plan.microbatch_size, stage.replicas)
         readies.append(max(ready[stage.stage_index, r] for r in range(stage.replicas)))
         anchor = max(anchor_of[stage.stage_index, r] for r in range(stage.replicas))
-        # buckets start during the last backward or W (allreduce_bucket_bytes > 0); offsets from its end
-        start_offset, end_offset = stage_allreduce_offsets(
-            chain, cluster, stage.first_block, stage.stop_block, stage.devices, cost.rows, own_bytes[stage.stage_index],
-            plan.allreduce_bucket_bytes, last_pass_share(stage.stage_index, schedule.split_backward, weight_fraction,
-                                                         cluster.split_backward_overhead))
-        starts.append(anchor + start_offset)
-        ends.append(max(anchor + end_offset, readies[-1]))  # the rank also finishes its list (the send)
+        # buckets start during the last backward or W (allreduce_bucket_bytes > 0); offsets from its end run
+        # alone, which the anchor is the stretch past
+        overlap = overlaps[stage.stage_index]
+        starts.append(anchor + overlap.start - overlap.stretch)
+        ends.append(max(anchor + overlap.end - overlap.stretch, readies[-1]))  # the rank also finishes its list
         peaks.append(stage_memory_bytes(cost, inflight[stage.stage_index], optimizer, stage.recompute))
     for stages, seconds in ties:  # starts when every holder is ready; its stages end with it
         tie_end = max(readies[s] for s in stages) + seconds
@@ -291,6 +309,7 @@ def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule,
                    + max(_optimizer_s(chain, cluster, stage, slowdowns) for stage in plan.stages))
     split = cluster.split_backward_overhead if schedule.split_backward else None
     busy = {device: _busy(plan, chain, stage.stage_index, replica_index, slowdowns[device], split)
+            + overlaps[stage.stage_index].stretch
             for stage in plan.stages for replica_index, device in enumerate(stage.devices)}
     devices = tuple(sorted(busy))
     return SimulationResult(

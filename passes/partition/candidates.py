@@ -13,8 +13,9 @@ from fxpipe.core.plan import Plan, Prediction, StagePlan
 from fxpipe.core.recompute import RecomputeSetting, check_stage_count, choose_recompute, parse_recompute
 from fxpipe.core.schedule import SCHEDULES, warmup_forwards
 from fxpipe.passes.partition.latency import PipelineSteps, pipeline_steps
-from fxpipe.sim.allreduce_overlap import stage_allreduce_offsets
+from fxpipe.sim.allreduce_overlap import last_pass_share, stage_allreduce_offsets
 from fxpipe.sim.stagecost import (
+    WEIGHT_GRAD_FRACTION,
     StageCost,
     activation_peak_bytes,
     allreduce_times,
@@ -75,8 +76,13 @@ class CandidateCosts:
         self.chain = chain
         self.allreduce_bucket_bytes = allreduce_bucket_bytes  # recorded in the plans
         # tails as under a fused backward for every schedule: a screen and a lower bound (zero-bubble's
-        # buckets fill over the shorter last W, so its tails are no shorter: fxpipe.sim.allreduce_overlap)
+        # buckets fill over the shorter last W, so its tails are no shorter: fxpipe.sim.allreduce_overlap).
+        # When overlap costs something a longer window can cost more than it hides: split schedules then
+        # take the shortest tail over the windows a stage can have (whole backward, W's share, none).
         self.overlap_bytes = allreduce_bucket_bytes
+        costly = cluster.overlap_compute_slowdown > 0 or cluster.overlap_comm_slowdown > 0
+        self.window_shares = (1.0,) if schedule not in ("zero_bubble", "auto") or not costly else (
+            1.0, last_pass_share(1, True, WEIGHT_GRAD_FRACTION, cluster.split_backward_overhead), 0.0)
         self.recompute = parse_recompute(recompute)
         self.schedule = schedule
         self.cluster = cluster
@@ -142,8 +148,8 @@ class CandidateCosts:
         per_host = self.cluster.devices_per_host
         devices = tuple(range(replicas)) if one_host else (per_host, *range(replicas - 1))
         slice_rows = self.cost(first, stop, rows, replicas).rows
-        return stage_allreduce_offsets(self.chain, self.cluster, first, stop, devices, slice_rows, own_bytes,
-                                       self.overlap_bytes)[1]
+        return min(stage_allreduce_offsets(self.chain, self.cluster, first, stop, devices, slice_rows, own_bytes,
+                                           self.overlap_bytes, share)[1] for share in self.window_shares)
 
     def allreduce_tails(self, spans: Sequence[Span], rows: int) -> list[float]:
         """Each stage's own allreduce time left after its last backward, buckets overlapping it."""
