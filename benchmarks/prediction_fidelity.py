@@ -1,6 +1,6 @@
 """The iteration time fxpipe.compile predicts by default against the training steps it then runs, on local CPU ranks.
 
-Run: python benchmarks/prediction_fidelity.py [--steps 8] [--warmup 2] [--rounds 3] [--write]
+Run: python benchmarks/prediction_fidelity.py [--steps 8] [--warmup 2] [--rounds 3] [--precision bf16] [--write]
 
 For each workload and rank count, every round is what a user's script does: ``fxpipe.compile(model, ...,
 plan="auto")`` with the default ``costs="auto"`` on N forked gloo ranks (1 thread each; every rank
@@ -36,6 +36,7 @@ from benchmarks.bench_common import Workload, machine_notes, median, run_ranks  
 
 RESULTS = Path(__file__).with_suffix(".md")
 COMMAND = "python benchmarks/prediction_fidelity.py --write"
+PRECISIONS = ("fp32", "bf16")  # --precision bf16: compile(autocast_dtype=torch.bfloat16), costed and measured alike
 TARGET_ERROR = 0.15
 VGG_CPU = (("base_width", 8), ("fc_width", 64), ("num_classes", 10), ("pool_size", 1), ("image_size", 32))
 DEFAULT_WORKLOADS = (Workload("gpt-mini", (), 32, 8), Workload("vgg-19", VGG_CPU, 32, 8))
@@ -51,14 +52,18 @@ class Case:
         return f"{self.workload.model} local:{self.num_ranks}"
 
 
-def analytic_prediction(workload: Workload, plan: Any, num_ranks: int) -> float:
+def results_path(precision: str) -> Path:
+    return RESULTS if precision == "fp32" else RESULTS.with_name(f"{RESULTS.stem}_{precision}.md")
+
+
+def analytic_prediction(workload: Workload, plan: Any, num_ranks: int, precision: str = "fp32") -> float:
     """The analytic device model's iteration time for ``plan``'s layout and micro-batch count (this process only)."""
     from fxpipe.core.cluster import parse_cluster
     from fxpipe.planning import costed_model, plan_chain
 
     cluster = parse_cluster(f"local:{num_ranks}")  # the calibration cache compile's collective run wrote
     model, example_inputs = workload.build()
-    chain = costed_model(model, example_inputs, cluster, costs="analytic").chain
+    chain = costed_model(model, example_inputs, cluster, costs="analytic", precision=precision).chain
     forced = plan_chain(chain, cluster, workload.global_batch_size, layout=plan.layout,
                         num_microbatches=plan.num_microbatches, all_devices=True)
     assert forced.predicted is not None
@@ -77,7 +82,7 @@ def compile_stretch(plan: Any) -> float:
 
 
 def fidelity_rank(rank: int, world_size: int, workload: Workload, num_rounds: int, num_warmup: int,
-                  num_steps: int) -> list[dict[str, Any]]:
+                  num_steps: int, precision: str = "fp32") -> list[dict[str, Any]]:
     """Rounds of (compile with the defaults, train); rank 0 also prices each plan with the analytic model."""
     import torch.distributed as dist
 
@@ -88,7 +93,8 @@ def fidelity_rank(rank: int, world_size: int, workload: Workload, num_rounds: in
     for _ in range(num_rounds):
         model, example_inputs = workload.build()
         pipe = fxpipe.compile(model, example_inputs, loss_fn=workload.loss_fn(),
-                              global_batch_size=workload.global_batch_size, plan="auto")
+                              global_batch_size=workload.global_batch_size, plan="auto",
+                              autocast_dtype=None if precision == "fp32" else torch.bfloat16)
         optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
         steps, iterations, cpu_s = [], [], 0.0
         for index in range(num_warmup + num_steps):
@@ -106,7 +112,7 @@ def fidelity_rank(rank: int, world_size: int, workload: Workload, num_rounds: in
         assert plan.predicted is not None
         rounds.append({"plan": f"{plan.layout} M={plan.num_microbatches}",
                        "predicted_s": plan.predicted.iteration_time_s, "cost_source": plan.predicted.cost_source,
-                       "analytic_s": analytic_prediction(workload, plan, world_size) if rank == 0 else None,
+                       "analytic_s": analytic_prediction(workload, plan, world_size, precision) if rank == 0 else None,
                        "step_s": statistics.median(steps), "iteration_s": statistics.median(iterations),
                        "compile_stretch": compile_stretch(plan), "train_stretch": sum(iterations) / cpu_s})
         dist.barrier()
@@ -114,11 +120,11 @@ def fidelity_rank(rank: int, world_size: int, workload: Workload, num_rounds: in
 
 
 def run(workloads: tuple[Workload, ...] = DEFAULT_WORKLOADS, ranks: tuple[int, ...] = DEFAULT_RANKS, *,
-        num_rounds: int = 3, num_warmup: int = 2, num_steps: int = 8) -> dict[str, Any]:
+        num_rounds: int = 3, num_warmup: int = 2, num_steps: int = 8, precision: str = "fp32") -> dict[str, Any]:
     rows = []
     for workload in workloads:
         for num_ranks in ranks:
-            by_rank = run_ranks(fidelity_rank, num_ranks, workload, num_rounds, num_warmup, num_steps)
+            by_rank = run_ranks(fidelity_rank, num_ranks, workload, num_rounds, num_warmup, num_steps, precision)
             rounds = by_rank[0]
             for index, round_result in enumerate(rounds):  # the ranks' median wall/CPU while training
                 round_result["train_stretch"] = median([r[index]["train_stretch"] for r in by_rank])
@@ -131,7 +137,8 @@ def run(workloads: tuple[Workload, ...] = DEFAULT_WORKLOADS, ranks: tuple[int, .
                                         "train_stretch")},
                          "errors": errors, "error": median(errors),
                          "analytic_ratio": median([r["iteration_s"] / r["analytic_s"] for r in rounds])})
-    return {"workloads": workloads, "rows": rows, "num_rounds": num_rounds, "num_steps": num_steps}
+    return {"workloads": workloads, "rows": rows, "num_rounds": num_rounds, "num_steps": num_steps,
+            "precision": precision}
 
 
 def report(result: dict[str, Any]) -> str:
@@ -146,8 +153,10 @@ def report(result: dict[str, Any]) -> str:
     num_met = sum(abs(r["error"]) <= TARGET_ERROR for r in result["rows"])
     ratios = [r["analytic_ratio"] for r in result["rows"]]
     return "\n".join([
-        "# Prediction fidelity: the default prediction vs measured training iterations", "",
-        f"Command: `{COMMAND}`", "",
+        "# Prediction fidelity: the default prediction vs measured training iterations"
+        + ("" if result.get("precision", "fp32") == "fp32" else f" ({result['precision']} autocast)"), "",
+        f"Command: `{COMMAND}" + ("" if result.get("precision", "fp32") == "fp32"
+                                  else f" --precision {result['precision']}") + "`", "",
         "Workloads: " + "; ".join(w.describe() for w in result["workloads"]) + ".", "",
         f"Machine: {machine_notes()}.", "",
         tabulate(table, ["case", "plan (auto)", "cost source", "predicted ms (default)", "measured step ms",
@@ -168,12 +177,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--write", action="store_true", help=f"write {RESULTS.name}")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    parser.add_argument("--ranks", type=int, nargs="+", default=list(DEFAULT_RANKS))
+    parser.add_argument("--write", action="store_true", help=f"write {RESULTS.name} (or _bf16.md)")
     args = parser.parse_args(argv)
-    text = report(run(num_rounds=args.rounds, num_warmup=args.warmup, num_steps=args.steps))
+    text = report(run(ranks=tuple(args.ranks), num_rounds=args.rounds, num_warmup=args.warmup, num_steps=args.steps,
+                      precision=args.precision))
     print(text)
     if args.write:
-        RESULTS.write_text(text)
+        results_path(args.precision).write_text(text)
 
 
 if __name__ == "__main__":
