@@ -123,6 +123,20 @@ def timed(step: Callable[[], Any], *, barrier: bool = True) -> float:
     return time.perf_counter() - start
 
 
+def saved_peaks(calls: dict[str, Callable[[], Any]], params: dict[str, list[torch.nn.Parameter]]) -> dict[str, int]:
+    """Peak bytes saved for backward during one call of each (after one warm-up call outside the hooks)."""
+    peaks = {}
+    for name, call in calls.items():
+        call()
+        meter = ActivationMeter.for_parameters(params[name])
+        with meter.measure():
+            call()
+        if dist.is_initialized():
+            dist.barrier()
+        peaks[name] = meter.peak_bytes
+    return peaks
+
+
 def interleaved(steps: dict[str, Callable[[], Any]], num_warmup: int, num_measured: int) -> dict[str, list[float]]:
     """Run the steps round-robin (A B A B ...) so slow phases of a noisy machine hit all of them alike."""
     for _ in range(num_warmup):

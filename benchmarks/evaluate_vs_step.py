@@ -15,12 +15,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_common import (  # noqa: E402
-    ActivationMeter,
     Workload,
     bench_main,
     compile_fxpipe,
@@ -29,6 +27,7 @@ from benchmarks.bench_common import (  # noqa: E402
     median,
     mib,
     run_ranks,
+    saved_peaks,
     zero_grads,
 )
 
@@ -50,14 +49,7 @@ def evaluate_rank(rank: int, world_size: int, workload: Workload, num_warmup: in
         pipe.step(inputs, targets)
 
     calls = {"step": step, "evaluate": lambda: pipe.evaluate(inputs, targets)}
-    peaks = {}
-    for name, call in calls.items():
-        call()  # warm-up outside the hooks
-        meter = ActivationMeter.for_parameters(params)
-        with meter.measure():
-            call()
-        dist.barrier()
-        peaks[name] = meter.peak_bytes
+    peaks = saved_peaks(calls, dict.fromkeys(calls, params))
     return {"peaks": peaks, "times": interleaved(calls, num_warmup, num_steps)}
 
 

@@ -14,12 +14,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_common import (  # noqa: E402
-    ActivationMeter,
     Workload,
     bench_main,
     compile_fxpipe,
@@ -28,6 +26,7 @@ from benchmarks.bench_common import (  # noqa: E402
     median,
     mib,
     run_ranks,
+    saved_peaks,
     zero_grads,
 )
 
@@ -53,15 +52,7 @@ def schedule_rank(rank: int, world_size: int, workload: Workload, num_warmup: in
         return step
 
     steps = {name: stepper(name) for name in pipes}
-    peaks = {}
-    for name, step in steps.items():
-        step()  # warm-up outside the hooks
-        meter = ActivationMeter.for_parameters(params[name])
-        with meter.measure():
-            step()
-        dist.barrier()
-        peaks[name] = meter.peak_bytes
-    return {"peaks": peaks, "times": interleaved(steps, num_warmup, num_steps)}
+    return {"peaks": saved_peaks(steps, params), "times": interleaved(steps, num_warmup, num_steps)}
 
 
 def run(workload: Workload, *, num_warmup: int = 1, num_steps: int = 6) -> dict[str, Any]:

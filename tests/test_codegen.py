@@ -14,7 +14,7 @@ from torch import fx, nn
 
 import fxpipe.models as zoo
 from fxpipe.core.plan import Plan, StagePlan
-from fxpipe.core.program import SplitProgram
+from fxpipe.core.program import SplitProgram, tree_leaves
 from fxpipe.passes.codegen import CodegenError, split_for_plan, split_stages
 from fxpipe.passes.codegen_io import ProgramFileError, export_program, load_program
 from fxpipe.passes.tracing import trace
@@ -40,16 +40,6 @@ def _cut(gm: fx.GraphModule, fractions: Sequence[float]) -> list[list[str]]:
     names = _computing(gm)
     bounds = [0, *(max(1, round(f * len(names))) for f in fractions), len(names)]
     return [names[start:stop] for start, stop in zip(bounds, bounds[1:], strict=False)]
-
-
-def _leaves(tree: Any) -> list[str]:
-    if isinstance(tree, str):
-        return [tree]
-    if isinstance(tree, tuple | list):
-        return [leaf for item in tree for leaf in _leaves(item)]
-    if isinstance(tree, dict):
-        return [leaf for item in tree.values() for leaf in _leaves(item)]
-    return []
 
 
 def _eager_leaves(output: Any) -> list[torch.Tensor]:
@@ -93,7 +83,7 @@ def _run_stagewise(program: SplitProgram, inputs: Sequence[Any]) -> tuple[dict[s
         received.append({name: value for name, value in arguments.items() if isinstance(value, torch.Tensor) and value.requires_grad})
         produced.append(dict(zip(stage.output_values, outputs, strict=True)))
         values.update(produced[-1])
-    leaves = [values[name] for name in _leaves(program.output_tree)]
+    leaves = [values[name] for name in tree_leaves(program.output_tree)]
     grads: dict[str, torch.Tensor] = {}
     for stage_index in reversed(range(program.num_stages)):
         pairs = _stage_backward_pairs(program, stage_index, produced[stage_index], leaves, received, grads)
@@ -162,7 +152,7 @@ def test_chained_stages_match_eager_outputs_and_gradients(name: str, fractions: 
     program = split_stages(gm, _cut(gm, fractions))
     assert program.num_stages == len(fractions) + 1
     values, grads = _run_stagewise(program, inputs)
-    split_leaves = [values[leaf] for leaf in _leaves(program.output_tree)]
+    split_leaves = [values[leaf] for leaf in tree_leaves(program.output_tree)]
     with torch.no_grad():
         traced_leaves = _eager_leaves(gm(*inputs))
     for split_leaf, traced_leaf in zip(split_leaves, traced_leaves, strict=True):
@@ -178,7 +168,7 @@ def test_chained_stages_match_eager_outputs_and_gradients(name: str, fractions: 
 def test_every_stage_returns_a_tuple_and_last_stage_returns_all_output_leaves() -> None:
     _, _, gm = _zoo("skipnet")
     program = split_stages(gm, _cut(gm, (0.3, 0.6)))
-    assert program.stages[-1].output_values == tuple(dict.fromkeys(_leaves(program.output_tree)))
+    assert program.stages[-1].output_values == tuple(dict.fromkeys(tree_leaves(program.output_tree)))
     for stage in program.stages:
         assert stage.module.graph.find_nodes(op="output")[0].args[0].__class__ is tuple
 
@@ -288,7 +278,7 @@ def test_export_load_round_trip_reproduces_outputs(name: str, tmp_path: Path) ->
         assert set(dict(copy_.param_names).values()) == set(dict(original.param_names).values())
     expected, _ = _run_stagewise(program, inputs)
     actual, grads = _run_stagewise(loaded, inputs)
-    for leaf in _leaves(program.output_tree):
+    for leaf in tree_leaves(program.output_tree):
         torch.testing.assert_close(actual[leaf], expected[leaf], rtol=0, atol=0)
     assert grads  # loaded parameters train: they are leaves with requires_grad
 
