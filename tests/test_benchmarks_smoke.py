@@ -179,7 +179,9 @@ def test_prediction_fidelity_smoke(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_memory_fidelity_runs_tiny(tmp_path) -> None:  # type: ignore[no-untyped-def]
     case = memory_fidelity.Case("gpt-mini", TINY, "1:1", global_batch_size=4, num_microbatches=2)
     text = memory_fidelity.report(memory_fidelity.run((case,), str(tmp_path)))
-    assert "measured / predicted" in text and memory_fidelity.COMMAND in text
+    assert "predicted / measured" in text and memory_fidelity.COMMAND in text
+
+
 def test_precision_plans_smoke() -> None:
     case = precision_plans.Case("gpt-mini tiny", precision_plans.zoo("gpt-mini", **dict(TINY)), 16)
     rows = precision_plans.plan_rows(case, ("1x2:h100", "1x2:v100"))
