@@ -22,13 +22,14 @@ import fxpipe
 from fxpipe import models as zoo
 from fxpipe.core.cluster import Cluster, DeviceSpec, LinkSpec
 from fxpipe.core.planfile import load_plan_file
+from fxpipe.core.program import tree_leaves
 from fxpipe.core.schedule import format_schedule, make_schedule
 from fxpipe.passes import trace
 from fxpipe.passes.codegen_io import load_program
 from fxpipe.planning import load_model
 from fxpipe.report import format_plan
 from tests.mp_utils import join_world, leave_world, plan_from_cuts, run_ranks
-from tests.test_codegen import _leaves, _run_stagewise
+from tests.test_codegen import _run_stagewise
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 12
@@ -180,7 +181,7 @@ def _file_plan_checks(rank: int, plan_path: str, export_dir: str) -> dict[str, A
     dist.barrier()
     program = load_program(export_dir)
     values, _ = _run_stagewise(program, (x,))
-    (leaf,) = _leaves(program.output_tree)
+    (leaf,) = tree_leaves(program.output_tree)
     eager = copy.deepcopy(_model(5)).eval()(x)
     out["export_max_diff"] = float((values[leaf] - eager).abs().max())
     out["stages"] = program.num_stages
