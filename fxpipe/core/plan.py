@@ -14,6 +14,7 @@ from typing import Any
 from fxpipe.core.jsonvalues import JSONValueError, field_hints, read_field
 from fxpipe.core.precision import DEFAULT_PRECISION, PRECISIONS
 from fxpipe.core.schedule import TRAINING_SCHEDULES, WARMUP_POLICIES
+from fxpipe.core.sharding import DEFAULT_SHARDING, SHARDING_LEVELS
 
 FORMAT_VERSION = 1
 PLAN_KEYWORDS = ("auto", "markers")
@@ -35,7 +36,8 @@ class StagePlan:
     runs its forward again in backward (``backward_s`` excludes that extra forward); absent = keep.
     ``activation_bytes`` is what autograd saves for one slice (the loss's saved tensors included on the
     last stage); ``activation_peak_bytes`` the most it holds at once over a step, what a measured step
-    records (``pipe.step_stats()``; :func:`fxpipe.sim.stagecost.activation_peak_bytes`).
+    records (``pipe.step_stats()``; :func:`fxpipe.sim.stagecost.activation_peak_bytes`). ``sharding``: what
+    the stage's replicas split among themselves (:mod:`fxpipe.core.sharding`; absent = ``"none"``).
     """
 
     stage_index: int
@@ -53,6 +55,7 @@ class StagePlan:
     inflight_microbatches: int = 0
     recompute: bool = False
     activation_peak_bytes: int = 0
+    sharding: str = DEFAULT_SHARDING
 
 
 @dataclass(frozen=True)
@@ -305,6 +308,11 @@ def validate_plan(plan: Plan) -> None:
         _check(stage.replicas <= microbatch_rows,
                f"stage {index} has {stage.replicas} replicas but a micro-batch has only {microbatch_rows} rows; "
                "use fewer micro-batches or fewer replicas")
+        _check(stage.sharding in SHARDING_LEVELS,
+               f"stage {index} has sharding {stage.sharding!r}; choose one of {list(SHARDING_LEVELS)}")
+        _check(stage.sharding == DEFAULT_SHARDING or stage.replicas > 1,
+               f"stage {index} has sharding {stage.sharding!r} on 1 replica; a single replica has nothing to split, "
+               f"use {DEFAULT_SHARDING!r}")
         seen_devices.update(stage.devices)
         expected_first = stage.stop_block
     if plan.num_blocks:

@@ -1,0 +1,77 @@
+"""Sharded replicas (ZeRO inside a stage's replica group): level names, the request a user makes, its checks.
+
+A stage's ``sharding`` level says what its replicas split among themselves instead of each holding all
+of it (ZeRO-1/2/3 over the stage's replica group):
+
+- ``"none"``: every replica holds the full weights, gradients and optimizer state (DAPPLE's data parallelism);
+- ``"optimizer"``: the optimizer state is split (ZeRO-1);
+- ``"gradients"``: the gradients too, reduce-scattered instead of all-reduced (ZeRO-2);
+- ``"parameters"``: the weights too, all-gathered before use and freed after (ZeRO-3).
+
+A request (``fxpipe.compile(sharding=...)``, ``--sharding``) is ``"auto"`` (the planner picks per stage),
+one level for every stage, or one level per stage. A stage of one replica has nothing to split: it is
+always ``"none"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+SHARDING_LEVELS = ("none", "optimizer", "gradients", "parameters")
+SHARDING_AUTO = "auto"
+SHARDING_CHOICES = (SHARDING_AUTO, *SHARDING_LEVELS)
+DEFAULT_SHARDING = "none"
+
+ShardingRequest = str | Sequence[str]
+
+
+class ShardingError(ValueError):
+    """A sharding level or request is unknown, or does not fit the plan."""
+
+
+def check_level(level: str, where: str = "sharding") -> str:
+    """``level`` itself when it is one of :data:`SHARDING_LEVELS`, else a ShardingError naming the choices."""
+    if level not in SHARDING_LEVELS:
+        raise ShardingError(f"{where} {level!r} is unknown; choose one of {list(SHARDING_LEVELS)} "
+                            "(none, or ZeRO-1/2/3 inside the stage's replica group)")
+    return level
+
+
+def check_request(request: ShardingRequest) -> ShardingRequest:
+    """``request`` itself when it is ``"auto"``, a level, or a non-empty sequence of levels; else a ShardingError."""
+    if isinstance(request, str):
+        if request != SHARDING_AUTO:
+            check_level(request)
+        return request
+    levels = tuple(request)
+    if not levels:
+        raise ShardingError("sharding is an empty sequence; give one level per stage, one level, or 'auto'")
+    for index, level in enumerate(levels):
+        if not isinstance(level, str):
+            raise ShardingError(f"sharding[{index}] is {level!r}; each stage's level is one of {list(SHARDING_LEVELS)}")
+        check_level(level, f"sharding[{index}]")
+    return levels
+
+
+def parse_request(text: str) -> ShardingRequest:
+    """A ``--sharding`` argument: ``auto``, one level, or comma-separated levels, one per stage."""
+    parts = [part.strip() for part in text.split(",")]
+    return check_request(parts[0] if len(parts) == 1 else parts)
+
+
+def stage_levels(request: ShardingRequest, replicas: Sequence[int]) -> tuple[str, ...]:
+    """The level of each stage for an explicit request (not ``"auto"``), ``"none"`` where a stage has one replica.
+
+    One level applies to every stage; a sequence must give exactly one level per stage.
+    """
+    check_request(request)
+    if isinstance(request, str):
+        if request == SHARDING_AUTO:
+            raise ShardingError("sharding='auto' is decided by the planner; stage_levels takes explicit levels")
+        levels = (request,) * len(replicas)
+    else:
+        levels = tuple(request)
+        if len(levels) != len(replicas):
+            raise ShardingError(f"sharding gives {len(levels)} levels {list(levels)} for a plan of {len(replicas)} "
+                                f"stages (replicas {list(replicas)}); give one level per stage or one for all")
+    return tuple(level if count > 1 else DEFAULT_SHARDING for level, count in zip(levels, replicas, strict=True))
