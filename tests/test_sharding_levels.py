@@ -7,7 +7,7 @@ import json
 import pytest
 
 from fxpipe.core.plan import Plan, PlanError, StagePlan
-from fxpipe.core.sharding import ShardingError, check_request, parse_request, stage_levels
+from fxpipe.core.sharding import ShardingError, check_request, force_sharding, parse_request, stage_levels
 
 
 def _plan(*shardings: str) -> Plan:
@@ -52,3 +52,10 @@ def test_plans_refuse_unknown_levels_and_sharding_a_single_replica() -> None:
         _plan("none", "zero")
     with pytest.raises(PlanError, match="on 1 replica.*use 'none'"):
         Plan(global_batch_size=4, num_microbatches=2, stages=(StagePlan(0, 0, 1, 1, (0,), sharding="optimizer"),))
+
+
+def test_force_sharding_sets_explicit_levels_and_auto_keeps_the_plans() -> None:
+    plan = _plan("gradients", "none")
+    assert force_sharding(plan, "auto") is plan
+    assert [s.sharding for s in force_sharding(plan, "parameters").stages] == ["parameters", "parameters"]
+    assert [s.sharding for s in force_sharding(plan, ("none", "optimizer")).stages] == ["none", "optimizer"]

@@ -16,6 +16,11 @@ always ``"none"``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fxpipe.core.plan import Plan
 
 SHARDING_LEVELS = ("none", "optimizer", "gradients", "parameters")
 SHARDING_AUTO = "auto"
@@ -75,3 +80,18 @@ def stage_levels(request: ShardingRequest, replicas: Sequence[int]) -> tuple[str
             raise ShardingError(f"sharding gives {len(levels)} levels {list(levels)} for a plan of {len(replicas)} "
                                 f"stages (replicas {list(replicas)}); give one level per stage or one for all")
     return tuple(level if count > 1 else DEFAULT_SHARDING for level, count in zip(levels, replicas, strict=True))
+
+
+def force_sharding(plan: Plan, request: ShardingRequest) -> Plan:
+    """``plan`` with each stage's level set by an explicit request; ``"auto"`` keeps the planner's levels.
+
+    For plans whose levels the user decides (a plan file, a layout, ``fxpipe.compile(sharding="optimizer")``).
+    """
+    check_request(request)
+    if request == SHARDING_AUTO:
+        return plan
+    levels = stage_levels(request, [stage.replicas for stage in plan.stages])
+    if levels == tuple(stage.sharding for stage in plan.stages):
+        return plan
+    stages = tuple(replace(stage, sharding=level) for stage, level in zip(plan.stages, levels, strict=True))
+    return plan.with_updates(stages=stages)
