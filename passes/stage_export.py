@@ -44,18 +44,27 @@ def example_batch_rows(program: SplitProgram) -> int:
 def stage_example_args(program: SplitProgram, rows: int) -> list[tuple[Any, ...]]:
     """Each stage's arguments (zeros; Python numbers as computed) when the chain runs on ``rows`` batch rows.
 
-    The chain runs on fake tensors (no compute, no change to any buffer), so non-tensor values that
-    cross a boundary (e.g. a sequence length read by ``x.size(1)``) get the values the stages compute.
+    The chain runs on fake tensors (no compute), so non-tensor values that cross a boundary (e.g. a
+    sequence length read by ``x.size(1)``) get the values the stages compute. Each stage runs on fake
+    copies of its parameters and buffers: a train-mode batch norm's ``num_batches_tracked += 1`` would
+    otherwise change the real (0-dim) buffer.
     """
-    with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode, torch.no_grad():
         values: dict[str, Any] = {name: _fake_model_input(program, name, rows) for name in program.model_inputs}
         fake_args = []
         for stage in program.stages:
             args = tuple(values[name] for name in stage.input_values)
             fake_args.append(args)
-            outputs = stage.module(*args)
+            outputs = torch.func.functional_call(stage.module, _fake_state(mode, stage), args)
             values.update(zip(stage.output_values, outputs, strict=True))
     return [tuple(_concrete(value) for value in args) for args in fake_args]
+
+
+def _fake_state(mode: FakeTensorMode, stage: StageProgram) -> dict[str, torch.Tensor]:
+    module = stage.module
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    return {name: mode.from_tensor(tensor) for name, tensor in named}
 
 
 def _fake_model_input(program: SplitProgram, name: str, rows: int) -> torch.Tensor:
