@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from fxpipe.core.program import SplitProgram, StageProgram
 
@@ -84,31 +85,35 @@ def _concrete(value: Any) -> Any:
 
 
 def export_stage(program: SplitProgram, stage: StageProgram, args: tuple[Any, ...]) -> ExportedStage:
-    """``torch.export.export`` of the stage in its training mode, with one batch ``Dim`` (min 1) for every batched input.
+    """``torch.export.export`` of the stage in its training mode, with a symbolic batch on every batched input.
 
-    A stage that fixes its batch size (a hard-coded view) is exported static, with a warning; its
-    program then refuses other batch sizes when called (torch.export's input guards).
+    First one ``Dim("batch", min=1)`` shared by those inputs; a stage that needs a narrower range (it
+    takes the first 2 rows, say) fails that and is exported with ``Dim.AUTO``, where export picks the
+    range. A stage that fixes its batch size (a hard-coded view) then comes out static, with a
+    ``StaticBatchWarning``: its program refuses other batch sizes when called (torch.export's guards).
     """
-    module = stage.module
-    batch = torch.export.Dim("batch", min=1)
-    shapes = tuple({program.values[name].batch_dim: batch} if _batched_tensor(program, name, arg) else None
-                   for name, arg in zip(stage.input_values, args, strict=True))
-    try:
-        exported = torch.export.export(module, args, dynamic_shapes=shapes, strict=False)
-    except Exception as dynamic_error:  # the stage specialises the batch: export it static
+    batched = [_batched_tensor(program, name, arg) for name, arg in zip(stage.input_values, args, strict=True)]
+    errors = []
+    for batch in (torch.export.Dim("batch", min=1), torch.export.Dim.AUTO):
+        shapes = tuple({program.values[name].batch_dim: batch} if is_batched else None
+                       for name, is_batched in zip(stage.input_values, batched, strict=True))
         try:
-            exported = torch.export.export(module, args, strict=False)
-        except Exception as error:
-            raise StageExportError(
-                f"stage {stage.stage_index} cannot be exported with torch.export ({type(error).__name__}: {error}); "
-                "the stage code must be traceable by non-strict torch.export"
-            ) from error
+            exported = torch.export.export(stage.module, args, dynamic_shapes=shapes, strict=False)
+            break
+        except Exception as error:  # a narrower batch range (Dim.AUTO finds it), or a stage export cannot trace
+            errors.append(f"{type(error).__name__}: {error}")
+    else:
+        raise StageExportError(
+            f"stage {stage.stage_index} cannot be exported with torch.export ({errors[-1]}); the stage code must be "
+            "traceable by non-strict torch.export"
+        )
+    dynamic = _has_symbolic_batch(program, stage, exported)
+    if any(batched) and not dynamic:
         warnings.warn(
             f"stage {stage.stage_index} fixes its batch size, so its exported program runs only batches of "
-            f"{_rows(program, stage, args)} rows (torch.export with a dynamic batch failed: "
-            f"{type(dynamic_error).__name__}: {str(dynamic_error).splitlines()[0] if str(dynamic_error) else ''})",
+            f"{_rows(program, stage, args)} rows (program.json says dynamic_batch: false)",
             StaticBatchWarning, stacklevel=3)
-    return ExportedStage(exported, _has_symbolic_batch(program, stage, exported))
+    return ExportedStage(exported, dynamic)
 
 
 def _batched_tensor(program: SplitProgram, name: str, arg: Any) -> bool:
@@ -133,7 +138,8 @@ def _has_symbolic_batch(program: SplitProgram, stage: StageProgram, exported: to
             continue  # a Python number input: export made it a constant
         value = placeholders[node_name].meta.get("val")
         if isinstance(value, torch.Tensor) and program.values[name].batched:
-            symbolic.append(not isinstance(value.shape[program.values[name].batch_dim], int))
+            # an int, or a SymInt export specialised to one (Dim.AUTO on a stage that fixes its batch)
+            symbolic.append(not is_concrete_int(value.shape[program.values[name].batch_dim]))
     return bool(symbolic) and all(symbolic)
 
 

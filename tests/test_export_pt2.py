@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
+from torch import fx, nn
 
 import fxpipe
 import fxpipe.models as zoo
@@ -25,7 +25,7 @@ from fxpipe.core.program import SplitProgram, tree_leaves
 from fxpipe.passes import trace
 from fxpipe.passes.codegen import split_stages
 from fxpipe.passes.codegen_io import ProgramFileError, export_program, load_program
-from fxpipe.passes.stage_export import StageExportError
+from fxpipe.passes.stage_export import StageExportError, StaticBatchWarning
 from fxpipe.runtime.batchnorm import BatchNormWarning
 from tests.mp_utils import compute_nodes, plan_from_cuts, run_ranks, run_scenarios
 
@@ -148,6 +148,36 @@ def test_tied_copies_that_differ_are_refused(tmp_path: Path) -> None:
     with pytest.raises(StageExportError, match=rf"tied tensor '{tied}' differs between stage 0 and stage 1 "
                                                r"\(max abs difference 0\.5"):
         export_program(dataclasses.replace(program, stages=stages), tmp_path)
+
+
+class FixedBatchHead(nn.Module):
+    """A stage module with a hard-coded batch of ``BATCH`` rows (what a fixed view in a model does)."""
+
+    def __init__(self, out: nn.Module) -> None:
+        super().__init__()
+        self.out = out
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.out(h.reshape(BATCH, -1)),)
+
+
+def test_a_stage_that_fixes_its_batch_is_exported_static_with_a_warning(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 4))
+    x = torch.randn(BATCH, 6)
+    gm = trace(model, (x,))
+    program = split_stages(gm, [["_0"], ["_1"]])
+    head = dataclasses.replace(program.stages[1], module=fx.symbolic_trace(FixedBatchHead(model[1])),
+                               param_names=(("out.weight", "1.weight"), ("out.bias", "1.bias")))
+    with pytest.warns(StaticBatchWarning, match=f"stage 1 fixes its batch size, so its exported program runs only "
+                                                f"batches of {BATCH} rows"):
+        export_program(dataclasses.replace(program, stages=(program.stages[0], head)), tmp_path)
+    manifest = json.loads((tmp_path / "program.json").read_text())
+    assert [stage["dynamic_batch"] for stage in manifest["stages"]] == [True, False]
+    loaded = load_program(tmp_path)
+    (actual,) = _chain(loaded, (x,))
+    torch.testing.assert_close(actual, model(x).detach(), rtol=0, atol=0)
+    with pytest.raises((AssertionError, RuntimeError), match=str(BATCH)):  # torch's input guard names the size
+        _chain(loaded, (x[:OTHER_ROWS],))
 
 
 def test_a_version_1_folder_says_to_export_again(tmp_path: Path) -> None:
