@@ -163,10 +163,12 @@ class PipelinedModule:
         return self.train(False)
 
     def export(self, directory: str | Path) -> None:
-        """Write every stage's code, trained weights and a manifest (codegen ``export_program``).
+        """Write every stage as a torch.export program with its trained weights, plus a manifest.
 
-        Collective: every rank calls it; each stage's first replica sends its tensors and train/eval
-        flag to rank 0, which writes the files.
+        ``directory`` gets ``stage_<i>.pt2`` per stage and ``program.json`` (codegen_io ``export_program``);
+        each stage loads with torch alone (``torch.export.load``), see docs/export.md. Collective: every
+        rank calls it; each stage's first replica sends its tensors and train/eval flag to rank 0, which
+        writes the files.
         """
         from fxpipe.passes.codegen_io import export_program
         from fxpipe.runtime.export import gathered_program

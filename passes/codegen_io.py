@@ -1,8 +1,11 @@
-"""Export a SplitProgram to a folder (stage code, weights, manifest) and load it back."""
+"""Export a SplitProgram to a folder (one torch.export ``.pt2`` program per stage plus ``program.json``) and load it back.
+
+Loading runs no stored Python: each stage is ``torch.export.load(stage_<i>.pt2).module()``, which needs
+torch alone (docs/export.md shows how to chain the stages without fxpipe).
+"""
 
 from __future__ import annotations
 
-import builtins
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -10,52 +13,55 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
-from torch import fx, nn
-from torch.fx.graph_module import _format_import_block
-from torch.package import sys_importer
+from torch import fx
 
 from fxpipe.core.program import SplitProgram, StageProgram, ValueSpec
+from fxpipe.passes.stage_export import (
+    check_tied_copies_equal,
+    example_batch_rows,
+    export_stage,
+    on_cpu,
+    stage_example_args,
+    value_batch_dims,
+)
 
 MANIFEST = "program.json"
 FORMAT = "fxpipe.split_program"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: stage code as .py files plus weights (loading executed the code); no longer read
 
 
 class ProgramFileError(ValueError):
     """An exported program folder is missing files or does not match this fxpipe version."""
 
 
-class _ThroughEverything(fx.Tracer):
-    """Traces into every submodule, so exported code calls only functions on plain tensors."""
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return False
-
-
 def export_program(program: SplitProgram, directory: str | Path) -> None:
-    """Write ``stage_<i>.py`` (generated code), ``stage_<i>.weights.pt`` and ``program.json`` to ``directory``.
+    """Write ``stage_<i>.pt2`` (a torch.export program per stage) and ``program.json`` to ``directory``.
 
-    Submodule calls are traced through into functional calls (``torch.nn.functional.linear(x,
-    self.h.0.attn.c_attn.weight, ...)``) so each stage is code plus a flat dict of tensors; the
-    modules' training flags at export time are baked into that code (as ``torch.export`` does).
+    Each stage is exported in its modules' training mode at export time, on the CPU, with its tensors
+    (a tied tensor is in every file that uses it, so the copies must be equal) and a symbolic batch dim
+    (``torch.export.Dim``, min 1) on every batched input; other dims are fixed at the example's sizes.
+    In train mode, batch norm's running statistics are buffer mutations that the loaded module applies.
     """
+    check_tied_copies_equal(program)
+    program = on_cpu(program)
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
     stage_entries = []
-    for stage in program.stages:
-        module = _functional_module(stage)
-        code_file, weights_file = f"stage_{stage.stage_index}.py", f"stage_{stage.stage_index}.weights.pt"
-        (folder / code_file).write_text(_source_text(module, stage, program.num_stages))
-        tensors, entries = _tensor_table(module, stage)
-        torch.save(tensors, folder / weights_file)
+    for stage, args in zip(program.stages, stage_example_args(program, example_batch_rows(program)), strict=True):
+        exported = export_stage(program, stage, args)
+        program_file = f"stage_{stage.stage_index}.pt2"
+        torch.export.save(exported.program, folder / program_file)
         stage_entries.append(
             {
                 "stage_index": stage.stage_index,
-                "code_file": code_file,
-                "weights_file": weights_file,
+                "program_file": program_file,
                 "input_values": list(stage.input_values),
                 "output_values": list(stage.output_values),
-                "tensors": entries,
+                "input_batch_dims": value_batch_dims(program, stage.input_values),
+                "output_batch_dims": value_batch_dims(program, stage.output_values),
+                "dynamic_batch": exported.dynamic_batch,
+                "training": stage.module.training,
+                "param_names": [[path, original] for path, original in stage.param_names],
             }
         )
     manifest = _program_manifest(program, stage_entries)
@@ -63,11 +69,13 @@ def export_program(program: SplitProgram, directory: str | Path) -> None:
 
 
 def load_program(directory: str | Path) -> SplitProgram:
-    """Rebuild an exported program: stage GraphModules from their .py files, tensors weights-only.
+    """Rebuild an exported program; each stage module is ``torch.export.load(stage_<i>.pt2).module()``.
 
-    This executes the exported ``stage_<i>.py`` files (the code ``export_program`` wrote: function
-    definitions and imports only) and traces them with torch.fx; load only folders you exported.
-    Weights are read with ``torch.load(weights_only=True)``, which unpickles tensors and nothing else.
+    No stored Python is executed (torch.export's deserialiser reads the graph and the tensors). A stage
+    module is called as before, ``module(*input_values)`` returning the tuple ``output_values``, and keeps
+    the training mode it was exported in (torch refuses ``.train()``/``.eval()`` on it: export again in
+    the other mode). A folder written by an older fxpipe (format version 1, stage code as ``.py``
+    files) raises :class:`ProgramFileError`: export the model again.
     """
     folder = Path(directory)
     manifest = _read_manifest(folder)
@@ -84,80 +92,28 @@ def load_program(directory: str | Path) -> SplitProgram:
     )
 
 
-def _functional_module(stage: StageProgram) -> fx.GraphModule:
-    module = stage.module
-    if all(node.op != "call_module" for node in module.graph.nodes):
-        return module
-    try:
-        graph = _ThroughEverything().trace(module)
-    except Exception as error:  # the module path tells the user which leaf cannot be exported
-        calls = [node.target for node in module.graph.nodes if node.op == "call_module"]
+def _load_stage(folder: Path, entry: Mapping[str, Any]) -> StageProgram:
+    stage_index = int(entry["stage_index"])
+    path = folder / entry["program_file"]
+    if not path.is_file():
+        raise ProgramFileError(f"{path} does not exist; {MANIFEST} names it for stage {stage_index}: export again")
+    exported = torch.export.load(path)
+    input_values, output_values = tuple(entry["input_values"]), tuple(entry["output_values"])
+    num_inputs, num_outputs = len(exported.graph_signature.user_inputs), len(exported.graph_signature.user_outputs)
+    if (num_inputs, num_outputs) != (len(input_values), len(output_values)):
         raise ProgramFileError(
-            f"stage {stage.stage_index} cannot be exported: tracing through its submodule calls {calls} failed "
-            f"({type(error).__name__}: {error}); export needs submodules that torch.fx can trace into"
-        ) from error
-    for node in graph.nodes:
-        node.type = None  # annotations would need extra imports in the written file
-    return fx.GraphModule(module, graph, class_name=f"Stage{stage.stage_index}")
-
-
-def _source_text(module: fx.GraphModule, stage: StageProgram, num_stages: int) -> str:
-    python_code = module.graph.python_code(root_module="self")
-    header = (
-        f"# Stage {stage.stage_index} of {num_stages}, generated by fxpipe.passes.codegen_io.export_program.\n"
-        f"# forward({', '.join(stage.input_values)}) -> ({', '.join(stage.output_values)})\n"
-        "# Weights live in the matching .weights.pt file; load with fxpipe.passes.codegen_io.load_program.\n"
-    )
-    return header + _format_import_block(python_code.globals, sys_importer).strip() + "\n\n\n" + python_code.src.strip() + "\n"
-
-
-def _tensor_table(module: fx.GraphModule, stage: StageProgram) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
-    """Unique tensors by attribute path, plus per path (in module order) its kind, original name, alias."""
-    originals = {id(tensor): name for name, tensor in _stage_tensors(stage.module)}
-    original_by_path = dict(stage.param_names)
-    saved: dict[int, str] = {}
-    tensors: dict[str, torch.Tensor] = {}
-    entries: list[dict[str, Any]] = []
-    for kind, path, tensor in _module_tensors(module):
-        entry: dict[str, Any] = {
-            "path": path,
-            "kind": kind,
-            "requires_grad": bool(tensor.requires_grad),
-            "original_name": original_by_path.get(originals.get(id(tensor), path), path),
-        }
-        if id(tensor) in saved:
-            entry["alias_of"] = saved[id(tensor)]
-        else:
-            saved[id(tensor)] = path
-            tensors[path] = tensor.detach()
-        entries.append(entry)
-    return tensors, entries
-
-
-def _stage_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
-
-
-def _module_tensors(module: fx.GraphModule) -> list[tuple[str, str, torch.Tensor]]:
-    found: list[tuple[str, str, torch.Tensor]] = [
-        ("parameter", path, tensor) for path, tensor in module.named_parameters(remove_duplicate=False)
-    ]
-    found += [("buffer", path, tensor) for path, tensor in module.named_buffers(remove_duplicate=False)]
-    known = {path for _, path, _ in found}
-    for node in module.graph.nodes:  # plain tensor constants read by get_attr
-        if node.op == "get_attr" and node.target not in known:
-            value = _fetch(module, node.target)
-            if isinstance(value, torch.Tensor):
-                found.append(("constant", node.target, value))
-                known.add(node.target)
-    return found
-
-
-def _fetch(module: nn.Module, target: str) -> Any:
-    value: Any = module
-    for atom in target.split("."):
-        value = getattr(value, atom)
-    return value
+            f"{path} takes {num_inputs} inputs and returns {num_outputs} outputs, but {MANIFEST} lists "
+            f"{list(input_values)} -> {list(output_values)} for stage {stage_index}: the folder mixes exports; export again"
+        )
+    module = exported.module()
+    assert isinstance(module, fx.GraphModule), type(module)
+    held = {name for name, _ in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]}
+    param_names = tuple((str(path_), str(original)) for path_, original in entry["param_names"])
+    missing = [path_ for path_, _ in param_names if path_ not in held]
+    if missing:
+        raise ProgramFileError(f"{path} holds no tensors {missing}, which {MANIFEST} lists for stage {stage_index}: export again")
+    return StageProgram(stage_index=stage_index, module=module, input_values=input_values,
+                        output_values=output_values, param_names=param_names)
 
 
 def _program_manifest(program: SplitProgram, stage_entries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -179,51 +135,19 @@ def _read_manifest(folder: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ProgramFileError(f"{path} does not exist; point load_program at a folder written by export_program")
     manifest = json.loads(path.read_text())
-    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+    found = (manifest.get("format"), manifest.get("format_version"))
+    if found == (FORMAT, 1):
         raise ProgramFileError(
-            f"{path} has format {manifest.get('format')!r} version {manifest.get('format_version')!r}; "
+            f"{path} is format version 1 (stage code as .py files plus weights, loaded by executing that code, which "
+            f"fxpipe no longer does); export the model again (pipe.export(dir) or export_program) to write "
+            f"torch.export .pt2 stages (version {FORMAT_VERSION})"
+        )
+    if found != (FORMAT, FORMAT_VERSION):
+        raise ProgramFileError(
+            f"{path} has format {found[0]!r} version {found[1]!r}; "
             f"this fxpipe reads {FORMAT!r} version {FORMAT_VERSION}: export the program again"
         )
     return dict(manifest)
-
-
-def _load_stage(folder: Path, entry: Mapping[str, Any]) -> StageProgram:
-    stage_index = int(entry["stage_index"])
-    code_path = folder / entry["code_file"]
-    namespace: dict[str, Any] = {"__builtins__": builtins, "__name__": f"fxpipe_stage_{stage_index}"}
-    exec(compile(code_path.read_text(), str(code_path), "exec"), namespace)  # the exported stage code
-    tensors = torch.load(folder / entry["weights_file"], weights_only=True)
-    root_class = type(f"Stage{stage_index}", (nn.Module,), {"forward": namespace["forward"]})
-    root = root_class()
-    for info in entry["tensors"]:
-        tensor = _fetch(root, info["alias_of"]) if "alias_of" in info else tensors[info["path"]]
-        _attach(root, info["path"], tensor, info)
-    graph = fx.Tracer().trace(root)
-    module = fx.GraphModule(root, graph, class_name=f"Stage{stage_index}")
-    param_names = tuple(
-        (str(info["path"]), str(info["original_name"])) for info in entry["tensors"] if info["kind"] != "constant"
-    )
-    return StageProgram(
-        stage_index=stage_index,
-        module=module,
-        input_values=tuple(entry["input_values"]),
-        output_values=tuple(entry["output_values"]),
-        param_names=param_names,
-    )
-
-
-def _attach(root: nn.Module, path: str, tensor: torch.Tensor, entry: Mapping[str, Any]) -> None:
-    owner = root
-    *parents, leaf = path.split(".")
-    for atom in parents:
-        if not hasattr(owner, atom):
-            owner.add_module(atom, nn.Module())
-        owner = getattr(owner, atom)
-    if entry["kind"] == "parameter":
-        parameter = tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=entry["requires_grad"])
-        owner.register_parameter(leaf, parameter)
-    else:
-        owner.register_buffer(leaf, tensor, persistent=entry["kind"] == "buffer")
 
 
 def _spec_to_json(spec: ValueSpec) -> dict[str, Any]:

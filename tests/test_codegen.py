@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -269,30 +270,34 @@ def test_export_load_round_trip_reproduces_outputs(name: str, tmp_path: Path) ->
     export_program(program, tmp_path)
     loaded = load_program(tmp_path)
     assert sorted(path.name for path in tmp_path.iterdir()) == sorted(
-        ["program.json"] + [f"stage_{i}{suffix}" for i in range(3) for suffix in (".py", ".weights.pt")]
+        ["program.json"] + [f"stage_{i}.pt2" for i in range(3)]
     )
     assert loaded.values == program.values and loaded.tie_groups == program.tie_groups
     assert loaded.output_tree == program.output_tree and dict(loaded.consumers) == dict(program.consumers)
     for original, copy_ in zip(program.stages, loaded.stages, strict=True):
         assert (copy_.input_values, copy_.output_values) == (original.input_values, original.output_values)
-        assert set(dict(copy_.param_names).values()) == set(dict(original.param_names).values())
-    expected, _ = _run_stagewise(program, inputs)
-    actual, grads = _run_stagewise(loaded, inputs)
-    for leaf in tree_leaves(program.output_tree):
-        torch.testing.assert_close(actual[leaf], expected[leaf], rtol=0, atol=0)
-    assert grads  # loaded parameters train: they are leaves with requires_grad
+        assert copy_.param_names == original.param_names
+    (tokens,) = inputs
+    for rows in (tokens.shape[0], 1, tokens.shape[0] - 1):  # the export example's batch, and other sizes
+        batch = (tokens[:rows],)
+        expected, _ = _run_stagewise(program, batch)
+        actual, grads = _run_stagewise(loaded, batch)
+        for leaf in tree_leaves(program.output_tree):
+            torch.testing.assert_close(actual[leaf], expected[leaf], rtol=0, atol=0)
+        assert grads  # loaded parameters train: they are leaves with requires_grad
 
 
-def test_exported_code_is_deterministic_and_weights_load_weights_only(tmp_path: Path) -> None:
+def test_export_is_deterministic_and_runs_no_stored_python(tmp_path: Path) -> None:
     _, _, gm = _zoo("tied-lm")
     program = split_stages(gm, _cut(gm, (0.5,)))
     export_program(program, tmp_path / "a")
     export_program(program, tmp_path / "b")
-    for file_name in ("program.json", "stage_0.py", "stage_1.py"):
-        assert (tmp_path / "a" / file_name).read_text() == (tmp_path / "b" / file_name).read_text()
-    weights = torch.load(tmp_path / "a" / "stage_1.weights.pt", weights_only=True)
-    assert isinstance(weights, dict) and all(isinstance(value, torch.Tensor) for value in weights.values())
-    assert "def forward(self" in (tmp_path / "a" / "stage_1.py").read_text()
+    for file_name in ("program.json", "stage_0.pt2", "stage_1.pt2"):
+        assert (tmp_path / "a" / file_name).read_bytes() == (tmp_path / "b" / file_name).read_bytes()
+    assert not list((tmp_path / "a").glob("*.py"))
+    manifest = json.loads((tmp_path / "a" / "program.json").read_text())
+    assert [stage["program_file"] for stage in manifest["stages"]] == ["stage_0.pt2", "stage_1.pt2"]
+    assert all(stage["dynamic_batch"] for stage in manifest["stages"])
 
 
 def test_load_missing_folder_names_the_manifest(tmp_path: Path) -> None:

@@ -126,7 +126,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _model(seed: int) -> torch.nn.Module:
-    """Dropout makes train and eval mode differ (BatchNorm is in test_exact_dropout_bn.py: export cannot trace it)."""
+    """Dropout makes train and eval mode differ (batch norm, in both modes, is exported in test_export_pt2.py)."""
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3),
                                torch.nn.Linear(16, 12), torch.nn.ReLU(), torch.nn.Dropout(0.3),
