@@ -9,10 +9,9 @@ excluded). The ratio is predicted (`StagePlan.activation_peak_bytes`) / measured
 0.90 <= ratio <= 1.25 on every stage: a prediction at most 10 % under the measurement (under-prediction
 makes plans that look feasible run out of memory) and at most 25 % over.
 
-Known gap (ratios below 1): a value crossing a cut that nodes on both sides save (a ReLU's output that
-the next stage's convolution saves too) is counted once in the cost graph, on the earlier side, but the
-later stage saves its own received copy. vgg-19's later stages are under-predicted for that reason;
-per-cut "saved again after the cut" bytes would close it.
+A value crossing a cut that nodes on both sides save (a ReLU's output that the next stage's convolution
+saves too) is counted on both sides: the later stage saves its own received copy (`Block.resaved` in
+`fxpipe/core/chain.py`, added per stage by `fxpipe.sim.stagecost.resaved_bytes`).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from fxpipe.passes.autocast_policy import fake_autocast
 from fxpipe.passes.batchdims import graph_batch_dims
 from fxpipe.passes.fakerun import RunState, SymbolicCost
 from fxpipe.passes.flops import NodeRunError, run_fake
-from fxpipe.passes.losscost import LossRun
+from fxpipe.passes.losscost import LOSS_NODE_NAME, LossRun
 from fxpipe.passes.trace_inputs import recorded_inputs
 
 if TYPE_CHECKING:
@@ -227,6 +227,9 @@ def _fit_node(low: SymbolicCost, high: SymbolicCost, batch: int) -> SymbolicCost
         tuple(line(a, b) for a, b in zip(shape_low, shape_high, strict=True))
         for shape_low, shape_high in zip(low.output_shapes, high.output_shapes, strict=True)
     )
+    low_resaved, high_resaved = _resaved_by_saver(low), _resaved_by_saver(high)
+    fitted["resaved"] = tuple((saver, line(low_resaved.get(saver, 0), high_resaved.get(saver, 0)))
+                              for saver in dict.fromkeys([*low_resaved, *high_resaved]))
     return SymbolicCost(
         output_shapes=shapes,
         output_dtypes=low.output_dtypes,
@@ -238,6 +241,14 @@ def _fit_node(low: SymbolicCost, high: SymbolicCost, batch: int) -> SymbolicCost
     )
 
 
+
+
+def _resaved_by_saver(cost: SymbolicCost) -> dict[str, sympy.Expr]:
+    """A node's re-saved bytes summed per earlier saver, in first-seen order (what a fit joins)."""
+    totals: dict[str, sympy.Expr] = {}
+    for saver, num_bytes in cost.resaved:
+        totals[saver] = totals.get(saver, sympy.Integer(0)) + num_bytes
+    return totals
 
 
 def to_cost_graph(
@@ -284,10 +295,10 @@ def _loss_node(gm: fx.GraphModule, device: DeviceSpec | None, dtype: str | None,
     forward, backward = _roofline(cost, device, dtype, hint)
     source = str(gm.meta.get(meta.LOSS_SOURCE, ""))
     return CostNode(
-        name="loss", inputs=tuple(arg.name for arg in output.all_input_nodes if arg.op != "placeholder"),
+        name=LOSS_NODE_NAME, inputs=tuple(arg.name for arg in output.all_input_nodes if arg.op != "placeholder"),
         forward_s=forward, backward_s=backward, output_bytes=_affine(cost.output_bytes, hint),
         saved_bytes=_affine(cost.saved_bytes, hint), forward_flops=_affine(cost.forward_flops, hint),
-        backward_flops=_affine(cost.backward_flops, hint),
+        backward_flops=_affine(cost.backward_flops, hint), resaved=_resaved(cost, hint),
         op="loss:loss_fn" if source == "loss_fn" else "loss:estimate",
     )
 
@@ -399,6 +410,7 @@ def _cost_node(gm: fx.GraphModule, node: fx.Node, times: tuple[Affine, Affine], 
         backward_s=times[1],
         output_bytes=_affine(cost.output_bytes, hint),
         saved_bytes=_affine(cost.saved_bytes, hint),
+        resaved=_resaved(cost, hint),
         param_bytes=cost.param_bytes,
         forward_flops=_affine(cost.forward_flops, hint),
         backward_flops=_affine(cost.backward_flops, hint),
@@ -407,6 +419,11 @@ def _cost_node(gm: fx.GraphModule, node: fx.Node, times: tuple[Affine, Affine], 
         op=f"{node.op}:{_target_name(gm, node)}",
         tensor_output=cost.is_tensor and rows_follow_batch(cost),
     )
+
+
+def _resaved(cost: SymbolicCost, hint: int) -> tuple[tuple[str, Affine], ...]:
+    """The node's re-saved bytes per earlier saver (:attr:`CostNode.resaved`), as plain numbers."""
+    return tuple((saver, _affine(num_bytes, hint)) for saver, num_bytes in _resaved_by_saver(cost).items())
 
 
 def rows_follow_batch(cost: SymbolicCost) -> bool:

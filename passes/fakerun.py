@@ -17,7 +17,10 @@ class SymbolicCost:
     """Costs of one fx node as sympy expressions in ``BATCH`` (see ``annotate_costs``).
 
     ``saved_bytes`` is what autograd keeps for backward because of this node (each storage counted
-    at the first node that saves it; parameters and buffers excluded); ``param_bytes`` counts the
+    at the first node that saves it; parameters and buffers excluded); ``resaved`` lists, per storage this
+    node saves that an earlier node saved already, ``(name of the last earlier node saving it, bytes)``: a
+    stage cut off from that node receives the value as its own tensor and saves it again (see
+    :attr:`fxpipe.core.chain.Block.resaved`); ``param_bytes`` counts the
     parameters this node is the first user of. ``*_bytes_moved`` and ``num_*_kernels`` feed the
     roofline time model. ``*_matmul_flops`` are the part of ``*_flops`` that matmuls, convolutions and
     attention did, by the dtype they ran in (``(("bfloat16", ...),)`` under bf16 autocast): they run at
@@ -39,6 +42,7 @@ class SymbolicCost:
     num_backward_kernels: int = 0
     forward_matmul_flops: tuple[tuple[str, sympy.Expr], ...] = ()
     backward_matmul_flops: tuple[tuple[str, sympy.Expr], ...] = ()
+    resaved: tuple[tuple[str, sympy.Expr], ...] = ()
 
 
 @dataclass
@@ -51,6 +55,7 @@ class RunState:
     weight_keys: set[int]  # storage keys of parameters and buffers (never activations)
     counted_params: set[int] = field(default_factory=set)
     saved_keys: set[int] = field(default_factory=set)
+    last_saver: dict[int, str] = field(default_factory=dict)  # saved storage key -> last node that saved it
     storage_alias: dict[int, int] = field(default_factory=dict)  # clone storage -> original storage
     keep_alive: list[torch.Tensor] = field(default_factory=list)
     recipes: dict[Hashable, Recipe] | None = None  # node signature -> recipe; None: no cache
@@ -71,6 +76,24 @@ class RunState:
         while key in self.storage_alias:
             key = self.storage_alias[key]
         return key
+
+    def note_saved(self, key: int, num_bytes: sympy.Expr, saver: str,
+                   resaved: list[tuple[str, sympy.Expr]]) -> sympy.Expr:
+        """Record that node ``saver`` saves storage ``key`` of ``num_bytes``; returns the bytes it counts.
+
+        The first node to save a storage counts it; a later node appends ``(the last earlier saver,
+        num_bytes)`` to ``resaved`` instead (once per node) and counts 0. Weights count nowhere.
+        """
+        if key in self.weight_keys:
+            return sympy.Integer(0)
+        previous = self.last_saver.get(key)
+        self.last_saver[key] = saver
+        if key not in self.saved_keys:
+            self.saved_keys.add(key)
+            return num_bytes
+        if previous is not None and previous != saver:
+            resaved.append((previous, num_bytes))
+        return sympy.Integer(0)
 
     def new_key(self) -> int:
         self.num_virtual_keys += 1

@@ -323,13 +323,14 @@ def _run_node(gm: fx.GraphModule, node: fx.Node, arguments: Any, state: RunState
     leaves: list[torch.Tensor] = []
     args, kwargs = tree_map(lambda value: local_copy(value, state, leaves), arguments)
     call, weights, param_bytes = _callable(gm, node, state)
-    return run_counted(call, args, kwargs, leaves + weights, state, param_bytes)
+    return run_counted(call, args, kwargs, leaves + weights, state, param_bytes, saver=node.name)
 
 
 def run_counted(call: Callable[..., Any], args: Any, kwargs: Any, grad_inputs: list[torch.Tensor], state: RunState,
-                param_bytes: int = 0) -> tuple[Any, SymbolicCost, list[torch.Tensor]]:
+                param_bytes: int = 0, *, saver: str) -> tuple[Any, SymbolicCost, list[torch.Tensor]]:
     """``call(*args, **kwargs)`` on fakes: its output, its costs (gradients of ``grad_inputs`` for the
-    backward) and the tensors autograd saved, each storage counted once per run (``state.saved_keys``)."""
+    backward) and the tensors autograd saved, each storage counted once per run (``state.saved_keys``);
+    storages an earlier node saved are the cost's ``resaved`` (:meth:`RunState.note_saved`, by ``saver``)."""
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(_pack_into(saved), lambda tensor: tensor):
         with count_ops() as forward:
@@ -337,8 +338,8 @@ def run_counted(call: Callable[..., Any], args: Any, kwargs: Any, grad_inputs: l
     backward = _run_backward(output, grad_inputs)
     state.keep_alive.extend(saved)
     cost = _value_cost(output, state, param_bytes=param_bytes, forward=forward, backward=backward)
-    saved_bytes = _saved_bytes(saved, state)
-    return output, dataclasses.replace(cost, saved_bytes=saved_bytes), saved
+    saved_bytes, resaved = _saved_bytes(saved, state, saver)
+    return output, dataclasses.replace(cost, saved_bytes=saved_bytes, resaved=resaved), saved
 
 
 
@@ -403,17 +404,16 @@ def _run_backward(output: Any, grad_inputs: list[torch.Tensor]) -> OpTally:
     return tally
 
 
-def _saved_bytes(saved: Sequence[torch.Tensor], state: RunState) -> sympy.Expr:
+def _saved_bytes(saved: Sequence[torch.Tensor], state: RunState,
+                 saver: str) -> tuple[sympy.Expr, tuple[tuple[str, sympy.Expr], ...]]:
+    """Bytes of the storages ``saver`` is first to save, and its re-saves (:meth:`RunState.note_saved`)."""
     total = sympy.Integer(0)
+    resaved: list[tuple[str, sympy.Expr]] = []
     for tensor in saved:
-        if not isinstance(tensor, torch.Tensor):
-            continue
-        key = state.storage_key(tensor)
-        if key in state.weight_keys or key in state.saved_keys:
-            continue
-        state.saved_keys.add(key)
-        total += state.expr(tensor.untyped_storage().nbytes())
-    return sympy.expand(total)
+        if isinstance(tensor, torch.Tensor):
+            total += state.note_saved(state.storage_key(tensor), state.expr(tensor.untyped_storage().nbytes()),
+                                      saver, resaved)
+    return sympy.expand(total), tuple(resaved)
 
 
 def _value_cost(

@@ -26,6 +26,7 @@ LossFn = Callable[[Any, Any], Any]
 ESTIMATE = "estimate (cross entropy over the output: log-softmax saved = output bytes)"
 _ESTIMATE_FORWARD_FLOPS, _ESTIMATE_BACKWARD_FLOPS = 5, 3
 _ESTIMATE_FORWARD_KERNELS, _ESTIMATE_BACKWARD_KERNELS = 4, 3
+LOSS_NODE_NAME = "loss"  # the loss's name in the cost graph (fxpipe.passes.costs) and as a saver in a fake run
 
 
 class LossRun:
@@ -60,7 +61,7 @@ class LossRun:
         targets = self._targets(loss_fn, outputs)
         leaves: list[torch.Tensor] = []
         local = tree_map(lambda value: local_copy(value, state, leaves), outputs)
-        _, cost, saved = run_counted(loss_fn, (local, targets), {}, leaves, state)
+        _, cost, saved = run_counted(loss_fn, (local, targets), {}, leaves, state, saver=LOSS_NODE_NAME)
         target_keys = {state.storage_key(t) for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor)}
         sizes = {state.storage_key(t): t.untyped_storage().nbytes() for t in saved
                  if isinstance(t, torch.Tensor) and state.storage_key(t) in target_keys}

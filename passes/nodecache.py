@@ -145,12 +145,11 @@ def replay(
     leaves, spec = tree_flatten(recipe.output)
     state.keys[node.name] = tree_unflatten(output_keys, spec)
     saved_bytes = sympy.Integer(0)
+    resaved: list[tuple[str, sympy.Expr]] = []
     for storage, num_bytes in recipe.saved:
-        key = key_of(storage)
-        if key not in state.weight_keys and key not in state.saved_keys:
-            state.saved_keys.add(key)
-            saved_bytes += num_bytes
-    return recipe.output, dataclasses.replace(recipe.cost, saved_bytes=sympy.expand(saved_bytes), param_bytes=param_bytes)
+        saved_bytes += state.note_saved(key_of(storage), num_bytes, node.name, resaved)
+    return recipe.output, dataclasses.replace(recipe.cost, saved_bytes=sympy.expand(saved_bytes),
+                                              resaved=tuple(resaved), param_bytes=param_bytes)
 
 
 def module_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

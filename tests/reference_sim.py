@@ -388,13 +388,16 @@ def inflight_peak(order: list[tuple[str, int]], split: bool) -> int:
 def stage_peak_bytes(plan: Plan, chain: CostChain, stage_index: int, inflight: int, optimizer: str = "adam") -> int:
     """Weights x (weights, gradients, optimizer state) + kept activations + one buffer each way, largest slice.
 
-    Kept per in-flight micro-batch: its saved activations and its input slice; recomputing stages keep only
-    the input slice, plus one micro-batch's activations while backward reruns the forward."""
+    Kept per in-flight micro-batch: its saved activations (received values it saves again included) and its
+    input slice; recomputing stages keep only the input slice, plus one micro-batch's activations while
+    backward reruns the forward."""
     stage = plan.stages[stage_index]
     rows = -(-plan.microbatch_size // stage.replicas)
     blocks = chain.blocks[stage.first_block:stage.stop_block]
     weights = BYTES_KEPT_PER_PARAM_BYTE[optimizer] * held_bytes(chain, stage.first_block, stage.stop_block)
-    saved = sum(at(b.saved_bytes, rows) for b in blocks)
+    # a value an earlier stage saved (first, or last before this stage) is received and saved here again
+    resaved = sum(at(num_bytes, rows) for b in blocks for saver, num_bytes in b.resaved if saver < stage.first_block)
+    saved = sum(at(b.saved_bytes, rows) for b in blocks) + resaved
     incoming = at(chain.cut_bytes[stage.first_block - 1], rows) if stage.first_block > 0 else 0.0
     outgoing = at(chain.cut_bytes[stage.stop_block - 1], rows) if stage.stop_block < chain.num_blocks else 0.0
     kept = inflight * incoming + saved if stage.recompute else inflight * (saved + incoming)

@@ -18,7 +18,7 @@ CASES = (
     Case("gpt-mini", VOCAB_LM, "2:1:1"),
 )
 # A CNN whose cut falls between a ReLU and a convolution that both save the crossing value: the later stage
-# saves its received copy again, which the cost graph does not count yet (benchmarks/memory_fidelity.md)
+# saves its received copy again (fxpipe.core.chain.Block.resaved)
 CNN_CASES = (Case("vgg-19", SMALL_VGG, "2:2"),)
 
 
@@ -26,7 +26,6 @@ def test_predicted_activation_peaks_match_measured_steps(tmp_path: Path) -> None
     _check_within_bounds(run(CASES, str(tmp_path)))
 
 
-@pytest.mark.xfail(strict=True, reason="values saved on both sides of a cut are counted once (known gap, issue 27)")
 def test_cnn_activation_peaks_match_measured_steps(tmp_path: Path) -> None:
     _check_within_bounds(run(CNN_CASES, str(tmp_path)), CNN_CASES)
 

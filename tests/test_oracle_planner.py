@@ -64,7 +64,16 @@ def activation_heavy_case(seed: int) -> tuple[CostChain, Cluster, int]:
     return replace(chain, blocks=blocks), net, batch
 
 
-CASES = {"small": small_case, "activation-heavy": activation_heavy_case}
+def resaving_case(seed: int) -> tuple[CostChain, Cluster, int]:
+    """:func:`activation_heavy_case` where each block saves again a value of the block before (a ReLU's output
+    the next convolution saves too) as large as its own saved bytes: a stage starting there holds that copy."""
+    chain, net, batch = activation_heavy_case(seed)
+    blocks = tuple(replace(b, resaved=((index - 1, b.saved_bytes),) if index else ())
+                   for index, b in enumerate(chain.blocks))
+    return replace(chain, blocks=blocks), net, batch
+
+
+CASES = {"small": small_case, "activation-heavy": activation_heavy_case, "resaving": resaving_case}
 
 
 def reference_memory_ok(plan: Plan, chain: CostChain, limit_bytes: int) -> bool:
@@ -80,9 +89,10 @@ def oracle_best(kind: str, seed: int) -> tuple[float, Plan] | None:
 
 
 # small: memory-bound (0, 75), nothing fits (1, 2), 2:2, dp, optimizer time (17, 26);
-# activation-heavy: stages that must recompute (1, 10, 15, 16)
+# activation-heavy: stages that must recompute (1, 10, 15, 16); resaving: the copies change the best plan
+# from activation-heavy's (3, 9, 11, 20)
 SEEDS = [("small", seed) for seed in (0, 1, 2, 6, 7, 10, 17, 26, 75)] + [
-    ("activation-heavy", seed) for seed in (1, 10, 15, 16)]
+    ("activation-heavy", seed) for seed in (1, 10, 15, 16)] + [("resaving", seed) for seed in (3, 9, 11, 20)]
 
 
 @pytest.mark.parametrize("kind, seed", SEEDS)
@@ -108,7 +118,7 @@ def test_planner_is_near_the_brute_force_optimum_and_feasible(kind: str, seed: i
 
 def test_oracle_cases_cover_every_outcome() -> None:
     """The seeds cover pipelines, data parallelism, cases where nothing fits, recomputing stages, several
-    buckets per stage and optimizer time (the checks all get used)."""
+    buckets per stage, optimizer time and stages saving received values again (the checks all get used)."""
     seen = set()
     for kind, seed in SEEDS:
         chain, net, _ = CASES[kind](seed)
@@ -120,6 +130,8 @@ def test_oracle_cases_cover_every_outcome() -> None:
         seen.add("dp" if plan.num_stages == 1 else "pipeline")
         seen |= {"recompute"} if any(s.recompute for s in plan.stages) else set()
         seen |= {"optimizer"} if net.optimizer_s_per_param_byte else set()
+        seen |= {"resaved"} if any(saver < s.first_block for s in plan.stages
+                                   for b in chain.blocks[s.first_block:s.stop_block] for saver, _ in b.resaved) else set()
         seen |= {"buckets"} if any(s.replicas > 1 and sum(b.param_bytes for b in chain.blocks[s.first_block:s.stop_block])
                                    > 2 * plan.allreduce_bucket_bytes for s in plan.stages) else set()
-    assert seen == {"none", "dp", "pipeline", "recompute", "optimizer", "buckets"}, seen
+    assert seen == {"none", "dp", "pipeline", "recompute", "optimizer", "buckets", "resaved"}, seen

@@ -82,7 +82,7 @@ def test_message_overhead_and_shared_cores_match_the_reference(schedule: str, po
 
 def rich_setup(seed: int) -> tuple[Plan, CostChain, Cluster, dict[str, float | str]]:
     """Everything at once, drawn at random: any training schedule and policy, 1-4 stages of 1-3 replicas on
-    2 hosts x 3 devices, tied parameters, saved activations, buckets (often several per stage), recomputing
+    2 hosts x 3 devices, tied parameters, saved activations (values saved again after a cut too), buckets (often several per stage), recomputing
     stages (not under zero-bubble, which cannot rerun a checkpointed forward), an optimizer step, message
     overhead with shared cores, split-backward overhead and weight fraction, and the optimizer's memory factor."""
     rng = random.Random(seed)
@@ -98,7 +98,8 @@ def rich_setup(seed: int) -> tuple[Plan, CostChain, Cluster, dict[str, float | s
     if num_blocks > 1 and rng.random() < 0.4:
         tied = tuple(sorted(rng.sample(range(num_blocks), rng.randint(2, min(3, num_blocks)))))
         shared = (SharedParam("tied", min(blocks[tied[0]].param_bytes, int(10 ** rng.uniform(4, 7))), tied),)
-    chain = CostChain(blocks, cuts, Affine(0, 1e3), Affine(0, 1e2), shared_params=shared)
+    chain = CostChain(with_resaved(blocks, random.Random(seed + 2 * 10**6)), cuts, Affine(0, 1e3), Affine(0, 1e2),
+                      shared_params=shared)
     per_message = rng.choice([0.0, 0.0, 3e-5])
     net = Cluster("2x3", 2, 3, DeviceSpec("dev", 2**40, (("float32", 1e13),), rng.choice([1e11, 1e12])),
                   LinkSpec(25e9, 5e-6), LinkSpec(rng.choice([1e9, 3e9]), 2e-5),
@@ -127,6 +128,13 @@ def rich_setup(seed: int) -> tuple[Plan, CostChain, Cluster, dict[str, float | s
     return plan, chain, net, options
 
 
+def with_resaved(blocks: tuple[Block, ...], rng: random.Random) -> tuple[Block, ...]:
+    """``blocks`` where some save again values earlier blocks saved (drawn from their own ``rng``)."""
+    return tuple(replace(block, resaved=tuple((saver, Affine(rng.choice([0.0, 1e4]), 10 ** rng.uniform(3, 5)))
+                                              for saver in sorted(rng.sample(range(index), rng.randint(0, min(2, index))))))
+                 for index, block in enumerate(blocks))
+
+
 @pytest.mark.parametrize("first_seed", range(0, 400, 100))
 def test_simulator_matches_the_reference_with_buckets_zero_bubble_recompute_optimizer_and_memory(
         first_seed: int) -> None:
@@ -149,10 +157,12 @@ def test_rich_cases_cover_every_feature() -> None:
         seen |= {"buckets"} if plan.allreduce_bucket_bytes and max(s.replicas for s in plan.stages) > 1 else set()
         seen |= {"optimizer"} if net.optimizer_s_per_param_byte else set()
         seen |= {"messages"} if net.message_overhead_s else set()
+        seen |= {"resaved"} if any(saver < s.first_block for s in plan.stages
+                                   for b in chain.blocks[s.first_block:s.stop_block] for saver, _ in b.resaved) else set()
         seen |= {"overlap cost"} if plan.allreduce_bucket_bytes and net.overlap_comm_slowdown and max(
             s.replicas for s in plan.stages) > 1 else set()
     assert seen == {"early_backward", "gpipe", "zero_bubble", "recompute", "ties", "buckets", "optimizer",
-                    "messages", "overlap cost"}, seen
+                    "messages", "overlap cost", "resaved"}, seen
 
 
 def test_reference_helpers_on_hand_cases() -> None:

@@ -4,7 +4,9 @@ Planner and simulator ask for the cost of blocks ``[first, stop)`` hundreds of t
 long chains. Prefix-sum differences would be faster still but round differently from the plain
 left-to-right sum (:meth:`Affine.total`), and a last-bit change can flip a tie between plans; so
 every range is summed left to right from ``first`` exactly as before, and the running sums from
-each ``first`` are kept (grown by doubling), so each range costs one list lookup once computed.
+each ``first`` are kept (grown by doubling), so each range costs one list lookup once computed. The
+bytes a stage saves again of values an earlier stage saved (:attr:`fxpipe.core.chain.Block.resaved`)
+depend on ``first`` too: they are summed the same way, for every ``stop`` at once per ``first``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ class BlockSums:
                               [getattr(block, name).per_sample for block in chain.blocks]) for name in FIELDS}
         # (field, first) -> running sums over blocks[first:first+1], blocks[first:first+2], ...
         self._runs: dict[tuple[str, int], tuple[list[float], list[float]]] = {}
+        self._resaved = [block.resaved for block in chain.blocks]
+        # first -> running sums over stop of the re-saved bytes a stage [first, stop) counts
+        self._resaved_runs: dict[int, list[Affine]] = {}
 
     def total(self, first: int, stop: int, field: str) -> Affine:
         """``Affine.total(getattr(b, field) for b in chain.blocks[first:stop])``, the same float operations."""
@@ -40,6 +45,20 @@ class BlockSums:
         if run is None or len(run[0]) < stop - first:
             run = self._grown(field, first, stop)
         return Affine(run[0][stop - first - 1], run[1][stop - first - 1])
+
+    def resaved(self, first: int, stop: int) -> Affine:
+        """Bytes blocks ``[first, stop)`` save again of values blocks before ``first`` saved: their
+        :attr:`~fxpipe.core.chain.Block.resaved` entries whose earlier saver is before ``first``, in block order."""
+        assert first >= 0, f"block range [{first}, {stop}) starts before block 0"
+        stop = min(stop, len(self._resaved))
+        if stop <= first:
+            return Affine(0.0, 0.0)
+        run = self._resaved_runs.get(first)
+        if run is None:  # every stop at once: one pass over the blocks from ``first``
+            totals = (Affine.total(num_bytes for saver, num_bytes in entries if saver < first)
+                      for entries in self._resaved[first:])
+            run = self._resaved_runs[first] = list(itertools.accumulate(totals))
+        return run[stop - first - 1]
 
     def _grown(self, field: str, first: int, stop: int) -> tuple[list[float], list[float]]:
         """A longer copy of the run from ``first`` (at least to ``stop``, doubling), published whole, so a

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from fxpipe.core.costgraph import ZERO, Affine, CostGraph
@@ -11,7 +12,14 @@ from fxpipe.core.costgraph import ZERO, Affine, CostGraph
 
 @dataclass(frozen=True)
 class Block:
-    """A run of consecutive cost-graph nodes that always stay on one stage."""
+    """A run of consecutive cost-graph nodes that always stay on one stage.
+
+    ``saved_bytes`` counts each saved storage once, in the first block saving it. ``resaved`` holds, per
+    earlier block ``i`` (ascending), the bytes of storages this block saves again whose last earlier saver
+    is block ``i``: a stage starting after block ``i`` receives such a value as its own tensor and saves that
+    copy, so a stage over blocks ``[first, stop)`` adds its blocks' entries with ``i < first``, each storage
+    once (:func:`fxpipe.sim.stagecost.resaved_bytes`).
+    """
 
     name: str
     node_names: tuple[str, ...]
@@ -19,6 +27,7 @@ class Block:
     backward_s: Affine
     param_bytes: int
     saved_bytes: Affine = ZERO  # activation bytes autograd keeps for backward, per micro-batch slice
+    resaved: tuple[tuple[int, Affine], ...] = ()  # (earlier block, bytes saved here again)
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,11 @@ class CostChain:
                 f"a chain of {len(self.blocks)} blocks has {len(self.blocks) - 1} cuts, "
                 f"got {len(self.cut_bytes)} cut sizes"
             )
+        for index, block in enumerate(self.blocks):
+            earlier = [saver for saver, _ in block.resaved]
+            if earlier != sorted(set(earlier)) or any(not 0 <= saver < index for saver in earlier):
+                raise ValueError(f"block {index} ({block.name!r}) re-saves values of blocks {earlier}; they must be "
+                                 f"ascending distinct indices of earlier blocks, in [0, {index})")
         for shared in self.shared_params:
             blocks = shared.blocks
             if len(blocks) < 2 or list(blocks) != sorted(set(blocks)) or blocks[0] < 0 or blocks[-1] >= len(self.blocks):
@@ -207,10 +221,14 @@ def _best_cut(window: list[int], prefix: list[float], target: float, tolerance: 
     return window[min(range(len(window)), key=score)]
 
 
-def _make_block(graph: CostGraph, index: int, first: int, stop: int) -> Block:
-    """Block ``index`` over nodes ``[first, stop)``; the last block runs the loss too (its costs, no node name)."""
+def _make_block(graph: CostGraph, index: int, first: int, stop: int, block_of: Mapping[str, int]) -> Block:
+    """Block ``index`` over nodes ``[first, stop)``; the last block runs the loss too (its costs, no node name).
+
+    ``block_of`` maps each node name to its block (for the re-saved values' earlier savers).
+    """
     nodes = graph.nodes[first:stop]
     costed = (*nodes, graph.loss) if stop == len(graph.nodes) and graph.loss is not None else nodes
+    resaved = [(block_of[saver], num_bytes) for node in costed for saver, num_bytes in node.resaved]
     return Block(
         name=f"block{index}",
         node_names=tuple(node.name for node in nodes),
@@ -218,7 +236,19 @@ def _make_block(graph: CostGraph, index: int, first: int, stop: int) -> Block:
         backward_s=Affine.total(node.backward_s for node in costed),
         param_bytes=sum(node.param_bytes for node in nodes),
         saved_bytes=Affine.total(node.saved_bytes for node in costed),
+        resaved=merged_resaved(resaved, index),
     )
+
+
+def merged_resaved(entries: Iterable[tuple[int, Affine]], block: int) -> tuple[tuple[int, Affine], ...]:
+    """:attr:`Block.resaved` of block ``block`` from ``(earlier saver's block, bytes)`` entries: those of
+    earlier blocks summed per block, ascending (a saver in ``block`` itself is no re-save across a cut)."""
+    totals: dict[int, list[Affine]] = {}
+    for saver, num_bytes in entries:
+        assert saver <= block, f"block {block} re-saves a value first saved in later block {saver}"
+        if saver < block:
+            totals.setdefault(saver, []).append(num_bytes)
+    return tuple((saver, Affine.total(totals[saver])) for saver in sorted(totals))
 
 
 def build_chain(graph: CostGraph, *, max_blocks: int | None = 64, balance_rows: float = 1.0) -> CostChain:
@@ -251,7 +281,9 @@ def build_chain(graph: CostGraph, *, max_blocks: int | None = 64, balance_rows: 
             step = len(allowed) / max_blocks
             allowed = sorted({allowed[int(step * j)] for j in range(1, max_blocks)})
     bounds = [0, *(k + 1 for k in allowed), len(graph.nodes)]
-    blocks = tuple(_make_block(graph, index, first, stop) for index, (first, stop) in enumerate(itertools.pairwise(bounds)))
+    block_of = {node.name: bisect.bisect_right(bounds, position) - 1 for position, node in enumerate(graph.nodes)}
+    blocks = tuple(_make_block(graph, index, first, stop, block_of)
+                   for index, (first, stop) in enumerate(itertools.pairwise(bounds)))
     return CostChain(
         blocks=blocks,
         cut_bytes=tuple(Affine(cuts.bytes_fixed[k], cuts.bytes_per_sample[k]) for k in allowed),

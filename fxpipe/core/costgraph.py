@@ -62,7 +62,10 @@ class CostNode:
     """One node of a cost graph (an fx node or a profiled layer).
 
     ``output_bytes`` is the size of everything the node outputs (sent to consumers across a cut);
-    ``saved_bytes`` is what autograd keeps alive for backward because of this node;
+    ``saved_bytes`` is what autograd keeps alive for backward because of this node (each storage counted
+    at the first node saving it); ``resaved`` lists ``(earlier node, bytes)`` per storage this node saves
+    again after the named node (the last earlier one saving it): a stage that does not hold that node
+    receives the value as its own tensor and saves that copy (:attr:`fxpipe.core.chain.Block.resaved`);
     ``param_bytes`` counts only the parameters this node is the first user of, so a tied
     parameter is counted once in the graph's total. ``param_names`` lists every parameter the
     node uses (under the original model's names), shared ones included. Planners never cut where
@@ -82,6 +85,7 @@ class CostNode:
     param_names: tuple[str, ...] = ()
     op: str = ""
     tensor_output: bool = True  # False for ints, shapes, bools: no cut may send such a value
+    resaved: tuple[tuple[str, Affine], ...] = ()
 
 
 class CostGraphError(ValueError):
@@ -130,6 +134,14 @@ class CostGraph:
                     raise CostGraphError(f"node {node.name!r} has a non-finite {field}: {value}")
                 if value.fixed < 0 or value.per_sample < 0:
                     raise CostGraphError(f"node {node.name!r} has a negative {field}: {value}")
+            for saver, num_bytes in node.resaved:
+                if saver not in seen:
+                    raise CostGraphError(f"node {node.name!r} re-saves a value of {saver!r}, which is not an earlier "
+                                         "node; name the last earlier node that saves the same storage")
+                if not (math.isfinite(num_bytes.fixed) and math.isfinite(num_bytes.per_sample)) \
+                        or num_bytes.fixed < 0 or num_bytes.per_sample < 0:
+                    raise CostGraphError(f"node {node.name!r} re-saves {num_bytes} bytes of {saver!r}; "
+                                         "use finite non-negative sizes")
             if node.param_bytes < 0:
                 raise CostGraphError(f"node {node.name!r} has negative param_bytes {node.param_bytes}")
             if node is not self.loss:
@@ -162,6 +174,9 @@ class CostGraph:
             out: dict[str, object] = {}
             for field in dataclasses.fields(node):
                 value = getattr(node, field.name)
+                if field.name == "resaved":
+                    out[field.name] = [[saver, num_bytes.to_json()] for saver, num_bytes in value]
+                    continue
                 out[field.name] = value.to_json() if isinstance(value, Affine) else (
                     list(value) if isinstance(value, tuple) else value
                 )

@@ -28,6 +28,7 @@ def chain_to_json(chain: CostChain) -> dict[str, Any]:
                 "backward_s": block.backward_s.to_json(),
                 "param_bytes": block.param_bytes,
                 "saved_bytes": block.saved_bytes.to_json(),
+                "resaved": [[saver, num_bytes.to_json()] for saver, num_bytes in block.resaved],
             }
             for block in chain.blocks
         ],
@@ -52,6 +53,8 @@ def _block_from_json(item: Any, where: str) -> Block:
         backward_s=Affine.from_json(item["backward_s"]),
         param_bytes=read_field(item, "param_bytes", int, where),
         saved_bytes=Affine.from_json(item["saved_bytes"]),
+        resaved=tuple((saver, Affine(*num_bytes)) for saver, num_bytes in (
+            read_field(item, "resaved", tuple[tuple[int, tuple[float, float]], ...], where) if "resaved" in item else ())),
     )
 
 

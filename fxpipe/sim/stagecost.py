@@ -38,7 +38,9 @@ class StageCost:
     forward_s: float
     backward_s: float
     param_bytes: int
-    activation_bytes: float  # saved for backward, one slice (the loss's too on the last stage)
+    # saved for backward, one slice (the loss's too on the last stage; received values an earlier stage
+    # saved too included: :func:`resaved_bytes`)
+    activation_bytes: float
     input_bytes: float  # activations received for one slice (0 for stage 0 except data)
     output_bytes: float  # activations sent for one slice (0 for the last stage)
     loss_bytes: float = 0.0  # of activation_bytes, what the loss saves (last stage): kept even when recomputing
@@ -98,13 +100,23 @@ def stage_cost(chain: CostChain, first: int, stop: int, microbatch_rows: int, re
         forward_s=_block_sum(chain, first, stop, "forward_s").at(rows) * slowdown,
         backward_s=_block_sum(chain, first, stop, "backward_s").at(rows) * slowdown,
         param_bytes=stage_param_bytes(chain, first, stop),
-        activation_bytes=_block_sum(chain, first, stop, "saved_bytes").at(rows),
+        activation_bytes=(_block_sum(chain, first, stop, "saved_bytes") + resaved_bytes(chain, first, stop)).at(rows),
         input_bytes=0.0 if first == 0 else input_bytes.at(rows),
         output_bytes=0.0 if stop == chain.num_blocks else output_bytes.at(rows),
         loss_bytes=chain.loss_saved_bytes.at(rows) if stop == chain.num_blocks else 0.0,
         batch_view_bytes=_batch_views(chain, first, stop).at(rows),
         microbatch_view_bytes=_batch_views(chain, first, stop).at(microbatch_rows),
     )
+
+
+def resaved_bytes(chain: CostChain, first: int, stop: int) -> Affine:
+    """Bytes a stage over blocks ``[first, stop)`` saves of values an earlier stage saved as well.
+
+    The cost chain counts a saved storage once, in the first block saving it; a stage starting after
+    that block receives the value as its own tensor and saves its copy again (a ReLU's output that the
+    next stage's convolution saves): :attr:`fxpipe.core.chain.Block.resaved`, each storage once, memoised.
+    """
+    return block_sums(chain).resaved(first, stop)
 
 
 def _batch_views(chain: CostChain, first: int, stop: int) -> Affine:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from fxpipe.core.chain import Block, CostChain, regroup_shared_params
+from fxpipe.core.chain import Block, CostChain, merged_resaved, regroup_shared_params
 from fxpipe.core.costgraph import Affine
 
 # Above this many (blocks x parts) the exact O(parts x blocks^2) balance gives way to bisection.
@@ -122,7 +122,8 @@ def coarsen_chain(chain: CostChain, stops: Sequence[int]) -> CostChain:
     """Merge the blocks of every group ``[stops[i-1], stops[i])`` into one block."""
     blocks = []
     first = 0
-    for stop in stops:
+    group_of_block = [bisect.bisect_right(stops, block) for block in range(chain.num_blocks)]
+    for group, stop in enumerate(stops):
         members = chain.blocks[first:stop]
         blocks.append(Block(
             name=f"{members[0].name}..{members[-1].name}" if len(members) > 1 else members[0].name,
@@ -131,10 +132,11 @@ def coarsen_chain(chain: CostChain, stops: Sequence[int]) -> CostChain:
             backward_s=Affine.total(block.backward_s for block in members),
             param_bytes=sum(block.param_bytes for block in members),
             saved_bytes=Affine.total(block.saved_bytes for block in members),
+            resaved=merged_resaved(((group_of_block[saver], num_bytes) for block in members
+                                    for saver, num_bytes in block.resaved), group),
         ))
         first = stop
     cuts = tuple(chain.cut_bytes[stop - 1] for stop in stops[:-1])
-    group_of_block = [bisect.bisect_right(stops, block) for block in range(chain.num_blocks)]
     return CostChain(tuple(blocks), cuts, chain.input_bytes, chain.output_bytes, chain.source,
                      regroup_shared_params(chain.shared_params, group_of_block),
                      loss_saved_bytes=chain.loss_saved_bytes, input_saved_bytes=chain.input_saved_bytes,
