@@ -1,0 +1,170 @@
+"""Sharded stage replicas (FSDP2 ZeRO-1/2/3 inside a stage's replica group) on 4 gloo ranks: every level trains
+exactly as one process (hybrid layouts, tied weights, clipping, recompute, GPipe and early backward), AdamW
+keeps 1/r of its state per replica, and a checkpoint saved sharded loads under another level and layout."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import fxpipe
+from fxpipe import models as zoo
+from fxpipe.passes import trace
+from fxpipe.runtime.errors import PipelineSetupError
+from fxpipe.runtime.export import gathered_program
+from fxpipe.runtime.sharded_stage import full_value, local_part
+from tests.exactness_oracle import ADAM_EPS, LEARNING_RATE, mismatches, train_reference
+from tests.mp_utils import join_world, leave_world, plan_from_cuts, run_ranks
+
+MODEL = "gpt-mini"  # ties the embedding to the output head across stages
+ENTRY = zoo.get(MODEL)
+WORLD_SIZE = 4
+GLOBAL_BATCH = 12
+NUM_MICROBATCHES = 3
+NUM_STEPS = 3
+MAX_NORM = 0.05  # below every step's norm: every step clips (asserted against the reference)
+
+# (name, replicas per stage, sharding, schedule, recompute)
+CASES = (
+    ("optimizer 2:2 dapple", (2, 2), "optimizer", "dapple", "never"),
+    ("gradients 2:2 gpipe", (2, 2), "gradients", "gpipe", "never"),
+    ("parameters 3:1 dapple recompute", (3, 1), "parameters", "dapple", "always"),
+)
+
+
+def _batches() -> list[Any]:
+    return [ENTRY.make_batch(GLOBAL_BATCH, 300 + step, **ENTRY.tiny_overrides) for step in range(NUM_STEPS)]
+
+
+def _compile(replicas: tuple[int, ...], sharding: str, schedule: str, recompute: str, seed: int = 0,
+             sync_params: str = "broadcast") -> Any:
+    model, example_inputs = zoo.build(MODEL, seed=seed, **ENTRY.tiny_overrides)
+    plan = plan_from_cuts(trace(copy.deepcopy(model), example_inputs), replicas, GLOBAL_BATCH, NUM_MICROBATCHES)
+    return fxpipe.compile(model, example_inputs, loss_fn=ENTRY.loss_fn, global_batch_size=GLOBAL_BATCH, plan=plan,
+                          schedule=schedule, recompute=recompute, sharding=sharding, sync_params=sync_params)
+
+
+def _state_bytes(pipe: Any, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of this rank's AdamW moments (its shards on a sharded stage) of the untied weights (tied ones stay whole)."""
+    tied = {name for name, _ in pipe.program.tie_groups}
+    params = [param for name, param in pipe.named_parameters() if name not in tied]
+    return sum(local_part(value).numel() * value.element_size() for param in params
+               for key, value in optimizer.state[param].items() if key != "step")
+
+
+def _weights(pipe: Any) -> dict[str, torch.Tensor]:
+    """pipe.state_dict()'s parameters (whole tensors, gathered from the shards), buffers left out."""
+    names = {name for name, _ in pipe.named_parameters()}
+    return {name: tensor for name, tensor in pipe.state_dict().items() if name in names}
+
+
+def _train(pipe: Any, reference: dict[str, Any]) -> dict[str, Any]:
+    """Clipped AdamW steps; gathered gradients and final weights against the one-process reference."""
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
+    problems: list[str] = []
+    norms, losses = [], []
+    for step, (inputs, targets) in enumerate(_batches()):
+        losses.append(pipe.step(inputs, targets))
+        norms.append(float(pipe.clip_grad_norm_(MAX_NORM)))
+        grads = {name: full_value(p.grad) for name, p in pipe.named_parameters()}
+        tolerance = {"rtol": 1e-4, "atol": 1e-6} if step == 0 else {"rtol": 1e-3, "atol": 1e-6, "atol_of_largest": 1e-3}
+        problems += mismatches(f"step {step} grad", grads, reference["grads_per_step"][step], **tolerance)
+        optimizer.step()
+        optimizer.zero_grad()
+    problems += mismatches("param", _weights(pipe), reference["params"], rtol=0.0, atol=1e-4)
+    sharded = [isinstance(p, torch.distributed.tensor.DTensor) for p in pipe.parameters()]
+    return {"problems": problems, "norms": norms, "losses": losses, "optimizer": optimizer,
+            "state_bytes": _state_bytes(pipe, optimizer), "sharded": any(sharded)}
+
+
+def _exported_matches(pipe: Any, reference: dict[str, Any]) -> list[str]:
+    """pipe.export's gathering: rank 0's copy of every stage holds the trained whole tensors."""
+    program = gathered_program(pipe.driver)
+    if program is None:
+        return []
+    problems = []
+    for stage in program.stages:
+        tensors = {original: stage.module.get_parameter(path) for path, original in stage.param_names
+                   if original in reference["params"]}
+        problems += mismatches(f"exported stage {stage.stage_index}", {k: v.detach() for k, v in tensors.items()},
+                               reference["params"], rtol=0.0, atol=1e-4)
+    return problems
+
+
+def _run(rank: int, world_size: int, store_dir: str, directory: str) -> dict[str, Any]:
+    reference = train_reference(zoo.build(MODEL, **ENTRY.tiny_overrides)[0], ENTRY.loss_fn, _batches(),
+                                after_backward=lambda m: float(torch.nn.utils.clip_grad_norm_(m.parameters(), MAX_NORM)))
+    results: dict[str, Any] = {"reference_norms": reference["after_backward"]}
+    for index, (name, replicas, sharding, schedule, recompute) in enumerate(CASES):
+        join_world(store_dir, f"case-{index}", rank, world_size)
+        try:
+            pipe = _compile(replicas, sharding, schedule, recompute, sync_params="verify" if index else "broadcast")
+            record = _train(pipe, reference)
+            record["problems"] += _exported_matches(pipe, reference)
+            if index == len(CASES) - 1:  # saved sharded (ZeRO-3, 3:1)
+                pipe.save(directory, optimizer=record["optimizer"], step=NUM_STEPS)
+            record["stage"] = pipe.stage_index
+            record.pop("optimizer")
+            results[name] = record
+        finally:
+            leave_world()
+    join_world(store_dir, "unsharded", rank, world_size)  # the memory figure without sharding, same layout as case 0
+    try:
+        record = _train(_compile(CASES[0][1], "none", "dapple", "never"), reference)
+        results["none 2:2"] = {"state_bytes": record["state_bytes"], "problems": record["problems"]}
+    finally:
+        leave_world()
+    join_world(store_dir, "load", rank, world_size)  # another level and layout, other initial weights
+    try:
+        pipe = _compile((2, 2), "gradients", "dapple", "never", seed=7)
+        optimizer = torch.optim.AdamW(pipe.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
+        info = pipe.load(directory, optimizer=optimizer)
+        problems = mismatches("loaded", _weights(pipe), reference["params"], rtol=0.0, atol=1e-4)
+        steps = {float(state["step"]) for state in optimizer.state.values()}
+        results["load"] = {"problems": problems, "step": info["step"], "optimizer_steps": sorted(steps)}
+        try:
+            _compile((2, 2), "optimizer", "zero_bubble", "never")
+            results["zero_bubble"] = ""
+        except PipelineSetupError as error:
+            results["zero_bubble"] = str(error)
+    finally:
+        leave_world()
+    return results
+
+
+@pytest.mark.multiprocess
+def test_every_level_trains_exactly_saves_and_loads_across_layouts(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+    per_rank = run_ranks(_run, WORLD_SIZE, tmp_path, str(directory))
+    reference_norms = per_rank[0]["reference_norms"]
+    assert all(norm > MAX_NORM for norm in reference_norms), reference_norms
+    failures = []
+    for name, replicas, *_ in CASES:
+        records = [results[name] for results in per_rank]
+        failures += [f"{name} rank {rank}: {p}" for rank, r in enumerate(records) for p in r["problems"][:3]]
+        for rank, record in enumerate(records):
+            if not torch.allclose(torch.tensor(record["norms"]), torch.tensor(reference_norms), rtol=1e-5, atol=0.0):
+                failures.append(f"{name} rank {rank}: norms {record['norms']} != unsplit model's {reference_norms}")
+            if record["sharded"] != (replicas[record["stage"]] > 1):
+                failures.append(f"{name} rank {rank}: stage {record['stage']} sharded={record['sharded']}")
+    failures += [f"unsharded rank {rank}: {p}" for rank, r in enumerate(per_rank) for p in r["none 2:2"]["problems"][:3]]
+    for rank, results in enumerate(per_rank):  # 2:2 with ZeRO-1: each replica keeps half the moments
+        sharded, whole = results[CASES[0][0]]["state_bytes"], results["none 2:2"]["state_bytes"]
+        if abs(sharded / whole - 0.5) > 0.05 * 0.5:
+            failures.append(f"rank {rank}: AdamW state {sharded} B sharded vs {whole} B whole, want 1/2 within 5%")
+    for rank, results in enumerate(per_rank):
+        load = results["load"]
+        failures += [f"load rank {rank}: {p}" for p in load["problems"][:3]]
+        if load["step"] != NUM_STEPS or load["optimizer_steps"] != [float(NUM_STEPS)]:
+            failures.append(f"load rank {rank}: step {load['step']}, optimizer steps {load['optimizer_steps']}")
+        if "zero_bubble" not in results["zero_bubble"] or "sharded" not in results["zero_bubble"]:
+            failures.append(f"rank {rank}: zero_bubble with sharding gave {results['zero_bubble']!r}")
+    assert not failures, "\n".join(failures)
+    consolidated = fxpipe.consolidate(directory)
+    model, _ = zoo.build(MODEL, **ENTRY.tiny_overrides)
+    assert sorted(consolidated) == sorted(model.state_dict())
+    model.load_state_dict(consolidated, strict=True)
