@@ -13,6 +13,9 @@ import torch
 
 import fxpipe
 from fxpipe import models as zoo
+from fxpipe.compile_options import CompileOptions
+from fxpipe.compile_plan import apply_overrides
+from fxpipe.core.plan import Plan, StagePlan
 from fxpipe.passes import trace
 from fxpipe.runtime.errors import PipelineSetupError
 from fxpipe.runtime.export import gathered_program
@@ -27,6 +30,9 @@ GLOBAL_BATCH = 12
 NUM_MICROBATCHES = 3
 NUM_STEPS = 3
 MAX_NORM = 0.05  # below every step's norm: every step clips (asserted against the reference)
+# FSDP2's collectives per step of NUM_MICROBATCHES on a sharded rank: (all-gathers, reduce-scatters)
+COLLECTIVES = {"optimizer": (1, 1), "gradients": (1, NUM_MICROBATCHES),
+               "parameters": (2 * NUM_MICROBATCHES, NUM_MICROBATCHES)}
 
 # (name, replicas per stage, sharding, schedule, recompute)
 CASES = (
@@ -34,6 +40,60 @@ CASES = (
     ("gradients 2:2 gpipe", (2, 2), "gradients", "gpipe", "never"),
     ("parameters 3:1 dapple recompute", (3, 1), "parameters", "dapple", "always"),
 )
+
+
+def _plan(replicas: tuple[int, ...], schedule: str = "early_backward") -> Plan:
+    devices = iter(range(sum(replicas)))
+    stages = tuple(StagePlan(index, index, index + 1, count, tuple(next(devices) for _ in range(count)))
+                   for index, count in enumerate(replicas))
+    return Plan(global_batch_size=8, num_microbatches=2, stages=stages, schedule=schedule)
+
+
+def test_compile_applies_the_request_to_any_plan_and_refuses_what_cannot_run() -> None:
+    options = CompileOptions(loss_fn=None, global_batch_size=None, sharding="parameters")
+    assert [s.sharding for s in apply_overrides(_plan((2, 1)), options).stages] == ["parameters", "none"]
+    per_stage = CompileOptions(loss_fn=None, global_batch_size=None, sharding=("optimizer", "gradients"))
+    assert [s.sharding for s in apply_overrides(_plan((2, 3)), per_stage).stages] == ["optimizer", "gradients"]
+    planned = apply_overrides(_plan((2, 3)), per_stage)
+    auto = CompileOptions(loss_fn=None, global_batch_size=None, sharding="auto")  # keeps the plan's levels
+    assert apply_overrides(planned, auto) == planned
+    default = CompileOptions(loss_fn=None, global_batch_size=None)
+    assert [s.sharding for s in apply_overrides(planned, default).stages] == ["none", "none"]
+    with pytest.raises(PipelineSetupError, match="gives 1 levels"):
+        apply_overrides(_plan((2, 3)), CompileOptions(loss_fn=None, global_batch_size=None, sharding=("optimizer",)))
+    with pytest.raises(PipelineSetupError, match="schedule='dapple' or 'gpipe'"):
+        apply_overrides(_plan((2, 1), schedule="zero_bubble"), options)
+    assert apply_overrides(_plan((2, 1), schedule="zero_bubble"), default).schedule == "zero_bubble"
+
+
+def test_train_cli_parses_sharding_and_names_the_choices() -> None:
+    import argparse
+
+    from fxpipe.train_cli import add_train_arguments
+
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    assert parser.parse_args(["mlp"]).sharding == "none"
+    assert parser.parse_args(["mlp", "--sharding", "optimizer,none"]).sharding == ("optimizer", "none")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["mlp", "--sharding", "zero3"])
+
+
+_COUNTS = {"all_gather": 0, "reduce": 0}
+
+
+def _count_fsdp_collectives() -> None:
+    """Count FSDP2's all-gathers and reduce-scatters (this rank process only: its module namespace is patched)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
+
+    def counting(key: str, function: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            _COUNTS[key] += 1
+            return function(*args, **kwargs)
+        return counted
+
+    group_module.foreach_all_gather = counting("all_gather", group_module.foreach_all_gather)  # type: ignore[attr-defined]
+    group_module.foreach_reduce = counting("reduce", group_module.foreach_reduce)  # type: ignore[attr-defined]
 
 
 def _batches() -> list[Any]:
@@ -67,17 +127,24 @@ def _train(pipe: Any, reference: dict[str, Any]) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
     problems: list[str] = []
     norms, losses = [], []
+    collectives = (0, 0)
     for step, (inputs, targets) in enumerate(_batches()):
+        before = dict(_COUNTS)
         losses.append(pipe.step(inputs, targets))
+        if step == 1:  # a step after the first (which sets FSDP up)
+            collectives = (_COUNTS["all_gather"] - before["all_gather"], _COUNTS["reduce"] - before["reduce"])
         norms.append(float(pipe.clip_grad_norm_(MAX_NORM)))
         grads = {name: full_value(p.grad) for name, p in pipe.named_parameters()}
         tolerance = {"rtol": 1e-4, "atol": 1e-6} if step == 0 else {"rtol": 1e-3, "atol": 1e-6, "atol_of_largest": 1e-3}
         problems += mismatches(f"step {step} grad", grads, reference["grads_per_step"][step], **tolerance)
         optimizer.step()
         optimizer.zero_grad()
+        if step == 0:  # forward only keeps ZeRO-1/2's gathered weights unless freed: the next step would use stale ones
+            pipe.evaluate(inputs, targets)
     problems += mismatches("param", _weights(pipe), reference["params"], rtol=0.0, atol=1e-4)
     sharded = [isinstance(p, torch.distributed.tensor.DTensor) for p in pipe.parameters()]
-    return {"problems": problems, "norms": norms, "losses": losses, "optimizer": optimizer,
+    return {"problems": problems, "norms": norms, "losses": losses, "optimizer": optimizer, "collectives": collectives,
+            "levels": [stage.sharding for stage in pipe.plan.stages],
             "state_bytes": _state_bytes(pipe, optimizer), "sharded": any(sharded)}
 
 
@@ -99,6 +166,7 @@ def _run(rank: int, world_size: int, store_dir: str, directory: str) -> dict[str
     reference = train_reference(zoo.build(MODEL, **ENTRY.tiny_overrides)[0], ENTRY.loss_fn, _batches(),
                                 after_backward=lambda m: float(torch.nn.utils.clip_grad_norm_(m.parameters(), MAX_NORM)))
     results: dict[str, Any] = {"reference_norms": reference["after_backward"]}
+    _count_fsdp_collectives()
     for index, (name, replicas, sharding, schedule, recompute) in enumerate(CASES):
         join_world(store_dir, f"case-{index}", rank, world_size)
         try:
@@ -143,7 +211,7 @@ def test_every_level_trains_exactly_saves_and_loads_across_layouts(tmp_path: Pat
     reference_norms = per_rank[0]["reference_norms"]
     assert all(norm > MAX_NORM for norm in reference_norms), reference_norms
     failures = []
-    for name, replicas, *_ in CASES:
+    for name, replicas, level, *_ in CASES:
         records = [results[name] for results in per_rank]
         failures += [f"{name} rank {rank}: {p}" for rank, r in enumerate(records) for p in r["problems"][:3]]
         for rank, record in enumerate(records):
@@ -151,6 +219,12 @@ def test_every_level_trains_exactly_saves_and_loads_across_layouts(tmp_path: Pat
                 failures.append(f"{name} rank {rank}: norms {record['norms']} != unsplit model's {reference_norms}")
             if record["sharded"] != (replicas[record["stage"]] > 1):
                 failures.append(f"{name} rank {rank}: stage {record['stage']} sharded={record['sharded']}")
+            if record["levels"] != [level if count > 1 else "none" for count in replicas]:
+                failures.append(f"{name} rank {rank}: the plan records levels {record['levels']}")
+            expected = COLLECTIVES[level] if record["sharded"] else (0, 0)
+            if record["collectives"] != expected:
+                failures.append(f"{name} rank {rank}: (all-gathers, reduce-scatters) per step {record['collectives']}, "
+                                f"want {expected}")
     failures += [f"unsharded rank {rank}: {p}" for rank, r in enumerate(per_rank) for p in r["none 2:2"]["problems"][:3]]
     for rank, results in enumerate(per_rank):  # 2:2 with ZeRO-1: each replica keeps half the moments
         sharded, whole = results[CASES[0][0]]["state_bytes"], results["none 2:2"]["state_bytes"]
