@@ -201,7 +201,14 @@ class PipelinedModule:
     def measure(self, setting: MeasureSetting) -> None:
         from fxpipe.runtime.measure import MeasureMode
 
-        self.driver.measure = MeasureMode.of(setting)
+        mode = MeasureMode.of(setting)
+        sharded = [stage.stage_index for stage in self.plan.stages if stage.sharding != "none"]
+        if mode is MeasureMode.FULL and sharded:  # decided from the plan: every rank raises alike
+            raise PipelineSetupError(
+                f"pipe.measure=True counts saved activations apart from the weights, but stages {sharded} are sharded "
+                "and FSDP2's gathered weights cannot be told apart from activations; use pipe.measure='timeline' "
+                "(timeline only) or compile with sharding='none'")
+        self.driver.measure = mode
 
     def step_stats(self) -> list[StepStats]:
         """All ranks' StepStats of the last measured step (a collective: call on every rank)."""

@@ -216,7 +216,9 @@ def run_train(args: argparse.Namespace) -> int:
     leader = pipe.rank == 0
     if leader:
         print(format_plan(pipe.plan), flush=True)
-    pipe.measure = args.measure
+    # saved-activation bytes cannot be told apart from FSDP2's gathered weights: a sharded plan measures its timeline
+    sharded = any(stage.sharding != "none" for stage in pipe.plan.stages)
+    pipe.measure = "timeline" if args.measure and sharded else args.measure
     start = time.perf_counter()
     losses, stats, last_step, step_times = _train_steps(args, pipe, optimizer, batches, first_step)
     if leader and pipe.preempted and not args.checkpoint_dir:

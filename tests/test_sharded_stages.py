@@ -66,6 +66,20 @@ def test_compile_applies_the_request_to_any_plan_and_refuses_what_cannot_run() -
     assert apply_overrides(_plan((2, 1), schedule="zero_bubble"), default).schedule == "zero_bubble"
 
 
+def test_measuring_saved_activations_is_refused_on_sharded_plans() -> None:
+    from types import SimpleNamespace
+
+    from fxpipe.api import PipelinedModule
+    from fxpipe.runtime.measure import MeasureMode
+
+    sharded = apply_overrides(_plan((2, 1)), CompileOptions(loss_fn=None, global_batch_size=None, sharding="gradients"))
+    pipe = PipelinedModule(SimpleNamespace(plan=sharded, measure=MeasureMode.OFF), None)  # type: ignore[arg-type]
+    with pytest.raises(PipelineSetupError, match="measure='timeline'"):
+        pipe.measure = True
+    pipe.measure = "timeline"
+    assert pipe.measure == "timeline"
+
+
 def test_train_cli_parses_sharding_and_names_the_choices() -> None:
     import argparse
 
@@ -96,8 +110,25 @@ def _count_fsdp_collectives() -> None:
     group_module.foreach_reduce = counting("reduce", group_module.foreach_reduce)  # type: ignore[attr-defined]
 
 
-def _batches() -> list[Any]:
-    return [ENTRY.make_batch(GLOBAL_BATCH, 300 + step, **ENTRY.tiny_overrides) for step in range(NUM_STEPS)]
+def _batches(num_steps: int = NUM_STEPS) -> list[Any]:
+    return [ENTRY.make_batch(GLOBAL_BATCH, 300 + step, **ENTRY.tiny_overrides) for step in range(num_steps)]
+
+
+def _clipped(model: torch.nn.Module) -> float:
+    return float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
+
+
+def _resumed(pipe: Any, directory: str, reference: dict[str, Any]) -> dict[str, Any]:
+    """Load the checkpoint, then one more clipped step: its weights check the restored optimizer state too."""
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
+    info = pipe.load(directory, optimizer=optimizer)
+    steps = sorted({float(state["step"]) for state in optimizer.state.values()})
+    inputs, targets = _batches(NUM_STEPS + 1)[NUM_STEPS]
+    pipe.step(inputs, targets)
+    pipe.clip_grad_norm_(MAX_NORM)
+    optimizer.step()
+    problems = mismatches("resumed", _weights(pipe), reference["params"], rtol=0.0, atol=1e-4)
+    return {"problems": problems, "step": info["step"], "optimizer_steps": steps}
 
 
 def _compile(replicas: tuple[int, ...], sharding: str, schedule: str, recompute: str, seed: int = 0,
@@ -164,7 +195,9 @@ def _exported_matches(pipe: Any, reference: dict[str, Any]) -> list[str]:
 
 def _run(rank: int, world_size: int, store_dir: str, directory: str) -> dict[str, Any]:
     reference = train_reference(zoo.build(MODEL, **ENTRY.tiny_overrides)[0], ENTRY.loss_fn, _batches(),
-                                after_backward=lambda m: float(torch.nn.utils.clip_grad_norm_(m.parameters(), MAX_NORM)))
+                                after_backward=_clipped)
+    resumed = train_reference(zoo.build(MODEL, **ENTRY.tiny_overrides)[0], ENTRY.loss_fn, _batches(NUM_STEPS + 1),
+                              after_backward=_clipped)
     results: dict[str, Any] = {"reference_norms": reference["after_backward"]}
     _count_fsdp_collectives()
     for index, (name, replicas, sharding, schedule, recompute) in enumerate(CASES):
@@ -182,18 +215,16 @@ def _run(rank: int, world_size: int, store_dir: str, directory: str) -> dict[str
             leave_world()
     join_world(store_dir, "unsharded", rank, world_size)  # the memory figure without sharding, same layout as case 0
     try:
-        record = _train(_compile(CASES[0][1], "none", "dapple", "never"), reference)
+        pipe = _compile(CASES[0][1], "none", "dapple", "never")
+        record = _train(pipe, reference)
         results["none 2:2"] = {"state_bytes": record["state_bytes"], "problems": record["problems"]}
+        results["load none 2:2"] = _resumed(pipe, directory, resumed)  # saved sharded, loaded unsharded
     finally:
         leave_world()
     join_world(store_dir, "load", rank, world_size)  # another level and layout, other initial weights
     try:
-        pipe = _compile((2, 2), "gradients", "dapple", "never", seed=7)
-        optimizer = torch.optim.AdamW(pipe.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
-        info = pipe.load(directory, optimizer=optimizer)
-        problems = mismatches("loaded", _weights(pipe), reference["params"], rtol=0.0, atol=1e-4)
-        steps = {float(state["step"]) for state in optimizer.state.values()}
-        results["load"] = {"problems": problems, "step": info["step"], "optimizer_steps": sorted(steps)}
+        results["load gradients 2:2"] = _resumed(_compile((2, 2), "gradients", "dapple", "never", seed=7), directory,
+                                                 resumed)
         try:
             _compile((2, 2), "optimizer", "zero_bubble", "never")
             results["zero_bubble"] = ""
@@ -231,10 +262,11 @@ def test_every_level_trains_exactly_saves_and_loads_across_layouts(tmp_path: Pat
         if abs(sharded / whole - 0.5) > 0.05 * 0.5:
             failures.append(f"rank {rank}: AdamW state {sharded} B sharded vs {whole} B whole, want 1/2 within 5%")
     for rank, results in enumerate(per_rank):
-        load = results["load"]
-        failures += [f"load rank {rank}: {p}" for p in load["problems"][:3]]
-        if load["step"] != NUM_STEPS or load["optimizer_steps"] != [float(NUM_STEPS)]:
-            failures.append(f"load rank {rank}: step {load['step']}, optimizer steps {load['optimizer_steps']}")
+        for key in ("load none 2:2", "load gradients 2:2"):
+            load = results[key]
+            failures += [f"{key} rank {rank}: {p}" for p in load["problems"][:3]]
+            if load["step"] != NUM_STEPS or load["optimizer_steps"] != [float(NUM_STEPS)]:
+                failures.append(f"{key} rank {rank}: step {load['step']}, optimizer steps {load['optimizer_steps']}")
         if "zero_bubble" not in results["zero_bubble"] or "sharded" not in results["zero_bubble"]:
             failures.append(f"rank {rank}: zero_bubble with sharding gave {results['zero_bubble']!r}")
     assert not failures, "\n".join(failures)
