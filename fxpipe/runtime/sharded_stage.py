@@ -49,9 +49,13 @@ class ShardedCall(torch.nn.Module):
         self.recompute = recompute
 
     def forward(self, *args: Any) -> Any:
-        if self.recompute and torch.is_grad_enabled():
-            return checkpointed_call(self.stage, args)
-        return self.stage(*args)
+        if not torch.is_grad_enabled():
+            return self.stage(*args)
+        results = checkpointed_call(self.stage, args) if self.recompute else self.stage(*args)
+        # FSDP2 hooks the backward of each output; an in-place op on an output that is a view (a loss_fn's
+        # `logits /= t` on the last stage) would drop that hook and with it the gather or the reduction: copy views
+        return tuple(value.clone() if isinstance(value, torch.Tensor) and value._is_view() else value
+                     for value in results)
 
 
 class ShardedStage:
