@@ -24,6 +24,7 @@ from tests.exactness_oracle import ADAM_EPS, LEARNING_RATE, mismatches, train_re
 from tests.mp_utils import join_world, leave_world, plan_from_cuts, run_ranks
 
 MODEL = "gpt-mini"  # ties the embedding to the output head across stages
+UNTIED = "mlp"
 ENTRY = zoo.get(MODEL)
 WORLD_SIZE = 4
 GLOBAL_BATCH = 12
@@ -110,8 +111,9 @@ def _count_fsdp_collectives() -> None:
     group_module.foreach_reduce = counting("reduce", group_module.foreach_reduce)  # type: ignore[attr-defined]
 
 
-def _batches(num_steps: int = NUM_STEPS) -> list[Any]:
-    return [ENTRY.make_batch(GLOBAL_BATCH, 300 + step, **ENTRY.tiny_overrides) for step in range(num_steps)]
+def _batches(num_steps: int = NUM_STEPS, model: str = MODEL) -> list[Any]:
+    entry = zoo.get(model)
+    return [entry.make_batch(GLOBAL_BATCH, 300 + step, **entry.tiny_overrides) for step in range(num_steps)]
 
 
 def _clipped(model: torch.nn.Module) -> float:
@@ -132,10 +134,11 @@ def _resumed(pipe: Any, directory: str, reference: dict[str, Any]) -> dict[str, 
 
 
 def _compile(replicas: tuple[int, ...], sharding: str, schedule: str, recompute: str, seed: int = 0,
-             sync_params: str = "broadcast") -> Any:
-    model, example_inputs = zoo.build(MODEL, seed=seed, **ENTRY.tiny_overrides)
+             sync_params: str = "broadcast", model_name: str = MODEL) -> Any:
+    entry = zoo.get(model_name)
+    model, example_inputs = zoo.build(model_name, seed=seed, **entry.tiny_overrides)
     plan = plan_from_cuts(trace(copy.deepcopy(model), example_inputs), replicas, GLOBAL_BATCH, NUM_MICROBATCHES)
-    return fxpipe.compile(model, example_inputs, loss_fn=ENTRY.loss_fn, global_batch_size=GLOBAL_BATCH, plan=plan,
+    return fxpipe.compile(model, example_inputs, loss_fn=entry.loss_fn, global_batch_size=GLOBAL_BATCH, plan=plan,
                           schedule=schedule, recompute=recompute, sharding=sharding, sync_params=sync_params)
 
 
@@ -153,13 +156,13 @@ def _weights(pipe: Any) -> dict[str, torch.Tensor]:
     return {name: tensor for name, tensor in pipe.state_dict().items() if name in names}
 
 
-def _train(pipe: Any, reference: dict[str, Any]) -> dict[str, Any]:
+def _train(pipe: Any, reference: dict[str, Any], model: str = MODEL) -> dict[str, Any]:
     """Clipped AdamW steps; gathered gradients and final weights against the one-process reference."""
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
     problems: list[str] = []
     norms, losses = [], []
     collectives = (0, 0)
-    for step, (inputs, targets) in enumerate(_batches()):
+    for step, (inputs, targets) in enumerate(_batches(model=model)):
         before = dict(_COUNTS)
         losses.append(pipe.step(inputs, targets))
         if step == 1:  # a step after the first (which sets FSDP up)
@@ -213,6 +216,16 @@ def _run(rank: int, world_size: int, store_dir: str, directory: str) -> dict[str
             results[name] = record
         finally:
             leave_world()
+    join_world(store_dir, "untied", rank, world_size)  # no tied weight: every parameter sharded, FSDP accumulates
+    try:
+        untied = train_reference(zoo.build(UNTIED, **zoo.get(UNTIED).tiny_overrides)[0], zoo.get(UNTIED).loss_fn,
+                                 _batches(model=UNTIED), after_backward=_clipped)
+        pipe = _compile((2, 2), "optimizer", "gpipe", "never", model_name=UNTIED)
+        record = _train(pipe, untied, UNTIED)
+        results["untied"] = {"problems": record["problems"], "norms": record["norms"],
+                             "reference_norms": untied["after_backward"], "sharded": record["sharded"]}
+    finally:
+        leave_world()
     join_world(store_dir, "unsharded", rank, world_size)  # the memory figure without sharding, same layout as case 0
     try:
         pipe = _compile(CASES[0][1], "none", "dapple", "never")
@@ -256,6 +269,13 @@ def test_every_level_trains_exactly_saves_and_loads_across_layouts(tmp_path: Pat
             if record["collectives"] != expected:
                 failures.append(f"{name} rank {rank}: (all-gathers, reduce-scatters) per step {record['collectives']}, "
                                 f"want {expected}")
+    for rank, results in enumerate(per_rank):
+        untied = results["untied"]
+        failures += [f"untied rank {rank}: {p}" for p in untied["problems"][:3]]
+        if not (untied["sharded"] and all(norm > MAX_NORM for norm in untied["reference_norms"])
+                and torch.allclose(torch.tensor(untied["norms"]), torch.tensor(untied["reference_norms"]), rtol=1e-5)):
+            failures.append(f"untied rank {rank}: sharded {untied['sharded']}, norms {untied['norms']} vs "
+                            f"{untied['reference_norms']} (every step must clip)")
     failures += [f"unsharded rank {rank}: {p}" for rank, r in enumerate(per_rank) for p in r["none 2:2"]["problems"][:3]]
     for rank, results in enumerate(per_rank):  # 2:2 with ZeRO-1: each replica keeps half the moments
         sharded, whole = results[CASES[0][0]]["state_bytes"], results["none 2:2"]["state_bytes"]
