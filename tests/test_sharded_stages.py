@@ -4,7 +4,9 @@ keeps 1/r of its state per replica, and a checkpoint saved sharded loads under a
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -196,6 +198,32 @@ def _exported_matches(pipe: Any, reference: dict[str, Any]) -> list[str]:
     return problems
 
 
+@contextlib.contextmanager
+def _world(store_dir: str, name: str, rank: int, world_size: int) -> Iterator[None]:
+    join_world(store_dir, name, rank, world_size)
+    try:
+        yield
+    finally:
+        leave_world()
+
+
+def _run_cases(rank: int, world_size: int, store_dir: str, directory: str,
+               reference: dict[str, Any]) -> dict[str, Any]:
+    """Every CASE against the one-process reference; the last one saves its checkpoint (ZeRO-3, 3:1)."""
+    results = {}
+    for index, (name, replicas, sharding, schedule, recompute) in enumerate(CASES):
+        with _world(store_dir, f"case-{index}", rank, world_size):
+            pipe = _compile(replicas, sharding, schedule, recompute, sync_params="verify" if index else "broadcast")
+            record = _train(pipe, reference)
+            record["problems"] += _exported_matches(pipe, reference)
+            if index == len(CASES) - 1:
+                pipe.save(directory, optimizer=record["optimizer"], step=NUM_STEPS)
+            record["stage"] = pipe.stage_index
+            record.pop("optimizer")
+            results[name] = record
+    return results
+
+
 def _run(rank: int, world_size: int, store_dir: str, directory: str) -> dict[str, Any]:
     reference = train_reference(zoo.build(MODEL, **ENTRY.tiny_overrides)[0], ENTRY.loss_fn, _batches(),
                                 after_backward=_clipped)
@@ -203,62 +231,37 @@ def _run(rank: int, world_size: int, store_dir: str, directory: str) -> dict[str
                               after_backward=_clipped)
     results: dict[str, Any] = {"reference_norms": reference["after_backward"]}
     _count_fsdp_collectives()
-    for index, (name, replicas, sharding, schedule, recompute) in enumerate(CASES):
-        join_world(store_dir, f"case-{index}", rank, world_size)
-        try:
-            pipe = _compile(replicas, sharding, schedule, recompute, sync_params="verify" if index else "broadcast")
-            record = _train(pipe, reference)
-            record["problems"] += _exported_matches(pipe, reference)
-            if index == len(CASES) - 1:  # saved sharded (ZeRO-3, 3:1)
-                pipe.save(directory, optimizer=record["optimizer"], step=NUM_STEPS)
-            record["stage"] = pipe.stage_index
-            record.pop("optimizer")
-            results[name] = record
-        finally:
-            leave_world()
-    join_world(store_dir, "untied", rank, world_size)  # no tied weight: every parameter sharded, FSDP accumulates
-    try:
+    results.update(_run_cases(rank, world_size, store_dir, directory, reference))
+    with _world(store_dir, "untied", rank, world_size):  # no tied weight: every parameter sharded, FSDP accumulates
         untied = train_reference(zoo.build(UNTIED, **zoo.get(UNTIED).tiny_overrides)[0], zoo.get(UNTIED).loss_fn,
                                  _batches(model=UNTIED), after_backward=_clipped)
-        pipe = _compile((2, 2), "optimizer", "gpipe", "never", model_name=UNTIED)
-        record = _train(pipe, untied, UNTIED)
+        record = _train(_compile((2, 2), "optimizer", "gpipe", "never", model_name=UNTIED), untied, UNTIED)
         results["untied"] = {"problems": record["problems"], "norms": record["norms"],
                              "reference_norms": untied["after_backward"], "sharded": record["sharded"]}
-    finally:
-        leave_world()
-    join_world(store_dir, "unsharded", rank, world_size)  # the memory figure without sharding, same layout as case 0
-    try:
+    with _world(store_dir, "unsharded", rank, world_size):  # the memory figure without sharding, as case 0
         pipe = _compile(CASES[0][1], "none", "dapple", "never")
         record = _train(pipe, reference)
         results["none 2:2"] = {"state_bytes": record["state_bytes"], "problems": record["problems"]}
         results["load none 2:2"] = _resumed(pipe, directory, resumed)  # saved sharded, loaded unsharded
-    finally:
-        leave_world()
-    join_world(store_dir, "load", rank, world_size)  # another level and layout, other initial weights
-    try:
-        results["load gradients 2:2"] = _resumed(_compile((2, 2), "gradients", "dapple", "never", seed=7), directory,
-                                                 resumed)
+    with _world(store_dir, "load", rank, world_size):  # another level and layout, other initial weights
+        pipe = _compile((2, 2), "gradients", "dapple", "never", seed=7)
+        results["load gradients 2:2"] = _resumed(pipe, directory, resumed)
         try:
             _compile((2, 2), "optimizer", "zero_bubble", "never")
             results["zero_bubble"] = ""
         except PipelineSetupError as error:
             results["zero_bubble"] = str(error)
-    finally:
-        leave_world()
     return results
 
 
-@pytest.mark.multiprocess
-def test_every_level_trains_exactly_saves_and_loads_across_layouts(tmp_path: Path) -> None:
-    directory = tmp_path / "ckpt"
-    per_rank = run_ranks(_run, WORLD_SIZE, tmp_path, str(directory))
+def _case_failures(per_rank: list[dict[str, Any]]) -> list[str]:
+    """Every CASE on every rank: gradients and weights, clipped norms, what is sharded, the plan's levels,
+    FSDP2's collectives per step."""
     reference_norms = per_rank[0]["reference_norms"]
-    assert all(norm > MAX_NORM for norm in reference_norms), reference_norms
     failures = []
     for name, replicas, level, *_ in CASES:
-        records = [results[name] for results in per_rank]
-        failures += [f"{name} rank {rank}: {p}" for rank, r in enumerate(records) for p in r["problems"][:3]]
-        for rank, record in enumerate(records):
+        for rank, record in enumerate(results[name] for results in per_rank):
+            failures += [f"{name} rank {rank}: {p}" for p in record["problems"][:3]]
             if not torch.allclose(torch.tensor(record["norms"]), torch.tensor(reference_norms), rtol=1e-5, atol=0.0):
                 failures.append(f"{name} rank {rank}: norms {record['norms']} != unsplit model's {reference_norms}")
             if record["sharded"] != (replicas[record["stage"]] > 1):
@@ -269,28 +272,45 @@ def test_every_level_trains_exactly_saves_and_loads_across_layouts(tmp_path: Pat
             if record["collectives"] != expected:
                 failures.append(f"{name} rank {rank}: (all-gathers, reduce-scatters) per step {record['collectives']}, "
                                 f"want {expected}")
+    return failures
+
+
+def _other_failures(rank: int, results: dict[str, Any]) -> list[str]:
+    """One rank's untied run, memory figure, resumed checkpoints and zero-bubble refusal."""
+    untied = results["untied"]
+    failures = [f"untied rank {rank}: {p}" for p in untied["problems"][:3]]
+    if not (untied["sharded"] and all(norm > MAX_NORM for norm in untied["reference_norms"])
+            and torch.allclose(torch.tensor(untied["norms"]), torch.tensor(untied["reference_norms"]), rtol=1e-5)):
+        failures.append(f"untied rank {rank}: sharded {untied['sharded']}, norms {untied['norms']} vs "
+                        f"{untied['reference_norms']} (every step must clip)")
+    failures += [f"unsharded rank {rank}: {p}" for p in results["none 2:2"]["problems"][:3]]
+    sharded, whole = results[CASES[0][0]]["state_bytes"], results["none 2:2"]["state_bytes"]
+    if abs(sharded / whole - 0.5) > 0.05 * 0.5:  # 2:2 under ZeRO-1: each replica keeps half the moments
+        failures.append(f"rank {rank}: AdamW state {sharded} B sharded vs {whole} B whole, want 1/2 within 5%")
+    for key in ("load none 2:2", "load gradients 2:2"):
+        load = results[key]
+        failures += [f"{key} rank {rank}: {p}" for p in load["problems"][:3]]
+        if load["step"] != NUM_STEPS or load["optimizer_steps"] != [float(NUM_STEPS)]:
+            failures.append(f"{key} rank {rank}: step {load['step']}, optimizer steps {load['optimizer_steps']}")
+    if "zero_bubble" not in results["zero_bubble"] or "sharded" not in results["zero_bubble"]:
+        failures.append(f"rank {rank}: zero_bubble with sharding gave {results['zero_bubble']!r}")
+    return failures
+
+
+@pytest.mark.multiprocess
+def test_every_level_trains_exactly_saves_and_loads_across_layouts(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+    per_rank = run_ranks(_run, WORLD_SIZE, tmp_path, str(directory))
+    reference_norms = per_rank[0]["reference_norms"]
+    assert all(norm > MAX_NORM for norm in reference_norms), reference_norms
+    failures = _case_failures(per_rank)
     for rank, results in enumerate(per_rank):
-        untied = results["untied"]
-        failures += [f"untied rank {rank}: {p}" for p in untied["problems"][:3]]
-        if not (untied["sharded"] and all(norm > MAX_NORM for norm in untied["reference_norms"])
-                and torch.allclose(torch.tensor(untied["norms"]), torch.tensor(untied["reference_norms"]), rtol=1e-5)):
-            failures.append(f"untied rank {rank}: sharded {untied['sharded']}, norms {untied['norms']} vs "
-                            f"{untied['reference_norms']} (every step must clip)")
-    failures += [f"unsharded rank {rank}: {p}" for rank, r in enumerate(per_rank) for p in r["none 2:2"]["problems"][:3]]
-    for rank, results in enumerate(per_rank):  # 2:2 with ZeRO-1: each replica keeps half the moments
-        sharded, whole = results[CASES[0][0]]["state_bytes"], results["none 2:2"]["state_bytes"]
-        if abs(sharded / whole - 0.5) > 0.05 * 0.5:
-            failures.append(f"rank {rank}: AdamW state {sharded} B sharded vs {whole} B whole, want 1/2 within 5%")
-    for rank, results in enumerate(per_rank):
-        for key in ("load none 2:2", "load gradients 2:2"):
-            load = results[key]
-            failures += [f"{key} rank {rank}: {p}" for p in load["problems"][:3]]
-            if load["step"] != NUM_STEPS or load["optimizer_steps"] != [float(NUM_STEPS)]:
-                failures.append(f"{key} rank {rank}: step {load['step']}, optimizer steps {load['optimizer_steps']}")
-        if "zero_bubble" not in results["zero_bubble"] or "sharded" not in results["zero_bubble"]:
-            failures.append(f"rank {rank}: zero_bubble with sharding gave {results['zero_bubble']!r}")
+        failures += _other_failures(rank, results)
     assert not failures, "\n".join(failures)
-    consolidated = fxpipe.consolidate(directory)
+    consolidated = fxpipe.consolidate(directory)  # offline, one process: the unsplit model's trained weights
     model, _ = zoo.build(MODEL, **ENTRY.tiny_overrides)
     assert sorted(consolidated) == sorted(model.state_dict())
     model.load_state_dict(consolidated, strict=True)
+    trained = train_reference(zoo.build(MODEL, **ENTRY.tiny_overrides)[0], ENTRY.loss_fn, _batches(),
+                              after_backward=_clipped)["params"]
+    assert not mismatches("consolidated", {name: consolidated[name] for name in trained}, trained, rtol=0.0, atol=1e-4)
