@@ -267,7 +267,8 @@ def _train_steps(args: argparse.Namespace, pipe: Any, optimizer: torch.optim.Opt
         if args.measure:
             stats = pipe.step_stats()  # a collective: every rank takes part
         if progress is not None:
-            memory = _stage_memory(stats) if stats else ""
+            # a timeline-only step (a sharded plan's --measure) has no saved-activation peaks to show
+            memory = _stage_memory(stats) if stats and stats[0].peak_activation_bytes is not None else ""
             progress.set_postfix_str(f"loss {loss:.3f} {args.global_batch / step_time:.0f} samples/s {memory}")
             progress.update(1)
         last_step = step + 1
