@@ -57,10 +57,15 @@ def apply_overrides(plan: Plan, options: CompileOptions) -> Plan:
     if options.warmup_policy is not None:
         changes["warmup_policy"] = options.warmup_policy
     plan = force_recompute(plan.with_updates(**changes) if changes else plan, options.recompute)
+    levels = [stage.sharding for stage in plan.stages]
     try:
         plan = force_sharding(plan, options.sharding)
     except ShardingError as error:
         raise PipelineSetupError(str(error)) from None
+    if options.sharding == "none" and any(level != "none" for level in levels):
+        warnings.warn(f"fxpipe: the plan shards its stages ({levels}) but sharding='none' (the default) replaces "
+                      "them; pass sharding='auto' (`--sharding auto`) to run the plan's levels", RuntimeWarning,
+                      stacklevel=3)
     check_sharded_schedule(plan)
     return plan
 

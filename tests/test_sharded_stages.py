@@ -61,7 +61,8 @@ def test_compile_applies_the_request_to_any_plan_and_refuses_what_cannot_run() -
     auto = CompileOptions(loss_fn=None, global_batch_size=None, sharding="auto")  # keeps the plan's levels
     assert apply_overrides(planned, auto) == planned
     default = CompileOptions(loss_fn=None, global_batch_size=None)
-    assert [s.sharding for s in apply_overrides(planned, default).stages] == ["none", "none"]
+    with pytest.warns(RuntimeWarning, match="sharding='auto'"):  # a plan file's levels replaced by the default
+        assert [s.sharding for s in apply_overrides(planned, default).stages] == ["none", "none"]
     with pytest.raises(PipelineSetupError, match="gives 1 levels"):
         apply_overrides(_plan((2, 3)), CompileOptions(loss_fn=None, global_batch_size=None, sharding=("optimizer",)))
     with pytest.raises(PipelineSetupError, match="schedule='dapple' or 'gpipe'"):
