@@ -27,6 +27,7 @@ from tests.mp_utils import join_world, leave_world, plan_from_cuts, run_ranks
 
 MODEL = "gpt-mini"  # ties the embedding to the output head across stages
 UNTIED = "mlp"
+UNTIED_CASES = (((2, 2), "optimizer"), ((4,), "parameters"))  # (replicas, sharding), under GPipe
 ENTRY = zoo.get(MODEL)
 WORLD_SIZE = 4
 GLOBAL_BATCH = 12
@@ -233,12 +234,16 @@ def _run(rank: int, world_size: int, store_dir: str, directory: str) -> dict[str
     results: dict[str, Any] = {"reference_norms": reference["after_backward"]}
     _count_fsdp_collectives()
     results.update(_run_cases(rank, world_size, store_dir, directory, reference))
-    with _world(store_dir, "untied", rank, world_size):  # no tied weight: every parameter sharded, FSDP accumulates
-        untied = train_reference(zoo.build(UNTIED, **zoo.get(UNTIED).tiny_overrides)[0], zoo.get(UNTIED).loss_fn,
-                                 _batches(model=UNTIED), after_backward=_clipped)
-        record = _train(_compile((2, 2), "optimizer", "gpipe", "never", model_name=UNTIED), untied, UNTIED)
-        results["untied"] = {"problems": record["problems"], "norms": record["norms"],
-                             "reference_norms": untied["after_backward"], "sharded": record["sharded"]}
+    untied = train_reference(zoo.build(UNTIED, **zoo.get(UNTIED).tiny_overrides)[0], zoo.get(UNTIED).loss_fn,
+                             _batches(model=UNTIED), after_backward=_clipped)
+    for replicas, level in UNTIED_CASES:  # no tied weight: every parameter sharded, FSDP accumulating on its own
+        with _world(store_dir, f"untied-{level}", rank, world_size):
+            pipe = _compile(replicas, level, "gpipe", "never", model_name=UNTIED)
+            record = _train(pipe, untied, UNTIED)
+            pipe.step(*_batches(model=UNTIED)[0])  # export while the shards hold gradients (weights unchanged)
+            results[f"untied {level}"] = {"problems": record["problems"] + _exported_matches(pipe, untied),
+                                          "norms": record["norms"], "reference_norms": untied["after_backward"],
+                                          "sharded": record["sharded"]}
     with _world(store_dir, "unsharded", rank, world_size):  # the memory figure without sharding, as case 0
         pipe = _compile(CASES[0][1], "none", "dapple", "never")
         record = _train(pipe, reference)
@@ -278,12 +283,14 @@ def _case_failures(per_rank: list[dict[str, Any]]) -> list[str]:
 
 def _other_failures(rank: int, results: dict[str, Any]) -> list[str]:
     """One rank's untied run, memory figure, resumed checkpoints and zero-bubble refusal."""
-    untied = results["untied"]
-    failures = [f"untied rank {rank}: {p}" for p in untied["problems"][:3]]
-    if not (untied["sharded"] and all(norm > MAX_NORM for norm in untied["reference_norms"])
-            and torch.allclose(torch.tensor(untied["norms"]), torch.tensor(untied["reference_norms"]), rtol=1e-5)):
-        failures.append(f"untied rank {rank}: sharded {untied['sharded']}, norms {untied['norms']} vs "
-                        f"{untied['reference_norms']} (every step must clip)")
+    failures = []
+    for _, level in UNTIED_CASES:
+        untied = results[f"untied {level}"]
+        failures += [f"untied {level} rank {rank}: {p}" for p in untied["problems"][:3]]
+        if not (untied["sharded"] and all(norm > MAX_NORM for norm in untied["reference_norms"])
+                and torch.allclose(torch.tensor(untied["norms"]), torch.tensor(untied["reference_norms"]), rtol=1e-5)):
+            failures.append(f"untied {level} rank {rank}: sharded {untied['sharded']}, norms {untied['norms']} vs "
+                            f"{untied['reference_norms']} (every step must clip)")
     failures += [f"unsharded rank {rank}: {p}" for p in results["none 2:2"]["problems"][:3]]
     sharded, whole = results[CASES[0][0]]["state_bytes"], results["none 2:2"]["state_bytes"]
     if abs(sharded / whole - 0.5) > 0.05 * 0.5:  # 2:2 under ZeRO-1: each replica keeps half the moments

@@ -134,12 +134,11 @@ def copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
 
 
 def plain_copy(module: torch.nn.Module) -> torch.nn.Module:
-    """A deep copy of a stage module whose sharded parameters are plain, uninitialised ones of the full shape
-    (for export: the caller fills every tensor with the gathered values)."""
-    copied = copy.deepcopy(module)
-    for owner in copied.modules():
-        for name, param in list(owner._parameters.items()):
-            if isinstance(param, DTensor):
-                owner._parameters[name] = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype),
-                                                             requires_grad=param.requires_grad)
-    return copied
+    """A deep copy of a stage module whose parameters are plain, uninitialised ones of the full shape (for
+    export: the caller fills every tensor with the gathered values). The live parameters are never copied:
+    a sharded one's storage belongs to FSDP2."""
+    memo: dict[int, Any] = {}
+    for param in module.parameters():
+        memo[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=param.device),
+                                             requires_grad=param.requires_grad)
+    return copy.deepcopy(module, memo)
