@@ -117,7 +117,7 @@ class PipelineDriver:
         self.measure = MeasureMode.OFF  # what each step records in last_stats (see MeasureMode)
         self.last_stats: StepStats | None = None
         self._meter: SavedActivationMeter | None = None
-        self.sharded: ShardedStage | None = None  # FSDP2 replicas (fxpipe.runtime.sharded_stage.shard_stage)
+        self.sharded: ShardedStage | None = None  # FSDP2 replicas (shard_stage, fxpipe.runtime.sharded_stage)
 
     # ---- setup ---------------------------------------------------------------------------------
 
@@ -155,9 +155,9 @@ class PipelineDriver:
         replica_group = self.groups[self.stage_index]
         if stage_plan.sharding == "none" or replica_group is None:
             return
-        tied = {name for name, _ in self.program.tie_groups}
+        tied = {name for name, _ in self.program.tie_groups}  # under any of a parameter's names
         self.sharded = ShardedStage(self.runner.module, stage_plan.sharding, replica_group, self.context.device,
-                                    stage_plan.recompute, [p for name, p in self._own_params if name in tied])
+                                    stage_plan.recompute, [p for name, p in self.runner.parameters() if name in tied])
         self.runner.call = self.sharded
         if self.overlap is not None:
             self.overlap.remove()
@@ -166,6 +166,8 @@ class PipelineDriver:
         self._own_params = unique_params(self.runner.parameters())
         self._param_list = [param for _, param in self._own_params]
         self._stashes = bool(self.reduce_sets) or self.runner.loss_reduction == "token_mean"
+        live = {id(param) for param in self._param_list}  # the tied sets' parameters were left whole, not replaced
+        assert all(id(p) in live for _, params in self.reduce_sets for p in params), "a reduced parameter was sharded"
 
     # ---- the step ------------------------------------------------------------------------------
 
