@@ -287,14 +287,15 @@ def load_checkpoint(pipe: CheckpointablePipe, directory: str | Path, *, optimize
     rank = dist.get_rank()
     state.update(_empty_entries(stored, f"{RNG_PREFIX}{rank}/"))
     _dcp_call(lambda: dcp.load(state, storage_reader=reader), f"load checkpoint {str(directory)!r}")
-    # state_dict() gathered a sharded stage's weights into new tensors: each rank copies its shard back
-    pipe.load_state_dict({key[len(MODEL_PREFIX):]: value for key, value in state.items() if key.startswith(MODEL_PREFIX)})
-    _collectively(lambda: _restore(optimizer, names, state, rank), f"restore checkpoint {str(directory)!r}")
+    _collectively(lambda: _restore(pipe, optimizer, names, state, rank), f"restore checkpoint {str(directory)!r}")
     return {"step": int(manifest["step"]), "extra": manifest["extra"]}
 
 
-def _restore(optimizer: torch.optim.Optimizer | None, names: list[str], state: Mapping[str, torch.Tensor],
-             rank: int) -> None:
+def _restore(pipe: CheckpointablePipe, optimizer: torch.optim.Optimizer | None, names: list[str],
+             state: Mapping[str, torch.Tensor], rank: int) -> None:
+    # DCP loaded into state_dict()'s tensors: views of the weights, or gathered copies of a sharded stage's,
+    # whose shards each rank copies back here (no collective)
+    pipe.load_state_dict({key[len(MODEL_PREFIX):]: value for key, value in state.items() if key.startswith(MODEL_PREFIX)})
     if optimizer is not None:
         _restore_optimizer(optimizer, names, state)
     _restore_rng(state, rank)

@@ -42,9 +42,9 @@ def gathered_program(driver: PipelineDriver) -> SplitProgram | None:
     with original_layers(module):  # batch_norm="deferred"/"sync" layers: the model's own ones, same tensors
         mine: StageState | None = None
         # every replica gathers a sharded stage's weights (a collective over them); the first one sends
-        tensors = {k: full_value(v).cpu() for k, v in _module_tensors(module, driver.stage.param_names).items()}
+        tensors = {k: full_value(v) for k, v in _module_tensors(module, driver.stage.param_names).items()}
         if driver.replica_index == 0:
-            mine = (driver.stage_index, module.training, tensors)
+            mine = (driver.stage_index, module.training, {k: v.cpu() for k, v in tensors.items()})
         gathered: list[StageState | None] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         if driver.rank != 0:
