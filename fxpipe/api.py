@@ -30,7 +30,9 @@ class PipelinedModule:
 
     Every rank calls ``step(inputs, targets)`` with the same global batch and gets the same loss.
     ``parameters()``/``named_parameters()``/``state_dict()`` cover this rank's stage only and use the
-    original model's names, so ``torch.optim.AdamW(pipe.parameters())`` is this rank's optimizer.
+    original model's names, so ``torch.optim.AdamW(pipe.parameters())`` is this rank's optimizer. On a
+    sharded stage (``sharding``, docs/sharding.md) ``parameters()`` yields this rank's DTensor shards and
+    ``state_dict()`` whole tensors.
     """
 
     def __init__(self, driver: PipelineDriver, graph_module: torch.fx.GraphModule) -> None:
