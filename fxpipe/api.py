@@ -16,6 +16,7 @@ from fxpipe.core import meta
 from fxpipe.core.cluster import Cluster
 from fxpipe.core.plan import Plan
 from fxpipe.core.recompute import parse_recompute
+from fxpipe.core.sharding import ShardingError, check_request
 from fxpipe.runtime.errors import PipelineSetupError
 
 if TYPE_CHECKING:
@@ -29,7 +30,9 @@ class PipelinedModule:
 
     Every rank calls ``step(inputs, targets)`` with the same global batch and gets the same loss.
     ``parameters()``/``named_parameters()``/``state_dict()`` cover this rank's stage only and use the
-    original model's names, so ``torch.optim.AdamW(pipe.parameters())`` is this rank's optimizer.
+    original model's names, so ``torch.optim.AdamW(pipe.parameters())`` is this rank's optimizer. On a
+    sharded stage (``sharding``, docs/sharding.md) ``parameters()`` yields this rank's DTensor shards and
+    ``state_dict()`` whole tensors.
     """
 
     def __init__(self, driver: PipelineDriver, graph_module: torch.fx.GraphModule) -> None:
@@ -134,7 +137,17 @@ class PipelinedModule:
         return clip_grad_norm(self.driver, list(self.named_parameters()), max_norm, norm_type, error_if_nonfinite)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Parameters and buffers of this rank's stage under their original names (detached)."""
+        """Parameters and buffers of this rank's stage under their original names (detached), whole tensors.
+
+        A sharded stage's parameters are gathered (``DTensor.full_tensor``): a collective over the stage's
+        replicas, so every rank calls it (as ``save`` does).
+        """
+        from fxpipe.runtime.sharded_stage import full_value
+
+        return {name: full_value(tensor) for name, tensor in self._stage_tensors().items()}
+
+    def _stage_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters (shards on a sharded stage) and buffers by original name, every alias."""
         module = self.driver.runner.module
         state = {}
         for path, original in self.driver.stage.param_names:
@@ -142,18 +155,20 @@ class PipelinedModule:
             owner = module.get_submodule(owner_path) if owner_path else module
             value = getattr(owner, attribute)
             if isinstance(value, torch.Tensor):
-                state[original] = value.detach()
+                state[original] = value
         return state
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Copy the entries this stage holds from a full (or partial) state dict keyed by original names."""
-        own = self.state_dict()
+        """Copy the entries this stage holds from a full (or partial) state dict keyed by original names
+        (into a sharded stage: each rank its shard of each whole tensor)."""
+        from fxpipe.runtime.sharded_stage import copy_full_into
+
+        own = self._stage_tensors()
         missing = sorted(set(own) - set(state))
         if missing:
             raise KeyError(f"state dict lacks {missing} held by stage {self.stage_index}")
-        with torch.no_grad():
-            for name, tensor in own.items():
-                tensor.copy_(state[name])
+        for name, tensor in own.items():
+            copy_full_into(tensor, state[name])
 
     def train(self, mode: bool = True) -> PipelinedModule:
         self.driver.runner.module.train(mode)
@@ -190,7 +205,14 @@ class PipelinedModule:
     def measure(self, setting: MeasureSetting) -> None:
         from fxpipe.runtime.measure import MeasureMode
 
-        self.driver.measure = MeasureMode.of(setting)
+        mode = MeasureMode.of(setting)
+        sharded = [stage.stage_index for stage in self.plan.stages if stage.sharding != "none"]
+        if mode is MeasureMode.FULL and sharded:  # decided from the plan: every rank raises alike
+            raise PipelineSetupError(
+                f"pipe.measure=True counts saved activations apart from the weights, but stages {sharded} are sharded "
+                "and FSDP2's gathered weights cannot be told apart from activations; use pipe.measure='timeline' "
+                "(timeline only) or compile with sharding='none'")
+        self.driver.measure = mode
 
     def step_stats(self) -> list[StepStats]:
         """All ranks' StepStats of the last measured step (a collective: call on every rank)."""
@@ -244,7 +266,7 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
             loss_reduction: str = "auto", batch_norm: str = "microbatch",
             batch_dims: int | Mapping[str, int] | None = None, target_batch_dim: int | None = None,
             recompute: str | Sequence[bool | str] = "auto", costs: str = "auto", check_rows: bool = True,
-            stall_timeout_s: float = 5.0) -> Any:
+            stall_timeout_s: float = 5.0, sharding: str | Sequence[str] = "none") -> Any:
     """Pipeline ``model`` over the process group's ranks; returns a :class:`PipelinedModule`.
 
     ``plan``: ``"auto"`` (DAPPLE planner on ``cluster``, default ``local:<world size>``), a layout such as
@@ -267,7 +289,10 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
     dim 0, and an input whose batch size also sits in another dim the model can grow is refused as
     ambiguous. See docs/exactness.md. ``recompute``: ``"auto"`` (the planner recomputes a stage's
     activations in backward only where keeping them does not fit), ``"never"``, ``"always"``, or one
-    ``"keep"``/``"recompute"`` per stage. ``costs``: where the planner's block times come from: ``"auto"``
+    ``"keep"``/``"recompute"`` per stage. ``sharding``: what a stage's replicas split among themselves (ZeRO
+    inside the replica group, through FSDP2; docs/sharding.md): ``"none"``, ``"optimizer"``, ``"gradients"``,
+    ``"parameters"``, one level per stage, or ``"auto"`` (the plan's levels: a plan file's, or the planner's).
+    ``costs``: where the planner's block times come from: ``"auto"``
     (measured by every rank at once for the launched devices, analytic for a ``cluster`` naming other
     devices; ``$FXPIPE_COSTS`` overrides), ``"measured"`` or ``"analytic"`` (no measuring). ``check_rows``:
     when the plan splits the batch (micro-batches or replicas), run the model in eval mode on the example
@@ -283,7 +308,8 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
                              cluster, optimizer, autocast_dtype, timeout_s, sync_params=sync_params,
                              check_batch=check_batch, loss_reduction=loss_reduction, batch_norm=batch_norm,
                              batch_dims=batch_dims, target_batch_dim=target_batch_dim, recompute=recompute,
-                             costs=costs, check_rows=check_rows, stall_timeout_s=stall_timeout_s)
+                             costs=costs, check_rows=check_rows, stall_timeout_s=stall_timeout_s,
+                             sharding=sharding)
     if model is None:
         return functools.partial(_wrap_factory, options=options)
     if isinstance(model, torch.nn.Module):
@@ -339,6 +365,10 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
             check_batch_mode(options.check_batch)
             target_dim = resolve_target_dim(options.batch_dims, options.target_batch_dim)
             parse_recompute(options.recompute)
+            try:
+                check_request(options.sharding)
+            except ShardingError as error:
+                raise PipelineSetupError(str(error)) from None
             if not options.stall_timeout_s > 0:
                 raise PipelineSetupError(f"stall_timeout_s={options.stall_timeout_s!r}; pass a positive number of "
                                          "seconds (default 5.0: longer than any call that holds the GIL)")
@@ -374,7 +404,8 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
             commit = DeferredCommit(layers, replica_group)
             driver.start_hooks.append(commit.reset)
             driver.step_hooks.append(commit)
-    synchronize_driver(driver, options.sync_params)
+    synchronize_driver(driver, options.sync_params)  # on full tensors, before sharding
+    driver.shard_stage()
     return PipelinedModule(driver, graph_module)
 
 

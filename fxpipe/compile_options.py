@@ -37,5 +37,6 @@ class CompileOptions:
     batch_dims: int | Mapping[str, int] | None = None
     target_batch_dim: int | None = None  # None: batch_dims when it is one int, else 0
     recompute: str | Sequence[bool | str] = "auto"  # fxpipe.core.recompute.parse_recompute
+    sharding: str | Sequence[str] = "none"  # fxpipe.core.sharding.check_request (ZeRO levels, docs/sharding.md)
     costs: str = "auto"  # where the planner's block times come from (fxpipe.job_costs)
     check_rows: bool = True  # refuse a model whose rows see each other when the plan splits the batch

@@ -14,6 +14,7 @@ from fxpipe.core.plan import Plan, plan_argument_kind
 from fxpipe.core.precision import PrecisionError, precision_of_dtype
 from fxpipe.core.recompute import force_recompute
 from fxpipe.core.schedule import ScheduleError, schedule_name
+from fxpipe.core.sharding import ShardingError, force_sharding
 from fxpipe.runtime.errors import PipelineSetupError
 
 if TYPE_CHECKING:
@@ -55,7 +56,29 @@ def apply_overrides(plan: Plan, options: CompileOptions) -> Plan:
         changes["num_microbatches"] = options.num_microbatches
     if options.warmup_policy is not None:
         changes["warmup_policy"] = options.warmup_policy
-    return force_recompute(plan.with_updates(**changes) if changes else plan, options.recompute)
+    plan = force_recompute(plan.with_updates(**changes) if changes else plan, options.recompute)
+    levels = [stage.sharding for stage in plan.stages]
+    try:
+        plan = force_sharding(plan, options.sharding)
+    except ShardingError as error:
+        raise PipelineSetupError(str(error)) from None
+    if options.sharding == "none" and any(level != "none" for level in levels):
+        warnings.warn(f"fxpipe: the plan shards its stages ({levels}) but sharding='none' (the default) replaces "
+                      "them; pass sharding='auto' (`--sharding auto`) to run the plan's levels", RuntimeWarning,
+                      stacklevel=3)
+    check_sharded_schedule(plan)
+    return plan
+
+
+def check_sharded_schedule(plan: Plan) -> None:
+    """Zero-bubble's deferred W pass writes parameter gradients with ``torch.autograd.grad``, past FSDP2's
+    reduce-scatter hooks: a sharded stage would reduce nothing. Refused, on every rank alike."""
+    sharded = [stage.stage_index for stage in plan.stages if stage.sharding != "none"]
+    if sharded and plan.schedule == "zero_bubble":
+        raise PipelineSetupError(
+            f"stages {sharded} are sharded ({[plan.stages[i].sharding for i in sharded]}) but schedule='zero_bubble' "
+            "defers the weight gradients (W) past FSDP2's gradient reduction; use schedule='dapple' or 'gpipe' "
+            "with sharding, or sharding='none' with zero_bubble")
 
 
 def training_precision(options: CompileOptions) -> str:

@@ -29,6 +29,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-microbatches", type=int, default=None)
     parser.add_argument("--recompute", default="auto", help="activation recomputation: auto (where activations do "
                         "not fit), never, always, or per stage keep,recompute,...; a plan file's choices stay with auto")
+    parser.add_argument("--sharding", default="none", type=_sharding_argument,
+                        help="ZeRO inside each stage's replica group (FSDP2, docs/sharding.md): none, optimizer, "
+                             "gradients, parameters, per stage level,level,..., or auto (the plan's levels)")
     parser.add_argument("--data", default="auto",
                         help="stdlib: byte-level Python standard library text (language models); random: "
                              "synthetic batches (the zoo's, or for a factory random inputs shaped like its example "
@@ -58,6 +61,16 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         "a rank is named as stalled on every rank, which then exit (docs/faults.md)")
     parser.add_argument("--trace", default=None, help="with --measure: write the last step's measured timeline "
                         "(Chrome/Perfetto trace, same format as `fxpipe simulate --trace`)")
+
+
+def _sharding_argument(text: str) -> Any:
+    """``--sharding``: parsed by :func:`fxpipe.core.sharding.parse_request`; argparse reports a ShardingError."""
+    from fxpipe.core.sharding import ShardingError, parse_request
+
+    try:
+        return parse_request(text)
+    except ShardingError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _batches(args: argparse.Namespace, example_inputs: Any) -> Any:
@@ -195,7 +208,7 @@ def run_train(args: argparse.Namespace) -> int:
     model, example_inputs, loss_fn, batches = _workload(args)
     pipe = fxpipe.compile(model, example_inputs, loss_fn=loss_fn, global_batch_size=args.global_batch,
                           plan=args.plan, schedule=args.schedule, num_microbatches=args.num_microbatches,
-                          recompute=args.recompute, batch_dims=batch_dims_option(args),
+                          recompute=args.recompute, sharding=args.sharding, batch_dims=batch_dims_option(args),
                           target_batch_dim=args.target_batch_dim, costs=args.costs,
                           autocast_dtype=autocast_dtype(precision), stall_timeout_s=args.stall_timeout)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
@@ -203,7 +216,9 @@ def run_train(args: argparse.Namespace) -> int:
     leader = pipe.rank == 0
     if leader:
         print(format_plan(pipe.plan), flush=True)
-    pipe.measure = args.measure
+    # saved-activation bytes cannot be told apart from FSDP2's gathered weights: a sharded plan measures its timeline
+    sharded = any(stage.sharding != "none" for stage in pipe.plan.stages)
+    pipe.measure = "timeline" if args.measure and sharded else args.measure
     start = time.perf_counter()
     losses, stats, last_step, step_times = _train_steps(args, pipe, optimizer, batches, first_step)
     if leader and pipe.preempted and not args.checkpoint_dir:
@@ -252,7 +267,8 @@ def _train_steps(args: argparse.Namespace, pipe: Any, optimizer: torch.optim.Opt
         if args.measure:
             stats = pipe.step_stats()  # a collective: every rank takes part
         if progress is not None:
-            memory = _stage_memory(stats) if stats else ""
+            # a timeline-only step (a sharded plan's --measure) has no saved-activation peaks to show
+            memory = _stage_memory(stats) if stats and stats[0].peak_activation_bytes is not None else ""
             progress.set_postfix_str(f"loss {loss:.3f} {args.global_batch / step_time:.0f} samples/s {memory}")
             progress.update(1)
         last_step = step + 1

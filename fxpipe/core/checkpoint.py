@@ -51,6 +51,8 @@ class CheckpointablePipe(Protocol):
 
     def state_dict(self) -> dict[str, torch.Tensor]: ...
 
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None: ...
+
 
 def model_fingerprint(program: SplitProgram) -> dict[str, dict[str, Any]]:
     """{original name -> {"shape", "dtype"}} of every parameter and buffer of the whole model, sorted by name.

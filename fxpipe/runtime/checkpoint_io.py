@@ -39,6 +39,7 @@ from fxpipe.core.checkpoint import (
     write_manifest,
 )
 from fxpipe.runtime.comm import broadcast_text
+from fxpipe.runtime.sharded_stage import full_value, is_sharded, shard_of
 
 T = TypeVar("T")
 
@@ -224,8 +225,8 @@ def _optimizer_entries(pipe: CheckpointablePipe, optimizer: torch.optim.Optimize
             name = names[index]
             scalars = {}
             for key, value in saved["state"].get(index, {}).items():
-                if isinstance(value, torch.Tensor):
-                    entries[f"{OPTIM_PREFIX}{name}/{key}"] = value
+                if isinstance(value, torch.Tensor):  # whole tensors (a sharded stage's state gathered)
+                    entries[f"{OPTIM_PREFIX}{name}/{key}"] = full_value(value)
                 else:
                     scalars[key] = value
             meta = {"group": settings, "scalars": scalars}
@@ -286,12 +287,15 @@ def load_checkpoint(pipe: CheckpointablePipe, directory: str | Path, *, optimize
     rank = dist.get_rank()
     state.update(_empty_entries(stored, f"{RNG_PREFIX}{rank}/"))
     _dcp_call(lambda: dcp.load(state, storage_reader=reader), f"load checkpoint {str(directory)!r}")
-    _collectively(lambda: _restore(optimizer, names, state, rank), f"restore checkpoint {str(directory)!r}")
+    _collectively(lambda: _restore(pipe, optimizer, names, state, rank), f"restore checkpoint {str(directory)!r}")
     return {"step": int(manifest["step"]), "extra": manifest["extra"]}
 
 
-def _restore(optimizer: torch.optim.Optimizer | None, names: list[str], state: Mapping[str, torch.Tensor],
-             rank: int) -> None:
+def _restore(pipe: CheckpointablePipe, optimizer: torch.optim.Optimizer | None, names: list[str],
+             state: Mapping[str, torch.Tensor], rank: int) -> None:
+    # DCP loaded into state_dict()'s tensors: views of the weights, or gathered copies of a sharded stage's,
+    # whose shards each rank copies back here (no collective)
+    pipe.load_state_dict({key[len(MODEL_PREFIX):]: value for key, value in state.items() if key.startswith(MODEL_PREFIX)})
     if optimizer is not None:
         _restore_optimizer(optimizer, names, state)
     _restore_rng(state, rank)
@@ -340,18 +344,25 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, names: list[str], state
         if key.startswith(OPTIM_PREFIX):
             name, _, state_key = key[len(OPTIM_PREFIX):].rpartition("/")
             by_name.setdefault(name, {})[state_key] = tensor
+    params = [param for group in optimizer.param_groups for param in group["params"]]
     restored: dict[int, dict[str, Any]] = {}
     groups = []
     for group in current["param_groups"]:
         settings = dict(group)
         for index in group["params"]:
             meta = _decode_meta(state, names[index])
-            entries = {**by_name.get(names[index], {}), **meta["scalars"]}
+            tensors = {key: _shaped_for(value, params[index]) for key, value in by_name.get(names[index], {}).items()}
+            entries = {**tensors, **meta["scalars"]}
             if entries:
                 restored[index] = entries
             settings.update({key: _like(group.get(key), value) for key, value in meta["group"].items()})
         groups.append(settings)
     optimizer.load_state_dict({"state": restored, "param_groups": groups})
+
+
+def _shaped_for(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A whole optimizer-state tensor as the parameter holds its state: this rank's shard for a sharded one."""
+    return shard_of(value, param) if is_sharded(param) and value.shape == param.shape else value
 
 
 def _decode_meta(state: Mapping[str, torch.Tensor], name: str) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.runtime.comm import Pending
+from fxpipe.runtime.sharded_stage import is_sharded, local_part
 
 if TYPE_CHECKING:
     from fxpipe.runtime.driver import PipelineDriver
@@ -50,10 +51,22 @@ def counts_parameter(name: str, stage_index: int, replica_index: int,
 
 def counted_gradients(named: Iterable[tuple[str, torch.nn.Parameter]], stage_index: int, replica_index: int,
                       tie_groups: Iterable[tuple[str, Sequence[int]]]) -> list[torch.Tensor]:
-    """The gradients this rank adds to the whole model's norm (parameters without ``.grad`` skipped, as torch does)."""
+    """The gradients this rank adds to the whole model's norm (parameters without ``.grad`` skipped, as torch does).
+
+    A sharded stage's gradient (a DTensor) is split over its replicas: every replica counts its own shard.
+    """
     owners = dict(tie_groups)
-    return [param.grad for name, param in named
-            if param.grad is not None and counts_parameter(name, stage_index, replica_index, owners)]
+    counted = []
+    for name, param in named:
+        grad = param.grad
+        if grad is None:
+            continue
+        if is_sharded(grad):  # every replica holds its own shard of the reduced gradient: each counts its part
+            if counts_parameter(name, stage_index, 0, owners):
+                counted.append(local_part(grad))
+        elif counts_parameter(name, stage_index, replica_index, owners):
+            counted.append(grad)
+    return counted
 
 
 def local_share(grads: Sequence[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
@@ -114,7 +127,7 @@ def scale_gradients(params: Iterable[torch.nn.Parameter], max_norm: float, total
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for param in params:
         if param.grad is not None:
-            by_dtype.setdefault(param.grad.dtype, []).append(param.grad)
+            by_dtype.setdefault(param.grad.dtype, []).append(local_part(param.grad))  # a shard scales in place
     for grads in by_dtype.values():
         torch._foreach_mul_(grads, coefficient.to(grads[0].device))
 

@@ -35,6 +35,7 @@ from fxpipe.runtime.failures import DEFAULT_STALL_TIMEOUT_S, FailureLog, NoLog
 from fxpipe.runtime.measure import ActionTimer, MeasureMode, SavedActivationMeter, StepStats
 from fxpipe.runtime.receives import Inbox
 from fxpipe.runtime.rows import RowMap
+from fxpipe.runtime.sharded_stage import ShardedStage
 from fxpipe.runtime.stage import LossFn, StageRunner, read_local_loss, unique_params
 from fxpipe.runtime.stage_routes import ShapedStep, ShapedSteps, gradient_routes
 from fxpipe.runtime.step_state import StepState
@@ -116,6 +117,7 @@ class PipelineDriver:
         self.measure = MeasureMode.OFF  # what each step records in last_stats (see MeasureMode)
         self.last_stats: StepStats | None = None
         self._meter: SavedActivationMeter | None = None
+        self.sharded: ShardedStage | None = None  # FSDP2 replicas (shard_stage, fxpipe.runtime.sharded_stage)
 
     # ---- setup ---------------------------------------------------------------------------------
 
@@ -144,6 +146,28 @@ class PipelineDriver:
             if tied and group is not None:
                 sets.append((group, tied))
         return sets
+
+    def shard_stage(self) -> None:
+        """Shard this rank's stage as the plan says (fxpipe.runtime.sharded_stage; nothing for ``"none"``): after
+        setup and the replicas' parameter sync, which runs on whole tensors. FSDP2 now reduces the stage's
+        gradients, so the replica allreduce goes; tied weights stay whole and keep their own sums."""
+        stage_plan = self.plan.stages[self.stage_index]
+        replica_group = self.groups[self.stage_index]
+        if stage_plan.sharding == "none" or replica_group is None:
+            return
+        tied = {name for name, _ in self.program.tie_groups}  # under any of a parameter's names
+        self.sharded = ShardedStage(self.runner.module, stage_plan.sharding, replica_group, self.context.device,
+                                    stage_plan.recompute, [p for name, p in self.runner.parameters() if name in tied])
+        self.runner.call = self.sharded
+        if self.overlap is not None:
+            self.overlap.remove()
+            self.overlap = None
+        self.reduce_sets = [(group, params) for group, params in self.reduce_sets if group is not replica_group]
+        self._own_params = unique_params(self.runner.parameters())
+        self._param_list = [param for _, param in self._own_params]
+        self._stashes = bool(self.reduce_sets) or self.runner.loss_reduction == "token_mean"
+        live = {id(param) for param in self._param_list}  # the tied sets' parameters were left whole, not replaced
+        assert all(id(p) in live for _, params in self.reduce_sets for p in params), "a reduced parameter was sharded"
 
     # ---- the step ------------------------------------------------------------------------------
 
@@ -331,6 +355,8 @@ class PipelineDriver:
     def _overlapping(self, last: bool) -> Iterator[None]:
         """Around the step's last gradient-producing backward: buckets launch as gradients land."""
         overlap = self.overlap if last else None
+        if self.sharded is not None:
+            self.sharded.before_backward(last)
         if overlap is not None:
             overlap.arm()
         yield

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.runtime.batchnorm import original_layers
+from fxpipe.runtime.sharded_stage import full_value, plain_copy
 
 if TYPE_CHECKING:
     from fxpipe.core.program import SplitProgram
@@ -40,9 +41,10 @@ def gathered_program(driver: PipelineDriver) -> SplitProgram | None:
     module = driver.runner.module
     with original_layers(module):  # batch_norm="deferred"/"sync" layers: the model's own ones, same tensors
         mine: StageState | None = None
+        # every replica gathers a sharded stage's weights (a collective over them); the first one sends
+        tensors = {k: full_value(v) for k, v in _module_tensors(module, driver.stage.param_names).items()}
         if driver.replica_index == 0:
-            tensors = _module_tensors(module, driver.stage.param_names)
-            mine = (driver.stage_index, module.training, {k: v.detach().cpu() for k, v in tensors.items()})
+            mine = (driver.stage_index, module.training, {k: v.cpu() for k, v in tensors.items()})
         gathered: list[StageState | None] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         if driver.rank != 0:
@@ -58,7 +60,7 @@ def _with_states(program: SplitProgram, own_index: int, own_module: torch.nn.Mod
     assert not missing, f"no first replica reported stages {missing}"
     stages = []
     for stage in program.stages:
-        module = copy.deepcopy(own_module if stage.stage_index == own_index else stage.module)
+        module = plain_copy(own_module) if stage.stage_index == own_index else copy.deepcopy(stage.module)
         assert isinstance(module, torch.fx.GraphModule), type(module)
         _, training, tensors = states[stage.stage_index]
         with torch.no_grad():

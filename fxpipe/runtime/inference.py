@@ -74,6 +74,8 @@ def _run(driver: PipelineDriver, inputs: tuple[Any, ...], targets: Any, *, keep_
                 driver.send_activation(state, m)
                 del state.outputs[m]  # the sends hold what they still need: one micro-batch in flight
         driver.exchange.wait(state.sends)
+    if driver.sharded is not None:  # ZeRO-1/2 keep gathered weights after forward; the optimizer updates shards
+        driver.sharded.reshard()
     return state
 
 

@@ -113,6 +113,8 @@ class StageRunner:
         self._trained: list[torch.nn.Parameter] | None = None
         # set by the driver for a step measured with saved-activation bytes (MeasureMode.FULL)
         self.meter: SavedActivationMeter | None = None
+        # a sharded stage runs its forward through FSDP2 (fxpipe.runtime.sharded_stage): call(args), recompute inside
+        self.call: Callable[[Sequence[Any]], Any] | None = None
 
     def parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """``(original name, parameter)`` for every parameter of this stage."""
@@ -138,7 +140,10 @@ class StageRunner:
                 if name in self._copied_inputs:  # autograd refuses in-place ops on a leaf; the copy carries them
                     value = value.clone()
             args.append(value)
-        results = checkpointed_call(self.module, args) if self.recompute else self.module(*args)
+        if self.call is not None:
+            results = self.call(args)
+        else:
+            results = checkpointed_call(self.module, args) if self.recompute else self.module(*args)
         outputs = dict(zip(self.stage.output_values, results, strict=True))
         self._saved[microbatch_index] = _Saved(outputs, leaves, args=args if self.recompute else None)
         return outputs
@@ -181,7 +186,8 @@ class StageRunner:
         """
         args = [inputs[name] for name in self.stage.input_values]
         with autocast_context(self.device, self.autocast_dtype):
-            outputs = dict(zip(self.stage.output_values, self.module(*args), strict=True))
+            results = self.call(args) if self.call is not None else self.module(*args)
+            outputs = dict(zip(self.stage.output_values, results, strict=True))
             if targets is None or not self.is_last:
                 return outputs, None, 0.0
             loss, count = self._evaluate_loss(outputs, targets)

@@ -1,0 +1,144 @@
+"""Sharded stage replicas: a stage's replicas split optimizer state, gradients or weights with FSDP2 (ZeRO-1/2/3).
+
+The stage's GraphModule is wrapped in :class:`ShardedCall` (its forward, recomputed or not) and the wrapper is
+``fully_shard``-ed over a DeviceMesh of the stage's replica group (the driver's process group for the stage).
+The GraphModule keeps its class and paths; its parameters become DTensor shards (``Shard(0)``), so
+``pipe.parameters()`` yields them and ``torch.optim.AdamW(pipe.parameters())`` keeps 1/r of the state.
+
+The levels, per step of M micro-batches (docs/sharding.md):
+
+- ``"optimizer"`` (ZeRO-1): weights gathered once per step and kept through every micro-batch; full
+  gradients accumulate locally (no gradient sync) until the step's last backward, which reduce-scatters once;
+- ``"gradients"`` (ZeRO-2): weights as above; every micro-batch's backward reduce-scatters, so only the
+  shard's gradient accumulates;
+- ``"parameters"`` (ZeRO-3): weights all-gathered in every micro-batch's forward and again in its backward,
+  freed after each; gradients reduce-scattered per micro-batch.
+
+Gradients are summed, not averaged (divide factor 1 over a plain SUM): fxpipe already weights each slice's
+loss by its rows over the global batch. Weights tied across stages are left out (``ignored_params``) and
+keep fxpipe's own sum over their owners; FSDP reduces every other parameter, so the driver drops the
+stage's replica allreduce.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from fxpipe.runtime.recompute import checkpointed_call
+
+
+class ShardedCall(torch.nn.Module):
+    """The stage's forward as one module FSDP2 wraps: ``module(*args)``, under checkpointing when recomputing.
+
+    FSDP's hooks sit outside the checkpoint (as torchtitan applies them), so a recomputed forward in
+    backward runs on the weights FSDP's pre-backward hook gathered.
+    """
+
+    def __init__(self, module: torch.nn.Module, recompute: bool) -> None:
+        super().__init__()
+        self.stage = module
+        self.recompute = recompute
+
+    def forward(self, *args: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.stage(*args)
+        results = checkpointed_call(self.stage, args) if self.recompute else self.stage(*args)
+        # FSDP2 hooks the backward of each output; an in-place op on an output that is a view (a loss_fn's
+        # `logits /= t` on the last stage) would drop that hook and with it the gather or the reduction: copy views
+        return tuple(value.clone() if isinstance(value, torch.Tensor) and value._is_view() else value
+                     for value in results)
+
+
+class ShardedStage:
+    """This rank's stage sharded at ``level`` over ``group``; the driver tells it where each backward falls."""
+
+    def __init__(self, module: torch.nn.Module, level: str, group: dist.ProcessGroup, device: torch.device,
+                 recompute: bool, ignored: Sequence[torch.nn.Parameter]) -> None:
+        assert level in ("optimizer", "gradients", "parameters"), level
+        self.level = level
+        self.mesh = DeviceMesh.from_group(group, device.type)
+        wrapper = ShardedCall(module, recompute)
+        fully_shard(wrapper, mesh=self.mesh, reshard_after_forward=level == "parameters",
+                    ignored_params=set(ignored) or None)
+        assert isinstance(wrapper, FSDPModule)
+        self.wrapper: Any = wrapper
+        # a plain SUM: the slices' losses are weighted already (a factor alone asks for PREMUL_SUM, which gloo lacks)
+        self.wrapper.set_gradient_divide_factor(1.0)
+        self.wrapper.set_force_sum_reduction_for_comms(True)
+
+    def __call__(self, args: Sequence[Any]) -> Any:
+        return self.wrapper(*args)
+
+    def before_backward(self, last: bool) -> None:
+        """Before each micro-batch's backward; ``last``: the step's last one (sync and free the weights).
+
+        ZeRO-1 syncs gradients only in the last backward; ZeRO-1/2 keep the gathered weights until it.
+        """
+        self.wrapper.set_is_last_backward(last)
+        self.wrapper.set_requires_gradient_sync(last or self.level != "optimizer")
+        self.wrapper.set_reshard_after_backward(last or self.level == "parameters")
+
+    def reshard(self) -> None:
+        """Free gathered weights a forward-only pass kept (ZeRO-1/2 keep them after forward)."""
+        self.wrapper.reshard()
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, DTensor)
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a view: writes land in it), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def full_value(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor, detached: a DTensor gathered over its mesh (collective: every replica calls it alike)."""
+    if isinstance(tensor, DTensor):
+        return tensor.full_tensor().detach()
+    return tensor.detach()
+
+
+def shard_of(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``full`` cut as ``like`` (a DTensor) is: this rank's rows, as a DTensor of the same mesh; else ``full``."""
+    if not isinstance(like, DTensor):
+        return full
+    if tuple(full.shape) != tuple(like.shape):
+        raise ValueError(f"a tensor of shape {tuple(full.shape)} cannot fill a sharded parameter of shape "
+                         f"{tuple(like.shape)}; the checkpoint or state dict holds another model's tensor")
+    shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+    index = tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
+    local = full[index].to(device=like.device, dtype=full.dtype).contiguous()
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
+
+
+def copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a whole tensor into ``target``: all of it, or this rank's shard when ``target`` is a DTensor."""
+    with torch.no_grad():
+        if isinstance(target, DTensor):
+            sharded = shard_of(full, target)
+            assert isinstance(sharded, DTensor)
+            target.to_local().copy_(sharded.to_local())
+        else:
+            target.copy_(full)
+
+
+def plain_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of a stage module whose parameters are plain, uninitialised ones of the full shape (for
+    export: the caller fills every tensor with the gathered values). The live parameters are never copied:
+    a sharded one's storage belongs to FSDP2."""
+    memo: dict[int, Any] = {}
+    for param in module.parameters():
+        memo[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=param.device),
+                                             requires_grad=param.requires_grad)
+    return copy.deepcopy(module, memo)
