@@ -39,3 +39,5 @@ class CompileOptions:
     recompute: str | Sequence[bool | str] = "auto"  # fxpipe.core.recompute.parse_recompute
     costs: str = "auto"  # where the planner's block times come from (fxpipe.job_costs)
     check_rows: bool = True  # refuse a model whose rows see each other when the plan splits the batch
+    # torch.compile per stage: False, True or torch.compile's keyword arguments (fxpipe.runtime.stage_compile)
+    torch_compile: bool | Mapping[str, Any] = False
