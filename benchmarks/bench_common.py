@@ -216,8 +216,9 @@ def stage_names(workload: Workload, num_stages: int) -> list[list[str]]:
 
 
 def compile_fxpipe(workload: Workload, num_stages: int, *, schedule: str = "early_backward",
-                   warmup_policy: str = "A") -> Any:
-    """fxpipe.compile of the workload with the layer-cut plan on this process group; a PipelinedModule."""
+                   warmup_policy: str = "A", torch_compile: Any = False) -> Any:
+    """fxpipe.compile of the workload with the layer-cut plan on this process group; a PipelinedModule
+    (``torch_compile``: as in ``fxpipe.compile``, docs/compile.md)."""
     import fxpipe
     from fxpipe.passes import trace
 
@@ -226,7 +227,7 @@ def compile_fxpipe(workload: Workload, num_stages: int, *, schedule: str = "earl
     plan = layer_cut_plan(traced, num_stages, workload.global_batch_size, workload.num_microbatches,
                           schedule=schedule, warmup_policy=warmup_policy)
     return fxpipe.compile(model, example_inputs, loss_fn=workload.loss_fn(),
-                          global_batch_size=workload.global_batch_size, plan=plan)
+                          global_batch_size=workload.global_batch_size, plan=plan, torch_compile=torch_compile)
 
 
 def zero_grads(parameters: Sequence[torch.nn.Parameter]) -> None:

@@ -228,3 +228,16 @@ def test_compile_stats_print_one_line_per_stage() -> None:
         "torch.compile stage 1: 2 forward frames and 1 backward graphs compiled in 3.5 s",
         "torch.compile stage 2: eager (batch_norm='deferred' keeps statistics outside the graph)",
     ]
+
+
+def test_train_cli_torch_compile_option() -> None:
+    import argparse
+
+    from fxpipe.train_cli import add_train_arguments, torch_compile_option
+
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    assert torch_compile_option(parser.parse_args(["gpt-mini"])) is False
+    assert torch_compile_option(parser.parse_args(["gpt-mini", "--torch-compile"])) is True
+    assert torch_compile_option(parser.parse_args(["gpt-mini", "--torch-compile", "aot_eager"])) == {
+        "backend": "aot_eager"}
