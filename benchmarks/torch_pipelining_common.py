@@ -71,7 +71,7 @@ def build_torch_side(workload: Workload, stages: list[list[str]], schedule_name:
     program = split_stages(trace(model, example_inputs), stages)
     rank, num_stages = dist.get_rank(), len(stages)
     stage = program.stages[rank]
-    inner = torch.compile(stage.module) if compiled else stage.module
+    inner: Any = torch.compile(stage.module) if compiled else stage.module  # an OptimizedModule: a Module too
     adapter = StageAdapter(inner, _argument_order(program, rank), _last_output(program, rank))
     pipeline_stage = PipelineStage(adapter, rank, num_stages, torch.device("cpu"))
     schedule_cls, takes_list = TORCH_SCHEDULES[schedule_name]

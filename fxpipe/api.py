@@ -368,7 +368,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
                 check_world(resolved, program, context.world_size)
                 check_stages_hold_parameters(program, resolved)
                 check_recompute_batch_norm(resolved, [stage.module for stage in program.stages], options.batch_norm)
-                resolved = with_compile_notes(resolved, compile_settings)
+                resolved = with_compile_notes(resolved, compile_settings, options.timeout_s)
     finally:
         release_group(group)
     warn_batch_norm(model, resolved, options.batch_norm)

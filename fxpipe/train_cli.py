@@ -60,6 +60,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--torch-compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                         help="compile each stage with torch.compile (default backend inductor; e.g. aot_eager); the "
                              "first step pays the compile, reported per stage at the end (docs/compile.md)")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds a rank waits for a peer (default 60; "
+                        "600 with --torch-compile: the first step waits for earlier stages' compiles)")
     parser.add_argument("--trace", default=None, help="with --measure: write the last step's measured timeline "
                         "(Chrome/Perfetto trace, same format as `fxpipe simulate --trace`)")
 
@@ -193,6 +195,13 @@ def torch_compile_option(args: argparse.Namespace) -> bool | dict[str, str]:
     return True if args.torch_compile == "inductor" else {"backend": args.torch_compile}
 
 
+def timeout_option(args: argparse.Namespace) -> float:
+    """``--timeout``, else 60 s, or 600 s with ``--torch-compile`` (a cold compile of a stage can take minutes)."""
+    if args.timeout is not None:
+        return float(args.timeout)
+    return 60.0 if args.torch_compile is None else 600.0
+
+
 def run_train(args: argparse.Namespace) -> int:
     import fxpipe
     from fxpipe.planning import autocast_dtype
@@ -209,7 +218,7 @@ def run_train(args: argparse.Namespace) -> int:
                           recompute=args.recompute, batch_dims=batch_dims_option(args),
                           target_batch_dim=args.target_batch_dim, costs=args.costs,
                           autocast_dtype=autocast_dtype(precision), stall_timeout_s=args.stall_timeout,
-                          torch_compile=torch_compile_option(args))
+                          torch_compile=torch_compile_option(args), timeout_s=timeout_option(args))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
     first_step = _resume(args, pipe, optimizer)
     leader = pipe.rank == 0

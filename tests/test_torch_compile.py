@@ -21,6 +21,7 @@ from fxpipe.runtime.compiled_stages import CompileFallbackWarning
 from fxpipe.runtime.errors import PipelineSetupError
 from fxpipe.runtime.stage_compile import (
     MEASURED_COSTS_NOTE,
+    WAIT_NOTE,
     ZERO_BUBBLE_NOTE,
     CompileStats,
     format_compile_stats,
@@ -163,6 +164,7 @@ def test_compiled_stages_train_as_eager_on_every_schedule_without_recompiling(tm
             assert first.compile_s > 0 and last.eager_reason is None
             assert [s.num_frames for s in result["eager_stats"]] == [0, 0]  # eager stages compile nothing
             assert (ZERO_BUBBLE_NOTE in result["notes"]) == (schedule == "zero_bubble")
+            assert WAIT_NOTE.format(timeout_s=60.0) in result["notes"]
         warned, (stage0, stage1) = results["deferred"]
         assert stage0.eager_reason is not None and "batch_norm='deferred'" in stage0.eager_reason, stage0
         assert warned == ([f"stage 0 runs eager: {stage0.eager_reason}"] if rank == 0 else []), (rank, warned)
@@ -212,12 +214,14 @@ def test_torch_compile_setting_is_checked() -> None:
 def test_plan_notes_say_what_compiling_changes() -> None:
     example = _batch(BATCH_SIZES[0], 0)[0]
     plan = plan_from_cuts(trace(CompileNet(), example), (1, 1), 8, 2, schedule="zero_bubble")
-    assert with_compile_notes(plan, None) == plan  # eager stages: nothing to note
-    assert with_compile_notes(plan, {}).notes == (ZERO_BUBBLE_NOTE,)
+    assert with_compile_notes(plan, None, 60.0) == plan  # eager stages: nothing to note
+    wait = WAIT_NOTE.format(timeout_s=60.0)
+    assert "timeout_s=60 s" in wait
+    assert with_compile_notes(plan, {}, 60.0).notes == (wait, ZERO_BUBBLE_NOTE)
     measured = replace(plan, schedule="early_backward", predicted=Prediction(1.0, 8.0, cost_source="measured"))
-    assert with_compile_notes(measured, {"backend": "aot_eager"}).notes == (MEASURED_COSTS_NOTE,)
+    assert with_compile_notes(measured, {"backend": "aot_eager"}, 60.0).notes == (wait, MEASURED_COSTS_NOTE)
     analytic = replace(measured, predicted=Prediction(1.0, 8.0, cost_source="analytic"))
-    assert with_compile_notes(analytic, {}).notes == ()
+    assert with_compile_notes(analytic, {}, 600.0).notes == (WAIT_NOTE.format(timeout_s=600.0),)
 
 
 def test_compile_stats_print_one_line_per_stage() -> None:
@@ -233,7 +237,7 @@ def test_compile_stats_print_one_line_per_stage() -> None:
 def test_train_cli_torch_compile_option() -> None:
     import argparse
 
-    from fxpipe.train_cli import add_train_arguments, torch_compile_option
+    from fxpipe.train_cli import add_train_arguments, timeout_option, torch_compile_option
 
     parser = argparse.ArgumentParser()
     add_train_arguments(parser)
@@ -241,3 +245,6 @@ def test_train_cli_torch_compile_option() -> None:
     assert torch_compile_option(parser.parse_args(["gpt-mini", "--torch-compile"])) is True
     assert torch_compile_option(parser.parse_args(["gpt-mini", "--torch-compile", "aot_eager"])) == {
         "backend": "aot_eager"}
+    assert timeout_option(parser.parse_args(["gpt-mini"])) == 60.0
+    assert timeout_option(parser.parse_args(["gpt-mini", "--torch-compile"])) == 600.0
+    assert timeout_option(parser.parse_args(["gpt-mini", "--torch-compile", "--timeout", "90"])) == 90.0

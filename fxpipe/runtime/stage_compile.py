@@ -45,14 +45,23 @@ def parse_torch_compile(setting: bool | Mapping[str, Any] | None) -> dict[str, A
                              "defaults) or a dict of torch.compile keyword arguments, e.g. {'backend': 'aot_eager'}")
 
 
-def with_compile_notes(plan: Plan, settings: Mapping[str, Any] | None) -> Plan:
-    """``plan`` with notes on what compiling its stages changes: zero-bubble's W, measured costs."""
+WAIT_NOTE = ("torch_compile: the first step compiles each stage when its first micro-batch arrives, so later "
+             "stages wait for earlier ones' compiles, and a rank waits at most timeout_s={timeout_s:g} s for a "
+             "peer: raise timeout_s if compiling takes longer (cold inductor compiles of a large stage take minutes "
+             "on a CPU)")
+
+
+def with_compile_notes(plan: Plan, settings: Mapping[str, Any] | None, timeout_s: float) -> Plan:
+    """``plan`` with notes on what compiling its stages changes: the first step's waits, zero-bubble's W,
+    measured costs."""
     if settings is None:
         return plan
-    notes = [ZERO_BUBBLE_NOTE] if plan.schedule.startswith("zero_bubble") else []
+    notes = [WAIT_NOTE.format(timeout_s=timeout_s)]
+    if plan.schedule.startswith("zero_bubble"):
+        notes.append(ZERO_BUBBLE_NOTE)
     if plan.predicted is not None and plan.predicted.cost_source == "measured":
         notes.append(MEASURED_COSTS_NOTE)
-    return plan.with_updates(notes=(*plan.notes, *notes)) if notes else plan
+    return plan.with_updates(notes=(*plan.notes, *notes))
 
 
 @dataclass
