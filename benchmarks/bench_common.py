@@ -37,24 +37,27 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _in_world(rank: int, world_size: int, store_dir: str, fn: Callable[..., Any], port: int,
+def _in_world(rank: int, world_size: int, store_dir: str, fn: Callable[..., Any], port: int, group_timeout_s: float,
               *args: Any) -> Any:
     torch.set_num_threads(1)  # one rank = one thread, as the local cluster runs them
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=120))
+                            timeout=timedelta(seconds=group_timeout_s))
     try:
         return fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 900.0) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 900.0,
+              group_timeout_s: float = 120.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks (127.0.0.1); results by rank.
 
     The fork runner is the test suite's (tests/mp_utils.py); this adds a TCP rendezvous per run.
+    ``group_timeout_s``: the process group's timeout (a compiling stage keeps its peers waiting for minutes).
     """
     with tempfile.TemporaryDirectory() as store_dir:
-        return run_forked(_in_world, world_size, store_dir, fn, free_port(), *args, timeout_s=timeout_s)
+        return run_forked(_in_world, world_size, store_dir, fn, free_port(), group_timeout_s, *args,
+                          timeout_s=timeout_s)
 
 
 # ---- plans cut at transformer-block boundaries -------------------------------------------------------
@@ -216,8 +219,9 @@ def stage_names(workload: Workload, num_stages: int) -> list[list[str]]:
 
 
 def compile_fxpipe(workload: Workload, num_stages: int, *, schedule: str = "early_backward",
-                   warmup_policy: str = "A") -> Any:
-    """fxpipe.compile of the workload with the layer-cut plan on this process group; a PipelinedModule."""
+                   warmup_policy: str = "A", torch_compile: Any = False, timeout_s: float = 60.0) -> Any:
+    """fxpipe.compile of the workload with the layer-cut plan on this process group; a PipelinedModule
+    (``torch_compile``, ``timeout_s``: as in ``fxpipe.compile``, docs/compile.md)."""
     import fxpipe
     from fxpipe.passes import trace
 
@@ -226,7 +230,8 @@ def compile_fxpipe(workload: Workload, num_stages: int, *, schedule: str = "earl
     plan = layer_cut_plan(traced, num_stages, workload.global_batch_size, workload.num_microbatches,
                           schedule=schedule, warmup_policy=warmup_policy)
     return fxpipe.compile(model, example_inputs, loss_fn=workload.loss_fn(),
-                          global_batch_size=workload.global_batch_size, plan=plan)
+                          global_batch_size=workload.global_batch_size, plan=plan, torch_compile=torch_compile,
+                          timeout_s=timeout_s)
 
 
 def zero_grads(parameters: Sequence[torch.nn.Parameter]) -> None:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks issue 12 leaves for a lent device, as one run that fits the device budget (about 9 minutes).
+# The GPU checks issues 12 and 24 leave for a lent device, as one run that fits the device budget (about 9 minutes,
+# up to 13 if the compiled rows use all their time).
 #
 # Run on the device machine from the repository root: bash benchmarks/device_session.sh
 # Everything it measures lands under $OUT (the device tool brings that folder back):
@@ -7,6 +8,8 @@
 #   suite.txt        the test suite with CUDA visible (issue 12 item 4), stopped after 240 s
 #   overhead-*.txt   a 1-stage fxpipe step against eager forward + backward, GPT-2 small (batch 8 x 1024) and
 #                    ResNet-50 (batch 64), fp32 and bf16 autocast (item 5)
+#   compiled-*.txt   the same GPT-2 small step with both sides compiled by inductor (fxpipe torch_compile=True vs
+#                    torch.compile(model)), fp32 and bf16, with each side's first (compiling) step (issue 24)
 #   plan-local.txt   what `fxpipe plan` predicts for gpt2-small on the visible GPU with measured costs (items 2, 6)
 #   gpu_check/       cost model, saved-activation bytes and overhead (benchmarks/gpu_check.py)
 # Each step has its own timeout, so one that hangs does not take the others' time.
@@ -28,6 +31,11 @@ for autocast in none bf16; do
         --steps 12 > "$OUT/overhead-gpt2-small-$autocast.txt" 2>&1
     timeout 45 python benchmarks/overhead.py --device cuda --model resnet-50 --batch 64 --autocast "$autocast" \
         --steps 12 > "$OUT/overhead-resnet-50-$autocast.txt" 2>&1
+done
+
+for autocast in none bf16; do
+    timeout 120 python benchmarks/overhead.py --device cuda --model gpt2-small --batch 8 --autocast "$autocast" \
+        --steps 12 --torch-compile > "$OUT/compiled-gpt2-small-$autocast.txt" 2>&1
 done
 
 timeout 60 python -m fxpipe plan gpt2-small --cluster local:1 --global-batch 8 --costs measured \

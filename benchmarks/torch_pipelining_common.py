@@ -60,8 +60,10 @@ TORCH_SCHEDULES: dict[str, tuple[Any, bool]] = {
 }
 
 
-def build_torch_side(workload: Workload, stages: list[list[str]], schedule_name: str = "Schedule1F1B") -> TorchSide:
-    """The same layer-cut stage code as fxpipe's, run by torch's PipelineStage + ``schedule_name``."""
+def build_torch_side(workload: Workload, stages: list[list[str]], schedule_name: str = "Schedule1F1B", *,
+                     compiled: bool = False) -> TorchSide:
+    """The same layer-cut stage code as fxpipe's, run by torch's PipelineStage + ``schedule_name``
+    (``compiled``: the stage GraphModule under ``torch.compile`` with its defaults, as fxpipe's ``torch_compile=True``)."""
     from fxpipe.passes import trace
     from fxpipe.passes.codegen import split_stages
 
@@ -69,7 +71,8 @@ def build_torch_side(workload: Workload, stages: list[list[str]], schedule_name:
     program = split_stages(trace(model, example_inputs), stages)
     rank, num_stages = dist.get_rank(), len(stages)
     stage = program.stages[rank]
-    adapter = StageAdapter(stage.module, _argument_order(program, rank), _last_output(program, rank))
+    inner: Any = torch.compile(stage.module) if compiled else stage.module  # an OptimizedModule: a Module too
+    adapter = StageAdapter(inner, _argument_order(program, rank), _last_output(program, rank))
     pipeline_stage = PipelineStage(adapter, rank, num_stages, torch.device("cpu"))
     schedule_cls, takes_list = TORCH_SCHEDULES[schedule_name]
     schedule = schedule_cls([pipeline_stage] if takes_list else pipeline_stage, workload.num_microbatches,

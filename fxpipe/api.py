@@ -22,6 +22,7 @@ from fxpipe.runtime.errors import PipelineSetupError
 if TYPE_CHECKING:
     from fxpipe.runtime.driver import PipelineDriver
     from fxpipe.runtime.measure import MeasureSetting, StepStats
+    from fxpipe.runtime.stage_compile import CompileStats
 
 
 
@@ -214,6 +215,12 @@ class PipelinedModule:
                 "(timeline only) or compile with sharding='none'")
         self.driver.measure = mode
 
+    def compile_stats(self) -> list[CompileStats]:
+        """Every rank's torch.compile frames, backward graphs and seconds so far (a collective; docs/compile.md)."""
+        from fxpipe.runtime.compiled_stages import gather_compile_stats
+
+        return gather_compile_stats(self.driver)
+
     def step_stats(self) -> list[StepStats]:
         """All ranks' StepStats of the last measured step (a collective: call on every rank)."""
         return self.driver.gather_stats()
@@ -266,7 +273,8 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
             loss_reduction: str = "auto", batch_norm: str = "microbatch",
             batch_dims: int | Mapping[str, int] | None = None, target_batch_dim: int | None = None,
             recompute: str | Sequence[bool | str] = "auto", costs: str = "auto", check_rows: bool = True,
-            stall_timeout_s: float = 5.0, sharding: str | Sequence[str] = "none") -> Any:
+            stall_timeout_s: float = 5.0, sharding: str | Sequence[str] = "none",
+            torch_compile: bool | Mapping[str, Any] = False) -> Any:
     """Pipeline ``model`` over the process group's ranks; returns a :class:`PipelinedModule`.
 
     ``plan``: ``"auto"`` (DAPPLE planner on ``cluster``, default ``local:<world size>``), a layout such as
@@ -300,7 +308,9 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
     ``torch.bfloat16`` or ``torch.float16`` trains under autocast (fp32 master weights), and the planner costs
     and measures the model under the same autocast (the plan's ``precision``, docs/clusters.md). ``timeout_s``:
     how long a transfer or collective waits on ranks that are alive; ``stall_timeout_s``: a rank whose heartbeat
-    stopped this long (frozen, stopped) is named as the root cause on every rank (docs/faults.md). As a decorator,
+    stopped this long (frozen, stopped) is named as the root cause on every rank (docs/faults.md).
+    ``torch_compile``: True (or torch.compile's keyword arguments, e.g. ``{"backend": "aot_eager"}``) compiles
+    each stage's forward, and its backward through AOTAutograd, with the batch dim dynamic (docs/compile.md). As a decorator,
     ``@fxpipe.compile(loss_fn=..., global_batch_size=...)``
     on a model class or factory makes ``Factory(*args, example_inputs=..., **kwargs)`` return the module.
     """
@@ -309,7 +319,7 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
                              check_batch=check_batch, loss_reduction=loss_reduction, batch_norm=batch_norm,
                              batch_dims=batch_dims, target_batch_dim=target_batch_dim, recompute=recompute,
                              costs=costs, check_rows=check_rows, stall_timeout_s=stall_timeout_s,
-                             sharding=sharding)
+                             sharding=sharding, torch_compile=torch_compile)
     if model is None:
         return functools.partial(_wrap_factory, options=options)
     if isinstance(model, torch.nn.Module):
@@ -346,10 +356,12 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     from fxpipe.runtime.batchcheck import check_batch_mode
     from fxpipe.runtime.batchnorm import check_batch_norm_mode, check_layers_kept, warn_batch_norm
     from fxpipe.runtime.comm import init_distributed
+    from fxpipe.runtime.compiled_stages import compile_stage
     from fxpipe.runtime.driver import PipelineDriver, check_world
     from fxpipe.runtime.guard import release_group, setup_group, setup_phase
     from fxpipe.runtime.recompute import check_recompute_batch_norm
     from fxpipe.runtime.stage import check_loss_reduction
+    from fxpipe.runtime.stage_compile import parse_torch_compile, with_compile_notes
     from fxpipe.runtime.sync import check_sync_mode, synchronize_driver
 
     context = init_distributed(options.timeout_s)
@@ -369,6 +381,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
                 check_request(options.sharding)
             except ShardingError as error:
                 raise PipelineSetupError(str(error)) from None
+            compile_settings = parse_torch_compile(options.torch_compile)
             if not options.stall_timeout_s > 0:
                 raise PipelineSetupError(f"stall_timeout_s={options.stall_timeout_s!r}; pass a positive number of "
                                          "seconds (default 5.0: longer than any call that holds the GIL)")
@@ -387,6 +400,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
                 check_world(resolved, program, context.world_size)
                 check_stages_hold_parameters(program, resolved)
                 check_recompute_batch_norm(resolved, [stage.module for stage in program.stages], options.batch_norm)
+                resolved = with_compile_notes(resolved, compile_settings, options.timeout_s)
     finally:
         release_group(group)
     warn_batch_norm(model, resolved, options.batch_norm)
@@ -404,6 +418,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
             commit = DeferredCommit(layers, replica_group)
             driver.start_hooks.append(commit.reset)
             driver.step_hooks.append(commit)
+    compile_stage(driver, compile_settings, options.batch_norm)
     synchronize_driver(driver, options.sync_params)  # on full tensors, before sharding
     driver.shard_stage()
     return PipelinedModule(driver, graph_module)

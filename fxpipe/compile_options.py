@@ -40,3 +40,5 @@ class CompileOptions:
     sharding: str | Sequence[str] = "none"  # fxpipe.core.sharding.check_request (ZeRO levels, docs/sharding.md)
     costs: str = "auto"  # where the planner's block times come from (fxpipe.job_costs)
     check_rows: bool = True  # refuse a model whose rows see each other when the plan splits the batch
+    # torch.compile per stage: False, True or torch.compile's keyword arguments (fxpipe.runtime.stage_compile)
+    torch_compile: bool | Mapping[str, Any] = False

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -59,6 +60,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         "(0: only at the end and on preemption)")
     parser.add_argument("--stall-timeout", type=float, default=5.0, help="seconds without a heartbeat after which "
                         "a rank is named as stalled on every rank, which then exit (docs/faults.md)")
+    parser.add_argument("--torch-compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                        help="compile each stage with torch.compile (default backend inductor; e.g. aot_eager); the "
+                             "first step pays the compile, reported per stage at the end (docs/compile.md)")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds a rank waits for a peer (default 60; "
+                        "600 with --torch-compile: the first step waits for earlier stages' compiles)")
     parser.add_argument("--trace", default=None, help="with --measure: write the last step's measured timeline "
                         "(Chrome/Perfetto trace, same format as `fxpipe simulate --trace`)")
 
@@ -195,6 +201,20 @@ def batch_dims_option(args: argparse.Namespace) -> int | dict[str, int] | None:
     return None if args.batch_dims is None else parse_batch_dims(args.batch_dims)
 
 
+def torch_compile_option(args: argparse.Namespace) -> bool | dict[str, str]:
+    """``--torch-compile [BACKEND]`` as ``fxpipe.compile``'s ``torch_compile``."""
+    if args.torch_compile is None:
+        return False
+    return True if args.torch_compile == "inductor" else {"backend": args.torch_compile}
+
+
+def timeout_option(args: argparse.Namespace) -> float:
+    """``--timeout``, else 60 s, or 600 s with ``--torch-compile`` (a cold compile of a stage can take minutes)."""
+    if args.timeout is not None:
+        return float(args.timeout)
+    return 60.0 if args.torch_compile is None else 600.0
+
+
 def run_train(args: argparse.Namespace) -> int:
     import fxpipe
     from fxpipe.planning import autocast_dtype
@@ -210,7 +230,8 @@ def run_train(args: argparse.Namespace) -> int:
                           plan=args.plan, schedule=args.schedule, num_microbatches=args.num_microbatches,
                           recompute=args.recompute, sharding=args.sharding, batch_dims=batch_dims_option(args),
                           target_batch_dim=args.target_batch_dim, costs=args.costs,
-                          autocast_dtype=autocast_dtype(precision), stall_timeout_s=args.stall_timeout)
+                          autocast_dtype=autocast_dtype(precision), stall_timeout_s=args.stall_timeout,
+                          torch_compile=torch_compile_option(args), timeout_s=timeout_option(args))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
     first_step = _resume(args, pipe, optimizer)
     leader = pipe.rank == 0
@@ -221,6 +242,12 @@ def run_train(args: argparse.Namespace) -> int:
     pipe.measure = "timeline" if args.measure and sharded else args.measure
     start = time.perf_counter()
     losses, stats, last_step, step_times = _train_steps(args, pipe, optimizer, batches, first_step)
+    compiled = pipe.compile_stats() if args.torch_compile is not None else None  # a collective: every rank
+    if leader and compiled is not None and step_times:
+        from fxpipe.runtime.stage_compile import format_compile_stats
+
+        print(f"{format_compile_stats(compiled)}\nfirst step {step_times[0]:.1f} s (compiling), then median "
+              f"{statistics.median(step_times[1:] or step_times) * 1e3:.4g} ms", flush=True)
     if leader and pipe.preempted and not args.checkpoint_dir:
         print(f"preempted: stopped after step {last_step} (no --checkpoint-dir: nothing saved)", flush=True)
     if leader and losses:
@@ -289,8 +316,6 @@ def prediction_check(plan: Any, step_times: list[float], *, measuring: bool = Fa
     The first step is left out when there are others (it pays one-time costs); with --measure the
     steps also record timelines and saved-tensor peaks, so they run slower than predicted.
     """
-    import statistics
-
     timed = step_times[1:] if len(step_times) > 1 else step_times
     line = f"median step {statistics.median(timed) * 1e3:.4g} ms over {len(timed)} steps"
     if plan.predicted is None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -14,14 +14,16 @@ from fxpipe.core.plan import Plan
 from fxpipe.runtime.errors import PipelineSetupError
 
 
-def checkpointed_call(module: torch.nn.Module, args: Sequence[Any]) -> Any:
+def checkpointed_call(module: torch.nn.Module, args: Sequence[Any], call: Callable[..., Any] | None = None) -> Any:
     """``module(*args)`` keeping only ``args`` for backward, which runs the forward again first.
+
+    ``call``: what runs the module (its compiled form, fxpipe.runtime.stage_compile); default ``module``.
 
     Non-reentrant checkpointing restores the RNG state (dropout draws the same masks) and the
     autocast state; buffers the forward updates (BatchNorm running statistics) are put back after
     the recomputation, so each micro-batch updates them once, as without recomputation.
     """
-    return checkpoint(module, *args, use_reentrant=False, preserve_rng_state=True,
+    return checkpoint(call or module, *args, use_reentrant=False, preserve_rng_state=True,
                       context_fn=lambda: (contextlib.nullcontext(), _buffers_restored(module)))
 
 

@@ -23,7 +23,7 @@ stage's replica allreduce.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -43,15 +43,17 @@ class ShardedCall(torch.nn.Module):
     backward runs on the weights FSDP's pre-backward hook gathered.
     """
 
-    def __init__(self, module: torch.nn.Module, recompute: bool) -> None:
+    def __init__(self, module: torch.nn.Module, recompute: bool, call: Callable[..., Any] | None = None) -> None:
         super().__init__()
         self.stage = module
         self.recompute = recompute
+        self.call = call  # the stage's compiled form (fxpipe.runtime.stage_compile), None: the module itself
 
     def forward(self, *args: Any) -> Any:
+        call = self.call or self.stage
         if not torch.is_grad_enabled():
-            return self.stage(*args)
-        results = checkpointed_call(self.stage, args) if self.recompute else self.stage(*args)
+            return call(*args)
+        results = checkpointed_call(self.stage, args, call) if self.recompute else call(*args)
         # FSDP2 hooks the backward of each output; an in-place op on an output that is a view (a loss_fn's
         # `logits /= t` on the last stage) would drop that hook and with it the gather or the reduction: copy views
         return tuple(value.clone() if isinstance(value, torch.Tensor) and value._is_view() else value
@@ -62,11 +64,11 @@ class ShardedStage:
     """This rank's stage sharded at ``level`` over ``group``; the driver tells it where each backward falls."""
 
     def __init__(self, module: torch.nn.Module, level: str, group: dist.ProcessGroup, device: torch.device,
-                 recompute: bool, ignored: Sequence[torch.nn.Parameter]) -> None:
+                 recompute: bool, ignored: Sequence[torch.nn.Parameter], call: Callable[..., Any] | None = None) -> None:
         assert level in ("optimizer", "gradients", "parameters"), level
         self.level = level
         self.mesh = DeviceMesh.from_group(group, device.type)
-        wrapper = ShardedCall(module, recompute)
+        wrapper = ShardedCall(module, recompute, call)
         fully_shard(wrapper, mesh=self.mesh, reshard_after_forward=level == "parameters",
                     ignored_params=set(ignored) or None)
         assert isinstance(wrapper, FSDPModule)

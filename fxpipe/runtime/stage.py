@@ -18,6 +18,7 @@ from fxpipe.runtime.split_backward import WeightWork, backward_inputs, backward_
 
 if TYPE_CHECKING:
     from fxpipe.core.program import SplitProgram, StageProgram
+    from fxpipe.runtime.stage_compile import CompiledStage
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -115,6 +116,9 @@ class StageRunner:
         self.meter: SavedActivationMeter | None = None
         # a sharded stage runs its forward through FSDP2 (fxpipe.runtime.sharded_stage): call(args), recompute inside
         self.call: Callable[[Sequence[Any]], Any] | None = None
+        # torch_compile: set after setup (fxpipe.runtime.stage_compile.compile_stage); None runs the module eager
+        self.compiled: CompiledStage | None = None
+        self.eager_reason: str | None = None  # why a stage asked to compile runs eager
 
     def parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """``(original name, parameter)`` for every parameter of this stage."""
@@ -140,10 +144,11 @@ class StageRunner:
                 if name in self._copied_inputs:  # autograd refuses in-place ops on a leaf; the copy carries them
                     value = value.clone()
             args.append(value)
-        if self.call is not None:
+        if self.call is not None:  # sharded: FSDP2's wrapper runs the compiled or eager module, recompute inside
             results = self.call(args)
         else:
-            results = checkpointed_call(self.module, args) if self.recompute else self.module(*args)
+            call = self.compiled or self.module
+            results = checkpointed_call(self.module, args, call) if self.recompute else call(*args)
         outputs = dict(zip(self.stage.output_values, results, strict=True))
         self._saved[microbatch_index] = _Saved(outputs, leaves, args=args if self.recompute else None)
         return outputs
@@ -186,7 +191,7 @@ class StageRunner:
         """
         args = [inputs[name] for name in self.stage.input_values]
         with autocast_context(self.device, self.autocast_dtype):
-            results = self.call(args) if self.call is not None else self.module(*args)
+            results = self.call(args) if self.call is not None else (self.compiled or self.module)(*args)
             outputs = dict(zip(self.stage.output_values, results, strict=True))
             if targets is None or not self.is_last:
                 return outputs, None, 0.0
@@ -229,12 +234,20 @@ class StageRunner:
             with autocast_context(self.device, self.autocast_dtype):
                 self.meter.note_transient(recomputed_bytes(self.module, saved.args))
         if outputs:
-            torch.autograd.backward(outputs, grads)
+            with self.compiled.booking() if self.compiled is not None else contextlib.nullcontext():
+                torch.autograd.backward(outputs, grads)
         return {name: leaf.grad for name, leaf in saved.input_leaves.items()}
 
     def backward_input(self, microbatch_index: int, output_grads: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """B of a split backward: the input leaves' gradients now, the parameter gradients kept for
-        :meth:`backward_weight` (stage 0, without differentiable inputs, does its whole backward here)."""
+        :meth:`backward_weight` (stage 0, without differentiable inputs, does its whole backward here).
+
+        A compiled stage is one autograd node with no join to split at: B runs its whole backward and W
+        has no work (the plan notes it, docs/compile.md).
+        """
+        if self.compiled is not None:
+            self._weight_work[microbatch_index] = None
+            return self.backward(microbatch_index, output_grads)
         saved = self._saved.pop(microbatch_index)
         outputs, grads = _roots(saved, output_grads)
         names = list(saved.input_leaves)
