@@ -27,7 +27,8 @@ from tests.mp_utils import join_world, leave_world, plan_from_cuts, run_ranks
 
 MODEL = "gpt-mini"  # ties the embedding to the output head across stages
 UNTIED = "mlp"
-UNTIED_CASES = (((2, 2), "optimizer"), ((4,), "parameters"))  # (replicas, sharding), under GPipe
+# (replicas, sharding, torch_compile), under GPipe: ZeRO-1 over stages compiled (dynamo + AOTAutograd) inside FSDP2
+UNTIED_CASES = (((2, 2), "optimizer", {"backend": "aot_eager"}), ((4,), "parameters", False))
 ENTRY = zoo.get(MODEL)
 WORLD_SIZE = 4
 GLOBAL_BATCH = 12
@@ -138,12 +139,13 @@ def _resumed(pipe: Any, directory: str, reference: dict[str, Any]) -> dict[str, 
 
 
 def _compile(replicas: tuple[int, ...], sharding: str, schedule: str, recompute: str, seed: int = 0,
-             sync_params: str = "broadcast", model_name: str = MODEL) -> Any:
+             sync_params: str = "broadcast", model_name: str = MODEL, torch_compile: Any = False) -> Any:
     entry = zoo.get(model_name)
     model, example_inputs = zoo.build(model_name, seed=seed, **entry.tiny_overrides)
     plan = plan_from_cuts(trace(copy.deepcopy(model), example_inputs), replicas, GLOBAL_BATCH, NUM_MICROBATCHES)
     return fxpipe.compile(model, example_inputs, loss_fn=entry.loss_fn, global_batch_size=GLOBAL_BATCH, plan=plan,
-                          schedule=schedule, recompute=recompute, sharding=sharding, sync_params=sync_params)
+                          schedule=schedule, recompute=recompute, sharding=sharding, sync_params=sync_params,
+                          torch_compile=torch_compile)
 
 
 def _state_bytes(pipe: Any, optimizer: torch.optim.Optimizer) -> int:
@@ -236,14 +238,15 @@ def _run(rank: int, world_size: int, store_dir: str, directory: str) -> dict[str
     results.update(_run_cases(rank, world_size, store_dir, directory, reference))
     untied = train_reference(zoo.build(UNTIED, **zoo.get(UNTIED).tiny_overrides)[0], zoo.get(UNTIED).loss_fn,
                              _batches(model=UNTIED), after_backward=_clipped)
-    for replicas, level in UNTIED_CASES:  # no tied weight: every parameter sharded, FSDP accumulating on its own
+    for replicas, level, compiled in UNTIED_CASES:  # no tied weight: every parameter sharded, FSDP accumulating alone
         with _world(store_dir, f"untied-{level}", rank, world_size):
-            pipe = _compile(replicas, level, "gpipe", "never", model_name=UNTIED)
+            pipe = _compile(replicas, level, "gpipe", "never", model_name=UNTIED, torch_compile=compiled)
             record = _train(pipe, untied, UNTIED)
             pipe.step(*_batches(model=UNTIED)[0])  # export while the shards hold gradients (weights unchanged)
             results[f"untied {level}"] = {"problems": record["problems"] + _exported_matches(pipe, untied),
                                           "norms": record["norms"], "reference_norms": untied["after_backward"],
-                                          "sharded": record["sharded"]}
+                                          "sharded": record["sharded"],
+                                          "compiled_frames": pipe.compile_stats()[rank].num_frames}
     with _world(store_dir, "unsharded", rank, world_size):  # the memory figure without sharding, as case 0
         pipe = _compile(CASES[0][1], "none", "dapple", "never")
         record = _train(pipe, reference)
@@ -284,8 +287,10 @@ def _case_failures(per_rank: list[dict[str, Any]]) -> list[str]:
 def _other_failures(rank: int, results: dict[str, Any]) -> list[str]:
     """One rank's untied run, memory figure, resumed checkpoints and zero-bubble refusal."""
     failures = []
-    for _, level in UNTIED_CASES:
+    for _, level, compiled in UNTIED_CASES:
         untied = results[f"untied {level}"]
+        if bool(compiled) != (untied["compiled_frames"] > 0):
+            failures.append(f"untied {level} rank {rank}: torch_compile={compiled} but {untied['compiled_frames']} frames")
         failures += [f"untied {level} rank {rank}: {p}" for p in untied["problems"][:3]]
         if not (untied["sharded"] and all(norm > MAX_NORM for norm in untied["reference_norms"])
                 and torch.allclose(torch.tensor(untied["norms"]), torch.tensor(untied["reference_norms"]), rtol=1e-5)):
