@@ -63,10 +63,13 @@ def score_candidates(request: PlanRequest, model: CandidateCosts, candidates: It
 def simulated_lower_bound(model: CandidateCosts, candidate: Candidate) -> float:
     """A time no simulation of ``candidate`` can beat, under any schedule: the busiest stage's compute,
     M (F_s + B_s) on its largest slice (recomputation and split backward only add or move work), then
-    its own gradient allreduce, or with buckets the tail left after its last backward."""
+    its own gradient allreduce, or with buckets the tail left after its last backward (none under a
+    sharding request: a sharded stage replaces its allreduce with collectives the bound leaves out)."""
     rows = candidate.microbatch_rows
     num_microbatches = model.global_batch_size // rows
-    if model.allreduce_bucket_bytes:
+    if model.sharding != "none":
+        own = [0.0] * len(candidate.spans)
+    elif model.allreduce_bucket_bytes:
         own = model.allreduce_tails(candidate.spans, rows)
     else:
         own, _ = model.stage_allreduces(candidate.spans)
@@ -153,6 +156,8 @@ def infeasible_error(request: PlanRequest, model: CandidateCosts, closest: Candi
               "(num_microbatches larger), an optimizer with less state (optimizer='sgd'), or a larger "
               "memory_limit_bytes if the device really has more memory"
               + (", or recompute='auto' (recompute activations where they do not fit)"
-                 if request.recompute == "never" else ""))
+                 if request.recompute == "never" else "")
+              + (", or sharding='auto' (ZeRO-1/2/3 inside replicated stages where that fits)"
+                 if request.sharding == "none" else ""))
     return InfeasiblePlanError(f"{head}.\nclosest attempt (micro-batch {closest.microbatch_rows} rows):\n"
                                f"{table}\n{advice}")
