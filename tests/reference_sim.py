@@ -495,7 +495,7 @@ def reference_run(plan: Plan, chain: CostChain, net: Cluster, *, optimizer: str 
         for s in holders:
             ends[s] = max(ends[s], tie_end)
     optimizer_s = max(net.optimizer_s_per_param_byte * stretch(net) * held_bytes(chain, s.first_block, s.stop_block)
-                      for s in plan.stages)
+                      / (s.replicas if s.sharding != "none" else 1) for s in plan.stages)  # sharded: its shard
     inflight = [inflight_peak(order[s], split) for s in range(plan.num_stages)]
     return Reference(
         iteration_time_s=max(ends) + step_end_seconds(net, plan) + optimizer_s,

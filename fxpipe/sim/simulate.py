@@ -106,6 +106,13 @@ def simulate(plan: Plan, chain: CostChain, cluster: Cluster, *, optimizer: str =
       its parameters (stretched like compute; 0 unless measured); the iteration ends with the
       slowest of them.
 
+    - A sharded stage (``stage.sharding``, ZeRO-1/2/3; :mod:`fxpipe.sim.sharding_cost`) has no gradient
+      allreduce: its replicas start their list after its step all-gather (ZeRO-1/2), every forward and
+      backward takes its per-micro-batch all-gathers and reduce-scatters longer (ZeRO-2/3; busy time
+      counts them), and its reduce-scatter tail (ZeRO-1) follows the last backward, anchored as the
+      allreduce is. Its optimizer step covers its shard; its peak memory the level's split
+      (:mod:`fxpipe.sim.sharding_memory`).
+
     - Under a split-backward schedule (W actions, zero-bubble) B takes ``1 - weight_fraction`` of
       the stage's backward and W the rest, both stretched by what splitting costs
       (``cluster.split_backward_overhead``; :func:`split_backward_times`; stage 0's B takes it all).
@@ -347,10 +354,13 @@ def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule,
 
 
 def _optimizer_s(chain: CostChain, cluster: Cluster, stage: StagePlan, slowdowns: Sequence[float]) -> float:
-    """The optimizer step after a stage's last allreduce (:attr:`Cluster.optimizer_s_per_param_byte`)."""
+    """The optimizer step after a stage's last allreduce (:attr:`Cluster.optimizer_s_per_param_byte`); a sharded
+    stage's replica steps its shard, 1/replicas of the parameters."""
     if cluster.optimizer_s_per_param_byte <= 0:
         return 0.0
     param_bytes = stage_param_bytes(chain, stage.first_block, stage.stop_block)  # its tied copies step too
+    if stage.sharding != "none":
+        param_bytes /= stage.replicas
     return cluster.optimizer_s_per_param_byte * param_bytes * max(slowdowns[d] for d in stage.devices)
 
 

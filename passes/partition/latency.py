@@ -13,6 +13,10 @@ it longer than the fused one), but a gradient crosses stage t in B_t - W_t only,
 ends with its own last W: Delta_s = sum_{t=s..Q} (B_t - W_t) + W_s for s <= Q (mirrored for s > Q).
 For equal stages this gives M (F+B) + (S-1)(F+B-W) + AR, the exact simulated time.
 
+A sharded stage (ZeRO-1/2/3, :mod:`fxpipe.sim.sharding_cost`) has its per-micro-batch collectives in F_s and
+B_s, its reduce-scatter tail as AR_s, and its step all-gather delays its first forward: L adds the longest
+wait max_s (start_s - sum of the F of the steps before s), when positive.
+
 Every cut between stages becomes an extra stage whose F/B is the activation/gradient transfer
 (:func:`fxpipe.sim.stagecost.transfer_time`) and whose AR is 0; a stage's F and B include its own time
 per message (:attr:`Cluster.message_overhead_s`). The formula is exact for equal
