@@ -32,9 +32,15 @@ from fxpipe.planning import costed_model, model_loss, plan_chain
 RESULTS = Path(__file__).with_suffix(".md")
 COMMAND = "python benchmarks/sharding_study.py --write"
 GiB = 2**30
-PRESETS = ("dgx-h100:1", "dgx-h100:2", "4x8:h100", "dapple-a", "dapple-b", "dapple-c")
-# (zoo name, global batch in sequences of 2048 tokens)
-CASES = (("gpt3-xl", 256), ("gpt3-6.7b", 256), ("gpt3-13b", 256))
+H100 = ("dgx-h100:1", "4x8:h100")
+V100 = ("dapple-a", "dapple-b", "dapple-c")
+PRESETS = (*H100, *V100)
+# (zoo name, global batch in sequences of 2048 tokens, presets); a smaller batch where pipelines get few
+# micro-batches (larger bubbles), to look for sharding's best case
+CASES = (("gpt3-xl", 256, PRESETS), ("gpt3-xl", 64, ("dapple-a",)), ("gpt3-6.7b", 256, PRESETS),
+         ("gpt3-13b", 256, H100))
+# With --slow: 13B on the V100 presets (about 4 more minutes, most of it finding that nothing fits).
+SLOW_CASES = (("gpt3-13b", 256, V100),)
 # Chains of at most this many blocks (the planner searches at most 32 anyway, 16 on host-aligned clusters):
 # keeps the run near 3 minutes.
 MAX_BLOCKS = 32
@@ -81,12 +87,16 @@ def best(chain: CostChain, cluster: Cluster, batch: int, sharding: str) -> Plan 
         return None
 
 
-def study(cases: Sequence[tuple[str, int]], presets: Sequence[str],
+def study(cases: Sequence[tuple[str, int, Sequence[str]]], presets: Sequence[str],
           progress: Callable[[str], None] = lambda _: None) -> list[Row]:
-    clusters = [parse_cluster(spec) for spec in presets]
     rows = []
-    for name, batch in cases:
-        per_cluster = chains(name, clusters)
+    built: dict[str, dict[str, CostChain]] = {}
+    for name, batch, case_presets in cases:
+        clusters = [parse_cluster(spec) for spec in case_presets if spec in presets]
+        known = built.setdefault(name, {})
+        missing = [cluster for cluster in clusters if cluster.name not in known]
+        known.update(chains(name, missing) if missing else {})
+        per_cluster = known
         for cluster in clusters:
             start = time.perf_counter()
             chain = per_cluster[cluster.name]
@@ -151,17 +161,19 @@ def summary(rows: Sequence[Row]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help=f"write {RESULTS.name}")
-    parser.add_argument("--models", default=",".join(name for name, _ in CASES))
+    parser.add_argument("--models", default=",".join(sorted({name for name, _, _ in CASES})))
     parser.add_argument("--presets", default=",".join(PRESETS))
+    parser.add_argument("--slow", action="store_true", help="also plan gpt3-13b on the V100 presets")
     args = parser.parse_args(argv)
     wanted = args.models.split(",")
-    start = time.perf_counter()
-    rows = study([case for case in CASES if case[0] in wanted], args.presets.split(","),
-                 lambda line: print(line, file=sys.stderr))
-    elapsed = time.perf_counter() - start
+    start, cpu_start = time.perf_counter(), time.process_time()
+    cases = [case for case in (*CASES, *(SLOW_CASES if args.slow else ())) if case[0] in wanted]
+    rows = study(cases, args.presets.split(","), lambda line: print(line, file=sys.stderr))
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     text = "\n".join([
         "# Sharded stage replicas: best plan without sharding vs sharding=\"auto\"", "",
-        f"Command: `{COMMAND}` ({elapsed:.0f} s on this machine). Source: benchmarks/sharding_study.py.", "",
+        f"Command: `{COMMAND}`{' --slow' if args.slow else ''} ({elapsed:.0f} s wall, {cpu:.0f} s CPU on a 2-core "
+        "machine shared with other jobs). Source: benchmarks/sharding_study.py.", "",
         (__doc__ or "").split("\n\n", 1)[1].strip(), "",
         "Levels per stage: `-` unsharded, Z1/Z2/Z3 = sharding optimizer/gradients/parameters, +rc = recompute.", "",
         table(rows), "", "## Summary", "", *summary(rows), ""])

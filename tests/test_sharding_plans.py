@@ -10,12 +10,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from reference_sim import reference_run
 from test_oracle_simulate import assert_agrees, rich_setup
+from torch.distributed.pipelining import pipe_split
 
 from fxpipe.cli import main
 from fxpipe.core.chain import Block, CostChain
-from fxpipe.core.cluster import Cluster, DeviceSpec, LinkSpec
+from fxpipe.core.cluster import Cluster, DeviceSpec, LinkSpec, parse_cluster
 from fxpipe.core.costgraph import Affine
 from fxpipe.core.plan import Plan, StagePlan
 from fxpipe.core.planfile import load_plan_file
@@ -23,6 +25,7 @@ from fxpipe.core.sharding import SHARDING_LEVELS
 from fxpipe.passes.partition.dapple import partition
 from fxpipe.passes.partition.latency import analytic_iteration_time
 from fxpipe.passes.partition.request import InfeasiblePlanError, PlanningError
+from fxpipe.planning import plan_markers
 from fxpipe.sim.sharding_cost import sharding_comm
 from fxpipe.sim.simulate import simulate
 from fxpipe.sim.stagecost import StageCost, stage_memory_bytes
@@ -195,3 +198,26 @@ def test_cli_rejects_an_unknown_level(capsys: pytest.CaptureFixture[str]) -> Non
                  "--sharding", "zero9"])
     assert code == 2
     assert "--sharding 'zero9'" in capsys.readouterr().err
+
+
+class _Marked(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin0, self.lin1 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.lin0(x))
+        pipe_split()
+        return self.lin1(x)
+
+
+def test_plan_markers_takes_levels_per_marked_stage() -> None:
+    inputs = (torch.ones(4, 8),)
+    cluster = parse_cluster("dgx-h100:1")
+    plan, _ = plan_markers(_Marked(), inputs, cluster, 32, sharding=["gradients", "parameters"])
+    assert plan.num_stages == 2
+    assert [s.sharding for s in plan.stages] == [level if s.replicas > 1 else "none"
+                                                 for s, level in zip(plan.stages, ("gradients", "parameters"),
+                                                                     strict=True)]
+    with pytest.raises(PlanningError, match="3 per-stage levels.*2 stages"):
+        plan_markers(_Marked(), inputs, cluster, 32, sharding=["none", "none", "none"])

@@ -116,6 +116,8 @@ class CandidateCosts:
         self.comm = lru_cache(maxsize=None)(self._comm)
         self.unit_bytes = lru_cache(maxsize=None)(lambda first, stop: largest_block_param_bytes(chain, first, stop))
         self._sharded_choice = lru_cache(maxsize=None)(self._choose_sharded)
+        # (spans, rows, warm-up policy, schedule, recompute setting) -> choices: the search asks twice per candidate
+        self._sharded_memo: dict[tuple[object, ...], tuple[StageChoice, ...]] = {}
         # (candidate identity, schedule, warm-up policy) -> simulated (iteration s, bubble fraction), for scoring
         self.simulated: dict[tuple[object, ...], tuple[float, float]] = {}
 
@@ -163,6 +165,18 @@ class CandidateCosts:
             own = self.allreduce(first, stop, devices)
         return cost.forward_s, backward_seconds(cost.forward_s, cost.backward_s, recompute), own
 
+    def least_comm_seconds(self, span: Span, num_microbatches: int) -> float:
+        """The least time any sharded level the request allows spends in a stage's collectives in one step
+        (infinite when none is allowed: one replica, or ``"none"``)."""
+        if self.sharding == "none" or len(span.devices) <= 1:
+            return float("inf")
+        levels = (self.sharding,) if self.sharding in SHARDING_LEVELS else SHARDING_LEVELS
+        # tied parameters may be summed by their tie allreduce instead: count none of them (a lower bound)
+        gradient_bytes = max(0, self.cost(span.first, span.stop, 1, 1).param_bytes
+                             - sum(shared.num_bytes for shared in self.chain.shared_params))
+        return min((self.stage_comm(span.first, span.stop, span.devices, level, gradient_bytes)
+                    .step_seconds(num_microbatches) for level in levels if level != "none"), default=float("inf"))
+
     def least_state_bytes(self, first: int, stop: int, replicas: int, unsharded_bytes: float) -> float:
         """The fewest bytes per device a stage's weights, gradients and optimizer state can take under the
         request: ``unsharded_bytes`` (P x the optimizer's factor) unless a level the request allows splits them."""
@@ -202,9 +216,12 @@ class CandidateCosts:
         return min(stage_allreduce_offsets(self.chain, self.cluster, first, stop, devices, slice_rows, own_bytes,
                                            self.overlap_bytes, share)[1] for share in self.window_shares)
 
-    def allreduce_tails(self, spans: Sequence[Span], rows: int) -> list[float]:
-        """Each stage's own allreduce time left after its last backward, buckets overlapping it."""
-        if not self.chain.shared_params:
+    def allreduce_tails(self, spans: Sequence[Span], rows: int, own_bytes: Sequence[int] | None = None) -> list[float]:
+        """Each stage's own allreduce time left after its last backward, buckets overlapping it (``own_bytes``:
+        each stage's :func:`own_allreduce_bytes` when the caller has them)."""
+        if own_bytes is not None:
+            pass
+        elif not self.chain.shared_params:
             own_bytes = [self.cost(span.first, span.stop, 1, 1).param_bytes for span in spans]
         else:
             own_bytes = own_allreduce_bytes(self.chain, [(span.first, span.stop) for span in spans])
@@ -242,13 +259,15 @@ class CandidateCosts:
 
     def _shared_steps(self, spans: Sequence[Span], rows: int, choices: Sequence[StageChoice] | None) -> PipelineSteps:
         """:meth:`steps` with tied parameters or a time per message (each stage's own bytes and messages)."""
+        choices = choices or self.stage_choices(spans, rows, "A")  # the search's memory check uses policy A too
+        sharded = any(choice.sharding != "none" and len(span.devices) > 1 for span, choice in zip(spans, choices,
+                                                                                                 strict=True))
+        own_bytes = (own_allreduce_bytes(self.chain, [(span.first, span.stop) for span in spans])
+                     if sharded else [0] * len(spans))
         own, ties = self.stage_allreduces(spans)
         if self.overlap_bytes:
-            own = self.allreduce_tails(spans, rows)
+            own = self.allreduce_tails(spans, rows, own_bytes if sharded else None)
         replicas = [len(span.devices) for span in spans]
-        choices = choices or self.stage_choices(spans, rows, "A")  # the search's memory check uses policy A too
-        own_bytes = (own_allreduce_bytes(self.chain, [(span.first, span.stop) for span in spans])
-                     if self.sharding != "none" else [0] * len(spans))
         stages, messages, starts = [], [], []
         for index, span in enumerate(spans):
             cost = self.cost(span.first, span.stop, rows, len(span.devices))
@@ -319,6 +338,9 @@ class CandidateCosts:
                          recompute: RecomputeSetting) -> list[StageChoice]:
         """:meth:`stage_choices` under a sharding request: each stage's levels and recompute choices to try
         (one when forced), the fastest that fits (:meth:`_choose_sharded`)."""
+        key = (tuple(spans), rows, warmup_policy, schedule, recompute)
+        if key in self._sharded_memo:
+            return list(self._sharded_memo[key])
         num_microbatches = self.global_batch_size // rows
         request = self.sharding
         if not isinstance(request, str) and len(request) != len(spans):
@@ -338,6 +360,7 @@ class CandidateCosts:
             inflight = self.inflight(index, len(spans), num_microbatches, warmup_policy, schedule)
             choices.append(self._sharded_choice(span.first, span.stop, rows, span.devices, inflight, levels,
                                                 recomputes))
+        self._sharded_memo[key] = tuple(choices)
         return choices
 
     def stage_options(self, spans: Sequence[Span], rows: int, warmup_policy: str, schedule: str | None = None

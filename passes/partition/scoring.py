@@ -63,16 +63,18 @@ def score_candidates(request: PlanRequest, model: CandidateCosts, candidates: It
 def simulated_lower_bound(model: CandidateCosts, candidate: Candidate) -> float:
     """A time no simulation of ``candidate`` can beat, under any schedule: the busiest stage's compute,
     M (F_s + B_s) on its largest slice (recomputation and split backward only add or move work), then
-    its own gradient allreduce, or with buckets the tail left after its last backward (none under a
-    sharding request: a sharded stage replaces its allreduce with collectives the bound leaves out)."""
+    its own gradient allreduce, or with buckets the tail left after its last backward; under a sharding
+    request, the least of that and every allowed level's collectives in one step (a sharded stage runs
+    them all before, inside or after its compute: :mod:`fxpipe.sim.sharding_cost`)."""
     rows = candidate.microbatch_rows
     num_microbatches = model.global_batch_size // rows
-    if model.sharding != "none":
-        own = [0.0] * len(candidate.spans)
-    elif model.allreduce_bucket_bytes:
+    if model.allreduce_bucket_bytes:
         own = model.allreduce_tails(candidate.spans, rows)
     else:
         own, _ = model.stage_allreduces(candidate.spans)
+    if model.sharding != "none":
+        own = [min(seconds, model.least_comm_seconds(span, num_microbatches))
+               for span, seconds in zip(candidate.spans, own, strict=True)]
     costs = [model.cost(span.first, span.stop, rows, len(span.devices)) for span in candidate.spans]
     return max(num_microbatches * (cost.forward_s + cost.backward_s) + allreduce_s
                for cost, allreduce_s in zip(costs, own, strict=True))
