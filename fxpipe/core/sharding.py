@@ -17,10 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from fxpipe.core.plan import Plan
+from typing import Any, Protocol, TypeVar, cast
 
 SHARDING_LEVELS = ("none", "optimizer", "gradients", "parameters")
 SHARDING_AUTO = "auto"
@@ -82,7 +79,20 @@ def stage_levels(request: ShardingRequest, replicas: Sequence[int]) -> tuple[str
     return tuple(level if count > 1 else DEFAULT_SHARDING for level, count in zip(levels, replicas, strict=True))
 
 
-def force_sharding(plan: Plan, request: ShardingRequest) -> Plan:
+class _StagedPlan(Protocol):
+    """What :func:`force_sharding` reads of a :class:`fxpipe.core.plan.Plan` (typed so without importing it:
+    fxpipe.core.plan imports this module for the level names)."""
+
+    @property
+    def stages(self) -> Sequence[Any]: ...
+
+    def with_updates(self, **changes: Any) -> Any: ...
+
+
+PlanT = TypeVar("PlanT", bound=_StagedPlan)
+
+
+def force_sharding(plan: PlanT, request: ShardingRequest) -> PlanT:
     """``plan`` with each stage's level set by an explicit request; ``"auto"`` keeps the planner's levels.
 
     For plans whose levels the user decides (a plan file, a layout, ``fxpipe.compile(sharding="optimizer")``).
@@ -94,4 +104,4 @@ def force_sharding(plan: Plan, request: ShardingRequest) -> Plan:
     if levels == tuple(stage.sharding for stage in plan.stages):
         return plan
     stages = tuple(replace(stage, sharding=level) for stage, level in zip(plan.stages, levels, strict=True))
-    return plan.with_updates(stages=stages)
+    return cast(PlanT, plan.with_updates(stages=stages))

@@ -8,8 +8,9 @@ from dataclasses import dataclass, replace
 from tabulate import tabulate
 
 from fxpipe.core.plan import Plan
-from fxpipe.passes.partition.candidates import Candidate, CandidateCosts, Span, build_plan, with_prediction
+from fxpipe.passes.partition.candidates import Candidate, CandidateCosts, Span
 from fxpipe.passes.partition.latency import analytic_iteration_time
+from fxpipe.passes.partition.plan_build import build_plan, with_prediction
 from fxpipe.passes.partition.request import (
     AUTO_SCHEDULE,
     AUTO_SWITCH_MARGIN,
