@@ -358,7 +358,7 @@ def _optimizer_s(chain: CostChain, cluster: Cluster, stage: StagePlan, slowdowns
     stage's replica steps its shard, 1/replicas of the parameters."""
     if cluster.optimizer_s_per_param_byte <= 0:
         return 0.0
-    param_bytes = stage_param_bytes(chain, stage.first_block, stage.stop_block)  # its tied copies step too
+    param_bytes: float = stage_param_bytes(chain, stage.first_block, stage.stop_block)  # its tied copies step too
     if stage.sharding != "none":
         param_bytes /= stage.replicas
     return cluster.optimizer_s_per_param_byte * param_bytes * max(slowdowns[d] for d in stage.devices)
