@@ -64,6 +64,9 @@ def _build_parser() -> argparse.ArgumentParser:
                            "analytic device model (auto: for preset and remote clusters; optimistic, see "
                            "docs/clusters.md)")
     plan.add_argument("--max-blocks", type=int, default=64, help="coarsen the graph to at most this many blocks")
+    plan.add_argument("--sharding", default="none", help="ZeRO inside each stage's replica group: none (default), "
+                      "auto (each stage the fastest level that fits), optimizer, gradients, parameters, or one "
+                      "level per stage: none,optimizer,... (needs --layout or markers; docs/sharding_planning.md)")
     plan.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
                       help="what the job trains in: fp32, or bf16/fp16 autocast (tensor-core matmuls, half-size "
                            "activations, fp32 master weights); recorded in the plan (docs/clusters.md)")
@@ -166,7 +169,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     args.costs = _cost_source(args, cluster)
     options = {"num_microbatches": args.num_microbatches, "schedule": args.schedule, "optimizer": args.optimizer,
                "recompute": args.recompute, "allreduce_bucket_bytes": _bucket_bytes(args.allreduce_bucket_mb),
-               "compare": args.compare, "progress": sys.stderr.isatty()}
+               "compare": args.compare, "progress": sys.stderr.isatty(), "sharding": _sharding(args.sharding)}
     if "markers" in (args.layout, args.planner):
         plan, chain = _marker_plan(args, cluster, options)
     else:
@@ -182,6 +185,16 @@ def _run_plan(args: argparse.Namespace) -> int:
         save_plan_file(args.json_out, plan, chain, cluster, run=None if args.no_run_info else _run_info(plan))
         print(f"wrote {args.json_out}")
     return 0
+
+
+def _sharding(text: str) -> Any:
+    """``--sharding`` parsed (:func:`fxpipe.core.sharding.parse_request`); a bad value is a CommandLineError."""
+    from fxpipe.core.sharding import ShardingError, parse_request
+
+    try:
+        return parse_request(text)
+    except ShardingError as error:
+        raise CommandLineError(f"--sharding {text!r}: {error}") from None
 
 
 def _run_info(plan: Plan) -> dict[str, Any]:

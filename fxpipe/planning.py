@@ -15,6 +15,7 @@ from fxpipe.core.cluster import Cluster
 from fxpipe.core.costgraph import CostGraph, CostNode
 from fxpipe.core.plan import Plan
 from fxpipe.core.precision import DEFAULT_PRECISION, autocast_device_type, autocast_dtype_name
+from fxpipe.core.sharding import DEFAULT_SHARDING, ShardingRequest
 from fxpipe.passes.batchdims import BatchDims
 
 if TYPE_CHECKING:
@@ -239,11 +240,16 @@ def affordable_costs(analytic_chain: CostChain, *, on_meta: bool = False) -> tup
 
 
 def plan_chain(chain: CostChain, cluster: Cluster, global_batch_size: int, *,
-               precision: str = DEFAULT_PRECISION, **options: Any) -> Plan:
-    """Run a planner (``planner=`` name, default DAPPLE) over a chain costed for ``precision`` (recorded in the plan)."""
+               precision: str = DEFAULT_PRECISION, sharding: ShardingRequest = DEFAULT_SHARDING,
+               **options: Any) -> Plan:
+    """Run a planner (``planner=`` name, default DAPPLE) over a chain costed for ``precision`` (recorded in the plan).
+
+    ``sharding``: ``"none"``, ``"auto"``, one level or one per stage (:mod:`fxpipe.core.sharding`); the
+    plan records each stage's level (``stages[*].sharding``; docs/sharding_planning.md).
+    """
     from fxpipe.passes.partition.dapple import partition
 
-    plan = partition(chain, cluster, global_batch_size, **options)
+    plan = partition(chain, cluster, global_batch_size, sharding=sharding, **options)
     return plan if precision == DEFAULT_PRECISION else plan.with_updates(precision=precision)
 
 
@@ -297,9 +303,11 @@ def plan_markers(
     costs: str = "analytic",
     measured: MeasuredCosts | None = None,
     precision: str = DEFAULT_PRECISION,
+    sharding: ShardingRequest = DEFAULT_SHARDING,
     **options: Any,
 ) -> tuple[Plan, CostChain]:
-    """Cut at the model's ``pipe_split()`` markers; DAPPLE picks replica counts, placement and micro-batches.
+    """Cut at the model's ``pipe_split()`` markers; DAPPLE picks replica counts, placement, micro-batches and,
+    under ``sharding="auto"``, each stage's sharding level (per-stage levels: one per marked stage).
 
     Returns the plan and the cost chain it is stated in. Every marked stage must hold parameters
     (otherwise the README's ``torch.optim.AdamW(pipe.parameters())`` fails on its ranks): a
@@ -323,6 +331,6 @@ def plan_markers(
     if empty:
         raise MarkerError(f"pipe_split() markers give stage(s) {empty} no parameters, so their ranks would have "
                           "nothing to optimise; remove the marker before or after each such stage")
-    plan = partition(marked, cluster, global_batch_size, num_stages=len(stops), **options)
+    plan = partition(marked, cluster, global_batch_size, num_stages=len(stops), sharding=sharding, **options)
     plan = on_fine_chain(plan, chain, stops).with_updates(planner="markers", precision=precision)
     return labelled(plan, cost_source_of(costs, cluster)), chain

@@ -44,8 +44,9 @@ def _device_ranges(devices: tuple[int, ...]) -> str:
 
 
 def stage_table(plan: Plan, chain: CostChain | None = None, cluster: Cluster | None = None) -> str:
-    """One row per stage: blocks, replicas, devices, forward/backward ms, params, activations (kept or
-    recomputed in backward, whose time then includes the forward again), memory."""
+    """One row per stage: blocks, replicas, devices, forward/backward ms, gradient sync ms (the allreduce, or a
+    sharded stage's collectives of the step), params, activations (kept or recomputed in backward, whose
+    time then includes the forward again), sharding level, memory."""
     capacity = cluster.device.memory_bytes if cluster is not None else 0
     rows = []
     for stage in plan.stages:
@@ -63,10 +64,10 @@ def stage_table(plan: Plan, chain: CostChain | None = None, cluster: Cluster | N
             stage.stage_index, blocks, stage.replicas, _device_ranges(stage.devices),
             f"{stage.forward_s * 1e3:.2f}", f"{backward_s * 1e3:.2f}", f"{stage.allreduce_s * 1e3:.2f}",
             format_bytes(stage.param_bytes), format_bytes(stage.activation_bytes),
-            "recompute" if stage.recompute else "keep", memory,
+            "recompute" if stage.recompute else "keep", stage.sharding, memory,
         ])
     headers = ["stage", "blocks", "replicas", "devices", "fwd ms", "bwd ms", "allreduce ms",
-               "params", "act/micro-batch", "activations", "memory/device"]
+               "params", "act/micro-batch", "activations", "sharding", "memory/device"]
     return str(tabulate(rows, headers=headers, tablefmt="simple"))
 
 

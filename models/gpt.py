@@ -121,6 +121,10 @@ PRESETS: dict[str, tuple[GPTConfig, int | None, str]] = {
                    124_000_000, "GPT-2 small (124M)"),
     "gpt3-xl": (GPTConfig(block_size=2048, vocab_size=50257, n_layer=24, n_head=16, n_embd=2048),
                 1_300_000_000, "GPT-3 XL (1.3B)"),
+    "gpt3-6.7b": (GPTConfig(block_size=2048, vocab_size=50257, n_layer=32, n_head=32, n_embd=4096),
+                  6_700_000_000, "GPT-3 6.7B; build on device='meta' for planning"),
+    "gpt3-13b": (GPTConfig(block_size=2048, vocab_size=50257, n_layer=40, n_head=40, n_embd=5120),
+                 13_000_000_000, "GPT-3 13B (width 5120 = 40 heads x 128, as Megatron); build on device='meta'"),
     "gpt3-175b": (GPTConfig(block_size=2048, vocab_size=50257, n_layer=96, n_head=96, n_embd=12288),
                   175_000_000_000, "GPT-3 175B; build on device='meta' only"),
 }

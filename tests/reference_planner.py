@@ -10,6 +10,9 @@ Placements: devices on one host are interchangeable and so are hosts (links depe
 not), so a stage's placement is its device count per host; devices are handed out in order per host.
 Recompute: a stage keeps its activations when they fit and recomputes only when they do not (recomputing
 only adds time), as ``recompute="auto"`` documents.
+Sharding (``sharding="auto"``): every combination over the stages of (level, keep or recompute) that fits,
+each stage of several replicas trying the four levels; every combination is simulated, so nothing of the
+planner's per-stage choice rule is assumed.
 """
 
 from __future__ import annotations
@@ -97,9 +100,35 @@ def with_recompute(plan: Plan, chain: CostChain, limit_bytes: int) -> Plan | Non
     return plan.with_updates(stages=tuple(stages))
 
 
+LEVELS = ("none", "optimizer", "gradients", "parameters")
+
+
+def with_every_choice(plan: Plan, chain: CostChain, limit_bytes: int) -> Iterator[Plan]:
+    """The plan under every per-stage (sharding level, recompute) combination that fits in ``limit_bytes``."""
+    order = compute_order(plan)
+    fitting = []
+    for stage in plan.stages:
+        inflight = inflight_peak(order[stage.stage_index], is_split(order))
+        options = []
+        for level in LEVELS if stage.replicas > 1 else ("none",):
+            for recompute in (False, True):
+                trial = StagePlan(stage.stage_index, stage.first_block, stage.stop_block, stage.replicas,
+                                  stage.devices, recompute=recompute, sharding=level)
+                candidate = plan.with_updates(stages=tuple(trial if s.stage_index == stage.stage_index else s
+                                                           for s in plan.stages))
+                if stage_peak_bytes(candidate, chain, stage.stage_index, inflight) <= limit_bytes:
+                    options.append(trial)
+        if not options:
+            return
+        fitting.append(options)
+    for stages in itertools.product(*fitting):
+        yield plan.with_updates(stages=tuple(stages))
+
+
 def every_plan(chain: CostChain, net: Cluster, batch: int, *, all_devices: bool = False,
-               bucket_bytes: int = PLANNER_BUCKET_BYTES) -> Iterator[Plan]:
-    """Every runnable plan that fits in device memory (recompute chosen per stage), early-backward schedule."""
+               bucket_bytes: int = PLANNER_BUCKET_BYTES, sharding: str = "none") -> Iterator[Plan]:
+    """Every runnable plan that fits in device memory (recompute chosen per stage; with ``sharding="auto"``
+    every fitting level and recompute combination), early-backward schedule."""
     for bounds, replicas in layouts(chain, net, all_devices):
         for devices in placements(replicas, net):
             stages = tuple(StagePlan(s, first, stop, r, devices[s])
@@ -108,8 +137,12 @@ def every_plan(chain: CostChain, net: Cluster, batch: int, *, all_devices: bool 
                 if batch % num_microbatches or batch // num_microbatches < max(replicas):
                     continue
                 for policy in ("A", "B") if len(stages) > 1 else ("A",):
-                    plan = with_recompute(Plan(batch, num_microbatches, stages, warmup_policy=policy,
-                                               allreduce_bucket_bytes=bucket_bytes), chain, net.device.memory_bytes)
+                    bare = Plan(batch, num_microbatches, stages, warmup_policy=policy,
+                                allreduce_bucket_bytes=bucket_bytes)
+                    if sharding == "auto":
+                        yield from with_every_choice(bare, chain, net.device.memory_bytes)
+                        continue
+                    plan = with_recompute(bare, chain, net.device.memory_bytes)
                     if plan is not None:
                         yield plan
 
@@ -123,11 +156,12 @@ def compute_bound(plan: Plan, chain: CostChain, net: Cluster) -> float:
 
 
 def best_plan(chain: CostChain, net: Cluster, batch: int, *, all_devices: bool = False,
-              bucket_bytes: int = PLANNER_BUCKET_BYTES) -> tuple[float, Plan] | None:
+              bucket_bytes: int = PLANNER_BUCKET_BYTES, sharding: str = "none") -> tuple[float, Plan] | None:
     """The fastest plan under the reference simulator (branch and bound on :func:`compute_bound`); None if
     nothing fits."""
     plans = sorted(((compute_bound(p, chain, net), index, p) for index, p in
-                    enumerate(every_plan(chain, net, batch, all_devices=all_devices, bucket_bytes=bucket_bytes))),
+                    enumerate(every_plan(chain, net, batch, all_devices=all_devices, bucket_bytes=bucket_bytes,
+                                         sharding=sharding))),
                    key=lambda item: item[:2])
     best: tuple[float, Plan] | None = None
     for bound, _, plan in plans:

@@ -4,7 +4,8 @@ busy seconds and per-stage peak memory of one training iteration.
 It shares no code with ``fxpipe.sim`` (nor the planner): only plain data (Plan, CostChain, Cluster) and the
 F/B/W order of the schedule (``make_schedule(...).per_stage``) come from fxpipe. Row slicing, routing,
 lowering, message costs, core sharing, split backward (zero-bubble), recomputation, bucketed and tied
-gradient allreduces (and what overlapping them with the last gradient pass costs both sides), the step-end allreduce, the optimizer step and the memory rule are re-derived from the
+gradient allreduces (and what overlapping them with the last gradient pass costs both sides), sharded stages
+(ZeRO-1/2/3: reduce-scatters and all-gathers, sharded memory), the step-end allreduce, the optimizer step and the memory rule are re-derived from the
 documented model (``fxpipe.sim.simulate.simulate``'s docstring, docs) and written the plain way: one
 time-ordered loop over all replicas, lists instead of prefix sums, no caching, no component splitting.
 
@@ -86,6 +87,41 @@ def gradient_allreduce_seconds(net: Cluster, num_bytes: float, devices: tuple[in
     return ring + 4 * num_bytes / net.device.memory_bandwidth_bytes_per_s if ring > 0 else 0.0
 
 
+def ring_half_seconds(net: Cluster, num_bytes: float, devices: tuple[int, ...]) -> float:
+    """A ring reduce-scatter or all-gather: R-1 steps each sending 1/R of the bytes over the slowest link,
+    plus one copy through the flat buffer (read + write) at memory bandwidth."""
+    count = len(devices)
+    if count < 2 or num_bytes <= 0:
+        return 0.0
+    hosts = {d // net.devices_per_host for d in devices}
+    link = (net.intra_host_collective or net.intra_host) if len(hosts) == 1 else (
+        net.inter_host_collective or net.inter_host)
+    steps = count - 1
+    return steps * (link.latency_s + num_bytes / count / link.bandwidth_bytes_per_s) + (
+        2 * num_bytes / net.device.memory_bandwidth_bytes_per_s)
+
+
+def sharded_collectives(plan: Plan, chain: CostChain, net: Cluster, stage_index: int) -> dict[str, float]:
+    """Seconds of a sharded stage's collectives: "start" (before its first forward), "F"/"B" (added to every
+    forward/backward), "tail" (after its last backward). Weights gathered: all the stage holds; gradients
+    scattered: its own (tied ones keep their tie allreduce)."""
+    stage = plan.stages[stage_index]
+    out = {"start": 0.0, "F": 0.0, "B": 0.0, "tail": 0.0}
+    if stage.sharding == "none" or stage.replicas < 2:
+        return out
+    weights = held_bytes(chain, stage.first_block, stage.stop_block)
+    grads = weights - sum(n for holders, n in tie_sets(plan, chain).items() if stage_index in holders)
+    gather = ring_half_seconds(net, weights, stage.devices)
+    scatter = ring_half_seconds(net, grads, stage.devices)
+    if stage.sharding == "optimizer":  # ZeRO-1: gather updated weights once, scatter gradients once
+        out["start"], out["tail"] = gather, scatter
+    elif stage.sharding == "gradients":  # ZeRO-2: scatter after every micro-batch's backward
+        out["start"], out["B"] = gather, scatter
+    else:  # ZeRO-3: gather for every forward and every backward, scatter after every backward
+        out["F"], out["B"] = gather, gather + scatter
+    return out
+
+
 def step_end_seconds(net: Cluster, plan: Plan) -> float:
     """The allreduce of seven float64 numbers over every device of the plan."""
     devices = tuple(sorted({d for stage in plan.stages for d in stage.devices}))
@@ -140,10 +176,11 @@ def stage_seconds(plan: Plan, chain: CostChain, net: Cluster, stage_index: int, 
     backward = sum(at(b.backward_s, rows) for b in blocks) * stretch(net)
     if stage.recompute:
         backward += forward
+    comm = sharded_collectives(plan, chain, net, stage_index)  # on the critical path, never split
     if not split or stage_index == 0:
-        return {"F": forward, "B": backward, "W": 0.0}
+        return {"F": forward + comm["F"], "B": backward + comm["B"], "W": 0.0}
     total = backward * (1 + net.split_backward_overhead)
-    return {"F": forward, "B": total * (1 - weight_share), "W": total * weight_share}
+    return {"F": forward + comm["F"], "B": total * (1 - weight_share) + comm["B"], "W": total * weight_share}
 
 
 def build_replicas(plan: Plan, chain: CostChain, net: Cluster, split: bool, weight_share: float) -> dict[Key, Replica]:
@@ -178,17 +215,20 @@ class Run:
 
 
 def event_loop(plan: Plan, replicas: dict[Key, Replica], programs: list[list[tuple[str, int]]],
-               net: Cluster, extra: dict[int, float] | None = None) -> Run:
+               net: Cluster, extra: dict[int, float] | None = None,
+               chain_net: tuple[CostChain, Cluster] | None = None) -> Run:
     """A plain time-ordered loop. Each message costs its sender and its receiver ``message_overhead_s``
     (stretched like compute): a send first packs all its pieces, then issues them; a receive takes them
     after the last one arrived. One send and one receive port per device, first come first served.
-    ``extra[stage]``: the stage's last B or W takes that much longer (buckets in flight beside it)."""
+    ``extra[stage]``: the stage's last B or W takes that much longer (buckets in flight beside it).
+    ``chain_net``: a sharded stage's replicas start their list after its step all-gather."""
     extra = extra or {}
+    start_at = {key: sharded_collectives(plan, *chain_net, key[0])["start"] for key in replicas} if chain_net else {}
     last_pass = {stage: max(i for i, (kind, _) in enumerate(program) if kind in ("B", "W"))
                  for stage, program in enumerate(programs)}
     per_message = net.message_overhead_s * stretch(net)
     packed: set[tuple[Key, int]] = set()
-    clock = dict.fromkeys(replicas, 0.0)
+    clock = {key: start_at.get(key, 0.0) for key in replicas}
     cursor = dict.fromkeys(replicas, 0)
     last_gradient = dict.fromkeys(replicas, 0.0)
     send_free: dict[int, float] = {}
@@ -196,7 +236,7 @@ def event_loop(plan: Plan, replicas: dict[Key, Replica], programs: list[list[tup
     arrivals: dict[tuple[Key, str, int], list[float]] = {}
     blocked: set[Key] = set()
     busy: dict[int, float] = {r.device: 0.0 for r in replicas.values()}
-    queue = [(0.0, key) for key in sorted(replicas)]
+    queue = [(clock[key], key) for key in sorted(replicas)]
     while queue:
         now, key = heapq.heappop(queue)
         replica, program = replicas[key], programs[key[0]]
@@ -334,6 +374,8 @@ def pass_stretch(plan: Plan, chain: CostChain, net: Cluster, stage_index: int, o
     found = stage_buckets(plan, chain, net, stage_index, own_bytes, split, weight_share)
     if found is None or (net.overlap_compute_slowdown == 0 and net.overlap_comm_slowdown == 0):
         return 0.0
+    if plan.stages[stage_index].sharding != "none":  # no buckets beside the pass
+        return 0.0
     return rate_loop(found[0], found[1], net)[0] - found[1]
 
 
@@ -343,6 +385,8 @@ def stage_allreduce(plan: Plan, chain: CostChain, net: Cluster, stage_index: int
     ``plan.allreduce_bucket_bytes`` as the last gradient pass walks the blocks backwards, and go one after
     another on one channel, each once full and the previous one done. ``ready``: when that pass ended."""
     devices = plan.stages[stage_index].devices
+    if plan.stages[stage_index].sharding != "none" and len(devices) > 1:  # a reduce-scatter tail or nothing
+        return ready, ready + sharded_collectives(plan, chain, net, stage_index)["tail"]
     whole = gradient_allreduce_seconds(net, own_bytes, devices)
     if own_bytes <= 0 or whole <= 0:
         return ready, ready
@@ -390,11 +434,24 @@ def stage_peak_bytes(plan: Plan, chain: CostChain, stage_index: int, inflight: i
 
     Kept per in-flight micro-batch: its saved activations (received values it saves again included) and its
     input slice; recomputing stages keep only the input slice, plus one micro-batch's activations while
-    backward reruns the forward."""
+    backward reruns the forward.
+    Sharded (r replicas, P held bytes, k bytes kept per byte, U the largest block's bytes): ZeRO-1 keeps
+    weights and gradients whole and 1/r of the optimizer state; ZeRO-2 1/r of gradients too, plus one
+    block's full gradients; ZeRO-3 1/r of everything, plus one block's full weights."""
     stage = plan.stages[stage_index]
     rows = -(-plan.microbatch_size // stage.replicas)
     blocks = chain.blocks[stage.first_block:stage.stop_block]
-    weights = BYTES_KEPT_PER_PARAM_BYTE[optimizer] * held_bytes(chain, stage.first_block, stage.stop_block)
+    held = held_bytes(chain, stage.first_block, stage.stop_block)
+    kept_per_byte = BYTES_KEPT_PER_PARAM_BYTE[optimizer]
+    r, unit = stage.replicas, max(b.param_bytes for b in blocks)
+    if stage.sharding == "none" or r == 1:
+        weights = kept_per_byte * held
+    elif stage.sharding == "optimizer":
+        weights = held * 2 + held * (kept_per_byte - 2) / r
+    elif stage.sharding == "gradients":
+        weights = held + held * (kept_per_byte - 1) / r + unit
+    else:
+        weights = held * kept_per_byte / r + unit
     # a value an earlier stage saved (first, or last before this stage) is received and saved here again
     resaved = sum(at(num_bytes, rows) for b in blocks for saver, num_bytes in b.resaved if saver < stage.first_block)
     saved = sum(at(b.saved_bytes, rows) for b in blocks) + resaved
@@ -424,7 +481,7 @@ def reference_run(plan: Plan, chain: CostChain, net: Cluster, *, optimizer: str 
     owns = [held_bytes(chain, stage.first_block, stage.stop_block) - sum(
         num_bytes for holders, num_bytes in ties.items() if stage.stage_index in holders) for stage in plan.stages]
     extra = {s: pass_stretch(plan, chain, net, s, owns[s], split, weight_share) for s in range(plan.num_stages)}
-    run = event_loop(plan, replicas, my_lowering(order), net, extra)
+    run = event_loop(plan, replicas, my_lowering(order), net, extra, (chain, net))
     starts, ends, readies = [], [], []
     for stage in plan.stages:
         keys = [(stage.stage_index, r) for r in range(stage.replicas)]
@@ -441,7 +498,7 @@ def reference_run(plan: Plan, chain: CostChain, net: Cluster, *, optimizer: str 
         for s in holders:
             ends[s] = max(ends[s], tie_end)
     optimizer_s = max(net.optimizer_s_per_param_byte * stretch(net) * held_bytes(chain, s.first_block, s.stop_block)
-                      for s in plan.stages)
+                      / (s.replicas if s.sharding != "none" else 1) for s in plan.stages)  # sharded: its shard
     inflight = [inflight_peak(order[s], split) for s in range(plan.num_stages)]
     return Reference(
         iteration_time_s=max(ends) + step_end_seconds(net, plan) + optimizer_s,

@@ -13,6 +13,7 @@ from benchmarks import (
     prediction_fidelity,
     runtime_fidelity,
     schedule_memory,
+    sharding_study,
     torch_pipelining_common,
     vs_torch_pipelining,
     vs_torch_schedules,
@@ -191,3 +192,11 @@ def test_precision_plans_smoke() -> None:
     lines = precision_plans.report(rows, 1.0).splitlines()
     assert [line.split("|")[2:4] for line in lines if "gpt-mini tiny" in line] == [
         [" 1x2:h100  ", " bf16  "], [" 1x2:v100  ", " fp16  "]]
+
+
+def test_sharding_study_smoke() -> None:
+    rows = sharding_study.study([("gpt-mini", 16, ("1x2:h100",))], ("1x2:h100",))
+    assert [(row.model, row.cluster.name) for row in rows] == [("gpt-mini", "1x2:h100")]
+    assert rows[0].unsharded is not None and rows[0].sharded is not None  # a tiny model fits either way
+    assert sharding_study.speedup(rows[0]) is not None
+    assert "| gpt-mini " in sharding_study.table(rows) and sharding_study.summary(rows)

@@ -126,8 +126,9 @@ def test_tied_parameters_are_one_allreduce_after_their_last_stage() -> None:
 def test_exhaustive_lower_bound_holds_with_tied_parameters_and_buckets(seed: int) -> None:
     import random
 
-    from fxpipe.passes.partition.candidates import CandidateCosts, build_plan
+    from fxpipe.passes.partition.candidates import CandidateCosts
     from fxpipe.passes.partition.exhaustive import _lower_bound, exhaustive_candidates
+    from fxpipe.passes.partition.plan_build import build_plan
 
     rng = random.Random(seed)
     device = DeviceSpec("t", 2**34, (("float32", 1e12),), 1e11)

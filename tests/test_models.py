@@ -13,8 +13,8 @@ torch.set_num_threads(1)
 ALL_NAMES = zoo.names()
 PAPER_NAMES = [name for name in ALL_NAMES if zoo.get(name).paper_params is not None]
 EXPECTED_NAMES = {
-    "gpt-mini", "gpt2-small", "gpt3-xl", "gpt3-175b", "bert-large", "bert-48", "xlnet-36", "gnmt-16",
-    "vgg-19", "resnet-50", "amoebanet-36", "mlp", "skipnet", "tied-lm",
+    "gpt-mini", "gpt2-small", "gpt3-xl", "gpt3-6.7b", "gpt3-13b", "gpt3-175b", "bert-large", "bert-48",
+    "xlnet-36", "gnmt-16", "vgg-19", "resnet-50", "amoebanet-36", "mlp", "skipnet", "tied-lm",
 }
 
 

@@ -17,19 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Protocol, TypeVar
-
-
-class _StagedPlan(Protocol):
-    """What :func:`force_sharding` reads of a Plan (typed structurally: fxpipe.core.plan imports this module)."""
-
-    @property
-    def stages(self) -> Sequence[Any]: ...
-
-    def with_updates(self, **changes: Any) -> Any: ...
-
-
-PlanT = TypeVar("PlanT", bound=_StagedPlan)
+from typing import Any, Protocol, TypeVar, cast
 
 SHARDING_LEVELS = ("none", "optimizer", "gradients", "parameters")
 SHARDING_AUTO = "auto"
@@ -91,6 +79,19 @@ def stage_levels(request: ShardingRequest, replicas: Sequence[int]) -> tuple[str
     return tuple(level if count > 1 else DEFAULT_SHARDING for level, count in zip(levels, replicas, strict=True))
 
 
+class _StagedPlan(Protocol):
+    """What :func:`force_sharding` reads of a :class:`fxpipe.core.plan.Plan` (typed so without importing it:
+    fxpipe.core.plan imports this module for the level names)."""
+
+    @property
+    def stages(self) -> Sequence[Any]: ...
+
+    def with_updates(self, **changes: Any) -> Any: ...
+
+
+PlanT = TypeVar("PlanT", bound=_StagedPlan)
+
+
 def force_sharding(plan: PlanT, request: ShardingRequest) -> PlanT:
     """``plan`` with each stage's level set by an explicit request; ``"auto"`` keeps the planner's levels.
 
@@ -103,5 +104,4 @@ def force_sharding(plan: PlanT, request: ShardingRequest) -> PlanT:
     if levels == tuple(stage.sharding for stage in plan.stages):
         return plan
     stages = tuple(replace(stage, sharding=level) for stage, level in zip(plan.stages, levels, strict=True))
-    updated: PlanT = plan.with_updates(stages=stages)
-    return updated
+    return cast(PlanT, plan.with_updates(stages=stages))

@@ -44,6 +44,7 @@ class ReplicaSpec:
     message_s: float = 0.0  # the device's own time per message it sends or receives (packing, posting)
     weight_s: float = 0.0  # a W action (split backward: parameter gradients); B then takes backward_s
     stretch_s: float = 0.0  # the last B or W takes this longer: gradient buckets in flight beside it
+    start_s: float = 0.0  # when the device may start its list: its stage's step all-gather (sharded weights)
 
 
 @dataclass(frozen=True)
@@ -102,8 +103,8 @@ class _ComponentSim:
         self.sequence += 1
 
     def run(self) -> ComponentRun:
-        for device in range(len(self.replicas)):
-            self.push(0.0, device)
+        for device, replica in enumerate(self.replicas):
+            self.push(replica.start_s, device)
         while self.heap:
             time_s, _, device = heapq.heappop(self.heap)
             self.advance(device, time_s)

@@ -27,10 +27,12 @@ from fxpipe.sim.events import (
     encode_program,
     run_component,
 )
+from fxpipe.sim.sharding_cost import ShardingComm, plan_sharding_comms
 from fxpipe.sim.stagecost import (
     WEIGHT_GRAD_FRACTION,
     allreduce_times,
     compute_times,
+    largest_block_param_bytes,
     own_allreduce_bytes,
     split_backward_times,
     stage_cost,
@@ -104,6 +106,13 @@ def simulate(plan: Plan, chain: CostChain, cluster: Cluster, *, optimizer: str =
       its parameters (stretched like compute; 0 unless measured); the iteration ends with the
       slowest of them.
 
+    - A sharded stage (``stage.sharding``, ZeRO-1/2/3; :mod:`fxpipe.sim.sharding_cost`) has no gradient
+      allreduce: its replicas start their list after its step all-gather (ZeRO-1/2), every forward and
+      backward takes its per-micro-batch all-gathers and reduce-scatters longer (ZeRO-2/3; busy time
+      counts them), and its reduce-scatter tail (ZeRO-1) follows the last backward, anchored as the
+      allreduce is. Its optimizer step covers its shard; its peak memory the level's split
+      (:mod:`fxpipe.sim.sharding_memory`).
+
     - Under a split-backward schedule (W actions, zero-bubble) B takes ``1 - weight_fraction`` of
       the stage's backward and W the rest, both stretched by what splitting costs
       (``cluster.split_backward_overhead``; :func:`split_backward_times`; stage 0's B takes it all).
@@ -117,19 +126,21 @@ def simulate(plan: Plan, chain: CostChain, cluster: Cluster, *, optimizer: str =
     _check_schedule(plan, chain, schedule)
     slowdowns = _slowdowns(cluster, compute_scale)
     programs, inflight = _prepared(schedule)
-    overlaps = _overlaps(plan, chain, cluster, schedule.split_backward, weight_fraction)
+    comms = plan_sharding_comms(plan, chain, cluster)
+    overlaps = _overlaps(plan, chain, cluster, schedule.split_backward, weight_fraction, comms)
     specs = _replica_specs(plan, chain, cluster, slowdowns,
                            weight_fraction if schedule.split_backward else None,
-                           [overlap.stretch for overlap in overlaps])
+                           [overlap.stretch for overlap in overlaps], comms)
     runs = _simulate_components(specs, programs, plan.num_microbatches, timeline)
     return _collect(plan, chain, cluster, schedule, inflight, runs, optimizer, slowdowns, overlaps)
 
 
 def _overlaps(plan: Plan, chain: CostChain, cluster: Cluster, split_backward: bool,
-              weight_fraction: float) -> list[Overlap]:
-    """Each stage's bucket offsets from the end of its last gradient pass run alone, and that pass's stretch."""
+              weight_fraction: float, comms: Sequence[ShardingComm]) -> list[Overlap]:
+    """Each stage's bucket offsets from the end of its last gradient pass run alone, and that pass's stretch;
+    a sharded stage's only collective after it is its reduce-scatter tail (:mod:`fxpipe.sim.sharding_cost`)."""
     own_bytes = own_allreduce_bytes(chain, [(s.first_block, s.stop_block) for s in plan.stages])
-    return [stage_allreduce_overlap(
+    return [Overlap(0.0, comms[stage.stage_index].tail_s) if stage.sharding != "none" else stage_allreduce_overlap(
         chain, cluster, stage.first_block, stage.stop_block, stage.devices,
         max(split_rows(plan.microbatch_size, stage.replicas)), own_bytes[stage.stage_index],
         plan.allreduce_bucket_bytes, last_pass_share(stage.stage_index, split_backward, weight_fraction,
@@ -185,13 +196,16 @@ def _pieces(plan: Plan, chain: CostChain, cluster: Cluster, stage_index: int) ->
 
 def _replica_specs(plan: Plan, chain: CostChain, cluster: Cluster, slowdowns: Sequence[float] | None = None,
                    weight_fraction: float | None = None, stretches: Sequence[float] | None = None,
-                   ) -> dict[Replica, _Node]:
+                   comms: Sequence[ShardingComm] | None = None) -> dict[Replica, _Node]:
     """Every replica's compute times and transfer pieces, keyed by (stage, replica), globally indexed.
 
     ``weight_fraction`` (split-backward schedules only) moves that share of backward into W;
-    ``stretches[s]`` lengthens stage s's last gradient pass (overlapped buckets).
+    ``stretches[s]`` lengthens stage s's last gradient pass (overlapped buckets); ``comms[s]`` adds a
+    sharded stage's collectives to each forward and backward (B: under split backward the reduce-scatter
+    is charged there too) and delays its start (:mod:`fxpipe.sim.sharding_cost`).
     """
     slowdowns = slowdowns or _slowdowns(cluster, None)
+    comms = comms or plan_sharding_comms(plan, chain, cluster)
     nodes: dict[Replica, _Node] = {}
     for stage in plan.stages:
         for replica_index, rows in enumerate(split_rows(plan.microbatch_size, stage.replicas)):
@@ -202,9 +216,12 @@ def _replica_specs(plan: Plan, chain: CostChain, cluster: Cluster, slowdowns: Se
             if weight_fraction is not None:
                 backward_s, weight_s = split_backward_times(backward_s, stage.stage_index, weight_fraction,
                                                             cluster.split_backward_overhead)
-            nodes[stage.stage_index, replica_index] = _Node(stage.stage_index, forward_s, backward_s, [], [], 0, 0,
+            comm = comms[stage.stage_index]
+            nodes[stage.stage_index, replica_index] = _Node(stage.stage_index, forward_s + comm.forward_s,
+                                                            backward_s + comm.backward_s, [], [], 0, 0,
                                                             cluster.message_overhead_s * slowdown, weight_s,
-                                                            stretches[stage.stage_index] if stretches else 0.0)
+                                                            stretches[stage.stage_index] if stretches else 0.0,
+                                                            comm.start_s)
     for stage_index in range(plan.num_stages - 1):
         for i, j, seconds in _pieces(plan, chain, cluster, stage_index):
             nodes[stage_index, i].activation_out.append(((stage_index + 1, j), seconds))
@@ -228,6 +245,7 @@ class _Node:
     message_s: float = 0.0
     weight_s: float = 0.0
     stretch_s: float = 0.0
+    start_s: float = 0.0
 
 
 def _components(nodes: dict[Replica, _Node]) -> list[list[Replica]]:
@@ -255,7 +273,8 @@ def _local_specs(nodes: dict[Replica, _Node], members: list[Replica]) -> tuple[R
         ReplicaSpec(node.stage_index, node.forward_s, node.backward_s,
                     tuple((local[k], s) for k, s in node.activation_out),
                     tuple((local[k], s) for k, s in node.gradient_out),
-                    node.num_activation_in, node.num_gradient_in, node.message_s, node.weight_s, node.stretch_s)
+                    node.num_activation_in, node.num_gradient_in, node.message_s, node.weight_s, node.stretch_s,
+                    node.start_s)
         for node in (nodes[key] for key in members)
     )
 
@@ -299,7 +318,10 @@ def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule,
         overlap = overlaps[stage.stage_index]
         starts.append(anchor + overlap.start - overlap.stretch)
         ends.append(max(anchor + overlap.end - overlap.stretch, readies[-1]))  # the rank also finishes its list
-        peaks.append(stage_memory_bytes(cost, inflight[stage.stage_index], optimizer, stage.recompute))
+        peaks.append(stage_memory_bytes(cost, inflight[stage.stage_index], optimizer, stage.recompute,
+                                        sharding=stage.sharding, replicas=stage.replicas,
+                                        unit_bytes=largest_block_param_bytes(chain, stage.first_block,
+                                                                             stage.stop_block)))
     for stages, seconds in ties:  # starts when every holder is ready; its stages end with it
         tie_end = max(readies[s] for s in stages) + seconds
         for s in stages:
@@ -308,8 +330,10 @@ def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule,
     iteration_s = (max(ends) + step_end_sync_time(cluster, plan.all_devices())
                    + max(_optimizer_s(chain, cluster, stage, slowdowns) for stage in plan.stages))
     split = cluster.split_backward_overhead if schedule.split_backward else None
+    comms = plan_sharding_comms(plan, chain, cluster)
     busy = {device: _busy(plan, chain, stage.stage_index, replica_index, slowdowns[device], split)
             + overlaps[stage.stage_index].stretch
+            + plan.num_microbatches * (comms[stage.stage_index].forward_s + comms[stage.stage_index].backward_s)
             for stage in plan.stages for replica_index, device in enumerate(stage.devices)}
     devices = tuple(sorted(busy))
     return SimulationResult(
@@ -330,10 +354,13 @@ def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule,
 
 
 def _optimizer_s(chain: CostChain, cluster: Cluster, stage: StagePlan, slowdowns: Sequence[float]) -> float:
-    """The optimizer step after a stage's last allreduce (:attr:`Cluster.optimizer_s_per_param_byte`)."""
+    """The optimizer step after a stage's last allreduce (:attr:`Cluster.optimizer_s_per_param_byte`); a sharded
+    stage's replica steps its shard, 1/replicas of the parameters."""
     if cluster.optimizer_s_per_param_byte <= 0:
         return 0.0
-    param_bytes = stage_param_bytes(chain, stage.first_block, stage.stop_block)  # its tied copies step too
+    param_bytes: float = stage_param_bytes(chain, stage.first_block, stage.stop_block)  # its tied copies step too
+    if stage.sharding != "none":
+        param_bytes /= stage.replicas
     return cluster.optimizer_s_per_param_byte * param_bytes * max(slowdowns[d] for d in stage.devices)
 
 

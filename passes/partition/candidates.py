@@ -5,23 +5,27 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import NamedTuple
 
 from fxpipe.core.chain import CostChain
 from fxpipe.core.cluster import Cluster
 from fxpipe.core.costgraph import Affine
-from fxpipe.core.plan import Plan, Prediction, StagePlan
-from fxpipe.core.recompute import RecomputeSetting, check_stage_count, choose_recompute, parse_recompute
+from fxpipe.core.recompute import RecomputeSetting, choose_recompute, parse_recompute
 from fxpipe.core.schedule import SCHEDULES, warmup_forwards
+from fxpipe.core.sharding import SHARDING_LEVELS, ShardingRequest, check_request
 from fxpipe.passes.partition.latency import PipelineSteps, pipeline_steps
 from fxpipe.sim.allreduce_overlap import last_pass_share, stage_allreduce_offsets
+from fxpipe.sim.sharding_cost import NO_SHARDING, ShardingComm, sharding_comm
+from fxpipe.sim.sharding_memory import model_state_bytes
 from fxpipe.sim.stagecost import (
     WEIGHT_GRAD_FRACTION,
     StageCost,
-    activation_peak_bytes,
     allreduce_times,
     backward_seconds,
     gradient_allreduce_time,
+    largest_block_param_bytes,
     message_seconds,
+    optimizer_factor,
     own_allreduce_bytes,
     stage_cost,
     stage_memory_bytes,
@@ -63,6 +67,15 @@ class Candidate:
         return (self.microbatch_rows, tuple((s.first, s.stop, s.devices) for s in self.spans))
 
 
+class StageChoice(NamedTuple):
+    """What a stage of a candidate does with its memory: recompute in backward or not, its sharding level,
+    and the peak bytes per device that gives."""
+
+    recompute: bool
+    memory: int
+    sharding: str = "none"
+
+
 class CandidateCosts:
     """Stage costs, transfers and allreduces of one (chain, cluster, batch) with memoisation.
 
@@ -72,8 +85,10 @@ class CandidateCosts:
 
     def __init__(self, chain: CostChain, cluster: Cluster, global_batch_size: int,
                  optimizer: str, memory_limit_bytes: int, *, schedule: str = "early_backward",
-                 recompute: RecomputeSetting = "auto", allreduce_bucket_bytes: int = 0) -> None:
+                 recompute: RecomputeSetting = "auto", allreduce_bucket_bytes: int = 0,
+                 sharding: ShardingRequest = "none") -> None:
         self.chain = chain
+        self.sharding = check_request(sharding)
         self.allreduce_bucket_bytes = allreduce_bucket_bytes  # recorded in the plans
         # tails as under a fused backward for every schedule: a screen and a lower bound (zero-bubble's
         # buckets fill over the shorter last W, so its tails are no shorter: fxpipe.sim.allreduce_overlap).
@@ -96,6 +111,11 @@ class CandidateCosts:
         self.allreduce = lru_cache(maxsize=None)(self._allreduce)
         self.allreduce_tail = lru_cache(maxsize=None)(self._allreduce_tail)
         self.stage_step = lru_cache(maxsize=None)(self._stage_step)
+        self.comm = lru_cache(maxsize=None)(self._comm)
+        self.unit_bytes = lru_cache(maxsize=None)(lambda first, stop: largest_block_param_bytes(chain, first, stop))
+        self._sharded_choice = lru_cache(maxsize=None)(self._choose_sharded)
+        # (spans, rows, warm-up policy, schedule, recompute setting) -> choices: the search asks twice per candidate
+        self._sharded_memo: dict[tuple[object, ...], tuple[StageChoice, ...]] = {}
         # (candidate identity, schedule, warm-up policy) -> simulated (iteration s, bubble fraction), for scoring
         self.simulated: dict[tuple[object, ...], tuple[float, float]] = {}
 
@@ -126,10 +146,15 @@ class CandidateCosts:
         return transfer_time(relabelled, cut_bytes, rows, src, dst)
 
     def _stage_step(self, first: int, stop: int, rows: int, devices: tuple[int, ...],
-                    recompute: bool) -> tuple[float, float, float]:
+                    recompute: bool, sharding: str = "none") -> tuple[float, float, float]:
         """(F, B, own allreduce or its tail after backward) of a stage when messages cost nothing
-        (:func:`message_seconds` is 0.0) and no parameter is shared with another stage."""
+        (:func:`message_seconds` is 0.0) and no parameter is shared with another stage; a sharded stage's
+        collectives (:func:`sharding_comm`) go into F and B, and its tail replaces the allreduce."""
         cost = self.cost(first, stop, rows, len(devices))
+        if sharding != "none" and len(devices) > 1:
+            comm = self.stage_comm(first, stop, devices, sharding, cost.param_bytes)
+            return (cost.forward_s + comm.forward_s,
+                    backward_seconds(cost.forward_s, cost.backward_s, recompute) + comm.backward_s, comm.tail_s)
         if self.overlap_bytes:
             per_host = self.cluster.devices_per_host
             own = self.allreduce_tail(first, stop, len(devices), len({d // per_host for d in devices}) == 1, rows,
@@ -137,6 +162,44 @@ class CandidateCosts:
         else:
             own = self.allreduce(first, stop, devices)
         return cost.forward_s, backward_seconds(cost.forward_s, cost.backward_s, recompute), own
+
+    def least_comm_seconds(self, span: Span, num_microbatches: int) -> float:
+        """The least time any sharded level the request allows spends in a stage's collectives in one step
+        (infinite when none is allowed: one replica, or ``"none"``)."""
+        if self.sharding == "none" or len(span.devices) <= 1:
+            return float("inf")
+        levels = (self.sharding,) if self.sharding in SHARDING_LEVELS else SHARDING_LEVELS
+        # tied parameters may be summed by their tie allreduce instead: count none of them (a lower bound)
+        gradient_bytes = max(0, self.cost(span.first, span.stop, 1, 1).param_bytes
+                             - sum(shared.num_bytes for shared in self.chain.shared_params))
+        return min((self.stage_comm(span.first, span.stop, span.devices, level, gradient_bytes)
+                    .step_seconds(num_microbatches) for level in levels if level != "none"), default=float("inf"))
+
+    def least_state_bytes(self, first: int, stop: int, replicas: int, unsharded_bytes: float) -> float:
+        """The fewest bytes per device a stage's weights, gradients and optimizer state can take under the
+        request: ``unsharded_bytes`` (P x the optimizer's factor) unless a level the request allows splits them."""
+        if self.sharding == "none" or replicas <= 1:
+            return unsharded_bytes
+        levels = (self.sharding,) if self.sharding in SHARDING_LEVELS else SHARDING_LEVELS
+        param_bytes = self.cost(first, stop, 1, 1).param_bytes
+        factor = optimizer_factor(self.optimizer)
+        return min(model_state_bytes(param_bytes, factor, level, replicas, self.unit_bytes(first, stop))
+                   for level in levels)
+
+    def stage_comm(self, first: int, stop: int, devices: Sequence[int], sharding: str, gradient_bytes: int
+                   ) -> ShardingComm:
+        """:func:`sharding_comm` of a stage, cached for any devices on one host or not (as allreduce tails)."""
+        if sharding == "none" or len(devices) <= 1:
+            return NO_SHARDING
+        per_host = self.cluster.devices_per_host
+        return self.comm(first, stop, len(devices), len({d // per_host for d in devices}) == 1, sharding,
+                         gradient_bytes)
+
+    def _comm(self, first: int, stop: int, replicas: int, one_host: bool, sharding: str, gradient_bytes: int
+              ) -> ShardingComm:
+        per_host = self.cluster.devices_per_host
+        devices = tuple(range(replicas)) if one_host else (per_host, *range(replicas - 1))
+        return sharding_comm(self.cluster, sharding, devices, self.cost(first, stop, 1, 1).param_bytes, gradient_bytes)
 
     def _allreduce(self, first: int, stop: int, devices: tuple[int, ...]) -> float:
         return gradient_allreduce_time(self.cluster, self.cost(first, stop, 1, 1).param_bytes, devices)
@@ -151,9 +214,12 @@ class CandidateCosts:
         return min(stage_allreduce_offsets(self.chain, self.cluster, first, stop, devices, slice_rows, own_bytes,
                                            self.overlap_bytes, share)[1] for share in self.window_shares)
 
-    def allreduce_tails(self, spans: Sequence[Span], rows: int) -> list[float]:
-        """Each stage's own allreduce time left after its last backward, buckets overlapping it."""
-        if not self.chain.shared_params:
+    def allreduce_tails(self, spans: Sequence[Span], rows: int, own_bytes: Sequence[int] | None = None) -> list[float]:
+        """Each stage's own allreduce time left after its last backward, buckets overlapping it (``own_bytes``:
+        each stage's :func:`own_allreduce_bytes` when the caller has them)."""
+        if own_bytes is not None:
+            pass
+        elif not self.chain.shared_params:
             own_bytes = [self.cost(span.first, span.stop, 1, 1).param_bytes for span in spans]
         else:
             own_bytes = own_allreduce_bytes(self.chain, [(span.first, span.stop) for span in spans])
@@ -168,32 +234,53 @@ class CandidateCosts:
             return [self.allreduce(span.first, span.stop, span.devices) for span in spans], []
         return allreduce_times(self.chain, self.cluster, [(span.first, span.stop, span.devices) for span in spans])
 
-    def steps(self, spans: Sequence[Span], rows: int) -> PipelineSteps:
+    def steps(self, spans: Sequence[Span], rows: int, choices: Sequence[StageChoice] | None = None) -> PipelineSteps:
         """Forward, backward and allreduce time of every pipeline step (stages and transfers), tie allreduces."""
         if not self.chain.shared_params and self.cluster.message_overhead_s <= 0:
             # the common case: a stage's step depends on its own span only (no ties, no per-message time)
             hops = [self.hop(before.stop - 1, rows, before.devices, after.devices)
                     for before, after in zip(spans, spans[1:], strict=False)]
-            recomputing = self.recomputes(spans, rows, "A")  # the search's memory check uses policy A too
-            return pipeline_steps([self.stage_step(span.first, span.stop, rows, span.devices, recompute)
-                                   for span, recompute in zip(spans, recomputing, strict=True)], hops, [],
-                                  split_overhead=self.cluster.split_backward_overhead)
+            if self.sharding == "none" and choices is None:
+                recomputing = self.recomputes(spans, rows, "A")  # the search's memory check uses policy A too
+                return pipeline_steps([self.stage_step(span.first, span.stop, rows, span.devices, recompute)
+                                       for span, recompute in zip(spans, recomputing, strict=True)], hops, [],
+                                      split_overhead=self.cluster.split_backward_overhead)
+            choices = choices or self.stage_choices(spans, rows, "A")
+            comms = [self.stage_comm(span.first, span.stop, span.devices, choice.sharding,
+                                     self.cost(span.first, span.stop, 1, 1).param_bytes)
+                     for span, choice in zip(spans, choices, strict=True)]
+            return pipeline_steps([self.stage_step(span.first, span.stop, rows, span.devices, choice.recompute,
+                                                   choice.sharding) for span, choice in zip(spans, choices, strict=True)],
+                                  hops, [], split_overhead=self.cluster.split_backward_overhead,
+                                  messages=[comm.backward_s for comm in comms], starts=[comm.start_s for comm in comms])
+        return self._shared_steps(spans, rows, choices)
+
+    def _shared_steps(self, spans: Sequence[Span], rows: int, choices: Sequence[StageChoice] | None) -> PipelineSteps:
+        """:meth:`steps` with tied parameters or a time per message (each stage's own bytes and messages)."""
+        choices = choices or self.stage_choices(spans, rows, "A")  # the search's memory check uses policy A too
+        sharded = any(choice.sharding != "none" and len(span.devices) > 1 for span, choice in zip(spans, choices,
+                                                                                                 strict=True))
+        own_bytes = (own_allreduce_bytes(self.chain, [(span.first, span.stop) for span in spans])
+                     if sharded else [0] * len(spans))
         own, ties = self.stage_allreduces(spans)
         if self.overlap_bytes:
-            own = self.allreduce_tails(spans, rows)
+            own = self.allreduce_tails(spans, rows, own_bytes if sharded else None)
         replicas = [len(span.devices) for span in spans]
-        recomputes = self.recomputes(spans, rows, "A")  # the search's memory check uses policy A too
-        stages, messages = [], []
+        stages, messages, starts = [], [], []
         for index, span in enumerate(spans):
             cost = self.cost(span.first, span.stop, rows, len(span.devices))
             message_s = message_seconds(self.cluster, rows, replicas, index)
-            backward_s = backward_seconds(cost.forward_s, cost.backward_s, recomputes[index])
-            stages.append((cost.forward_s + message_s, backward_s + message_s, own[index]))
-            messages.append(message_s)
+            backward_s = backward_seconds(cost.forward_s, cost.backward_s, choices[index].recompute)
+            comm = self.stage_comm(span.first, span.stop, span.devices, choices[index].sharding, own_bytes[index])
+            tail = comm.tail_s if choices[index].sharding != "none" and len(span.devices) > 1 else own[index]
+            stages.append((cost.forward_s + message_s + comm.forward_s, backward_s + message_s + comm.backward_s,
+                           tail))
+            messages.append(message_s + comm.backward_s)
+            starts.append(comm.start_s)
         hops = [self.hop(before.stop - 1, rows, before.devices, after.devices)
                 for before, after in zip(spans, spans[1:], strict=False)]
         return pipeline_steps(stages, hops, ties, split_overhead=self.cluster.split_backward_overhead,
-                              messages=messages)
+                              messages=messages, starts=starts)
 
     def latency(self, spans: Sequence[Span], rows: int) -> float:
         return self.steps(spans, rows).latency(self.global_batch_size // rows, self.schedule == "zero_bubble")
@@ -209,21 +296,22 @@ class CandidateCosts:
 
     def memory(self, spans: Sequence[Span], rows: int, warmup_policy: str, schedule: str | None = None) -> list[int]:
         """Peak bytes per device of every stage under ``schedule`` (default: the model's), recomputing where chosen."""
-        return [memory for _, memory in self.stage_choices(spans, rows, warmup_policy, schedule)]
+        return [choice.memory for choice in self.stage_choices(spans, rows, warmup_policy, schedule)]
 
     def recomputes(self, spans: Sequence[Span], rows: int, warmup_policy: str,
                    schedule: str | None = None) -> tuple[bool, ...]:
         """Which stages recompute their activations in backward (:func:`choose_recompute`)."""
         if self.recompute == "never" or (schedule or self.schedule) == "zero_bubble":  # nothing to work out
             return (False,) * len(spans)
-        return tuple(recompute for recompute, _ in self.stage_choices(spans, rows, warmup_policy, schedule))
+        return tuple(choice.recompute for choice in self.stage_choices(spans, rows, warmup_policy, schedule))
 
     def stage_choices(self, spans: Sequence[Span], rows: int, warmup_policy: str,
-                      schedule: str | None = None) -> list[tuple[bool, int]]:
-        """``(recompute, peak bytes per device)`` of every stage.
+                      schedule: str | None = None) -> list[StageChoice]:
+        """Recompute, peak bytes per device and sharding level of every stage.
 
-        A per-stage setting is for plans of its length (the request fixes the stage count); the search
-        also scores partial and other-length candidates, which it then drops, as under ``"auto"``.
+        A per-stage setting (recompute or sharding) is for plans of its length (the request fixes the
+        stage count); the search also scores partial and other-length candidates, which it then drops,
+        as under ``"auto"``.
         """
         num_microbatches = self.global_batch_size // rows
         setting = self.recompute
@@ -231,62 +319,140 @@ class CandidateCosts:
             setting = "auto"
         if (schedule or self.schedule) == "zero_bubble":  # split backward cannot rerun a checkpointed forward
             setting = "never"
+        if self.sharding != "none":
+            return self._sharded_choices(spans, rows, warmup_policy, schedule, setting)
         choices = []
         for index, span in enumerate(spans):
             cost = self.cost(span.first, span.stop, rows, len(span.devices))
             inflight = self.inflight(index, len(spans), num_microbatches, warmup_policy, schedule)
             keep = stage_memory_bytes(cost, inflight, self.optimizer)
             if choose_recompute(setting, index, len(spans), keep, self.memory_limit_bytes):
-                choices.append((True, stage_memory_bytes(cost, inflight, self.optimizer, recompute=True)))
+                choices.append(StageChoice(True, stage_memory_bytes(cost, inflight, self.optimizer, recompute=True)))
             else:
-                choices.append((False, keep))
+                choices.append(StageChoice(False, keep))
         return choices
+
+    def _sharded_choices(self, spans: Sequence[Span], rows: int, warmup_policy: str, schedule: str | None,
+                         recompute: RecomputeSetting) -> list[StageChoice]:
+        """:meth:`stage_choices` under a sharding request: each stage's levels and recompute choices to try
+        (one when forced), the fastest that fits (:meth:`_choose_sharded`)."""
+        key = (tuple(spans), rows, warmup_policy, schedule, recompute)
+        if key in self._sharded_memo:
+            return list(self._sharded_memo[key])
+        num_microbatches = self.global_batch_size // rows
+        request = self.sharding
+        if not isinstance(request, str) and len(request) != len(spans):
+            request = "auto"
+        choices = []
+        for index, span in enumerate(spans):
+            if len(span.devices) == 1:
+                levels: tuple[str, ...] = ("none",)
+            elif isinstance(request, str):
+                levels = SHARDING_LEVELS if request == "auto" else (request,)
+            else:
+                levels = (request[index],)
+            if isinstance(recompute, tuple):
+                recomputes: tuple[bool, ...] = (recompute[index],)
+            else:
+                recomputes = {"auto": (False, True), "never": (False,), "always": (True,)}[recompute]
+            inflight = self.inflight(index, len(spans), num_microbatches, warmup_policy, schedule)
+            choices.append(self._sharded_choice(span.first, span.stop, rows, span.devices, inflight, levels,
+                                                recomputes))
+        self._sharded_memo[key] = tuple(choices)
+        return choices
+
+    def stage_options(self, spans: Sequence[Span], rows: int, warmup_policy: str, schedule: str | None = None
+                      ) -> list[tuple[StageChoice, ...]]:
+        """Every ``(level, recompute)`` each stage may take under the request and that fits, as StageChoices
+        (the chosen one first); a stage whose options all overflow keeps its chosen one alone."""
+        chosen = self.stage_choices(spans, rows, warmup_policy, schedule)
+        if self.sharding == "none":
+            return [(choice,) for choice in chosen]
+        request = self.sharding if isinstance(self.sharding, str) or len(self.sharding) == len(spans) else "auto"
+        num_microbatches = self.global_batch_size // rows
+        found = []
+        for index, (span, choice) in enumerate(zip(spans, chosen, strict=True)):
+            replicas = len(span.devices)
+            levels = ("none",) if replicas == 1 else SHARDING_LEVELS if request == "auto" else (
+                (request,) if isinstance(request, str) else (request[index],))
+            recomputes = (choice.recompute,) if isinstance(self.recompute, tuple) or self.recompute != "auto" or (
+                (schedule or self.schedule) == "zero_bubble") else (False, True)
+            inflight = self.inflight(index, len(spans), num_microbatches, warmup_policy, schedule)
+            cost = self.cost(span.first, span.stop, rows, replicas)
+            options = [choice]
+            for level in levels:
+                for recompute in recomputes:
+                    memory = stage_memory_bytes(cost, inflight, self.optimizer, recompute, sharding=level,
+                                                replicas=replicas, unit_bytes=self.unit_bytes(span.first, span.stop))
+                    option = StageChoice(recompute, memory, level)
+                    if memory <= self.memory_limit_bytes and option != choice:
+                        options.append(option)
+            found.append(tuple(options))
+        return found
+
+    def refined_choices(self, spans: Sequence[Span], rows: int, warmup_policy: str, schedule: str | None = None
+                        ) -> list[StageChoice]:
+        """:meth:`stage_choices`, then each stage's option changed where the whole pipeline's pivot latency
+        drops, stage by stage until nothing improves (for the few candidates the simulator scores).
+
+        The per-stage rule (:meth:`_choose_sharded`) sees one stage; stages interact through the fill (a
+        stage's step all-gather can hide behind another's) and the drain (a tail behind a later stage's
+        backward), so an option slower alone can make the pipeline faster.
+        """
+        options = self.stage_options(spans, rows, warmup_policy, schedule)
+        choices = [stage[0] for stage in options]
+        if all(len(stage) == 1 for stage in options):
+            return choices
+        split = (schedule or self.schedule) == "zero_bubble"
+        num_microbatches = self.global_batch_size // rows
+        best_s = self.steps(spans, rows, choices).latency(num_microbatches, split)
+        improved = True
+        while improved:
+            improved = False
+            for index, stage in enumerate(options):
+                for option in stage:
+                    trial = [*choices[:index], option, *choices[index + 1:]]
+                    seconds = self.steps(spans, rows, trial).latency(num_microbatches, split)
+                    if seconds < best_s * (1 - 1e-9):
+                        choices, best_s, improved = trial, seconds, True
+        return choices
+
+    def _choose_sharded(self, first: int, stop: int, rows: int, devices: tuple[int, ...], inflight: int,
+                        levels: tuple[str, ...], recomputes: tuple[bool, ...]) -> StageChoice:
+        """The fastest ``(level, recompute)`` whose memory fits; the one needing least memory if none fits.
+
+        Why per stage and by the stage's own time: a stage's memory depends on its own choice alone, and
+        the pivot latency never decreases when a stage's F, B, start or tail grows, so the choice that
+        minimises the stage's whole step (its all-gather before the first forward + M (F + B) with the
+        collectives and any recomputed forward in them + its tail after the last backward) is the one to
+        keep for that stage; the 4 levels x 2 recompute choices are then tried per stage, not per plan
+        (8 S combinations would be). Ties keep the earlier option (none before sharded, keep before
+        recompute): less communication and no recomputation for the same predicted time.
+        """
+        cost = self.cost(first, stop, rows, len(devices))
+        num_microbatches = self.global_batch_size // rows
+        best: tuple[float, StageChoice] | None = None
+        least: StageChoice | None = None
+        for level in levels:
+            for recompute in recomputes:
+                memory = stage_memory_bytes(cost, inflight, self.optimizer, recompute, sharding=level,
+                                            replicas=len(devices), unit_bytes=self.unit_bytes(first, stop))
+                choice = StageChoice(recompute, memory, level)
+                if memory > self.memory_limit_bytes:
+                    least = choice if least is None or memory < least.memory else least
+                    continue
+                forward_s, backward_s, tail_s = self.stage_step(first, stop, rows, devices, recompute, level)
+                start_s = self.stage_comm(first, stop, devices, level, cost.param_bytes).start_s
+                seconds = start_s + num_microbatches * (forward_s + backward_s) + tail_s
+                if best is None or seconds < best[0] * (1 - 1e-12):
+                    best = (seconds, choice)
+        if best is not None:
+            return best[1]
+        assert least is not None
+        return least
 
     def fits(self, spans: Sequence[Span], rows: int, warmup_policy: str = "A", schedule: str | None = None) -> bool:
         return max(self.memory(spans, rows, warmup_policy, schedule)) <= self.memory_limit_bytes
 
     def candidate(self, spans: Sequence[Span], rows: int) -> Candidate:
         return Candidate(self.latency(spans, rows), rows, tuple(spans))
-
-
-def build_plan(model: CandidateCosts, candidate: Candidate, *, schedule: str, warmup_policy: str,
-               planner: str) -> Plan:
-    """A Plan (no predictions yet) whose StagePlans carry the per-device predicted costs."""
-    chain = model.chain
-    rows = candidate.microbatch_rows
-    num_microbatches = model.global_batch_size // rows
-    check_stage_count(model.recompute, len(candidate.spans))
-    choices = model.stage_choices(candidate.spans, rows, warmup_policy, schedule)
-    inflight = [model.inflight(index, len(candidate.spans), num_microbatches, warmup_policy, schedule)
-                for index in range(len(candidate.spans))]
-    stages = []
-    for index, span in enumerate(candidate.spans):
-        cost = model.cost(span.first, span.stop, rows, len(span.devices))
-        node_names = tuple(name for block in chain.blocks[span.first:span.stop] for name in block.node_names)
-        stages.append(StagePlan(
-            stage_index=index, first_block=span.first, stop_block=span.stop,
-            replicas=len(span.devices), devices=span.devices, node_names=node_names,
-            forward_s=cost.forward_s, backward_s=cost.backward_s,
-            allreduce_s=model.allreduce(span.first, span.stop, span.devices),
-            param_bytes=cost.param_bytes, activation_bytes=int(cost.activation_bytes),
-            peak_memory_bytes=choices[index][1], recompute=choices[index][0],
-            inflight_microbatches=inflight[index],
-            activation_peak_bytes=activation_peak_bytes(cost, inflight[index], num_microbatches, choices[index][0]),
-        ))
-    return Plan(
-        global_batch_size=model.global_batch_size, num_microbatches=num_microbatches, stages=tuple(stages),
-        schedule=schedule, warmup_policy=warmup_policy, planner=planner, cluster=model.cluster.name,
-        num_devices=model.cluster.num_devices, num_blocks=chain.num_blocks,
-        block_names=tuple(block.name for block in chain.blocks),
-        allreduce_bucket_bytes=model.allreduce_bucket_bytes,
-    )
-
-
-def with_prediction(plan: Plan, iteration_time_s: float, bubble_fraction: float, analytic_s: float,
-                    dp_iteration_time_s: float) -> Plan:
-    return plan.with_updates(predicted=Prediction(
-        iteration_time_s=iteration_time_s,
-        throughput_samples_per_s=plan.global_batch_size / iteration_time_s if iteration_time_s > 0 else 0.0,
-        bubble_fraction=bubble_fraction, analytic_iteration_time_s=analytic_s,
-        dp_iteration_time_s=dp_iteration_time_s,
-    ))

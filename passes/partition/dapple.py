@@ -12,6 +12,7 @@ from fxpipe.core.chain import CostChain
 from fxpipe.core.cluster import Cluster
 from fxpipe.core.plan import BaselineResult, Plan
 from fxpipe.core.recompute import RecomputeError, RecomputeSetting, parse_recompute
+from fxpipe.core.sharding import ShardingRequest
 from fxpipe.passes.partition import baselines
 from fxpipe.passes.partition.block_partition import (
     balanced_cuts,
@@ -140,7 +141,8 @@ def _search_all(request: PlanRequest, model: CandidateCosts, grid: list[int],
         search_model = CandidateCosts(coarsen_chain(chain, stops), request.cluster, request.global_batch_size,
                                       request.optimizer, request.memory_limit_bytes, schedule=request.schedule,
                                       recompute=request.recompute,
-                                      allreduce_bucket_bytes=request.allreduce_bucket_bytes)
+                                      allreduce_bucket_bytes=request.allreduce_bucket_bytes,
+                                      sharding=request.sharding)
     found: list[Candidate] = []
     closest: Candidate | None = None
     closest_ratio = float("inf")
@@ -221,6 +223,7 @@ PLANNERS: dict[str, Planner] = {"dapple": plan_dapple, **baselines.BASELINES}
 def _baseline_results(request: PlanRequest) -> tuple[tuple[str, BaselineResult], ...]:
     if request.schedule == AUTO_SCHEDULE:  # the baselines keep their published schedule, early backward
         request = replace(request, schedule="early_backward")
+    request = replace(request, sharding="none")  # and their published data parallelism: unsharded replicas
     results = []
     for name, planner in sorted(baselines.BASELINES.items()):
         try:
@@ -271,7 +274,8 @@ def partition(chain: CostChain, cluster: Cluster, global_batch_size: int, *, pla
               schedule: str = "early_backward", warmup_policy: str | None = None, optimizer: str = "adam",
               memory_limit_bytes: int | None = None, rerank: int = 16, progress: bool = False,
               compare: bool = False, num_stages: int | None = None, all_devices: bool = False,
-              recompute: object = "auto", allreduce_bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Plan:
+              recompute: object = "auto", allreduce_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+              sharding: ShardingRequest = "none") -> Plan:
     """Plan hybrid pipeline + data parallel training of ``chain`` on ``cluster``.
 
     ``planner`` is a key of :data:`PLANNERS`; ``layout`` forces replica counts per stage
@@ -284,6 +288,10 @@ def partition(chain: CostChain, cluster: Cluster, global_batch_size: int, *, pla
     in backward only where keeping them does not fit in memory; ``"never"``, ``"always"`` or per stage.
     ``allreduce_bucket_bytes``: each stage all-reduces its gradients in buckets of this size as its last
     backward produces them (0: one allreduce after it); recorded in the plan for the runtime.
+    ``sharding`` (:mod:`fxpipe.core.sharding`): ``"none"`` (DAPPLE's replicas), ``"auto"`` (each stage the
+    fastest level that fits, decided with recompute), one level for every replicated stage, or one level per
+    stage (the stage count fixed by ``layout`` or ``num_stages``); recorded as ``stages[*].sharding``.
+    ``--compare``'s baselines stay unsharded.
     Every stage holds parameters: cuts fall only between :func:`parameter_groups`, so the README's
     ``torch.optim.AdamW(pipe.parameters())`` works on every rank.
     """
@@ -304,6 +312,7 @@ def partition(chain: CostChain, cluster: Cluster, global_batch_size: int, *, pla
         optimizer=optimizer, memory_limit_bytes=memory_limit_bytes or cluster.device.memory_bytes,
         rerank=rerank, progress=progress, num_stages=num_stages, all_devices=all_devices,
         recompute=_recompute_setting(recompute), allreduce_bucket_bytes=allreduce_bucket_bytes,
+        sharding=sharding if isinstance(sharding, str) else tuple(sharding),
     )
     check_request(request)
     plan = plan_every_device(request, PLANNERS[planner]) if all_devices else PLANNERS[planner](request)

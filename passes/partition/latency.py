@@ -13,6 +13,10 @@ it longer than the fused one), but a gradient crosses stage t in B_t - W_t only,
 ends with its own last W: Delta_s = sum_{t=s..Q} (B_t - W_t) + W_s for s <= Q (mirrored for s > Q).
 For equal stages this gives M (F+B) + (S-1)(F+B-W) + AR, the exact simulated time.
 
+A sharded stage (ZeRO-1/2/3, :mod:`fxpipe.sim.sharding_cost`) has its per-micro-batch collectives in F_s and
+B_s, its reduce-scatter tail as AR_s, and its step all-gather delays its first forward: L adds the longest
+wait max_s (start_s - sum of the F of the steps before s), when positive.
+
 Every cut between stages becomes an extra stage whose F/B is the activation/gradient transfer
 (:func:`fxpipe.sim.stagecost.transfer_time`) and whose AR is 0; a stage's F and B include its own time
 per message (:attr:`Cluster.message_overhead_s`). The formula is exact for equal
@@ -38,6 +42,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from fxpipe.core.cluster import Cluster
 from fxpipe.core.plan import Plan
 from fxpipe.sim.allreduce_overlap import last_pass_share, stage_allreduce_offsets
+from fxpipe.sim.sharding_cost import plan_sharding_comms, start_delay
 from fxpipe.sim.stagecost import (
     WEIGHT_GRAD_FRACTION,
     allreduce_times,
@@ -123,6 +128,7 @@ class PipelineSteps(NamedTuple):
     message: list[float]
     weight_fraction: float = WEIGHT_GRAD_FRACTION
     split_overhead: float = 0.0
+    step_start: tuple[float, ...] = ()  # per step: when it may start (a sharded stage's step all-gather)
 
     def latency(self, num_microbatches: int, split_backward: bool = False) -> float:
         """:func:`pipeline_latency` of these steps; with ``split_backward``, of their B + W and W parts.
@@ -133,8 +139,12 @@ class PipelineSteps(NamedTuple):
         backward, weight = self.split_parts() if split_backward else (self.backward, None)
         cycles = [f + b if stage_index >= 0 else max(f, b)
                   for f, b, stage_index in zip(self.forward, backward, self.stage_index, strict=True)]
-        return pipeline_latency(self.forward, backward, self.allreduce, num_microbatches, self.group_allreduce,
-                                weight, cycles)
+        latency = pipeline_latency(self.forward, backward, self.allreduce, num_microbatches, self.group_allreduce,
+                                   weight, cycles)
+        if not self.step_start:
+            return latency
+        arrivals = [sum(self.forward[:index]) for index in range(len(self.forward))]
+        return latency + start_delay(self.step_start, arrivals)
 
     def split_parts(self) -> tuple[list[float], list[float]]:
         """Each step's split backward B + W (message time included) and its W part (0 for transfers): the
@@ -155,7 +165,8 @@ class PipelineSteps(NamedTuple):
 def pipeline_steps(stages: Sequence[tuple[float, float, float]], hops: Sequence[float],
                    ties: Sequence[tuple[tuple[int, ...], float]],
                    weight_fraction: float = WEIGHT_GRAD_FRACTION, split_overhead: float = 0.0,
-                   messages: Sequence[float] | None = None) -> PipelineSteps:
+                   messages: Sequence[float] | None = None, starts: Sequence[float] | None = None,
+                   ) -> PipelineSteps:
     """The pivot model's steps from per-stage ``(F, B, own allreduce)``, the transfer time of each cut
     (``hops[s]`` between stages s and s+1) and tie allreduces over stage indices.
 
@@ -163,9 +174,12 @@ def pipeline_steps(stages: Sequence[tuple[float, float, float]], hops: Sequence[
     only tie the pivot choice). Tie groups are given step indices. Each stage's B and W under split
     backward are :func:`fxpipe.sim.stagecost.split_backward_times` of its B with ``weight_fraction``
     and ``split_overhead`` (:attr:`Cluster.split_backward_overhead`); ``messages[s]`` is the message
-    time stage s's F and B include (:func:`message_seconds`), which splitting leaves as it is.
+    time stage s's F and B include (:func:`message_seconds`), which splitting leaves as it is (and a sharded
+    stage's per-micro-batch collectives in B). ``starts[s]``: when stage s may start its first forward
+    (:mod:`fxpipe.sim.sharding_cost`); the latency adds the longest wait for it (:func:`start_delay`).
     """
     steps = PipelineSteps([], [], [], [], [], [], weight_fraction, split_overhead)
+    step_start: list[float] = []
     step_of_stage = []
     for index, (forward, backward, allreduce) in enumerate(stages):
         if index and hops[index - 1] > 0:
@@ -174,14 +188,16 @@ def pipeline_steps(stages: Sequence[tuple[float, float, float]], hops: Sequence[
             steps.allreduce.append(0.0)
             steps.stage_index.append(-1)
             steps.message.append(0.0)
+            step_start.append(0.0)
         step_of_stage.append(len(steps.forward))
+        step_start.append(starts[index] if starts is not None else 0.0)
         steps.forward.append(forward)
         steps.backward.append(backward)
         steps.allreduce.append(allreduce)
         steps.stage_index.append(index)
         steps.message.append(messages[index] if messages is not None else 0.0)
     steps.group_allreduce.extend((tuple(step_of_stage[s] for s in group), seconds) for group, seconds in ties)
-    return steps
+    return steps._replace(step_start=tuple(step_start)) if any(step_start) else steps
 
 
 def stage_times(plan: Plan, chain: CostChain, cluster: Cluster) -> PipelineSteps:
@@ -194,6 +210,7 @@ def stage_times(plan: Plan, chain: CostChain, cluster: Cluster) -> PipelineSteps
     """
     _, ties = allreduce_times(chain, cluster, [(s.first_block, s.stop_block, s.devices) for s in plan.stages])
     own_bytes = own_allreduce_bytes(chain, [(s.first_block, s.stop_block) for s in plan.stages])
+    comms = plan_sharding_comms(plan, chain, cluster)
     replicas = [s.replicas for s in plan.stages]
     stages, messages = [], []
     for stage in plan.stages:
@@ -205,11 +222,15 @@ def stage_times(plan: Plan, chain: CostChain, cluster: Cluster) -> PipelineSteps
                                           cost.rows, own_bytes[stage.stage_index], plan.allreduce_bucket_bytes,
                                           last_pass_share(stage.stage_index, plan.schedule == "zero_bubble",
                                                           WEIGHT_GRAD_FRACTION, cluster.split_backward_overhead))
-        stages.append((cost.forward_s + message_s, backward_s + message_s, tail))
-        messages.append(message_s)
+        comm = comms[stage.stage_index]
+        if stage.sharding != "none":
+            tail = comm.tail_s
+        stages.append((cost.forward_s + message_s + comm.forward_s, backward_s + message_s + comm.backward_s, tail))
+        messages.append(message_s + comm.backward_s)
     hops = [transfer_time(cluster, chain.cut_bytes[before.stop_block - 1], plan.microbatch_size, before.devices,
                           after.devices) for before, after in zip(plan.stages, plan.stages[1:], strict=False)]
-    return pipeline_steps(stages, hops, ties, split_overhead=cluster.split_backward_overhead, messages=messages)
+    return pipeline_steps(stages, hops, ties, split_overhead=cluster.split_backward_overhead, messages=messages,
+                          starts=[comm.start_s for comm in comms])
 
 
 def analytic_iteration_time(plan: Plan, chain: CostChain, cluster: Cluster) -> float:

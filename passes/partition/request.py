@@ -8,6 +8,8 @@ from fxpipe.core.chain import CostChain
 from fxpipe.core.cluster import Cluster
 from fxpipe.core.recompute import RecomputeError, RecomputeSetting, check_stage_count
 from fxpipe.core.schedule import SCHEDULES, TRAINING_SCHEDULES, WARMUP_POLICIES
+from fxpipe.core.sharding import ShardingError, ShardingRequest
+from fxpipe.core.sharding import check_request as check_sharding
 from fxpipe.passes.partition.candidates import Candidate, CandidateCosts
 
 # Largest number of micro-batches the grid offers: beyond this the bubble is already < 1% for any
@@ -57,11 +59,13 @@ class PlanRequest:
     all_devices: bool = False  # only plans that give every device a role (fxpipe.compile: every rank)
     recompute: RecomputeSetting = "auto"  # checked by fxpipe.core.recompute.parse_recompute
     allreduce_bucket_bytes: int = 0  # > 0: gradient allreduce in buckets overlapping the last backward
+    # "none", "auto" (the planner picks per stage), one level, or one per stage (fxpipe.core.sharding)
+    sharding: ShardingRequest = "none"
 
     def candidate_costs(self) -> CandidateCosts:
         return CandidateCosts(self.chain, self.cluster, self.global_batch_size, self.optimizer,
                               self.memory_limit_bytes, schedule=self.schedule, recompute=self.recompute,
-                              allreduce_bucket_bytes=self.allreduce_bucket_bytes)
+                              allreduce_bucket_bytes=self.allreduce_bucket_bytes, sharding=self.sharding)
 
     def policies(self, schedule: str | None = None) -> tuple[str, ...]:
         """Warm-up policies to try under ``schedule`` (default: the request's; not "auto")."""
@@ -105,6 +109,12 @@ def check_request(request: PlanRequest) -> None:
         raise PlanningError(f"recompute={request.recompute!r} with schedule='zero_bubble': split backward (B, then W "
                             "on the same graph) cannot rerun a checkpointed forward; use schedule='early_backward' "
                             "or 'auto' (the planner then keeps zero-bubble for plans that need no recomputation)")
+    try:
+        sharding = check_sharding(request.sharding)
+    except ShardingError as error:
+        raise PlanningError(str(error)) from None
+    if not isinstance(sharding, str):
+        _check_sharding_stages(tuple(sharding), request.layout, request.num_stages)
     bucket = request.allreduce_bucket_bytes
     if not isinstance(bucket, int) or isinstance(bucket, bool) or bucket < 0:
         raise PlanningError(f"allreduce_bucket_bytes must be a non-negative integer (0: one allreduce after "
@@ -127,6 +137,25 @@ def _check_recompute_stages(recompute: tuple[bool, ...], layout: tuple[int, ...]
             check_stage_count(recompute, count)
     except RecomputeError as error:
         raise PlanningError(str(error)) from None
+
+
+def _check_sharding_stages(levels: tuple[str, ...], layout: tuple[int, ...] | None, num_stages: int | None) -> None:
+    """Per-stage sharding levels need the stage count fixed (a layout or cuts) and matching, as per-stage recompute."""
+    counts = {len(layout)} if layout is not None else set()
+    counts |= {num_stages} if num_stages is not None else set()
+    if not counts:
+        raise PlanningError(f"sharding gives per-stage levels {list(levels)} but the stage count is the planner's "
+                            "choice; force a layout such as '2:2' (or pipe_split cuts), or give one level for every "
+                            "stage or 'auto'")
+    for count in counts:
+        if len(levels) != count:
+            raise PlanningError(f"sharding gives {len(levels)} per-stage levels {list(levels)} but the plan has "
+                                f"{count} stages; give {count} levels or one level for every stage or 'auto'")
+    if layout is not None:
+        for index, (level, replicas) in enumerate(zip(levels, layout, strict=True)):
+            if level != "none" and replicas == 1:
+                raise PlanningError(f"sharding[{index}] is {level!r} but layout stage {index} has 1 replica, which "
+                                    "has nothing to split; give it 'none' or more replicas")
 
 
 def microbatch_grid(request: PlanRequest) -> list[int]:

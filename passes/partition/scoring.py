@@ -8,8 +8,9 @@ from dataclasses import dataclass, replace
 from tabulate import tabulate
 
 from fxpipe.core.plan import Plan
-from fxpipe.passes.partition.candidates import Candidate, CandidateCosts, Span, build_plan, with_prediction
+from fxpipe.passes.partition.candidates import Candidate, CandidateCosts, Span
 from fxpipe.passes.partition.latency import analytic_iteration_time
+from fxpipe.passes.partition.plan_build import build_plan, with_prediction
 from fxpipe.passes.partition.request import (
     AUTO_SCHEDULE,
     AUTO_SWITCH_MARGIN,
@@ -63,13 +64,18 @@ def score_candidates(request: PlanRequest, model: CandidateCosts, candidates: It
 def simulated_lower_bound(model: CandidateCosts, candidate: Candidate) -> float:
     """A time no simulation of ``candidate`` can beat, under any schedule: the busiest stage's compute,
     M (F_s + B_s) on its largest slice (recomputation and split backward only add or move work), then
-    its own gradient allreduce, or with buckets the tail left after its last backward."""
+    its own gradient allreduce, or with buckets the tail left after its last backward; under a sharding
+    request, the least of that and every allowed level's collectives in one step (a sharded stage runs
+    them all before, inside or after its compute: :mod:`fxpipe.sim.sharding_cost`)."""
     rows = candidate.microbatch_rows
     num_microbatches = model.global_batch_size // rows
     if model.allreduce_bucket_bytes:
         own = model.allreduce_tails(candidate.spans, rows)
     else:
         own, _ = model.stage_allreduces(candidate.spans)
+    if model.sharding != "none":
+        own = [min(seconds, model.least_comm_seconds(span, num_microbatches))
+               for span, seconds in zip(candidate.spans, own, strict=True)]
     costs = [model.cost(span.first, span.stop, rows, len(span.devices)) for span in candidate.spans]
     return max(num_microbatches * (cost.forward_s + cost.backward_s) + allreduce_s
                for cost, allreduce_s in zip(costs, own, strict=True))
@@ -153,6 +159,8 @@ def infeasible_error(request: PlanRequest, model: CandidateCosts, closest: Candi
               "(num_microbatches larger), an optimizer with less state (optimizer='sgd'), or a larger "
               "memory_limit_bytes if the device really has more memory"
               + (", or recompute='auto' (recompute activations where they do not fit)"
-                 if request.recompute == "never" else ""))
+                 if request.recompute == "never" else "")
+              + (", or sharding='auto' (ZeRO-1/2/3 inside replicated stages where that fits)"
+                 if request.sharding == "none" else ""))
     return InfeasiblePlanError(f"{head}.\nclosest attempt (micro-batch {closest.microbatch_rows} rows):\n"
                                f"{table}\n{advice}")

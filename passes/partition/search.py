@@ -157,8 +157,9 @@ class _Search:
             new_bound = max(bound, work + m * step)
             if new_bound > self.limit():
                 return  # the new stage alone is too slow, and only grows with more blocks
-            if cost.param_bytes * self.weight_factor > model.memory_limit_bytes:
-                return
+            if model.least_state_bytes(first, stop, replicas, cost.param_bytes * self.weight_factor) \
+                    > model.memory_limit_bytes:
+                return  # its weights, gradients and optimizer state alone overflow, and only grow with more blocks
             spans = (*state.spans, Span(first, stop, devices))
             if stop == self.num_blocks:
                 self.record(spans)

@@ -1,0 +1,95 @@
+"""A sharded stage's communication per step (ZeRO-1/2/3 over its replica group), on plain numbers.
+
+The one place that says when a stage's reduce-scatters and all-gathers run and how long they take; the
+simulator (:mod:`fxpipe.sim.simulate`), the pivot model (:mod:`fxpipe.passes.partition.latency`) and the
+planner's candidates all charge these terms. Legend: W the weight bytes the stage holds (tied copies
+included), G the gradient bytes it sums over its replicas (tied ones left out: they keep their own tie
+allreduce), RS(x) and AG(x) a ring reduce-scatter and all-gather of x bytes over the stage's devices,
+M micro-batches:
+
+    level        before first forward   each forward   each backward     after last backward
+    none         -                      -              -                 AR(G), bucketed (allreduce_overlap)
+    optimizer    AG(W)                  -              -                 RS(G)
+    gradients    AG(W)                  -              RS(G)             -
+    parameters   -                      AG(W)          AG(W) + RS(G)     -
+
+Each of RS and AG moves (r-1)/r of the bytes per device, half a ring allreduce, over the same links
+(:meth:`Cluster.allreduce_time`), with half its copies into and out of the flat buffer: RS(x) + AG(x)
+is exactly :func:`fxpipe.sim.stagecost.gradient_allreduce_time` of x. Nothing here overlaps compute: the
+per-micro-batch collectives of ``gradients``/``parameters`` sit on the stage's critical path (FSDP2
+prefetches the next unit's all-gather, but a stage's first unit waits for it and the reduce-scatter
+of its last unit ends the backward; charging them whole is the conservative bound, see
+docs/sharding_planning.md). The step's all-gather of ``optimizer``/``gradients`` (the weights updated
+by the last step's shards) delays the stage's first forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+from fxpipe.core.cluster import Cluster, LinkSpec
+from fxpipe.core.plan import Plan
+from fxpipe.core.sharding import check_level
+from fxpipe.sim.stagecost import gradient_allreduce_time, own_allreduce_bytes, stage_param_bytes
+
+if TYPE_CHECKING:  # fxpipe.passes imports the planner, which imports this module
+    from fxpipe.core.chain import CostChain
+
+
+class ShardingComm(NamedTuple):
+    """A stage's sharding collectives in seconds: before its first forward of the step, added to every
+    forward and every backward of a micro-batch, and after its last backward (replacing the allreduce)."""
+
+    start_s: float = 0.0
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    tail_s: float = 0.0
+
+    def step_seconds(self, num_microbatches: int) -> float:
+        """Every collective of one step, one after another."""
+        return self.start_s + num_microbatches * (self.forward_s + self.backward_s) + self.tail_s
+
+
+NO_SHARDING = ShardingComm()
+
+
+def half_collective_time(cluster: Cluster, num_bytes: float, devices: Sequence[int],
+                         link: LinkSpec | None = None) -> float:
+    """A ring reduce-scatter or all-gather of ``num_bytes`` over ``devices``: half a gradient allreduce."""
+    return gradient_allreduce_time(cluster, num_bytes, devices, link) / 2.0
+
+
+def sharding_comm(cluster: Cluster, sharding: str, devices: Sequence[int], weight_bytes: float,
+                  gradient_bytes: float) -> ShardingComm:
+    """The module docstring's table for one stage; :data:`NO_SHARDING` for ``"none"`` (its allreduce is
+    :mod:`fxpipe.sim.allreduce_overlap`'s) and for one device."""
+    check_level(sharding)
+    if sharding == "none" or len(devices) <= 1:
+        return NO_SHARDING
+    link = cluster.collective_link(devices)
+    gather = half_collective_time(cluster, weight_bytes, devices, link)
+    scatter = half_collective_time(cluster, gradient_bytes, devices, link)
+    if sharding == "optimizer":
+        return ShardingComm(start_s=gather, tail_s=scatter)
+    if sharding == "gradients":
+        return ShardingComm(start_s=gather, backward_s=scatter)
+    return ShardingComm(forward_s=gather, backward_s=gather + scatter)
+
+
+def start_delay(step_start_s: Sequence[float], arrival_s: Sequence[float]) -> float:
+    """How much the pipeline's fill is delayed by stages waiting for their step's all-gather: stage s
+    starts its first forward at its all-gather's end or when its first input arrives (``arrival_s[s]``,
+    the forwards and transfers before it), whichever is later; the pivot model adds the largest wait."""
+    return max((max(0.0, start - arrival) for start, arrival in zip(step_start_s, arrival_s, strict=True)),
+               default=0.0)
+
+
+def plan_sharding_comms(plan: Plan, chain: CostChain, cluster: Cluster) -> list[ShardingComm]:
+    """:func:`sharding_comm` of every stage of ``plan`` (its weights held, its own gradient bytes)."""
+    if all(stage.sharding == "none" for stage in plan.stages):
+        return [NO_SHARDING] * plan.num_stages
+    bounds = [(stage.first_block, stage.stop_block) for stage in plan.stages]
+    own = own_allreduce_bytes(chain, bounds)
+    return [sharding_comm(cluster, stage.sharding, stage.devices, stage_param_bytes(chain, first, stop), own_bytes)
+            for stage, (first, stop), own_bytes in zip(plan.stages, bounds, own, strict=True)]
