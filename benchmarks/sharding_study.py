@@ -6,7 +6,7 @@ Each model is built on the meta device and costed once per precision with the an
 (bf16 autocast on H100 presets, fp16 on the V100 presets: fp32 master weights, gradients and Adam state
 either way; chains of at most 32 blocks), then planned by DAPPLE on each preset with its own device memory, twice: ``sharding="none"``
 (the best plan without sharding, or "infeasible") and ``sharding="auto"`` (each replicated stage's
-fastest level that fits, chosen with recomputation; docs/sharding_planning.md). Figures are the
+fastest level that fits, chosen with recomputation; docs/sharding.md). Figures are the
 planner's simulated predictions (analytic costs: optimistic in absolute terms, see docs/clusters.md);
 "memory" is the largest per-device peak over the plan's stages.
 """
@@ -174,7 +174,7 @@ READING = [
     "(RS + AG), so a stage can stay replicated, keep its activations and cut the bubble, where the unsharded "
     "plan needs more stages or recomputation. ZeRO-2/3 pay their collectives on every micro-batch (M times "
     "that traffic), which a stage only takes when nothing cheaper fits. Every figure is the analytic model's, with the collectives charged whole (no overlap: "
-    "docs/sharding_planning.md), so the sharded columns are conservative.",
+    "docs/sharding.md), so the sharded columns are conservative.",
 ]
 
 

@@ -273,7 +273,7 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
             loss_reduction: str = "auto", batch_norm: str = "microbatch",
             batch_dims: int | Mapping[str, int] | None = None, target_batch_dim: int | None = None,
             recompute: str | Sequence[bool | str] = "auto", costs: str = "auto", check_rows: bool = True,
-            stall_timeout_s: float = 5.0, sharding: str | Sequence[str] = "none",
+            stall_timeout_s: float = 5.0, sharding: str | Sequence[str] | None = None,
             torch_compile: bool | Mapping[str, Any] = False) -> Any:
     """Pipeline ``model`` over the process group's ranks; returns a :class:`PipelinedModule`.
 
@@ -299,7 +299,8 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
     activations in backward only where keeping them does not fit), ``"never"``, ``"always"``, or one
     ``"keep"``/``"recompute"`` per stage. ``sharding``: what a stage's replicas split among themselves (ZeRO
     inside the replica group, through FSDP2; docs/sharding.md): ``"none"``, ``"optimizer"``, ``"gradients"``,
-    ``"parameters"``, one level per stage, or ``"auto"`` (the plan's levels: a plan file's, or the planner's).
+    ``"parameters"``, one level per stage, or ``"auto"`` (the planner picks each stage's level with its recompute
+    choice; a given plan keeps its levels); None (default) keeps a given plan's levels and plans unsharded.
     ``costs``: where the planner's block times come from: ``"auto"``
     (measured by every rank at once for the launched devices, analytic for a ``cluster`` naming other
     devices; ``$FXPIPE_COSTS`` overrides), ``"measured"`` or ``"analytic"`` (no measuring). ``check_rows``:
@@ -378,7 +379,8 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
             target_dim = resolve_target_dim(options.batch_dims, options.target_batch_dim)
             parse_recompute(options.recompute)
             try:
-                check_request(options.sharding)
+                if options.sharding is not None:
+                    check_request(options.sharding)
             except ShardingError as error:
                 raise PipelineSetupError(str(error)) from None
             compile_settings = parse_torch_compile(options.torch_compile)

@@ -66,7 +66,7 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--max-blocks", type=int, default=64, help="coarsen the graph to at most this many blocks")
     plan.add_argument("--sharding", default="none", help="ZeRO inside each stage's replica group: none (default), "
                       "auto (each stage the fastest level that fits), optimizer, gradients, parameters, or one "
-                      "level per stage: none,optimizer,... (needs --layout or markers; docs/sharding_planning.md)")
+                      "level per stage: none,optimizer,... (needs --layout or markers; docs/sharding.md)")
     plan.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
                       help="what the job trains in: fp32, or bf16/fp16 autocast (tensor-core matmuls, half-size "
                            "activations, fp32 master weights); recorded in the plan (docs/clusters.md)")

@@ -37,7 +37,8 @@ class CompileOptions:
     batch_dims: int | Mapping[str, int] | None = None
     target_batch_dim: int | None = None  # None: batch_dims when it is one int, else 0
     recompute: str | Sequence[bool | str] = "auto"  # fxpipe.core.recompute.parse_recompute
-    sharding: str | Sequence[str] = "none"  # fxpipe.core.sharding.check_request (ZeRO levels, docs/sharding.md)
+    # fxpipe.core.sharding.check_request (ZeRO levels, docs/sharding.md); None: a given plan's levels, else "none"
+    sharding: str | Sequence[str] | None = None
     costs: str = "auto"  # where the planner's block times come from (fxpipe.job_costs)
     check_rows: bool = True  # refuse a model whose rows see each other when the plan splits the batch
     # torch.compile per stage: False, True or torch.compile's keyword arguments (fxpipe.runtime.stage_compile)

@@ -57,15 +57,11 @@ def apply_overrides(plan: Plan, options: CompileOptions) -> Plan:
     if options.warmup_policy is not None:
         changes["warmup_policy"] = options.warmup_policy
     plan = force_recompute(plan.with_updates(**changes) if changes else plan, options.recompute)
-    levels = [stage.sharding for stage in plan.stages]
-    try:
-        plan = force_sharding(plan, options.sharding)
-    except ShardingError as error:
-        raise PipelineSetupError(str(error)) from None
-    if options.sharding == "none" and any(level != "none" for level in levels):
-        warnings.warn(f"fxpipe: the plan shards its stages ({levels}) but sharding='none' (the default) replaces "
-                      "them; pass sharding='auto' (`--sharding auto`) to run the plan's levels", RuntimeWarning,
-                      stacklevel=3)
+    if options.sharding is not None:  # None (the default): the plan's own levels
+        try:
+            plan = force_sharding(plan, options.sharding)
+        except ShardingError as error:
+            raise PipelineSetupError(str(error)) from None
     check_sharded_schedule(plan)
     return plan
 
@@ -165,7 +161,7 @@ def _run_planner(options: CompileOptions, model: torch.nn.Module, example_inputs
                       num_microbatches=options.num_microbatches,
                       schedule=_schedule_name(options.schedule or "dapple"),
                       warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True,
-                      recompute=options.recompute, precision=precision)
+                      recompute=options.recompute, precision=precision, sharding=options.sharding or "none")
     return placed_plan(plan, topology, cluster)
 
 
@@ -182,5 +178,5 @@ def _run_marker_planner(options: CompileOptions, model: torch.nn.Module, example
                            schedule=_schedule_name(options.schedule or "dapple"),
                            warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True,
                            batch_dims=options.batch_dims, recompute=options.recompute, loss_fn=options.loss_fn,
-                           precision=training_precision(options))
+                           precision=training_precision(options), sharding=options.sharding or "none")
     return placed_plan(plan, topology, cluster)

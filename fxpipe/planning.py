@@ -245,7 +245,7 @@ def plan_chain(chain: CostChain, cluster: Cluster, global_batch_size: int, *,
     """Run a planner (``planner=`` name, default DAPPLE) over a chain costed for ``precision`` (recorded in the plan).
 
     ``sharding``: ``"none"``, ``"auto"``, one level or one per stage (:mod:`fxpipe.core.sharding`); the
-    plan records each stage's level (``stages[*].sharding``; docs/sharding_planning.md).
+    plan records each stage's level (``stages[*].sharding``; docs/sharding.md).
     """
     from fxpipe.passes.partition.dapple import partition
 

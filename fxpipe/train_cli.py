@@ -30,9 +30,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-microbatches", type=int, default=None)
     parser.add_argument("--recompute", default="auto", help="activation recomputation: auto (where activations do "
                         "not fit), never, always, or per stage keep,recompute,...; a plan file's choices stay with auto")
-    parser.add_argument("--sharding", default="none", type=_sharding_argument,
+    parser.add_argument("--sharding", default=None, type=_sharding_argument,
                         help="ZeRO inside each stage's replica group (FSDP2, docs/sharding.md): none, optimizer, "
-                             "gradients, parameters, per stage level,level,..., or auto (the plan's levels)")
+                             "gradients, parameters, per stage level,level,..., or auto (the planner picks per "
+                             "stage); default: a plan file's levels, unsharded for plans made here")
     parser.add_argument("--data", default="auto",
                         help="stdlib: byte-level Python standard library text (language models); random: "
                              "synthetic batches (the zoo's, or for a factory random inputs shaped like its example "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -62,9 +63,10 @@ def test_compile_applies_the_request_to_any_plan_and_refuses_what_cannot_run() -
     planned = apply_overrides(_plan((2, 3)), per_stage)
     auto = CompileOptions(loss_fn=None, global_batch_size=None, sharding="auto")  # keeps the plan's levels
     assert apply_overrides(planned, auto) == planned
-    default = CompileOptions(loss_fn=None, global_batch_size=None)
-    with pytest.warns(RuntimeWarning, match="sharding='auto'"):  # a plan file's levels replaced by the default
-        assert [s.sharding for s in apply_overrides(planned, default).stages] == ["none", "none"]
+    default = CompileOptions(loss_fn=None, global_batch_size=None)  # sharding=None: a given plan's levels
+    assert apply_overrides(planned, default) == planned
+    unsharded = CompileOptions(loss_fn=None, global_batch_size=None, sharding="none")
+    assert [s.sharding for s in apply_overrides(planned, unsharded).stages] == ["none", "none"]
     with pytest.raises(PipelineSetupError, match="gives 1 levels"):
         apply_overrides(_plan((2, 3)), CompileOptions(loss_fn=None, global_batch_size=None, sharding=("optimizer",)))
     with pytest.raises(PipelineSetupError, match="schedule='dapple' or 'gpipe'"):
@@ -93,7 +95,7 @@ def test_train_cli_parses_sharding_and_names_the_choices() -> None:
 
     parser = argparse.ArgumentParser()
     add_train_arguments(parser)
-    assert parser.parse_args(["mlp"]).sharding == "none"
+    assert parser.parse_args(["mlp"]).sharding is None
     assert parser.parse_args(["mlp", "--sharding", "optimizer,none"]).sharding == ("optimizer", "none")
     with pytest.raises(SystemExit):
         parser.parse_args(["mlp", "--sharding", "zero3"])
@@ -327,3 +329,27 @@ def test_every_level_trains_exactly_saves_and_loads_across_layouts(tmp_path: Pat
     trained = train_reference(zoo.build(MODEL, **ENTRY.tiny_overrides)[0], ENTRY.loss_fn, _batches(),
                               after_backward=_clipped)["params"]
     assert not mismatches("consolidated", {name: consolidated[name] for name in trained}, trained, rtol=0.0, atol=1e-4)
+
+
+def _auto_levels(rank: int, world_size: int, store_dir: str) -> list[Any]:
+    """compile(sharding=...) on the analytic planner: explicit, auto under a memory only ZeRO-1 fits, default."""
+    entry = zoo.get(UNTIED)
+    unsharded_peak = 0
+    found = []
+    for index, sharding in enumerate(("none", "auto", None)):
+        # the device memory after the first round: below the unsharded peak, so only a sharded level fits
+        cluster = "local:2" if index != 1 else f"local:2,memory={unsharded_peak - 1}B"
+        with _world(store_dir, f"auto-{index}", rank, world_size):
+            model, example_inputs = zoo.build(UNTIED, **entry.tiny_overrides)
+            pipe = fxpipe.compile(model, example_inputs, loss_fn=entry.loss_fn, global_batch_size=8, plan="dp",
+                                  costs="analytic", cluster=cluster, sharding=sharding)
+            unsharded_peak = unsharded_peak or pipe.plan.stages[0].peak_memory_bytes
+            loss = pipe.step(*entry.make_batch(8, 5, **entry.tiny_overrides))
+            found.append(([stage.sharding for stage in pipe.plan.stages], math.isfinite(loss)))
+    return found
+
+
+@pytest.mark.multiprocess
+def test_compile_passes_the_request_to_the_planner_and_auto_shards_only_what_must(tmp_path: Path) -> None:
+    for found in run_ranks(_auto_levels, 2, tmp_path):
+        assert found == [(["none"], True), (["optimizer"], True), (["none"], True)], found

@@ -221,3 +221,15 @@ def test_plan_markers_takes_levels_per_marked_stage() -> None:
                                                                      strict=True)]
     with pytest.raises(PlanningError, match="3 per-stage levels.*2 stages"):
         plan_markers(_Marked(), inputs, cluster, 32, sharding=["none", "none", "none"])
+
+
+def test_zero_bubble_plans_stay_unsharded_and_an_explicit_level_with_it_is_refused() -> None:
+    """The runtime refuses zero-bubble with a sharded stage (its W bypasses FSDP2's reduction): the planner never
+    makes one. Where only ZeRO-1 fits, a zero-bubble request has no feasible plan; an explicit level is refused."""
+    chain, net = _dp_case(2.6 * 4e8)  # only a sharded level fits
+    with pytest.raises(InfeasiblePlanError):
+        partition(chain, net, 16, layout="dp", sharding="auto", num_microbatches=4, schedule="zero_bubble")
+    with pytest.raises(PlanningError, match="schedule='zero_bubble'.*FSDP2"):
+        partition(chain, net, 16, layout="dp", sharding="optimizer", num_microbatches=4, schedule="zero_bubble")
+    plan = partition(chain, net, 16, layout="dp", sharding="auto", num_microbatches=4, schedule="auto")
+    assert plan.schedule != "zero_bubble" and [stage.sharding for stage in plan.stages] == ["optimizer"]

@@ -19,7 +19,7 @@ is exactly :func:`fxpipe.sim.stagecost.gradient_allreduce_time` of x. Nothing he
 per-micro-batch collectives of ``gradients``/``parameters`` sit on the stage's critical path (FSDP2
 prefetches the next unit's all-gather, but a stage's first unit waits for it and the reduce-scatter
 of its last unit ends the backward; charging them whole is the conservative bound, see
-docs/sharding_planning.md). The step's all-gather of ``optimizer``/``gradients`` (the weights updated
+docs/sharding.md). The step's all-gather of ``optimizer``/``gradients`` (the weights updated
 by the last step's shards) delays the stage's first forward.
 """
 

@@ -345,7 +345,7 @@ class CandidateCosts:
             request = "auto"
         choices = []
         for index, span in enumerate(spans):
-            if len(span.devices) == 1:
+            if len(span.devices) == 1 or (schedule or self.schedule) == "zero_bubble":  # W bypasses FSDP2's hooks
                 levels: tuple[str, ...] = ("none",)
             elif isinstance(request, str):
                 levels = SHARDING_LEVELS if request == "auto" else (request,)
@@ -373,7 +373,8 @@ class CandidateCosts:
         found = []
         for index, (span, choice) in enumerate(zip(spans, chosen, strict=True)):
             replicas = len(span.devices)
-            levels = ("none",) if replicas == 1 else SHARDING_LEVELS if request == "auto" else (
+            levels = ("none",) if replicas == 1 or (schedule or self.schedule) == "zero_bubble" else (
+                SHARDING_LEVELS) if request == "auto" else (
                 (request,) if isinstance(request, str) else (request[index],))
             recomputes = (choice.recompute,) if isinstance(self.recompute, tuple) or self.recompute != "auto" or (
                 (schedule or self.schedule) == "zero_bubble") else (False, True)
