@@ -23,6 +23,7 @@ from fxpipe.runtime.stage_compile import (
     MEASURED_COSTS_NOTE,
     WAIT_NOTE,
     ZERO_BUBBLE_NOTE,
+    CompiledStage,
     CompileStats,
     format_compile_stats,
     parse_torch_compile,
@@ -156,15 +157,24 @@ def test_compiled_stages_train_as_eager_on_every_schedule_without_recompiling(tm
             assert result["problems"] == [], (rank, schedule, recompute, result["problems"])
             eager_losses, compiled_losses = result["losses"]
             assert compiled_losses == eager_losses, (rank, schedule)
+            assert [s.num_frames for s in result["eager_stats"]] == [0, 0]  # eager stages compile nothing
+            assert (ZERO_BUBBLE_NOTE in result["notes"]) == (schedule == "zero_bubble")
+            assert WAIT_NOTE.format(timeout_s=60.0) in result["notes"]
             first, last = result["stats"]
+            if schedule == "zero_bubble":  # F, B and W cut from the joint graph, traced once per row count (3, 4, 2)
+                # stage 0's B has no op (no input gradient: it passes the output gradients on to W) and runs
+                # uncompiled, and its W runs inside B as eager's does; stage 1's 4 W passes a step run after B
+                frames_per_shape = 2 if rank == 0 else 3
+                assert (first.num_frames, first.num_split_shapes) == (frames_per_shape, 1), (rank, first)
+                assert (last.num_frames, last.num_split_shapes) == (3 * frames_per_shape, 3), (rank, last)
+                assert last.num_weight_passes == (0 if rank == 0 else 4 * len(BATCH_SIZES)), (rank, last)
+                assert last.w_in_b_reason is None, (rank, last)
+                continue
             # the whole stage in one frame, compiled in the first step (dynamic batch from the start), its backward
             # with it (aot_eager compiles it at once, not lazily); steps at other row counts compile nothing more
             assert first.num_frames == 1, (rank, schedule, first)
             assert (last.num_frames, last.num_backward_graphs) == (1, first.num_backward_graphs), (rank, schedule, last)
             assert first.compile_s > 0 and last.eager_reason is None
-            assert [s.num_frames for s in result["eager_stats"]] == [0, 0]  # eager stages compile nothing
-            assert (ZERO_BUBBLE_NOTE in result["notes"]) == (schedule == "zero_bubble")
-            assert WAIT_NOTE.format(timeout_s=60.0) in result["notes"]
         warned, (stage0, stage1) = results["deferred"]
         assert stage0.eager_reason is not None and "batch_norm='deferred'" in stage0.eager_reason, stage0
         assert warned == ([f"stage 0 runs eager: {stage0.eager_reason}"] if rank == 0 else []), (rank, warned)
@@ -248,3 +258,69 @@ def test_train_cli_torch_compile_option() -> None:
     assert timeout_option(parser.parse_args(["gpt-mini"])) == 60.0
     assert timeout_option(parser.parse_args(["gpt-mini", "--torch-compile"])) == 600.0
     assert timeout_option(parser.parse_args(["gpt-mini", "--torch-compile", "--timeout", "90"])) == 90.0
+
+
+class _TwoOutputStage(nn.Module):
+    """A stage as fxpipe splits them: a tuple of outputs, one of which (a shape) takes no gradient."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.net = CompileNet()
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out = self.net(self.drop(x))
+        return out, torch.relu(x) * 2.0, torch.tensor(x.shape[0])
+
+
+def test_compiled_split_defers_weight_gradients_and_matches_eager_bitwise() -> None:
+    """F, B and W cut from the joint graph (aot_eager): B gives the input gradient and no parameter gradient, W
+    gives them all; each bitwise equal to eager autograd, and batch norm's buffers move once per micro-batch."""
+    from fxpipe.runtime.compiled_split import SplitCompiledStage
+
+    torch.manual_seed(0)
+    stage, reference = _TwoOutputStage(), _TwoOutputStage()
+    reference.load_state_dict(stage.state_dict())
+    part = CompiledStage(stage, [0], {"backend": "aot_eager"}, 0)
+    split = SplitCompiledStage(stage, part.compile_part, lambda reason: pytest.fail(reason))
+    slices = [torch.randn(rows, 6) for rows in (3, 3, 2)]  # two row counts: two cuts
+    grads = [(torch.randn(rows, 3), torch.randn(rows, 6)) for rows in (3, 3, 2)]
+    expected_inputs = []
+    for x, (g_out, g_relu) in zip(slices, grads, strict=True):
+        leaf = x.clone().requires_grad_(True)
+        out, relu, _ = reference(leaf)
+        torch.autograd.backward([out, relu], [g_out, g_relu])
+        expected_inputs.append(leaf.grad)
+    ran = [split.forward([x], [True], [False]) for x in slices]
+    assert all(item is not None for item in ran)
+    works = []
+    for item, (g_out, g_relu), expected in zip(ran, grads, expected_inputs, strict=True):
+        assert item is not None
+        outputs, saved = item
+        assert saved.graphs.differentiable_outputs == (0, 1) and outputs[2].item() == slices[len(works)].shape[0]
+        (input_grad,), work = split.backward_input(saved, [g_out, g_relu])
+        assert torch.equal(input_grad, expected)
+        works.append(work)
+    assert all(p.grad is None for p in stage.parameters())  # B left every parameter gradient to W
+    for work in works:
+        split.backward_weight(work, None)
+    assert split.num_shapes == 2 and split.num_weight_passes == 3
+    for (name, param), expected_param in zip(stage.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(param.grad, expected_param.grad), name
+    for (name, buffer), expected_buffer in zip(stage.named_buffers(), reference.buffers(), strict=True):
+        assert torch.equal(buffer, expected_buffer), name
+
+
+def test_compiled_split_falls_back_on_random_ops() -> None:
+    """Dropout draws in F what W, run later, could not redraw: the stage says so and runs whole."""
+    from fxpipe.runtime.compiled_split import SplitCompiledStage
+
+    reasons: list[str] = []
+    stage = _TwoOutputStage(dropout=0.1)
+    part = CompiledStage(stage, [0], {"backend": "aot_eager"}, 0)
+    split = SplitCompiledStage(stage, part.compile_part, reasons.append)
+    buffers = [b.clone() for b in stage.buffers()]
+    assert split.forward([torch.randn(3, 6)], [True], [False]) is None
+    assert split.forward([torch.randn(3, 6)], [True], [False]) is None  # said once
+    assert len(reasons) == 1 and "draws random numbers" in reasons[0] and "bernoulli" in reasons[0], reasons
+    assert all(torch.equal(a, b) for a, b in zip(buffers, stage.buffers(), strict=True))  # tracing wrote nothing
