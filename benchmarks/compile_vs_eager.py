@@ -49,7 +49,7 @@ COMMAND = "python benchmarks/compile_vs_eager.py --write"
 DEFAULT_WORKLOAD = Workload("gpt-mini", (("n_layer", 4), ("n_embd", 128), ("block_size", 64)), 32, 8)
 WORLD_SIZES = (2, 4)
 TORCH_WORLD_SIZE = 2  # torch.distributed.pipelining side on this many ranks only (compiles take minutes on 2 cores)
-ZERO_BUBBLE = "fxpipe compiled, zero_bubble (W in B)"
+ZERO_BUBBLE = "fxpipe compiled, zero_bubble (split B/W)"
 # a stage's first step waits for every earlier stage's cold compile (minutes on 2 busy cores): docs/compile.md
 COMPILE_TIMEOUT_S = 1200.0
 
@@ -132,8 +132,8 @@ def _refusal_line(per_rank: list[dict[str, Any]] | None) -> str:
         return ""
     refusal = per_rank[0]["refusal"]
     said = f"refuses them: \"{refusal}\"" if refusal else "runs them"
-    return (f"Zero-bubble over compiled stages: fxpipe runs it with each compiled stage's W inside its B (row "
-            f"'{ZERO_BUBBLE}'); torch.distributed.pipelining's ScheduleInterleavedZeroBubble {said}.")
+    return (f"Zero-bubble over compiled stages: fxpipe runs it with each compiled stage cut into F, B and W graphs "
+            f"(row '{ZERO_BUBBLE}'); torch.distributed.pipelining's ScheduleInterleavedZeroBubble {said}.")
 
 
 def report(results: dict[int, list[dict[str, Any]]], workload: Workload, num_steps: int) -> str:

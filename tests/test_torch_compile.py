@@ -236,11 +236,17 @@ def test_plan_notes_say_what_compiling_changes() -> None:
 
 def test_compile_stats_print_one_line_per_stage() -> None:
     stats = [CompileStats(0, 1, 1, 2.25), CompileStats(1, 2, 1, 3.5), CompileStats(1, 1, 1, 1.0),
-             CompileStats(2, eager_reason="batch_norm='deferred' keeps statistics outside the graph")]
+             CompileStats(2, eager_reason="batch_norm='deferred' keeps statistics outside the graph"),
+             CompileStats(3, 9, 0, 4.0, num_split_shapes=3, num_weight_passes=12),
+             CompileStats(4, 1, 1, 1.0, w_in_b_reason="its graph draws random numbers")]
     assert format_compile_stats(stats).splitlines() == [
         "torch.compile stage 0: 1 forward frames and 1 backward graphs compiled in 2.2 s",
         "torch.compile stage 1: 2 forward frames and 1 backward graphs compiled in 3.5 s",
         "torch.compile stage 2: eager (batch_norm='deferred' keeps statistics outside the graph)",
+        "torch.compile stage 3: 9 forward frames and 0 backward graphs compiled in 4.0 s, split into F/B/W for 3 "
+        "row counts",
+        "torch.compile stage 4: 1 forward frames and 1 backward graphs compiled in 1.0 s, W inside B (its graph "
+        "draws random numbers)",
     ]
 
 

@@ -277,8 +277,8 @@ class StageRunner:
         """B of a split backward: the input leaves' gradients now, the parameter gradients kept for
         :meth:`backward_weight` (stage 0, without differentiable inputs, does its whole backward here).
 
-        A compiled stage is one autograd node with no join to split at: B runs its whole backward and W
-        has no work (the plan notes it, docs/compile.md).
+        A compiled stage runs the B graph cut from its joint graph (:mod:`fxpipe.runtime.compiled_split`);
+        one that could not be cut (warned) runs its whole compiled backward here and W has no work.
         """
         saved = self._saved[microbatch_index]
         if saved.split is not None:
