@@ -297,7 +297,7 @@ class SplitCompiledStage:
         params = {name: p for name, p in self.module.named_parameters() if p.requires_grad}
         frozen = {name: p for name, p in self.module.named_parameters() if not p.requires_grad}
         buffers = {**frozen, **dict(self.module.named_buffers())}
-        key = (tuple(_shape_key(a) for a in args), tuple(differentiable),
+        key = (tuple(_shape_key(a) for a in args), tuple(differentiable), tuple(params), tuple(frozen),
                tuple(m.training for m in self.module.modules()))
         graphs = self._graphs.get(key)
         if graphs is None:

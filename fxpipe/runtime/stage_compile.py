@@ -46,10 +46,11 @@ def parse_torch_compile(setting: bool | Mapping[str, Any] | None) -> dict[str, A
                              "defaults) or a dict of torch.compile keyword arguments, e.g. {'backend': 'aot_eager'}")
 
 
-WAIT_NOTE = ("torch_compile: the first step compiles each stage when its first micro-batch arrives, so later "
-             "stages wait for earlier ones' compiles, and a rank waits at most timeout_s={timeout_s:g} s for a "
-             "peer: raise timeout_s if compiling takes longer (cold inductor compiles of a large stage take minutes "
-             "on a CPU)")
+WAIT_NOTE = ("torch_compile: every rank compiles its stage during fxpipe.compile, forward and backward at the plan's "
+             "micro-batch row counts (a setup phase that waits up to 30 min for a peer); a batch of another size "
+             "compiles its new row counts (zero-bubble: traces them) in its first step, where a rank waits at most "
+             "timeout_s={timeout_s:g} s for a peer: raise timeout_s if such compiles take longer (cold inductor "
+             "compiles of a large stage take minutes on a CPU)")
 
 
 def with_compile_notes(plan: Plan, settings: Mapping[str, Any] | None, timeout_s: float) -> Plan:
