@@ -40,8 +40,9 @@ SCHEDULES = (("early_backward", "never"), ("gpipe", "never"), ("early_backward",
 class CompileNet(nn.Module):
     """An in-place ReLU, layer norm, batch norm in train mode (a buffer written in forward) and a row sum."""
 
-    def __init__(self, batch_norm: bool = True) -> None:
+    def __init__(self, batch_norm: bool = True, dropout: float = 0.0) -> None:
         super().__init__()
+        self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
         self.inp = nn.Linear(6, 16)
         self.norm = nn.LayerNorm(16)
         self.mid = nn.Linear(16, 16)
@@ -49,7 +50,7 @@ class CompileNet(nn.Module):
         self.out = nn.Linear(16, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (batch, 6) -> (batch, 3)
-        h = torch.relu_(self.inp(x))
+        h = torch.relu_(self.inp(self.drop(x)))
         h = self.norm(h)
         h = self.bn(self.mid(h)).tanh()
         return self.out(h + 0.1 * h.sum(-1, keepdim=True))
@@ -65,9 +66,9 @@ def _batch(rows: int, seed: int) -> tuple[tuple[torch.Tensor], torch.Tensor]:
 
 
 def _pipe(schedule: str, recompute: str, torch_compile: Any, rank: int, store_dir: str, name: str,
-          batch_norm: bool = True, batch_norm_mode: str = "microbatch") -> Any:
+          batch_norm: bool = True, batch_norm_mode: str = "microbatch", dropout: float = 0.0) -> Any:
     torch.manual_seed(0)
-    model = CompileNet(batch_norm)
+    model = CompileNet(batch_norm, dropout)
     example = _batch(BATCH_SIZES[0], 0)[0]
     plan = plan_from_cuts(trace(copy.deepcopy(model), example), (1, 1), BATCH_SIZES[0], NUM_MICROBATCHES,
                           schedule=schedule)
@@ -333,3 +334,53 @@ def test_compiled_split_falls_back_on_random_ops() -> None:
     assert split.forward([torch.randn(3, 6)], [True], [False]) is None  # said once
     assert len(reasons) == 1 and "draws random numbers" in reasons[0] and "bernoulli" in reasons[0], reasons
     assert all(torch.equal(a, b) for a, b in zip(buffers, stage.buffers(), strict=True))  # tracing wrote nothing
+
+
+def _setup_compile_check(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
+    """Pipes with dropout: what fxpipe.compile leaves behind, eager against compiled (which runs the stages at setup)."""
+    results: dict[str, Any] = {}
+    for schedule in ("early_backward", "zero_bubble"):
+        left = {}
+        for compiled in (False, True):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", CompileFallbackWarning)
+                pipe = _pipe(schedule, "never", {"backend": "aot_eager"} if compiled else False, rank, store_dir,
+                             f"setup-{schedule}-{compiled}", dropout=0.25)
+            try:
+                left[compiled] = (torch.get_rng_state(), {n: b.clone() for n, b in pipe.module.named_buffers()},
+                                  [p.grad for p in pipe.parameters()])
+                before = pipe.compile_stats()[rank].num_frames if compiled else 0
+                pipe.step(*_batch(BATCH_SIZES[0], 1))
+                stats = pipe.compile_stats()[rank] if compiled else None
+            finally:
+                leave_world()
+        rng, buffers, grads = left[True]
+        results[schedule] = {"rng_equal": torch.equal(rng, left[False][0]), "grads": grads,
+                             "buffers_equal": all(torch.equal(b, left[False][1][n]) for n, b in buffers.items()),
+                             "stats": stats, "frames_before_step": before, "warned": [str(w.message) for w in caught
+                                                        if w.category is CompileFallbackWarning]}
+    return results
+
+
+@pytest.mark.multiprocess
+def test_setup_compiles_the_stages_and_puts_back_what_it_touched(tmp_path: Any) -> None:
+    """fxpipe.compile runs each compiled stage forward and backward at setup (so the first step compiles nothing): the
+    random number generator (dropout drew from it), batch norm's buffers and the gradients are as an eager pipe leaves
+    them. Under zero-bubble the dropout stage cannot be cut into F, B and W: it runs W inside B, warned once."""
+    per_rank = run_ranks(_setup_compile_check, 2, tmp_path, timeout_s=240.0)
+    for rank, results in enumerate(per_rank):
+        for schedule, result in results.items():
+            assert result["rng_equal"] and result["buffers_equal"], (rank, schedule)
+            assert all(grad is None for grad in result["grads"]), (rank, schedule)
+            # every frame at setup, none in the step: the stage whole (1), or cut into F, B and W (3)
+            frames = 3 if schedule == "zero_bubble" and rank == 1 else 1
+            assert (result["frames_before_step"], result["stats"].num_frames) == (frames, frames), (rank, result)
+        split = results["zero_bubble"]
+        dropped = rank == 0  # the dropout layer sits in stage 0 (it fell back during setup's run)
+        assert (split["stats"].w_in_b_reason is not None) == dropped, (rank, split["stats"])
+        if dropped:
+            assert "draws random numbers" in split["stats"].w_in_b_reason
+            assert split["warned"] == [f"stage 0 runs its whole backward in B (zero-bubble's W does no work): "
+                                       f"{split['stats'].w_in_b_reason}"], split["warned"]
+        else:
+            assert split["warned"] == [] and split["stats"].num_split_shapes == 1, (rank, split)
