@@ -271,16 +271,16 @@ def test_train_cli_torch_compile_option() -> None:
 
 
 class _TwoOutputStage(nn.Module):
-    """A stage as fxpipe splits them: a tuple of outputs, one of which (a shape) takes no gradient."""
+    """A stage as fxpipe splits them: a tuple of outputs, one of which (a row count) is not a tensor."""
 
     def __init__(self, dropout: float = 0.0) -> None:
         super().__init__()
         self.net = CompileNet()
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         out = self.net(self.drop(x))
-        return out, torch.relu(x) * 2.0, torch.tensor(x.shape[0])
+        return out, torch.relu(x) * 2.0, x.shape[0]
 
 
 def test_compiled_split_defers_weight_gradients_and_matches_eager_bitwise() -> None:
@@ -307,7 +307,7 @@ def test_compiled_split_defers_weight_gradients_and_matches_eager_bitwise() -> N
     for item, (g_out, g_relu), expected in zip(ran, grads, expected_inputs, strict=True):
         assert item is not None
         outputs, saved = item
-        assert saved.graphs.differentiable_outputs == (0, 1) and outputs[2].item() == slices[len(works)].shape[0]
+        assert saved.graphs.differentiable_outputs == (0, 1) and outputs[2] == slices[len(works)].shape[0]
         (input_grad,), work = split.backward_input(saved, [g_out, g_relu])
         assert torch.equal(input_grad, expected)
         works.append(work)

@@ -31,14 +31,15 @@ class SplitUnsupported(Exception):
 class SplitGraphs:
     """One input shape's compiled F, B and W, and where their values go.
 
-    F: ``(params, buffers, inputs) -> (outputs, saved)``; B: ``(saved_b, output grads) -> (input grads,
+    F: ``(params, buffers, inputs) -> (tensor outputs, saved)``; B: ``(saved_b, output grads) -> (input grads,
     kept)``; W: ``(saved_w, kept) -> parameter grads``. ``*_index`` lists pick from F's saved values.
     """
 
     forward: Callable[..., Any]
     input_grads: Callable[..., Any]
     weight_grads: Callable[..., Any]
-    num_outputs: int
+    num_results: int  # the stage's outputs
+    constants: dict[int, Any]  # its outputs that are not tensors, by index: fixed at a given input shape
     differentiable_outputs: tuple[int, ...]  # the outputs that take a gradient (B's gradient inputs, in order)
     saved_for_b: tuple[int, ...]
     saved_for_w: tuple[int, ...]
@@ -120,51 +121,59 @@ def _flat_outputs(graph: fx.Graph) -> list[Any]:
     return list(torch.utils._pytree.tree_leaves(output.args[0]))
 
 
+@dataclass
+class _Joint:
+    """The stage's joint graph over ``(params, buffers, inputs, output grads)``; it returns the tensor outputs, then
+    the gradients of the inputs and parameters that have one."""
+
+    module: fx.GraphModule
+    num_results: int
+    constants: dict[int, Any]  # the outputs that are not tensors, by index (the graph does not return them)
+    differentiable_outputs: tuple[int, ...]  # the outputs that take a gradient, by index
+    input_has_grad: tuple[bool, ...]  # per differentiable input
+    param_has_grad: tuple[bool, ...]  # per trained parameter
+
+
 def trace_joint(module: torch.nn.Module, params: Mapping[str, torch.nn.Parameter], buffers: Mapping[str, Any],
-                args: Sequence[Any], differentiable: Sequence[bool], copied: Sequence[bool]
-                ) -> tuple[fx.GraphModule, int, tuple[int, ...], tuple[bool, ...], tuple[bool, ...]]:
-    """The stage's joint graph over ``(params, buffers, args, output grads)`` on fake tensors.
-
-    Returns it, the number of outputs, the indices of the outputs that take a gradient, and which
-    inputs and parameters have a gradient (the graph returns outputs, then those input grads, then those
-    parameter grads). ``copied``: inputs the stage writes in place, cloned first as the eager runner does.
-    """
+                args: Sequence[Any], differentiable: Sequence[bool], copied: Sequence[bool]) -> _Joint:
+    """The stage's joint graph on fake tensors (tracing writes no buffer): ``functional_call`` then
+    ``torch.autograd.grad`` to the differentiable inputs and the parameters. ``copied``: inputs the stage
+    writes in place, cloned first as the eager runner does."""
     names = list(params)
-    shape: dict[str, Any] = {}
+    found: dict[str, Any] = {}
 
-    def outputs_of(param_values: list[Any], buffer_values: list[Any], inputs: list[Any]) -> tuple[Any, list[Any]]:
+    def outputs_of(param_values: list[Any], buffer_values: list[Any], inputs: list[Any]) -> tuple[list[Any], list[Any]]:
         leaves = [value.detach().requires_grad_(True) if grad else value
                   for value, grad in zip(inputs, differentiable, strict=True)]
         call_args = [leaf.clone() if copy else leaf for leaf, copy in zip(leaves, copied, strict=True)]
         weights = [value.detach().requires_grad_(True) for value in param_values]
         state = {**dict(zip(names, weights, strict=True)), **dict(zip(buffers, buffer_values, strict=True))}
         with torch.enable_grad():
-            results = functional_call(module, state, tuple(call_args))
+            results = list(functional_call(module, state, tuple(call_args)))
         return results, [*[leaf for leaf, grad in zip(leaves, differentiable, strict=True) if grad], *weights]
+
+    def probe(param_values: list[Any], buffer_values: list[Any], inputs: list[Any]) -> Any:
+        results = outputs_of(param_values, buffer_values, inputs)[0]
+        found["taking"] = [(i, tuple(r.shape), r.dtype, r.device) for i, r in enumerate(results)
+                           if isinstance(r, torch.Tensor) and r.requires_grad]
+        return [r for r in results if isinstance(r, torch.Tensor)]
 
     def joint(param_values: list[Any], buffer_values: list[Any], inputs: list[Any], grads: list[Any]) -> Any:
         results, wrt = outputs_of(param_values, buffer_values, inputs)
-        results = list(results)
-        taking = shape["differentiable_outputs"]
-        gradients = torch.autograd.grad([results[i] for i in taking], wrt, grads, allow_unused=True)
-        shape["has_grad"] = tuple(grad is not None for grad in gradients)
-        return (*results, *[grad for grad in gradients if grad is not None])
-
-    def probe(param_values: list[Any], buffer_values: list[Any], inputs: list[Any]) -> Any:
-        results = list(outputs_of(param_values, buffer_values, inputs)[0])
-        shape["outputs"] = [(i, tuple(r.shape), r.dtype, r.device) for i, r in enumerate(results)
-                            if isinstance(r, torch.Tensor) and r.requires_grad]
-        shape["num_outputs"] = len(results)
-        return results
+        gradients = torch.autograd.grad([results[i] for i, *_ in found["taking"]], wrt, grads, allow_unused=True)
+        found["has_grad"] = tuple(grad is not None for grad in gradients)
+        found["num_results"] = len(results)
+        found["constants"] = {i: r for i, r in enumerate(results) if not isinstance(r, torch.Tensor)}
+        return (*[r for r in results if isinstance(r, torch.Tensor)], *[g for g in gradients if g is not None])
 
     make_fx(probe, tracing_mode="fake")(list(params.values()), list(buffers.values()), list(args))
-    taking = tuple(i for i, _, _, _ in shape["outputs"])
-    shape["differentiable_outputs"] = taking
-    grads = [torch.empty(size, dtype=dtype, device=device) for _, size, dtype, device in shape["outputs"]]
+    if not found["taking"]:
+        raise SplitUnsupported("none of its outputs takes a gradient")
+    grads = [torch.empty(size, dtype=dtype, device=device) for _, size, dtype, device in found["taking"]]
     traced = make_fx(joint, tracing_mode="fake")(list(params.values()), list(buffers.values()), list(args), grads)
-    has_grad: tuple[bool, ...] = shape["has_grad"]
     num_inputs = sum(differentiable)
-    return traced, shape["num_outputs"], taking, has_grad[:num_inputs], has_grad[num_inputs:]
+    return _Joint(traced, found["num_results"], found["constants"], tuple(i for i, *_ in found["taking"]),
+                  found["has_grad"][:num_inputs], found["has_grad"][num_inputs:])
 
 
 @dataclass
@@ -225,31 +234,35 @@ def build_split(module: torch.nn.Module, params: Mapping[str, torch.nn.Parameter
                 args: Sequence[Any], differentiable: Sequence[bool], copied: Sequence[bool],
                 compile_graph: Callable[[fx.GraphModule], Callable[..., Any]]) -> SplitGraphs:
     """Trace, cut and compile one input shape's F, B and W (``compile_graph``: torch.compile with the stage's
-    settings). Raises :class:`SplitUnsupported` when the joint graph draws random numbers."""
-    traced, num_outputs, taking, input_has_grad, param_has_grad = trace_joint(
-        module, params, buffers, args, differentiable, copied)
-    random = _random_ops(traced.graph)
+    settings). Raises :class:`SplitUnsupported` when the joint graph cannot be cut (the message says why)."""
+    joint = trace_joint(module, params, buffers, args, differentiable, copied)
+    graph = joint.module.graph
+    random = _random_ops(graph)
     if random:
         raise SplitUnsupported(f"its graph draws random numbers ({', '.join(random)}), which F and a later W "
                                "would draw apart")
-    graph = traced.graph
-    num_input_grads = sum(input_has_grad)
+    num_outputs = joint.num_results - len(joint.constants)
+    num_input_grads = sum(joint.input_has_grad)
+    results = _flat_outputs(graph)
+    if len(results) != num_outputs + num_input_grads + sum(joint.param_has_grad) or \
+            not all(isinstance(node, fx.Node) for node in results):
+        raise SplitUnsupported(f"its joint graph returns {results!r}, not one value per tensor output and gradient")
     cut = cut_joint(graph, num_outputs, num_input_grads)
     placeholders = [node for node in graph.nodes if node.op == "placeholder"]
     grads = [node for node in placeholders if node.name.startswith("grads")]
     primals = [node for node in placeholders if node not in grads]
-    results = _flat_outputs(graph)
     input_grads = results[num_outputs:num_outputs + num_input_grads]
     param_grads = results[num_outputs + num_input_grads:]
-    forward = _extract(traced, cut.forward_part, primals, [*results[:num_outputs], *cut.saved])
-    backward_input = _extract(traced, cut.input_part, [*cut.saved_for_b, *grads], [*input_grads, *cut.kept])
-    backward_weight = _extract(traced, cut.weight_part, [*cut.saved_for_w, *cut.kept], param_grads)
+    forward = _extract(joint.module, cut.forward_part, primals, [*results[:num_outputs], *cut.saved])
+    backward_input = _extract(joint.module, cut.input_part, [*cut.saved_for_b, *grads], [*input_grads, *cut.kept])
+    backward_weight = _extract(joint.module, cut.weight_part, [*cut.saved_for_w, *cut.kept], param_grads)
     slot = {node: index for index, node in enumerate(cut.saved)}
     return SplitGraphs(forward=compile_graph(forward), input_grads=compile_graph(backward_input),
-                       weight_grads=compile_graph(backward_weight), num_outputs=num_outputs,
-                       differentiable_outputs=taking, saved_for_b=tuple(slot[n] for n in cut.saved_for_b),
+                       weight_grads=compile_graph(backward_weight), num_results=joint.num_results,
+                       constants=joint.constants, differentiable_outputs=joint.differentiable_outputs,
+                       saved_for_b=tuple(slot[n] for n in cut.saved_for_b),
                        saved_for_w=tuple(slot[n] for n in cut.saved_for_w),
-                       input_grad_slots=_slots(input_has_grad), param_grad_slots=_slots(param_has_grad))
+                       input_grad_slots=_slots(joint.input_has_grad), param_grad_slots=_slots(joint.param_has_grad))
 
 
 def _slots(present: Sequence[bool]) -> tuple[int | None, ...]:
@@ -312,7 +325,10 @@ class SplitCompiledStage:
             self._graphs[key] = graphs
         with torch.no_grad():
             results = list(graphs.forward(*params.values(), *buffers.values(), *args))
-        return results[:graphs.num_outputs], SplitSaved(graphs, results[graphs.num_outputs:])
+        num_tensors = graphs.num_results - len(graphs.constants)
+        tensors = iter(results[:num_tensors])
+        outputs = [graphs.constants[i] if i in graphs.constants else next(tensors) for i in range(graphs.num_results)]
+        return outputs, SplitSaved(graphs, results[num_tensors:])
 
     def _failed(self, reason: str) -> None:
         self.failed = True
