@@ -5,14 +5,16 @@ Run: python benchmarks/compile_vs_eager.py [--steps 10] [--warmup 2] [--write]
 Method: on each world size, every rank builds the same layer-cut stages (one per rank) twice in fxpipe,
 eager and with ``torch_compile=True`` (inductor, the batch dim dynamic), and, on 2 ranks, once more
 compiled under the zero-bubble schedule and twice in torch.distributed.pipelining (Schedule1F1B, the same stage GraphModule eager and under ``torch.compile``
-with its defaults). The first step of each compiled system is timed on its own: it compiles the stage's
-forward and backward (wall seconds on the slowest rank; fxpipe's own count of dynamo compile seconds
+with its defaults). Each compiled system's compile is timed on its own: fxpipe compiles every stage's
+forward and backward during ``fxpipe.compile`` (its setup, then its first step, are timed together),
+torch in its first step (wall seconds on the slowest rank; fxpipe's own count of dynamo compile seconds
 per stage next to it). Then all systems step round-robin (``--warmup`` rounds, then ``--steps``
 measured), each step between two barriers, gradients set to None before each; the table gives the
 median. The compiled fxpipe stages' gradients after the last step are compared with the eager ones'
-(the same weights and batch: no optimizer step runs). A compiled pipeline's first step takes about
-the sum of its stages' compile seconds, not their maximum: a stage compiles when its first
-micro-batch arrives, after the stages before it compiled theirs. Inductor's cache starts empty (a
+(the same weights and batch: no optimizer step runs). fxpipe's ranks compile side by side at setup;
+torch's compiled pipeline's first step takes about the sum of its stages' compile seconds, not their
+maximum: a stage compiles when its first micro-batch arrives, after the stages before it compiled
+theirs. Inductor's cache starts empty (a
 fresh ``TORCHINDUCTOR_CACHE_DIR`` per run), so fxpipe's compiled stages on 2 ranks compile cold; every
 later compiled system in the run may find identical graphs in it (the torch side compiles the same
 stage graphs, the zero-bubble pipe and the 4-rank stages the same blocks), so their first steps are
@@ -24,6 +26,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +52,7 @@ COMMAND = "python benchmarks/compile_vs_eager.py --write"
 DEFAULT_WORKLOAD = Workload("gpt-mini", (("n_layer", 4), ("n_embd", 128), ("block_size", 64)), 32, 8)
 WORLD_SIZES = (2, 4)
 TORCH_WORLD_SIZE = 2  # torch.distributed.pipelining side on this many ranks only (compiles take minutes on 2 cores)
-ZERO_BUBBLE = "fxpipe compiled, zero_bubble (W in B)"
+ZERO_BUBBLE = "fxpipe compiled, zero_bubble (split B/W)"
 # a stage's first step waits for every earlier stage's cold compile (minutes on 2 busy cores): docs/compile.md
 COMPILE_TIMEOUT_S = 1200.0
 
@@ -72,12 +75,13 @@ def compare_rank(rank: int, world_size: int, workload: Workload, num_warmup: int
     """This rank's first compiled steps, then every system round-robin; seconds per step by system."""
     stages = stage_names(workload, world_size)
     eager = compile_fxpipe(workload, world_size)
-    compiled = compile_fxpipe(workload, world_size, torch_compile=True, timeout_s=COMPILE_TIMEOUT_S)
+    compiled, setup_s = _timed_setup(lambda: compile_fxpipe(workload, world_size, torch_compile=True,
+                                                             timeout_s=COMPILE_TIMEOUT_S))
     inputs, targets = workload.batch()
     params = {id(pipe): list(pipe.parameters()) for pipe in (eager, compiled)}
     steps = {"fxpipe eager": lambda: fxpipe_step(eager, params[id(eager)], inputs, targets),
              "fxpipe compiled": lambda: fxpipe_step(compiled, params[id(compiled)], inputs, targets)}
-    first = {"fxpipe compiled": timed(steps["fxpipe compiled"])}
+    first = {"fxpipe compiled": setup_s + timed(steps["fxpipe compiled"])}
     refusal = None
     if world_size == TORCH_WORLD_SIZE:
         torch_eager = build_torch_side(workload, stages)
@@ -85,16 +89,23 @@ def compare_rank(rank: int, world_size: int, workload: Workload, num_warmup: int
         steps["torch eager"] = lambda: torch_step(torch_eager, inputs, targets)
         steps["torch compiled"] = lambda: torch_step(torch_compiled, inputs, targets)
         first["torch compiled"] = timed(steps["torch compiled"])
-        split = compile_fxpipe(workload, world_size, schedule="zero_bubble", torch_compile=True,
-                               timeout_s=COMPILE_TIMEOUT_S)
+        split, split_setup_s = _timed_setup(lambda: compile_fxpipe(workload, world_size, schedule="zero_bubble",
+                                                                   torch_compile=True, timeout_s=COMPILE_TIMEOUT_S))
         split_params = list(split.parameters())
         steps[ZERO_BUBBLE] = lambda: fxpipe_step(split, split_params, inputs, targets)
-        first[ZERO_BUBBLE] = timed(steps[ZERO_BUBBLE])
+        first[ZERO_BUBBLE] = split_setup_s + timed(steps[ZERO_BUBBLE])
         refusal = _torch_zero_bubble_refusal(workload, stages)
     times = interleaved(steps, num_warmup, num_steps)
     gap = _gradient_gap(compiled, eager)
     stats = compiled.compile_stats()  # after every step: later steps compiling again would show as more frames
     return {"times": times, "first": first, "stats": stats, "gap": gap, "refusal": refusal}
+
+
+def _timed_setup(build: Any) -> tuple[Any, float]:
+    """``build()`` (an fxpipe.compile, which compiles the stages) and its wall seconds."""
+    started = time.perf_counter()
+    pipe = build()
+    return pipe, time.perf_counter() - started
 
 
 def _torch_zero_bubble_refusal(workload: Workload, stages: list[list[str]]) -> str:
@@ -132,14 +143,14 @@ def _refusal_line(per_rank: list[dict[str, Any]] | None) -> str:
         return ""
     refusal = per_rank[0]["refusal"]
     said = f"refuses them: \"{refusal}\"" if refusal else "runs them"
-    return (f"Zero-bubble over compiled stages: fxpipe runs it with each compiled stage's W inside its B (row "
-            f"'{ZERO_BUBBLE}'); torch.distributed.pipelining's ScheduleInterleavedZeroBubble {said}.")
+    return (f"Zero-bubble over compiled stages: fxpipe runs it with each compiled stage cut into F, B and W graphs "
+            f"(row '{ZERO_BUBBLE}'); torch.distributed.pipelining's ScheduleInterleavedZeroBubble {said}.")
 
 
 def report(results: dict[int, list[dict[str, Any]]], workload: Workload, num_steps: int) -> str:
     rows = [row for world_size, per_rank in results.items() for row in _rows(world_size, per_rank)]
     gaps = ", ".join(f"{world_size} ranks {max(r['gap'] for r in per_rank):.1e}" for world_size, per_rank in results.items())
-    headers = ["ranks", "system", "median step ms", "best step ms", "eager / it (speed-up)", "first step s",
+    headers = ["ranks", "system", "median step ms", "best step ms", "eager / it (speed-up)", "compile + first step s",
                "dynamo+inductor s per stage"]
     return "\n".join([
         "# Compiled vs eager stages (torch.compile, inductor)", "",
@@ -147,7 +158,8 @@ def report(results: dict[int, list[dict[str, Any]]], workload: Workload, num_ste
         f"Machine: {machine_notes()}.", "",
         f"## Step times (median of {num_steps} round-robin steps after warm-up)", "",
         tabulate(rows, headers, tablefmt="github"), "",
-        "'first step s': the compiled system's first step, which compiles (slowest rank); 'dynamo+inductor s "
+        "'compile + first step s': fxpipe.compile, which compiles fxpipe's stages at setup, plus the first step "
+        "(torch: its first step, which compiles), slowest rank; 'dynamo+inductor s "
         "per stage': the seconds fxpipe booked to each stage's compiles (its compile callbacks: "
         "`pipe.compile_stats()`). Largest gradient difference, compiled against eager fxpipe stages, relative "
         f"to each tensor's largest entry: {gaps} (inductor's float32 rounding, docs/compile.md).", "",

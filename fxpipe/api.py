@@ -357,7 +357,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     from fxpipe.runtime.batchcheck import check_batch_mode
     from fxpipe.runtime.batchnorm import check_batch_norm_mode, check_layers_kept, warn_batch_norm
     from fxpipe.runtime.comm import init_distributed
-    from fxpipe.runtime.compiled_stages import compile_stage
+    from fxpipe.runtime.compiled_stages import compile_stage, warm_compiled_stage
     from fxpipe.runtime.driver import PipelineDriver, check_world
     from fxpipe.runtime.guard import release_group, setup_group, setup_phase
     from fxpipe.runtime.recompute import check_recompute_batch_norm
@@ -423,6 +423,8 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     compile_stage(driver, compile_settings, options.batch_norm)
     synchronize_driver(driver, options.sync_params)  # on full tensors, before sharding
     driver.shard_stage()
+    if compile_settings is not None:
+        warm_compiled_stage(driver)  # a collective: every rank compiles here, not in the first step
     return PipelinedModule(driver, graph_module)
 
 

@@ -140,21 +140,28 @@ def _tied_weights_overlapped(rank: int, world_size: int, store_dir: str) -> list
     """tied-lm with 1 KiB buckets: many buckets per replica, tied weights summed after backward. Early
     backward on 2:1; zero-bubble on 2:1 (stage 0's W is empty: B did its whole backward, so every bucket
     launches as the last W starts) and on 1:2 (the replicated last stage: W writes the gradients and
-    reports each, so buckets launch one by one during the last W)."""
+    reports each, so buckets launch one by one during the last W); and 1:2 again with its stages compiled
+    (aot_eager), where the last stage's W is the W graph cut from its joint graph and reports each gradient alike."""
     entry = zoo.get("tied-lm")
     batches = [entry.make_batch(12, 100 + step, **entry.tiny_overrides) for step in range(2)]
     reference = train_reference(zoo.build(entry.name, **entry.tiny_overrides)[0], entry.loss_fn, batches)
     problems: list[str] = []
-    for schedule, layout in (("early_backward", (2, 1)), ("zero_bubble", (2, 1)), ("zero_bubble", (1, 2))):
-        case = f"{schedule} {layout}"
+    for schedule, layout, compiled in (("early_backward", (2, 1), False), ("zero_bubble", (2, 1), False),
+                                       ("zero_bubble", (1, 2), False), ("zero_bubble", (1, 2), True)):
+        case = f"{schedule} {layout}{' compiled' if compiled else ''}"
         model, example = zoo.build(entry.name, **entry.tiny_overrides)
         plan = plan_from_cuts(trace_model(model, example), layout, 12, 3, schedule=schedule)
         replicated = layout.index(2)
-        join_world(store_dir, f"overlap-tied-{schedule}-{layout[0]}", rank, world_size)
+        join_world(store_dir, f"overlap-tied-{schedule}-{layout[0]}-{compiled}", rank, world_size)
         try:
             pipe = fxpipe.compile(model, example, loss_fn=entry.loss_fn, global_batch_size=12,
-                                  plan=plan.with_updates(allreduce_bucket_bytes=1024))
+                                  plan=plan.with_updates(allreduce_bucket_bytes=1024),
+                                  torch_compile={"backend": "aot_eager"} if compiled else False)
             problems += [f"{case}: {p}" for p in train_and_compare(pipe, batches, reference)["problems"]]
+            split = pipe.driver.runner.split
+            if compiled and (split is None or split.failed or split.num_shapes == 0
+                             or (split.num_weight_passes == 0) == (pipe.stage_index == 1)):
+                problems.append(f"{case}: stage {pipe.stage_index} did not split its compiled backward as planned")
             overlap = pipe.driver.overlap
             if pipe.stage_index != replicated:
                 continue

@@ -64,7 +64,7 @@ def backward_inputs(outputs: Sequence[torch.Tensor], output_grads: Sequence[torc
     finally:
         for handle in handles:
             handle.remove()
-    _accumulate(now, results[len(input_leaves):])
+    accumulate(now, results[len(input_leaves):])
     for group in groups:
         group["intermediates"] = group.pop("intermediates_list")
         group.setdefault("grads", [None] * len(group["intermediates"]))
@@ -90,14 +90,15 @@ def _vector_groups(groups: list[dict[str, Any]], param_nodes: Sequence[tuple[Any
     return [param for node, param in param_nodes if node in now_nodes], deferred
 
 
-def _accumulate(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
+def accumulate(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
     """Add each gradient to its parameter's ``.grad`` as backward's accumulation does."""
     with torch.no_grad():
         for param, grad in zip(params, grads, strict=True):
             if grad is None:
                 continue
-            if param.grad is None:
-                param.grad = grad
+            if param.grad is None:  # a view (of a compiled W's output) is copied: ``+=`` must not write through it
+                param.grad = grad if grad._base is None and grad.stride() == param.stride() else \
+                    torch.empty_like(param).copy_(grad)
             else:
                 param.grad += grad
 
@@ -130,7 +131,7 @@ def backward_weights(work: WeightWork | None,
     for group in work.param_groups:
         gradients = weight_gradients(group)
         params = [work.params_by_node[node] for node, _ in gradients]
-        _accumulate(params, [grad for _, grad in gradients])
+        accumulate(params, [grad for _, grad in gradients])
         if on_gradient is not None:
             for param in params:
                 on_gradient(param)

@@ -18,6 +18,7 @@ from fxpipe.runtime.split_backward import WeightWork, backward_inputs, backward_
 
 if TYPE_CHECKING:
     from fxpipe.core.program import SplitProgram, StageProgram
+    from fxpipe.runtime.compiled_split import CompiledWeightWork, SplitCompiledStage, SplitSaved
     from fxpipe.runtime.stage_compile import CompiledStage
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -31,6 +32,8 @@ class _Saved:
     input_leaves: dict[str, torch.Tensor]
     loss: torch.Tensor | None = None
     args: list[Any] | None = None  # a recomputing stage's forward arguments (checkpointing keeps them anyway)
+    split: SplitSaved | None = None  # a compiled stage's F under split backward: what its B and W read
+    split_inputs: tuple[str, ...] = ()  # ... and the inputs B gives gradients, in order
 
 
 def rebuild_tree(tree: Any, values: Mapping[str, Any]) -> Any:
@@ -110,7 +113,7 @@ class StageRunner:
         self.recompute = recompute
         self._copied_inputs = inputs_changed_in_place(self.module)  # leaves these would write into
         self._saved: dict[int, _Saved] = {}
-        self._weight_work: dict[int, WeightWork | None] = {}  # split backward: W still to run, per micro-batch
+        self._weight_work: dict[int, WeightWork | CompiledWeightWork | None] = {}  # split backward: W still to run, per micro-batch
         self._trained: list[torch.nn.Parameter] | None = None
         # set by the driver for a step measured with saved-activation bytes (MeasureMode.FULL)
         self.meter: SavedActivationMeter | None = None
@@ -119,6 +122,8 @@ class StageRunner:
         # torch_compile: set after setup (fxpipe.runtime.stage_compile.compile_stage); None runs the module eager
         self.compiled: CompiledStage | None = None
         self.eager_reason: str | None = None  # why a stage asked to compile runs eager
+        # a compiled stage under a split-backward schedule: F, B and W cut from its joint graph (compiled_split)
+        self.split: SplitCompiledStage | None = None
 
     def parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """``(original name, parameter)`` for every parameter of this stage."""
@@ -132,13 +137,21 @@ class StageRunner:
         with autocast_context(self.device, self.autocast_dtype):
             return self._forward(microbatch_index, inputs)
 
+    def _takes_gradient(self, name: str, value: Any) -> bool:
+        """Whether input ``name`` becomes a leaf whose gradient backward sends to its producer."""
+        return (self.program.producers[name] >= 0 and self.program.values[name].requires_grad
+                and isinstance(value, torch.Tensor))
+
     def _forward(self, microbatch_index: int, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        if self.split is not None and self.call is None and not self.recompute:
+            outputs = self._split_forward(microbatch_index, inputs)
+            if outputs is not None:
+                return outputs
         leaves: dict[str, torch.Tensor] = {}
         args = []
         for name in self.stage.input_values:
             value = inputs[name]
-            spec = self.program.values[name]
-            if self.program.producers[name] >= 0 and spec.requires_grad and isinstance(value, torch.Tensor):
+            if self._takes_gradient(name, value):
                 value = value.detach().requires_grad_(True)
                 leaves[name] = value
                 if name in self._copied_inputs:  # autograd refuses in-place ops on a leaf; the copy carries them
@@ -151,6 +164,28 @@ class StageRunner:
             results = checkpointed_call(self.module, args, call) if self.recompute else call(*args)
         outputs = dict(zip(self.stage.output_values, results, strict=True))
         self._saved[microbatch_index] = _Saved(outputs, leaves, args=args if self.recompute else None)
+        return outputs
+
+    def _split_forward(self, microbatch_index: int, inputs: Mapping[str, Any]) -> dict[str, Any] | None:
+        """F of a compiled stage's split backward (None: its joint graph cannot be cut, run it whole).
+
+        The outputs that take a gradient become leaves, so that the last stage's loss can be
+        differentiated down to them in B.
+        """
+        assert self.split is not None
+        args = [inputs[name] for name in self.stage.input_values]
+        differentiable = [self._takes_gradient(name, value) for name, value in zip(self.stage.input_values, args,
+                                                                                   strict=True)]
+        copied = [name in self._copied_inputs for name in self.stage.input_values]
+        ran = self.split.forward(args, differentiable, copied)
+        if ran is None:
+            return None
+        results, saved = ran
+        for index in saved.graphs.differentiable_outputs:
+            results[index] = results[index].detach().requires_grad_(True)
+        outputs = dict(zip(self.stage.output_values, results, strict=True))
+        names = tuple(name for name, grad in zip(self.stage.input_values, differentiable, strict=True) if grad)
+        self._saved[microbatch_index] = _Saved(outputs, {}, split=saved, split_inputs=names)
         return outputs
 
     def forward_loss(self, microbatch_index: int, inputs: Mapping[str, Any], targets: Any, rows: int,
@@ -242,10 +277,13 @@ class StageRunner:
         """B of a split backward: the input leaves' gradients now, the parameter gradients kept for
         :meth:`backward_weight` (stage 0, without differentiable inputs, does its whole backward here).
 
-        A compiled stage is one autograd node with no join to split at: B runs its whole backward and W
-        has no work (the plan notes it, docs/compile.md).
+        A compiled stage runs the B graph cut from its joint graph (:mod:`fxpipe.runtime.compiled_split`);
+        one that could not be cut (warned) runs its whole compiled backward here and W has no work.
         """
-        if self.compiled is not None:
+        saved = self._saved[microbatch_index]
+        if saved.split is not None:
+            return self._split_backward_input(microbatch_index, output_grads)
+        if self.compiled is not None:  # a compiled stage run whole (its joint graph could not be cut)
             self._weight_work[microbatch_index] = None
             return self.backward(microbatch_index, output_grads)
         saved = self._saved.pop(microbatch_index)
@@ -256,15 +294,44 @@ class StageRunner:
         self._weight_work[microbatch_index] = work
         return dict(zip(names, input_grads, strict=True))
 
+    def _split_backward_input(self, microbatch_index: int, output_grads: Mapping[str, torch.Tensor]
+                              ) -> dict[str, Any]:
+        """B of a compiled stage's split backward: its B graph on the gradients of its differentiable
+        outputs (the last stage's from its loss; an output without a received gradient gets zeros)."""
+        saved = self._saved.pop(microbatch_index)
+        assert saved.split is not None and self.split is not None
+        outputs = [saved.outputs[self.stage.output_values[i]] for i in saved.split.graphs.differentiable_outputs]
+        if saved.loss is not None:
+            grads: list[torch.Tensor | None] = list(torch.autograd.grad(saved.loss, outputs, allow_unused=True))
+        else:
+            grads = [output_grads.get(self.stage.output_values[i])
+                     for i in saved.split.graphs.differentiable_outputs]
+        ready = [torch.zeros_like(out) if grad is None else grad for out, grad in zip(outputs, grads, strict=True)]
+        input_grads, work = self.split.backward_input(saved.split, ready)
+        if not saved.split_inputs:  # nothing to send back (stage 0): the whole backward here, as eager does
+            self.split.backward_weight(work, None, deferred=False)
+            self._weight_work[microbatch_index] = None
+        else:
+            self._weight_work[microbatch_index] = work
+        return dict(zip(saved.split_inputs, input_grads, strict=True))
+
     def backward_weight(self, microbatch_index: int,
                         on_gradient: Callable[[torch.nn.Parameter], None] | None = None) -> None:
         """W of a split backward: accumulate this micro-batch's parameter gradients into ``.grad``
         (``on_gradient(param)`` after each: :func:`fxpipe.runtime.split_backward.backward_weights`)."""
-        backward_weights(self._weight_work.pop(microbatch_index), on_gradient)
+        work = self._weight_work.pop(microbatch_index)
+        if isinstance(work, WeightWork) or work is None:
+            backward_weights(work, on_gradient)
+        else:
+            assert self.split is not None
+            self.split.backward_weight(work, on_gradient)
 
     def weight_params(self, microbatch_index: int) -> list[torch.nn.Parameter]:
         """The parameters W of this micro-batch will give gradients (the others had theirs in B)."""
-        return weight_params(self._weight_work.get(microbatch_index))
+        work = self._weight_work.get(microbatch_index)
+        if isinstance(work, WeightWork) or work is None:
+            return weight_params(work)
+        return list(work.params)
 
     def _trained_params(self) -> list[torch.nn.Parameter]:
         if self._trained is None:  # walking parameters by path costs; the set never changes

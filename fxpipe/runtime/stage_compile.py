@@ -9,7 +9,7 @@ import contextlib
 import functools
 import inspect
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,9 +22,10 @@ from fxpipe.runtime.errors import PipelineSetupError
 # torch.compile's keyword arguments (backend, mode, options, dynamic, fullgraph, ...), for the error below
 COMPILE_KEYWORDS = frozenset(inspect.signature(torch.compile).parameters) - {"model"}
 
-ZERO_BUBBLE_NOTE = ("torch_compile: compiled stages run W inside B (a compiled stage is one autograd node, so its "
-                    "backward has no join to split at); the zero-bubble schedule keeps its order and its W "
-                    "actions do no work (docs/compile.md)")
+ZERO_BUBBLE_NOTE = ("torch_compile: under the split backward each compiled stage's joint forward+backward graph is "
+                    "cut into F, B (input gradients) and W (weight gradients) graphs, traced and compiled once per "
+                    "micro-batch row count; a stage that cannot be cut (random ops, autocast, recompute, "
+                    "sharding) runs its whole backward in B, with a CompileFallbackWarning (docs/compile.md)")
 MEASURED_COSTS_NOTE = ("torch_compile: the measured block costs come from eager blocks, not compiled ones, so "
                        "compiled stages may run faster or slower than predicted (docs/compile.md)")
 
@@ -45,10 +46,11 @@ def parse_torch_compile(setting: bool | Mapping[str, Any] | None) -> dict[str, A
                              "defaults) or a dict of torch.compile keyword arguments, e.g. {'backend': 'aot_eager'}")
 
 
-WAIT_NOTE = ("torch_compile: the first step compiles each stage when its first micro-batch arrives, so later "
-             "stages wait for earlier ones' compiles, and a rank waits at most timeout_s={timeout_s:g} s for a "
-             "peer: raise timeout_s if compiling takes longer (cold inductor compiles of a large stage take minutes "
-             "on a CPU)")
+WAIT_NOTE = ("torch_compile: every rank compiles its stage during fxpipe.compile, forward and backward at the plan's "
+             "micro-batch row counts (a setup phase that waits up to 30 min for a peer); a batch of another size "
+             "compiles its new row counts (zero-bubble: traces them) in its first step, where a rank waits at most "
+             "timeout_s={timeout_s:g} s for a peer: raise timeout_s if such compiles take longer (cold inductor "
+             "compiles of a large stage take minutes on a CPU)")
 
 
 def with_compile_notes(plan: Plan, settings: Mapping[str, Any] | None, timeout_s: float) -> Plan:
@@ -74,6 +76,11 @@ class CompileStats:
     num_backward_graphs: int = 0
     compile_s: float = 0.0
     eager_reason: str | None = None  # why the stage runs eager (None: compiled)
+    # split backward (zero-bubble): row counts whose F, B and W were cut and compiled, W passes run after their B,
+    # and why the stage runs its whole backward in B instead (None: split, or no split-backward schedule)
+    num_split_shapes: int = 0
+    num_weight_passes: int = 0
+    w_in_b_reason: str | None = None
 
 
 class _CompileClock:
@@ -126,6 +133,19 @@ class CompiledStage:
         self._compiled = torch.compile(module, **self.settings)
         _clock()
 
+    def compile_part(self, graph: torch.fx.GraphModule) -> Callable[..., Any]:
+        """One part of a split stage (compiled_split) through torch.compile with the stage's settings, its
+        compiles booked to this stage; a part without ops runs as it is."""
+        if not any(node.op == "call_function" for node in graph.graph.nodes):
+            return graph
+        compiled = torch.compile(graph, **self.settings)
+
+        def call(*args: Any) -> Any:
+            with self.booking():
+                return compiled(*args)
+
+        return call
+
     def __call__(self, *args: Any) -> Any:
         if self._mark:
             for value, dim in zip(args, self._batch_dims, strict=True):
@@ -157,6 +177,11 @@ def format_compile_stats(stats: Sequence[CompileStats]) -> str:
         if item.eager_reason is not None:
             lines.append(f"torch.compile stage {index}: eager ({item.eager_reason})")
         else:
+            split = ""
+            if item.num_split_shapes:
+                split = f", split into F/B/W for {item.num_split_shapes} row counts"
+            if item.w_in_b_reason is not None:
+                split = f", W inside B ({item.w_in_b_reason})"
             lines.append(f"torch.compile stage {index}: {item.num_frames} forward frames and "
-                         f"{item.num_backward_graphs} backward graphs compiled in {item.compile_s:.1f} s")
+                         f"{item.num_backward_graphs} backward graphs compiled in {item.compile_s:.1f} s{split}")
     return "\n".join(lines)
