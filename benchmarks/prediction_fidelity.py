@@ -156,7 +156,7 @@ def report(result: dict[str, Any]) -> str:
         "# Prediction fidelity: the default prediction vs measured training iterations"
         + ("" if result.get("precision", "fp32") == "fp32" else f" ({result['precision']} autocast)"), "",
         f"Command: `{COMMAND}" + ("" if result.get("precision", "fp32") == "fp32"
-                                  else f" --precision {result['precision']}") + "`", "",
+                                  else f" --precision {result['precision']}") + f" --rounds {result['num_rounds']}`", "",
         "Workloads: " + "; ".join(w.describe() for w in result["workloads"]) + ".", "",
         f"Machine: {machine_notes()}.", "",
         tabulate(table, ["case", "plan (auto)", "cost source", "predicted ms (default)", "measured step ms",
