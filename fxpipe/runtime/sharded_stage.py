@@ -30,8 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fxpipe.runtime.recompute import checkpointed_call
 
@@ -117,11 +116,8 @@ def shard_of(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     if tuple(full.shape) != tuple(like.shape):
         raise ValueError(f"a tensor of shape {tuple(full.shape)} cannot fill a sharded parameter of shape "
                          f"{tuple(like.shape)}; the checkpoint or state dict holds another model's tensor")
-    shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
-    index = tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
-    local = full[index].to(device=like.device, dtype=full.dtype).contiguous()
-    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
-                              stride=like.stride())
+    # each rank holds the whole tensor: every rank cuts its own rows, no collective (src_data_rank=None)
+    return distribute_tensor(full.to(device=like.device), like.device_mesh, like.placements, src_data_rank=None)
 
 
 def copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
