@@ -207,7 +207,8 @@ def test_overlapped_allreduce_is_exact_and_launches_buckets_as_the_model_predict
 
 def test_planner_tails_equal_the_model_on_every_placement() -> None:
     from fxpipe.core.cluster import Cluster, LinkSpec
-    from fxpipe.passes.partition.candidates import CandidateCosts, Span
+    from fxpipe.passes.partition.candidates import CandidateCosts
+    from fxpipe.passes.partition.spans import Span
     from tests.test_simulate import DEVICE
 
     net = Cluster("t", 2, 4, DEVICE, LinkSpec(2.0**24, 2.0**-16), LinkSpec(2.0**20, 2.0**-12))

@@ -15,10 +15,10 @@ from fxpipe.core.block_sums import block_sums
 from fxpipe.core.costgraph import Affine
 from fxpipe.passes.partition import scoring as plan_scoring
 from fxpipe.passes.partition.block_partition import balanced_cuts
-from fxpipe.passes.partition.candidates import Candidate, Span
 from fxpipe.passes.partition.dapple import partition
 from fxpipe.passes.partition.request import PlanningError, PlanRequest
 from fxpipe.passes.partition.scoring import score_candidates, simulated_lower_bound
+from fxpipe.passes.partition.spans import Candidate, Span
 
 
 def test_block_sums_are_bit_identical_to_summing_the_slice() -> None:

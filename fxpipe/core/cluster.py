@@ -16,8 +16,9 @@ from typing import Any
 from fxpipe.core.cluster_spec import (
     COUNT_DIGITS,
     ClusterSpecError,
-    check_bound,
+    device_from_json,
     json_field,
+    link_from_json,
     quantity,
     spec_error,
 )
@@ -199,26 +200,6 @@ class Cluster:
         return _cluster_from_json(data)
 
 
-def _link_from_json(data: Any, where: str) -> LinkSpec:
-    return LinkSpec(
-        bandwidth_bytes_per_s=json_field(data, "bandwidth_bytes_per_s", float, where, "positive"),
-        latency_s=json_field(data, "latency_s", float, where, "non-negative"),
-    )
-
-
-def _device_from_json(data: Any) -> DeviceSpec:
-    flops = json_field(data, "peak_flops", dict[str, float], "device")
-    for dtype, rate in flops.items():
-        check_bound(rate, f"device.peak_flops[{dtype!r}]", "positive")
-    return DeviceSpec(
-        name=json_field(data, "name", str, "device"),
-        memory_bytes=json_field(data, "memory_bytes", int, "device", "non-negative"),
-        peak_flops=tuple(sorted(flops.items())),
-        memory_bandwidth_bytes_per_s=json_field(data, "memory_bandwidth_bytes_per_s", float, "device", "positive"),
-        kernel_launch_s=json_field(data, "kernel_launch_s", float, "device", "non-negative"),
-    )
-
-
 def _cluster_from_json(data: Any) -> Cluster:
     """A Cluster from :meth:`Cluster.to_json` output; every field is checked (ClusterSpecError names it)."""
     version = json_field(data, "format_version", int)
@@ -226,17 +207,17 @@ def _cluster_from_json(data: Any) -> Cluster:
         raise ClusterSpecError(f"cluster JSON format_version {version} is unknown; expected {CLUSTER_FORMAT_VERSION}")
     has_collective = data.get("inter_host_collective") is not None
     return Cluster(
-        device=_device_from_json(json_field(data, "device", dict)),
+        device=device_from_json(json_field(data, "device", dict)),
         name=json_field(data, "name", str),
         num_hosts=json_field(data, "num_hosts", int, "", "positive"),
         devices_per_host=json_field(data, "devices_per_host", int, "", "positive"),
-        intra_host=_link_from_json(json_field(data, "intra_host", dict), "intra_host"),
-        inter_host=_link_from_json(json_field(data, "inter_host", dict), "inter_host"),
-        inter_host_collective=_link_from_json(data["inter_host_collective"], "inter_host_collective")
+        intra_host=link_from_json(json_field(data, "intra_host", dict), "intra_host"),
+        inter_host=link_from_json(json_field(data, "inter_host", dict), "inter_host"),
+        inter_host_collective=link_from_json(data["inter_host_collective"], "inter_host_collective")
         if has_collective else None,
         description=json_field(data, "description", str) if "description" in data else "",
         cores_per_host=json_field(data, "cores_per_host", int, "", "non-negative") if "cores_per_host" in data else 0,
-        intra_host_collective=_link_from_json(data["intra_host_collective"], "intra_host_collective")
+        intra_host_collective=link_from_json(data["intra_host_collective"], "intra_host_collective")
         if data.get("intra_host_collective") is not None else None,
         message_overhead_s=json_field(data, "message_overhead_s", float, "", "non-negative")
         if "message_overhead_s" in data else 0.0,

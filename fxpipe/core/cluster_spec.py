@@ -1,4 +1,5 @@
-"""Cluster spec grammar: ClusterSpecError, quantities with units in spec strings, checked cluster JSON fields."""
+"""Cluster spec grammar: ClusterSpecError, quantities with units in spec strings, checked cluster JSON fields
+(and the links and devices built from them)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import re
 from decimal import Decimal
 from typing import Any, Literal
 
+from fxpipe.core.hardware import DeviceSpec, LinkSpec
 from fxpipe.core.jsonvalues import JSONValueError, read_field
 
 PRESET_NAMES = ("dapple-a", "dapple-b", "dapple-c", "dgx-h100[:NODES]", "local[:RANKS]")
@@ -91,3 +93,25 @@ def json_field(data: Any, key: str, hint: Any, where: str = "", bound: Bound | N
         raise ClusterSpecError(f"cluster JSON: {error}") from None
     check_bound(value, f"{where}.{key}" if where else key, bound)
     return value
+
+
+def link_from_json(data: Any, where: str) -> LinkSpec:
+    """A link of a cluster JSON file, every field checked (ClusterSpecError names ``where``)."""
+    return LinkSpec(
+        bandwidth_bytes_per_s=json_field(data, "bandwidth_bytes_per_s", float, where, "positive"),
+        latency_s=json_field(data, "latency_s", float, where, "non-negative"),
+    )
+
+
+def device_from_json(data: Any) -> DeviceSpec:
+    """The device of a cluster JSON file, every field checked."""
+    flops = json_field(data, "peak_flops", dict[str, float], "device")
+    for dtype, rate in flops.items():
+        check_bound(rate, f"device.peak_flops[{dtype!r}]", "positive")
+    return DeviceSpec(
+        name=json_field(data, "name", str, "device"),
+        memory_bytes=json_field(data, "memory_bytes", int, "device", "non-negative"),
+        peak_flops=tuple(sorted(flops.items())),
+        memory_bandwidth_bytes_per_s=json_field(data, "memory_bandwidth_bytes_per_s", float, "device", "positive"),
+        kernel_launch_s=json_field(data, "kernel_launch_s", float, "device", "non-negative"),
+    )

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import IntEnum
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -97,6 +98,20 @@ def take_rows(value: torch.Tensor, batch_dim: int, start: int, stop: int) -> tor
     if (start, stop) == (0, value.shape[batch_dim]):
         return value
     return value.narrow(batch_dim, start, stop - start)
+
+
+def device_rows(value: Any, batch_dim: int | None, start: int, stop: int, device: torch.device) -> Any:
+    """Rows ``[start, stop)`` of ``value`` along ``batch_dim`` (None: the whole value; non-tensors as they are),
+    on ``device``."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if batch_dim is not None and value.dim() > batch_dim:
+        value = take_rows(value, batch_dim, start, stop)
+    if value.device == device:
+        return value
+    # host -> GPU without waiting: the step ends by reading the loss, which waits for this copy, so the
+    # caller may reuse its batch after step() (a copy to the CPU must block: CPU ops do not wait)
+    return value.to(device, non_blocking=device.type == "cuda")
 
 
 # Byte alignment of each tensor inside a packed message (so every piece can be viewed as its dtype in place).

@@ -23,7 +23,7 @@ from fxpipe.runtime.comm import (
     MessageKind,
     PeerExchange,
     Pending,
-    allreduce_async,
+    device_rows,
     message_tag,
     new_groups,
     pack,
@@ -32,6 +32,7 @@ from fxpipe.runtime.comm import (
 )
 from fxpipe.runtime.errors import PipelineSetupError
 from fxpipe.runtime.failures import DEFAULT_STALL_TIMEOUT_S, FailureLog, NoLog
+from fxpipe.runtime.grad_sync import restore_stashed, start_allreduces, stash_grads
 from fxpipe.runtime.measure import ActionTimer, MeasureMode, SavedActivationMeter, StepStats
 from fxpipe.runtime.receives import Inbox
 from fxpipe.runtime.rows import RowMap
@@ -185,7 +186,7 @@ class PipelineDriver:
         for hook in self.start_hooks:
             hook()
         # while the loss probe is open (the first step) a contradiction drops the step's gradients: keep them apart
-        stash = self._stash_grads() if self._stashes or self.runner.probe.active else None
+        stash = stash_grads(self._own_params) if self._stashes or self.runner.probe.active else None
         state = StepState(inputs, targets, shaped, partial)
         self.runner.reset()
         handlers = {Op.RECV_ACTIVATION: self.recv_activation, Op.FORWARD: self._forward,
@@ -206,7 +207,7 @@ class PipelineDriver:
             doing.action = action
             started = timer.start() if timer is not None else 0.0
             if action.op is Op.ALLREDUCE:
-                self._start_allreduce(state)
+                state.reductions.extend(start_allreduces(self.overlap, self.reduce_sets))
             else:
                 handlers[action.op](state, action.microbatch_index)
             if timer is not None:
@@ -292,10 +293,12 @@ class PipelineDriver:
         for index, name in enumerate(self.program.model_inputs):
             if name in self.stage.input_values:
                 spec = self.program.values[name]
-                values[name] = self._slice(state.inputs[index], spec.batch_dim if spec.batched else None, start, stop)
+                values[name] = device_rows(state.inputs[index], spec.batch_dim if spec.batched else None, start, stop,
+                                           self.context.device)
         if not self.is_last or state.targets is None:
             return values, None, stop - start
-        targets = tree_map(lambda t: self._slice(t, self.target_batch_dim, start, stop), state.targets)
+        targets = tree_map(lambda t: device_rows(t, self.target_batch_dim, start, stop, self.context.device),
+                           state.targets)
         return values, targets, stop - start
 
     def _forward(self, state: StepState, m: int) -> None:
@@ -307,18 +310,6 @@ class PipelineDriver:
             state.count_parts.append(count)
         else:
             state.outputs[m] = self.runner.forward(m, values)
-
-    def _slice(self, value: Any, batch_dim: int | None, start: int, stop: int) -> Any:
-        """Rows ``[start, stop)`` along ``batch_dim`` (None: the whole value), on this rank's device."""
-        if not isinstance(value, torch.Tensor):
-            return value
-        if batch_dim is not None and value.dim() > batch_dim:
-            value = take_rows(value, batch_dim, start, stop)
-        if value.device == self.context.device:
-            return value
-        # host -> GPU without waiting: the step ends by reading the loss, which waits for this copy, so the
-        # caller may reuse its batch after step() (a copy to the CPU must block: CPU ops do not wait)
-        return value.to(self.context.device, non_blocking=self.context.device.type == "cuda")
 
     def send_activation(self, state: StepState, m: int) -> None:
         outputs = state.outputs[m]
@@ -395,27 +386,6 @@ class PipelineDriver:
 
     # ---- gradient sync and loss ----------------------------------------------------------------
 
-    def _stash_grads(self) -> dict[int, torch.Tensor | None]:
-        """Set aside gradients from earlier steps so the allreduce sums only this step's."""
-        stash = {}
-        for _, param in self._own_params:
-            stash[id(param)] = param.grad
-            param.grad = None
-        return stash
-
-    def _start_allreduce(self, state: StepState) -> None:
-        if self.overlap is not None:
-            state.reductions.extend(self.overlap.launch_rest())
-        for group, params in self.reduce_sets:
-            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-            for param in params:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                by_dtype.setdefault(param.grad.dtype, []).append(param.grad)
-            for tensors in by_dtype.values():
-                work, flat = allreduce_async(tensors, group)
-                state.reductions.append((work, flat, tensors))
-
     def _finish(self, state: StepState, stash: dict[int, torch.Tensor | None] | None) -> None:
         for work, flat, tensors in state.reductions:
             self.exchange.wait([Pending(work, -1, f"gradient allreduce of stage {self.stage_index}", flat)])
@@ -423,13 +393,8 @@ class PipelineDriver:
         self.exchange.wait(state.sends)
         state.loss = self._broadcast_loss(state)
         dropped = self.runner.probe.take_error()  # the same on every rank (folded into the loss allreduce)
-        if stash is not None:
-            for _, param in self._own_params:
-                earlier = stash[id(param)]
-                if dropped is not None:
-                    param.grad = earlier  # this step's gradients go: loss_fn is not what they were weighted for
-                elif earlier is not None:
-                    param.grad = earlier if param.grad is None else param.grad + earlier
+        if stash is not None:  # a dropped step's gradients go: loss_fn is not what they were weighted for
+            restore_stashed(self._own_params, stash, keep_this_step=dropped is None)
         if dropped is not None:
             raise dropped
         for hook in self.step_hooks:

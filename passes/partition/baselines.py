@@ -6,11 +6,12 @@ from collections.abc import Callable, Iterable
 
 from fxpipe.core.plan import Plan
 from fxpipe.passes.partition.block_partition import balanced_cuts, param_weights, uniform_cuts
-from fxpipe.passes.partition.candidates import Candidate, CandidateCosts, Span, spans_from_stops
+from fxpipe.passes.partition.candidates import CandidateCosts
 from fxpipe.passes.partition.exhaustive import plan_exhaustive
 from fxpipe.passes.partition.pipedream import pipedream_layout
 from fxpipe.passes.partition.request import InfeasiblePlanError, PlanRequest, microbatch_grid
 from fxpipe.passes.partition.scoring import best_dp, dp_candidates, finish, infeasible_error, score_candidates
+from fxpipe.passes.partition.spans import Candidate, Span, spans_from_stops
 
 __all__ = ["BASELINES", "plan_dp", "plan_exhaustive", "plan_gpipe", "plan_params", "plan_pipedream",
            "plan_uniform"]

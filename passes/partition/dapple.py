@@ -23,7 +23,7 @@ from fxpipe.passes.partition.block_partition import (
     refine_cuts,
     work_weights,
 )
-from fxpipe.passes.partition.candidates import Candidate, CandidateCosts, Span, spans_from_stops
+from fxpipe.passes.partition.candidates import CandidateCosts
 from fxpipe.passes.partition.every_device import plan_every_device
 from fxpipe.passes.partition.placement import host_aligned
 from fxpipe.passes.partition.polish import polish
@@ -38,6 +38,7 @@ from fxpipe.passes.partition.request import (
 )
 from fxpipe.passes.partition.scoring import best_dp, finish, score_candidates
 from fxpipe.passes.partition.search import search
+from fxpipe.passes.partition.spans import Candidate, Span, spans_from_stops
 from fxpipe.sim.allreduce_overlap import DEFAULT_BUCKET_BYTES
 
 __all__ = ["PLANNERS", "InfeasiblePlanError", "LayoutError", "PlanningError", "on_fine_chain", "parse_layout", "partition",

@@ -7,9 +7,10 @@ import math
 from collections.abc import Iterator
 
 from fxpipe.core.plan import Plan
-from fxpipe.passes.partition.candidates import Candidate, CandidateCosts, Span
+from fxpipe.passes.partition.candidates import CandidateCosts
 from fxpipe.passes.partition.request import InfeasiblePlanError, PlanningError, PlanRequest, microbatch_grid
 from fxpipe.passes.partition.scoring import Scored, best_dp, finish, infeasible_error, score_candidates
+from fxpipe.passes.partition.spans import Candidate, Span
 
 # Most (partition, placement, micro-batch size) combinations the exhaustive planner will enumerate.
 EXHAUSTIVE_LIMIT = 300_000

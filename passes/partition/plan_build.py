@@ -5,7 +5,8 @@ from __future__ import annotations
 from fxpipe.core.plan import Plan, Prediction, StagePlan
 from fxpipe.core.recompute import check_stage_count
 from fxpipe.core.sharding import stage_levels
-from fxpipe.passes.partition.candidates import Candidate, CandidateCosts, Span
+from fxpipe.passes.partition.candidates import CandidateCosts
+from fxpipe.passes.partition.spans import Candidate, Span
 from fxpipe.sim.stagecost import activation_peak_bytes
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from fxpipe.passes.partition.block_partition import balanced_cuts, param_weights, uniform_cuts, work_weights
-from fxpipe.passes.partition.candidates import Candidate, CandidateCosts, Span, spans_from_stops
+from fxpipe.passes.partition.candidates import CandidateCosts
 from fxpipe.passes.partition.request import PlanRequest
 from fxpipe.passes.partition.scoring import Scored, score_candidates
+from fxpipe.passes.partition.spans import Candidate, Span, spans_from_stops
 
 # The pivot model misjudges some transfer-heavy plans by tens of percent (it serialises transfers the
 # simulator overlaps), so the best simulated plan is polished by hill climbing on the simulator itself.

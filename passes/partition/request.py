@@ -10,7 +10,8 @@ from fxpipe.core.recompute import RecomputeError, RecomputeSetting, check_stage_
 from fxpipe.core.schedule import SCHEDULES, TRAINING_SCHEDULES, WARMUP_POLICIES
 from fxpipe.core.sharding import ShardingError, ShardingRequest
 from fxpipe.core.sharding import check_request as check_sharding
-from fxpipe.passes.partition.candidates import Candidate, CandidateCosts
+from fxpipe.passes.partition.candidates import CandidateCosts
+from fxpipe.passes.partition.spans import Candidate
 
 # Largest number of micro-batches the grid offers: beyond this the bubble is already < 1% for any
 # pipeline the planners build, and every extra micro-batch costs simulation time.

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from tabulate import tabulate
 
 from fxpipe.core.plan import Plan
-from fxpipe.passes.partition.candidates import Candidate, CandidateCosts, Span
+from fxpipe.passes.partition.candidates import CandidateCosts
 from fxpipe.passes.partition.latency import analytic_iteration_time
 from fxpipe.passes.partition.plan_build import build_plan, with_prediction
 from fxpipe.passes.partition.request import (
@@ -18,6 +18,7 @@ from fxpipe.passes.partition.request import (
     PlanRequest,
     microbatch_grid,
 )
+from fxpipe.passes.partition.spans import Candidate, Span
 from fxpipe.sim.stagecost import step_end_sync_time
 
 # A candidate whose simulated_lower_bound exceeds the best time by more than this is not simulated; the

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fxpipe.passes.partition.candidates import Candidate, CandidateCosts, Span
+from fxpipe.passes.partition.candidates import CandidateCosts
 from fxpipe.passes.partition.placement import Usage, host_aligned, placements, replica_choices
+from fxpipe.passes.partition.spans import Candidate, Span
 from fxpipe.sim.stagecost import optimizer_factor
 
 # The pivot model is within a few percent of the simulator on most plans (worst ~17%), so a branch is
