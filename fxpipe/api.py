@@ -301,6 +301,8 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
     inside the replica group, through FSDP2; docs/sharding.md): ``"none"``, ``"optimizer"``, ``"gradients"``,
     ``"parameters"``, one level per stage, or ``"auto"`` (the planner picks each stage's level with its recompute
     choice; a given plan keeps its levels); None (default) keeps a given plan's levels and plans unsharded.
+    ``schedule="zero_bubble"`` runs ``"optimizer"`` and ``"gradients"`` (FSDP2 reduces after W) and refuses
+    ``"parameters"``.
     ``costs``: where the planner's block times come from: ``"auto"``
     (measured by every rank at once for the launched devices, analytic for a ``cluster`` naming other
     devices; ``$FXPIPE_COSTS`` overrides), ``"measured"`` or ``"analytic"`` (no measuring). ``check_rows``:

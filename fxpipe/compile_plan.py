@@ -67,14 +67,16 @@ def apply_overrides(plan: Plan, options: CompileOptions) -> Plan:
 
 
 def check_sharded_schedule(plan: Plan) -> None:
-    """Zero-bubble's deferred W pass writes parameter gradients with ``torch.autograd.grad``, past FSDP2's
-    reduce-scatter hooks: a sharded stage would reduce nothing. Refused, on every rank alike."""
-    sharded = [stage.stage_index for stage in plan.stages if stage.sharding != "none"]
-    if sharded and plan.schedule == "zero_bubble":
+    """ZeRO-3 under zero-bubble is refused, on every rank alike: a micro-batch's W runs after later forwards,
+    which (resharding after forward) would free the weights it needs; keeping them gathered all step would
+    save nothing over ZeRO-2 (docs/sharding.md). ZeRO-1/2 run: FSDP2 reduces after W
+    (fxpipe.runtime.sharded_stage.ShardedStage.after_weights)."""
+    zero3 = [stage.stage_index for stage in plan.stages if stage.sharding == "parameters"]
+    if zero3 and plan.schedule == "zero_bubble":
         raise PipelineSetupError(
-            f"stages {sharded} are sharded ({[plan.stages[i].sharding for i in sharded]}) but schedule='zero_bubble' "
-            "defers the weight gradients (W) past FSDP2's gradient reduction; use schedule='dapple' or 'gpipe' "
-            "with sharding, or sharding='none' with zero_bubble")
+            f"stages {zero3} are sharded with 'parameters' (ZeRO-3) but schedule='zero_bubble' runs each "
+            "micro-batch's W after later forwards, which free ZeRO-3's gathered weights; use sharding='gradients' "
+            "or 'optimizer' with zero_bubble, or schedule='dapple' or 'gpipe' with 'parameters'")
 
 
 def training_precision(options: CompileOptions) -> str:

@@ -177,10 +177,13 @@ def stage_seconds(plan: Plan, chain: CostChain, net: Cluster, stage_index: int, 
     if stage.recompute:
         backward += forward
     comm = sharded_collectives(plan, chain, net, stage_index)  # on the critical path, never split
-    if not split or stage_index == 0:
+    if not split:
         return {"F": forward + comm["F"], "B": backward + comm["B"], "W": 0.0}
+    # split: FSDP2 reduces after W (ZeRO-2's per-micro-batch scatter in W; ZeRO-3 never runs split)
+    if stage_index == 0:
+        return {"F": forward + comm["F"], "B": backward, "W": comm["B"]}
     total = backward * (1 + net.split_backward_overhead)
-    return {"F": forward + comm["F"], "B": total * (1 - weight_share) + comm["B"], "W": total * weight_share}
+    return {"F": forward + comm["F"], "B": total * (1 - weight_share), "W": total * weight_share + comm["B"]}
 
 
 def build_replicas(plan: Plan, chain: CostChain, net: Cluster, split: bool, weight_share: float) -> dict[Key, Replica]:

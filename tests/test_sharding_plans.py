@@ -8,6 +8,7 @@ import json
 import random
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -223,13 +224,45 @@ def test_plan_markers_takes_levels_per_marked_stage() -> None:
         plan_markers(_Marked(), inputs, cluster, 32, sharding=["none", "none", "none"])
 
 
-def test_zero_bubble_plans_stay_unsharded_and_an_explicit_level_with_it_is_refused() -> None:
-    """The runtime refuses zero-bubble with a sharded stage (its W bypasses FSDP2's reduction): the planner never
-    makes one. Where only ZeRO-1 fits, a zero-bubble request has no feasible plan; an explicit level is refused."""
-    chain, net = _dp_case(2.6 * 4e8)  # only a sharded level fits
+def test_zero_bubble_plans_shard_with_zero1_and_zero2_but_never_zero3() -> None:
+    """Zero-bubble runs ZeRO-1/2 (FSDP2 reduces after W) but not ZeRO-3 (a later forward would free the weights a
+    pending W needs): where ZeRO-1 or ZeRO-2 fits, a zero-bubble plan takes it, with ZeRO-2's reduce-scatters in W
+    (simulator, reference simulator and pivot model agree); where only ZeRO-3 fits none is feasible, and an
+    explicit 'parameters' with zero_bubble is refused."""
+    for memory_p, expected in ((2.6, "optimizer"), (2.1, "gradients")):
+        chain, net = _dp_case(memory_p * 4e8)
+        plan = partition(chain, net, 16, layout="dp", sharding="auto", num_microbatches=4, schedule="zero_bubble")
+        assert plan.schedule == "zero_bubble" and [stage.sharding for stage in plan.stages] == [expected]
+        simulated = simulate(plan, chain, net).iteration_time_s
+        assert simulated == pytest.approx(plan.predicted.iteration_time_s)  # type: ignore[union-attr]
+        assert simulated == pytest.approx(reference_run(plan, chain, net).iteration_time_s, rel=1e-12)
+        assert simulated == pytest.approx(analytic_iteration_time(plan, chain, net), rel=1e-9)
+    explicit = partition(chain, net, 16, layout="dp", sharding="gradients", num_microbatches=4, schedule="zero_bubble")
+    assert explicit.schedule == "zero_bubble" and [stage.sharding for stage in explicit.stages] == ["gradients"]
+    chain, net = _dp_case(1.4 * 4e8)  # only ZeRO-3 fits
     with pytest.raises(InfeasiblePlanError):
         partition(chain, net, 16, layout="dp", sharding="auto", num_microbatches=4, schedule="zero_bubble")
-    with pytest.raises(PlanningError, match="schedule='zero_bubble'.*FSDP2"):
-        partition(chain, net, 16, layout="dp", sharding="optimizer", num_microbatches=4, schedule="zero_bubble")
-    plan = partition(chain, net, 16, layout="dp", sharding="auto", num_microbatches=4, schedule="auto")
-    assert plan.schedule != "zero_bubble" and [stage.sharding for stage in plan.stages] == ["optimizer"]
+    with pytest.raises(PlanningError, match="schedule='zero_bubble'.*ZeRO-3.*'gradients' or 'optimizer'"):
+        partition(chain, net, 16, layout="dp", sharding="parameters", num_microbatches=4, schedule="zero_bubble")
+    plan = partition(chain, net, 16, layout="dp", sharding="parameters", num_microbatches=4, schedule="auto")
+    assert plan.schedule != "zero_bubble" and [stage.sharding for stage in plan.stages] == ["parameters"]
+
+
+def test_zero2_reduce_scatter_under_split_backward_follows_w() -> None:
+    """2 stages, the second of 2 ZeRO-2 replicas, zero-bubble: its per-micro-batch reduce-scatter is charged in W,
+    after the gradient left for stage 0 (as the runtime runs it), not in B on the gradient's path."""
+    chain = _layers(4, 10**8)
+    net = _net(1, 3)
+    stages = (StagePlan(0, 0, 2, 1, (0,)), StagePlan(1, 2, 4, 2, (1, 2), sharding="gradients"))
+    plan = Plan(12, 4, stages, schedule="zero_bubble", allreduce_bucket_bytes=0)
+    simulated = simulate(plan, chain, net)
+    assert simulated.iteration_time_s == pytest.approx(reference_run(plan, chain, net).iteration_time_s, rel=1e-12)
+    unsharded = simulate(plan.with_updates(stages=(stages[0], replace(stages[1], sharding="none"))), chain, net)
+    scatter = sharding_comm(net, "gradients", (1, 2), 2e8, 2e8).backward_s
+
+    def durations(result: Any, op: str) -> list[float]:
+        return [event.end_s - event.start_s for event in result.events if event.stage_index == 1 and event.op == op]
+
+    assert scatter > 0 and len(durations(simulated, "W")) == 2 * 4  # 2 replicas x M
+    assert durations(simulated, "B") == pytest.approx(durations(unsharded, "B"), rel=1e-12)
+    assert durations(simulated, "W") == pytest.approx([w + scatter for w in durations(unsharded, "W")], rel=1e-12)

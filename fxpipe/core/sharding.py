@@ -39,6 +39,14 @@ def check_level(level: str, where: str = "sharding") -> str:
     return level
 
 
+def schedule_levels(levels: Sequence[str], schedule: str) -> tuple[str, ...]:
+    """The ``levels`` a stage may run under ``schedule``: zero-bubble's W runs after later forwards, which
+    free ZeRO-3's gathered weights, so it drops ``"parameters"`` (``("none",)`` when nothing is left)."""
+    if schedule != "zero_bubble":
+        return tuple(levels)
+    return tuple(level for level in levels if level != "parameters") or (DEFAULT_SHARDING,)
+
+
 def check_request(request: ShardingRequest) -> ShardingRequest:
     """``request`` itself when it is ``"auto"``, a level, or a non-empty sequence of levels; else a ShardingError."""
     if isinstance(request, str):

@@ -356,20 +356,25 @@ class PipelineDriver:
             overlap.backward_done()
 
     def _backward_input(self, state: StepState, m: int) -> None:
+        if self.sharded is not None:  # FSDP2 reduces after W (_backward_weight), not in B's hooks
+            self.sharded.before_split_backward()
         state.input_grads[m] = self.runner.backward_input(m, state.output_grads.pop(m, {}))
         state.outputs.pop(m, None)
 
     def _backward_weight(self, state: StepState, m: int) -> None:
-        overlap = self.overlap if m == state.shaped.actions.last_gradient else None
+        last = m == state.shaped.actions.last_gradient
+        overlap = self.overlap if last else None  # none on a sharded stage: FSDP2 reduces
         if overlap is None:
             self.runner.backward_weight(m)
-            return
-        # W writes .grad itself (no hook fires): it reports each gradient; what B gave (norm scales,
-        # stage 0's whole backward) is final already
-        in_w = {id(param) for param in self.runner.weight_params(m)}
-        overlap.arm(ready=[param for _, param in self._own_params if id(param) not in in_w])
-        self.runner.backward_weight(m, overlap.gradient_ready)
-        overlap.backward_done()
+        else:
+            # W writes .grad itself (no hook fires): it reports each gradient; what B gave (norm scales,
+            # stage 0's whole backward) is final already
+            in_w = {id(param) for param in self.runner.weight_params(m)}
+            overlap.arm(ready=[param for _, param in self._own_params if id(param) not in in_w])
+            self.runner.backward_weight(m, overlap.gradient_ready)
+            overlap.backward_done()
+        if self.sharded is not None:  # FSDP2's post-backward, which its hook ran too early (in B)
+            self.sharded.after_weights(last)
 
     def _send_gradient(self, state: StepState, m: int) -> None:
         grads, received = state.input_grads.pop(m), state.received.pop(m)

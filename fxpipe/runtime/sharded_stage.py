@@ -14,6 +14,13 @@ The levels, per step of M micro-batches (docs/sharding.md):
 - ``"parameters"`` (ZeRO-3): weights all-gathered in every micro-batch's forward and again in its backward,
   freed after each; gradients reduce-scattered per micro-batch.
 
+Under a split backward (zero-bubble: B, then W later, :mod:`fxpipe.runtime.split_backward`) FSDP2's own
+post-backward hook fires in B, before W wrote the weight gradients; as torch.distributed.pipelining does, B
+and W run with gradient sync off on the gathered weights (the tensors the forward used, whose ``.grad`` FSDP2
+reads) and the driver runs FSDP2's post-backward itself after W (:meth:`ShardedStage.after_weights`):
+ZeRO-1 once after the step's last W, ZeRO-2 after every micro-batch's W. ZeRO-3 is refused there: a later
+forward would free the weights a pending W still needs (``fxpipe.compile_plan.check_sharded_schedule``).
+
 Gradients are summed, not averaged (divide factor 1 over a plain SUM): fxpipe already weights each slice's
 loss by its rows over the global batch. Weights tied across stages are left out (``ignored_params``) and
 keep fxpipe's own sum over their owners; FSDP reduces every other parameter, so the driver drops the
@@ -88,9 +95,73 @@ class ShardedStage:
         self.wrapper.set_requires_gradient_sync(last or self.level != "optimizer")
         self.wrapper.set_reshard_after_backward(last or self.level == "parameters")
 
+    def before_split_backward(self) -> None:
+        """Before each B of a split backward: FSDP2's post-backward hook (which fires in B, before W wrote
+        the weight gradients) neither reduces nor frees the weights; :meth:`after_weights` does both."""
+        self.wrapper.set_is_last_backward(False)
+        self.wrapper.set_requires_gradient_sync(False)
+        self.wrapper.set_reshard_after_backward(False)
+
+    def after_weights(self, last: bool) -> None:
+        """After W of one micro-batch (``last``: the step's last W on this rank): reduce-scatter the gathered
+        weights' gradients into the shards' ``.grad`` (ZeRO-2: every micro-batch; ZeRO-1: the last), and after
+        the last free the weights and end FSDP2's backward."""
+        assert self.level != "parameters", "ZeRO-3 under a split backward is refused at compile"
+        if not last and self.level == "optimizer":
+            return
+        self.wrapper.set_is_last_backward(last)
+        self.wrapper.set_requires_gradient_sync(True)
+        self.wrapper.set_reshard_after_backward(last)
+        run_post_backward(self.wrapper)
+        if not last:
+            self.before_split_backward()
+
     def reshard(self) -> None:
         """Free gathered weights a forward-only pass kept (ZeRO-1/2 keep them after forward)."""
         self.wrapper.reshard()
+
+
+def run_post_backward(module: FSDPModule) -> None:
+    """FSDP2's post-backward for every parameter group of ``module`` (reduce-scatter of the gathered weights'
+    ``.grad`` into the shards', then reshard as ``set_reshard_after_backward`` says), then its end-of-backward
+    callback (which, on the step's last backward, waits for the reductions): what torch's own backward hooks
+    would have run.
+
+    Mirrors ``_PipelineStageBase.perform_reduce_grad`` in torch/distributed/pipelining/stage.py (FSDP2's
+    ``FSDPParamGroup.post_backward`` in torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py and
+    ``FSDPState._root_post_backward_final_callback`` in _fsdp_state.py): private attributes, not public API,
+    so their absence is a clear error instead of gradients silently left unreduced.
+    """
+    get_state = getattr(fully_shard, "state", None)
+    state = get_state(module) if callable(get_state) else None
+    context = getattr(state, "_state_ctx", None)
+    states = getattr(context, "all_states", None)
+    final_callback = getattr(state, "_root_post_backward_final_callback", None)
+    groups = [getattr(each, "_fsdp_param_groups", None) for each in states or ()]
+    if states is None or final_callback is None or any(
+            found is None or not all(callable(getattr(group, "post_backward", None)) for group in found)
+            for found in groups):
+        raise RuntimeError(f"torch {torch.__version__}: FSDP2's state (fully_shard.state) lacks _state_ctx.all_states, "
+                           "_fsdp_param_groups[].post_backward or _root_post_backward_final_callback, which fxpipe "
+                           "calls to reduce a sharded stage's gradients after zero-bubble's W pass (as "
+                           "torch/distributed/pipelining/stage.py does); use the torch release fxpipe supports, "
+                           "or schedule='dapple'/'gpipe' with sharding")
+    for found in groups:
+        for group in found or ():
+            group.post_backward()
+    final_callback()
+
+
+def gathered_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The trained parameters a sharded stage's module holds now: in a split backward, the whole weights FSDP2
+    gathered for the forward (whose ``.grad`` its post-backward reduce-scatters), never the shards."""
+    params = [param for param in module.parameters() if param.requires_grad]
+    if any(isinstance(param, DTensor) for param in params):
+        raise RuntimeError("a sharded stage's split backward (B) found its weights resharded (FSDP2 freed the "
+                           "gathered weights the forward used): W would write gradients FSDP2 never reduces; "
+                           "ZeRO-3 (sharding='parameters') cannot run under schedule='zero_bubble', use 'optimizer' "
+                           "or 'gradients' there")
+    return params
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:

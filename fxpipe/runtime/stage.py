@@ -14,6 +14,7 @@ from fxpipe.runtime.inplace import inputs_changed_in_place
 from fxpipe.runtime.loss_probe import LossProbe
 from fxpipe.runtime.measure import SavedActivationMeter
 from fxpipe.runtime.recompute import checkpointed_call, recomputed_bytes
+from fxpipe.runtime.sharded_stage import gathered_params
 from fxpipe.runtime.split_backward import WeightWork, backward_inputs, backward_weights, weight_params
 
 if TYPE_CHECKING:
@@ -334,6 +335,8 @@ class StageRunner:
         return list(work.params)
 
     def _trained_params(self) -> list[torch.nn.Parameter]:
+        if self.call is not None:  # sharded: FSDP2 swaps in the gathered weights the forward used, read them now
+            return gathered_params(self.module)
         if self._trained is None:  # walking parameters by path costs; the set never changes
             self._trained = [p for _, p in self.parameters() if p.requires_grad]
         return self._trained

@@ -13,6 +13,9 @@ M micro-batches:
     gradients    AG(W)                  -              RS(G)             -
     parameters   -                      AG(W)          AG(W) + RS(G)     -
 
+Under split backward (zero-bubble) "each backward" is each W, which the reduce-scatter follows at runtime
+(:meth:`fxpipe.runtime.sharded_stage.ShardedStage.after_weights`); ZeRO-3 never runs split.
+
 Each of RS and AG moves (r-1)/r of the bytes per device, half a ring allreduce, over the same links
 (:meth:`Cluster.allreduce_time`), with half its copies into and out of the flat buffer: RS(x) + AG(x)
 is exactly :func:`fxpipe.sim.stagecost.gradient_allreduce_time` of x. Nothing here overlaps compute: the

@@ -109,8 +109,8 @@ def simulate(plan: Plan, chain: CostChain, cluster: Cluster, *, optimizer: str =
     - A sharded stage (``stage.sharding``, ZeRO-1/2/3; :mod:`fxpipe.sim.sharding_cost`) has no gradient
       allreduce: its replicas start their list after its step all-gather (ZeRO-1/2), every forward and
       backward takes its per-micro-batch all-gathers and reduce-scatters longer (ZeRO-2/3; busy time
-      counts them), and its reduce-scatter tail (ZeRO-1) follows the last backward, anchored as the
-      allreduce is. Its optimizer step covers its shard; its peak memory the level's split
+      counts them; under split backward ZeRO-2's reduce-scatter lengthens W, which it follows), and
+      its reduce-scatter tail (ZeRO-1) follows the last backward (W), anchored as the allreduce is. Its optimizer step covers its shard; its peak memory the level's split
       (:mod:`fxpipe.sim.sharding_memory`).
 
     - Under a split-backward schedule (W actions, zero-bubble) B takes ``1 - weight_fraction`` of
@@ -201,8 +201,8 @@ def _replica_specs(plan: Plan, chain: CostChain, cluster: Cluster, slowdowns: Se
 
     ``weight_fraction`` (split-backward schedules only) moves that share of backward into W;
     ``stretches[s]`` lengthens stage s's last gradient pass (overlapped buckets); ``comms[s]`` adds a
-    sharded stage's collectives to each forward and backward (B: under split backward the reduce-scatter
-    is charged there too) and delays its start (:mod:`fxpipe.sim.sharding_cost`).
+    sharded stage's collectives to each forward and backward (under split backward ZeRO-2's reduce-scatter
+    to W, which it follows at runtime) and delays its start (:mod:`fxpipe.sim.sharding_cost`).
     """
     slowdowns = slowdowns or _slowdowns(cluster, None)
     comms = comms or plan_sharding_comms(plan, chain, cluster)
@@ -217,9 +217,11 @@ def _replica_specs(plan: Plan, chain: CostChain, cluster: Cluster, slowdowns: Se
                 backward_s, weight_s = split_backward_times(backward_s, stage.stage_index, weight_fraction,
                                                             cluster.split_backward_overhead)
             comm = comms[stage.stage_index]
+            # under split backward ZeRO-2's reduce-scatter follows W (fxpipe.runtime.sharded_stage.after_weights)
+            in_b, after_w = (comm.backward_s, 0.0) if weight_fraction is None else (0.0, comm.backward_s)
             nodes[stage.stage_index, replica_index] = _Node(stage.stage_index, forward_s + comm.forward_s,
-                                                            backward_s + comm.backward_s, [], [], 0, 0,
-                                                            cluster.message_overhead_s * slowdown, weight_s,
+                                                            backward_s + in_b, [], [], 0, 0,
+                                                            cluster.message_overhead_s * slowdown, weight_s + after_w,
                                                             stretches[stage.stage_index] if stretches else 0.0,
                                                             comm.start_s)
     for stage_index in range(plan.num_stages - 1):

@@ -10,7 +10,7 @@ from fxpipe.core.cluster import Cluster
 from fxpipe.core.costgraph import Affine
 from fxpipe.core.recompute import RecomputeSetting, choose_recompute, parse_recompute
 from fxpipe.core.schedule import SCHEDULES, warmup_forwards
-from fxpipe.core.sharding import SHARDING_LEVELS, ShardingRequest, check_request
+from fxpipe.core.sharding import SHARDING_LEVELS, ShardingRequest, check_request, schedule_levels
 from fxpipe.passes.partition.latency import PipelineSteps, pipeline_steps
 from fxpipe.passes.partition.spans import Candidate, Span, StageChoice
 from fxpipe.sim.allreduce_overlap import last_pass_share, stage_allreduce_offsets
@@ -124,7 +124,7 @@ class CandidateCosts:
         (infinite when none is allowed: one replica, or ``"none"``)."""
         if self.sharding == "none" or len(span.devices) <= 1:
             return float("inf")
-        levels = (self.sharding,) if self.sharding in SHARDING_LEVELS else SHARDING_LEVELS
+        levels = schedule_levels((self.sharding,) if self.sharding in SHARDING_LEVELS else SHARDING_LEVELS, self.schedule)
         # tied parameters may be summed by their tie allreduce instead: count none of them (a lower bound)
         gradient_bytes = max(0, self.cost(span.first, span.stop, 1, 1).param_bytes
                              - sum(shared.num_bytes for shared in self.chain.shared_params))
@@ -136,7 +136,7 @@ class CandidateCosts:
         request: ``unsharded_bytes`` (P x the optimizer's factor) unless a level the request allows splits them."""
         if self.sharding == "none" or replicas <= 1:
             return unsharded_bytes
-        levels = (self.sharding,) if self.sharding in SHARDING_LEVELS else SHARDING_LEVELS
+        levels = schedule_levels((self.sharding,) if self.sharding in SHARDING_LEVELS else SHARDING_LEVELS, self.schedule)
         param_bytes = self.cost(first, stop, 1, 1).param_bytes
         factor = optimizer_factor(self.optimizer)
         return min(model_state_bytes(param_bytes, factor, level, replicas, self.unit_bytes(first, stop))
@@ -208,7 +208,8 @@ class CandidateCosts:
             return pipeline_steps([self.stage_step(span.first, span.stop, rows, span.devices, choice.recompute,
                                                    choice.sharding) for span, choice in zip(spans, choices, strict=True)],
                                   hops, [], split_overhead=self.cluster.split_backward_overhead,
-                                  messages=[comm.backward_s for comm in comms], starts=[comm.start_s for comm in comms])
+                                  messages=[comm.backward_s for comm in comms], starts=[comm.start_s for comm in comms],
+                                  collectives=[comm.backward_s for comm in comms])
         return self._shared_steps(spans, rows, choices)
 
     def _shared_steps(self, spans: Sequence[Span], rows: int, choices: Sequence[StageChoice] | None) -> PipelineSteps:
@@ -222,7 +223,7 @@ class CandidateCosts:
         if self.overlap_bytes:
             own = self.allreduce_tails(spans, rows, own_bytes if sharded else None)
         replicas = [len(span.devices) for span in spans]
-        stages, messages, starts = [], [], []
+        stages, messages, starts, collectives = [], [], [], []
         for index, span in enumerate(spans):
             cost = self.cost(span.first, span.stop, rows, len(span.devices))
             message_s = message_seconds(self.cluster, rows, replicas, index)
@@ -232,11 +233,12 @@ class CandidateCosts:
             stages.append((cost.forward_s + message_s + comm.forward_s, backward_s + message_s + comm.backward_s,
                            tail))
             messages.append(message_s + comm.backward_s)
+            collectives.append(comm.backward_s)
             starts.append(comm.start_s)
         hops = [self.hop(before.stop - 1, rows, before.devices, after.devices)
                 for before, after in zip(spans, spans[1:], strict=False)]
         return pipeline_steps(stages, hops, ties, split_overhead=self.cluster.split_backward_overhead,
-                              messages=messages, starts=starts)
+                              messages=messages, starts=starts, collectives=collectives)
 
     def latency(self, spans: Sequence[Span], rows: int) -> float:
         return self.steps(spans, rows).latency(self.global_batch_size // rows, self.schedule == "zero_bubble")
@@ -301,12 +303,7 @@ class CandidateCosts:
             request = "auto"
         choices = []
         for index, span in enumerate(spans):
-            if len(span.devices) == 1 or (schedule or self.schedule) == "zero_bubble":  # W bypasses FSDP2's hooks
-                levels: tuple[str, ...] = ("none",)
-            elif isinstance(request, str):
-                levels = SHARDING_LEVELS if request == "auto" else (request,)
-            else:
-                levels = (request[index],)
+            levels = self.stage_levels(request, index, len(span.devices), schedule)
             if isinstance(recompute, tuple):
                 recomputes: tuple[bool, ...] = (recompute[index],)
             else:
@@ -316,6 +313,13 @@ class CandidateCosts:
                                                 recomputes))
         self._sharded_memo[key] = tuple(choices)
         return choices
+
+    def stage_levels(self, request: ShardingRequest, index: int, replicas: int, schedule: str | None
+                     ) -> tuple[str, ...]:
+        """The levels stage ``index`` may take under ``request`` (a level, "auto" or one per stage) and the schedule."""
+        levels = ("none",) if replicas == 1 else SHARDING_LEVELS if request == "auto" else (
+            (request,) if isinstance(request, str) else (request[index],))
+        return schedule_levels(levels, schedule or self.schedule)
 
     def stage_options(self, spans: Sequence[Span], rows: int, warmup_policy: str, schedule: str | None = None
                       ) -> list[tuple[StageChoice, ...]]:
@@ -329,9 +333,7 @@ class CandidateCosts:
         found = []
         for index, (span, choice) in enumerate(zip(spans, chosen, strict=True)):
             replicas = len(span.devices)
-            levels = ("none",) if replicas == 1 or (schedule or self.schedule) == "zero_bubble" else (
-                SHARDING_LEVELS) if request == "auto" else (
-                (request,) if isinstance(request, str) else (request[index],))
+            levels = self.stage_levels(request, index, replicas, schedule)
             recomputes = (choice.recompute,) if isinstance(self.recompute, tuple) or self.recompute != "auto" or (
                 (schedule or self.schedule) == "zero_bubble") else (False, True)
             inflight = self.inflight(index, len(spans), num_microbatches, warmup_policy, schedule)

@@ -14,7 +14,7 @@ ends with its own last W: Delta_s = sum_{t=s..Q} (B_t - W_t) + W_s for s <= Q (m
 For equal stages this gives M (F+B) + (S-1)(F+B-W) + AR, the exact simulated time.
 
 A sharded stage (ZeRO-1/2/3, :mod:`fxpipe.sim.sharding_cost`) has its per-micro-batch collectives in F_s and
-B_s, its reduce-scatter tail as AR_s, and its step all-gather delays its first forward: L adds the longest
+B_s (under split backward ZeRO-2's reduce-scatter in W_s: it follows W), its reduce-scatter tail as AR_s, and its step all-gather delays its first forward: L adds the longest
 wait max_s (start_s - sum of the F of the steps before s), when positive.
 
 Every cut between stages becomes an extra stage whose F/B is the activation/gradient transfer
@@ -129,6 +129,7 @@ class PipelineSteps(NamedTuple):
     weight_fraction: float = WEIGHT_GRAD_FRACTION
     split_overhead: float = 0.0
     step_start: tuple[float, ...] = ()  # per step: when it may start (a sharded stage's step all-gather)
+    after_weight: tuple[float, ...] = ()  # per step: collectives in its message time a split backward runs after W
 
     def latency(self, num_microbatches: int, split_backward: bool = False) -> float:
         """:func:`pipeline_latency` of these steps; with ``split_backward``, of their B + W and W parts.
@@ -150,7 +151,9 @@ class PipelineSteps(NamedTuple):
         """Each step's split backward B + W (message time included) and its W part (0 for transfers): the
         stage's compute backward through :func:`fxpipe.sim.stagecost.split_backward_times`."""
         total, weight = [], []
-        for backward, stage_index, message in zip(self.backward, self.stage_index, self.message, strict=True):
+        after = self.after_weight or (0.0,) * len(self.backward)
+        for backward, stage_index, message, collective in zip(self.backward, self.stage_index, self.message, after,
+                                                              strict=True):
             if stage_index < 0:
                 total.append(backward)
                 weight.append(0.0)
@@ -158,7 +161,7 @@ class PipelineSteps(NamedTuple):
             input_s, weight_s = split_backward_times(backward - message, stage_index, self.weight_fraction,
                                                      self.split_overhead)
             total.append(input_s + weight_s + message)
-            weight.append(weight_s)
+            weight.append(weight_s + collective)  # ZeRO-2's reduce-scatter follows W (sharded_stage.after_weights)
         return total, weight
 
 
@@ -166,7 +169,7 @@ def pipeline_steps(stages: Sequence[tuple[float, float, float]], hops: Sequence[
                    ties: Sequence[tuple[tuple[int, ...], float]],
                    weight_fraction: float = WEIGHT_GRAD_FRACTION, split_overhead: float = 0.0,
                    messages: Sequence[float] | None = None, starts: Sequence[float] | None = None,
-                   ) -> PipelineSteps:
+                   collectives: Sequence[float] | None = None) -> PipelineSteps:
     """The pivot model's steps from per-stage ``(F, B, own allreduce)``, the transfer time of each cut
     (``hops[s]`` between stages s and s+1) and tie allreduces over stage indices.
 
@@ -177,9 +180,12 @@ def pipeline_steps(stages: Sequence[tuple[float, float, float]], hops: Sequence[
     time stage s's F and B include (:func:`message_seconds`), which splitting leaves as it is (and a sharded
     stage's per-micro-batch collectives in B). ``starts[s]``: when stage s may start its first forward
     (:mod:`fxpipe.sim.sharding_cost`); the latency adds the longest wait for it (:func:`start_delay`).
+    ``collectives[s]``: the part of ``messages[s]`` that is a sharded stage's per-micro-batch reduce-scatter,
+    which under split backward runs after W (in W's share: off the gradient's path through the stage).
     """
     steps = PipelineSteps([], [], [], [], [], [], weight_fraction, split_overhead)
     step_start: list[float] = []
+    after_weight: list[float] = []
     step_of_stage = []
     for index, (forward, backward, allreduce) in enumerate(stages):
         if index and hops[index - 1] > 0:
@@ -189,14 +195,18 @@ def pipeline_steps(stages: Sequence[tuple[float, float, float]], hops: Sequence[
             steps.stage_index.append(-1)
             steps.message.append(0.0)
             step_start.append(0.0)
+            after_weight.append(0.0)
         step_of_stage.append(len(steps.forward))
         step_start.append(starts[index] if starts is not None else 0.0)
+        after_weight.append(collectives[index] if collectives is not None else 0.0)
         steps.forward.append(forward)
         steps.backward.append(backward)
         steps.allreduce.append(allreduce)
         steps.stage_index.append(index)
         steps.message.append(messages[index] if messages is not None else 0.0)
     steps.group_allreduce.extend((tuple(step_of_stage[s] for s in group), seconds) for group, seconds in ties)
+    if any(after_weight):
+        steps = steps._replace(after_weight=tuple(after_weight))
     return steps._replace(step_start=tuple(step_start)) if any(step_start) else steps
 
 
@@ -230,7 +240,7 @@ def stage_times(plan: Plan, chain: CostChain, cluster: Cluster) -> PipelineSteps
     hops = [transfer_time(cluster, chain.cut_bytes[before.stop_block - 1], plan.microbatch_size, before.devices,
                           after.devices) for before, after in zip(plan.stages, plan.stages[1:], strict=False)]
     return pipeline_steps(stages, hops, ties, split_overhead=cluster.split_backward_overhead, messages=messages,
-                          starts=[comm.start_s for comm in comms])
+                          starts=[comm.start_s for comm in comms], collectives=[comm.backward_s for comm in comms])
 
 
 def analytic_iteration_time(plan: Plan, chain: CostChain, cluster: Cluster) -> float:

@@ -117,10 +117,11 @@ def check_request(request: PlanRequest) -> None:
     if not isinstance(sharding, str):
         _check_sharding_stages(tuple(sharding), request.layout, request.num_stages)
     explicit = (sharding,) if isinstance(sharding, str) else sharding
-    if request.schedule == "zero_bubble" and any(level not in ("none", "auto") for level in explicit):
-        raise PlanningError(f"sharding={request.sharding!r} with schedule='zero_bubble': the deferred W pass writes "
-                            "weight gradients past FSDP2's reduction hooks (docs/sharding.md); use schedule="
-                            "'early_backward' or 'auto' (the planner then keeps zero-bubble plans unsharded)")
+    if request.schedule == "zero_bubble" and "parameters" in explicit:
+        raise PlanningError(f"sharding={request.sharding!r} with schedule='zero_bubble': ZeRO-3 ('parameters') "
+                            "frees the gathered weights after each forward, but a micro-batch's W runs after later "
+                            "forwards (docs/sharding.md); use 'gradients' or 'optimizer' with zero_bubble, "
+                            "schedule='early_backward' with 'parameters', or schedule='auto'")
     bucket = request.allreduce_bucket_bytes
     if not isinstance(bucket, int) or isinstance(bucket, bool) or bucket < 0:
         raise PlanningError(f"allreduce_bucket_bytes must be a non-negative integer (0: one allreduce after "

@@ -91,11 +91,12 @@ def _score_candidate(request: PlanRequest, model: CandidateCosts, candidate: Can
     stays unless another schedule clearly wins."""
     best: Scored | None = None
     forced_recompute = request.recompute == "always" or (isinstance(request.recompute, tuple) and any(request.recompute))
+    zero3 = request.sharding == "parameters" or (not isinstance(request.sharding, str) and "parameters" in request.sharding)
 
     def trial(schedule: str, policy: str, margin: float = 1e-12) -> None:
         nonlocal best
-        if schedule == "zero_bubble" and forced_recompute:  # split backward cannot rerun a checkpointed forward
-            return
+        if schedule == "zero_bubble" and (forced_recompute or zero3):  # split backward cannot rerun a
+            return  # checkpointed forward, nor keep ZeRO-3's weights to W
         if not model.fits(candidate.spans, candidate.microbatch_rows, policy, schedule):
             return
         key = (candidate.identity(), schedule, policy)
