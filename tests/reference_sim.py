@@ -432,29 +432,72 @@ def inflight_peak(order: list[tuple[str, int]], split: bool) -> int:
     return worst
 
 
+def fsdp_step_peak_bytes(level: str, held: float, replicas: int, kept_per_byte: int, num_microbatches: int) -> float:
+    """Peak weights + gradients + optimizer state of one replica of a sharded stage over a step, walking what
+    FSDP2 (torch/distributed/fsdp/_fully_shard/) allocates and frees when fxpipe wraps the whole stage as one
+    unit (fxpipe/runtime/sharded_stage.py), micro-batch by micro-batch, forward then backward:
+
+    - a gather allocates a flat output (all the weights) and copies it out into the weights, both alive at
+      once, beside the shard (kept); the flat one is freed at the forward's end;
+    - ZeRO-1/2 gather in the first forward and keep the weights until the last backward; ZeRO-3 gathers in
+      every forward and every backward and frees the weights after each;
+    - a backward makes the full gradients (ZeRO-1 accumulates them until the last backward);
+    - a reduce-scatter (ZeRO-1: the last backward; ZeRO-2/3: every one) first frees the weights when this
+      backward reshards (the last one, every one under ZeRO-3) and the input the previous reduce-scatter kept,
+      then copies the gradients into a new flat input, frees them, and adds into the gradient shard; that
+      input stays alive until the next reduce-scatter or the step's end.
+    """
+    shard = held / replicas
+    resident = shard + (kept_per_byte - 2) * shard  # weight shard + optimizer state, all step long
+    weights = grads = kept_input = grad_shard = 0.0
+    peak = resident
+
+    def note(*extra: float) -> None:
+        nonlocal peak
+        peak = max(peak, resident + weights + grads + kept_input + grad_shard + sum(extra))
+
+    def gather() -> None:
+        nonlocal weights
+        if weights == 0.0:
+            note(held, held)  # flat output + the weights copied out of it
+            weights = held
+
+    for index in range(num_microbatches):
+        last = index == num_microbatches - 1
+        gather()  # forward
+        if level == "parameters":
+            weights = 0.0
+        gather()  # backward (a no-op where the forward's weights are kept)
+        grads = held
+        note()
+        if level == "optimizer" and not last:
+            continue
+        if last or level == "parameters":
+            weights = 0.0
+        kept_input = 0.0
+        note(held)  # the new flat input beside the gradients
+        grads, grad_shard = 0.0, shard
+        kept_input = 0.0 if last else held
+        note()
+    return peak
+
+
 def stage_peak_bytes(plan: Plan, chain: CostChain, stage_index: int, inflight: int, optimizer: str = "adam") -> int:
     """Weights x (weights, gradients, optimizer state) + kept activations + one buffer each way, largest slice.
 
     Kept per in-flight micro-batch: its saved activations (received values it saves again included) and its
     input slice; recomputing stages keep only the input slice, plus one micro-batch's activations while
     backward reruns the forward.
-    Sharded (r replicas, P held bytes, k bytes kept per byte, U the largest block's bytes): ZeRO-1 keeps
-    weights and gradients whole and 1/r of the optimizer state; ZeRO-2 1/r of gradients too, plus one
-    block's full gradients; ZeRO-3 1/r of everything, plus one block's full weights."""
+    Sharded: :func:`fsdp_step_peak_bytes`, FSDP2's buffers walked through the step."""
     stage = plan.stages[stage_index]
     rows = -(-plan.microbatch_size // stage.replicas)
     blocks = chain.blocks[stage.first_block:stage.stop_block]
     held = held_bytes(chain, stage.first_block, stage.stop_block)
     kept_per_byte = BYTES_KEPT_PER_PARAM_BYTE[optimizer]
-    r, unit = stage.replicas, max(b.param_bytes for b in blocks)
-    if stage.sharding == "none" or r == 1:
-        weights = kept_per_byte * held
-    elif stage.sharding == "optimizer":
-        weights = held * 2 + held * (kept_per_byte - 2) / r
-    elif stage.sharding == "gradients":
-        weights = held + held * (kept_per_byte - 1) / r + unit
+    if stage.sharding == "none" or stage.replicas == 1:
+        weights = float(kept_per_byte * held)
     else:
-        weights = held * kept_per_byte / r + unit
+        weights = fsdp_step_peak_bytes(stage.sharding, held, stage.replicas, kept_per_byte, plan.num_microbatches)
     # a value an earlier stage saved (first, or last before this stage) is received and saved here again
     resaved = sum(at(num_bytes, rows) for b in blocks for saver, num_bytes in b.resaved if saver < stage.first_block)
     saved = sum(at(b.saved_bytes, rows) for b in blocks) + resaved

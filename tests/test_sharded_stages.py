@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,9 @@ from fxpipe.passes import trace
 from fxpipe.runtime.errors import PipelineSetupError
 from fxpipe.runtime.export import gathered_program
 from fxpipe.runtime.sharded_stage import full_value, local_part
+from fxpipe.sim.sharding_memory import model_state_bytes
+from fxpipe.sim.stagecost import optimizer_factor
+from tests import fsdp_memory_probe
 from tests.exactness_oracle import ADAM_EPS, LEARNING_RATE, mismatches, train_reference
 from tests.mp_utils import join_world, leave_world, plan_from_cuts, run_ranks
 
@@ -46,6 +50,13 @@ CASES = (
     ("gradients 2:2 gpipe", (2, 2), "gradients", "gpipe", "never"),
     ("parameters 3:1 dapple recompute", (3, 1), "parameters", "dapple", "always"),
 )
+
+# (level, replicas per stage, micro-batches per step, schedule): the measured peak of weights, gradients and
+# optimizer state per rank against the planner's model_state_bytes, within MEMORY_TOLERANCE
+MEMORY_CASES = (("optimizer", (2, 2), 2, "dapple"), ("gradients", (4,), 2, "gpipe"), ("parameters", (4,), 3, "dapple"),
+                ("parameters", (2, 2), 1, "dapple"))
+MEMORY_TOLERANCE = 0.05
+MEMORY_WIDTH = 512  # 4 layers of 1 MiB of weights each; a micro-batch's activations are a few KiB
 
 
 def _plan(replicas: tuple[int, ...], schedule: str = "early_backward") -> Plan:
@@ -237,6 +248,8 @@ def _run(rank: int, world_size: int, store_dir: str, directory: str) -> dict[str
                               after_backward=_clipped)
     results: dict[str, Any] = {"reference_norms": reference["after_backward"]}
     _count_fsdp_collectives()
+    fsdp_memory_probe.install()
+    results["memory"] = _measured_memory(store_dir, rank, world_size)
     results.update(_run_cases(rank, world_size, store_dir, directory, reference))
     untied = train_reference(zoo.build(UNTIED, **zoo.get(UNTIED).tiny_overrides)[0], zoo.get(UNTIED).loss_fn,
                              _batches(model=UNTIED), after_backward=_clipped)
@@ -263,6 +276,48 @@ def _run(rank: int, world_size: int, store_dir: str, directory: str) -> dict[str
         except PipelineSetupError as error:
             results["zero_bubble"] = str(error)
     return results
+
+
+def _squared_error(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return ((outputs - targets) ** 2).sum()
+
+
+def _measured_memory(store_dir: str, rank: int, world_size: int) -> dict[str, dict[str, Any]]:
+    """Per MEMORY_CASE: this rank's stage parameter bytes, replicas and measured peak model-state bytes."""
+    results = {}
+    for index, (level, replicas, num_microbatches, schedule) in enumerate(MEMORY_CASES):
+        with _world(store_dir, f"memory-{index}", rank, world_size):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(*(torch.nn.Linear(MEMORY_WIDTH, MEMORY_WIDTH) for _ in range(4)))
+            rows = 4 * num_microbatches
+            example = (torch.randn(rows, MEMORY_WIDTH),)
+            plan = plan_from_cuts(trace(copy.deepcopy(model), example), replicas, rows, num_microbatches)
+            pipe = fxpipe.compile(model, example, loss_fn=_squared_error, global_batch_size=rows, plan=plan,
+                                  schedule=schedule, sharding=level)
+            params = list(pipe.parameters())
+            optimizer = torch.optim.AdamW(params, lr=LEARNING_RATE)
+            batch = (torch.randn(rows, MEMORY_WIDTH), torch.randn(rows, MEMORY_WIDTH))
+            for _ in range(2):  # FSDP2 set up, AdamW's state allocated
+                pipe.step(*batch)
+                optimizer.step()
+                optimizer.zero_grad()
+            peak, where = fsdp_memory_probe.peak_model_state_bytes(params, optimizer, functools.partial(pipe.step, *batch))
+            results[f"{level} {replicas} M={num_microbatches}"] = {
+                "param_bytes": sum(p.numel() * p.element_size() for p in params), "peak": peak, "where": where,
+                "replicas": replicas[pipe.stage_index], "num_microbatches": num_microbatches, "level": level}
+    return results
+
+
+def _memory_failures(rank: int, measured: dict[str, dict[str, Any]]) -> list[str]:
+    failures = []
+    for name, record in measured.items():
+        predicted = model_state_bytes(record["param_bytes"], optimizer_factor("adamw"), record["level"],
+                                      record["replicas"], record["num_microbatches"])
+        if abs(record["peak"] / predicted - 1) > MEMORY_TOLERANCE:
+            failures.append(f"memory {name} rank {rank}: measured peak {record['peak']} B at {record['where']} "
+                            f"vs model_state_bytes {predicted:.0f} B (P = {record['param_bytes']} B), want within "
+                            f"{MEMORY_TOLERANCE:.0%}")
+    return failures
 
 
 def _case_failures(per_rank: list[dict[str, Any]]) -> list[str]:
@@ -321,6 +376,7 @@ def test_every_level_trains_exactly_saves_and_loads_across_layouts(tmp_path: Pat
     failures = _case_failures(per_rank)
     for rank, results in enumerate(per_rank):
         failures += _other_failures(rank, results)
+        failures += _memory_failures(rank, results["memory"])
     assert not failures, "\n".join(failures)
     consolidated = fxpipe.consolidate(directory)  # offline, one process: the unsplit model's trained weights
     model, _ = zoo.build(MODEL, **ENTRY.tiny_overrides)

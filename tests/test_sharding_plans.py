@@ -35,16 +35,24 @@ GiB = 2**30
 
 
 def test_memory_per_device_of_each_level_by_hand() -> None:
-    # P = 1000 parameter bytes on 4 replicas, largest block 100 bytes, Adam (weights, grads, 2 moments)
+    # P = 1000 parameter bytes on 4 replicas, Adam (weights, grads, 2 moments); the whole stage is one FSDP unit
     cost = StageCost(rows=1, forward_s=0.0, backward_s=0.0, param_bytes=1000, activation_bytes=0.0,
                      input_bytes=0.0, output_bytes=0.0)
-    figures = {level: stage_memory_bytes(cost, 1, "adam", sharding=level, replicas=4, unit_bytes=100)
+    figures = {level: stage_memory_bytes(cost, 1, "adam", sharding=level, replicas=4, num_microbatches=3)
                for level in SHARDING_LEVELS}
-    # none 4P; ZeRO-1 P + P + 2P/4; ZeRO-2 P + P/4 + 2P/4 + one block's grads; ZeRO-3 4P/4 + one block's weights
-    assert figures == {"none": 4000, "optimizer": 2500, "gradients": 1850, "parameters": 1100}
-    # SGD keeps no state: ZeRO-1 saves nothing; one replica has nothing to split
-    assert stage_memory_bytes(cost, 1, "sgd", sharding="optimizer", replicas=4, unit_bytes=100) == 2000
-    assert stage_memory_bytes(cost, 1, "adam", sharding="parameters", replicas=1, unit_bytes=100) == 4000
+    # none 4P; ZeRO-1: gathered weights P + shard P/4, full gradients P, moments 2P/4; ZeRO-2/3 from the second
+    # micro-batch: gathered weights P, new gradients P, the previous backward's kept reduce-scatter input P,
+    # weight and gradient shards 2P/4, moments 2P/4
+    assert figures == {"none": 4000, "optimizer": 2750, "gradients": 4000, "parameters": 4000}
+    # one micro-batch: no reduce-scatter input is kept from an earlier backward
+    single = {level: stage_memory_bytes(cost, 1, "adam", sharding=level, replicas=4, num_microbatches=1)
+              for level in SHARDING_LEVELS}
+    assert single == {"none": 4000, "optimizer": 2750, "gradients": 2750, "parameters": 2750}
+    # SGD keeps no state: ZeRO-1 costs the shard on top of the gathered weights; one replica has nothing to split
+    assert stage_memory_bytes(cost, 1, "sgd", sharding="optimizer", replicas=4, num_microbatches=3) == 2250
+    assert stage_memory_bytes(cost, 1, "adam", sharding="parameters", replicas=1) == 4000
+    with pytest.raises(ValueError, match="needs num_microbatches >= 1.*got None"):
+        stage_memory_bytes(cost, 1, "adam", sharding="gradients", replicas=4)
 
 
 def _net(num_hosts: int = 1, per_host: int = 4, memory_bytes: int = 2**40) -> Cluster:
@@ -105,15 +113,20 @@ def test_simulator_matches_the_reference_on_sharded_plans(first_seed: int) -> No
 
 def _dp_case(memory_bytes: float) -> tuple[CostChain, Cluster]:
     """4 blocks of 1e8 parameter bytes on one host of 4 devices with ``memory_bytes`` each; plans are forced
-    to one stage of 4 replicas (layout 'dp'), so only the sharding level decides what fits. P = 4e8:
-    none 4P, ZeRO-1 2.5P, ZeRO-2 P + 3P/4 + P/4 = 2P, ZeRO-3 P + P/4 = 1.25P (activations are tiny)."""
+    to one stage of 4 replicas (layout 'dp'), so only the sharding level decides what fits. P = 4e8, M = 4:
+    none 4P, ZeRO-1 2P + 3P/4 = 2.75P, ZeRO-2/3 3P + P = 4P (the whole stage is one FSDP unit; activations
+    are tiny)."""
     return _layers(4, 10**8), _net(memory_bytes=int(memory_bytes))
 
 
-@pytest.mark.parametrize("memory_p, expected", [(4.1, "none"), (2.6, "optimizer"), (2.1, "gradients"),
-                                                (1.4, "parameters")])
-def test_auto_takes_no_sharding_when_it_fits_else_the_fastest_level_that_fits(memory_p: float, expected: str) -> None:
+@pytest.mark.parametrize("memory_p, expected", [(4.1, "none"), (2.8, "optimizer"), (2.7, None)])
+def test_auto_takes_no_sharding_when_it_fits_else_the_fastest_level_that_fits(memory_p: float,
+                                                                             expected: str | None) -> None:
     chain, net = _dp_case(memory_p * 4e8)
+    if expected is None:  # below ZeRO-1's figure nothing fits: ZeRO-2/3 hold more than ZeRO-1 from M = 2 on
+        with pytest.raises(InfeasiblePlanError):
+            partition(chain, net, 16, layout="dp", sharding="auto", num_microbatches=4)
+        return
     plan = partition(chain, net, 16, layout="dp", sharding="auto", num_microbatches=4)
     assert [stage.sharding for stage in plan.stages] == [expected]
     assert plan.stages[0].peak_memory_bytes <= net.device.memory_bytes
@@ -130,7 +143,8 @@ def test_auto_weighs_sharding_against_recomputation() -> None:
     them (+F per micro-batch) or sharding the optimizer state (one reduce-scatter and one all-gather per
     step) both make room: auto takes the faster, sharding, and is no slower than either alone."""
     chain = _layers(4, 10**7, seconds=1e-2, saved=1e6)  # 2 blocks per stage: 8e7 bytes kept for weights (Adam)
-    net = _net(memory_bytes=10**8)  # stage 0: 8e7 + 2 x 1.6e7 kept > 1e8; recompute 9.6e7; ZeRO-1 6e7 + 3.2e7
+    # stage 0: 8e7 + 2 x 1.6e7 kept > 1.05e8; recompute 9.6e7; ZeRO-1 2P + 3P/2 = 7e7, + 3.2e7
+    net = _net(memory_bytes=105 * 10**6)
     options = {"layout": "2:2", "num_microbatches": 4, "warmup_policy": "A"}
     with pytest.raises(InfeasiblePlanError):
         partition(chain, net, 64, recompute="never", **options)  # type: ignore[arg-type]
@@ -170,7 +184,7 @@ def test_explicit_levels_per_stage_and_their_checks() -> None:
 
 
 def test_compare_keeps_the_baselines_unsharded() -> None:
-    chain, net = _dp_case(2.6 * 4e8)
+    chain, net = _dp_case(2.8 * 4e8)
     plan = partition(chain, net, 16, layout="dp", sharding="auto", compare=True, num_microbatches=4)
     assert plan.stages[0].sharding == "optimizer"
     assert dict(plan.baselines)["dp"].iteration_time_s is None  # plain DP does not fit unsharded
@@ -226,22 +240,21 @@ def test_plan_markers_takes_levels_per_marked_stage() -> None:
 
 def test_zero_bubble_plans_shard_with_zero1_and_zero2_but_never_zero3() -> None:
     """Zero-bubble runs ZeRO-1/2 (FSDP2 reduces after W) but not ZeRO-3 (a later forward would free the weights a
-    pending W needs): where ZeRO-1 or ZeRO-2 fits, a zero-bubble plan takes it, with ZeRO-2's reduce-scatters in W
-    (simulator, reference simulator and pivot model agree); where only ZeRO-3 fits none is feasible, and an
-    explicit 'parameters' with zero_bubble is refused."""
-    for memory_p, expected in ((2.6, "optimizer"), (2.1, "gradients")):
+    pending W needs): where ZeRO-1 fits, a zero-bubble plan takes it; ZeRO-2 asked for runs with its reduce-scatters
+    in W (simulator, reference simulator and pivot model agree); an explicit 'parameters' with zero_bubble is
+    refused, and schedule='auto' then leaves zero-bubble out."""
+    for memory_p, sharding, expected in ((2.8, "auto", "optimizer"), (4.1, "gradients", "gradients")):
         chain, net = _dp_case(memory_p * 4e8)
-        plan = partition(chain, net, 16, layout="dp", sharding="auto", num_microbatches=4, schedule="zero_bubble")
+        plan = partition(chain, net, 16, layout="dp", sharding=sharding, num_microbatches=4, schedule="zero_bubble")
         assert plan.schedule == "zero_bubble" and [stage.sharding for stage in plan.stages] == [expected]
         simulated = simulate(plan, chain, net).iteration_time_s
         assert simulated == pytest.approx(plan.predicted.iteration_time_s)  # type: ignore[union-attr]
         assert simulated == pytest.approx(reference_run(plan, chain, net).iteration_time_s, rel=1e-12)
         assert simulated == pytest.approx(analytic_iteration_time(plan, chain, net), rel=1e-9)
-    explicit = partition(chain, net, 16, layout="dp", sharding="gradients", num_microbatches=4, schedule="zero_bubble")
-    assert explicit.schedule == "zero_bubble" and [stage.sharding for stage in explicit.stages] == ["gradients"]
-    chain, net = _dp_case(1.4 * 4e8)  # only ZeRO-3 fits
+    chain, net = _dp_case(2.7 * 4e8)  # below ZeRO-1's figure: ZeRO-2/3 (4P from M = 2 on) fit no better
     with pytest.raises(InfeasiblePlanError):
         partition(chain, net, 16, layout="dp", sharding="auto", num_microbatches=4, schedule="zero_bubble")
+    chain, net = _dp_case(4.1 * 4e8)
     with pytest.raises(PlanningError, match="schedule='zero_bubble'.*ZeRO-3.*'gradients' or 'optimizer'"):
         partition(chain, net, 16, layout="dp", sharding="parameters", num_microbatches=4, schedule="zero_bubble")
     plan = partition(chain, net, 16, layout="dp", sharding="parameters", num_microbatches=4, schedule="auto")

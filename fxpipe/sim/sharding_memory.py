@@ -1,16 +1,36 @@
-"""Per-device bytes of a stage's weights, gradients and optimizer state under each sharding level (ZeRO-1/2/3).
+"""Per-device bytes of a stage's weights, gradients and optimizer state under each sharding level (ZeRO-1/2/3),
+at the step's peak, as the runtime holds them (:mod:`fxpipe.runtime.sharded_stage`).
 
 Legend: P the stage's parameter bytes (fp32 master weights), r its replicas, f the optimizer's bytes kept
 per parameter byte (:data:`fxpipe.sim.stagecost.OPTIMIZER_STATE_FACTORS`: weights 1 + gradients 1 +
-state f - 2), U the parameter bytes of the stage's largest block (the largest unit gathered or reduced
-at once):
+state f - 2), M the micro-batches each replica runs per step (its backwards):
 
-    none:        P + P + (f-2) P                 every replica holds everything (DAPPLE)
-    optimizer:   P + P + (f-2) P / r             ZeRO-1: the state is split
-    gradients:   P + P / r + (f-2) P / r + U     ZeRO-2: gradients too; one unit's full gradients in flight
-    parameters:  f P / r + U                     ZeRO-3: weights too; one unit's full weights gathered
+    none:                    f P                every replica holds everything (DAPPLE)
+    optimizer:               2 P + (f-1) P / r  ZeRO-1
+    gradients, parameters:   2 P + (f-1) P / r  ZeRO-2/3, M = 1
+                             3 P + f P / r      ZeRO-2/3, M >= 2
 
-A stage of one replica has nothing to split: every level is ``none`` there.
+Why (FSDP2 as torch 2.13 runs it, torch/distributed/fsdp/_fully_shard/): the runtime ``fully_shard``-s one
+wrapper around the whole stage, so the stage is ONE unit: what FSDP2 gathers or reduces at once is all of P.
+
+- Gathered weights cost P on top of the shard P/r, which FSDP2 keeps (the all-gather reads it in place).
+  While gathering, FSDP2's flat all-gather output (P) and the per-parameter copies it splits into (P) are
+  both alive; the flat one is freed at the forward's end, before any gradient exists. ZeRO-1/2 keep the
+  gathered weights for the whole step; ZeRO-3 gathers them in every forward and every backward.
+- The unsharded gradients are P. The reduce-scatter copies them into a flat input (P) before freeing them,
+  then writes the shard's gradient (P/r, kept until the optimizer step).
+- FSDP2 keeps a backward's flat reduce-scatter input (P) alive until the NEXT backward's reduce-scatter
+  (``reduce_scatter_states``, ``set_reduce_scatter_max_input_buffers``' default 1), or the step's last
+  backward. ZeRO-2/3 reduce-scatter in every backward, so from the second micro-batch on that P sits beside
+  the gathered weights P and the new gradients P (with the shards P/r, the gradient shards P/r and the state):
+  3 P + f P / r, more than ZeRO-1, and more than ``none`` where 3 P + f P / r > f P (Adam: r < 4).
+- ZeRO-1: weights P + P/r, gradients P, state (f-2) P / r through the step; its one reduce-scatter (last
+  backward) runs after the weights are freed: the peak is 2 P + (f-1) P / r. ZeRO-2/3 with M = 1 likewise.
+
+Not counted: collective backends' own staging (gloo's reduce-scatter may hold another copy of its input
+while it runs; NCCL does not), and gradient shards kept from the previous step when the optimizer does not
+set them to None (``zero_grad(set_to_none=False)``: + P / r). A stage of one replica has nothing to split:
+every level is ``none`` there.
 """
 
 from __future__ import annotations
@@ -19,14 +39,20 @@ from fxpipe.core.sharding import check_level
 
 
 def model_state_bytes(param_bytes: float, factor: float, sharding: str = "none", replicas: int = 1,
-                      unit_bytes: float = 0.0) -> float:
-    """Weights + gradients + optimizer state per device of a stage (module docstring's table)."""
+                      num_microbatches: int | None = None) -> float:
+    """Weights + gradients + optimizer state per device of a stage at the step's peak (module docstring's table).
+
+    ``num_microbatches``: the micro-batches each replica runs per step (M); required for a sharded level on
+    more than one replica, where ZeRO-2/3's peak depends on it.
+    """
     check_level(sharding)
     if sharding == "none" or replicas <= 1:
         return param_bytes * factor
-    state = (factor - 2.0) * param_bytes / replicas
-    if sharding == "optimizer":
-        return 2.0 * param_bytes + state
-    if sharding == "gradients":
-        return param_bytes + param_bytes / replicas + state + unit_bytes
-    return factor * param_bytes / replicas + unit_bytes
+    if num_microbatches is None or num_microbatches < 1:
+        raise ValueError(f"model_state_bytes(sharding={sharding!r}, replicas={replicas}) needs num_microbatches "
+                         f">= 1 (the micro-batches each replica runs per step), got {num_microbatches!r}: pass the "
+                         "plan's num_microbatches")
+    shard = param_bytes / replicas
+    if sharding == "optimizer" or num_microbatches == 1:
+        return 2.0 * param_bytes + (factor - 1.0) * shard
+    return 3.0 * param_bytes + factor * shard

@@ -32,7 +32,6 @@ from fxpipe.sim.stagecost import (
     WEIGHT_GRAD_FRACTION,
     allreduce_times,
     compute_times,
-    largest_block_param_bytes,
     own_allreduce_bytes,
     split_backward_times,
     stage_cost,
@@ -322,8 +321,7 @@ def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule,
         ends.append(max(anchor + overlap.end - overlap.stretch, readies[-1]))  # the rank also finishes its list
         peaks.append(stage_memory_bytes(cost, inflight[stage.stage_index], optimizer, stage.recompute,
                                         sharding=stage.sharding, replicas=stage.replicas,
-                                        unit_bytes=largest_block_param_bytes(chain, stage.first_block,
-                                                                             stage.stop_block)))
+                                        num_microbatches=plan.num_microbatches))
     for stages, seconds in ties:  # starts when every holder is ready; its stages end with it
         tie_end = max(readies[s] for s in stages) + seconds
         for s in stages:

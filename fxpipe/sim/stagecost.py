@@ -188,11 +188,11 @@ def own_allreduce_bytes(chain: CostChain, stage_bounds: Sequence[tuple[int, int]
 
 def stage_memory_bytes(cost: StageCost, inflight_microbatches: int, optimizer: str = "adam",
                        recompute: bool = False, *, sharding: str = "none", replicas: int = 1,
-                       unit_bytes: float = 0.0) -> int:
+                       num_microbatches: int | None = None) -> int:
     """Peak bytes per device: weights x optimizer factor + in-flight activations + receive buffers.
 
     ``sharding`` over ``replicas`` splits weights, gradients or optimizer state (:func:`model_state_bytes`;
-    ``unit_bytes``: the stage's largest block's parameter bytes, :func:`largest_block_param_bytes`).
+    ``num_microbatches``: the micro-batches each replica runs per step, needed by a sharded level).
 
     Activations: what autograd saves (:func:`saved_bytes`) plus, when kept, each in-flight micro-batch's
     received inputs (held as the backward's leaves). Receive buffers: one activation slice in and one
@@ -200,16 +200,11 @@ def stage_memory_bytes(cost: StageCost, inflight_microbatches: int, optimizer: s
     With ``recompute`` a stage keeps only its inputs per in-flight micro-batch, plus one micro-batch's
     activations while backward recomputes them (and, last stage, every in-flight loss's saved tensors).
     """
-    weights = model_state_bytes(cost.param_bytes, optimizer_factor(optimizer), sharding, replicas, unit_bytes)
+    weights = model_state_bytes(cost.param_bytes, optimizer_factor(optimizer), sharding, replicas, num_microbatches)
     held = 0.0 if recompute else inflight_microbatches * cost.input_bytes
     activations = saved_bytes(cost, inflight_microbatches, recompute) + held
     buffers = cost.input_bytes + cost.output_bytes
     return int(math.ceil(weights + activations + buffers))
-
-
-def largest_block_param_bytes(chain: CostChain, first: int, stop: int) -> int:
-    """Parameter bytes of the largest block in ``[first, stop)``: what a sharded stage gathers or reduces at once."""
-    return max((block.param_bytes for block in chain.blocks[first:stop]), default=0)
 
 
 def saved_bytes(cost: StageCost, inflight_microbatches: int, recompute: bool = False) -> float:

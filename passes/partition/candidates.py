@@ -22,7 +22,6 @@ from fxpipe.sim.stagecost import (
     allreduce_times,
     backward_seconds,
     gradient_allreduce_time,
-    largest_block_param_bytes,
     message_seconds,
     optimizer_factor,
     own_allreduce_bytes,
@@ -68,7 +67,6 @@ class CandidateCosts:
         self.allreduce_tail = lru_cache(maxsize=None)(self._allreduce_tail)
         self.stage_step = lru_cache(maxsize=None)(self._stage_step)
         self.comm = lru_cache(maxsize=None)(self._comm)
-        self.unit_bytes = lru_cache(maxsize=None)(lambda first, stop: largest_block_param_bytes(chain, first, stop))
         self._sharded_choice = lru_cache(maxsize=None)(self._choose_sharded)
         # (spans, rows, warm-up policy, schedule, recompute setting) -> choices: the search asks twice per candidate
         self._sharded_memo: dict[tuple[object, ...], tuple[StageChoice, ...]] = {}
@@ -131,16 +129,17 @@ class CandidateCosts:
         return min((self.stage_comm(span.first, span.stop, span.devices, level, gradient_bytes)
                     .step_seconds(num_microbatches) for level in levels if level != "none"), default=float("inf"))
 
-    def least_state_bytes(self, first: int, stop: int, replicas: int, unsharded_bytes: float) -> float:
+    def least_state_bytes(self, first: int, stop: int, replicas: int, unsharded_bytes: float,
+                          num_microbatches: int) -> float:
         """The fewest bytes per device a stage's weights, gradients and optimizer state can take under the
-        request: ``unsharded_bytes`` (P x the optimizer's factor) unless a level the request allows splits them."""
+        request, with ``num_microbatches`` per step: ``unsharded_bytes`` (P x the optimizer's factor) unless a
+        level the request allows takes fewer."""
         if self.sharding == "none" or replicas <= 1:
             return unsharded_bytes
         levels = schedule_levels((self.sharding,) if self.sharding in SHARDING_LEVELS else SHARDING_LEVELS, self.schedule)
         param_bytes = self.cost(first, stop, 1, 1).param_bytes
         factor = optimizer_factor(self.optimizer)
-        return min(model_state_bytes(param_bytes, factor, level, replicas, self.unit_bytes(first, stop))
-                   for level in levels)
+        return min(model_state_bytes(param_bytes, factor, level, replicas, num_microbatches) for level in levels)
 
     def stage_comm(self, first: int, stop: int, devices: Sequence[int], sharding: str, gradient_bytes: int
                    ) -> ShardingComm:
@@ -342,7 +341,7 @@ class CandidateCosts:
             for level in levels:
                 for recompute in recomputes:
                     memory = stage_memory_bytes(cost, inflight, self.optimizer, recompute, sharding=level,
-                                                replicas=replicas, unit_bytes=self.unit_bytes(span.first, span.stop))
+                                                replicas=replicas, num_microbatches=num_microbatches)
                     option = StageChoice(recompute, memory, level)
                     if memory <= self.memory_limit_bytes and option != choice:
                         options.append(option)
@@ -395,7 +394,7 @@ class CandidateCosts:
         for level in levels:
             for recompute in recomputes:
                 memory = stage_memory_bytes(cost, inflight, self.optimizer, recompute, sharding=level,
-                                            replicas=len(devices), unit_bytes=self.unit_bytes(first, stop))
+                                            replicas=len(devices), num_microbatches=num_microbatches)
                 choice = StageChoice(recompute, memory, level)
                 if memory > self.memory_limit_bytes:
                     least = choice if least is None or memory < least.memory else least

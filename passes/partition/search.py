@@ -158,7 +158,7 @@ class _Search:
             new_bound = max(bound, work + m * step)
             if new_bound > self.limit():
                 return  # the new stage alone is too slow, and only grows with more blocks
-            if model.least_state_bytes(first, stop, replicas, cost.param_bytes * self.weight_factor) \
+            if model.least_state_bytes(first, stop, replicas, cost.param_bytes * self.weight_factor, m) \
                     > model.memory_limit_bytes:
                 return  # its weights, gradients and optimizer state alone overflow, and only grow with more blocks
             spans = (*state.spans, Span(first, stop, devices))
