@@ -64,17 +64,20 @@ def overlap_rank(rank: int, world_size: int, plans: dict[str, str], workload: Wo
 
 
 def local_cluster_from(figures: dict[str, float]) -> Any:
-    """``local:2`` with the link figures and overlap cost the ranks just measured."""
+    """``local:2`` with the link figures, overlap cost and sharding collectives the ranks just measured."""
     import fxpipe.runtime.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
     from fxpipe.core.cluster import parse_cluster
+    from fxpipe.core.cluster_spec import sharding_links
     from fxpipe.core.hardware import LinkSpec
 
     link = LinkSpec(figures["link_bandwidth"], figures["link_latency"])
+    reduce_scatter, all_gather = sharding_links(figures)
     return replace(parse_cluster("local:2"), intra_host=link, inter_host=link,
                    intra_host_collective=LinkSpec(figures["allreduce_bandwidth"], figures["allreduce_latency"]),
                    message_overhead_s=figures["message_overhead"],
                    overlap_compute_slowdown=figures["overlap_compute_slowdown"],
-                   overlap_comm_slowdown=figures["overlap_comm_slowdown"])
+                   overlap_comm_slowdown=figures["overlap_comm_slowdown"],
+                   reduce_scatter_collective=reduce_scatter, all_gather_collective=all_gather)
 
 
 def run_and_report(num_warmup: int, num_steps: int) -> str:

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 
 from fxpipe.core.chain import CostChain
-from fxpipe.core.cluster import Cluster
+from fxpipe.core.cluster import Cluster, LinkSpec
 from fxpipe.core.plan import Plan
 from fxpipe.core.schedule import make_schedule
 
@@ -87,14 +87,15 @@ def gradient_allreduce_seconds(net: Cluster, num_bytes: float, devices: tuple[in
     return ring + 4 * num_bytes / net.device.memory_bandwidth_bytes_per_s if ring > 0 else 0.0
 
 
-def ring_half_seconds(net: Cluster, num_bytes: float, devices: tuple[int, ...]) -> float:
+def ring_half_seconds(net: Cluster, num_bytes: float, devices: tuple[int, ...], own: LinkSpec | None = None) -> float:
     """A ring reduce-scatter or all-gather: R-1 steps each sending 1/R of the bytes over the slowest link,
-    plus one copy through the flat buffer (read + write) at memory bandwidth."""
+    plus one copy through the flat buffer (read + write) at memory bandwidth. ``own``: the collective's
+    own measured link (net.reduce_scatter_collective / all_gather_collective), used within one host."""
     count = len(devices)
     if count < 2 or num_bytes <= 0:
         return 0.0
     hosts = {d // net.devices_per_host for d in devices}
-    link = (net.intra_host_collective or net.intra_host) if len(hosts) == 1 else (
+    link = (own or net.intra_host_collective or net.intra_host) if len(hosts) == 1 else (
         net.inter_host_collective or net.inter_host)
     steps = count - 1
     return steps * (link.latency_s + num_bytes / count / link.bandwidth_bytes_per_s) + (
@@ -111,8 +112,8 @@ def sharded_collectives(plan: Plan, chain: CostChain, net: Cluster, stage_index:
         return out
     weights = held_bytes(chain, stage.first_block, stage.stop_block)
     grads = weights - sum(n for holders, n in tie_sets(plan, chain).items() if stage_index in holders)
-    gather = ring_half_seconds(net, weights, stage.devices)
-    scatter = ring_half_seconds(net, grads, stage.devices)
+    gather = ring_half_seconds(net, weights, stage.devices, net.all_gather_collective)
+    scatter = ring_half_seconds(net, grads, stage.devices, net.reduce_scatter_collective)
     if stage.sharding == "optimizer":  # ZeRO-1: gather updated weights once, scatter gradients once
         out["start"], out["tail"] = gather, scatter
     elif stage.sharding == "gradients":  # ZeRO-2: scatter after every micro-batch's backward

@@ -13,6 +13,7 @@ from benchmarks import (
     prediction_fidelity,
     runtime_fidelity,
     schedule_memory,
+    sharding_fidelity,
     sharding_study,
     torch_pipelining_common,
     vs_torch_pipelining,
@@ -200,3 +201,17 @@ def test_sharding_study_smoke() -> None:
     assert rows[0].unsharded is not None and rows[0].sharded is not None  # a tiny model fits either way
     assert sharding_study.speedup(rows[0]) is not None
     assert "| gpt-mini " in sharding_study.table(rows) and sharding_study.summary(rows)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_sharding_fidelity_smoke() -> None:
+    result = sharding_fidelity.run(1, 0, 1, tiny(8, 4))
+    (round_result,) = result["rounds"]
+    assert set(round_result["steps"]) == set(sharding_fidelity.LEVELS)
+    rows = sharding_fidelity.level_rows(result)
+    assert [row["level"] for row in rows] == ["optimizer", "gradients", "parameters"]
+    # the model charges ZeRO-3 more collectives than ZeRO-2, and ZeRO-2 more than ZeRO-1 (M = 4)
+    charged = [row["charged_calibrated"] for row in rows]
+    assert 0 < charged[0] < charged[1] < charged[2]
+    assert "| parameters " in sharding_fidelity.report(result, 1.0)

@@ -130,6 +130,8 @@ def test_ranks_calibrate_over_their_process_group_and_agree(tmp_path: Path) -> N
     assert 0 < measured["intra_host"]["latency_s"] < 0.1 and 1e7 < measured["intra_host"]["bandwidth_bytes_per_s"]
     assert measured["intra_host"] != json.loads(json.dumps(LOCAL_LINK_DEFAULT.__dict__))
     assert 0 < measured["intra_host_collective"]["latency_s"] < 0.1 and measured["message_overhead_s"] > 0
+    for kind in ("reduce_scatter_collective", "all_gather_collective"):  # a sharded stage's own links
+        assert 0 <= measured[kind]["latency_s"] < 0.1 and measured[kind]["bandwidth_bytes_per_s"] > 1e6, kind
     assert measured["device"]["name"] == "CPU(calibrated)"
     cached = first["cached"]
     assert cached["description"].endswith("group of 3 rank(s): device cached, links cached")

@@ -218,7 +218,9 @@ def cpu_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
 DEVICE_FIGURES = {"float32": 2e10, "bfloat16": 1e9, "float16": 1.5e9, "memory_bandwidth": 8e9, "kernel_launch": 7e-6,
                   "split_backward_overhead": 0.375}
 LINK_FIGURES = {"link_bandwidth": 3e9, "link_latency": 4e-5, "allreduce_bandwidth": 1.5e9, "allreduce_latency": 6e-5,
-                "message_overhead": 3e-4, "overlap_compute_slowdown": 0.25, "overlap_comm_slowdown": 1.5}
+                "message_overhead": 3e-4, "overlap_compute_slowdown": 0.25, "overlap_comm_slowdown": 1.5,
+                "reduce_scatter_bandwidth": 4e8, "reduce_scatter_latency": 3e-4, "all_gather_bandwidth": 9e8,
+                "all_gather_latency": 1e-4}
 
 
 def _no_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -258,6 +260,8 @@ def test_local_calibration_reads_its_cache(tmp_path: Path, monkeypatch: pytest.M
     assert cluster.collective_link([0, 1]) == cluster.intra_host_collective == LinkSpec(1.5e9, 6e-5)
     assert cluster.allreduce_time(3e9, [0, 1]) == 2 * 6e-5 + 2.0  # ring: 2 latencies + W / bandwidth
     assert cluster.message_overhead_s == 3e-4
+    assert cluster.collective_link([0, 1], "reduce_scatter") == cluster.reduce_scatter_collective == LinkSpec(4e8, 3e-4)
+    assert cluster.collective_link([0, 1], "all_gather") == cluster.all_gather_collective == LinkSpec(9e8, 1e-4)
     assert cluster.split_backward_overhead == 0.375  # measured; uncalibrated CPU ranks get the default
     assert parse_cluster("local:2", calibrate=False).split_backward_overhead == CPU_SPLIT_BACKWARD_OVERHEAD
     assert Cluster.from_json(json.loads(json.dumps(cluster.to_json()))) == cluster

@@ -111,6 +111,9 @@ def rich_setup(seed: int) -> tuple[Plan, CostChain, Cluster, dict[str, float | s
     overlap = random.Random(seed + 10**6)  # its own draws: the cases above stay as they were
     net = replace(net, overlap_compute_slowdown=overlap.choice([0.0, 0.19, 0.4]),
                   overlap_comm_slowdown=overlap.choice([0.0, 0.1, 2.5]))
+    measured = random.Random(seed + 3 * 10**6)  # a sharded stage's own collective links, as calibration gives them
+    net = replace(net, reduce_scatter_collective=measured.choice([None, LinkSpec(2e9, 4e-5)]),
+                  all_gather_collective=measured.choice([None, LinkSpec(8e9, 1e-5)]))
     cut_points = sorted(rng.sample(range(1, num_blocks), num_stages - 1))
     bounds = list(zip([0, *cut_points], [*cut_points, num_blocks], strict=True))
     devices = rng.sample(range(net.num_devices), sum(layout))

@@ -77,6 +77,22 @@ def test_communication_of_each_level_by_hand() -> None:
     assert across.start_s == pytest.approx(1e-4 + 2e8 / 1e8 + 2 * 4e8 / 1e12)
 
 
+def test_measured_reduce_scatter_and_all_gather_links_replace_half_an_allreduce_within_a_host() -> None:
+    # calibration fits each collective as one pass around the ring: latencies + (R-1)/R of the bytes
+    net = replace(_net(), reduce_scatter_collective=LinkSpec(2e8, 1e-3), all_gather_collective=LinkSpec(5e8, 2e-4))
+    copy = 2 * 4e8 / 1e12
+    scatter, gather = 3 * 1e-3 + 3 * 1e8 / 2e8 + copy, 3 * 2e-4 + 3 * 1e8 / 5e8 + copy
+    comms = sharding_comm(net, "parameters", (0, 1, 2, 3), 4e8, 4e8)
+    assert comms == pytest.approx((0.0, gather, gather + scatter, 0.0))
+    assert sharding_comm(net, "optimizer", (0, 1, 2, 3), 4e8, 4e8) == pytest.approx((gather, 0.0, 0.0, scatter))
+    # the unsharded allreduce keeps its own link; across hosts the measured (intra-host) figures do not apply
+    assert net.collective_link((0, 1)) == net.intra_host
+    across = replace(_net(2, 1), reduce_scatter_collective=LinkSpec(1.0, 1.0), all_gather_collective=LinkSpec(1.0, 1.0))
+    assert sharding_comm(across, "optimizer", (0, 1), 4e8, 4e8) == sharding_comm(_net(2, 1), "optimizer", (0, 1),
+                                                                                4e8, 4e8)
+    assert Cluster.from_json(net.to_json()) == net
+
+
 def _layers(num_blocks: int, param_bytes: int, seconds: float = 1e-3, saved: float = 1e3) -> CostChain:
     blocks = tuple(Block(f"b{i}", (f"n{i}",), Affine(0.0, seconds), Affine(0.0, 2 * seconds), param_bytes,
                          Affine(0.0, saved)) for i in range(num_blocks))

@@ -17,9 +17,12 @@ from fxpipe.core.cluster_spec import (
     COUNT_DIGITS,
     ClusterSpecError,
     device_from_json,
+    existing_file,
     json_field,
     link_from_json,
+    measured_links,
     quantity,
+    sharding_links,
     spec_error,
 )
 from fxpipe.core.hardware import (
@@ -94,6 +97,10 @@ class Cluster:
     long, the allreduce ``1 + comm`` times (:mod:`fxpipe.sim.allreduce_overlap`). Calibration measures
     them on CPU ranks (gloo's threads take cores); GPU presets carry a published estimate (docs/clusters.md).
 
+    ``reduce_scatter_collective``, ``all_gather_collective``: a sharded stage's collectives within a host, fitted
+    as one pass of a ring (calibrated on local ranks: gloo's reduce-scatter took 1.3-1.6x its allreduce of
+    the same buffer here, a ring 0.5x); None: the allreduce's link, half an allreduce each (:mod:`fxpipe.sim.sharding_cost`).
+
     ``optimizer_s_per_param_byte`` is the time of one optimizer step per byte of parameters a device
     holds, at one-rank speed (stretched like compute): measured by ``fxpipe.compile`` with its block
     costs (an AdamW step); 0 leaves the optimizer step out of the iteration (presets, analytic costs).
@@ -114,6 +121,8 @@ class Cluster:
     optimizer_s_per_param_byte: float = 0.0
     overlap_compute_slowdown: float = 0.0
     overlap_comm_slowdown: float = 0.0
+    reduce_scatter_collective: LinkSpec | None = None
+    all_gather_collective: LinkSpec | None = None
 
     def __post_init__(self) -> None:
         if self.num_hosts < 1 or self.devices_per_host < 1:
@@ -158,10 +167,12 @@ class Cluster:
         """The point-to-point link between two devices (intra-host when they share a host)."""
         return self.intra_host if self.host_of(src) == self.host_of(dst) else self.inter_host
 
-    def collective_link(self, devices: Sequence[int]) -> LinkSpec:
-        """The slowest link a ring collective over ``devices`` crosses."""
+    def collective_link(self, devices: Sequence[int], kind: str = "allreduce") -> LinkSpec:
+        """The slowest link a ring collective over ``devices`` crosses; ``kind`` ``"reduce_scatter"`` or
+        ``"all_gather"``: that collective's own figures within a host where measured, else the allreduce's."""
         if len({self.host_of(d) for d in devices}) <= 1:
-            return self.intra_host_collective or self.intra_host
+            own = {"reduce_scatter": self.reduce_scatter_collective, "all_gather": self.all_gather_collective}
+            return own.get(kind) or self.intra_host_collective or self.intra_host
         return self.inter_host_collective or self.inter_host
 
     def allreduce_time(self, num_bytes: float, devices: Sequence[int], link: LinkSpec | None = None) -> float:
@@ -227,6 +238,8 @@ def _cluster_from_json(data: Any) -> Cluster:
         if "optimizer_s_per_param_byte" in data else 0.0,
         **{key: json_field(data, key, float, "", "non-negative")
            for key in ("overlap_compute_slowdown", "overlap_comm_slowdown") if key in data},
+        **{key: link_from_json(data[key], key)
+           for key in ("reduce_scatter_collective", "all_gather_collective") if data.get(key) is not None},
     )
 
 
@@ -243,11 +256,13 @@ _DEVICE_ALIASES = {"v100-16gb": "v100", "a100-80gb": "a100", "h100-80gb": "h100"
 def _cpu_cluster(name: str, num_hosts: int, ranks_per_host: int, device: DeviceSpec, link: LinkSpec,
                  description: str, cores_per_host: int = 0, collective: LinkSpec | None = None,
                  message_overhead_s: float = 0.0, split_backward_overhead: float = CPU_SPLIT_BACKWARD_OVERHEAD,
-                 overlap: tuple[float, float] = CPU_OVERLAP_SLOWDOWNS) -> Cluster:
+                 overlap: tuple[float, float] = CPU_OVERLAP_SLOWDOWNS,
+                 sharding_links: tuple[LinkSpec | None, LinkSpec | None] = (None, None)) -> Cluster:
     return Cluster(name, num_hosts, ranks_per_host, device, link, link, None, description, cores_per_host,
                    collective, message_overhead_s=message_overhead_s,
                    split_backward_overhead=split_backward_overhead, overlap_compute_slowdown=overlap[0],
-                   overlap_comm_slowdown=overlap[1])
+                   overlap_comm_slowdown=overlap[1], reduce_scatter_collective=sharding_links[0],
+                   all_gather_collective=sharding_links[1])
 
 
 def _gpu_overlap(cluster: Cluster) -> Cluster:
@@ -313,21 +328,12 @@ def local_cluster(num_ranks: int | None = None, *, calibrate: bool | None = None
     return _local_cpu_cluster(f"local:{ranks}", ranks, machine.measured, collective)
 
 
-def _measured_links(measured: Calibration | None) -> tuple[LinkSpec, LinkSpec, float] | None:
-    """(point-to-point link, collective link, message overhead) from measured figures, None when not measured."""
-    if measured is None or measured.links is None:
-        return None
-    links = measured.links
-    return (LinkSpec(links["link_bandwidth"], links["link_latency"]),
-            LinkSpec(links["allreduce_bandwidth"], links["allreduce_latency"]), links["message_overhead"])
-
-
 def _local_cpu_cluster(name: str, ranks: int, measured: Calibration | None, collective: bool) -> Cluster:
     memory = host_memory_bytes() // ranks
     if measured is None:
         return _cpu_cluster(name, 1, ranks, cpu_device(memory), LOCAL_LINK_DEFAULT,
                             "local CPU ranks, uncalibrated conservative defaults", usable_cores())
-    links = _measured_links(measured)
+    links = measured_links(measured)
     if links is None and ranks > 1:
         how = ("the process group has one rank" if collective else "measuring links needs the ranks themselves: "
                "run under torchrun (fxpipe.compile measures over the process group) or run `fxpipe calibrate`")
@@ -335,12 +341,12 @@ def _local_cpu_cluster(name: str, ranks: int, measured: Calibration | None, coll
                       "docs/clusters.md", RuntimeWarning, stacklevel=3)
     link, collective_link, overhead = links or (LOCAL_LINK_DEFAULT, None, 0.0)
     split = (measured.device or {}).get("split_backward_overhead", CPU_SPLIT_BACKWARD_OVERHEAD)
-    measured_links = measured.links or {}
-    overlap = tuple(measured_links.get(f"overlap_{side}_slowdown", default)
+    figures = measured.links or {}
+    overlap = tuple(figures.get(f"overlap_{side}_slowdown", default)
                     for side, default in zip(("compute", "comm"), CPU_OVERLAP_SLOWDOWNS, strict=True))
     return _cpu_cluster(name, 1, ranks, cpu_device(memory, calibrated=measured.device), link,
                         f"local CPU ranks, calibrated: {measured.source}", usable_cores(), collective_link, overhead,
-                        split, (overlap[0], overlap[1]))
+                        split, (overlap[0], overlap[1]), sharding_links(figures))
 
 
 def _local_gpu_cluster(name: str, ranks: int, model: str, memory: int, measured: Calibration | None) -> Cluster:
@@ -355,7 +361,7 @@ def _local_gpu_cluster(name: str, ranks: int, model: str, memory: int, measured:
         warnings.warn(f"fxpipe: GPU model {model!r} has no preset and was not measured; planning with "
                       f"conservative default figures {GPU_DEFAULT_FIGURES}", RuntimeWarning, stacklevel=3)
         device, link, source = measured_device(model, memory, GPU_DEFAULT_FIGURES), PCIE_GPU_P2P, "defaults"
-    links = _measured_links(measured)
+    links = measured_links(measured)
     collective_link = None
     if links is not None and measured is not None:
         link, collective_link, _ = links  # copy engines move GPU messages: no per-message device time
@@ -390,22 +396,13 @@ def _parse_base(spec: str, base: str, calibrate: bool | None, collective: bool =
             return compact_cluster(hosts, devices, compact.group(3))
         except ClusterSpecError as error:
             raise spec_error(spec, base, str(error)) from None
-    path = _existing_file(base.strip())
+    path = existing_file(base.strip())
     if path is not None:
         return Cluster.load(path)
     if key.endswith(".json"):
         raise spec_error(spec, base, "looks like a JSON file path but no such file exists")
     raise spec_error(spec, base, "is not a preset, a HOSTSxDEVICES:KIND spec or a JSON file "
                                  f"(counts have at most {COUNT_DIGITS} digits)")
-
-
-def _existing_file(text: str) -> Path | None:
-    """The file ``text`` names (``~`` expanded), or None when there is no such file."""
-    try:
-        path = Path(text).expanduser()
-        return path if path.is_file() else None
-    except (OSError, RuntimeError, ValueError):  # too long for the file system, unknown ~user, NUL byte
-        return None
 
 
 def _apply_override(spec: str, cluster: Cluster, part: str) -> Cluster:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import math
 import re
 from decimal import Decimal
+from pathlib import Path
 from typing import Any, Literal
 
-from fxpipe.core.hardware import DeviceSpec, LinkSpec
+from fxpipe.core.hardware import Calibration, DeviceSpec, LinkSpec
 from fxpipe.core.jsonvalues import JSONValueError, read_field
 
 PRESET_NAMES = ("dapple-a", "dapple-b", "dapple-c", "dgx-h100[:NODES]", "local[:RANKS]")
@@ -115,3 +116,27 @@ def device_from_json(data: Any) -> DeviceSpec:
         memory_bandwidth_bytes_per_s=json_field(data, "memory_bandwidth_bytes_per_s", float, "device", "positive"),
         kernel_launch_s=json_field(data, "kernel_launch_s", float, "device", "non-negative"),
     )
+
+
+def measured_links(measured: Calibration | None) -> tuple[LinkSpec, LinkSpec, float] | None:
+    """(point-to-point link, collective link, message overhead) from measured figures, None when not measured."""
+    if measured is None or measured.links is None:
+        return None
+    links = measured.links
+    return (LinkSpec(links["link_bandwidth"], links["link_latency"]),
+            LinkSpec(links["allreduce_bandwidth"], links["allreduce_latency"]), links["message_overhead"])
+
+
+def sharding_links(figures: dict[str, float]) -> tuple[LinkSpec | None, LinkSpec | None]:
+    """(reduce-scatter, all-gather) links from calibrated link figures; None where not measured."""
+    return tuple(LinkSpec(figures[f"{kind}_bandwidth"], figures[f"{kind}_latency"])  # type: ignore[return-value]
+                 if f"{kind}_bandwidth" in figures else None for kind in ("reduce_scatter", "all_gather"))
+
+
+def existing_file(text: str) -> Path | None:
+    """The file ``text`` names (``~`` expanded), or None when there is no such file."""
+    try:
+        path = Path(text).expanduser()
+        return path if path.is_file() else None
+    except (OSError, RuntimeError, ValueError):  # too long for the file system, unknown ~user, NUL byte
+        return None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,8 @@ SPLIT_REFERENCE_ROWS, SPLIT_REFERENCE_WIDTH, SPLIT_REFERENCE_BLOCKS, SPLIT_REPEA
 
 DEVICE_KEYS = ("float32", "bfloat16", "float16", "memory_bandwidth", "kernel_launch", "split_backward_overhead")
 LINK_KEYS = ("link_latency", "link_bandwidth", "allreduce_latency", "allreduce_bandwidth", "message_overhead",
-             "overlap_compute_slowdown", "overlap_comm_slowdown")
+             "overlap_compute_slowdown", "overlap_comm_slowdown", "reduce_scatter_latency", "reduce_scatter_bandwidth",
+             "all_gather_latency", "all_gather_bandwidth")
 
 
 def synchronizer(device: torch.device) -> Callable[[], None]:
@@ -174,16 +176,44 @@ def _round_trip_s(rank: int, tensor: torch.Tensor, repeats: int) -> list[float]:
 
 def _allreduce_s(tensor: torch.Tensor, repeats: int, group: dist.ProcessGroup | None) -> list[float]:
     """Per-repeat times of a SUM allreduce of ``tensor`` over ``group``'s ranks, each started together."""
-    sync = synchronizer(tensor.device)
+    return _collective_s(lambda: dist.all_reduce(tensor, group=group), tensor.device, repeats, group)
+
+
+def _collective_s(call: Callable[[], object], device: torch.device, repeats: int,
+                  group: dist.ProcessGroup | None) -> list[float]:
+    """Per-repeat times of a collective ``call`` over ``group``'s ranks, each started together."""
+    sync = synchronizer(device)
     times = []
     for _ in range(repeats):
         dist.barrier(group=group)
         sync()
         start = time.perf_counter()
-        dist.all_reduce(tensor, group=group)
+        call()
         sync()
         times.append(time.perf_counter() - start)
     return times
+
+
+def sharding_collective_figures(device: torch.device, group: dist.ProcessGroup | None) -> dict[str, float]:
+    """Latency and bandwidth of a reduce-scatter and of an all-gather over ``group``'s ranks, as FSDP2 calls
+    them (``reduce_scatter_single``/``all_gather_single`` of one flat buffer; the all-gather's input is
+    1/R of the output), fitted like the allreduce (:func:`ring_fit` with one pass: a ring reduce-scatter or
+    all-gather is half a ring allreduce). A backend that runs either slower shows in these figures (gloo's
+    reduce-scatter took longer than its allreduce of the same buffer here)."""
+    num_ranks = dist.get_world_size(group)
+    figures = {}
+    for name in ("reduce_scatter", "all_gather"):
+        medians = []
+        for num_bytes, repeats in ((PING_SMALL_BYTES, PING_REPEATS), (PING_LARGE_BYTES, 5)):
+            whole = torch.zeros(num_bytes // 4, dtype=torch.float32, device=device)
+            shard = torch.zeros(whole.numel() // num_ranks, dtype=torch.float32, device=device)
+            whole = whole[:shard.numel() * num_ranks]
+            call = (partial(dist.reduce_scatter_single, shard, whole, group=group) if name == "reduce_scatter"
+                    else partial(dist.all_gather_single, whole, shard, group=group))
+            medians.append(statistics.median(_collective_s(call, device, repeats + 1, group)[1:]))
+        figures[f"{name}_latency"], figures[f"{name}_bandwidth"] = ring_fit(
+            num_ranks, (PING_SMALL_BYTES, medians[0]), (PING_LARGE_BYTES, medians[1]), passes=1)
+    return figures
 
 
 def _message_overhead_s(rank: int, repeats: int, group: dist.ProcessGroup | None) -> float:
@@ -242,22 +272,32 @@ def measure_pair_link(rank: int, device: torch.device, group: dist.ProcessGroup 
                                                                 (PING_LARGE_BYTES, large_ar))
     return {"link_latency": latency, "link_bandwidth": PING_LARGE_BYTES / one_way,
             "allreduce_latency": allreduce_latency, "allreduce_bandwidth": allreduce_bandwidth,
-            "message_overhead": overhead, **measure_overlap(device, group)}
+            "message_overhead": overhead, **measure_overlap(device, group),
+            **sharding_collective_figures(device, group)}
 
 
 def ring_allreduce_fit(num_ranks: int, small: tuple[float, float], large: tuple[float, float]) -> tuple[float, float]:
     """``(latency s, bandwidth B/s)`` that make :meth:`fxpipe.core.cluster.Cluster.allreduce_time`'s ring
-    formula, ``2 (R-1) latency + 2 (R-1) W / (R bandwidth)``, give the two measured ``(bytes, seconds)``.
+    formula, ``2 (R-1) latency + 2 (R-1) W / (R bandwidth)``, give the two measured ``(bytes, seconds)``."""
+    return ring_fit(num_ranks, small, large, passes=2)
 
-    A large allreduce no slower than the small one (noise) gives the bandwidth of 1 ns for the
+
+def ring_fit(num_ranks: int, small: tuple[float, float], large: tuple[float, float], *,
+             passes: int) -> tuple[float, float]:
+    """``(latency s, bandwidth B/s)`` that make a ring collective of ``passes`` trips around the ring,
+    ``passes (R-1) latency + passes (R-1) W / (R bandwidth)`` (an allreduce 2: reduce-scatter then
+    all-gather; a reduce-scatter or an all-gather 1), give the two measured ``(bytes, seconds)``.
+
+    A large collective no slower than the small one (noise) gives the bandwidth of 1 ns for the
     difference; the latency is never negative.
     """
     if num_ranks < 2:
-        raise ValueError(f"a ring allreduce needs at least 2 ranks; got {num_ranks}")
+        raise ValueError(f"a ring collective needs at least 2 ranks; got {num_ranks}")
     (small_bytes, small_s), (large_bytes, large_s) = small, large
     if large_bytes <= small_bytes:
-        raise ValueError(f"the large allreduce ({large_bytes} B) must carry more than the small one ({small_bytes} B)")
-    steps, share = 2 * (num_ranks - 1), 2 * (num_ranks - 1) / num_ranks
+        raise ValueError(f"the large collective ({large_bytes} B) must carry more than the small one ({small_bytes} B)")
+    steps = passes * (num_ranks - 1)
+    share = steps / num_ranks
     bandwidth = share * (large_bytes - small_bytes) / max(large_s - small_s, 1e-9)
     latency = max(small_s - share * small_bytes / bandwidth, 0.0) / steps
     return latency, bandwidth

@@ -16,9 +16,11 @@ M micro-batches:
 Under split backward (zero-bubble) "each backward" is each W, which the reduce-scatter follows at runtime
 (:meth:`fxpipe.runtime.sharded_stage.ShardedStage.after_weights`); ZeRO-3 never runs split.
 
-Each of RS and AG moves (r-1)/r of the bytes per device, half a ring allreduce, over the same links
-(:meth:`Cluster.allreduce_time`), with half its copies into and out of the flat buffer: RS(x) + AG(x)
-is exactly :func:`fxpipe.sim.stagecost.gradient_allreduce_time` of x. Nothing here overlaps compute: the
+Each of RS and AG moves (r-1)/r of the bytes per device, half a ring allreduce (:meth:`Cluster.allreduce_time`),
+with half its copies into and out of the flat buffer, on its own link: within a host, the figures calibration
+measured for that collective (:attr:`Cluster.reduce_scatter_collective`, :attr:`Cluster.all_gather_collective`;
+gloo's reduce-scatter takes longer than a whole allreduce), else the allreduce's, where RS(x) + AG(x) is
+exactly :func:`fxpipe.sim.stagecost.gradient_allreduce_time` of x. Nothing here overlaps compute: the
 per-micro-batch collectives of ``gradients``/``parameters`` sit on the stage's critical path (FSDP2
 prefetches the next unit's all-gather, but a stage's first unit waits for it and the reduce-scatter
 of its last unit ends the backward; charging them whole is the conservative bound, see
@@ -59,7 +61,8 @@ NO_SHARDING = ShardingComm()
 
 def half_collective_time(cluster: Cluster, num_bytes: float, devices: Sequence[int],
                          link: LinkSpec | None = None) -> float:
-    """A ring reduce-scatter or all-gather of ``num_bytes`` over ``devices``: half a gradient allreduce."""
+    """A ring reduce-scatter or all-gather of ``num_bytes`` over ``devices``: half a gradient allreduce on
+    ``link`` (the collective's own, :meth:`Cluster.collective_link` with its kind; default the allreduce's)."""
     return gradient_allreduce_time(cluster, num_bytes, devices, link) / 2.0
 
 
@@ -70,9 +73,8 @@ def sharding_comm(cluster: Cluster, sharding: str, devices: Sequence[int], weigh
     check_level(sharding)
     if sharding == "none" or len(devices) <= 1:
         return NO_SHARDING
-    link = cluster.collective_link(devices)
-    gather = half_collective_time(cluster, weight_bytes, devices, link)
-    scatter = half_collective_time(cluster, gradient_bytes, devices, link)
+    gather = half_collective_time(cluster, weight_bytes, devices, cluster.collective_link(devices, "all_gather"))
+    scatter = half_collective_time(cluster, gradient_bytes, devices, cluster.collective_link(devices, "reduce_scatter"))
     if sharding == "optimizer":
         return ShardingComm(start_s=gather, tail_s=scatter)
     if sharding == "gradients":
