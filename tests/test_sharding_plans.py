@@ -174,6 +174,29 @@ def test_auto_weighs_sharding_against_recomputation() -> None:
     assert plan.predicted.iteration_time_s < recomputed.predicted.iteration_time_s  # type: ignore[union-attr]
 
 
+def test_auto_is_never_slower_than_the_unsharded_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The search ranks by the pivot model, so its best sharded plan can lose to the best unsharded one; a
+    planner whose auto search comes out twice as slow gives way to the unsharded plan, with a note."""
+    from fxpipe.passes.partition import dapple
+
+    chain, net = _layers(6, 10**7), _net(2, 2)
+    real = dapple.PLANNERS["dapple"]
+
+    def poor_search(request: Any) -> Plan:
+        plan = real(request)
+        if request.sharding != "auto":
+            return plan
+        slow = replace(plan.predicted, iteration_time_s=2 * plan.predicted.iteration_time_s)  # type: ignore[type-var]
+        return plan.with_updates(predicted=slow, stages=tuple(replace(stage, sharding="optimizer") if stage.replicas > 1
+                                                              else stage for stage in plan.stages))
+
+    monkeypatch.setitem(dapple.PLANNERS, "dapple", poor_search)
+    unsharded = partition(chain, net, 32)
+    plan = partition(chain, net, 32, sharding="auto")
+    assert plan.with_updates(notes=(), planning_time_s=0.0) == unsharded.with_updates(planning_time_s=0.0)
+    assert any("best unsharded plan" in note and "predicted faster" in note for note in plan.notes), plan.notes
+
+
 def test_none_is_the_default_and_plans_exactly_as_before() -> None:
     chain, net = _layers(6, 10**7), _net(2, 2)
     default = partition(chain, net, 32)

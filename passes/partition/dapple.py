@@ -253,6 +253,32 @@ def on_fine_chain(plan: Plan, chain: CostChain, stops: list[int]) -> Plan:
                              block_names=tuple(block.name for block in chain.blocks))
 
 
+def _planned(request: PlanRequest, planner: Planner) -> Plan:
+    return plan_every_device(request, planner) if request.all_devices else planner(request)
+
+
+def _no_slower_than_unsharded(plan: Plan, request: PlanRequest, planner: Planner) -> Plan:
+    """``sharding="auto"``: the unsharded plan instead when it is predicted faster.
+
+    Every unsharded plan is an ``"auto"`` candidate too, but the search keeps a pool ranked by the pivot
+    model for the simulator to score, and sharded candidates can crowd the best unsharded one out of it
+    (benchmarks/sharding_study.md once found ``"auto"`` 0.97x the unsharded plan); planning both keeps
+    ``"auto"`` never slower than ``"none"`` by the simulator's own figures.
+    """
+    try:
+        unsharded = _planned(replace(request, sharding="none"), planner)
+    except InfeasiblePlanError:
+        return plan
+    if plan.predicted is None or unsharded.predicted is None:
+        return plan
+    sharded_s, unsharded_s = plan.predicted.iteration_time_s, unsharded.predicted.iteration_time_s
+    if unsharded_s >= sharded_s:
+        return plan
+    note = (f"sharding='auto': the best unsharded plan ({unsharded_s * 1e3:.3f} ms per iteration) is predicted "
+            f"faster than the best sharded one the search found (layout {plan.layout}, {sharded_s * 1e3:.3f} ms)")
+    return unsharded.with_updates(notes=(*unsharded.notes, note))
+
+
 def _check_num_stages(num_stages: int | None, planner: str, num_groups: int) -> None:
     if num_stages is None:
         return
@@ -316,7 +342,9 @@ def partition(chain: CostChain, cluster: Cluster, global_batch_size: int, *, pla
         sharding=sharding if isinstance(sharding, str) else tuple(sharding),
     )
     check_request(request)
-    plan = plan_every_device(request, PLANNERS[planner]) if all_devices else PLANNERS[planner](request)
+    plan = _planned(request, PLANNERS[planner])
+    if request.sharding == "auto":
+        plan = _no_slower_than_unsharded(plan, request, PLANNERS[planner])
     if compare:
         plan = plan.with_updates(baselines=_baseline_results(request))
     return on_fine_chain(plan, chain, stops).with_updates(planning_time_s=time.perf_counter() - start)
