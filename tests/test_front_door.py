@@ -10,10 +10,11 @@ import torch
 from torch import nn
 
 import fxpipe
+from fxpipe.core.cluster import parse_cluster
 from fxpipe.passes import trace
 from fxpipe.passes.codegen import split_for_plan
 from fxpipe.passes.partition.dapple import LayoutError
-from fxpipe.planning import plan_model
+from fxpipe.planning import costed_model, plan_chain, plan_model
 
 
 class SkipMLP(nn.Module):
@@ -339,10 +340,11 @@ def test_every_planner_gives_every_stage_parameters(model_name: str) -> None:
     entry = models.get(model_name)
     model, example_inputs = models.build(model_name, **entry.tiny_overrides)
     graph_module = trace(model, example_inputs)
+    cluster = parse_cluster("local:4")
+    chain = costed_model(model, example_inputs, cluster).chain  # costed once, planned 7 times
     for planner, layout in [("dapple", None), ("dapple", "2:1:1"), ("dapple", "1:1:1:1"), ("pipedream", None),
                             ("gpipe", None), ("uniform", None), ("params", None)]:
-        plan = plan_model(model, example_inputs, cluster="local:4", global_batch_size=16, planner=planner,
-                          layout=layout)
+        plan = plan_chain(chain, cluster, 16, planner=planner, layout=layout)
         program = split_for_plan(graph_module, plan)
         counts = [sum(1 for _ in stage.module.parameters()) for stage in program.stages]
         assert min(counts) > 0, (planner, layout, plan.layout, counts)
