@@ -26,7 +26,24 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-GLOO_DROP_S = 0.02  # the gloo worker drops a finished reduce-scatter's staging copy well within this
+GLOO_DROP_S = 0.02  # the gloo worker drops a finished reduce-scatter's staging copy, on an idle machine within this
+# A busy machine can keep the worker thread off a core for longer: after a reduce-scatter the heap is polled
+# until it has not fallen for GLOO_STEADY_S (GLOO_POLL_S apart), at most GLOO_WAIT_S in all.
+GLOO_POLL_S = 0.005
+GLOO_STEADY_S = 0.1
+GLOO_WAIT_S = 3.0
+
+
+def settle() -> None:
+    """Wait until the gloo worker has dropped a finished collective's staging copy: the heap stops falling."""
+    time.sleep(GLOO_DROP_S)
+    start = last_drop = time.monotonic()
+    lowest = heap_bytes()
+    while time.monotonic() - last_drop < GLOO_STEADY_S and time.monotonic() - start < GLOO_WAIT_S:
+        time.sleep(GLOO_POLL_S)
+        now = heap_bytes()
+        if now < lowest - 4096:
+            lowest, last_drop = now, time.monotonic()
 
 
 class _MallInfo2(ctypes.Structure):
@@ -62,18 +79,18 @@ def install() -> None:
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
 
-    def sampled(label: str, function: Callable[..., Any], settle: bool = False) -> Callable[..., Any]:
+    def sampled(label: str, function: Callable[..., Any], settles: bool = False) -> Callable[..., Any]:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             SAMPLES.append((f"{label}:in", heap_bytes()))
             result = function(*args, **kwargs)
-            if settle:
-                time.sleep(GLOO_DROP_S)
+            if settles:
+                settle()
             SAMPLES.append((f"{label}:out", heap_bytes()))
             return result
         return wrapped
 
     for name in ("foreach_all_gather", "foreach_all_gather_copy_out", "foreach_reduce"):
-        setattr(group_module, name, sampled(name, getattr(group_module, name), settle=name == "foreach_reduce"))
+        setattr(group_module, name, sampled(name, getattr(group_module, name), settles=name == "foreach_reduce"))
     collectives.foreach_reduce_scatter_copy_in = sampled(  # type: ignore[attr-defined]
         "reduce_scatter_copy_in", collectives.foreach_reduce_scatter_copy_in)
     group = group_module.FSDPParamGroup
