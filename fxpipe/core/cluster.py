@@ -21,6 +21,8 @@ from fxpipe.core.cluster_spec import (
     json_field,
     link_from_json,
     measured_links,
+    optional_link,
+    optional_seconds,
     quantity,
     sharding_links,
     spec_error,
@@ -216,7 +218,6 @@ def _cluster_from_json(data: Any) -> Cluster:
     version = json_field(data, "format_version", int)
     if version != CLUSTER_FORMAT_VERSION:
         raise ClusterSpecError(f"cluster JSON format_version {version} is unknown; expected {CLUSTER_FORMAT_VERSION}")
-    has_collective = data.get("inter_host_collective") is not None
     return Cluster(
         device=device_from_json(json_field(data, "device", dict)),
         name=json_field(data, "name", str),
@@ -224,22 +225,17 @@ def _cluster_from_json(data: Any) -> Cluster:
         devices_per_host=json_field(data, "devices_per_host", int, "", "positive"),
         intra_host=link_from_json(json_field(data, "intra_host", dict), "intra_host"),
         inter_host=link_from_json(json_field(data, "inter_host", dict), "inter_host"),
-        inter_host_collective=link_from_json(data["inter_host_collective"], "inter_host_collective")
-        if has_collective else None,
+        inter_host_collective=optional_link(data, "inter_host_collective"),
         description=json_field(data, "description", str) if "description" in data else "",
         cores_per_host=json_field(data, "cores_per_host", int, "", "non-negative") if "cores_per_host" in data else 0,
-        intra_host_collective=link_from_json(data["intra_host_collective"], "intra_host_collective")
-        if data.get("intra_host_collective") is not None else None,
-        message_overhead_s=json_field(data, "message_overhead_s", float, "", "non-negative")
-        if "message_overhead_s" in data else 0.0,
-        split_backward_overhead=json_field(data, "split_backward_overhead", float, "", "non-negative")
-        if "split_backward_overhead" in data else 0.0,
-        optimizer_s_per_param_byte=json_field(data, "optimizer_s_per_param_byte", float, "", "non-negative")
-        if "optimizer_s_per_param_byte" in data else 0.0,
-        **{key: json_field(data, key, float, "", "non-negative")
-           for key in ("overlap_compute_slowdown", "overlap_comm_slowdown") if key in data},
-        **{key: link_from_json(data[key], key)
-           for key in ("reduce_scatter_collective", "all_gather_collective") if data.get(key) is not None},
+        intra_host_collective=optional_link(data, "intra_host_collective"),
+        message_overhead_s=optional_seconds(data, "message_overhead_s"),
+        split_backward_overhead=optional_seconds(data, "split_backward_overhead"),
+        optimizer_s_per_param_byte=optional_seconds(data, "optimizer_s_per_param_byte"),
+        overlap_compute_slowdown=optional_seconds(data, "overlap_compute_slowdown"),
+        overlap_comm_slowdown=optional_seconds(data, "overlap_comm_slowdown"),
+        reduce_scatter_collective=optional_link(data, "reduce_scatter_collective"),
+        all_gather_collective=optional_link(data, "all_gather_collective"),
     )
 
 

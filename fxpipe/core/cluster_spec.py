@@ -104,6 +104,16 @@ def link_from_json(data: Any, where: str) -> LinkSpec:
     )
 
 
+def optional_link(data: Any, key: str) -> LinkSpec | None:
+    """The link at ``key`` of a cluster's JSON; None when the key is absent or null."""
+    return link_from_json(data[key], key) if data.get(key) is not None else None
+
+
+def optional_seconds(data: Any, key: str) -> float:
+    """A non-negative figure at ``key`` of a cluster's JSON; 0 when absent (not measured)."""
+    return float(json_field(data, key, float, "", "non-negative")) if key in data else 0.0
+
+
 def device_from_json(data: Any) -> DeviceSpec:
     """The device of a cluster JSON file, every field checked."""
     flops = json_field(data, "peak_flops", dict[str, float], "device")
