@@ -313,10 +313,13 @@ def _memory_failures(rank: int, measured: dict[str, dict[str, Any]]) -> list[str
     for name, record in measured.items():
         predicted = model_state_bytes(record["param_bytes"], optimizer_factor("adamw"), record["level"],
                                       record["replicas"], record["num_microbatches"])
-        if abs(record["peak"] / predicted - 1) > MEMORY_TOLERANCE:
+        # gloo's staging copy of a reduce-scatter's input (one P, left out of the model: docs/sharding.md) can
+        # still be alive when a sample falls, however long the probe waits on a busy machine: at most that more
+        staged = predicted + record["param_bytes"]
+        if not predicted * (1 - MEMORY_TOLERANCE) <= record["peak"] <= staged * (1 + MEMORY_TOLERANCE):
             failures.append(f"memory {name} rank {rank}: measured peak {record['peak']} B at {record['where']} "
-                            f"vs model_state_bytes {predicted:.0f} B (P = {record['param_bytes']} B), want within "
-                            f"{MEMORY_TOLERANCE:.0%}")
+                            f"vs model_state_bytes {predicted:.0f} B (P = {record['param_bytes']} B), want from it to it + P "
+                            f"(gloo's staging copy) within {MEMORY_TOLERANCE:.0%}")
     return failures
 
 
