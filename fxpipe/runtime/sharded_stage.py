@@ -112,9 +112,7 @@ class ShardedStage:
         self.wrapper.set_is_last_backward(last)
         self.wrapper.set_requires_gradient_sync(True)
         self.wrapper.set_reshard_after_backward(last)
-        run_post_backward(self.wrapper)
-        if not last:
-            self.before_split_backward()
+        run_post_backward(self.wrapper)  # the next B sets the flags back (before_split_backward)
 
     def reshard(self) -> None:
         """Free gathered weights a forward-only pass kept (ZeRO-1/2 keep them after forward)."""
