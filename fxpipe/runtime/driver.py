@@ -25,14 +25,13 @@ from fxpipe.runtime.comm import (
     Pending,
     device_rows,
     message_tag,
-    new_groups,
     pack,
     take_rows,
     unflatten_into,
 )
 from fxpipe.runtime.errors import PipelineSetupError
 from fxpipe.runtime.failures import DEFAULT_STALL_TIMEOUT_S, FailureLog, NoLog
-from fxpipe.runtime.grad_sync import restore_stashed, start_allreduces, stash_grads
+from fxpipe.runtime.grad_sync import reduce_sets, restore_stashed, start_allreduces, stash_grads
 from fxpipe.runtime.measure import ActionTimer, MeasureMode, SavedActivationMeter, StepStats
 from fxpipe.runtime.receives import Inbox
 from fxpipe.runtime.rows import RowMap
@@ -105,7 +104,8 @@ class PipelineDriver:
         # Walking parameters by path costs milliseconds; the set never changes, so walk once.
         self._own_params = unique_params(self.runner.parameters())
         self._param_list = [param for _, param in self._own_params]
-        self.reduce_sets = self._make_reduce_sets()
+        # per stage, then per tied stage set (fxpipe.runtime.sync reuses them)
+        self.groups, self.reduce_sets = reduce_sets(plan, program, self.stage_index, self._own_params)
         if self.failures is not None:  # the heartbeat thread watches this rank's waits (failures.py)
             self.failures.watch_waits(stall_timeout_s, self.groups)
         # Earlier steps' gradients are set aside only when this step's must be reduced or divided on
@@ -121,32 +121,6 @@ class PipelineDriver:
         self.sharded: ShardedStage | None = None  # FSDP2 replicas (shard_stage, fxpipe.runtime.sharded_stage)
 
     # ---- setup ---------------------------------------------------------------------------------
-
-    def _make_reduce_sets(self) -> list[tuple[dist.ProcessGroup, list[torch.nn.Parameter]]]:
-        """Process groups for gradient sums: the stage's replicas, then one per set of tied stages.
-
-        Every rank creates every group in the same order (torch.distributed requires it). Tied
-        parameters skip the replica group: one SUM over all ranks of all owner stages already adds
-        every replica's and every owner's contribution.
-        """
-        stage_ranks = [list(stage.devices) for stage in self.plan.stages]
-        tied_sets = sorted({tuple(sorted(stages)) for _, stages in self.program.tie_groups})
-        tied_ranks = [sorted(d for s in stages for d in self.plan.stages[s].devices) for stages in tied_sets]
-        groups = new_groups(stage_ranks + tied_ranks)
-        self.groups = groups  # per stage, then per tied stage set; fxpipe.runtime.sync reuses them
-        tied_names = {name: tuple(sorted(stages)) for name, stages in self.program.tie_groups}
-        own = self._own_params
-        sets: list[tuple[dist.ProcessGroup, list[torch.nn.Parameter]]] = []
-        plain = [p for name, p in own if name not in tied_names]
-        replica_group = groups[self.stage_index]
-        if replica_group is not None and plain:
-            sets.append((replica_group, plain))
-        for index, stages in enumerate(tied_sets):
-            tied = [p for name, p in own if tied_names.get(name) == stages]
-            group = groups[len(stage_ranks) + index]
-            if tied and group is not None:
-                sets.append((group, tied))
-        return sets
 
     def shard_stage(self) -> None:
         """Shard this rank's stage as the plan says (fxpipe.runtime.sharded_stage; nothing for ``"none"``): after
