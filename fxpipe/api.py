@@ -82,8 +82,14 @@ class PipelinedModule:
     __call__ = predict
 
     def _collective(self, run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        try:
-            return run(*args, **kwargs)
+        from fxpipe.runtime.caller_autocast import honour_caller_autocast
+
+        driver = self.driver
+        try:  # a torch.autocast region around the call is honoured as autocast_dtype is (docs/training_loop.md)
+            with honour_caller_autocast(driver.context.device, driver.compiled_autocast,
+                                        compiled_stages=driver.runner.compiled is not None,
+                                        use_autocast=driver.use_autocast):
+                return run(*args, **kwargs)
         except Exception as error:  # the job's root cause when this rank failed first (docs/faults.md)
             if self.driver.failures is not None:
                 self.driver.failures.note_error(error)

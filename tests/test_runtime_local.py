@@ -16,6 +16,9 @@ from fxpipe.runtime.comm import (
     MessageKind,
     Route,
     buffer_shape,
+    check_header,
+    header_bytes,
+    header_view,
     message_tag,
     pack,
     packed_bytes,
@@ -24,7 +27,7 @@ from fxpipe.runtime.comm import (
     unpack,
 )
 from fxpipe.runtime.driver import check_world, lowered_actions
-from fxpipe.runtime.errors import CommunicationError, PipelineSetupError
+from fxpipe.runtime.errors import CommunicationError, MessageLayoutError, PipelineSetupError
 from fxpipe.runtime.stage import rebuild_tree
 from tests.mp_utils import plan_from_cuts
 
@@ -90,14 +93,31 @@ def test_pack_then_unpack_gives_every_piece_back_bit_exact_with_its_dtype() -> N
         assert got.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()  # views, no copy
 
 
-def test_packed_bytes_pads_each_piece_to_the_alignment() -> None:
+def test_packed_bytes_pads_each_piece_to_the_alignment_behind_the_header() -> None:
     layouts = [((3,), torch.bool), ((1,), torch.float32), ((4,), torch.float64)]
-    assert packed_bytes(layouts) == PACK_ALIGN + PACK_ALIGN + 2 * PACK_ALIGN
+    # header: magic, payload bytes, piece count, then (dtype code, elements) per piece = 9 int64 words -> 80 bytes
+    assert header_bytes(3) == 80
+    assert packed_bytes(layouts) == 80 + PACK_ALIGN + PACK_ALIGN + 2 * PACK_ALIGN
 
 
 def test_unpack_rejects_a_message_of_the_wrong_size() -> None:
-    with pytest.raises(CommunicationError, match="packed message has 8 bytes but its pieces need 16"):
+    with pytest.raises(CommunicationError, match="packed message has 8 bytes but its pieces need 64"):
         unpack(torch.empty(8, dtype=torch.uint8), [((2,), torch.float32)])
+
+
+def test_a_header_names_the_value_and_both_dtypes_when_the_sender_sent_another_dtype() -> None:
+    """The autocast corruption: bfloat16 sent, float32 expected; gloo leaves the rest of the buffer unwritten."""
+    sent = pack([torch.ones(2, 3, dtype=torch.bfloat16), torch.zeros(4)])
+    expected = [((2, 3), torch.float32), ((4,), torch.float32)]
+    buffer = torch.full((packed_bytes(expected),), 255, dtype=torch.uint8)
+    buffer[:sent.numel()] = sent  # what gloo does with a shorter message
+    words = header_view(buffer, 2).tolist()
+    with pytest.raises(MessageLayoutError, match=r"receive 'h' from rank 0 \(stage 0\): 'h': expected torch.float32 of "
+                       r"shape \(2, 3\) \(6 elements\), received torch.bfloat16 with 6 elements"):
+        check_header(words, expected, ["h", "mask"], "receive 'h' from rank 0 (stage 0)")
+    check_header(header_view(sent, 2).tolist(), [((2, 3), torch.bfloat16), ((4,), torch.float32)], ["h", "mask"], "")
+    with pytest.raises(MessageLayoutError, match="not the expected 2 piece"):
+        check_header([0] * 7, expected, ["h", "mask"], "receive")
 
 
 def test_rebuild_tree_restores_nested_outputs() -> None:

@@ -82,6 +82,7 @@ class BatchChecker:
         self.num_steps = 0
         self.last_layout: int | None = None
         self.folded: tuple[int, int] | None = None  # full digests folded into this step's loss allreduce
+        self.precision = ""  # the autocast the step's forwards run under, compared with the batch's layout
         # a world of one has no other batch to compare: no digest, no collective, no cost per step
         self.active = self.mode != "off" and dist.is_initialized() and dist.get_world_size() > 1
 
@@ -98,7 +99,7 @@ class BatchChecker:
         if not self.active:
             return
         leaves = tree_flatten((tuple(inputs), targets))[0]
-        layout = layout_digest(["partial data"] if partial else leaves)
+        layout = layout_digest([self.precision, *(["partial data"] if partial else leaves)])
         before_step = self.mode == "always" or self.num_steps < NUM_CHECKED_FIRST_STEPS or new_shape
         wants_data = not partial and (before_step or layout != self.last_layout)
         if not before_step and not fold:
@@ -159,7 +160,7 @@ def raise_on_difference(rows: list[tuple[int, int]], batch_dims: str = "") -> No
         where = f" ({batch_dims})" if batch_dims else ""
         raise BatchMismatchError(
             f"ranks {shape_differs} passed step() inputs/targets of other shapes or dtypes than rank 0{where} (or one "
-            "side passed partial=True); every rank must pass the same global batch, or each its own rows with "
+            "side passed partial=True, or called it under another torch.autocast); every rank must pass the same global batch, or each its own rows with "
             "partial=True (pipe.input_rows() / pipe.target_rows(), concatenated in the batch dims)")
     data = [row[1] for row in rows]
     checked = [rank for rank, value in enumerate(data) if value != 0]

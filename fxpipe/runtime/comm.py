@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import math
 import os
 import pickle
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.core.plan import row_ranges, shared_rows
-from fxpipe.runtime.errors import CommunicationError
+from fxpipe.runtime.errors import CommunicationError, MessageLayoutError
 from fxpipe.runtime.failures import FailureLog, root_cause_hint
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -117,9 +118,20 @@ def device_rows(value: Any, batch_dim: int | None, start: int, stop: int, device
 # Byte alignment of each tensor inside a packed message (so every piece can be viewed as its dtype in place).
 PACK_ALIGN = 16
 
+# Every message starts with a header of int64 words: HEADER_MAGIC, the payload's bytes, the number of pieces, then
+# each piece's dtype code and element count. gloo fills a receive buffer larger than the message it gets only in
+# part, silently (a bfloat16 value received where float32 was expected left half the buffer unwritten: losses of
+# 1e35 and nan); with the header the receiver sees what was sent and raises, naming both layouts.
+HEADER_MAGIC = 0x6678706970650001  # "fxpipe", format 1
+_DTYPES: tuple[torch.dtype, ...] = tuple(sorted({value for value in vars(torch).values()
+                                                 if isinstance(value, torch.dtype)}, key=str))
+_DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
+
+Layouts = Sequence[tuple[Sequence[int], torch.dtype]]
+
 
 def packed_offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
-    """Byte offset of each piece in a packed message, and the message's total bytes."""
+    """Byte offset of each piece in a packed message's payload, and the payload's total bytes."""
     offsets, total = [], 0
     for size in sizes:
         offsets.append(total)
@@ -127,37 +139,93 @@ def packed_offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
     return offsets, total
 
 
+def header_bytes(num_pieces: int) -> int:
+    """Bytes of a message's header (``PACK_ALIGN``-aligned, so the payload's pieces stay aligned)."""
+    return -(-(8 * (3 + 2 * num_pieces)) // PACK_ALIGN) * PACK_ALIGN
+
+
+def message_header(layouts: Layouts) -> tuple[int, ...]:
+    """The header words of a message holding pieces of these (shape, dtype)."""
+    payload = packed_offsets(_piece_bytes(layouts))[1]
+    words = [HEADER_MAGIC, payload, len(layouts)]
+    for shape, dtype in layouts:
+        words += [_DTYPE_CODES[dtype], math.prod(shape)]
+    return tuple(words)
+
+
+@functools.lru_cache(maxsize=1024)
+def _header_tensor(words: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The header as int64 words on ``device``, made once per layout (a host-to-GPU copy per send would wait)."""
+    return torch.tensor(words, dtype=torch.int64).to(device)
+
+
 def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One byte buffer holding every tensor, in order, each at a ``PACK_ALIGN``-aligned offset.
+    """One byte buffer: the header, then every tensor, in order, each at a ``PACK_ALIGN``-aligned offset.
 
     Values crossing a cut to the same peer go as one message: on gloo every message costs a
     latency and CPU time at both ends, far more than copying small tensors once.
     """
     flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    words = message_header([(tuple(t.shape), t.dtype) for t in tensors])
+    start = header_bytes(len(tensors))
     offsets, total = packed_offsets([f.numel() for f in flat])
-    buffer = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
+    buffer = torch.empty(start + total, dtype=torch.uint8, device=tensors[0].device)
+    buffer[:8 * len(words)].view(torch.int64).copy_(_header_tensor(words, buffer.device))
     for piece, offset in zip(flat, offsets, strict=True):
-        buffer[offset:offset + piece.numel()].copy_(piece)
+        buffer[start + offset:start + offset + piece.numel()].copy_(piece)
     return buffer
 
 
-def _piece_bytes(layouts: Sequence[tuple[Sequence[int], torch.dtype]]) -> list[int]:
+def _piece_bytes(layouts: Layouts) -> list[int]:
     return [math.prod(shape) * dtype.itemsize for shape, dtype in layouts]
 
 
-def packed_bytes(layouts: Sequence[tuple[Sequence[int], torch.dtype]]) -> int:
-    """Size of the packed message for pieces of these (shape, dtype)."""
-    return packed_offsets(_piece_bytes(layouts))[1]
+def packed_bytes(layouts: Layouts) -> int:
+    """Size of the packed message for pieces of these (shape, dtype), header included."""
+    return header_bytes(len(layouts)) + packed_offsets(_piece_bytes(layouts))[1]
 
 
-def unpack(buffer: torch.Tensor, layouts: Sequence[tuple[Sequence[int], torch.dtype]]) -> list[torch.Tensor]:
-    """The pieces of a packed message as views of ``buffer`` with their (shape, dtype)."""
+def unpack(buffer: torch.Tensor, layouts: Layouts) -> list[torch.Tensor]:
+    """The pieces of a packed message as views of ``buffer`` with their (shape, dtype); the header is not read
+    here (:func:`check_header`)."""
     sizes = _piece_bytes(layouts)
     offsets, total = packed_offsets(sizes)
-    if buffer.numel() != total:
-        raise CommunicationError(f"packed message has {buffer.numel()} bytes but its pieces need {total}")
-    return [buffer[offset:offset + size].view(dtype).view(tuple(shape))
+    start = header_bytes(len(layouts))
+    if buffer.numel() != start + total:
+        raise CommunicationError(f"packed message has {buffer.numel()} bytes but its pieces need {start + total}")
+    return [buffer[start + offset:start + offset + size].view(dtype).view(tuple(shape))
             for (shape, dtype), offset, size in zip(layouts, offsets, sizes, strict=True)]
+
+
+def header_view(buffer: torch.Tensor, num_pieces: int) -> torch.Tensor:
+    """The header words of a packed message of ``num_pieces`` pieces, as an int64 view."""
+    return buffer[:8 * (3 + 2 * num_pieces)].view(torch.int64)
+
+
+def check_header(words: Sequence[int], layouts: Layouts, names: Sequence[str], source: str) -> None:
+    """Raise :class:`MessageLayoutError` unless a received header (``words``) says the message holds ``layouts``.
+
+    ``names``: each piece's value name; ``source``: what the message is and where it came from, for the error.
+    """
+    expected = message_header(layouts)
+    if tuple(words) == expected:
+        return
+    if len(words) < 3 or words[0] != HEADER_MAGIC or words[2] != len(layouts):
+        raise MessageLayoutError(
+            f"{source}: the message is not the expected {len(layouts)} piece(s) of {packed_bytes(layouts)} bytes "
+            f"(header {list(words[:3])}): the sender sent a shorter or other message; do all ranks run the same "
+            "plan, batch and torch.autocast?")
+    differences = []
+    for index, ((shape, dtype), name) in enumerate(zip(layouts, names, strict=True)):
+        code, count = words[3 + 2 * index], words[4 + 2 * index]
+        sent = _DTYPES[code] if 0 <= code < len(_DTYPES) else f"dtype code {code}"
+        if (code, count) != (_DTYPE_CODES[dtype], math.prod(shape)):
+            differences.append(f"{name!r}: expected {dtype} of shape {tuple(shape)} ({math.prod(shape)} elements), "
+                               f"received {sent} with {count} elements")
+    raise MessageLayoutError(
+        f"{source}: {'; '.join(differences) or 'the payload size differs'} ({words[1]} bytes sent, "
+        f"{expected[1]} expected). The ranks disagree on what crosses this cut: do all ranks call step under the "
+        "same torch.autocast (or none), or compile with autocast_dtype?")
 
 
 def message_tag(kind: MessageKind, microbatch_index: int, value_index: int, num_values: int) -> int:

@@ -14,7 +14,7 @@ from fxpipe.core import schedule as schedules
 from fxpipe.core.plan import Plan
 from fxpipe.runtime import preemption
 from fxpipe.runtime.actions import stage_actions
-from fxpipe.runtime.batch_layout import infer_value_dtypes
+from fxpipe.runtime.batch_layout import BatchLayout, infer_value_dtypes
 from fxpipe.runtime.batchcheck import BatchChecker, check_shapes, describe_batch_dims
 from fxpipe.runtime.buckets import split_overlapped
 from fxpipe.runtime.comm import (
@@ -37,13 +37,14 @@ from fxpipe.runtime.receives import Inbox
 from fxpipe.runtime.rows import RowMap
 from fxpipe.runtime.sharded_stage import ShardedStage
 from fxpipe.runtime.stage import LossFn, StageRunner, read_local_loss, unique_params
-from fxpipe.runtime.stage_routes import ShapedStep, ShapedSteps, gradient_routes
+from fxpipe.runtime.stage_routes import ShapedStep, ShapedSteps, check_outgoing, gradient_routes
 from fxpipe.runtime.step_state import StepState
 
 if TYPE_CHECKING:
     from fxpipe.core.program import SplitProgram
 
 Op = schedules.Op
+Rows = tuple[int, int] | None  # a piece's rows of its value (None: all of it)
 
 
 def lowered_actions(plan: Plan, stage_index: int) -> tuple[schedules.Action, ...]:
@@ -84,23 +85,24 @@ class PipelineDriver:
         self.split_backward = any(action.op is Op.WEIGHT for action in lowered_actions(plan, self.stage_index))
         self.rows = RowMap.of(plan, self.replica_index, self.num_replicas)  # at the plan's batch (partial data)
         self.value_index = {name: i for i, name in enumerate(sorted(program.values))}
-        self.autocast_dtype = autocast_dtype
-        self.dtypes = infer_value_dtypes(program, context.device, autocast_dtype)
+        self.autocast_dtype = self.compiled_autocast = autocast_dtype  # a caller's torch.autocast may change the first
         self.runner = StageRunner(self.stage, program, context.device, loss_fn=loss_fn,
                                   autocast_dtype=autocast_dtype, loss_reduction=loss_reduction,
                                   recompute=plan.stages[self.stage_index].recompute, target_batch_dim=target_batch_dim)
         # run at the start and at the end of every step (deferred BN statistics: reset, commit)
         self.start_hooks: list[Callable[[], None]] = []
         self.step_hooks: list[Callable[[], None]] = []
-        # one ShapedStep per batch shape seen (the plan's is made now): no message asks a peer for shapes
-        self.shapes = ShapedSteps(program, plan, self.stage_index, self.rank, context.device, autocast_dtype,
-                                  self.dtypes, target_batch_dim)
         self.exchange = PeerExchange(self.rank, context.device, timeout_s)
         self.preempted = False  # see fxpipe.runtime.preemption
         self.exchange.failures = self.failures = FailureLog.for_default_group(self, self.rank, context.world_size)
         self._doing: FailureLog | NoLog = self.failures or NoLog()  # its .action: one write per action
         self.batch_checker = BatchChecker(check_batch, self.exchange, describe_batch_dims(program, target_batch_dim))
-        self.inbox = Inbox(self.exchange, context.device, self._tag, ahead=context.backend == "gloo")
+        # per autocast dtype a call ran under (compile's, a caller's torch.autocast): the values' dtypes, and one
+        # ShapedStep per batch shape seen (the plan's made at once): no message asks a peer for shapes
+        self._precisions: dict[torch.dtype | None, tuple[dict[str, torch.dtype | None], ShapedSteps]] = {}
+        self.use_autocast(autocast_dtype)
+        self.inbox = Inbox(self.exchange, context.device, self._tag, ahead=context.backend == "gloo",
+                           stage_of=lambda rank: plan.stage_of_device(rank)[0])
         # Walking parameters by path costs milliseconds; the set never changes, so walk once.
         self._own_params = unique_params(self.runner.parameters())
         self._param_list = [param for _, param in self._own_params]
@@ -144,6 +146,19 @@ class PipelineDriver:
         self._stashes = bool(self.reduce_sets) or self.runner.loss_reduction == "token_mean"
         live = {id(param) for param in self._param_list}  # the tied sets' parameters were left whole, not replaced
         assert all(id(p) in live for _, params in self.reduce_sets for p in params), "a reduced parameter was sharded"
+
+    def use_autocast(self, dtype: torch.dtype | None) -> None:
+        """Run the next calls' forwards under autocast of ``dtype`` (None: none), with that precision's value dtypes
+        and layouts (made on first use; fxpipe.runtime.caller_autocast)."""
+        if dtype == self.autocast_dtype and dtype in self._precisions:
+            return
+        if dtype not in self._precisions:
+            dtypes = infer_value_dtypes(self.program, self.context.device, dtype)
+            self._precisions[dtype] = dtypes, ShapedSteps(self.program, self.plan, self.stage_index, self.rank,
+                                                          self.context.device, dtype, dtypes, self.target_batch_dim)
+        self.dtypes, self.shapes = self._precisions[dtype]
+        self.autocast_dtype = self.runner.autocast_dtype = dtype
+        self.batch_checker.precision = "" if dtype == self.compiled_autocast else f"caller's autocast {dtype}"
 
     # ---- the step ------------------------------------------------------------------------------
 
@@ -245,17 +260,19 @@ class PipelineDriver:
                 received[name] = bufs[0] if len(bufs) == 1 else torch.cat(bufs, self.program.values[name].batch_dim)
         state.received[m] = received
 
-    def _send(self, kind: MessageKind, m: int, outgoing: Sequence[tuple[int, str, torch.Tensor]],
-              what: str) -> list[Pending]:
-        """Send ``(peer, value name, piece)``: one message per peer, packed when it holds several pieces."""
+    def _send(self, kind: MessageKind, m: int, outgoing: Sequence[tuple[int, str, torch.Tensor, Rows]],
+              what: str, layout: BatchLayout) -> list[Pending]:
+        """Send ``(peer, value name, piece, its rows)``: one packed message per peer, each piece checked against
+        the step's layout first (what the receiver's buffer holds)."""
         by_peer: dict[int, list[tuple[str, torch.Tensor]]] = {}
-        for peer, name, piece in outgoing:
+        for peer, name, piece, rows in outgoing:
+            check_outgoing(self.program, layout, name, rows, piece, f"rank {self.rank} (stage {self.stage_index}): "
+                           f"send {what} micro-batch {m} to rank {peer} (stage {self.plan.stage_of_device(peer)[0]})")
             by_peer.setdefault(peer, []).append((name, piece))
         ops: list[tuple[bool, torch.Tensor, int, int, str]] = []
         for peer, items in by_peer.items():
             names = [name for name, _ in items]
-            tensor = items[0][1].detach().contiguous() if len(items) == 1 else pack([t for _, t in items])
-            ops.append((True, tensor, peer, self._tag(kind, m, names[0]),
+            ops.append((True, pack([t for _, t in items]), peer, self._tag(kind, m, names[0]),
                         f"send {what} {', '.join(map(repr, names))} of micro-batch {m}"))
         return self.exchange.post(ops)
 
@@ -287,7 +304,7 @@ class PipelineDriver:
 
     def send_activation(self, state: StepState, m: int) -> None:
         outputs = state.outputs[m]
-        outgoing: list[tuple[int, str, torch.Tensor]] = []
+        outgoing: list[tuple[int, str, torch.Tensor, Rows]] = []
         for name, routes in state.shaped.routes[m].outputs.items():
             value = outputs[name]
             for route in routes:
@@ -299,8 +316,8 @@ class PipelineDriver:
                     continue
                 rows = route.sender_rows
                 piece = value if rows is None else take_rows(value, self.program.values[name].batch_dim, *rows)
-                outgoing.append((route.receiver_rank, name, piece))
-        state.sends.extend(self._send(MessageKind.ACTIVATION, m, outgoing, "activation"))
+                outgoing.append((route.receiver_rank, name, piece, rows))
+        state.sends.extend(self._send(MessageKind.ACTIVATION, m, outgoing, "activation", state.shaped.layout))
 
     def _recv_gradient(self, state: StepState, m: int) -> None:
         outputs = state.outputs[m]
@@ -352,7 +369,7 @@ class PipelineDriver:
 
     def _send_gradient(self, state: StepState, m: int) -> None:
         grads, received = state.input_grads.pop(m), state.received.pop(m)
-        outgoing: list[tuple[int, str, torch.Tensor]] = []
+        outgoing: list[tuple[int, str, torch.Tensor, Rows]] = []
         for name, routes in gradient_routes(self.program, state.shaped.routes[m].inputs):
             grad = grads.get(name)
             if grad is None:  # the stage did not use the value on a differentiable path
@@ -360,8 +377,9 @@ class PipelineDriver:
             for route in routes:
                 rows = route.receiver_rows
                 batch_dim = self.program.values[name].batch_dim
-                outgoing.append((route.sender_rank, name, grad if rows is None else take_rows(grad, batch_dim, *rows)))
-        state.sends.extend(self._send(MessageKind.GRADIENT, m, outgoing, "gradient of"))
+                outgoing.append((route.sender_rank, name, grad if rows is None else take_rows(grad, batch_dim, *rows),
+                                 rows))
+        state.sends.extend(self._send(MessageKind.GRADIENT, m, outgoing, "gradient of", state.shaped.layout))
 
     # ---- gradient sync and loss ----------------------------------------------------------------
 
@@ -370,6 +388,7 @@ class PipelineDriver:
             self.exchange.wait([Pending(work, -1, f"gradient allreduce of stage {self.stage_index}", flat)])
             unflatten_into(flat, tensors)
         self.exchange.wait(state.sends)
+        self.inbox.verify()
         state.loss = self._broadcast_loss(state)
         dropped = self.runner.probe.take_error()  # the same on every rank (folded into the loss allreduce)
         if stash is not None:  # a dropped step's gradients go: loss_fn is not what they were weighted for

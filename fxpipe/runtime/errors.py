@@ -23,3 +23,9 @@ class RemoteSetupError(PipelineSetupError):
 class LossReductionError(PipelineSetupError):
     """``loss_fn`` is not what ``loss_reduction`` needs (or ``"auto"`` found): found by the loss probe on the
     first step and raised on every rank after it, with that step's gradients dropped (fxpipe.runtime.loss_probe)."""
+
+
+class MessageLayoutError(RuntimeError):
+    """A message between stages does not hold what its receiver expects (another dtype, size or piece count), or
+    a stage would send a value in another dtype or shape than the plan's layout: raised instead of reading memory
+    nobody wrote. The message names the value, the stages and both layouts."""

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from fxpipe.core import schedule as schedules
 from fxpipe.core.program import tree_leaves
-from fxpipe.runtime.comm import Pending, buffer_shape, pack, packed_bytes, unpack
+from fxpipe.runtime.comm import Pending, buffer_shape, check_header, header_view, pack, packed_bytes, unpack
 from fxpipe.runtime.driver import PipelineDriver
 from fxpipe.runtime.rows import RowMap
 from fxpipe.runtime.stage import rebuild_tree
@@ -74,6 +74,7 @@ def _run(driver: PipelineDriver, inputs: tuple[Any, ...], targets: Any, *, keep_
                 driver.send_activation(state, m)
                 del state.outputs[m]  # the sends hold what they still need: one micro-batch in flight
         driver.exchange.wait(state.sends)
+        driver.inbox.verify()
     if driver.sharded is not None:  # ZeRO-1/2 keep gathered weights after forward; the optimizer updates shards
         driver.sharded.reshard()
     return state
@@ -130,6 +131,8 @@ def _broadcast_pieces(driver: PipelineDriver, state: StepState, source: int,
                         layout.dtypes[name] or spec.dtype or torch.get_default_dtype()))
     buffer = torch.empty(packed_bytes(layouts), dtype=torch.uint8, device=driver.context.device)
     _broadcast(driver, buffer, source)
+    check_header(header_view(buffer, len(layouts)).tolist(), layouts, [name for name, _, _ in pieces],
+                 f"rank {driver.rank}: broadcast of predict outputs from rank {source} (the last stage)")
     return unpack(buffer, layouts)
 
 

@@ -7,7 +7,15 @@ from dataclasses import dataclass
 
 import torch
 
-from fxpipe.runtime.comm import MessageKind, PeerExchange, Pending, packed_bytes, unpack
+from fxpipe.runtime.comm import (
+    MessageKind,
+    PeerExchange,
+    Pending,
+    check_header,
+    header_view,
+    packed_bytes,
+    unpack,
+)
 from fxpipe.runtime.errors import PipelineSetupError
 
 Piece = tuple[int, tuple[str, int], tuple[int, ...], torch.dtype]  # (peer rank, (value, route index), shape, dtype)
@@ -17,13 +25,13 @@ Tag = Callable[[MessageKind, int, str], int]  # (kind, micro-batch, value name) 
 
 @dataclass(frozen=True)
 class Message:
-    """What one peer sends per micro-batch: its pieces' keys, and their layouts when packed together."""
+    """What one peer sends per micro-batch: its pieces' keys and layouts, packed behind a header that says what
+    they are (:func:`fxpipe.runtime.comm.pack`), even a single piece: the receiver checks what it got."""
 
     peer: int
     keys: tuple[tuple[str, int], ...]
-    layouts: Layout | None  # None: a single piece, received straight into a tensor of its shape
-    shape: tuple[int, ...]
-    dtype: torch.dtype
+    layouts: Layout
+    num_bytes: int
     names: str  # for error messages
 
 
@@ -34,12 +42,8 @@ def _messages(pieces: Sequence[Piece]) -> list[Message]:
     messages = []
     for peer, items in by_peer.items():
         keys = tuple(key for key, _, _ in items)
-        names = ", ".join(repr(name) for name, _ in keys)
-        if len(items) == 1:
-            messages.append(Message(peer, keys, None, items[0][1], items[0][2], names))
-        else:
-            layouts = [(shape, dtype) for _, shape, dtype in items]
-            messages.append(Message(peer, keys, layouts, (packed_bytes(layouts),), torch.uint8, names))
+        layouts = [(shape, dtype) for _, shape, dtype in items]
+        messages.append(Message(peer, keys, layouts, packed_bytes(layouts), ", ".join(repr(name) for name, _ in keys)))
     return messages
 
 
@@ -72,9 +76,13 @@ class Inbox:
     which messages it receives (:meth:`start_step`): their shapes follow the step's batch.
     """
 
-    def __init__(self, exchange: PeerExchange, device: torch.device, tag: Tag, *, ahead: bool) -> None:
+    def __init__(self, exchange: PeerExchange, device: torch.device, tag: Tag, *, ahead: bool,
+                 stage_of: Callable[[int], int]) -> None:
         self.exchange, self.device, self.tag, self.ahead = exchange, device, tag, ahead
+        self.stage_of = stage_of  # a peer rank's stage, for error messages
         self.posted: dict[tuple[MessageKind, int], _Posted] = {}
+        # on a GPU, headers are checked at the step's end (reading one now would wait for the device)
+        self.unchecked: list[tuple[torch.Tensor, Message, str]] = []
         self.messages: MessagePlan = {}
         self.following: Mapping[MessageKind, Mapping[int, int]] = {}
 
@@ -89,6 +97,7 @@ class Inbox:
 
     def check_clean(self) -> None:
         """Refuse (locally, before any communication) if a failed step left receives posted."""
+        self.unchecked.clear()
         if self.posted:
             raise PipelineSetupError(
                 f"rank {self.exchange.rank}: an earlier step failed with {len(self.posted)} receive(s) still "
@@ -101,9 +110,25 @@ class Inbox:
         self.exchange.wait(posted.pending)
         pieces: dict[tuple[str, int], torch.Tensor] = {}
         for item, message in zip(posted.pending, posted.messages, strict=True):
-            views = [item.tensor] if message.layouts is None else unpack(item.tensor, message.layouts)
-            pieces.update(zip(message.keys, views, strict=True))
+            header = header_view(item.tensor, len(message.layouts))
+            source = (f"rank {self.exchange.rank}: {item.description} from rank {message.peer} "
+                      f"(stage {self.stage_of(message.peer)})")
+            if header.device.type == "cpu":
+                self._check(header, message, source)
+            else:
+                self.unchecked.append((header.clone(), message, source))
+            pieces.update(zip(message.keys, unpack(item.tensor, message.layouts), strict=True))
         return pieces
+
+    def verify(self) -> None:
+        """Check the headers of this step's messages not checked on arrival (on a GPU): MessageLayoutError."""
+        unchecked, self.unchecked = self.unchecked, []
+        for header, message, source in unchecked:
+            self._check(header, message, source)
+
+    @staticmethod
+    def _check(header: torch.Tensor, message: Message, source: str) -> None:
+        check_header(header.tolist(), message.layouts, [name for name, _ in message.keys], source)
 
     def _post_following(self, kind: MessageKind, m: int) -> None:
         following = self.following[kind].get(m)
@@ -113,7 +138,7 @@ class Inbox:
     def _post(self, kind: MessageKind, m: int) -> _Posted:
         what = "activation" if kind is MessageKind.ACTIVATION else "gradient of"
         messages = self.messages[kind][m]
-        ops = [(False, torch.empty(message.shape, dtype=message.dtype, device=self.device), message.peer,
+        ops = [(False, torch.empty(message.num_bytes, dtype=torch.uint8, device=self.device), message.peer,
                 self.tag(kind, m, message.keys[0][0]), f"receive {what} {message.names} of micro-batch {m}")
                for message in messages]
         return _Posted(self.exchange.post(ops), list(messages))

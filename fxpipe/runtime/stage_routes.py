@@ -13,6 +13,7 @@ from fxpipe.core.schedule import FORWARD_ONLY
 from fxpipe.runtime.actions import StageActions, stage_actions
 from fxpipe.runtime.batch_layout import BatchLayout, batch_rows, check_targets, make_layout
 from fxpipe.runtime.comm import MessageKind, Route, buffer_shape, routes_between
+from fxpipe.runtime.errors import MessageLayoutError
 from fxpipe.runtime.receives import Message, Piece, plan_messages
 from fxpipe.runtime.rows import RowMap
 
@@ -65,9 +66,29 @@ def gradient_routes(program: SplitProgram, routes: Routes) -> list[tuple[str, li
 def _piece(peer: int, name: str, index: int, rows: tuple[int, int] | None, spec: ValueSpec,
            dtypes: Mapping[str, torch.dtype | None], value_shape: tuple[int, ...]) -> Piece:
     """``(peer rank, (value, route index), shape, dtype)`` of one piece: ``rows`` of the value (None: all)."""
+    return (peer, (name, index), *piece_layout(spec, dtypes, value_shape, rows))
+
+
+def piece_layout(spec: ValueSpec, dtypes: Mapping[str, torch.dtype | None], value_shape: tuple[int, ...],
+                 rows: tuple[int, int] | None) -> tuple[tuple[int, ...], torch.dtype]:
+    """``(shape, dtype)`` of ``rows`` (None: all) of a value whose whole shape is ``value_shape``."""
     shape = buffer_shape(value_shape, spec.batched and rows is not None, rows[1] - rows[0] if rows else 0,
                          spec.batch_dim)
-    return peer, (name, index), shape, dtypes[name] or torch.get_default_dtype()
+    return shape, dtypes[spec.name] or torch.get_default_dtype()
+
+
+def check_outgoing(program: SplitProgram, layout: BatchLayout, name: str, rows: tuple[int, int] | None,
+                   piece: torch.Tensor, source: str) -> None:
+    """Refuse to send a piece in another dtype or shape than the layout every rank works out for the step (its
+    receiver's buffer): MessageLayoutError naming both, on the sender, before anything goes out."""
+    shape, dtype = piece_layout(program.values[name], layout.dtypes, layout.shapes[name], rows)
+    if piece.dtype == dtype and tuple(piece.shape) == shape:
+        return
+    raise MessageLayoutError(
+        f"{source}: {name!r} is {piece.dtype} of shape {tuple(piece.shape)} but its receiver expects {dtype} of "
+        f"shape {shape} (the layout every rank works out for this batch). A stage computed another dtype or shape "
+        "than the fake-tensor run of the same stages: does the model choose dtypes or shapes from the data, or do "
+        "the ranks run step under different torch.autocast settings?")
 
 
 def _routes(program: SplitProgram, plan: Plan, value: str, producer: int, consumer: int,
