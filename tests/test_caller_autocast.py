@@ -19,7 +19,7 @@ import fxpipe
 from fxpipe import models as zoo
 from fxpipe.passes import trace
 from fxpipe.runtime.errors import MessageLayoutError, PipelineSetupError
-from tests.mp_utils import join_world, leave_world, plan_from_cuts, run_ranks
+from tests.mp_utils import plan_from_cuts, run_ranks, run_scenarios
 
 pytestmark = pytest.mark.multiprocess
 
@@ -74,13 +74,6 @@ def _cases(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
     fp32_loss = _reference(inputs, targets, None)[0]
     results: dict[str, Any] = {"expected": expected_loss, "fp32": fp32_loss}
 
-    def in_world(name: str, body: Any) -> None:
-        join_world(store_dir, name, rank, world_size)
-        try:
-            results[name] = body()
-        finally:
-            leave_world()
-
     def fresh_pipelines() -> list[tuple[float, float, bool]]:
         runs = []
         for _ in range(NUM_FRESH_PIPELINES):
@@ -115,24 +108,24 @@ def _cases(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
 
     def sender_casts() -> Any:
         """Rank 0's stage produces bfloat16 where the layout says float32: it refuses to send, every rank raises."""
-        pipe = _compile(timeout_s=5.0, stall_timeout_s=2.0)
-        if rank == 0:
-            forward = pipe.driver.runner.forward
-            pipe.driver.runner.forward = lambda m, values: {name: value.to(torch.bfloat16) for name, value
-                                                            in forward(m, values).items()}
-        return _failed_step(pipe)
+        return _failed_step(_sending_bfloat16_from_rank_0())
 
     def receiver_checks() -> Any:
         """The same with rank 0's own check off: its message is smaller than rank 2's buffer, and rank 2 raises."""
-        pipe = _compile(timeout_s=5.0, stall_timeout_s=2.0)
+        pipe = _sending_bfloat16_from_rank_0()
         if rank == 0:
             import fxpipe.runtime.driver as driver_module
 
+            driver_module.check_outgoing = lambda *args: None  # type: ignore[assignment]
+        return _failed_step(pipe)
+
+    def _sending_bfloat16_from_rank_0() -> Any:
+        pipe = _compile(timeout_s=5.0, stall_timeout_s=2.0)
+        if rank == 0:
             forward = pipe.driver.runner.forward
             pipe.driver.runner.forward = lambda m, values: {name: value.to(torch.bfloat16) for name, value
                                                             in forward(m, values).items()}
-            driver_module.check_outgoing = lambda *args: None  # type: ignore[assignment]
-        return _failed_step(pipe)
+        return pipe
 
     def _failed_step(pipe: Any) -> tuple[tuple[str, str], float]:
         start = time.perf_counter()
@@ -141,13 +134,9 @@ def _cases(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
         pipe.driver.failures.stop()  # its heartbeat thread must not break the next case's group
         return outcome, elapsed
 
-    in_world("fresh", fresh_pipelines)
-    in_world("forward-only", forward_only)
-    in_world("other-dtype", other_dtype_than_compiled)
-    in_world("ranks-disagree", ranks_disagree)
-    in_world("sender-casts", sender_casts)
-    in_world("receiver-checks", receiver_checks)
-    return results
+    scenarios = {"fresh": fresh_pipelines, "forward-only": forward_only, "other-dtype": other_dtype_than_compiled,
+                 "ranks-disagree": ranks_disagree, "sender-casts": sender_casts, "receiver-checks": receiver_checks}
+    return {**results, **run_scenarios(scenarios, rank, world_size, store_dir, "autocast")}
 
 
 def test_the_callers_autocast_is_honoured_and_a_wrong_dtype_raises_on_every_rank(tmp_path: Any) -> None:
