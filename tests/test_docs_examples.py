@@ -197,6 +197,34 @@ def test_no_python_hides_in_an_unlabelled_block() -> None:
     assert not hidden, f"code blocks that are Python but not labelled ```python (so not checked): {hidden}"
 
 
+def _resolves(dotted: str) -> bool:
+    """``dotted`` names a module, or an attribute path inside the longest module prefix that imports."""
+    parts = dotted.split(".")
+    for end in range(len(parts), 0, -1):
+        try:
+            found: object = importlib.import_module(".".join(parts[:end]))
+        except ImportError:
+            continue
+        for name in parts[end:]:
+            if not hasattr(found, name):
+                return False
+            found = getattr(found, name)
+        return True
+    return False
+
+
+def test_every_fxpipe_name_the_docs_mention_exists() -> None:
+    """Prose may name internals (`fxpipe.sim.stagecost.WEIGHT_GRAD_FRACTION`), but they must exist; quoted
+    meta keys (`meta["fxpipe.batch_dims"]`) are strings, not names."""
+    missing = set()
+    for path in DOC_FILES:
+        for span in re.findall(r"`[^`\n]+`", path.read_text(encoding="utf-8")):
+            for match in re.finditer(r"(?<![\w.\"'/])fxpipe(?:\.[A-Za-z_]\w*)+", span):
+                if not _resolves(match.group(0)):
+                    missing.add(f"{path.relative_to(ROOT)}: {match.group(0)}")
+    assert not missing, f"names in the docs that do not exist: {sorted(missing)}"
+
+
 def test_the_checker_refuses_internal_modules_and_names() -> None:
     code = textwrap.dedent("""
         import fxpipe
