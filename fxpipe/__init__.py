@@ -7,8 +7,8 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-# Public names resolve lazily so `import fxpipe` stays cheap and planning code never pulls in
-# torch.distributed (only fxpipe.runtime imports it).
+# Public names resolve lazily so `import fxpipe` stays cheap (it loads no torch) and planning code
+# never pulls in torch.distributed (only fxpipe.runtime imports it).
 _EXPORTS: dict[str, tuple[str, str]] = {
     "compile": ("fxpipe.api", "compile"),
     "PipelinedModule": ("fxpipe.api", "PipelinedModule"),
@@ -19,15 +19,71 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "DeviceSpec": ("fxpipe.core.hardware", "DeviceSpec"),
     "simulate": ("fxpipe.sim.simulate", "simulate"),
     "consolidate": ("fxpipe.runtime.checkpoint_io", "consolidate"),
+    "latest_checkpoint": ("fxpipe.core.checkpoint", "latest_checkpoint"),
+    "handle_preemption": ("fxpipe.runtime.preemption", "install"),
+    "gather_rows": ("fxpipe.runtime.rows", "gather_rows"),
 }
 
-__all__ = [*sorted(_EXPORTS), "models", "passes"]
+# Every error and warning a user can meet (docs/errors.md has a row for each; tests/test_docs_examples.py
+# checks both ways). Internal ones, always converted before they reach the caller, are not here.
+_ERRORS: dict[str, str] = {
+    "ChainError": "fxpipe.core.chain",
+    "CheckpointError": "fxpipe.core.checkpoint",
+    "ClusterSpecError": "fxpipe.core.cluster_spec",
+    "CostGraphError": "fxpipe.core.costgraph",
+    "PlanError": "fxpipe.core.plan",
+    "PrecisionError": "fxpipe.core.precision",
+    "RecomputeError": "fxpipe.core.recompute",
+    "ScheduleError": "fxpipe.core.schedule",
+    "ShardingError": "fxpipe.core.sharding",
+    "MissingPlotExtraError": "fxpipe.sim.timeline_plot",
+    "CommandLineError": "fxpipe.cli",
+    "DataError": "fxpipe.data",
+    "ModelSpecError": "fxpipe.planning",
+    "UnknownModelError": "fxpipe.models.registry",
+    "CallableSpecError": "fxpipe.models.registry",
+    "AutocastPolicyError": "fxpipe.passes.autocast_policy",
+    "BatchDimError": "fxpipe.passes.batchdims",
+    "CodegenError": "fxpipe.passes.codegen",
+    "CostAnnotationError": "fxpipe.passes.costs",
+    "ExampleInputsTypeError": "fxpipe.passes.trace_inputs",
+    "MarkerError": "fxpipe.passes.markers",
+    "PlanningError": "fxpipe.passes.partition.request",
+    "InfeasiblePlanError": "fxpipe.passes.partition.request",
+    "LayoutError": "fxpipe.passes.partition.request",
+    "ProfileError": "fxpipe.passes.profile",
+    "ProfileFormatError": "fxpipe.passes.profiles_io",
+    "ProgramFileError": "fxpipe.passes.codegen_io",
+    "StageExportError": "fxpipe.passes.stage_export",
+    "StaticBatchWarning": "fxpipe.passes.stage_export",
+    "SubgraphError": "fxpipe.passes.subgraph",
+    "TraceError": "fxpipe.passes.tracing",
+    "PipelineSetupError": "fxpipe.runtime.errors",
+    "RemoteSetupError": "fxpipe.runtime.errors",
+    "LossReductionError": "fxpipe.runtime.errors",
+    "BatchShapeError": "fxpipe.runtime.errors",
+    "CommunicationError": "fxpipe.runtime.errors",
+    "BatchMismatchError": "fxpipe.runtime.batchcheck",
+    "ReplicaMismatchError": "fxpipe.runtime.sync",
+    "NormTypeError": "fxpipe.runtime.clipping",
+    "BatchNormWarning": "fxpipe.runtime.batchnorm",
+    "CompileFallbackWarning": "fxpipe.runtime.compiled_stages",
+}
+_EXPORTS.update({name: (module, name) for name, module in _ERRORS.items()})
+
+_SUBMODULES = ("data", "models", "passes")  # public modules: fxpipe.data, fxpipe.models, fxpipe.passes
+
+__all__ = [*sorted(_EXPORTS), *_SUBMODULES]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("models", "passes"):
+    if name in _SUBMODULES:
         return importlib.import_module(f"fxpipe.{name}")
     if name in _EXPORTS:
         module_name, attribute = _EXPORTS[name]
         return getattr(importlib.import_module(module_name), attribute)
     raise AttributeError(f"module 'fxpipe' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+__all__ = ["DataError", "TextBatches", "stdlib_corpus"]
+
 
 class DataError(ValueError):
     """The requested corpus cannot be built (no files found, block size too large)."""
