@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -28,11 +29,10 @@ from torch import nn
 import fxpipe
 from fxpipe import models as zoo
 from fxpipe.passes import trace
-from fxpipe.runtime.grad_scaler import GradScalerError, PipelineGradScaler
+from fxpipe.runtime.checkpoint_io import _restore_scaler
+from fxpipe.runtime.grad_scaler import GradScalerError, PipelineGradScaler, make_grad_scaler
 from tests.exactness_oracle import LEARNING_RATE
 from tests.mp_utils import join_world, leave_world, plan_from_cuts, run_ranks
-
-pytestmark = pytest.mark.multiprocess
 
 WORLD_SIZE = 3
 GLOBAL_BATCH = 12
@@ -41,6 +41,10 @@ NUM_STEPS = 7
 MAX_NORM = 1.0
 INPUT_SCALE = 1000.0  # WideInput's inputs: its first layer's weight gradients are ~1000x the others'
 WIDE_LEARNING_RATE = 1e-4  # its first layer's weights are ~3e-4: a larger AdamW step would move the thresholds
+# AdamW's eps: with the default 1e-8, AdamW turns the fp16 rounding of a gradient near zero into a whole lr step
+# of either sign (measured on gpt-mini: weights of one-process runs summing 12 or 3 rows per slice then differ
+# by 0.019, half of what the 4 steps move them, 0.040); with 1e-4 by 3e-4, so the weights check means something
+ADAM_EPS = 1e-4
 
 # scaler arguments: (init, backoff, growth) jump between a scale far above and one far below the overflow
 # thresholds; growth_interval=2 so the scale comes back up and overflows again: skip, step, step, skip, ...
@@ -115,7 +119,7 @@ def reference(model_name: str, scaler_args: dict[str, float], num_slices: int = 
     """
     build, batches, loss_fn, learning_rate = MODELS[model_name]
     model, _ = build()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, eps=ADAM_EPS)
     scaler = torch.amp.GradScaler("cpu", **scaler_args)
     scales, skipped, losses, norms = [], [], [], []
     for inputs, targets in batches():
@@ -142,9 +146,8 @@ def reference(model_name: str, scaler_args: dict[str, float], num_slices: int = 
 def _tolerances(model_name: str, scaler_args: dict[str, float], whole: dict[str, Any]) -> dict[str, float]:
     """What the pipeline may differ by: 4x the spread measured between one-process runs that differ only in
     how the batch's gradient is summed (whole batch vs 2 slices of 6 rows vs 4 of 3, the slicings of these
-    plans' stages): fp16 rounding of the per-slice sums, then AdamW on the weights (dividing by sqrt(v), it can
-    turn the rounding of a gradient near zero into a step of up to lr). The pipeline mixes those slicings and
-    adds replicas in another order, hence the factor. ``weights``: absolute; ``norms``, ``losses``: relative."""
+    plans' stages): fp16 rounding of the per-slice sums, carried into the weights by AdamW (see ADAM_EPS). The
+    pipeline mixes those slicings and adds replicas in another order, hence the factor. ``weights``: absolute; ``norms``, ``losses``: relative."""
     spread = {"weights": 0.0, "norms": 0.0, "losses": 0.0}
     for num_slices in (2, 4):
         sliced = reference(model_name, scaler_args, num_slices=num_slices)
@@ -169,7 +172,7 @@ def _compile(model_name: str, replicas: tuple[int, ...], schedule: str, sharding
 
 def _train(pipe: Any, model_name: str, scaler: Any) -> dict[str, Any]:
     """The loop users write: step, unscale_, clip, scaler.step, update; records what each rank saw."""
-    optimizer = torch.optim.AdamW(pipe.parameters(), lr=MODELS[model_name][3])
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=MODELS[model_name][3], eps=ADAM_EPS)
     scales, skipped, losses, local_overflow, norms = [], [], [], [], []
     for inputs, targets in MODELS[model_name][1]():
         losses.append(pipe.step(inputs, targets))
@@ -242,6 +245,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_ranks(_run, WORLD_SIZE, tmp_path_factory.mktemp("scaler"), timeout_s=300.0)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("case", CASES, ids=[case[0] for case in CASES])
 def test_skips_scales_and_weights_match_one_process(ranks: list[dict[str, Any]], case: tuple[Any, ...]) -> None:
     name, model_name, _, _, _, args = case
@@ -266,6 +270,7 @@ def test_skips_scales_and_weights_match_one_process(ranks: list[dict[str, Any]],
     assert max(worst.values()) <= tolerance["weights"], (tolerance, worst)
 
 
+@pytest.mark.multiprocess
 def test_one_stage_overflows_and_all_ranks_skip_together(ranks: list[dict[str, Any]]) -> None:
     record = [results["wide 2:1 zero_bubble, first stage only"] for results in ranks]
     first, last = record[0], record[2]
@@ -277,9 +282,45 @@ def test_one_stage_overflows_and_all_ranks_skip_together(ranks: list[dict[str, A
     assert per_rank[0]["skipped"] != per_rank[2]["skipped"] and per_rank[0]["scales"] != per_rank[2]["scales"]
 
 
+@pytest.mark.multiprocess
 def test_scaler_state_round_trips_through_checkpoints(ranks: list[dict[str, Any]]) -> None:
     for rank, results in enumerate(ranks):
         checkpoint = results["gpt-mini 2:1 dapple"]["checkpoint"]
         assert checkpoint["loaded"] == checkpoint["saved"] == checkpoint["manifest"], f"rank {rank}"
         assert checkpoint["saved"]["scale"] == results["gpt-mini 2:1 dapple"]["final_scale"]
         assert "already has a grad scaler" in results["gpt-mini 2:1 dapple"]["second_call"]
+
+
+def _one_rank_driver() -> Any:
+    """What PipelineGradScaler reads of a driver, for a world of one (no allreduce)."""
+    context = SimpleNamespace(device=torch.device("cpu"), world_size=1)
+    return SimpleNamespace(context=context, runner=SimpleNamespace(scaler=None))
+
+
+def test_a_rank_without_gradients_still_decides() -> None:
+    """A frozen stage's optimizer holds no gradient: torch's GradScaler.step would assert "No inf checks were
+    recorded"; this rank must still produce its flag (and join the allreduce), and steps like the others."""
+    parameter = nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([parameter], lr=1.0)
+    scaler = make_grad_scaler(_one_rank_driver(), init_scale=4.0)
+    scaler.step(optimizer)  # no gradient at all
+    scaler.update()
+    assert scaler.get_scale() == 4.0 and parameter.detach().tolist() == [1.0, 1.0]
+    parameter.grad = torch.tensor([8.0, float("inf")])
+    scaler.step(optimizer)
+    scaler.update()
+    assert scaler.get_scale() == 2.0 and parameter.detach().tolist() == [1.0, 1.0]  # skipped, backed off
+    with pytest.raises(GradScalerError, match="already has a grad scaler"):
+        make_grad_scaler(scaler._driver)
+
+
+def test_checkpoint_without_scaler_state_warns(tmp_path: Path) -> None:
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    with pytest.warns(UserWarning, match="holds no grad scaler state"):
+        _restore_scaler(SimpleNamespace(scaler=scaler), None, tmp_path)
+    assert scaler.get_scale() == 8.0
+    with pytest.warns(UserWarning, match="call pipe.grad_scaler\\(\\) before pipe.load"):
+        _restore_scaler(SimpleNamespace(scaler=None), {"scale": 2.0}, tmp_path)
+    _restore_scaler(SimpleNamespace(scaler=scaler), {**scaler.state_dict(), "scale": 2.0}, tmp_path)
+    assert scaler.get_scale() == 2.0
