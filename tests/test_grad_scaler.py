@@ -73,9 +73,9 @@ def _wide_model() -> tuple[nn.Module, Any]:
     return WideInput(), (torch.randn(GLOBAL_BATCH, 8) * INPUT_SCALE,)
 
 
-def _wide_batches() -> list[Any]:
+def _wide_batches(count: int) -> list[Any]:
     batches = []
-    for step in range(NUM_STEPS):
+    for step in range(count):
         generator = torch.Generator().manual_seed(300 + step)
         inputs = torch.randn(GLOBAL_BATCH, 8, generator=generator) * INPUT_SCALE
         batches.append(((inputs,), torch.randn(GLOBAL_BATCH, 4, generator=generator)))
@@ -86,9 +86,9 @@ def _gpt_model() -> tuple[nn.Module, Any]:
     return zoo.build("gpt-mini", seed=0, **zoo.get("gpt-mini").tiny_overrides)
 
 
-def _gpt_batches() -> list[Any]:
+def _gpt_batches(count: int) -> list[Any]:
     entry = zoo.get("gpt-mini")
-    return [entry.make_batch(GLOBAL_BATCH, 300 + step, **entry.tiny_overrides) for step in range(NUM_STEPS)]
+    return [entry.make_batch(GLOBAL_BATCH, 300 + step, **entry.tiny_overrides) for step in range(count)]
 
 
 def _mse(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -99,11 +99,11 @@ def _mse(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 MODELS = {"wide": (_wide_model, _wide_batches, _mse, WIDE_LEARNING_RATE),
           "gpt-mini": (_gpt_model, _gpt_batches, zoo.get("gpt-mini").loss_fn, LEARNING_RATE)}
 
-# (name, model, replicas, schedule, sharding, scaler arguments)
+# (name, model, replicas, schedule, sharding, scaler arguments, pipe.step calls per optimizer step)
 CASES = (
-    ("gpt-mini 2:1 dapple", "gpt-mini", (2, 1), "dapple", "none", GPT_EVERY_STAGE),
-    ("wide 2:1 zero_bubble, first stage only", "wide", (2, 1), "zero_bubble", "none", FIRST_STAGE_ONLY),
-    ("wide 2:1 dapple, ZeRO-2 stage", "wide", (2, 1), "dapple", "gradients", EVERY_STAGE),
+    ("gpt-mini 2:1 dapple", "gpt-mini", (2, 1), "dapple", "none", GPT_EVERY_STAGE, 1),
+    ("wide 2:1 zero_bubble, first stage only", "wide", (2, 1), "zero_bubble", "none", FIRST_STAGE_ONLY, 1),
+    ("wide 2:1 dapple, ZeRO-2 stage, accumulating 2 steps", "wide", (2, 1), "dapple", "gradients", EVERY_STAGE, 2),
 )
 
 
@@ -111,8 +111,9 @@ def _call(model: nn.Module, inputs: Any) -> Any:
     return model(*inputs) if isinstance(inputs, tuple) else model(inputs)
 
 
-def reference(model_name: str, scaler_args: dict[str, float], num_slices: int = 1) -> dict[str, Any]:
-    """One process, unsplit model, fp16 autocast, torch.amp.GradScaler: the loop of docs/training_loop.md.
+def reference(model_name: str, scaler_args: dict[str, float], accumulate: int, num_slices: int = 1) -> dict[str, Any]:
+    """One process, unsplit model, fp16 autocast, torch.amp.GradScaler: the loop of docs/training_loop.md, with
+    ``accumulate`` batches' gradients summed per optimizer step.
 
     ``num_slices`` > 1 accumulates the batch's gradient over that many row slices (each loss weighted by its
     share of the rows), as a pipeline sums its slices: the same numbers but another fp16 summation order.
@@ -122,14 +123,18 @@ def reference(model_name: str, scaler_args: dict[str, float], num_slices: int = 
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, eps=ADAM_EPS)
     scaler = torch.amp.GradScaler("cpu", **scaler_args)
     scales, skipped, losses, norms = [], [], [], []
-    for inputs, targets in batches():
-        rows = GLOBAL_BATCH // num_slices
-        loss_sum = 0.0
-        for start in range(0, GLOBAL_BATCH, rows):
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = loss_fn(_call(model, tuple(x[start:start + rows] for x in inputs)), targets[start:start + rows])
-            scaler.scale(loss * (rows / GLOBAL_BATCH)).backward()
-            loss_sum += loss.item() * rows / GLOBAL_BATCH
+    every_batch = batches(NUM_STEPS * accumulate)
+    for step in range(NUM_STEPS):
+        for inputs, targets in every_batch[step * accumulate:(step + 1) * accumulate]:
+            rows = GLOBAL_BATCH // num_slices
+            loss_sum = 0.0
+            for start in range(0, GLOBAL_BATCH, rows):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = loss_fn(_call(model, tuple(x[start:start + rows] for x in inputs)),
+                                   targets[start:start + rows])
+                scaler.scale(loss * (rows / GLOBAL_BATCH)).backward()
+                loss_sum += loss.item() * rows / GLOBAL_BATCH
+            losses.append(loss_sum)
         scale = scaler.get_scale()
         scaler.unscale_(optimizer)
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
@@ -138,19 +143,19 @@ def reference(model_name: str, scaler_args: dict[str, float], num_slices: int = 
         optimizer.zero_grad()
         scales.append(scale)
         skipped.append(scaler.get_scale() < scale)
-        losses.append(loss_sum)
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
     return {"scales": scales, "skipped": skipped, "losses": losses, "norms": norms, "params": params}
 
 
-def _tolerances(model_name: str, scaler_args: dict[str, float], whole: dict[str, Any]) -> dict[str, float]:
+def _tolerances(model_name: str, scaler_args: dict[str, float], accumulate: int,
+                whole: dict[str, Any]) -> dict[str, float]:
     """What the pipeline may differ by: 4x the spread measured between one-process runs that differ only in
     how the batch's gradient is summed (whole batch vs 2 slices of 6 rows vs 4 of 3, the slicings of these
     plans' stages): fp16 rounding of the per-slice sums, carried into the weights by AdamW (see ADAM_EPS). The
     pipeline mixes those slicings and adds replicas in another order, hence the factor. ``weights``: absolute; ``norms``, ``losses``: relative."""
     spread = {"weights": 0.0, "norms": 0.0, "losses": 0.0}
     for num_slices in (2, 4):
-        sliced = reference(model_name, scaler_args, num_slices=num_slices)
+        sliced = reference(model_name, scaler_args, accumulate, num_slices=num_slices)
         assert sliced["skipped"] == whole["skipped"], f"the overflow margins do not hold for {num_slices} slices"
         spread["weights"] = max(spread["weights"], *(float((sliced["params"][name] - value).abs().max())
                                                      for name, value in whole["params"].items()))
@@ -170,12 +175,15 @@ def _compile(model_name: str, replicas: tuple[int, ...], schedule: str, sharding
                           schedule=schedule, sharding=sharding, autocast_dtype=torch.float16)
 
 
-def _train(pipe: Any, model_name: str, scaler: Any) -> dict[str, Any]:
-    """The loop users write: step, unscale_, clip, scaler.step, update; records what each rank saw."""
+def _train(pipe: Any, model_name: str, scaler: Any, accumulate: int) -> dict[str, Any]:
+    """The loop users write: step (``accumulate`` times), unscale_, clip, scaler.step, update; records what each
+    rank saw."""
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=MODELS[model_name][3], eps=ADAM_EPS)
     scales, skipped, losses, local_overflow, norms = [], [], [], [], []
-    for inputs, targets in MODELS[model_name][1]():
-        losses.append(pipe.step(inputs, targets))
+    every_batch = MODELS[model_name][1](NUM_STEPS * accumulate)
+    for step in range(NUM_STEPS):
+        for inputs, targets in every_batch[step * accumulate:(step + 1) * accumulate]:
+            losses.append(pipe.step(inputs, targets))
         local_overflow.append(any(not bool(torch.isfinite(p.grad).all()) for p in pipe.parameters()
                                   if p.grad is not None))
         scale = scaler.get_scale()
@@ -203,24 +211,25 @@ def _checkpoint_round_trip(pipe: Any, scaler: Any, optimizer: Any, directory: st
     return {"saved": saved, "loaded": scaler.state_dict(), "manifest": manifest["grad_scaler"]}
 
 
-def _per_rank_run(pipe: Any, model_name: str, initial: dict[str, torch.Tensor], args: dict[str, float]) -> Any:
+def _per_rank_run(pipe: Any, model_name: str, initial: dict[str, torch.Tensor], args: dict[str, float],
+                  accumulate: int) -> Any:
     """The same training with each rank deciding on its own flags, as torch's GradScaler on pipe.parameters()."""
     pipe.load_state_dict(initial)
     pipe.driver.runner.scaler = None  # a fresh scaler for the second run (grad_scaler() refuses a second one)
     scaler = pipe.grad_scaler(**args)
     scaler._agree = lambda flag: flag  # type: ignore[method-assign]
-    return _train(pipe, model_name, scaler)
+    return _train(pipe, model_name, scaler, accumulate)
 
 
 def _run(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
     results = {}
-    for index, (name, model_name, replicas, schedule, sharding, args) in enumerate(CASES):
+    for index, (name, model_name, replicas, schedule, sharding, args, accumulate) in enumerate(CASES):
         join_world(store_dir, f"case-{index}", rank, world_size)
         try:
             pipe = _compile(model_name, replicas, schedule, sharding)
             initial = {key: value.clone() for key, value in pipe.state_dict().items()}
             scaler = pipe.grad_scaler(**args)
-            record = _train(pipe, model_name, scaler)
+            record = _train(pipe, model_name, scaler, accumulate)
             record["stage"] = pipe.stage_index
             record["class"] = type(scaler).__name__
             if index == 0:
@@ -231,8 +240,8 @@ def _run(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
                 record["checkpoint"] = _checkpoint_round_trip(pipe, scaler, record["optimizer"],
                                                               str(Path(store_dir) / "ckpt"))
             if model_name == "wide" and schedule == "zero_bubble":
-                record["per_rank"] = {key: value for key, value in _per_rank_run(pipe, model_name, initial, args).items()
-                                      if key in ("skipped", "scales")}
+                again = _per_rank_run(pipe, model_name, initial, args, accumulate)
+                record["per_rank"] = {key: again[key] for key in ("skipped", "scales")}
             record.pop("optimizer")
             results[name] = record
         finally:
@@ -248,10 +257,10 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", CASES, ids=[case[0] for case in CASES])
 def test_skips_scales_and_weights_match_one_process(ranks: list[dict[str, Any]], case: tuple[Any, ...]) -> None:
-    name, model_name, _, _, _, args = case
-    expected = reference(model_name, args)
+    name, model_name, _, _, _, args, accumulate = case
+    expected = reference(model_name, args, accumulate)
     assert any(expected["skipped"]) and not all(expected["skipped"]), expected["skipped"]  # the case exercises both
-    tolerance = _tolerances(model_name, args, expected)
+    tolerance = _tolerances(model_name, args, accumulate, expected)
     weights: dict[str, torch.Tensor] = {}
     for rank, results in enumerate(ranks):
         record = results[name]
