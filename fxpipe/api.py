@@ -143,6 +143,25 @@ class PipelinedModule:
 
         return clip_grad_norm(self.driver, list(self.named_parameters()), max_norm, norm_type, error_if_nonfinite)
 
+    def grad_scaler(self, *, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                    growth_interval: int = 2000, enabled: bool = True) -> torch.amp.GradScaler:
+        """A ``torch.amp.GradScaler`` (torch's arguments and meaning) for fp16 training, made once per pipe.
+
+        From now on ``step`` scales each slice's loss by the scaler's scale and still returns the unscaled
+        loss; ``scaler.unscale_(opt)`` (or ``scaler.step(opt)``) agrees on overflow over every rank of the
+        job, so every rank skips the same steps and ``update()`` keeps the same scale everywhere. Every rank
+        calls it with the same arguments; ``save``/``load`` keep its state. See docs/training_loop.md.
+        """
+        from fxpipe.runtime.grad_scaler import make_grad_scaler
+
+        return make_grad_scaler(self.driver, init_scale=init_scale, growth_factor=growth_factor,
+                                backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=enabled)
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The scaler ``grad_scaler()`` made (``step`` scales the loss by it), or None."""
+        return self.driver.runner.scaler
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers of this rank's stage under their original names (detached), whole tensors.
 

@@ -234,6 +234,8 @@ def run_train(args: argparse.Namespace) -> int:
                           autocast_dtype=autocast_dtype(precision), stall_timeout_s=args.stall_timeout,
                           torch_compile=torch_compile_option(args), timeout_s=timeout_option(args))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
+    if precision == "fp16":  # loss scaling, overflow agreed over the job; before _resume, which restores its state
+        pipe.grad_scaler()
     first_step = _resume(args, pipe, optimizer)
     leader = pipe.rank == 0
     if leader:
@@ -287,7 +289,11 @@ def _train_steps(args: argparse.Namespace, pipe: Any, optimizer: torch.optim.Opt
         inputs, targets = batches(step)
         pipe_start = time.perf_counter()
         loss = pipe.step(inputs, targets)
-        optimizer.step()
+        if pipe.scaler is not None:  # fp16: skips a step that overflowed on any rank, on every rank
+            pipe.scaler.step(optimizer)
+            pipe.scaler.update()
+        else:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step_times.append(time.perf_counter() - pipe_start)
         losses.append(loss)

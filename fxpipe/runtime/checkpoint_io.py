@@ -191,11 +191,32 @@ def _publish(pipe: CheckpointablePipe, temporary: Path, target: Path, optimizer:
                  "global_batch_size": plan.global_batch_size, "num_microbatches": plan.num_microbatches},
         "fingerprint": model_fingerprint(pipe.program), "state_dict_keys": state_dict_keys(pipe),
         "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+        "grad_scaler": _scaler_state(pipe),
         "files": files,
         "checksums": {name: checksums[name] for name in files},
     }
     write_manifest(temporary, manifest)
     _replace(temporary, target)
+
+
+def _scaler_state(pipe: CheckpointablePipe) -> dict[str, Any] | None:
+    """The state of the pipe's grad scaler (``pipe.grad_scaler()``; the same on every rank), or None without one."""
+    scaler = getattr(pipe, "scaler", None)
+    return dict(scaler.state_dict()) if scaler is not None and scaler.is_enabled() else None
+
+
+def _restore_scaler(pipe: CheckpointablePipe, saved: dict[str, Any] | None, directory: str | Path) -> None:
+    """Load the saved scaler state into the pipe's scaler; warn (every rank alike) when one side lacks it."""
+    scaler = getattr(pipe, "scaler", None)
+    if scaler is not None and scaler.is_enabled() and saved:
+        scaler.load_state_dict(saved)
+    elif scaler is not None and scaler.is_enabled():
+        warnings.warn(f"checkpoint {str(directory)!r} holds no grad scaler state (saved without pipe.grad_scaler()); "
+                      f"the pipe's scaler keeps its scale {scaler.get_scale()}", stacklevel=3)
+    elif saved:
+        warnings.warn(f"checkpoint {str(directory)!r} holds grad scaler state (scale {saved.get('scale')}) but this "
+                      "pipe has no enabled scaler; call pipe.grad_scaler() before pipe.load to restore it",
+                      stacklevel=3)
 
 
 def _replace(temporary: Path, target: Path) -> None:
@@ -288,6 +309,7 @@ def load_checkpoint(pipe: CheckpointablePipe, directory: str | Path, *, optimize
     state.update(_empty_entries(stored, f"{RNG_PREFIX}{rank}/"))
     _dcp_call(lambda: dcp.load(state, storage_reader=reader), f"load checkpoint {str(directory)!r}")
     _collectively(lambda: _restore(pipe, optimizer, names, state, rank), f"restore checkpoint {str(directory)!r}")
+    _restore_scaler(pipe, manifest.get("grad_scaler"), directory)
     return {"step": int(manifest["step"]), "extra": manifest["extra"]}
 
 

@@ -125,6 +125,7 @@ class StageRunner:
         self.eager_reason: str | None = None  # why a stage asked to compile runs eager
         # a compiled stage under a split-backward schedule: F, B and W cut from its joint graph (compiled_split)
         self.split: SplitCompiledStage | None = None
+        self.scaler: torch.amp.GradScaler | None = None  # pipe.grad_scaler(): scales each slice's loss (grad_scaler)
 
     def parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """``(original name, parameter)`` for every parameter of this stage."""
@@ -210,7 +211,8 @@ class StageRunner:
         weighted = weighted if weighted.dim() == 0 else weighted.reshape(())
         if weight != 1.0:  # one micro-batch on one replica: x * 1.0 == x, skip the op and its backward
             weighted = weighted * weight
-        self._saved[microbatch_index].loss = weighted
+        # every backward of this slice (whole, or B of a split one) starts from the saved loss: scale it there, once
+        self._saved[microbatch_index].loss = weighted if self.scaler is None else self.scaler.scale(weighted)
         return weighted.detach(), count
 
     def _evaluate_loss(self, outputs: Mapping[str, Any], targets: Any) -> tuple[torch.Tensor, torch.Tensor | float]:
