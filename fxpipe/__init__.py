@@ -63,6 +63,8 @@ _ERRORS: dict[str, str] = {
     "LossReductionError": "fxpipe.runtime.errors",
     "BatchShapeError": "fxpipe.runtime.errors",
     "CommunicationError": "fxpipe.runtime.errors",
+    "MessageLayoutError": "fxpipe.runtime.errors",
+    "GradScalerError": "fxpipe.runtime.grad_scaler",
     "BatchMismatchError": "fxpipe.runtime.batchcheck",
     "ReplicaMismatchError": "fxpipe.runtime.sync",
     "NormTypeError": "fxpipe.runtime.clipping",
