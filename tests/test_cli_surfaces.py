@@ -166,6 +166,7 @@ def test_train_flags_give_the_unsplit_losses_and_checkpoints(tmp_path: Path, mon
     # `--json` wrote the plan it ran; `fxpipe plan` cuts the same layout request on the same costs and cluster alike
     ran = json.loads((tmp_path / "ckpt-plan.json").read_text())
     assert ran["model"] == "gpt-mini" and f"wrote the plan it runs to {checkpoints}-plan.json" in out, out
+    assert main(["show", str(tmp_path / "ckpt-plan.json")]) == 0 and "plan 1:1 " in capsys.readouterr().out
     planned = _plan(tmp_path, capsys, "gpt-mini", "--cluster", "local:2", "--global-batch", "8", "--layout", "1:1",
                     "--num-microbatches", "2", "--schedule", "gpipe", "--recompute", "always", "--batch-dims", "0",
                     "--costs", "analytic")
