@@ -336,9 +336,9 @@ def _local_cpu_cluster(name: str, ranks: int, measured: Calibration | None, coll
     if links is None and ranks > 1:
         how = ("the process group has one rank" if collective else "measuring links needs the ranks themselves: "
                "run under torchrun (fxpipe.compile measures over the process group) or run `fxpipe calibrate`")
-        figures = (f"{LOCAL_LINK_DEFAULT.bandwidth_bytes_per_s / 1e6:.0f} MB/s, {LOCAL_LINK_DEFAULT.latency_s * 1e3:g} ms "
+        default = (f"{LOCAL_LINK_DEFAULT.bandwidth_bytes_per_s / 1e6:.0f} MB/s, {LOCAL_LINK_DEFAULT.latency_s * 1e3:g} ms "
                    "latency between ranks")
-        warnings.warn(f"fxpipe: {name} plans with default link figures ({figures}), not measured ones: {how}; see "
+        warnings.warn(f"fxpipe: {name} plans with default link figures ({default}), not measured ones: {how}; see "
                       "docs/clusters.md", RuntimeWarning, stacklevel=3)
     link, collective_link, overhead = links or (LOCAL_LINK_DEFAULT, None, 0.0)
     split = (measured.device or {}).get("split_backward_overhead", CPU_SPLIT_BACKWARD_OVERHEAD)
