@@ -299,7 +299,7 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
             batch_dims: int | Mapping[str, int] | None = None, target_batch_dim: int | None = None,
             recompute: str | Sequence[bool | str] = "auto", costs: str = "auto", check_rows: bool = True,
             stall_timeout_s: float = 5.0, sharding: str | Sequence[str] | None = None,
-            torch_compile: bool | Mapping[str, Any] = False) -> Any:
+            torch_compile: bool | Mapping[str, Any] = False, verbose: bool | None = None) -> Any:
     """Pipeline ``model`` over the process group's ranks; returns a :class:`PipelinedModule`.
 
     ``plan``: ``"auto"`` (DAPPLE planner on ``cluster``, default ``local:<world size>``), a layout such as
@@ -338,7 +338,9 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
     how long a transfer or collective waits on ranks that are alive; ``stall_timeout_s``: a rank whose heartbeat
     stopped this long (frozen, stopped) is named as the root cause on every rank (docs/faults.md).
     ``torch_compile``: True (or torch.compile's keyword arguments, e.g. ``{"backend": "aot_eager"}``) compiles
-    each stage's forward, and its backward through AOTAutograd, with the batch dim dynamic (docs/compile.md). As a decorator,
+    each stage's forward, and its backward through AOTAutograd, with the batch dim dynamic (docs/compile.md).
+    ``verbose``: True prints the plan table (as ``fxpipe plan`` does) on rank 0, False never; None (default) prints
+    it when rank 0's stdout is a terminal. The plan is ``pipe.plan`` either way (``pipe.plan.to_json()``). As a decorator,
     ``@fxpipe.compile(loss_fn=..., global_batch_size=...)``
     on a model class or factory makes ``Factory(*args, example_inputs=..., **kwargs)`` return the module.
     """
@@ -347,7 +349,7 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
                              check_batch=check_batch, loss_reduction=loss_reduction, batch_norm=batch_norm,
                              batch_dims=batch_dims, target_batch_dim=target_batch_dim, recompute=recompute,
                              costs=costs, check_rows=check_rows, stall_timeout_s=stall_timeout_s,
-                             sharding=sharding, torch_compile=torch_compile)
+                             sharding=sharding, torch_compile=torch_compile, verbose=verbose)
     if model is None:
         return functools.partial(_wrap_factory, options=options)
     if isinstance(model, torch.nn.Module):
@@ -452,6 +454,10 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     driver.shard_stage()
     if compile_settings is not None:
         warm_compiled_stage(driver)  # a collective: every rank compiles here, not in the first step
+    if context.rank == 0:
+        from fxpipe.report import print_plan
+
+        print_plan(resolved, options.verbose)
     return PipelinedModule(driver, graph_module)
 
 

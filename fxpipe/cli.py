@@ -64,6 +64,8 @@ def _build_parser() -> argparse.ArgumentParser:
                            "analytic device model (auto: for preset and remote clusters; optimistic, see "
                            "docs/clusters.md)")
     plan.add_argument("--max-blocks", type=int, default=64, help="coarsen the graph to at most this many blocks")
+    plan.add_argument("--threads", type=int, default=1, help="torch threads while timing blocks (--costs measured): "
+                      "as many as each rank of `fxpipe train` uses (its --threads, default 1)")
     plan.add_argument("--sharding", default="none", help="ZeRO inside each stage's replica group: none (default), "
                       "auto (each stage the fastest level that fits), optimizer, gradients, parameters, or one "
                       "level per stage: none,optimizer,... (needs --layout or markers; docs/sharding.md)")
@@ -73,7 +75,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_planning_options(plan)
 
     simulate = commands.add_parser("simulate", help="simulate a plan file's iteration")
-    simulate.add_argument("plan_file")
+    simulate.add_argument("plan_file", help="a plan file written by `fxpipe plan --json`")
     simulate.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON here")
     simulate.add_argument("--plot", default=None, help="draw the timeline (a row per device) into this PNG "
                           "(needs the plot extra: pip install 'fxpipe[plot]')")
@@ -96,7 +98,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="plan and train a small GPT on 4 local CPU ranks")
     demo.add_argument("--nproc", type=int, default=4, help="number of local CPU ranks")
-    demo.add_argument("--steps", type=int, default=40)
+    demo.add_argument("--steps", type=int, default=40, help="training steps to run (default 40)")
     demo.add_argument("--layout", default="2:1:1",
                       help="replica layout; the default 2:1:1 shows a hybrid pipeline (the planner picks the cuts); "
                            "'auto' lets the planner choose everything (plain DP wins for a model this small)")
@@ -161,10 +163,11 @@ def _run_plan(args: argparse.Namespace) -> int:
     import fxpipe.runtime.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
     from fxpipe.core.cluster import parse_cluster
     from fxpipe.core.planfile import save_plan_file
-    from fxpipe.planning import labelled, plan_chain
+    from fxpipe.planning import REMEASURED_NOTE, labelled, plan_chain
     from fxpipe.report import format_plan
 
     cluster = parse_cluster(args.cluster)
+    _time_blocks_like_a_rank(args.threads)
     args.costs_auto, args.cost_note = args.costs == "auto", ""
     args.costs = _cost_source(args, cluster)
     options = {"num_microbatches": args.num_microbatches, "schedule": args.schedule, "optimizer": args.optimizer,
@@ -179,12 +182,25 @@ def _run_plan(args: argparse.Namespace) -> int:
     plan = labelled(plan.with_updates(model=args.model or f"profile:{Path(args.profile).name}"), args.costs)
     if args.cost_note:
         plan = plan.with_updates(notes=(*plan.notes, args.cost_note))
+    if args.costs == "measured":
+        plan = plan.with_updates(notes=(*plan.notes, REMEASURED_NOTE["plan"]))
     print(f"cluster {cluster.name}: {cluster.num_hosts} host(s) x {cluster.devices_per_host} {cluster.device.name}")
     print(format_plan(plan, chain, cluster))
     if args.json_out:
         save_plan_file(args.json_out, plan, chain, cluster, run=None if args.no_run_info else _run_info(plan))
         print(f"wrote {args.json_out}")
     return 0
+
+
+def _time_blocks_like_a_rank(threads: int) -> None:
+    """Measured block times are taken with the threads one training rank has: with torch's default (every core)
+    a block timed here ran 2-10x slower on this project's loaded 2-core VM than on a 1-thread `fxpipe train`
+    rank, and the plan cut elsewhere than `fxpipe train --plan LAYOUT` (which measures on its ranks)."""
+    if threads < 1:
+        raise CommandLineError(f"--threads {threads}: give at least 1 (the torch threads of one training rank)")
+    import torch
+
+    torch.set_num_threads(threads)
 
 
 def _sharding(text: str) -> Any:
@@ -231,7 +247,19 @@ def _marker_plan(args: argparse.Namespace, cluster: Cluster, options: dict[str, 
 def _load(path: str):  # type: ignore[no-untyped-def]
     from fxpipe.core.planfile import load_plan_file
 
+    if _is_trace(path):
+        raise CommandLineError(f"{path} is a trace (a timeline from `--trace`), not a plan file; draw it with "
+                               f"`fxpipe show {path} --plot OUT.png`")
     return load_plan_file(path)
+
+
+def _is_trace(path: str) -> bool:
+    """Whether ``path`` holds a Chrome trace (``traceEvents``) rather than a plan; unreadable files are the loader's."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(data, dict) and "traceEvents" in data and "format_version" not in data
 
 
 def _run_simulate(args: argparse.Namespace) -> int:

@@ -43,3 +43,4 @@ class CompileOptions:
     check_rows: bool = True  # refuse a model whose rows see each other when the plan splits the batch
     # torch.compile per stage: False, True or torch.compile's keyword arguments (fxpipe.runtime.stage_compile)
     torch_compile: bool | Mapping[str, Any] = False
+    verbose: bool | None = None  # print the plan table on rank 0 (None: when stdout is a terminal)

@@ -129,8 +129,16 @@ def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: An
             raise PipelineSetupError("global_batch_size is missing; it is required unless a Plan is given")
         if context.rank == 0:
             run = _run_marker_planner if markers else _run_planner
-            text = costs.label(run(options, model, example_inputs, topology, cluster, costs)).to_json()
+            plan = costs.label(run(options, model, example_inputs, topology, cluster, costs))
+            text = _with_remeasured_note(plan, costs.source).to_json()
     return Plan.from_json(broadcast_text(text))
+
+
+def _with_remeasured_note(plan: Plan, source: str) -> Plan:
+    """A plan cut on measured block times says that another measurement (``fxpipe plan``) may cut elsewhere."""
+    from fxpipe.planning import REMEASURED_NOTE
+
+    return plan.with_updates(notes=(*plan.notes, REMEASURED_NOTE["train"])) if source == "measured" else plan
 
 
 def _resolved_cluster(options: CompileOptions, topology: Topology, device: torch.device) -> Cluster:

@@ -21,9 +21,10 @@ if TYPE_CHECKING:
     from fxpipe.runtime.guard import SetupGroup
 
 # The plan note that records how measured figures were taken (benchmarks/prediction_fidelity.py reads it).
-STRETCH_NOTE = "block costs measured by every rank at once: CPU work x {stretch:.3f} wall/CPU seconds"
-COLLECTIVE_NOTE = ("allreduce over the job's {ranks} ranks measured: {latency_ms:.3f} ms per ring step, "
-                   "{bandwidth_mb:.0f} MB/s, the collective link planned with")
+STRETCH_NOTE = ("block times measured on every rank at once, CPU time stretched x {stretch:.3f} "
+                "(wall seconds per CPU second while the ranks shared the cores)")
+COLLECTIVE_NOTE = ("allreduce over the job's {ranks} ranks measured at {latency_ms:.3f} ms per ring step and "
+                   "{bandwidth_mb:.0f} MB/s; the planner costed gradient allreduces with these figures")
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,17 @@ COSTS_ENV = "FXPIPE_COSTS"
 
 LossFn = Callable[[Any, Any], Any]
 
+# Why `fxpipe plan --layout L` and `fxpipe train --plan L` may cut differently with measured costs: each measures
+# the blocks again (plan: in one process; a job: on all its ranks at once), and near-equal cuts swap on noise.
+# With the same costs (e.g. --costs analytic) and cluster both choose the same cuts (tests/test_cli_surfaces.py).
+REMEASURED_NOTE = {
+    "plan": "cuts follow block times measured just now in one process; `fxpipe train --plan LAYOUT` measures "
+            "again on its ranks and may cut elsewhere: to train this very plan, write it with --json FILE and "
+            "train with --plan FILE",
+    "train": "cuts follow block times measured by this launch's ranks; `fxpipe plan` or another launch measures "
+             "again and may cut elsewhere: `fxpipe train --json FILE` keeps this plan and --plan FILE runs it again",
+}
+
 
 class ModelSpecError(ValueError):
     """MODEL is neither a zoo name nor a ``package.module:factory`` returning (model, example_inputs)."""

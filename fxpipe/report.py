@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 from tabulate import tabulate
 
@@ -80,7 +81,9 @@ def summary_lines(plan: Plan) -> list[str]:
     predicted = plan.predicted
     if predicted is not None:
         speedup = predicted.speedup_over_dp  # NaN when DP was not evaluated (forced layout) or does not fit
-        versus_dp = f", speedup over DP {speedup:.2f}x" if math.isfinite(speedup) else ", DP not compared"
+        # DP here is data parallel on every device; a note may name a faster plan on fewer devices
+        versus_dp = (f", {speedup:.2f}x the speed of data parallel on all {plan.num_devices} devices"
+                     if math.isfinite(speedup) else ", not compared with data parallel (layout given, or it does not fit)")
         if plan.num_stages == 1:  # the plan is data parallel: no speedup over itself to print
             unused = plan.num_devices and plan.world_size < plan.num_devices
             versus_dp = f", data parallel on {plan.world_size} of {plan.num_devices} devices" if unused else ""
@@ -108,6 +111,15 @@ def baseline_table(plan: Plan) -> str:
         rows.append([name, result.layout, result.num_microbatches, f"{result.iteration_time_s * 1e3:.2f}",
                      f"{ratio:.2f}"])
     return str(tabulate(rows, headers=["planner", "layout", "M", "iteration ms", "vs chosen"], tablefmt="simple"))
+
+
+def print_plan(plan: Plan, verbose: bool | None) -> None:
+    """``fxpipe.compile(..., verbose=)`` on rank 0: print :func:`format_plan` when True, or when None and stdout
+    is a terminal (a script run by hand shows its plan; a job's log file or a test's capture does not)."""
+    if verbose is None:
+        verbose = sys.stdout.isatty()
+    if verbose:
+        print(format_plan(plan), flush=True)
 
 
 def format_plan(plan: Plan, chain: CostChain | None = None, cluster: Cluster | None = None) -> str:

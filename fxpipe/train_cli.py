@@ -21,13 +21,17 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="zoo name or package.module:factory (returning (model, example_inputs))")
     parser.add_argument("--loss", default=None, help="cross_entropy, mse or package.module:function(output, "
                         "targets); required for a factory, overrides a zoo model's own loss")
-    parser.add_argument("--global-batch", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--global-batch", type=int, default=32, help="rows per training step, over all ranks "
+                        "(every rank loads the same batch; default 32)")
+    parser.add_argument("--steps", type=int, default=20, help="training steps to run (default 20)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     parser.add_argument("--plan", default="auto", help="auto, markers (cut at pipe_split() calls), a layout such "
                         "as 2:1:1, or a plan JSON file")
-    parser.add_argument("--schedule", default="dapple", choices=[*schedule_names(), "auto"])
-    parser.add_argument("--num-microbatches", type=int, default=None)
+    parser.add_argument("--schedule", default="dapple", choices=[*schedule_names(), "auto"],
+                        help="order of forward and backward passes: dapple (default, early backward, 1F1B), gpipe, "
+                             "zero_bubble (backward split in two), auto (the planner picks); docs/glossary.md")
+    parser.add_argument("--num-microbatches", type=int, default=None,
+                        help="split each step's batch into this many micro-batches (default: the planner chooses)")
     parser.add_argument("--recompute", default="auto", help="activation recomputation: auto (where activations do "
                         "not fit), never, always, or per stage keep,recompute,...; a plan file's choices stay with auto")
     parser.add_argument("--sharding", default=None, type=_sharding_argument,
@@ -49,7 +53,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"],
                         help="train in fp32 or under bf16/fp16 autocast (fp32 master weights); the planner costs "
                              "the model in it; default: a plan file's precision, else fp32")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="random seed for the weights and the data order "
+                        "(default 0)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--measure", action="store_true",
@@ -66,6 +71,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                              "first step pays the compile, reported per stage at the end (docs/compile.md)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds a rank waits for a peer (default 60; "
                         "600 with --torch-compile: the first step waits for earlier stages' compiles)")
+    parser.add_argument("--json", dest="json_out", default=None, metavar="PLAN", help="write the plan this run "
+                        "trains with (rank 0) to this file: the plan file format `fxpipe show` and --plan read")
     parser.add_argument("--trace", default=None, help="with --measure: write the last step's measured timeline "
                         "(Chrome/Perfetto trace, same format as `fxpipe simulate --trace`)")
 
@@ -174,13 +181,13 @@ def _check_plan_file(args: argparse.Namespace) -> str:
 
 
 def _stage_memory(stats: list[Any]) -> str:
-    """Peak saved-activation bytes per stage (largest replica), e.g. ``act s0:1.2 MiB s1:0.4 MiB``."""
+    """Peak saved-activation bytes per stage (largest replica), e.g. ``kept for backward s0:1.2 MiB s1:0.4 MiB``."""
     from fxpipe.report import format_bytes
 
     peaks: dict[int, int] = {}
     for item in stats:
         peaks[item.stage_index] = max(peaks.get(item.stage_index, 0), item.peak_activation_bytes or 0)
-    return "act " + " ".join(f"s{index}:{format_bytes(peaks[index])}" for index in sorted(peaks))
+    return "kept for backward " + " ".join(f"s{index}:{format_bytes(peaks[index])}" for index in sorted(peaks))
 
 
 def _write_trace(path: str, stats: list[Any]) -> None:
@@ -219,7 +226,6 @@ def timeout_option(args: argparse.Namespace) -> float:
 def run_train(args: argparse.Namespace) -> int:
     import fxpipe
     from fxpipe.planning import autocast_dtype
-    from fxpipe.report import format_plan
     from fxpipe.runtime import preemption
 
     preemption.install()  # first: SIGTERM before the handler would kill the rank without a checkpoint
@@ -232,14 +238,16 @@ def run_train(args: argparse.Namespace) -> int:
                           recompute=args.recompute, sharding=args.sharding, batch_dims=batch_dims_option(args),
                           target_batch_dim=args.target_batch_dim, costs=args.costs,
                           autocast_dtype=autocast_dtype(precision), stall_timeout_s=args.stall_timeout,
-                          torch_compile=torch_compile_option(args), timeout_s=timeout_option(args))
+                          torch_compile=torch_compile_option(args), timeout_s=timeout_option(args), verbose=True)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
     if precision == "fp16":  # loss scaling, overflow agreed over the job; before _resume, which restores its state
         pipe.grad_scaler()
     first_step = _resume(args, pipe, optimizer)
     leader = pipe.rank == 0
-    if leader:
-        print(format_plan(pipe.plan), flush=True)
+    if leader and args.json_out:
+        pipe.plan.with_updates(model=pipe.plan.model or args.model).save(args.json_out)
+        print(f"wrote the plan it runs to {args.json_out} (fxpipe show {args.json_out}; fxpipe train --plan "
+              f"{args.json_out} runs it again)", flush=True)
     # saved-activation bytes cannot be told apart from FSDP2's gathered weights: a sharded plan measures its timeline
     sharded = any(stage.sharding != "none" for stage in pipe.plan.stages)
     pipe.measure = "timeline" if args.measure and sharded else args.measure
@@ -329,7 +337,7 @@ def prediction_check(plan: Any, step_times: list[float], *, measuring: bool = Fa
         return line
     source = plan.predicted.cost_source or "unrecorded"
     line += f"; predicted {plan.predicted.iteration_time_s * 1e3:.4g} ms ({source} block costs)"
-    return line + (" [--measure: steps also record timelines and saved-tensor peaks, so run slower]" if measuring
+    return line + ("; these steps also recorded their timelines and memory peaks, which slows them" if measuring
                    else "")
 
 

@@ -63,8 +63,11 @@ def test_exhaustive_is_never_beaten(name: str) -> None:
 
 
 def test_exhaustive_refuses_large_inputs() -> None:
-    with pytest.raises(PlanningError, match=f"more than {EXHAUSTIVE_LIMIT} candidates"):
+    with pytest.raises(PlanningError, match="searches at most 12 devices, the cluster has 16"):
         partition(chain([1.0] * 16, [10**6] * 16), cluster(2, 8), 64, planner="exhaustive")
+    # the count it names is of the groups it cuts between (every block holds parameters here: all 40)
+    with pytest.raises(PlanningError, match=f"40 groups of blocks .* more than {EXHAUSTIVE_LIMIT} candidates"):
+        partition(chain([1.0] * 40, [10**6] * 40), cluster(1, 8), 64, planner="exhaustive")
 
 
 def test_baselines_get_the_best_microbatch_count() -> None:

@@ -114,12 +114,12 @@ TRAIN = ["train", "gpt-mini", "--data", "stdlib", "--global-batch", "8", "--plan
 
 
 def _train(rank: int, world_size: int, store_dir: str, checkpoints: str) -> str:
-    """`fxpipe train` for 2 steps, a checkpoint after each; rank 0's output."""
+    """`fxpipe train` for 2 steps, a checkpoint after each, the plan it ran written (rank 0); rank 0's output."""
     os.environ.pop("FXPIPE_COSTS", None)  # --costs analytic must hold on its own (auto would measure here)
     join_world(store_dir, "train", rank, world_size)
     try:
         with contextlib.redirect_stdout(io.StringIO()) as out:
-            assert main([*TRAIN, "--checkpoint-dir", checkpoints]) == 0
+            assert main([*TRAIN, "--checkpoint-dir", checkpoints, "--json", f"{checkpoints}-plan.json"]) == 0
         return out.getvalue()
     finally:
         leave_world()
@@ -145,7 +145,8 @@ def _reference_losses(argv: list[str]) -> list[float]:
 
 
 @pytest.mark.multiprocess
-def test_train_flags_give_the_unsplit_losses_and_checkpoints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_train_flags_give_the_unsplit_losses_and_checkpoints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "surface_hooks.py").write_text(HOOKS)
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -162,6 +163,19 @@ def test_train_flags_give_the_unsplit_losses_and_checkpoints(tmp_path: Path, mon
     assert sorted(path.name for path in checkpoints.iterdir()) == ["step-000001", "step-000002"]
     manifest = json.loads((checkpoints / "step-000001" / "fxpipe_manifest.json").read_text())
     assert manifest["step"] == 1
+    # `--json` wrote the plan it ran; `fxpipe plan` cuts the same layout request on the same costs and cluster alike
+    ran = json.loads((tmp_path / "ckpt-plan.json").read_text())
+    assert ran["model"] == "gpt-mini" and f"wrote the plan it runs to {checkpoints}-plan.json" in out, out
+    assert main(["show", str(tmp_path / "ckpt-plan.json")]) == 0 and "plan 1:1 " in capsys.readouterr().out
+    planned = _plan(tmp_path, capsys, "gpt-mini", "--cluster", "local:2", "--global-batch", "8", "--layout", "1:1",
+                    "--num-microbatches", "2", "--schedule", "gpipe", "--recompute", "always", "--batch-dims", "0",
+                    "--costs", "analytic")
+
+    def cuts(plan: dict[str, Any]) -> list[tuple[Any, ...]]:
+        return [(s["first_block"], s["stop_block"], s["replicas"], s["devices"]) for s in plan["stages"]]
+
+    assert cuts(planned) == cuts(ran) and cuts(ran)[0][1] not in (1, ran["num_blocks"] - 1), (cuts(planned), cuts(ran))
+    assert (planned["num_microbatches"], planned["schedule"]) == (ran["num_microbatches"], ran["schedule"])
 
 
 @pytest.mark.slow

@@ -329,7 +329,8 @@ def test_links_nothing_measured_are_defaults_with_a_warning(tmp_path: Path, monk
     monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
     calibrate.write_cache(calibrate.cache_path("cpu"), {"device": DEVICE_FIGURES})
     _no_measuring(monkeypatch)
-    with pytest.warns(RuntimeWarning, match=r"local:3 plans with default link figures.*fxpipe calibrate"):
+    with pytest.warns(RuntimeWarning, match=r"local:3 plans with default link figures \(400 MB/s, 0.2 ms latency "
+                      r"between ranks\), not measured ones.*fxpipe calibrate"):  # plain figures, no LinkSpec repr
         cluster = local_cluster(3, calibrate=True)
     assert cluster.intra_host == LOCAL_LINK_DEFAULT and cluster.intra_host_collective is None
     assert cluster.device.flops_per_s("float32") == DEVICE_FIGURES["float32"]

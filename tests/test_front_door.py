@@ -265,12 +265,12 @@ def test_a_dp_plan_prints_no_speedup_over_dp() -> None:
     from fxpipe.report import format_plan
 
     plan = plan_model(FourLinear(), (torch.randn(4, 4),), cluster="local:2", global_batch_size=8, layout="dp")
-    assert plan.layout == "dp" and "speedup over DP" not in format_plan(plan)
+    assert plan.layout == "dp" and "the speed of data parallel" not in format_plan(plan)
     fewer = plan.with_updates(stages=(plan.stages[0].__class__(0, 0, plan.num_blocks, 1, (0,)),), num_devices=2)
-    assert "speedup over DP" not in format_plan(fewer) and "data parallel on 1 of 2 devices" in format_plan(fewer)
+    assert "the speed of data parallel" not in format_plan(fewer) and "data parallel on 1 of 2 devices" in format_plan(fewer)
     pipelined = plan_model(FourLinear(), (torch.randn(4, 4),), cluster="local:2", global_batch_size=8,
                            layout="1:1")
-    assert "DP not compared" in format_plan(pipelined)
+    assert "not compared with data parallel" in format_plan(pipelined)
 
 
 def test_the_plan_report_prints_the_plan_notes() -> None:

@@ -13,7 +13,7 @@ from fxpipe.cli import main
 from fxpipe.core.planfile import save_plan_file
 from fxpipe.core.timeline import TimelineEvent, TransferEvent
 from fxpipe.passes.partition.dapple import partition
-from fxpipe.sim.chrome_trace import to_chrome_trace
+from fxpipe.sim.chrome_trace import events_to_chrome_trace, to_chrome_trace
 from fxpipe.sim.simulate import simulate
 from fxpipe.sim.stagecost import step_end_sync_time
 from fxpipe.sim.timeline_plot import (
@@ -83,6 +83,9 @@ def test_simulated_timeline_has_a_row_per_device_and_survives_the_chrome_trace()
         timeline_from_chrome_trace({"stages": []})
     measured = {"traceEvents": [], "otherData": {"measured": True, "step_time_s": 0.0125}}  # as train_cli writes
     assert trace_title(measured, "m.json") == "m.json: measured step 12.5 ms"
+    # a tiny model's step ends well after its last action (gradient sums, the loss): the title says both
+    short = events_to_chrome_trace([TimelineEvent(0, 0, "F", 0, 0.0, 0.009)], (), measured["otherData"])
+    assert trace_title(short, "m.json") == "m.json: bars end at 9.0 ms; measured step 12.5 ms with its closing waits"
     assert trace_title(to_chrome_trace(result), "s.json") == (
         f"s.json: simulated iteration {1e3 * result.iteration_time_s:.1f} ms")
 

@@ -16,7 +16,9 @@ from typing import Any
 from fxpipe.core.cluster_spec import (
     COUNT_DIGITS,
     ClusterSpecError,
+    base_suggestion,
     device_from_json,
+    did_you_mean,
     existing_file,
     json_field,
     link_from_json,
@@ -294,7 +296,8 @@ def compact_cluster(num_hosts: int, devices_per_host: int, kind: str, name: str 
         return _cpu_cluster(name, num_hosts, devices_per_host, cpu_device(memory), LOCAL_LINK_DEFAULT,
                             "CPU ranks with conservative default figures")
     if key not in _DEVICE_KINDS:
-        raise ClusterSpecError(f"device kind {kind!r} is unknown; choose one of {sorted([*_DEVICE_KINDS, 'cpu'])}")
+        raise ClusterSpecError(f"device kind {kind!r} is unknown; choose one of {sorted([*_DEVICE_KINDS, 'cpu'])}"
+                               + did_you_mean(kind, [*_DEVICE_KINDS, *_DEVICE_ALIASES, "cpu"]))
     device, intra, inter, collective = _DEVICE_KINDS[key]
     return _gpu_overlap(Cluster(name, num_hosts, devices_per_host, device, intra, inter, collective,
                                 f"{num_hosts} hosts x {devices_per_host} {device.name}"))
@@ -333,7 +336,9 @@ def _local_cpu_cluster(name: str, ranks: int, measured: Calibration | None, coll
     if links is None and ranks > 1:
         how = ("the process group has one rank" if collective else "measuring links needs the ranks themselves: "
                "run under torchrun (fxpipe.compile measures over the process group) or run `fxpipe calibrate`")
-        warnings.warn(f"fxpipe: {name} plans with default link figures ({LOCAL_LINK_DEFAULT}): {how}; see "
+        default = (f"{LOCAL_LINK_DEFAULT.bandwidth_bytes_per_s / 1e6:.0f} MB/s, {LOCAL_LINK_DEFAULT.latency_s * 1e3:g} ms "
+                   "latency between ranks")
+        warnings.warn(f"fxpipe: {name} plans with default link figures ({default}), not measured ones: {how}; see "
                       "docs/clusters.md", RuntimeWarning, stacklevel=3)
     link, collective_link, overhead = links or (LOCAL_LINK_DEFAULT, None, 0.0)
     split = (measured.device or {}).get("split_backward_overhead", CPU_SPLIT_BACKWARD_OVERHEAD)
@@ -398,7 +403,7 @@ def _parse_base(spec: str, base: str, calibrate: bool | None, collective: bool =
     if key.endswith(".json"):
         raise spec_error(spec, base, "looks like a JSON file path but no such file exists")
     raise spec_error(spec, base, "is not a preset, a HOSTSxDEVICES:KIND spec or a JSON file "
-                                 f"(counts have at most {COUNT_DIGITS} digits)")
+                                 f"(counts have at most {COUNT_DIGITS} digits){base_suggestion(base)}")
 
 
 def _apply_override(spec: str, cluster: Cluster, part: str) -> Cluster:
@@ -411,7 +416,8 @@ def _apply_override(spec: str, cluster: Cluster, part: str) -> Cluster:
         return replace(cluster, device=replace(cluster.device, memory_bytes=memory))
     fields = {"intra": "intra_host", "inter": "inter_host", "collective": "inter_host_collective"}
     if key not in fields:
-        raise spec_error(spec, part, f"has an unknown key {key!r}; keys: intra, inter, collective, memory")
+        raise spec_error(spec, part, f"has an unknown key {key!r}; keys: intra, inter, collective, memory"
+                                     f"{did_you_mean(key, [*fields, 'memory'])}")
     bandwidth_text, _, latency_text = value.partition("@")
     current = getattr(cluster, fields[key]) or cluster.inter_host
     link = LinkSpec(

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from decimal import Decimal
@@ -51,6 +52,24 @@ Bound = Literal["positive", "non-negative"]
 
 class ClusterSpecError(ValueError):
     """A cluster spec string or cluster JSON file is malformed."""
+
+
+# The names a spec's base may start with (did-you-mean suggestions for a typo).
+BASE_NAMES = ("dapple-a", "dapple-b", "dapple-c", "dgx-h100", "local")
+
+
+def did_you_mean(word: str, choices: Any) -> str:
+    """``"; did you mean 'dapple-a'?"`` for the choice closest to ``word`` (difflib), or "" when none is close."""
+    matches = difflib.get_close_matches(word.strip().lower(), sorted(choices), n=1, cutoff=0.6)
+    return f"; did you mean {matches[0]!r}?" if matches else ""
+
+
+def base_suggestion(base: str) -> str:
+    """:func:`did_you_mean` for a spec's base among the preset names, its count kept (``locl:4`` -> ``local:4``);
+    a compact spec's device kind gets its own (:func:`fxpipe.core.cluster.compact_cluster`)."""
+    name, sep, count = base.strip().lower().partition(":")
+    matches = difflib.get_close_matches(name, BASE_NAMES, n=1, cutoff=0.6)
+    return f"; did you mean {matches[0] + sep + count!r}?" if matches else ""
 
 
 def spec_error(spec: str, part: str, why: str) -> ClusterSpecError:

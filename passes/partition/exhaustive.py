@@ -46,8 +46,13 @@ def _devices(per_host: int, placement: tuple[tuple[int, ...], ...]) -> list[tupl
 
 
 def _too_large(num_blocks: int, num_devices: int) -> PlanningError:
-    return PlanningError(f"exhaustive planner: {num_blocks} blocks on {num_devices} devices gives more than "
-                         f"{EXHAUSTIVE_LIMIT} candidates; use planner='dapple' or a smaller chain/cluster")
+    if num_devices > EXHAUSTIVE_MAX_DEVICES:
+        return PlanningError(f"exhaustive planner: searches at most {EXHAUSTIVE_MAX_DEVICES} devices, the cluster has "
+                             f"{num_devices}; use planner='dapple' or a smaller cluster")
+    # the planners cut only between groups of blocks holding parameters: count those, not the stage table's blocks
+    return PlanningError(f"exhaustive planner: {num_blocks} groups of blocks to cut between (each group holds "
+                         f"parameters) on {num_devices} devices give more than {EXHAUSTIVE_LIMIT} candidates; use "
+                         "planner='dapple' or a smaller model/cluster")
 
 
 def exhaustive_candidates(model: CandidateCosts, grid: list[int], layout: tuple[int, ...] | None) -> list[Candidate]:
