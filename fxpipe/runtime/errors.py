@@ -23,3 +23,9 @@ class RemoteSetupError(PipelineSetupError):
 class LossReductionError(PipelineSetupError):
     """``loss_fn`` is not what ``loss_reduction`` needs (or ``"auto"`` found): found by the loss probe on the
     first step and raised on every rank after it, with that step's gradients dropped (fxpipe.runtime.loss_probe)."""
+
+
+class LossFunctionError(PipelineSetupError, TypeError):
+    """``loss_fn`` cannot be the loss: it does not take ``(output, targets)``, or on the example output it returns
+    no scalar (no ``(sum, count)`` pair for ``"token_mean"``); raised at compile on every rank
+    (fxpipe.runtime.loss_check). Both a ValueError and a TypeError."""
