@@ -20,6 +20,7 @@ EXPECTED = {
     "loss-signature": ("LossFunctionError", ["loss_without_targets", "loss_fn(output, targets)"]),
     "loss-not-scalar": ("LossFunctionError", ["returned a tensor of shape (4, 4)", "must be a scalar", ".mean()"]),
     "token-mean-pair": ("ok", []),
+    "pair-without-token-mean": ("LossFunctionError", ["returned tuple", "needs loss_reduction='token_mean'"]),
     "transposed-inputs": ("BatchShapeError", ["input 'x' has shape (6, 4, 3)", "looks transposed",
                                               "x.transpose(0, 1)"]),
     "plan-file": ("PlanError", ["plan.json'", "is not JSON", "fxpipe plan"]),

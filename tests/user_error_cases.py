@@ -68,6 +68,7 @@ def cases(out_dir: Path, world_size: int) -> dict[str, Callable[[], Any]]:
         "loss-signature": lambda: _compile_mlp(loss_fn=loss_without_targets),
         "loss-not-scalar": lambda: _compile_mlp(loss_fn=squared_errors),
         "token-mean-pair": lambda: _compile_mlp(loss_fn=summed_with_count, loss_reduction="token_mean"),
+        "pair-without-token-mean": lambda: _compile_mlp(loss_fn=summed_with_count),
         "transposed-inputs": _transposed_step,
         "plan-file": lambda: _compile_mlp(plan=str(bad_plan)),
         "cluster": lambda: _compile_mlp(cluster="1x2:tpu"),
