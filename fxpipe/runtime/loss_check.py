@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe.core.fake_log import quiet_fake_tensor_log
-from fxpipe.core.program import SplitProgram
+from fxpipe.core.program import SplitProgram, tree_leaves
 from fxpipe.runtime.errors import LossFunctionError
 from fxpipe.runtime.stage import rebuild_tree, split_loss
 
@@ -28,11 +28,13 @@ def check_loss_fn(loss_fn: Callable[..., Any], program: SplitProgram, loss_reduc
     more can be told here: the first step's checks apply. Decided from the program: alike on every rank.
     """
     _check_signature(loss_fn)
+    specs = [program.values[name] for name in tree_leaves(program.output_tree)]
+    if not all(spec.is_tensor for spec in specs):  # a Python value in the output: known at the first step only
+        return
     problems: list[str] = []
     with FakeTensorMode(), warnings.catch_warnings(), quiet_fake_tensor_log():
         warnings.simplefilter("ignore")  # e.g. mse_loss's broadcasting warning for a wrong guess
-        output = rebuild_tree(program.output_tree, {name: _fake(spec.shape, spec.dtype)
-                                                    for name, spec in program.values.items() if spec.is_tensor})
+        output = rebuild_tree(program.output_tree, {spec.name: _fake(spec.shape, spec.dtype) for spec in specs})
         for targets in _guessed_targets(output):
             try:
                 result = loss_fn(output, targets)
