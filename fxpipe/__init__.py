@@ -61,6 +61,7 @@ _ERRORS: dict[str, str] = {
     "PipelineSetupError": "fxpipe.runtime.errors",
     "RemoteSetupError": "fxpipe.runtime.errors",
     "LossReductionError": "fxpipe.runtime.errors",
+    "LossFunctionError": "fxpipe.runtime.errors",
     "BatchShapeError": "fxpipe.runtime.errors",
     "CommunicationError": "fxpipe.runtime.errors",
     "MessageLayoutError": "fxpipe.runtime.errors",

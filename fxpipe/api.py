@@ -389,6 +389,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     from fxpipe.runtime.compiled_stages import compile_stage, warm_compiled_stage
     from fxpipe.runtime.driver import PipelineDriver, check_world
     from fxpipe.runtime.guard import release_group, setup_group, setup_phase
+    from fxpipe.runtime.loss_check import check_loss_fn
     from fxpipe.runtime.recompute import check_recompute_batch_norm
     from fxpipe.runtime.stage import check_loss_reduction
     from fxpipe.runtime.stage_compile import parse_torch_compile, with_compile_notes
@@ -429,6 +430,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
                 check_plan_matches(resolved, graph_module)
                 program = split_for_plan(graph_module, resolved)
                 check_world(resolved, program, context.world_size)
+                check_loss_fn(options.loss_fn, program, options.loss_reduction)
                 check_stages_hold_parameters(program, resolved)
                 check_recompute_batch_norm(resolved, [stage.module for stage in program.stages], options.batch_norm)
                 resolved = with_compile_notes(resolved, compile_settings, options.timeout_s)

@@ -349,5 +349,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return train_cli.run_train(args)
         return train_cli.run_demo(args)
     except (ValueError, ExampleInputsTypeError) as error:  # user mistakes: one clear line, no traceback
-        print(f"fxpipe {args.command}: error: {error}", file=sys.stderr)
-        return 2
+        from fxpipe.user_errors import report_user_error
+
+        return report_user_error(args.command, error)  # once, from rank 0; status 2

@@ -117,6 +117,7 @@ def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: An
     from fxpipe.runtime.guard import setup_phase
     from fxpipe.runtime.topology import discover_topology
 
+    check_layout_fits_launch(options.plan, context.world_size)  # alike on every rank, before any measuring
     topology = discover_topology(group)  # collectives of their own, so outside any phase body
     cluster = _resolved_cluster(options, topology, context.device)
     costs = job_costs(options.costs, options.cluster is None, model, example_inputs, cluster, group,
@@ -139,6 +140,26 @@ def _with_remeasured_note(plan: Plan, source: str) -> Plan:
     from fxpipe.planning import REMEASURED_NOTE
 
     return plan.with_updates(notes=(*plan.notes, REMEASURED_NOTE["train"])) if source == "measured" else plan
+
+
+def check_layout_fits_launch(plan: Any, world_size: int) -> None:
+    """A layout such as ``"2:1:1"`` must give every launched rank one replica: checked on every rank alike,
+    before planning, in launch terms (LayoutError; a malformed layout is left to the planner's message)."""
+    from fxpipe.passes.partition.request import LayoutError
+
+    parts = str(plan).strip().split(":")
+    if not all(part.isdecimal() and part.isascii() and int(part) > 0 for part in parts):
+        return  # "auto", "markers", "dp" or malformed
+    counts = [int(part) for part in parts]
+    if sum(counts) == world_size:
+        return
+    stages = min(len(counts), world_size)
+    example = ":".join([str(world_size - stages + 1)] + ["1"] * (stages - 1))
+    raise LayoutError(
+        f"you launched {world_size} rank{'s' if world_size != 1 else ''}; layout {plan!r} needs {sum(counts)} "
+        f"(one rank per replica: {'+'.join(parts)}): launch {sum(counts)} (torchrun --nproc-per-node "
+        f"{sum(counts)}, or nodes x processes per node = {sum(counts)}) or use a layout adding up to {world_size} "
+        f"(e.g. {example!r}, or 'dp', or 'auto')")
 
 
 def _resolved_cluster(options: CompileOptions, topology: Topology, device: torch.device) -> Cluster:

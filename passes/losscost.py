@@ -13,6 +13,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from fxpipe.core.fake_log import quiet_fake_tensor_log
 from fxpipe.passes.fakerun import RunState, SymbolicCost
 from fxpipe.passes.flops import fake_input, local_copy, run_counted
 
@@ -105,7 +106,7 @@ def _accepts(loss_fn: LossFn, outputs: Any, make: Callable[[Any], Any]) -> bool:
     """Whether ``loss_fn(outputs, make(outputs))`` runs on concrete fakes at the example batch and one row more
     (two sizes, so a target shape that fits by coincidence is not taken), away from the cost run's shape env."""
     for extra_rows in (0, 1):
-        with FakeTensorMode(), warnings.catch_warnings():
+        with FakeTensorMode(), warnings.catch_warnings(), quiet_fake_tensor_log():  # a wrong guess logs nothing
             warnings.simplefilter("ignore")  # e.g. mse_loss's broadcasting warning for a wrong guess
             probe = tree_map(functools.partial(_concrete_like, extra_rows=extra_rows), outputs)
             try:

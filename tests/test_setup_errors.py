@@ -63,26 +63,33 @@ def _setup_failures(rank: int, world_size: int, store_dir: str) -> dict[str, Any
         results["cost-pass"] = _outcome(lambda: fxpipe.compile(
             TensorDefault(), (inputs,), loss_fn=_mean_squared, global_batch_size=BATCH, plan="auto"))
 
-        import fxpipe.passes as passes
-
-        original_trace = passes.trace
-
-        def failing_trace(*args: Any, **kwargs: Any) -> Any:
-            raise ValueError("injected trace failure")
-
-        if rank == world_size - 1:
-            passes.trace = failing_trace
-        try:
-            model, example_inputs = zoo.build("mlp", **ENTRY.tiny_overrides)
-            results["trace"] = _outcome(lambda: fxpipe.compile(model, example_inputs, loss_fn=ENTRY.loss_fn,
-                                                               global_batch_size=BATCH, plan="auto"))
-        finally:
-            passes.trace = original_trace
+        # a user error (ValueError) on the last rank, then a failure of the machine (RuntimeError) on rank 1
+        results["trace"] = _compile_with_failing_trace(rank == world_size - 1, ValueError("injected trace failure"))
+        results["machine"] = _compile_with_failing_trace(rank == 1, RuntimeError("disk on fire"))
         results["auto"] = _auto_plan_trains_exactly(rank)
     finally:
         leave_world()
     results["slow"] = _slow_phase(rank, world_size, store_dir)
     return results
+
+
+def _compile_with_failing_trace(fails_here: bool, error: Exception) -> tuple[str, str, float]:
+    """Compile the mlp with ``fxpipe.passes.trace`` raising ``error`` on this rank when ``fails_here``."""
+    import fxpipe.passes as passes
+
+    original_trace = passes.trace
+
+    def failing_trace(*args: Any, **kwargs: Any) -> Any:
+        raise error
+
+    if fails_here:
+        passes.trace = failing_trace
+    try:
+        model, example_inputs = zoo.build("mlp", **ENTRY.tiny_overrides)
+        return _outcome(lambda: fxpipe.compile(model, example_inputs, loss_fn=ENTRY.loss_fn, global_batch_size=BATCH,
+                                               plan="auto"))
+    finally:
+        passes.trace = original_trace
 
 
 def _slow_phase(rank: int, world_size: int, store_dir: str) -> tuple[str, str, float]:
@@ -120,14 +127,18 @@ def test_setup_errors_reach_every_rank(tmp_path: Any) -> None:
     for rank, result in enumerate(results):
         kind, message, elapsed = result["cost-pass"]
         assert cause in message and elapsed < TIMELY_S, (rank, result["cost-pass"])
-        if rank == 0:
-            assert kind == "CostAnnotationError", message  # the cost pass names the node that broke
-        else:
-            assert kind == "RemoteSetupError" and message.startswith("rank 0 failed in planning: CostAnnotationError: ")
+        # a user error (a ValueError) of one rank is raised on every rank as itself: same type, same message
+        assert kind == "CostAnnotationError", message  # the cost pass names the node that broke
+        assert result["cost-pass"][:2] == results[0]["cost-pass"][:2], (rank, result["cost-pass"])
         kind, message, elapsed = result["trace"]
         assert "injected trace failure" in message and elapsed < TIMELY_S, (rank, result["trace"])
-        expected_kind = "ValueError" if rank == 2 else "RemoteSetupError"
-        assert kind == expected_kind and (rank == 2 or message.startswith("rank 2 failed in tracing: ValueError"))
+        assert (kind, message) == ("ValueError", "injected trace failure"), (rank, result["trace"])
+        kind, message, elapsed = result["machine"]
+        assert elapsed < TIMELY_S and "disk on fire" in message, (rank, result["machine"])
+        if rank == 1:  # a failure of the machine (not a ValueError/TypeError) stays the rank's own
+            assert kind == "RuntimeError", (rank, result["machine"])
+        else:
+            assert kind == "RemoteSetupError" and message.startswith("rank 1 failed in tracing: RuntimeError"), message
         kind, message, elapsed = result["slow"]
         assert kind == "ok" and 2.0 < elapsed < TIMELY_S, (rank, result["slow"])
         auto = result["auto"]

@@ -186,7 +186,10 @@ class Plan:
             text = Path(path).read_text()
         except (OSError, UnicodeDecodeError) as error:
             raise PlanError(f"cannot read plan file {str(path)!r}: {error}") from error
-        return Plan.from_json(text)
+        try:
+            return Plan.from_json(text)
+        except PlanError as error:  # name the file: the message may reach every rank of a launch
+            raise PlanError(f"{str(path)!r}: {error}; write plan files with `fxpipe plan ... --json FILE`") from None
 
 
 def plan_argument_kind(plan: str | Path) -> str:

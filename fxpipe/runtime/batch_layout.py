@@ -90,6 +90,7 @@ def batch_rows(program: SplitProgram, plan: Plan, inputs: Sequence[Any], targets
         raise BatchShapeError(f"inputs disagree on the batch rows {rows_by_input}; every batched input holds the same "
                               "rows in its batch dim (batch_dims of fxpipe.compile says which)")
     num_rows = next(iter(rows_by_input.values()), plan.global_batch_size)
+    _check_not_transposed(program, inputs, targets, num_rows, target_batch_dim)
     check_targets(targets, num_rows, target_batch_dim)
     needed = min_rows(plan)
     if num_rows < needed:
@@ -113,6 +114,31 @@ def _check_input(spec: ValueSpec, value: Any) -> None:
             f"input {spec.name!r} has shape {tuple(value.shape)} but the traced program fixed dims {differs} at "
             f"{[spec.shape[dim] for dim in differs]} (the example {spec.shape}: torch.export specialised them, the "
             "model's code treats them as constants); pass those sizes, or compile with an example of the new shape")
+
+
+def _check_not_transposed(program: SplitProgram, inputs: Sequence[Any], targets: Any, num_rows: int,
+                          target_batch_dim: int) -> None:
+    """Inputs that hold the targets' rows in another dim than their batch dim (``(T, B)`` passed where the model
+    takes ``(B, T)``) are blamed on the inputs, naming the input, before the targets are checked against them."""
+    leaves = [leaf for leaf in tree_flatten(targets)[0] if isinstance(leaf, torch.Tensor) and leaf.dim() > target_batch_dim]
+    target_rows = {int(leaf.shape[target_batch_dim]) for leaf in leaves}
+    if len(target_rows) != 1 or num_rows in target_rows:
+        return
+    rows = target_rows.pop()
+    for name, value in zip(program.model_inputs, inputs, strict=True):
+        spec = program.values[name]
+        if not (spec.is_tensor and spec.batched and isinstance(value, torch.Tensor)):
+            continue
+        others = [dim for dim in range(value.dim()) if dim != spec.batch_dim and value.shape[dim] == rows]
+        if others:
+            raise BatchShapeError(
+                f"input {name!r} has shape {tuple(value.shape)}: the model reads the batch from its dim "
+                f"{spec.batch_dim} ({value.shape[spec.batch_dim]} rows), but the targets hold {rows} rows, as many as "
+                f"its dim {others[0]}: the input looks transposed (the example was {spec.shape}, batch in dim "
+                f"{spec.batch_dim}); pass {name!r} with the batch in dim {spec.batch_dim} (e.g. "
+                f"{name}.transpose({spec.batch_dim}, {others[0]})), or compile with batch_dims={{{name!r}: "
+                f"{others[0]}}} if the model really takes the batch in dim {others[0]}; if {name!r} is right, the "
+                f"targets are not (they must hold {num_rows} rows in dim {target_batch_dim})")
 
 
 def check_targets(targets: Any, num_rows: int, dim: int) -> None:

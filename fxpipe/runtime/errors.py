@@ -29,3 +29,9 @@ class MessageLayoutError(RuntimeError):
     """A message between stages does not hold what its receiver expects (another dtype, size or piece count), or
     a stage would send a value in another dtype or shape than the plan's layout: raised instead of reading memory
     nobody wrote. The message names the value, the stages and both layouts."""
+
+
+class LossFunctionError(PipelineSetupError, TypeError):
+    """``loss_fn`` cannot be the loss: it does not take ``(output, targets)``, or on the example output it returns
+    no scalar (no ``(sum, count)`` pair for ``"token_mean"``); raised at compile on every rank
+    (fxpipe.runtime.loss_check). Both a ValueError and a TypeError."""
