@@ -95,6 +95,14 @@ def test_calibration_times_the_runtimes_own_driver(monkeypatch: pytest.MonkeyPat
         return real_step(self, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(PipelineDriver, "step", counted)
+    import torch.distributed as dist
+
+    # calibration runs inside a job's process group, one rank at a time: the driver must not touch it
+    for name, value in (("is_initialized", lambda: True), ("get_world_size", lambda group=None: 2),
+                        ("get_rank", lambda group=None: 1)):
+        monkeypatch.setattr(dist, name, value)
+    for name in ("all_reduce", "all_gather", "barrier", "broadcast", "new_group", "send", "recv"):
+        monkeypatch.setattr(dist, name, lambda *args, _name=name, **kwargs: pytest.fail(f"dist.{_name} called"))
     figures = calibrate_fixed.measure_fixed_costs(repeats=5)
     assert counts == {1: calibrate_fixed.FIXED_WARMUP + 5, 8: calibrate_fixed.FIXED_WARMUP + 5}
     assert 0 < figures["action_overhead"] < 0.05 and 0 <= figures["step_overhead"] < 0.05, figures
