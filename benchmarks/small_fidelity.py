@@ -15,6 +15,10 @@ job's wall/CPU stretch); "without fixed costs" re-simulates the same plan on the
 with both at 0 (the model before them). Errors are (measured - predicted) / measured of the iteration, per
 round; the table gives medians over rounds. "load" is the host's 1-minute load average at each round's start
 (2 cores).
+
+The wall/CPU stretch at compile (``block costs measured ...`` note) scales the blocks and the fixed costs alike;
+a round compiled in a burst of load predicts its steps high, one compiled in a lull low. Compare the stretch
+and load per round before reading an error (docs/clusters.md discusses the committed run).
 """
 
 from __future__ import annotations
@@ -81,7 +85,8 @@ def _one_case(rank: int, case: Case, num_warmup: int, num_steps: int, seen: dict
     load = os.getloadavg()[0]
     workload = case.workload
     model, example_inputs = workload.build()
-    pipe = fxpipe.compile(model, example_inputs, loss_fn=workload.loss_fn(), plan=case.layout,
+    # both zoo losses are per-row means; said outright, since a one-row slice (gpt-mini 2:2) cannot show it
+    pipe = fxpipe.compile(model, example_inputs, loss_fn=workload.loss_fn(), plan=case.layout, loss_reduction="mean",
                           global_batch_size=workload.global_batch_size, num_microbatches=workload.num_microbatches)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
     inputs, targets = workload.batch()
