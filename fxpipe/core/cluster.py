@@ -107,13 +107,9 @@ class Cluster:
     holds, at one-rank speed (stretched like compute): measured by ``fxpipe.compile`` with its block
     costs (an AdamW step); 0 leaves the optimizer step out of the iteration (presets, analytic costs).
 
-    ``action_overhead_s`` and ``step_overhead_s`` are the runtime's fixed costs at one-rank speed (stretched
-    like compute): what each forward and each backward action of a micro-batch costs beyond its blocks (the
-    driver's Python, the stage module's call, autograd's start, the loss call), and what each step costs once
-    beyond its actions and collectives. Calibration measures them on CPU ranks with the runtime's own driver
-    (:func:`fxpipe.runtime.calibrate_measure.measure_fixed_costs`); 0 (presets, GPUs, JSON files without
-    them) leaves them out, and a plan they could dominate says its prediction is a lower bound
-    (:func:`fxpipe.sim.fixed_costs.fixed_cost_note`).
+    ``action_overhead_s``, ``step_overhead_s``: the runtime's own time per forward or backward action beyond its
+    blocks and per step beyond its actions and collectives, at one-rank speed (stretched like compute); measured
+    on CPU ranks (:mod:`fxpipe.runtime.calibrate_fixed`); 0 elsewhere (:mod:`fxpipe.sim.fixed_costs`).
     """
 
     name: str
@@ -155,13 +151,9 @@ class Cluster:
             if not getattr(self, field_name) >= 0:
                 raise ValueError(f"cluster {self.name!r}: {field_name} must be >= 0 (a fraction: the extra "
                                  f"time while overlapped); got {getattr(self, field_name)}")
-        for field_name in ("action_overhead_s", "step_overhead_s"):
+        for field_name in ("action_overhead_s", "step_overhead_s", "optimizer_s_per_param_byte"):
             if not getattr(self, field_name) >= 0:
-                raise ValueError(f"cluster {self.name!r}: {field_name} must be >= 0 seconds (a fixed cost of the "
-                                 f"runtime); got {getattr(self, field_name)}")
-        if not self.optimizer_s_per_param_byte >= 0:
-            raise ValueError(f"cluster {self.name!r}: optimizer_s_per_param_byte must be >= 0; "
-                             f"got {self.optimizer_s_per_param_byte}")
+                raise ValueError(f"cluster {self.name!r}: {field_name} must be >= 0; got {getattr(self, field_name)}")
 
     @property
     def compute_slowdown(self) -> float:
