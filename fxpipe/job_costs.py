@@ -39,10 +39,15 @@ class JobCosts:
 
     def planning_cluster(self, cluster: Cluster) -> Cluster:
         """``cluster`` with the measured optimizer step (:attr:`Cluster.optimizer_s_per_param_byte`) and the
-        measured allreduce as its collective link (intra-host on one host, inter-host across several), if any."""
+        measured allreduce as its collective link (intra-host on one host, inter-host across several), if any;
+        on CPU ranks its calibrated fixed costs (CPU work) times the blocks' stretch over the core sharing."""
         if self.measured is None:
             return cluster
         cluster = replace(cluster, optimizer_s_per_param_byte=self.measured.optimizer_s_per_param_byte)
+        if self.measured.device == "cpu":  # calibrated in CPU work, alone: the job's stretch, as on the blocks
+            scale = self.measured.stretch / cluster.compute_slowdown
+            cluster = replace(cluster, action_overhead_s=cluster.action_overhead_s * scale,
+                              step_overhead_s=cluster.step_overhead_s * scale)
         if self.collective is None:
             return cluster
         _, latency_s, bandwidth = self.collective

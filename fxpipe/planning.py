@@ -256,11 +256,15 @@ def plan_chain(chain: CostChain, cluster: Cluster, global_batch_size: int, *,
     """Run a planner (``planner=`` name, default DAPPLE) over a chain costed for ``precision`` (recorded in the plan).
 
     ``sharding``: ``"none"``, ``"auto"``, one level or one per stage (:mod:`fxpipe.core.sharding`); the
-    plan records each stage's level (``stages[*].sharding``; docs/sharding.md).
+    plan records each stage's level (``stages[*].sharding``; docs/sharding.md). A plan whose prediction leaves
+    out fixed costs that would dominate it says so in its notes (:func:`fxpipe.sim.fixed_costs.fixed_cost_note`).
     """
     from fxpipe.passes.partition.dapple import partition
+    from fxpipe.sim.fixed_costs import fixed_cost_note
 
     plan = partition(chain, cluster, global_batch_size, sharding=sharding, **options)
+    note = fixed_cost_note(plan, chain, cluster)  # a lower bound when uncounted fixed costs would dominate
+    plan = plan.with_updates(notes=(*plan.notes, note)) if note else plan
     return plan if precision == DEFAULT_PRECISION else plan.with_updates(precision=precision)
 
 

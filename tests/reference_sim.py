@@ -170,7 +170,8 @@ class Replica:
 def stage_seconds(plan: Plan, chain: CostChain, net: Cluster, stage_index: int, rows: int, split: bool,
                   weight_share: float) -> dict[str, float]:
     """F, B, W seconds of one slice: recomputation reruns the forward in B; a split backward costs
-    ``1 + split_backward_overhead`` of the fused one, W taking ``weight_share`` (stage 0: all in B)."""
+    ``1 + split_backward_overhead`` of the fused one, W taking ``weight_share`` (stage 0: all in B). The
+    driver's own time per action (``action_overhead_s``, stretched) goes into F and B, never W."""
     stage = plan.stages[stage_index]
     blocks = chain.blocks[stage.first_block:stage.stop_block]
     forward = sum(at(b.forward_s, rows) for b in blocks) * stretch(net)
@@ -178,13 +179,15 @@ def stage_seconds(plan: Plan, chain: CostChain, net: Cluster, stage_index: int, 
     if stage.recompute:
         backward += forward
     comm = sharded_collectives(plan, chain, net, stage_index)  # on the critical path, never split
+    action = net.action_overhead_s * stretch(net)
     if not split:
-        return {"F": forward + comm["F"], "B": backward + comm["B"], "W": 0.0}
+        return {"F": forward + comm["F"] + action, "B": backward + comm["B"] + action, "W": 0.0}
     # split: FSDP2 reduces after W (ZeRO-2's per-micro-batch scatter in W; ZeRO-3 never runs split)
     if stage_index == 0:
-        return {"F": forward + comm["F"], "B": backward, "W": comm["B"]}
+        return {"F": forward + comm["F"] + action, "B": backward + action, "W": comm["B"]}
     total = backward * (1 + net.split_backward_overhead)
-    return {"F": forward + comm["F"], "B": total * (1 - weight_share), "W": total * weight_share + comm["B"]}
+    return {"F": forward + comm["F"] + action, "B": total * (1 - weight_share) + action,
+            "W": total * weight_share + comm["B"]}
 
 
 def build_replicas(plan: Plan, chain: CostChain, net: Cluster, split: bool, weight_share: float) -> dict[Key, Replica]:
@@ -548,7 +551,7 @@ def reference_run(plan: Plan, chain: CostChain, net: Cluster, *, optimizer: str 
                       / (s.replicas if s.sharding != "none" else 1) for s in plan.stages)  # sharded: its shard
     inflight = [inflight_peak(order[s], split) for s in range(plan.num_stages)]
     return Reference(
-        iteration_time_s=max(ends) + step_end_seconds(net, plan) + optimizer_s,
+        iteration_time_s=max(ends) + step_end_seconds(net, plan) + net.step_overhead_s * stretch(net) + optimizer_s,
         allreduce_start_s=starts, allreduce_end_s=ends, busy=run.busy,
         peak_memory_bytes=[stage_peak_bytes(plan, chain, s, inflight[s], optimizer) for s in range(plan.num_stages)],
         inflight=inflight,

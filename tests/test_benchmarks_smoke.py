@@ -15,6 +15,7 @@ from benchmarks import (
     schedule_memory,
     sharding_fidelity,
     sharding_study,
+    small_fidelity,
     torch_pipelining_common,
     vs_torch_pipelining,
     vs_torch_schedules,
@@ -176,6 +177,18 @@ def test_prediction_fidelity_smoke(monkeypatch: pytest.MonkeyPatch) -> None:
     assert row["sources"] == ["measured"] and row["predicted_s"] > 0 and row["analytic_s"] > 0
     assert row["iteration_s"] >= row["step_s"] > 0 and len(row["errors"]) == 1
     assert "gpt-mini local:2" in prediction_fidelity.report(result)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_small_fidelity_smoke(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FXPIPE_COSTS", raising=False)  # the default a user's script gets: measured here
+    monkeypatch.setattr(small_fidelity, "CASES", {2: ((small_fidelity.MLP, "1:1", 2),)})
+    result = small_fidelity.run((2,), num_rounds=1, num_warmup=0, num_steps=1)
+    (row,) = result["rows"]
+    # the suite runs uncalibrated (tests/conftest.py): no fixed-cost figures, so both predictions agree
+    assert row["predicted_s"] == row["without_s"] > 0 and row["action_s"] == 0 and row["iteration_s"] > 0
+    assert "mlp b=8 1:1 M=2 local:2" in small_fidelity.report(result)
 
 
 def test_memory_fidelity_runs_tiny(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -216,7 +216,7 @@ def cpu_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 DEVICE_FIGURES = {"float32": 2e10, "bfloat16": 1e9, "float16": 1.5e9, "memory_bandwidth": 8e9, "kernel_launch": 7e-6,
-                  "split_backward_overhead": 0.375}
+                  "split_backward_overhead": 0.375, "action_overhead": 5e-5, "step_overhead": 2e-5}
 LINK_FIGURES = {"link_bandwidth": 3e9, "link_latency": 4e-5, "allreduce_bandwidth": 1.5e9, "allreduce_latency": 6e-5,
                 "message_overhead": 3e-4, "overlap_compute_slowdown": 0.25, "overlap_comm_slowdown": 1.5,
                 "reduce_scatter_bandwidth": 4e8, "reduce_scatter_latency": 3e-4, "all_gather_bandwidth": 9e8,
@@ -263,6 +263,8 @@ def test_local_calibration_reads_its_cache(tmp_path: Path, monkeypatch: pytest.M
     assert cluster.collective_link([0, 1], "reduce_scatter") == cluster.reduce_scatter_collective == LinkSpec(4e8, 3e-4)
     assert cluster.collective_link([0, 1], "all_gather") == cluster.all_gather_collective == LinkSpec(9e8, 1e-4)
     assert cluster.split_backward_overhead == 0.375  # measured; uncalibrated CPU ranks get the default
+    assert (cluster.action_overhead_s, cluster.step_overhead_s) == (5e-5, 2e-5)  # measured; uncalibrated: none
+    assert (parse_cluster("local:2", calibrate=False).action_overhead_s, parse_cluster("2x1:cpu").step_overhead_s) == (0, 0)
     assert parse_cluster("local:2", calibrate=False).split_backward_overhead == CPU_SPLIT_BACKWARD_OVERHEAD
     assert Cluster.from_json(json.loads(json.dumps(cluster.to_json()))) == cluster
     overridden = parse_cluster("local:2,intra=1GB/s@1ms", calibrate=True)
@@ -431,6 +433,7 @@ def test_an_unknown_gpu_is_measured_or_gets_conservative_defaults(monkeypatch: p
     assert seen == [(torch.device("cuda", 0), True, True)]
     assert cluster.device == measured_device("NVIDIA GeForce RTX 4090", 24 * GiB, figures)
     assert cluster.split_backward_overhead == 0.125  # measured on this GPU
+    assert cluster.action_overhead_s == cluster.step_overhead_s == 0  # GPUs plan as before: no fixed-cost figures
     assert cluster.intra_host == LinkSpec(3e9, 4e-5) and cluster.intra_host_collective == LinkSpec(1.5e9, 6e-5)
     with pytest.warns(RuntimeWarning, match="'NVIDIA GeForce RTX 4090' has no preset and was not measured"):
         guessed = local_cluster(2, calibrate=False)

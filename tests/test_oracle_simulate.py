@@ -114,6 +114,8 @@ def rich_setup(seed: int) -> tuple[Plan, CostChain, Cluster, dict[str, float | s
     measured = random.Random(seed + 3 * 10**6)  # a sharded stage's own collective links, as calibration gives them
     net = replace(net, reduce_scatter_collective=measured.choice([None, LinkSpec(2e9, 4e-5)]),
                   all_gather_collective=measured.choice([None, LinkSpec(8e9, 1e-5)]))
+    fixed = random.Random(seed + 4 * 10**6)  # the runtime's own time per action and per step, as calibration gives them
+    net = replace(net, action_overhead_s=fixed.choice([0.0, 0.0, 5e-5]), step_overhead_s=fixed.choice([0.0, 3e-4]))
     cut_points = sorted(rng.sample(range(1, num_blocks), num_stages - 1))
     bounds = list(zip([0, *cut_points], [*cut_points, num_blocks], strict=True))
     devices = rng.sample(range(net.num_devices), sum(layout))
@@ -160,12 +162,13 @@ def test_rich_cases_cover_every_feature() -> None:
         seen |= {"buckets"} if plan.allreduce_bucket_bytes and max(s.replicas for s in plan.stages) > 1 else set()
         seen |= {"optimizer"} if net.optimizer_s_per_param_byte else set()
         seen |= {"messages"} if net.message_overhead_s else set()
+        seen |= {"fixed costs"} if net.action_overhead_s and net.step_overhead_s else set()
         seen |= {"resaved"} if any(saver < s.first_block for s in plan.stages
                                    for b in chain.blocks[s.first_block:s.stop_block] for saver, _ in b.resaved) else set()
         seen |= {"overlap cost"} if plan.allreduce_bucket_bytes and net.overlap_comm_slowdown and max(
             s.replicas for s in plan.stages) > 1 else set()
     assert seen == {"early_backward", "gpipe", "zero_bubble", "recompute", "ties", "buckets", "optimizer",
-                    "messages", "overlap cost", "resaved"}, seen
+                    "messages", "overlap cost", "resaved", "fixed costs"}, seen
 
 
 def test_reference_helpers_on_hand_cases() -> None:

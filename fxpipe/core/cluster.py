@@ -108,6 +108,10 @@ class Cluster:
     ``optimizer_s_per_param_byte`` is the time of one optimizer step per byte of parameters a device
     holds, at one-rank speed (stretched like compute): measured by ``fxpipe.compile`` with its block
     costs (an AdamW step); 0 leaves the optimizer step out of the iteration (presets, analytic costs).
+
+    ``action_overhead_s``, ``step_overhead_s``: the runtime's own time per forward or backward action beyond its
+    blocks and per step beyond its actions and collectives, at one-rank speed (stretched like compute); measured
+    on CPU ranks (:mod:`fxpipe.runtime.calibrate_fixed`); 0 elsewhere (:mod:`fxpipe.sim.fixed_costs`).
     """
 
     name: str
@@ -127,6 +131,8 @@ class Cluster:
     overlap_comm_slowdown: float = 0.0
     reduce_scatter_collective: LinkSpec | None = None
     all_gather_collective: LinkSpec | None = None
+    action_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_hosts < 1 or self.devices_per_host < 1:
@@ -147,9 +153,9 @@ class Cluster:
             if not getattr(self, field_name) >= 0:
                 raise ValueError(f"cluster {self.name!r}: {field_name} must be >= 0 (a fraction: the extra "
                                  f"time while overlapped); got {getattr(self, field_name)}")
-        if not self.optimizer_s_per_param_byte >= 0:
-            raise ValueError(f"cluster {self.name!r}: optimizer_s_per_param_byte must be >= 0; "
-                             f"got {self.optimizer_s_per_param_byte}")
+        for field_name in ("action_overhead_s", "step_overhead_s", "optimizer_s_per_param_byte"):
+            if not getattr(self, field_name) >= 0:
+                raise ValueError(f"cluster {self.name!r}: {field_name} must be >= 0; got {getattr(self, field_name)}")
 
     @property
     def compute_slowdown(self) -> float:
@@ -238,6 +244,8 @@ def _cluster_from_json(data: Any) -> Cluster:
         overlap_comm_slowdown=optional_seconds(data, "overlap_comm_slowdown"),
         reduce_scatter_collective=optional_link(data, "reduce_scatter_collective"),
         all_gather_collective=optional_link(data, "all_gather_collective"),
+        action_overhead_s=optional_seconds(data, "action_overhead_s"),
+        step_overhead_s=optional_seconds(data, "step_overhead_s"),
     )
 
 
@@ -255,12 +263,14 @@ def _cpu_cluster(name: str, num_hosts: int, ranks_per_host: int, device: DeviceS
                  description: str, cores_per_host: int = 0, collective: LinkSpec | None = None,
                  message_overhead_s: float = 0.0, split_backward_overhead: float = CPU_SPLIT_BACKWARD_OVERHEAD,
                  overlap: tuple[float, float] = CPU_OVERLAP_SLOWDOWNS,
-                 sharding_links: tuple[LinkSpec | None, LinkSpec | None] = (None, None)) -> Cluster:
+                 sharding_links: tuple[LinkSpec | None, LinkSpec | None] = (None, None),
+                 fixed_costs: tuple[float, float] = (0.0, 0.0)) -> Cluster:
     return Cluster(name, num_hosts, ranks_per_host, device, link, link, None, description, cores_per_host,
                    collective, message_overhead_s=message_overhead_s,
                    split_backward_overhead=split_backward_overhead, overlap_compute_slowdown=overlap[0],
                    overlap_comm_slowdown=overlap[1], reduce_scatter_collective=sharding_links[0],
-                   all_gather_collective=sharding_links[1])
+                   all_gather_collective=sharding_links[1], action_overhead_s=fixed_costs[0],
+                   step_overhead_s=fixed_costs[1])
 
 
 def _gpu_overlap(cluster: Cluster) -> Cluster:
@@ -342,12 +352,13 @@ def _local_cpu_cluster(name: str, ranks: int, measured: Calibration | None, coll
                       "docs/clusters.md", RuntimeWarning, stacklevel=3)
     link, collective_link, overhead = links or (LOCAL_LINK_DEFAULT, None, 0.0)
     split = (measured.device or {}).get("split_backward_overhead", CPU_SPLIT_BACKWARD_OVERHEAD)
+    action, step = ((measured.device or {}).get(key, 0.0) for key in ("action_overhead", "step_overhead"))
     figures = measured.links or {}
     overlap = tuple(figures.get(f"overlap_{side}_slowdown", default)
                     for side, default in zip(("compute", "comm"), CPU_OVERLAP_SLOWDOWNS, strict=True))
     return _cpu_cluster(name, 1, ranks, cpu_device(memory, calibrated=measured.device), link,
                         f"local CPU ranks, calibrated: {measured.source}", usable_cores(), collective_link, overhead,
-                        split, (overlap[0], overlap[1]), sharding_links(figures))
+                        split, (overlap[0], overlap[1]), sharding_links(figures), (action, step))
 
 
 def _local_gpu_cluster(name: str, ranks: int, model: str, memory: int, measured: Calibration | None) -> Cluster:

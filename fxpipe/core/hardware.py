@@ -116,6 +116,12 @@ CPU_SPLIT_BACKWARD_OVERHEAD = 0.3
 # 10% is our estimate (NCCL's kernels get fewer SMs and less memory bandwidth). See docs/clusters.md.
 CPU_OVERLAP_SLOWDOWNS = (0.4, 2.5)
 GPU_OVERLAP_SLOWDOWNS = (0.19, 0.1)
+# The runtime's own time per forward or backward action (Cluster.action_overhead_s) on a cluster that has no
+# figure for it, used only to judge whether fixed costs could dominate a prediction (then the plan's notes call
+# it a lower bound: fxpipe.sim.fixed_costs), never added to it: one thread of this project's CPU VM measured
+# 56-70 us of CPU work per action (fxpipe.runtime.calibrate_fixed, three runs). The driver's Python runs on
+# the host whatever the device, so GPU presets are judged with it too.
+REFERENCE_ACTION_OVERHEAD_S = 60e-6
 
 
 def measured_device(name: str, memory_bytes: int, figures: dict[str, float]) -> DeviceSpec:

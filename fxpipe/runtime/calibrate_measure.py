@@ -11,6 +11,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from fxpipe.runtime.calibrate_fixed import measure_fixed_costs
 from fxpipe.runtime.calibrate_overlap import measure_overlap
 
 # Bytes for the bandwidth ping: big enough that latency is small next to it, small enough to be quick.
@@ -32,7 +33,9 @@ GPU_MATMUL_SIZE = 4096
 # projection, GELU) over 256 rows of width 128, as a gpt-mini stage sees a 4 x 64-token micro-batch.
 SPLIT_REFERENCE_ROWS, SPLIT_REFERENCE_WIDTH, SPLIT_REFERENCE_BLOCKS, SPLIT_REPEATS = 256, 128, 2, 20
 
-DEVICE_KEYS = ("float32", "bfloat16", "float16", "memory_bandwidth", "kernel_launch", "split_backward_overhead")
+# A cache without a key (written before it was measured) is measured again (fxpipe.runtime.calibrate.read_cache).
+DEVICE_KEYS = ("float32", "bfloat16", "float16", "memory_bandwidth", "kernel_launch", "split_backward_overhead",
+               "action_overhead", "step_overhead")
 LINK_KEYS = ("link_latency", "link_bandwidth", "allreduce_latency", "allreduce_bandwidth", "message_overhead",
              "overlap_compute_slowdown", "overlap_comm_slowdown", "reduce_scatter_latency", "reduce_scatter_bandwidth",
              "all_gather_latency", "all_gather_bandwidth")
@@ -131,7 +134,8 @@ def measure_split_backward_overhead(device: torch.device | None = None, repeats:
 
 
 def measure_device(device: torch.device | None = None) -> dict[str, float]:
-    """Compute (FLOP/s per dtype), memory bandwidth and op overhead: one CPU thread, or one GPU."""
+    """Compute (FLOP/s per dtype), memory bandwidth, op overhead and the runtime's fixed costs per action and
+    per step (:func:`measure_fixed_costs`): one CPU thread, or one GPU."""
     device = device or torch.device("cpu")
     if device.type == "cuda":
         return {
@@ -141,6 +145,7 @@ def measure_device(device: torch.device | None = None) -> dict[str, float]:
             "memory_bandwidth": measure_memory_bandwidth(256 * 2**20, device=device),
             "kernel_launch": measure_op_overhead(device=device),
             "split_backward_overhead": measure_split_backward_overhead(device),
+            **measure_fixed_costs(device),
         }
     previous = torch.get_num_threads()
     torch.set_num_threads(1)  # one rank = one thread, as the local cluster runs them
@@ -152,6 +157,7 @@ def measure_device(device: torch.device | None = None) -> dict[str, float]:
             "memory_bandwidth": measure_memory_bandwidth(),
             "kernel_launch": measure_op_overhead(),
             "split_backward_overhead": measure_split_backward_overhead(),
+            **measure_fixed_costs(),
         }
     finally:
         torch.set_num_threads(previous)

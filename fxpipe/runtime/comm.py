@@ -306,7 +306,10 @@ def new_groups(rank_lists: Sequence[Sequence[int]]) -> list[dist.ProcessGroup | 
     """One process group per rank list (None for single-rank lists); every rank must call this alike."""
     groups: list[dist.ProcessGroup | None] = []
     for ranks in rank_lists:
-        group = dist.new_group(sorted(ranks)) if len(ranks) > 1 else None
+        if len(ranks) <= 1:  # no group, and no question to the default group (a driver in a world of one)
+            groups.append(None)
+            continue
+        group = dist.new_group(sorted(ranks))
         groups.append(group if dist.get_rank() in ranks else None)
     return groups
 

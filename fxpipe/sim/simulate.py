@@ -30,6 +30,7 @@ from fxpipe.sim.events import (
 from fxpipe.sim.sharding_cost import ShardingComm, plan_sharding_comms
 from fxpipe.sim.stagecost import (
     WEIGHT_GRAD_FRACTION,
+    action_seconds,
     allreduce_times,
     compute_times,
     own_allreduce_bytes,
@@ -37,7 +38,7 @@ from fxpipe.sim.stagecost import (
     stage_cost,
     stage_memory_bytes,
     stage_param_bytes,
-    step_end_sync_time,
+    step_close_time,
 )
 
 __all__ = ["SimulationResult", "TimelineEvent", "TransferEvent", "simulate"]
@@ -100,7 +101,10 @@ def simulate(plan: Plan, chain: CostChain, cluster: Cluster, *, optimizer: str =
       starting when the last of them is ready; the stages' allreduce ends with it. Each includes
       copying the gradients into one buffer and back (:func:`gradient_allreduce_time`).
     - The step ends on every rank together, with an allreduce of a few numbers over all devices
-      (the loss sum: :func:`step_end_sync_time`) once the last stage's allreduce is done.
+      (the loss sum: :func:`step_end_sync_time`) once the last stage's allreduce is done, and the
+      runtime's fixed per-step cost (:attr:`Cluster.step_overhead_s`, stretched like the slowest device).
+      Every forward and backward action also takes :attr:`Cluster.action_overhead_s` (stretched like
+      compute; busy time counts it): the driver's own time per action (:func:`action_seconds`).
       Then each stage's optimizer step takes :attr:`Cluster.optimizer_s_per_param_byte` per byte of
       its parameters (stretched like compute; 0 unless measured); the iteration ends with the
       slowest of them.
@@ -218,8 +222,9 @@ def _replica_specs(plan: Plan, chain: CostChain, cluster: Cluster, slowdowns: Se
             comm = comms[stage.stage_index]
             # under split backward ZeRO-2's reduce-scatter follows W (fxpipe.runtime.sharded_stage.after_weights)
             in_b, after_w = (comm.backward_s, 0.0) if weight_fraction is None else (0.0, comm.backward_s)
-            nodes[stage.stage_index, replica_index] = _Node(stage.stage_index, forward_s + comm.forward_s,
-                                                            backward_s + in_b, [], [], 0, 0,
+            action_s = action_seconds(cluster, slowdown)
+            nodes[stage.stage_index, replica_index] = _Node(stage.stage_index, forward_s + comm.forward_s + action_s,
+                                                            backward_s + in_b + action_s, [], [], 0, 0,
                                                             cluster.message_overhead_s * slowdown, weight_s + after_w,
                                                             stretches[stage.stage_index] if stretches else 0.0,
                                                             comm.start_s)
@@ -327,12 +332,13 @@ def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule,
         for s in stages:
             ends[s] = max(ends[s], tie_end)
     # every rank leaves the step together, after the allreduce that ends it; then its optimizer steps
-    iteration_s = (max(ends) + step_end_sync_time(cluster, plan.all_devices())
+    iteration_s = (max(ends) + step_close_time(cluster, plan.all_devices(),
+                                               max(slowdowns[device] for device in plan.all_devices()))
                    + max(_optimizer_s(chain, cluster, stage, slowdowns) for stage in plan.stages))
     split = cluster.split_backward_overhead if schedule.split_backward else None
     comms = plan_sharding_comms(plan, chain, cluster)
     busy = {device: _busy(plan, chain, stage.stage_index, replica_index, slowdowns[device], split)
-            + overlaps[stage.stage_index].stretch
+            + 2 * plan.num_microbatches * action_seconds(cluster, slowdowns[device]) + overlaps[stage.stage_index].stretch
             + plan.num_microbatches * (comms[stage.stage_index].forward_s + comms[stage.stage_index].backward_s)
             for stage in plan.stages for replica_index, device in enumerate(stage.devices)}
     devices = tuple(sorted(busy))

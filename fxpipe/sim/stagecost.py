@@ -274,6 +274,21 @@ def step_end_sync_time(cluster: Cluster, devices: Sequence[int]) -> float:
     return cluster.allreduce_time(STEP_END_SYNC_BYTES, devices)
 
 
+def action_seconds(cluster: Cluster, slowdown: float) -> float:
+    """The runtime's own time per forward or backward action of a micro-batch slice beyond its blocks
+    (:attr:`Cluster.action_overhead_s`), stretched like compute by ``slowdown``; a split backward's W has
+    none of its own (its extra calls are in :attr:`Cluster.split_backward_overhead`)."""
+    return cluster.action_overhead_s * slowdown
+
+
+def step_close_time(cluster: Cluster, devices: Sequence[int], slowdown: float | None = None) -> float:
+    """What every step takes after its last gradient allreduce, before the optimizer: the closing sync
+    (:func:`step_end_sync_time`) and the runtime's fixed per-step cost (:attr:`Cluster.step_overhead_s`,
+    stretched like compute by ``slowdown``, default the cluster's core sharing)."""
+    stretch = cluster.compute_slowdown if slowdown is None else slowdown
+    return step_end_sync_time(cluster, devices) + cluster.step_overhead_s * stretch
+
+
 # Share of a stage's backward that computes parameter gradients (W) when backward is split (zero-bubble
 # schedules): a linear layer's backward is two matmuls of the same size, one for the input gradient and
 # one for the weight gradient, so half is the default until a measured figure is given.

@@ -19,6 +19,7 @@ from fxpipe.sim.sharding_memory import model_state_bytes
 from fxpipe.sim.stagecost import (
     WEIGHT_GRAD_FRACTION,
     StageCost,
+    action_seconds,
     allreduce_times,
     backward_seconds,
     gradient_allreduce_time,
@@ -191,8 +192,8 @@ class CandidateCosts:
 
     def steps(self, spans: Sequence[Span], rows: int, choices: Sequence[StageChoice] | None = None) -> PipelineSteps:
         """Forward, backward and allreduce time of every pipeline step (stages and transfers), tie allreduces."""
-        if not self.chain.shared_params and self.cluster.message_overhead_s <= 0:
-            # the common case: a stage's step depends on its own span only (no ties, no per-message time)
+        if not self.chain.shared_params and self.cluster.message_overhead_s <= 0 and self.cluster.action_overhead_s <= 0:
+            # the common case: a stage's step depends on its own span only (no ties, no per-message or action time)
             hops = [self.hop(before.stop - 1, rows, before.devices, after.devices)
                     for before, after in zip(spans, spans[1:], strict=False)]
             if self.sharding == "none" and choices is None:
@@ -212,7 +213,8 @@ class CandidateCosts:
         return self._shared_steps(spans, rows, choices)
 
     def _shared_steps(self, spans: Sequence[Span], rows: int, choices: Sequence[StageChoice] | None) -> PipelineSteps:
-        """:meth:`steps` with tied parameters or a time per message (each stage's own bytes and messages)."""
+        """:meth:`steps` with tied parameters or a time per message or action (each stage's own bytes and messages;
+        the action time goes with the message time: whole in B under split backward)."""
         choices = choices or self.stage_choices(spans, rows, "A")  # the search's memory check uses policy A too
         sharded = any(choice.sharding != "none" and len(span.devices) > 1 for span, choice in zip(spans, choices,
                                                                                                  strict=True))
@@ -225,7 +227,8 @@ class CandidateCosts:
         stages, messages, starts, collectives = [], [], [], []
         for index, span in enumerate(spans):
             cost = self.cost(span.first, span.stop, rows, len(span.devices))
-            message_s = message_seconds(self.cluster, rows, replicas, index)
+            message_s = (message_seconds(self.cluster, rows, replicas, index)
+                         + action_seconds(self.cluster, self.cluster.compute_slowdown))
             backward_s = backward_seconds(cost.forward_s, cost.backward_s, choices[index].recompute)
             comm = self.stage_comm(span.first, span.stop, span.devices, choices[index].sharding, own_bytes[index])
             tail = comm.tail_s if choices[index].sharding != "none" and len(span.devices) > 1 else own[index]

@@ -19,7 +19,8 @@ wait max_s (start_s - sum of the F of the steps before s), when positive.
 
 Every cut between stages becomes an extra stage whose F/B is the activation/gradient transfer
 (:func:`fxpipe.sim.stagecost.transfer_time`) and whose AR is 0; a stage's F and B include its own time
-per message (:attr:`Cluster.message_overhead_s`). The formula is exact for equal
+per message (:attr:`Cluster.message_overhead_s`) and per action (:attr:`Cluster.action_overhead_s`, left
+whole in B when backward is split, as the simulator charges it). The formula is exact for equal
 stages without communication (it gives (M+S-1)(F+B) + AR) and approximate otherwise; the exact
 simulator (:func:`fxpipe.sim.simulate.simulate`) re-ranks the best candidates.
 
@@ -45,13 +46,14 @@ from fxpipe.sim.allreduce_overlap import last_pass_share, stage_allreduce_offset
 from fxpipe.sim.sharding_cost import plan_sharding_comms, start_delay
 from fxpipe.sim.stagecost import (
     WEIGHT_GRAD_FRACTION,
+    action_seconds,
     allreduce_times,
     backward_seconds,
     message_seconds,
     own_allreduce_bytes,
     split_backward_times,
     stage_cost,
-    step_end_sync_time,
+    step_close_time,
     transfer_time,
 )
 
@@ -235,8 +237,9 @@ def stage_times(plan: Plan, chain: CostChain, cluster: Cluster) -> PipelineSteps
         comm = comms[stage.stage_index]
         if stage.sharding != "none":
             tail = comm.tail_s
-        stages.append((cost.forward_s + message_s + comm.forward_s, backward_s + message_s + comm.backward_s, tail))
-        messages.append(message_s + comm.backward_s)
+        fixed_s = message_s + action_seconds(cluster, cluster.compute_slowdown)
+        stages.append((cost.forward_s + fixed_s + comm.forward_s, backward_s + fixed_s + comm.backward_s, tail))
+        messages.append(fixed_s + comm.backward_s)
     hops = [transfer_time(cluster, chain.cut_bytes[before.stop_block - 1], plan.microbatch_size, before.devices,
                           after.devices) for before, after in zip(plan.stages, plan.stages[1:], strict=False)]
     return pipeline_steps(stages, hops, ties, split_overhead=cluster.split_backward_overhead, messages=messages,
@@ -245,9 +248,9 @@ def stage_times(plan: Plan, chain: CostChain, cluster: Cluster) -> PipelineSteps
 
 def analytic_iteration_time(plan: Plan, chain: CostChain, cluster: Cluster) -> float:
     """DAPPLE's latency estimate of one iteration of ``plan`` (the same for early backward and GPipe;
-    zero-bubble's gradients cross each stage in B alone), with the allreduce that ends every step."""
+    zero-bubble's gradients cross each stage in B alone), with the allreduce and fixed cost that end every step."""
     return (stage_times(plan, chain, cluster).latency(plan.num_microbatches, plan.schedule == "zero_bubble")
-            + step_end_sync_time(cluster, plan.all_devices()))
+            + step_close_time(cluster, plan.all_devices()))
 
 
 def _check_lengths(forward_s: Sequence[float], backward_s: Sequence[float],

@@ -19,7 +19,7 @@ from fxpipe.passes.partition.request import (
     microbatch_grid,
 )
 from fxpipe.passes.partition.spans import Candidate, Span
-from fxpipe.sim.stagecost import step_end_sync_time
+from fxpipe.sim.stagecost import step_close_time
 
 # A candidate whose simulated_lower_bound exceeds the best time by more than this is not simulated; the
 # slack only absorbs float rounding between the bound's product and the simulator's running sums.
@@ -108,7 +108,7 @@ def _score_candidate(request: PlanRequest, model: CandidateCosts, candidate: Can
         if best is None or time_s < best.time_s * (1 - margin):
             plan = plan or build_plan(model, candidate, schedule=schedule, warmup_policy=policy, planner=planner)
             # the pivot model's figure: the candidate's own, or that of the schedule tried when it differs
-            analytic_s = candidate.latency_s + step_end_sync_time(request.cluster, plan.all_devices())
+            analytic_s = candidate.latency_s + step_close_time(request.cluster, plan.all_devices())
             if schedule == "zero_bubble" and model.schedule != schedule:
                 analytic_s = analytic_iteration_time(plan, request.chain, request.cluster)
             best = Scored(time_s, with_prediction(plan, time_s, bubble, analytic_s, 0.0))
