@@ -125,7 +125,11 @@ def _run_frontends(
     dims: tuple[int | None, ...],
 ) -> tuple[fx.GraphModule, str]:
     fx_failure: FxTraceFailure | None = None
-    if frontend in ("auto", "fx"):
+    if inputs.wrapper_route and frontend == "fx":
+        raise TraceError(f"frontend='fx' cannot trace inputs {list(inputs.names)} that reach the model through "
+                         f"{inputs.wrapper_route} (a forward(*args, **kwargs) has no names for torch.fx's "
+                         "placeholders); use frontend='auto' or 'export', which call forward() by keyword")
+    if frontend in ("auto", "fx") and not inputs.wrapper_route:
         try:
             return trace_fx(model, inputs, leaves), "fx"
         except FxTraceFailure as failure:
