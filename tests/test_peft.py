@@ -28,6 +28,7 @@ WORLD_SIZE = 3
 GLOBAL_BATCH = 6
 LAYOUTS = ("2:1", "1:2")
 LEARNING_RATE = 1e-2
+MAX_NORM = 0.1  # clipping as a fine-tuning loop does; below the adapters' gradient norm here, so it scales them
 # rows and sequence length of each step: the example's, then a shorter sequence
 STEP_SHAPES = ((GLOBAL_BATCH, 16), (GLOBAL_BATCH, 11), (GLOBAL_BATCH, 16))
 
@@ -53,18 +54,19 @@ def _trainable(module: Any) -> list[tuple[str, torch.nn.Parameter]]:
 
 
 def _reference(batches: list[Any]) -> dict[str, Any]:
-    """One process, whole batch, AdamW over the parameters that require grad: losses, grads, final weights."""
+    """One process, whole batch, clipping and AdamW over the parameters that require grad: losses, norms, grads, weights."""
     model, _ = lora_llama()
     optimizer = torch.optim.AdamW([p for _, p in _trainable(model)], lr=LEARNING_RATE)
-    losses, grads = [], []
+    losses, grads, norms = [], [], []
     for inputs, targets in batches:
         loss = hf_examples.hf_loss(model(**inputs, use_cache=False), targets)
         loss.backward()
         losses.append(loss.item())
+        norms.append(float(torch.nn.utils.clip_grad_norm_([p for _, p in _trainable(model)], MAX_NORM)))
         grads.append({name: p.grad.clone() for name, p in _trainable(model)})
         optimizer.step()
         optimizer.zero_grad()
-    return {"losses": losses, "grads": grads, "params": {k: p.detach().clone() for k, p in model.named_parameters()}}
+    return {"losses": losses, "grads": grads, "norms": norms, "params": {k: p.detach().clone() for k, p in model.named_parameters()}}
 
 
 def _train(plan: Plan, batches: list[Any], reference: dict[str, Any], save_to: str | None) -> dict[str, Any]:
@@ -76,6 +78,9 @@ def _train(plan: Plan, batches: list[Any], reference: dict[str, Any], save_to: s
     losses, problems = [], []
     for step, (inputs, targets) in enumerate(batches):
         losses.append(pipe.step(inputs, targets))
+        norm = float(pipe.clip_grad_norm_(MAX_NORM))  # the adapters' norm: frozen weights have no gradient
+        if abs(norm - reference["norms"][step]) > 1e-4 * reference["norms"][step]:
+            problems.append(f"step {step}: gradient norm {norm} != {reference['norms'][step]}")
         grads = {name: p.grad for name, p in _trainable(pipe)}
         tolerance = {"rtol": 1e-4, "atol": 1e-6} if step == 0 else {"rtol": 1e-3, "atol": 1e-6, "atol_of_largest": 1e-3}
         problems += mismatches(f"step {step} grad", grads, reference["grads"][step], **tolerance)
