@@ -73,7 +73,9 @@ def trace(
 
     example_inputs: a Tensor, a tuple/list of Tensors (positional), or a dict of keyword Tensors; dict
     inputs become positional placeholders in forward()'s order, omitted parameters keep their defaults
-    (and a `use_cache` parameter is bound to False). Only types are checked; nothing runs eagerly.
+    (and a `use_cache` parameter is bound to False). Only types are checked; nothing runs eagerly. A
+    wrapper whose forward(*args, **kwargs) passes its inputs on (PEFT's PeftModel) takes the names of the
+    model it wraps (fxpipe.passes.trace_wrappers) and is traced by torch.export alone, called by keyword.
     leaf_modules: extra leaves for the fx front end, as nn.Module subclasses or module-path prefixes
     ("blocks.3" makes blocks.3 and everything under it one call_module node). Recurrent layers and
     torch.nn built-ins are always leaves.
