@@ -185,3 +185,31 @@ def test_a_wrapper_traces_through_to_the_wrapped_signature_or_says_what_to_pass(
     with pytest.raises(ExampleInputsTypeError, match=r"_Holder.forward takes \*\*kwargs.*found no module.*Fix: "
                                                      r"compile the wrapped model itself"):
         trace(_Holder(model), example_inputs)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, scale: float = 2.0) -> torch.Tensor:
+        return self.body(x) * scale
+
+
+class _Passes(nn.Module):
+    """forward(*args, **kwargs) around its only child: the names are the child's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Net()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner(*args, **kwargs) + 1
+
+
+def test_a_sole_child_wrapper_traces_with_the_childs_names_and_defaults() -> None:
+    model, x = _Passes(), torch.randn(3, 4)
+    gm = trace(model, {"x": x})
+    assert gm.meta["fxpipe.frontend"] == "export" and gm.meta["fxpipe.input_names"] == ("x",)
+    torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)  # the child's default scale=2.0 applies
+    assert list(gm.meta["fxpipe.param_names"].values()) == ["inner.body.weight", "inner.body.bias"]
