@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -14,6 +14,7 @@ from torch.utils._pytree import TreeSpec
 from fxpipe.core import meta
 from fxpipe.passes.batchdims import default_batch_dims
 from fxpipe.passes.trace_inputs import TraceInputs
+from fxpipe.passes.trace_wrappers import named_forward
 
 # ep.module() inserts this submodule call to re-check export's input guards on every call.
 _GUARDS_TARGET = "_guards_fn"
@@ -41,6 +42,21 @@ def trace_export(model: nn.Module, inputs: TraceInputs, dims: Sequence[int | Non
         dims = default_batch_dims(inputs.values)
     kwargs = {**dict(zip(inputs.names, inputs.values, strict=True)), **inputs.bound}
     batch_shapes = _batch_dynamic_shapes(inputs, dims)
+    # a wrapper's forward(*args, **kwargs) is exported as a forward that names the inputs (trace_wrappers)
+    with named_forward(model, list(kwargs)) if inputs.wrapper_route else nullcontext():
+        exported = _export(model, inputs, kwargs, batch_shapes)
+    unlifted = exported.module()
+    graph = _plain_graph(unlifted.graph, set(inputs.names), exported.call_spec.out_spec)
+    _localise_symbolic_sizes(graph)
+    gm = fx.GraphModule(unlifted, graph, class_name=type(model).__name__)
+    _annotate_module_paths(gm.graph)
+    gm.meta[meta.SYMBOLIC_BATCH] = batch_shapes is not None and _has_symbolic_batch(gm.graph, dims)
+    gm.meta[meta.STATIC_INPUT_DIMS] = _static_input_dims(gm.graph)
+    return gm
+
+
+def _export(model: nn.Module, inputs: TraceInputs, kwargs: dict[str, Any],
+            batch_shapes: dict[str, Any] | None) -> torch.export.ExportedProgram:
     exported = None
     # a symbolic batch keeps every view generic in the batch size; the other dims (sequence length, image
     # size) symbolic where the model allows (Dim.AUTO specialises a dim the model fixes instead of failing),
@@ -52,16 +68,7 @@ def trace_export(model: nn.Module, inputs: TraceInputs, dims: Sequence[int | Non
             exported = torch.export.export(model, (), kwargs, dynamic_shapes=shapes, strict=False)
         except Exception:  # the model specialises the batch: export it static, annotate_costs names the op
             exported = None
-    if exported is None:
-        exported = _export_static(model, kwargs)
-    unlifted = exported.module()
-    graph = _plain_graph(unlifted.graph, set(inputs.names), exported.call_spec.out_spec)
-    _localise_symbolic_sizes(graph)
-    gm = fx.GraphModule(unlifted, graph, class_name=type(model).__name__)
-    _annotate_module_paths(gm.graph)
-    gm.meta[meta.SYMBOLIC_BATCH] = batch_shapes is not None and _has_symbolic_batch(gm.graph, dims)
-    gm.meta[meta.STATIC_INPUT_DIMS] = _static_input_dims(gm.graph)
-    return gm
+    return exported if exported is not None else _export_static(model, kwargs)
 
 
 def _other_dims_auto(inputs: TraceInputs, batch_shapes: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -11,6 +11,7 @@ import torch
 from torch import fx, nn
 
 from fxpipe.core import meta
+from fxpipe.passes.trace_wrappers import HOW_WRAPPERS_ARE_FOLLOWED, ForwardSignature, forward_signature
 
 ACCEPTED_FORMS = "a Tensor, a tuple or list of Tensors, or a dict mapping forward() parameter names to Tensors"
 
@@ -28,12 +29,15 @@ class TraceInputs:
     """The example inputs as graph placeholders: names and values in forward() order, plus constants.
 
     `bound` holds forward() parameters that are not graph inputs (omitted inputs at their defaults and
-    TRAINING_DEFAULTS); the tracers specialise the graph on these values.
+    TRAINING_DEFAULTS); the tracers specialise the graph on these values. `wrapper_route` is non-empty when
+    some of them reach the model through a wrapper's ``**kwargs`` (trace_wrappers): only the export front
+    end traces those, calling forward() by keyword.
     """
 
     names: tuple[str, ...]
     values: tuple[torch.Tensor, ...]
     bound: dict[str, Any] = field(default_factory=dict)
+    wrapper_route: str = ""
 
 
 def normalize_inputs(model: nn.Module, example_inputs: object) -> TraceInputs:
@@ -42,26 +46,28 @@ def normalize_inputs(model: nn.Module, example_inputs: object) -> TraceInputs:
         raise ExampleInputsTypeError(
             f"trace() needs an nn.Module, got a {type(model).__name__}; wrap plain functions in a Module"
         )
-    parameters = _forward_parameters(model)
+    signature = forward_signature(model)
+    parameters = [*signature.own, *signature.passed_on]
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     if isinstance(example_inputs, (tuple, list)):
-        given = _bind_positional(tuple(example_inputs), parameters)
+        # positional values go to forward()'s own positional parameters; to the wrapped model's when it has none
+        own_positional = [p for p in signature.own if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+        given = _bind_positional(tuple(example_inputs), list(signature.own) if own_positional else parameters)
     elif isinstance(example_inputs, Mapping):
-        given = _bind_keywords(example_inputs, parameters)
+        given = _bind_keywords(example_inputs, parameters, signature, type(model).__name__)
     else:
         raise ExampleInputsTypeError(
             f"example_inputs is a {type(example_inputs).__name__}; accepted forms: {ACCEPTED_FORMS}"
         )
-    bound = _bound_constants(parameters, given)
-    return TraceInputs(names=tuple(given), values=tuple(given.values()), bound=bound)
-
-
-def _forward_parameters(model: nn.Module) -> list[inspect.Parameter]:
-    """forward()'s named parameters (no *args/**kwargs), in signature order."""
-    signature = inspect.signature(model.forward)
-    named_kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return [p for p in signature.parameters.values() if p.kind in named_kinds]
+    bound = _bound_constants(list(signature.own), given)
+    # a wrapped module's parameters keep their defaults (or get what the wrapper passes); only the training
+    # defaults are passed on
+    bound.update({p.name: TRAINING_DEFAULTS[p.name] for p in signature.passed_on
+                  if p.name in TRAINING_DEFAULTS and p.name not in given})
+    reached = set(given) | set(bound)
+    route = signature.route if reached - {p.name for p in signature.own} else ""
+    return TraceInputs(names=tuple(given), values=tuple(given.values()), bound=bound, wrapper_route=route)
 
 
 def _check_tensor(value: object, where: str) -> torch.Tensor:
@@ -88,19 +94,32 @@ def _bind_positional(
 
 
 def _bind_keywords(
-    values: Mapping[Any, object], parameters: list[inspect.Parameter]
+    values: Mapping[Any, object], parameters: list[inspect.Parameter], signature: ForwardSignature, model_name: str
 ) -> dict[str, torch.Tensor]:
     known = [p.name for p in parameters]
     for key in values:
         if not isinstance(key, str) or key not in known:
             raise ExampleInputsTypeError(
-                f"example_inputs has key {key!r}, which is not a parameter of forward() {known}; "
-                "use forward()'s parameter names as keys"
+                f"example_inputs has key {key!r}, which is not a parameter of forward() {known}"
+                f"{_where_names_come_from(signature, model_name)}"
             )
     # Placeholders follow the signature's order, whatever order the dict was written in.
     return {
         name: _check_tensor(values[name], f"example_inputs[{name!r}]") for name in known if name in values
     }
+
+
+def _where_names_come_from(signature: ForwardSignature, model_name: str) -> str:
+    """The end of an unknown-key error: where the names came from and what to pass instead."""
+    if signature.route:
+        return (f" (its own and, through {signature.route}, the wrapped model's); use one of these names as "
+                "the key")
+    if signature.takes_kwargs:
+        return (f"; {model_name}.forward takes **kwargs, which hide the names, and fxpipe found no module it "
+                f"passes them to (it looks {HOW_WRAPPERS_ARE_FOLLOWED}). Fix: compile the wrapped model "
+                f"itself, or give {model_name} a forward() that names its inputs (def forward(self, input_ids, "
+                "attention_mask=None)), or decorate it with functools.wraps(wrapped_model.forward)")
+    return "; use forward()'s parameter names as keys"
 
 
 def _bound_constants(parameters: list[inspect.Parameter], given: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -73,7 +73,9 @@ def trace(
 
     example_inputs: a Tensor, a tuple/list of Tensors (positional), or a dict of keyword Tensors; dict
     inputs become positional placeholders in forward()'s order, omitted parameters keep their defaults
-    (and a `use_cache` parameter is bound to False). Only types are checked; nothing runs eagerly.
+    (and a `use_cache` parameter is bound to False). Only types are checked; nothing runs eagerly. A
+    wrapper whose forward(*args, **kwargs) passes its inputs on (PEFT's PeftModel) takes the names of the
+    model it wraps (fxpipe.passes.trace_wrappers) and is traced by torch.export alone, called by keyword.
     leaf_modules: extra leaves for the fx front end, as nn.Module subclasses or module-path prefixes
     ("blocks.3" makes blocks.3 and everything under it one call_module node). Recurrent layers and
     torch.nn built-ins are always leaves.
@@ -125,7 +127,11 @@ def _run_frontends(
     dims: tuple[int | None, ...],
 ) -> tuple[fx.GraphModule, str]:
     fx_failure: FxTraceFailure | None = None
-    if frontend in ("auto", "fx"):
+    if inputs.wrapper_route and frontend == "fx":
+        raise TraceError(f"frontend='fx' cannot trace inputs {list(inputs.names)} that reach the model through "
+                         f"{inputs.wrapper_route} (a forward(*args, **kwargs) has no names for torch.fx's "
+                         "placeholders); use frontend='auto' or 'export', which call forward() by keyword")
+    if frontend in ("auto", "fx") and not inputs.wrapper_route:
         try:
             return trace_fx(model, inputs, leaves), "fx"
         except FxTraceFailure as failure:
