@@ -65,6 +65,7 @@ _ERRORS: dict[str, str] = {
     "BatchShapeError": "fxpipe.runtime.errors",
     "CommunicationError": "fxpipe.runtime.errors",
     "MessageLayoutError": "fxpipe.runtime.errors",
+    "TrainableSetChangedError": "fxpipe.runtime.errors",
     "GradScalerError": "fxpipe.runtime.grad_scaler",
     "BatchMismatchError": "fxpipe.runtime.batchcheck",
     "ReplicaMismatchError": "fxpipe.runtime.sync",

@@ -172,6 +172,19 @@ def _error_cases(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
         return _outcome(lambda: fxpipe.compile(model, example_inputs, loss_fn=ENTRY.loss_fn, global_batch_size=BATCH,
                                                plan="auto", cluster="local:3"))
 
+    def unfrozen_after_compile() -> Any:
+        """A layer frozen at compile and unfrozen later would train each replica alone: refused at the next step."""
+        model, example_inputs = _mlp()
+        first = next(model.parameters())
+        first.requires_grad_(False)
+        pipe = fxpipe.compile(model, example_inputs, loss_fn=ENTRY.loss_fn, global_batch_size=BATCH,
+                              plan=_plan((1, 1)), timeout_s=10.0, stall_timeout_s=2.0)
+        trained = pipe.step(inputs, targets)
+        first.requires_grad_(True)
+        outcome = _outcome(lambda: pipe.step(inputs, targets))
+        pipe.driver.failures.stop()  # its heartbeat must not break a later world's group
+        return trained, outcome
+
     in_world("auto-plan", auto_plan)
     in_world("cluster-size", cluster_too_big)
     in_world("bad-batch", bad_batches)
@@ -179,6 +192,7 @@ def _error_cases(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
     in_world("autocast", autocast)
     in_world("dead-peer", dead_peer)
     in_world("stale-receive", stale_receive)
+    in_world("unfrozen-after-compile", unfrozen_after_compile)
     return results
 
 
@@ -205,6 +219,11 @@ def test_errors_reach_every_rank_quickly(tmp_path: Any) -> None:
     assert kind == CommunicationError.__name__ and "rank 1" in message and elapsed < 20.0, message
     timed_out = results[0]["stale-receive"]
     assert timed_out[0] == CommunicationError.__name__ and "rank 1" in timed_out[1], timed_out
+    for rank, result in enumerate(results):
+        trained, (kind, message, elapsed) = result["unfrozen-after-compile"]
+        assert trained > 0 and elapsed < 20.0, (rank, result["unfrozen-after-compile"])
+        assert "TrainableSetChangedError" in (kind if rank == 0 else message), (rank, kind, message)
+        assert "unfrozen ['" in message and "rank 0 (stage 0)" in message, (rank, message)
     failed, again = results[1]["stale-receive"]
     assert failed[:2] == ("RuntimeError", "injected failure in forward"), failed
     # refused up front: waiting on the stale receive would end in CommunicationError after timeout_s

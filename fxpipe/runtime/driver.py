@@ -39,6 +39,7 @@ from fxpipe.runtime.sharded_stage import ShardedStage
 from fxpipe.runtime.stage import LossFn, StageRunner, read_local_loss, unique_params
 from fxpipe.runtime.stage_routes import ShapedStep, ShapedSteps, check_outgoing, gradient_routes
 from fxpipe.runtime.step_state import StepState
+from fxpipe.runtime.trainable import TrainableSet
 
 if TYPE_CHECKING:
     from fxpipe.core.program import SplitProgram
@@ -106,6 +107,7 @@ class PipelineDriver:
         # Walking parameters by path costs milliseconds; the set never changes, so walk once.
         self._own_params = unique_params(self.runner.parameters())
         self._param_list = [param for _, param in self._own_params]
+        self.trainable = TrainableSet(self.runner.parameters())
         # per stage, then per tied stage set (fxpipe.runtime.sync reuses them)
         self.groups, self.reduce_sets = reduce_sets(plan, program, self.stage_index, self._own_params)
         if self.failures is not None:  # the heartbeat thread watches this rank's waits (failures.py)
@@ -143,6 +145,7 @@ class PipelineDriver:
         self.reduce_sets = [(group, params) for group, params in self.reduce_sets if group is not replica_group]
         self._own_params = unique_params(self.runner.parameters())
         self._param_list = [param for _, param in self._own_params]
+        self.trainable = TrainableSet(self.runner.parameters())
         self._stashes = bool(self.reduce_sets) or self.runner.loss_reduction == "token_mean"
         live = {id(param) for param in self._param_list}  # the tied sets' parameters were left whole, not replaced
         assert all(id(p) in live for _, params in self.reduce_sets for p in params), "a reduced parameter was sharded"
@@ -170,6 +173,7 @@ class PipelineDriver:
         """
         if self.failures is not None:
             self.failures.step_index += 1
+        self.trainable.check(self.rank, self.stage_index)
         shaped = self.begin(inputs, targets, partial=partial)
         self.inbox.start_step(shaped.messages, shaped.actions.following)
         for hook in self.start_hooks:

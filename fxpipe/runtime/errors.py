@@ -35,3 +35,9 @@ class LossFunctionError(PipelineSetupError, TypeError):
     """``loss_fn`` cannot be the loss: it does not take ``(output, targets)``, or on the example output it returns
     no scalar (no ``(sum, count)`` pair for ``"token_mean"``); raised at compile on every rank
     (fxpipe.runtime.loss_check). Both a ValueError and a TypeError."""
+
+
+class TrainableSetChangedError(ValueError):
+    """A parameter's ``requires_grad`` changed after ``fxpipe.compile``, which set up the gradient sums for the
+    parameters that trained then (fxpipe.runtime.trainable); raised at the next ``step`` on the ranks whose stage
+    holds it (the others then name it as the job's first failure)."""
