@@ -137,12 +137,14 @@ def make_layout(program: SplitProgram, plan: Plan, inputs: Sequence[Any], num_ro
         shapes = {name: spec.shape for name, spec in program.values.items() if spec.is_tensor}
         return BatchLayout(num_rows, ranges, shapes, plan_dtypes)
     rows = ranges[0][1] - ranges[0][0]
+    sliced = {name: _slice_layout(program.values[name], value, rows)
+              for name, value in zip(program.model_inputs, inputs, strict=True)}
     try:
-        with quiet_fake_tensor_log():
-            sliced = {name: _slice_layout(program.values[name], value, rows)
-                      for name, value in zip(program.model_inputs, inputs, strict=True)}
-            shapes, dtypes = (templates.layouts(sliced) if templates is not None
-                              else fake_layouts(program, device, autocast_dtype, sliced))
+        if templates is not None:  # quiet only where it runs the stages: setting log levels costs a millisecond
+            shapes, dtypes = templates.layouts(sliced)
+        else:
+            with quiet_fake_tensor_log():
+                shapes, dtypes = fake_layouts(program, device, autocast_dtype, sliced)
     except Exception as error:
         given = {name: tuple(value.shape) for name, value in zip(program.model_inputs, inputs, strict=True)
                  if isinstance(value, torch.Tensor)}

@@ -40,6 +40,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
+from fxpipe.core.fake_log import quiet_fake_tensor_log
 from fxpipe.runtime.batch_layout import fake_layouts, run_stages
 
 if TYPE_CHECKING:
@@ -205,6 +206,10 @@ class ShapeTemplates:
                 self.templates.move_to_end(key)
                 self.counts["template"] += 1
                 return answer
+        with quiet_fake_tensor_log():
+            return self._run(inputs)
+
+    def _run(self, inputs: Mapping[str, Any]) -> tuple[dict[str, Shape], dict[str, torch.dtype]]:
         if self.symbolic:
             try:
                 traced = trace_template(self.program, self.device, self.autocast_dtype, inputs)
@@ -215,10 +220,10 @@ class ShapeTemplates:
                 return answer
             if traced is not None:
                 self._keep(traced)
-                answer = traced.layouts(inputs)
-                if answer is not None:
+                covered = traced.layouts(inputs)
+                if covered is not None:
                     self.counts["symbolic"] += 1
-                    return answer
+                    return covered
         self.counts["fake"] += 1
         return fake_layouts(self.program, self.device, self.autocast_dtype, inputs)
 
