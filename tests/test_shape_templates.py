@@ -147,3 +147,23 @@ def test_shaped_steps_keep_at_most_the_bound_least_recently_used_out(monkeypatch
         assert len(steps.by_signature) <= 5
     assert steps.known(_inputs(program, GLOBAL_BATCH, 4), None) is None  # long unused: dropped
     assert steps.templates.counts["template"] >= 20  # one symbolic run answered the rest
+
+
+def test_a_model_without_a_usable_symbolic_run_gets_the_plain_fake_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fxpipe.runtime import shape_templates
+
+    _, program = _gpt()
+    name = program.model_inputs[0]
+    sizes = [{name: ((4, length), torch.long)} for length in (5, 9, 13)]
+    monkeypatch.setattr(shape_templates, "trace_template", lambda *args: None)  # e.g. a data-dependent size
+    templates = ShapeTemplates(program, CPU, None)
+    assert [templates.layouts(s) for s in sizes] == [fake_layouts(program, CPU, None, s) for s in sizes]
+    assert templates.counts == {"template": 0, "symbolic": 0, "fake": 3} and templates.symbolic
+
+    def fails(*args: Any) -> None:
+        raise RuntimeError("no symbolic support in some operator")
+
+    monkeypatch.setattr(shape_templates, "trace_template", fails)
+    templates = ShapeTemplates(program, CPU, None)
+    assert [templates.layouts(s) for s in sizes] == [fake_layouts(program, CPU, None, s) for s in sizes]
+    assert templates.counts == {"template": 0, "symbolic": 0, "fake": 3} and not templates.symbolic
