@@ -178,7 +178,7 @@ class ShapedSteps:
         return ShapedStep.of(self.program, self.plan, self.stage_index, self.rank, layout)
 
 
-MAX_CACHED_SHAPES = 128  # ShapedSteps kept per rank, LRU (each holds a few small route tables, a few KB)
+MAX_CACHED_SHAPES = 128  # ShapedSteps kept per rank, least recently used out first (each holds small route tables)
 
 
 def _signature(inputs: Sequence[Any]) -> tuple[Any, ...]:
