@@ -8,6 +8,7 @@ import torch
 from benchmarks import (
     evaluate_vs_step,
     memory_fidelity,
+    new_lengths,
     overhead,
     precision_plans,
     prediction_fidelity,
@@ -149,6 +150,20 @@ def test_overhead_smoke() -> None:
     result = overhead.run(tiny(4, 1), num_warmup=1, num_steps=2)
     assert len(result["times"]["fxpipe"]) == len(result["times"]["eager"]) == 2
     assert "fxpipe / eager" in overhead.report(result)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_new_lengths_smoke() -> None:
+    case = new_lengths.Case("gpt-mini", (("n_layer", 2), ("n_embd", 16), ("block_size", 64), ("vocab_size", 32),
+                                         ("n_head", 2)))
+    result = new_lengths.run((case,), num_warmup=1, num_lengths=4)
+    formulas, fake = result["rows"]
+    assert (formulas["mode"], fake["mode"]) == new_lengths.MODES and formulas["lengths"] == fake["lengths"] == 4
+    assert formulas["counts"] == {"template": 4, "symbolic": 0, "fake": 0}  # the warm-up length made the formulas
+    assert all(row["new_s"] > 0 and row["repeat_s"] > 0 and row["derive_s"] > 0 for row in result["rows"])
+    assert formulas["derive_s"] < fake["derive_s"]  # formulas vs a fake run of every stage
+    assert "new / repeat" in new_lengths.report(result)
 
 
 @pytest.mark.multiprocess

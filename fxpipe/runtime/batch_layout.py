@@ -5,7 +5,8 @@ sequence length, a short last batch, a bigger evaluation batch. Every rank sees 
 batch, so every rank works out the same layout on its own, with no message: the rows split as
 evenly as possible over micro-batches and then over each stage's replicas (``split_rows``), and the
 values' shapes come from the plan (only the batch dim differs) or, when another dim changes, from
-one run of every stage on fake tensors (no memory, no data), done once per shape signature.
+one run of every stage on fake tensors (no memory, no data), done once per shape signature; a symbolic
+run's formulas answer for later shapes it covers (``shape_templates``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from fxpipe.runtime.errors import BatchShapeError
 
 if TYPE_CHECKING:
     from fxpipe.core.program import SplitProgram, ValueSpec
+    from fxpipe.runtime.shape_templates import ShapeTemplates
 
 Shape = tuple[int, ...]
 
@@ -152,18 +154,23 @@ def check_targets(targets: Any, num_rows: int, dim: int) -> None:
 
 
 def make_layout(program: SplitProgram, plan: Plan, inputs: Sequence[Any], num_rows: int, device: torch.device,
-                autocast_dtype: torch.dtype | None, plan_dtypes: Mapping[str, torch.dtype | None]) -> BatchLayout:
-    """The layout of a checked batch: the plan's value shapes when only the rows differ, else a fake run."""
+                autocast_dtype: torch.dtype | None, plan_dtypes: Mapping[str, torch.dtype | None],
+                templates: ShapeTemplates | None = None) -> BatchLayout:
+    """The layout of a checked batch: the plan's value shapes when only the rows differ, else a fake run, or
+    with ``templates`` the formulas of an earlier symbolic run where they cover the batch (the same result)."""
     ranges = row_ranges(num_rows, num_microbatches_for(plan, num_rows))
     if shape_key(program, inputs) == _example_key(program):  # batched values differ in the batch dim only
         shapes = {name: spec.shape for name, spec in program.values.items() if spec.is_tensor}
         return BatchLayout(num_rows, ranges, shapes, plan_dtypes)
     rows = ranges[0][1] - ranges[0][0]
+    sliced = {name: _slice_layout(program.values[name], value, rows)
+              for name, value in zip(program.model_inputs, inputs, strict=True)}
     try:
-        with quiet_fake_tensor_log():
-            shapes, dtypes = fake_layouts(program, device, autocast_dtype,
-                                          {name: _slice_layout(program.values[name], value, rows)
-                                           for name, value in zip(program.model_inputs, inputs, strict=True)})
+        if templates is not None:  # quiet only where it runs the stages: setting log levels costs a millisecond
+            shapes, dtypes = templates.layouts(sliced)
+        else:
+            with quiet_fake_tensor_log():
+                shapes, dtypes = fake_layouts(program, device, autocast_dtype, sliced)
     except Exception as error:
         given = {name: tuple(value.shape) for name, value in zip(program.model_inputs, inputs, strict=True)
                  if isinstance(value, torch.Tensor)}
@@ -199,17 +206,25 @@ def fake_layouts(program: SplitProgram, device: torch.device, autocast_dtype: to
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         known: dict[str, Any] = {name: torch.empty(value[0], dtype=value[1], device=device)
                                  if program.values[name].is_tensor else value for name, value in inputs.items()}
-        for stage in program.stages:
-            weights = {name: mode.from_tensor(t).to(device) for name, t in
-                       itertools.chain(stage.module.named_parameters(), stage.module.named_buffers())}
-            args = tuple(known[name] for name in stage.input_values)
-            with torch.autocast(device_type=device.type, dtype=autocast_dtype or torch.bfloat16,
-                                enabled=autocast_dtype is not None):
-                outputs = torch.func.functional_call(stage.module, weights, args)
-            known.update(zip(stage.output_values, outputs, strict=True))
+        run_stages(program, device, autocast_dtype, mode, known)
     tensors = {name: value for name, value in known.items() if isinstance(value, torch.Tensor)}
     return ({name: tuple(int(size) for size in value.shape) for name, value in tensors.items()},
             {name: value.dtype for name, value in tensors.items()})
+
+
+def run_stages(program: SplitProgram, device: torch.device, autocast_dtype: torch.dtype | None, mode: FakeTensorMode,
+               known: dict[str, Any], *, static_weights: bool = False) -> None:
+    """Run every stage in order on the fake values in ``known`` (model inputs), adding each stage's outputs;
+    the weights enter as fake tensors of ``mode`` on ``device`` (``static_weights``: with constant sizes, for a
+    mode with a ShapeEnv), under autocast when it is on."""
+    for stage in program.stages:
+        weights = {name: mode.from_tensor(t, static_shapes=static_weights or None).to(device) for name, t in
+                   itertools.chain(stage.module.named_parameters(), stage.module.named_buffers())}
+        args = tuple(known[name] for name in stage.input_values)
+        with torch.autocast(device_type=device.type, dtype=autocast_dtype or torch.bfloat16,
+                            enabled=autocast_dtype is not None):
+            outputs = torch.func.functional_call(stage.module, weights, args)
+        known.update(zip(stage.output_values, outputs, strict=True))
 
 
 def infer_value_dtypes(program: SplitProgram, device: torch.device,

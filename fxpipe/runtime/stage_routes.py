@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,7 @@ from fxpipe.runtime.comm import MessageKind, Route, buffer_shape, routes_between
 from fxpipe.runtime.errors import MessageLayoutError
 from fxpipe.runtime.receives import Message, Piece, plan_messages
 from fxpipe.runtime.rows import RowMap
+from fxpipe.runtime.shape_templates import ShapeTemplates
 
 if TYPE_CHECKING:
     from fxpipe.core.program import SplitProgram, ValueSpec
@@ -155,7 +157,11 @@ class ShapedStep:
 class ShapedSteps:
     """The ShapedStep of every batch shape this rank has run (the plan's made at once), keyed by the inputs'
     shapes and dtypes: targets do not change the layout, and a rank whose targets alone differ must not take a
-    shape as new when the others do not (its batch check would wait in a gather they never join)."""
+    shape as new when the others do not (its batch check would wait in a gather they never join).
+
+    At most MAX_CACHED_SHAPES are kept, least recently used out first, so a run over thousands of lengths
+    keeps its memory flat; a new shape's value shapes come from ``templates`` (a symbolic run's formulas,
+    shape_templates.py) where they cover it, else from a fake run."""
 
     def __init__(self, program: SplitProgram, plan: Plan, stage_index: int, rank: int, device: torch.device,
                  autocast_dtype: torch.dtype | None, dtypes: Mapping[str, torch.dtype | None],
@@ -163,15 +169,18 @@ class ShapedSteps:
         self.program, self.plan, self.stage_index, self.rank = program, plan, stage_index, rank
         self.device, self.autocast_dtype, self.dtypes = device, autocast_dtype, dtypes
         self.target_batch_dim = target_batch_dim
+        self.templates = ShapeTemplates(program, device, autocast_dtype)
         example = [torch.empty(spec.shape, dtype=spec.dtype, device="meta") if spec.is_tensor else None
                    for spec in (program.values[name] for name in program.model_inputs)]
         self.plan_step = self._made(example, plan.global_batch_size)
-        self.by_signature: dict[tuple[Any, ...], ShapedStep] = {}
+        self.by_signature: OrderedDict[tuple[Any, ...], ShapedStep] = OrderedDict()
 
     def known(self, inputs: Sequence[Any], targets: Any) -> ShapedStep | None:
         """The ShapedStep of a shape run before (its targets checked), or None for a new shape."""
-        shaped = self.by_signature.get(_signature(inputs))
+        signature = _signature(inputs)
+        shaped = self.by_signature.get(signature)
         if shaped is not None:
+            self.by_signature.move_to_end(signature)
             check_targets(targets, shaped.layout.num_rows, self.target_batch_dim)
         return shaped
 
@@ -179,17 +188,18 @@ class ShapedSteps:
         """Check a new shape's batch (BatchShapeError) and make its ShapedStep."""
         num_rows = batch_rows(self.program, self.plan, inputs, targets, target_batch_dim=self.target_batch_dim)
         shaped = self._made(inputs, num_rows)
-        if len(self.by_signature) >= MAX_CACHED_SHAPES:  # a loop over ever-new lengths: forget the oldest
-            self.by_signature.pop(next(iter(self.by_signature)))
         self.by_signature[_signature(inputs)] = shaped
+        if len(self.by_signature) > MAX_CACHED_SHAPES:  # a loop over ever-new lengths: forget the least recent
+            self.by_signature.popitem(last=False)
         return shaped
 
     def _made(self, inputs: Sequence[Any], num_rows: int) -> ShapedStep:
-        layout = make_layout(self.program, self.plan, inputs, num_rows, self.device, self.autocast_dtype, self.dtypes)
+        layout = make_layout(self.program, self.plan, inputs, num_rows, self.device, self.autocast_dtype, self.dtypes,
+                             self.templates)
         return ShapedStep.of(self.program, self.plan, self.stage_index, self.rank, layout)
 
 
-MAX_CACHED_SHAPES = 64  # ShapedSteps kept per rank (each holds a few small route tables)
+MAX_CACHED_SHAPES = 128  # ShapedSteps kept per rank, least recently used out first (each holds small route tables)
 
 
 def _signature(inputs: Sequence[Any]) -> tuple[Any, ...]:
