@@ -15,8 +15,9 @@ from fxpipe.core.program import SplitProgram
 from fxpipe.passes import trace
 from fxpipe.passes.codegen import split_for_plan
 from fxpipe.runtime import stage_routes
-from fxpipe.runtime.batch_layout import fake_layouts, make_layout
+from fxpipe.runtime.batch_layout import make_layout
 from fxpipe.runtime.errors import BatchShapeError
+from fxpipe.runtime.fake_run import fake_layouts
 from fxpipe.runtime.shape_templates import MAX_TEMPLATES, ShapeTemplates
 from fxpipe.runtime.stage_routes import ShapedSteps
 from tests.mp_utils import plan_from_cuts

@@ -11,24 +11,22 @@ run's formulas answer for later shapes it covers (``shape_templates``).
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten
 
 from fxpipe.core.fake_log import quiet_fake_tensor_log
 from fxpipe.core.plan import Plan, row_ranges
 from fxpipe.runtime.errors import BatchShapeError
+from fxpipe.runtime.fake_run import Shape, fake_layouts
 
 if TYPE_CHECKING:
     from fxpipe.core.program import SplitProgram, ValueSpec
     from fxpipe.runtime.shape_templates import ShapeTemplates
 
-Shape = tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -193,38 +191,6 @@ def _slice_layout(spec: ValueSpec, value: Any, rows: int) -> Any:
     if spec.batched:
         shape[spec.batch_dim] = rows
     return tuple(shape), value.dtype
-
-
-def fake_layouts(program: SplitProgram, device: torch.device, autocast_dtype: torch.dtype | None,
-                 inputs: Mapping[str, Any]) -> tuple[dict[str, Shape], dict[str, torch.dtype]]:
-    """Shape and dtype of every tensor value as the stages produce it (under autocast when it is on) from model
-    inputs given as ``(shape, dtype)`` (non-tensor inputs as their values).
-
-    Runs the stage modules in order on fake tensors (no memory, no data), with the weights as fake
-    tensors on this rank's device: autocast's op lists differ between CPU and CUDA.
-    """
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        known: dict[str, Any] = {name: torch.empty(value[0], dtype=value[1], device=device)
-                                 if program.values[name].is_tensor else value for name, value in inputs.items()}
-        run_stages(program, device, autocast_dtype, mode, known)
-    tensors = {name: value for name, value in known.items() if isinstance(value, torch.Tensor)}
-    return ({name: tuple(int(size) for size in value.shape) for name, value in tensors.items()},
-            {name: value.dtype for name, value in tensors.items()})
-
-
-def run_stages(program: SplitProgram, device: torch.device, autocast_dtype: torch.dtype | None, mode: FakeTensorMode,
-               known: dict[str, Any], *, static_weights: bool = False) -> None:
-    """Run every stage in order on the fake values in ``known`` (model inputs), adding each stage's outputs;
-    the weights enter as fake tensors of ``mode`` on ``device`` (``static_weights``: with constant sizes, for a
-    mode with a ShapeEnv), under autocast when it is on."""
-    for stage in program.stages:
-        weights = {name: mode.from_tensor(t, static_shapes=static_weights or None).to(device) for name, t in
-                   itertools.chain(stage.module.named_parameters(), stage.module.named_buffers())}
-        args = tuple(known[name] for name in stage.input_values)
-        with torch.autocast(device_type=device.type, dtype=autocast_dtype or torch.bfloat16,
-                            enabled=autocast_dtype is not None):
-            outputs = torch.func.functional_call(stage.module, weights, args)
-        known.update(zip(stage.output_values, outputs, strict=True))
 
 
 def infer_value_dtypes(program: SplitProgram, device: torch.device,

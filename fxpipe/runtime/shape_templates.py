@@ -1,7 +1,7 @@
 """Value shapes at a new input shape without a fake-tensor run: one symbolic run, then its formulas.
 
 A batch at a new sequence length (or image size, or row count) needs the shape and dtype of every value
-that crosses a stage boundary. A fake-tensor run of every stage gives them (``batch_layout.fake_layouts``)
+that crosses a stage boundary. A fake-tensor run of every stage gives them (``fake_run.fake_layouts``)
 but costs about a training step on a deep model, and a data pipeline that pads each batch to its own
 longest row shows a new length at almost every early step. So the run is done once *symbolically*:
 
@@ -41,7 +41,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 from fxpipe.core.fake_log import quiet_fake_tensor_log
-from fxpipe.runtime.batch_layout import fake_layouts, run_stages
+from fxpipe.runtime.fake_run import fake_layouts, run_stages
 
 if TYPE_CHECKING:
     from fxpipe.core.program import SplitProgram
