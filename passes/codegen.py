@@ -46,6 +46,13 @@ def split_stages(
     ``gm.meta["fxpipe.example_inputs"]`` written by ``fxpipe.passes.trace``). ``gm`` is not
     modified; stage modules share its parameter tensors.
     """
+    return _split(gm, stage_node_names, example_inputs)[0]
+
+
+def _split(gm: fx.GraphModule, stage_node_names: Sequence[Sequence[str]],
+           example_inputs: Sequence[Any] | None) -> tuple[SplitProgram, dict[str, tuple[Any, Any]]]:
+    """:func:`split_stages`, and the Python values crossing a cut that change with the batch rows (value at the
+    example batch, at one more row): each carries its sender's rows (:func:`_check_row_counts`)."""
     example = recorded_inputs(gm, example_inputs, CodegenError, "split_stages")
     dims = graph_batch_dims(gm, example)
     batch = batch_size_of(example, dims)
@@ -73,6 +80,8 @@ def split_stages(
         producers.setdefault(leaf, last)  # a leaf no other stage reads is computed on the last stage
     for name in model_inputs:
         producers.setdefault(name, MODEL_INPUT)
+    varying = {name: (at_batch[name], at_next[name]) for name in consumers
+               if not isinstance(at_batch[name], torch.Tensor) and not _equal(at_batch[name], at_next[name])}
     return SplitProgram(
         stages=stages,
         model_inputs=model_inputs,
@@ -81,7 +90,7 @@ def split_stages(
         consumers=MappingProxyType({name: consumers.get(name, ()) for name in value_names}),
         values=MappingProxyType(values),
         tie_groups=_tie_groups(stages),
-    )
+    ), varying
 
 
 def split_for_plan(
@@ -94,7 +103,33 @@ def split_for_plan(
             f"plan stages {empty} list no node names (a plan made from a profile file?); "
             "plan from the traced graph (fxpipe.plan(model, ...)) to generate stage code"
         )
-    return split_stages(gm, [stage.node_names for stage in plan.stages], example_inputs=example_inputs)
+    program, varying = _split(gm, [stage.node_names for stage in plan.stages], example_inputs)
+    _check_row_counts(program, plan, varying)
+    return program
+
+
+def _equal(value: Any, other: Any) -> bool:
+    try:
+        return bool(value == other)
+    except Exception:  # a value without a plain equality: treat it as following the batch (refused if it matters)
+        return False
+
+
+def _check_row_counts(program: SplitProgram, plan: Plan, varying: Mapping[str, tuple[Any, Any]]) -> None:
+    """A Python value that follows the batch rows (``x.size(0)``) crosses a cut as its sender computed it, for the
+    sender's rows: right for a receiver replica holding the same rows (equal replica counts), wrong otherwise,
+    and wrong silently where it feeds a ``view(n, -1)``. Refused between stages of different replica counts."""
+    for name, (value, value_next) in sorted(varying.items()):
+        producer = program.producers[name]
+        for consumer in program.consumers.get(name, ()):
+            sent, received = plan.stages[producer].replicas, plan.stages[consumer].replicas
+            if sent != received:
+                raise CodegenError(
+                    f"value {name!r} is a Python {type(value).__name__} that follows the batch rows ({value!r} at "
+                    f"the example batch, {value_next!r} with one more row) and crosses from stage {producer} "
+                    f"({sent} replicas) to stage {consumer} ({received} replicas): each receiver would get its "
+                    "sender's row count, not its own; cut after the ops that read it, or give both stages the "
+                    "same replica count (the planners cut between layers, where sizes are read again)")
 
 
 def _assign_nodes(

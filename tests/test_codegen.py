@@ -383,3 +383,36 @@ def test_meta_device_models_split_without_allocating() -> None:
     program = split_stages(fx.symbolic_trace(model), [["_0", "_1"], ["_2"]], example_inputs=inputs)
     assert program.values["_1"].shape == (64, 4096) and program.values["_1"].batched
     assert program.stages[1].module.get_parameter("2.weight").is_meta
+
+
+class _RowsCrossTheCut(nn.Module):
+    """Reads the batch size on one side of a cut and uses it on the other (as HF attention's ``bsz``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(6, 8)
+        self.second = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.first(x)
+        rows = hidden.size(0)
+        return self.second(hidden).view(rows, 2, -1)
+
+
+def test_a_python_value_following_the_rows_may_not_cross_between_other_replica_counts() -> None:
+    gm = trace(_RowsCrossTheCut(), (torch.randn(4, 6),))
+    names = [node.name for node in gm.graph.nodes if node.op not in ("placeholder", "output", "get_attr")]
+    cut = names.index("second") if "second" in names else next(i for i, n in enumerate(names) if "second" in n)
+    assert any("size" in name for name in names[:cut]), names  # the row count is read before the cut
+
+    def plan(replicas: tuple[int, int]) -> Plan:
+        stages = (StagePlan(0, 0, 1, replicas[0], tuple(range(replicas[0])), tuple(names[:cut])),
+                  StagePlan(1, 1, 2, replicas[1], tuple(range(replicas[0], sum(replicas))), tuple(names[cut:])))
+        return Plan(global_batch_size=4, num_microbatches=1, stages=stages, planner="test")
+
+    program = split_for_plan(gm, plan((1, 1)))  # equal replica counts: each receiver holds its sender's rows
+    crossing = [name for name, spec in program.values.items() if not spec.is_tensor and program.consumers[name]]
+    assert crossing, program.values
+    with pytest.raises(CodegenError, match=r"follows the batch rows \(4 at the example batch, 5 with one more row\) "
+                       r"and crosses from stage 0 \(2 replicas\) to stage 1 \(1 replicas\)"):
+        split_for_plan(gm, plan((2, 1)))
