@@ -190,9 +190,10 @@ def _error_cases(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
     in_world("bad-batch", bad_batches)
     in_world("world-mismatch", lambda: _outcome(lambda: compile_mlp((1, 1, 1, 1))))
     in_world("autocast", autocast)
+    # before the cases that leave a rank's heartbeat running: a failure it records can break a later world's group
+    in_world("unfrozen-after-compile", unfrozen_after_compile)
     in_world("dead-peer", dead_peer)
     in_world("stale-receive", stale_receive)
-    in_world("unfrozen-after-compile", unfrozen_after_compile)
     return results
 
 
