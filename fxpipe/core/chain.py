@@ -28,6 +28,29 @@ class Block:
     param_bytes: int
     saved_bytes: Affine = ZERO  # activation bytes autograd keeps for backward, per micro-batch slice
     resaved: tuple[tuple[int, Affine], ...] = ()  # (earlier block, bytes saved here again)
+    tp: BlockTensorParallel | None = None  # how the block splits over a tensor-parallel group; None: it does not
+
+
+@dataclass(frozen=True)
+class BlockTensorParallel:
+    """What a T-way tensor-parallel group does with one block (found on the graph by
+    :mod:`fxpipe.passes.tensor_parallel`); a stage with T > 1 costs its blocks from these figures.
+
+    ``time_share``: the share of the block's ``forward_s`` and ``backward_s`` that divides by T (the sharded
+    matmuls and the per-head / per-channel work between them); the rest runs whole on every group member.
+    ``param_bytes``: the part of the block's ``param_bytes`` split T ways; the rest is replicated.
+    ``saved_share``: the share of ``saved_bytes`` split T ways (under sequence parallelism, nearly all).
+    ``comm_bytes``: per micro-batch slice, the bytes of the full activations at the block's collective points:
+    each point is one all-gather into a column-parallel region and one reduce-scatter out of a row-parallel
+    one in forward (sequence parallelism), the same two in backward; a group member moves ``(T-1)/T`` of it.
+    ``divisor``: T must divide it (the gcd of the sharded head counts, channels and vocabulary).
+    """
+
+    time_share: float
+    param_bytes: int
+    saved_share: float
+    comm_bytes: Affine
+    divisor: int
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ from fxpipe.core.sharding import DEFAULT_SHARDING, SHARDING_LEVELS
 
 FORMAT_VERSION = 1
 PLAN_KEYWORDS = ("auto", "markers")
-LAYOUT_PATTERN = re.compile(r"dp|[0-9]+(:[0-9]+)+")
+# a stage is "R" (R replicas) or "RxT" (R replicas, each a T-way tensor-parallel group); one stage is "dp" or "RxT"
+LAYOUT_PATTERN = re.compile(r"dp|[0-9]+x[0-9]+|[0-9]+(x[0-9]+)?(:[0-9]+(x[0-9]+)?)+")
 
 
 class PlanError(ValueError):
@@ -38,6 +39,9 @@ class StagePlan:
     last stage); ``activation_peak_bytes`` the most it holds at once over a step, what a measured step
     records (``pipe.step_stats()``; :func:`fxpipe.sim.stagecost.activation_peak_bytes`). ``sharding``: what
     the stage's replicas split among themselves (:mod:`fxpipe.core.sharding`; absent = ``"none"``).
+    ``tensor_parallel`` (T): each replica is a T-way tensor-parallel group inside one node, so the stage runs
+    on ``replicas * T`` devices; replica ``r``'s group is ``devices[r*T:(r+1)*T]`` and the per-device figures
+    are one group member's (absent = 1).
     """
 
     stage_index: int
@@ -56,6 +60,16 @@ class StagePlan:
     recompute: bool = False
     activation_peak_bytes: int = 0
     sharding: str = DEFAULT_SHARDING
+    tensor_parallel: int = 1
+
+    @property
+    def num_devices(self) -> int:
+        return self.replicas * self.tensor_parallel
+
+    def replica_devices(self, replica_index: int) -> tuple[int, ...]:
+        """The devices of one replica: its tensor-parallel group, in group-rank order."""
+        size = self.tensor_parallel
+        return self.devices[replica_index * size:(replica_index + 1) * size]
 
 
 @dataclass(frozen=True)
@@ -136,17 +150,18 @@ class Plan:
     @property
     def layout(self) -> str:
         """The replica layout in the DAPPLE paper's notation: ``"dp"``, ``"3:1"``, ``"1:1:1:1"``."""
-        return layout_string(tuple(stage.replicas for stage in self.stages))
+        return layout_string(tuple(stage.replicas for stage in self.stages),
+                             tuple(stage.tensor_parallel for stage in self.stages))
 
     @property
     def world_size(self) -> int:
-        return sum(stage.replicas for stage in self.stages)
+        return sum(stage.num_devices for stage in self.stages)
 
     def stage_of_device(self, device: int) -> tuple[int, int]:
         """``(stage_index, replica_index)`` of the stage replica that runs on ``device``."""
         for stage in self.stages:
             if device in stage.devices:
-                return stage.stage_index, stage.devices.index(device)
+                return stage.stage_index, stage.devices.index(device) // stage.tensor_parallel
         raise PlanError(f"device {device} runs no stage of this plan (devices: {self.all_devices()})")
 
     def all_devices(self) -> list[int]:
@@ -158,6 +173,9 @@ class Plan:
     def to_json_dict(self) -> dict[str, Any]:
         data = asdict(self)
         del data["planning_time_s"]
+        for stage in data["stages"]:  # absent = 1: plans without tensor parallelism keep their bytes
+            if stage["tensor_parallel"] == 1:
+                del stage["tensor_parallel"]
         data["layout"] = self.layout
         data["baselines"] = {name: asdict(result) for name, result in self.baselines}
         if self.predicted is not None:
@@ -215,10 +233,12 @@ def _finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def layout_string(replicas: tuple[int, ...]) -> str:
-    if len(replicas) == 1:
+def layout_string(replicas: tuple[int, ...], tensor_parallel: tuple[int, ...] = ()) -> str:
+    """``"dp"``, ``"3:1"``; a stage whose replicas are T-way tensor-parallel groups is written ``"RxT"``."""
+    degrees = tensor_parallel or (1,) * len(replicas)
+    if len(replicas) == 1 and degrees[0] == 1:
         return "dp"
-    return ":".join(str(r) for r in replicas)
+    return ":".join(str(r) if t == 1 else f"{r}x{t}" for r, t in zip(replicas, degrees, strict=True))
 
 
 def _build(cls: type, data: Any, where: str) -> Any:
@@ -301,8 +321,11 @@ def validate_plan(plan: Plan) -> None:
                "contiguous and in order)")
         _check(stage.stop_block > stage.first_block, f"stage {index} has no blocks "
                f"([{stage.first_block}, {stage.stop_block}))")
-        _check(stage.replicas >= 1 and len(stage.devices) == stage.replicas,
-               f"stage {index} has replicas={stage.replicas} but devices={list(stage.devices)}")
+        _check(isinstance(stage.tensor_parallel, int) and stage.tensor_parallel >= 1,
+               f"stage {index} has tensor_parallel={stage.tensor_parallel!r}; use a positive integer (1: none)")
+        _check(stage.replicas >= 1 and len(stage.devices) == stage.replicas * stage.tensor_parallel,
+               f"stage {index} has replicas={stage.replicas} x tensor_parallel={stage.tensor_parallel} but "
+               f"devices={list(stage.devices)}; list replicas * tensor_parallel devices, one group after another")
         overlap = seen_devices.intersection(stage.devices)
         _check(not overlap, f"devices {sorted(overlap)} are assigned to more than one stage")
         _check(all(isinstance(d, int) and d >= 0 for d in stage.devices),
