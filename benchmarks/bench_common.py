@@ -21,7 +21,7 @@ from torch import fx
 
 from fxpipe.core import meta
 from fxpipe.core.plan import Plan, StagePlan
-from fxpipe.runtime.measure import SavedActivationMeter
+from fxpipe.runtime.autograd.measure import SavedActivationMeter
 from tests.mp_utils import run_ranks as run_forked
 
 BENCH_MODEL = "gpt-mini"

@@ -34,7 +34,7 @@ from fxpipe import models as zoo  # noqa: E402
 from fxpipe.core.cluster import H200_141GB, DeviceSpec  # noqa: E402
 from fxpipe.passes import annotate_costs, to_cost_graph, trace  # noqa: E402
 from fxpipe.passes.profile import default_blocks, measure_costs  # noqa: E402
-from fxpipe.runtime.measure import SavedActivationMeter  # noqa: E402
+from fxpipe.runtime.autograd.measure import SavedActivationMeter  # noqa: E402
 from tests.mp_utils import plan_from_cuts  # noqa: E402
 
 FULL = {"n_layer": 12, "n_embd": 768, "n_head": 12, "block_size": 1024, "vocab_size": 50304}

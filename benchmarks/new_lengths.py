@@ -5,7 +5,7 @@ Run: python benchmarks/new_lengths.py [--steps 24] [--warmup 2] [--write]
 Three gloo ranks, layout 2:1 (stage 0 on two replicas, cut before the middle block), two micro-batches. Two
 pipelines of the same model in the same processes, one per way of deriving a new shape's value shapes:
 
-- ``formulas``: what the runtime does (runtime/shape_templates.py): a symbolic fake-tensor run once, then the
+- ``formulas``: what the runtime does (runtime/transport/shape_templates.py): a symbolic fake-tensor run once, then the
   shape formulas at each new length where its guards hold;
 - ``fake run``: ``ShapedSteps.templates = None``, the plain fake-tensor run of every stage at each new length
   (what the runtime did before).

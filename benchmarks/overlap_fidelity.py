@@ -1,7 +1,7 @@
 """Overlap that costs something, on real CPU ranks: a data-parallel step with its gradients all-reduced in
 buckets overlapping the last backward, and the same step all-reducing after backward, measured against
 the simulator with the overlap cost (``Cluster.overlap_compute_slowdown``/``overlap_comm_slowdown``
-measured by ``fxpipe.runtime.calibrate_overlap`` in the same ranks) and with overlap free (the old model).
+measured by ``fxpipe.runtime.calibration.calibrate_overlap`` in the same ranks) and with overlap free (the old model).
 
 Run: python benchmarks/overlap_fidelity.py [--steps 15] [--warmup 2] [--write]
 
@@ -44,7 +44,7 @@ def overlap_rank(rank: int, world_size: int, plans: dict[str, str], workload: Wo
 
     import fxpipe
     from fxpipe.core.plan import Plan
-    from fxpipe.runtime.calibrate_measure import measure_pair_link
+    from fxpipe.runtime.calibration.calibrate_measure import measure_pair_link
 
     figures = measure_pair_link(rank, torch.device("cpu"), None)
     inputs, targets = workload.batch()
@@ -65,7 +65,7 @@ def overlap_rank(rank: int, world_size: int, plans: dict[str, str], workload: Wo
 
 def local_cluster_from(figures: dict[str, float]) -> Any:
     """``local:2`` with the link figures, overlap cost and sharding collectives the ranks just measured."""
-    import fxpipe.runtime.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
+    import fxpipe.runtime.calibration.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
     from fxpipe.core.cluster import parse_cluster
     from fxpipe.core.cluster_spec import sharding_links
     from fxpipe.core.hardware import LinkSpec
@@ -81,7 +81,7 @@ def local_cluster_from(figures: dict[str, float]) -> Any:
 
 
 def run_and_report(num_warmup: int, num_steps: int) -> str:
-    import fxpipe.runtime.calibrate  # noqa: F401
+    import fxpipe.runtime.calibration.calibrate  # noqa: F401
     from fxpipe.core.cluster import parse_cluster
     from fxpipe.passes.partition.dapple import partition
     from fxpipe.sim.simulate import simulate

@@ -125,7 +125,7 @@ def measured_chain(workload: Workload) -> Any:
 
 def make_plan(chain: Any, case: PlanCase, global_batch_size: int, schedule: str | None = None) -> Any:
     """The DAPPLE planner's plan for the case's forced layout, micro-batch count and schedule (or ``schedule``)."""
-    import fxpipe.runtime.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
+    import fxpipe.runtime.calibration.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
     from fxpipe.core.cluster import parse_cluster
     from fxpipe.passes.partition.dapple import partition
 
@@ -136,7 +136,7 @@ def make_plan(chain: Any, case: PlanCase, global_batch_size: int, schedule: str 
 
 def simulated(plan: Any, chain: Any, num_ranks: int, spread: Any) -> Any:
     """``plan`` simulated on ``chain``'s costs: deterministic and with device speeds drawn from ``spread``."""
-    import fxpipe.runtime.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
+    import fxpipe.runtime.calibration.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
     from fxpipe.core.cluster import parse_cluster
     from fxpipe.sim.stragglers import expected_iteration_time
 
@@ -287,7 +287,7 @@ def allreduce_note(plan: Any) -> str:
 
 def split_overhead() -> float:
     """The calibrated ``Cluster.split_backward_overhead`` the plans were simulated with."""
-    import fxpipe.runtime.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
+    import fxpipe.runtime.calibration.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
     from fxpipe.core.cluster import parse_cluster
 
     return float(parse_cluster("local:2").split_backward_overhead)

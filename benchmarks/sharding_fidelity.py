@@ -126,7 +126,7 @@ def sharding_rank(rank: int, world_size: int, plans: dict[str, str], workload: W
 
     import fxpipe
     from fxpipe.core.plan import Plan
-    from fxpipe.runtime.calibrate_measure import measure_pair_link
+    from fxpipe.runtime.calibration.calibrate_measure import measure_pair_link
 
     figures = measure_pair_link(rank, torch.device("cpu"), None)
     bare = bare_collectives(weight_bytes, gradient_bytes)
@@ -158,7 +158,7 @@ def error(measured: float, model: float) -> float:
 
 
 def run(num_rounds: int, num_warmup: int, num_steps: int, workload: Workload = WORKLOAD) -> dict[str, Any]:
-    import fxpipe.runtime.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
+    import fxpipe.runtime.calibration.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
     from fxpipe.core.cluster import parse_cluster
     from fxpipe.core.sharding import force_sharding
     from fxpipe.passes.partition.dapple import partition

@@ -17,12 +17,12 @@ from fxpipe.core.cluster import Cluster
 from fxpipe.core.plan import Plan
 from fxpipe.core.recompute import parse_recompute
 from fxpipe.core.sharding import ShardingError, check_request
-from fxpipe.runtime.errors import PipelineSetupError
+from fxpipe.runtime.faults.errors import PipelineSetupError
 
 if TYPE_CHECKING:
-    from fxpipe.runtime.driver import PipelineDriver
-    from fxpipe.runtime.measure import MeasureSetting, StepStats
-    from fxpipe.runtime.stage_compile import CompileStats
+    from fxpipe.runtime.autograd.measure import MeasureSetting, StepStats
+    from fxpipe.runtime.compile.stage_compile import CompileStats
+    from fxpipe.runtime.execution.driver import PipelineDriver
 
 
 
@@ -82,7 +82,7 @@ class PipelinedModule:
     __call__ = predict
 
     def _collective(self, run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        from fxpipe.runtime.caller_autocast import honour_caller_autocast
+        from fxpipe.runtime.numerics.caller_autocast import honour_caller_autocast
 
         driver = self.driver
         try:  # a torch.autocast region around the call is honoured as autocast_dtype is (docs/training_loop.md)
@@ -97,13 +97,13 @@ class PipelinedModule:
 
     def input_rows(self) -> tuple[tuple[int, int], ...] | None:
         """Global-batch row ranges ``[start, stop)`` whose inputs this rank reads (None: it reads none)."""
-        from fxpipe.runtime.rows import input_rows
+        from fxpipe.runtime.transport.rows import input_rows
 
         return input_rows(self.driver.program, self.stage_index, self.driver.rows)
 
     def target_rows(self) -> tuple[tuple[int, int], ...] | None:
         """Global-batch row ranges whose targets this rank reads: last-stage replicas only, else None."""
-        from fxpipe.runtime.rows import target_rows
+        from fxpipe.runtime.transport.rows import target_rows
 
         return target_rows(self.driver.program, self.stage_index, self.driver.rows)
 
@@ -168,7 +168,7 @@ class PipelinedModule:
         A sharded stage's parameters are gathered (``DTensor.full_tensor``): a collective over the stage's
         replicas, so every rank calls it (as ``save`` does).
         """
-        from fxpipe.runtime.sharded_stage import full_value
+        from fxpipe.runtime.parallel.sharded_stage import full_value
 
         return {name: full_value(tensor) for name, tensor in self._stage_tensors().items()}
 
@@ -187,7 +187,7 @@ class PipelinedModule:
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Copy the entries this stage holds from a full (or partial) state dict keyed by original names
         (into a sharded stage: each rank its shard of each whole tensor)."""
-        from fxpipe.runtime.sharded_stage import copy_full_into
+        from fxpipe.runtime.parallel.sharded_stage import copy_full_into
 
         own = self._stage_tensors()
         missing = sorted(set(own) - set(state))
@@ -229,7 +229,7 @@ class PipelinedModule:
 
     @measure.setter
     def measure(self, setting: MeasureSetting) -> None:
-        from fxpipe.runtime.measure import MeasureMode
+        from fxpipe.runtime.autograd.measure import MeasureMode
 
         mode = MeasureMode.of(setting)
         sharded = [stage.stage_index for stage in self.plan.stages if stage.sharding != "none"]
@@ -270,7 +270,7 @@ class PipelinedModule:
         Loop: ``pipe.step(...); opt.step(); if pipe.preempted: pipe.save(...); break``. Call from the
         main thread; see docs/faults.md (Ranks and signals).
         """
-        from fxpipe.runtime.preemption import install
+        from fxpipe.runtime.faults.preemption import install
 
         install()
 
@@ -281,7 +281,7 @@ class PipelinedModule:
 
     def close(self) -> None:
         """Wait for all ranks, then release the process group if ``compile`` created it."""
-        from fxpipe.runtime.comm import close_distributed
+        from fxpipe.runtime.transport.comm import close_distributed
 
         close_distributed(self.driver.context)
 
@@ -383,17 +383,17 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     from fxpipe.passes.codegen import split_for_plan
     from fxpipe.passes.row_independence import check_rows_independent
     from fxpipe.plan_checks import check_plan_matches, check_stages_hold_parameters
-    from fxpipe.runtime.batchcheck import check_batch_mode
-    from fxpipe.runtime.batchnorm import check_batch_norm_mode, check_layers_kept, warn_batch_norm
-    from fxpipe.runtime.comm import init_distributed
+    from fxpipe.runtime.autograd.recompute import check_recompute_batch_norm
+    from fxpipe.runtime.compile.stage_compile import parse_torch_compile, with_compile_notes
     from fxpipe.runtime.compiled_stages import compile_stage, warm_compiled_stage
-    from fxpipe.runtime.driver import PipelineDriver, check_world
-    from fxpipe.runtime.guard import release_group, setup_group, setup_phase
-    from fxpipe.runtime.loss_check import check_loss_fn
-    from fxpipe.runtime.recompute import check_recompute_batch_norm
-    from fxpipe.runtime.stage import check_loss_reduction
-    from fxpipe.runtime.stage_compile import parse_torch_compile, with_compile_notes
+    from fxpipe.runtime.execution.driver import PipelineDriver, check_world
+    from fxpipe.runtime.execution.stage import check_loss_reduction
+    from fxpipe.runtime.faults.guard import release_group, setup_group, setup_phase
+    from fxpipe.runtime.numerics.batchnorm import check_batch_norm_mode, check_layers_kept, warn_batch_norm
+    from fxpipe.runtime.numerics.loss_check import check_loss_fn
     from fxpipe.runtime.sync import check_sync_mode, synchronize_driver
+    from fxpipe.runtime.transport.batchcheck import check_batch_mode
+    from fxpipe.runtime.transport.comm import init_distributed
 
     context = init_distributed(options.timeout_s)
     group = setup_group()
@@ -443,7 +443,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
                             target_batch_dim=target_dim, stall_timeout_s=options.stall_timeout_s)
     check_layers_kept(model, [stage.module for stage in program.stages], options.batch_norm)
     if options.batch_norm != "microbatch":
-        from fxpipe.runtime.batchnorm import DeferredCommit, install_deferred
+        from fxpipe.runtime.numerics.batchnorm import DeferredCommit, install_deferred
 
         replica_group = driver.groups[driver.stage_index]
         layers = install_deferred(driver.runner.module, replica_group if options.batch_norm == "sync" else None)

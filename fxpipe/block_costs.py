@@ -14,7 +14,7 @@ import torch
 from fxpipe.passes.profile import MeasuredCosts, device_of, fit_times, measure_costs, synchronizer
 
 if TYPE_CHECKING:
-    from fxpipe.runtime.guard import SetupGroup
+    from fxpipe.runtime.faults.guard import SetupGroup
 
 # A few rounds suffice: the median over ranks steadies what each rank's median of REPEATS leaves.
 WARMUP = 1
@@ -48,7 +48,7 @@ def measure_block_costs(graph_module: torch.fx.GraphModule, example_inputs: Sequ
     they were (dropout draws while measuring do not shift training's). If measuring fails on any
     rank, every rank warns and returns None (the caller plans with the analytic model), never a hang.
     """
-    from fxpipe.runtime.measure_together import measured_together
+    from fxpipe.runtime.calibration.measure_together import measured_together
 
     if slowdown < 1:
         raise ValueError(f"slowdown must be >= 1 (ranks per core, at least 1); got {slowdown}")

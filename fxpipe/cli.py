@@ -160,7 +160,7 @@ def _cost_source(args: argparse.Namespace, cluster: Cluster) -> str:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    import fxpipe.runtime.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
+    import fxpipe.runtime.calibration.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
     from fxpipe.core.cluster import parse_cluster
     from fxpipe.core.planfile import save_plan_file
     from fxpipe.planning import REMEASURED_NOTE, labelled, plan_chain

@@ -27,11 +27,11 @@ class CompileOptions:
     optimizer: str = "adam"
     autocast_dtype: torch.dtype | None = None
     timeout_s: float = 60.0
-    stall_timeout_s: float = 5.0  # a rank silent this long is named as stalled (fxpipe.runtime.failures)
+    stall_timeout_s: float = 5.0  # a rank silent this long is named as stalled (fxpipe.runtime.faults.failures)
     # exactness options (docs/exactness.md)
     sync_params: str = "broadcast"
     check_batch: str = "first"
-    loss_reduction: str = "auto"  # fxpipe.runtime.loss_probe
+    loss_reduction: str = "auto"  # fxpipe.runtime.numerics.loss_probe
     batch_norm: str = "microbatch"
     # where the batch is (docs/exactness.md, "The batch dimension"): None = dim 0, checked for ambiguity
     batch_dims: int | Mapping[str, int] | None = None
@@ -41,6 +41,6 @@ class CompileOptions:
     sharding: str | Sequence[str] | None = None
     costs: str = "auto"  # where the planner's block times come from (fxpipe.job_costs)
     check_rows: bool = True  # refuse a model whose rows see each other when the plan splits the batch
-    # torch.compile per stage: False, True or torch.compile's keyword arguments (fxpipe.runtime.stage_compile)
+    # torch.compile per stage: False, True or torch.compile's keyword arguments (fxpipe.runtime.compile.stage_compile)
     torch_compile: bool | Mapping[str, Any] = False
     verbose: bool | None = None  # print the plan table on rank 0 (None: when stdout is a terminal)

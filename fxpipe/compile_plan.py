@@ -15,13 +15,13 @@ from fxpipe.core.precision import PrecisionError, precision_of_dtype
 from fxpipe.core.recompute import force_recompute
 from fxpipe.core.schedule import ScheduleError, schedule_name
 from fxpipe.core.sharding import ShardingError, force_sharding
-from fxpipe.runtime.errors import PipelineSetupError
+from fxpipe.runtime.faults.errors import PipelineSetupError
 
 if TYPE_CHECKING:
     from fxpipe.job_costs import JobCosts
-    from fxpipe.runtime.comm import DistContext
-    from fxpipe.runtime.guard import SetupGroup
-    from fxpipe.runtime.topology import Topology
+    from fxpipe.runtime.calibration.topology import Topology
+    from fxpipe.runtime.faults.guard import SetupGroup
+    from fxpipe.runtime.transport.comm import DistContext
 
 
 def resolve_plan(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, context: DistContext,
@@ -29,9 +29,9 @@ def resolve_plan(options: CompileOptions, model: torch.nn.Module, example_inputs
     """The Plan to run: given, loaded from a file, or made by the planner on rank 0 and broadcast.
 
     Collective: every rank of ``context``'s group calls it alike; ``group`` carries the setup phases
-    (:func:`fxpipe.runtime.guard.setup_group`).
+    (:func:`fxpipe.runtime.faults.guard.setup_group`).
     """
-    from fxpipe.runtime.guard import setup_phase
+    from fxpipe.runtime.faults.guard import setup_phase
 
     kind = "plan" if isinstance(options.plan, Plan) else plan_argument_kind(options.plan)
     if kind in ("plan", "file"):
@@ -70,7 +70,7 @@ def check_sharded_schedule(plan: Plan) -> None:
     """ZeRO-3 under zero-bubble is refused, on every rank alike: a micro-batch's W runs after later forwards,
     which (resharding after forward) would free the weights it needs; keeping them gathered all step would
     save nothing over ZeRO-2 (docs/sharding.md). ZeRO-1/2 run: FSDP2 reduces after W
-    (fxpipe.runtime.sharded_stage.ShardedStage.after_weights)."""
+    (fxpipe.runtime.parallel.sharded_stage.ShardedStage.after_weights)."""
     zero3 = [stage.stage_index for stage in plan.stages if stage.sharding == "parameters"]
     if zero3 and plan.schedule == "zero_bubble":
         raise PipelineSetupError(
@@ -113,9 +113,9 @@ def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: An
     on the ranks of the nodes planned for. The cluster is resolved on every rank first (``local``
     calibrates over the process group, all ranks together), so rank 0 plans with agreed figures."""
     from fxpipe.job_costs import job_costs
-    from fxpipe.runtime.comm import broadcast_text
-    from fxpipe.runtime.guard import setup_phase
-    from fxpipe.runtime.topology import discover_topology
+    from fxpipe.runtime.calibration.topology import discover_topology
+    from fxpipe.runtime.faults.guard import setup_phase
+    from fxpipe.runtime.transport.comm import broadcast_text
 
     check_layout_fits_launch(options.plan, context.world_size)  # alike on every rank, before any measuring
     topology = discover_topology(group)  # collectives of their own, so outside any phase body
@@ -164,9 +164,9 @@ def check_layout_fits_launch(plan: Any, world_size: int) -> None:
 
 def _resolved_cluster(options: CompileOptions, topology: Topology, device: torch.device) -> Cluster:
     """The cluster to plan for, resolved alike on every rank: the user's, or the launched nodes'."""
-    import fxpipe.runtime.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
+    import fxpipe.runtime.calibration.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
     from fxpipe.core.cluster import parse_cluster
-    from fxpipe.runtime.topology import cluster_for
+    from fxpipe.runtime.calibration.topology import cluster_for
 
     if isinstance(options.cluster, Cluster):
         return options.cluster
@@ -179,7 +179,7 @@ def _run_planner(options: CompileOptions, model: torch.nn.Module, example_inputs
                  cluster: Cluster, costs: JobCosts) -> Plan:
     """Cost the model and plan it (on rank 0) for ``cluster`` with every launched rank in a role."""
     from fxpipe.planning import costed_model, plan_chain
-    from fxpipe.runtime.topology import check_cluster_size, placed_plan
+    from fxpipe.runtime.calibration.topology import check_cluster_size, placed_plan
 
     check_cluster_size(cluster, topology)
     precision = training_precision(options)
@@ -200,7 +200,7 @@ def _run_marker_planner(options: CompileOptions, model: torch.nn.Module, example
                         cluster: Cluster, costs: JobCosts) -> Plan:
     """``plan="markers"``: cuts at the model's pipe_split() calls (on rank 0), every launched rank in a role."""
     from fxpipe.planning import plan_markers
-    from fxpipe.runtime.topology import check_cluster_size, placed_plan
+    from fxpipe.runtime.calibration.topology import check_cluster_size, placed_plan
 
     check_cluster_size(cluster, topology)
     assert options.global_batch_size is not None

@@ -13,12 +13,12 @@ from fxpipe.core.cluster import Cluster, LinkSpec
 from fxpipe.core.plan import Plan
 from fxpipe.core.precision import DEFAULT_PRECISION, autocast_device_type
 from fxpipe.planning import COST_CHOICES, autocast_dtype, default_costs, is_local, labelled
-from fxpipe.runtime.errors import PipelineSetupError
+from fxpipe.runtime.faults.errors import PipelineSetupError
 
 if TYPE_CHECKING:
     from fxpipe.passes.batchdims import BatchDims
     from fxpipe.passes.profile import MeasuredCosts
-    from fxpipe.runtime.guard import SetupGroup
+    from fxpipe.runtime.faults.guard import SetupGroup
 
 # The plan note that records how measured figures were taken (benchmarks/prediction_fidelity.py reads it).
 STRETCH_NOTE = ("block times measured on every rank at once, CPU time stretched x {stretch:.3f} "
@@ -77,14 +77,14 @@ def job_costs(costs: str, launched_cluster: bool, model: torch.nn.Module, exampl
     devices (``launched_cluster``: the user gave no ``cluster=``, or a local one); ``$FXPIPE_COSTS`` overrides.
     With ``device`` (where the training backend's tensors live) and a cluster of exactly the launched
     ranks, it also times an allreduce over all of them on the default process group
-    (:func:`fxpipe.runtime.calibrate_measure.measure_job_collective`). The traced graph costs the loss with
+    (:func:`fxpipe.runtime.calibration.calibrate_measure.measure_job_collective`). The traced graph costs the loss with
     ``loss_fn`` (:func:`fxpipe.passes.annotate_costs`); blocks are costed and timed under the autocast of
     ``precision``, on the autocast op lists of the cluster's devices.
     """
     from fxpipe import passes
     from fxpipe.block_costs import measure_block_costs
-    from fxpipe.runtime.guard import setup_phase
-    from fxpipe.runtime.measure_together import job_collective
+    from fxpipe.runtime.calibration.measure_together import job_collective
+    from fxpipe.runtime.faults.guard import setup_phase
 
     if costs not in COST_CHOICES:
         raise PipelineSetupError(f"costs={costs!r} is unknown; choose one of {COST_CHOICES}")

@@ -6,7 +6,7 @@ import torch
 
 from fxpipe.core.plan import Plan
 from fxpipe.core.program import SplitProgram
-from fxpipe.runtime.errors import PipelineSetupError
+from fxpipe.runtime.faults.errors import PipelineSetupError
 
 
 def check_plan_matches(plan: Plan, graph_module: torch.fx.GraphModule) -> None:

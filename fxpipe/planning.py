@@ -290,7 +290,7 @@ def plan_model(
     (:func:`default_costs`); the plan says which in ``predicted.cost_source``. ``precision``: what the
     job trains in (``"fp32"``, ``"bf16"``, ``"fp16"``), recorded in the plan.
     """
-    import fxpipe.runtime.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
+    import fxpipe.runtime.calibration.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
     from fxpipe.core.cluster import parse_cluster
 
     resolved = parse_cluster(cluster) if isinstance(cluster, str) else cluster

@@ -226,7 +226,7 @@ def timeout_option(args: argparse.Namespace) -> float:
 def run_train(args: argparse.Namespace) -> int:
     import fxpipe
     from fxpipe.planning import autocast_dtype
-    from fxpipe.runtime import preemption
+    from fxpipe.runtime.faults import preemption
 
     preemption.install()  # first: SIGTERM before the handler would kill the rank without a checkpoint
     torch.set_num_threads(args.threads)
@@ -255,7 +255,7 @@ def run_train(args: argparse.Namespace) -> int:
     losses, stats, last_step, step_times = _train_steps(args, pipe, optimizer, batches, first_step)
     compiled = pipe.compile_stats() if args.torch_compile is not None else None  # a collective: every rank
     if leader and compiled is not None and step_times:
-        from fxpipe.runtime.stage_compile import format_compile_stats
+        from fxpipe.runtime.compile.stage_compile import format_compile_stats
 
         print(f"{format_compile_stats(compiled)}\nfirst step {step_times[0]:.1f} s (compiling), then median "
               f"{statistics.median(step_times[1:] or step_times) * 1e3:.4g} ms", flush=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import fxpipe.runtime.calibrate  # noqa: F401  (registers the `local` cluster's machine probe, as the CLI does)
+import fxpipe.runtime.calibration.calibrate  # noqa: F401  (registers the `local` cluster's machine probe, as the CLI does)
 
 # Calibration measures this machine (tens of seconds); tests use the documented defaults.
 os.environ.setdefault("FXPIPE_CALIBRATE", "0")

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import fxpipe
 from fxpipe import models as zoo
 from fxpipe.planning import costed_model, plan_chain
-from fxpipe.runtime.topology import cluster_for, discover_topology
+from fxpipe.runtime.calibration.topology import cluster_for, discover_topology
 
 ENTRY = zoo.get("mlp")
 BATCH = 8

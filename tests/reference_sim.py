@@ -439,7 +439,7 @@ def inflight_peak(order: list[tuple[str, int]], split: bool) -> int:
 def fsdp_step_peak_bytes(level: str, held: float, replicas: int, kept_per_byte: int, num_microbatches: int) -> float:
     """Peak weights + gradients + optimizer state of one replica of a sharded stage over a step, walking what
     FSDP2 (torch/distributed/fsdp/_fully_shard/) allocates and frees when fxpipe wraps the whole stage as one
-    unit (fxpipe/runtime/sharded_stage.py), micro-batch by micro-batch, forward then backward:
+    unit (fxpipe/runtime/parallel/sharded_stage.py), micro-batch by micro-batch, forward then backward:
 
     - a gather allocates a flat output (all the weights) and copies it out into the weights, both alive at
       once, beside the shard (kept); the flat one is freed at the forward's end;

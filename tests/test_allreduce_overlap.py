@@ -15,7 +15,7 @@ from fxpipe import models as zoo
 from fxpipe import planning
 from fxpipe.core.plan import Plan, PlanError
 from fxpipe.passes.partition.latency import analytic_iteration_time
-from fxpipe.runtime.buckets import make_buckets
+from fxpipe.runtime.gradients.buckets import make_buckets
 from fxpipe.sim.allreduce_overlap import (
     DEFAULT_BUCKET_BYTES,
     bucket_offsets,

@@ -11,7 +11,7 @@ import torch
 import fxpipe
 from fxpipe import models as zoo
 from fxpipe.passes import trace
-from fxpipe.runtime.errors import BatchShapeError, CommunicationError, PipelineSetupError
+from fxpipe.runtime.faults.errors import BatchShapeError, CommunicationError, PipelineSetupError
 from tests.mp_utils import join_world, leave_world, plan_from_cuts, run_ranks
 
 pytestmark = pytest.mark.multiprocess
@@ -66,7 +66,7 @@ def _single_process_checks(rank: int, world_size: int, store_dir: str) -> dict[s
 def _measured_step(pipe: Any, reference: torch.nn.Module, inputs: Any, targets: Any) -> dict[str, Any]:
     """A measured GPipe step (M=2) holds both half micro-batches at once: the eager whole-batch saved bytes."""
     from fxpipe.core.schedule import lower, make_schedule
-    from fxpipe.runtime.measure import SavedActivationMeter
+    from fxpipe.runtime.autograd.measure import SavedActivationMeter
 
     pipe.measure = True
     pipe.step(inputs, targets)

@@ -14,7 +14,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.passes import trace
-from fxpipe.runtime.rows import gather_rows
+from fxpipe.runtime.transport.rows import gather_rows
 from tests.exactness_oracle import train_and_compare, train_reference
 from tests.mp_utils import plan_from_cuts, run_ranks, run_scenarios
 

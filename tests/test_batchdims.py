@@ -25,14 +25,14 @@ from fxpipe.passes.codegen import CodegenError, split_stages
 from fxpipe.passes.codegen_io import export_program, load_program
 from fxpipe.passes.costs import BATCH
 from fxpipe.passes.profile import resize_batch
-from fxpipe.runtime.batchcheck import (
+from fxpipe.runtime.faults.errors import BatchShapeError
+from fxpipe.runtime.transport.batchcheck import (
     BatchMismatchError,
     check_shapes,
     describe_batch_dims,
     raise_on_difference,
 )
-from fxpipe.runtime.comm import buffer_shape, take_rows
-from fxpipe.runtime.errors import BatchShapeError
+from fxpipe.runtime.transport.comm import buffer_shape, take_rows
 
 T, B, C = 5, 4, 8  # sequence length, batch, width
 

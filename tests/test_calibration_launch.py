@@ -88,7 +88,7 @@ def _calibrate_over_the_group(rank: int, world_size: int, store_dir: str, cache_
     from fxpipe import models
     from fxpipe.api import compile as fxpipe_compile
     from fxpipe.core.cluster import local_cluster, parse_cluster
-    from fxpipe.runtime import calibrate
+    from fxpipe.runtime.calibration import calibrate
 
     os.environ["FXPIPE_CACHE_DIR"] = cache_dir
     join_world(store_dir, "calibrate", rank, world_size)

@@ -18,7 +18,7 @@ import torch
 import fxpipe
 from fxpipe import models as zoo
 from fxpipe.passes import trace
-from fxpipe.runtime.errors import MessageLayoutError, PipelineSetupError
+from fxpipe.runtime.faults.errors import MessageLayoutError, PipelineSetupError
 from tests.mp_utils import plan_from_cuts, run_ranks, run_scenarios
 
 pytestmark = pytest.mark.multiprocess
@@ -114,7 +114,7 @@ def _cases(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
         """The same with rank 0's own check off: its message is smaller than rank 2's buffer, and rank 2 raises."""
         pipe = _sending_bfloat16_from_rank_0()
         if rank == 0:
-            import fxpipe.runtime.driver as driver_module
+            import fxpipe.runtime.execution.driver as driver_module
 
             driver_module.check_outgoing = lambda *args: None  # type: ignore[assignment]
         return _failed_step(pipe)

@@ -42,7 +42,7 @@ from fxpipe.core.hardware import (
     gpu_preset,
     measured_device,
 )
-from fxpipe.runtime.calibrate import local_device as REAL_LOCAL_DEVICE
+from fxpipe.runtime.calibration.calibrate import local_device as REAL_LOCAL_DEVICE
 
 CPU = torch.device("cpu")
 
@@ -167,7 +167,8 @@ def test_split_backward_overhead_is_optional_in_json_and_checked() -> None:
 
 
 def test_split_backward_overhead_is_timed_with_the_runtime_split(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fxpipe.runtime import calibrate_measure, split_backward
+    from fxpipe.runtime.autograd import split_backward
+    from fxpipe.runtime.calibration import calibrate_measure
 
     calls: list[str] = []
     for name in ("backward_inputs", "backward_weights"):  # the runtime's own B and W are what gets timed
@@ -210,7 +211,7 @@ def test_links_and_allreduce_math() -> None:
 @pytest.fixture(autouse=True)
 def cpu_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     """``local`` means CPU ranks in these tests, also on a machine with CUDA (the GPU tests patch it back)."""
-    from fxpipe.runtime import calibrate
+    from fxpipe.runtime.calibration import calibrate
 
     monkeypatch.setattr(calibrate, "local_device", lambda collective=False: torch.device("cpu"))
 
@@ -224,7 +225,7 @@ LINK_FIGURES = {"link_bandwidth": 3e9, "link_latency": 4e-5, "allreduce_bandwidt
 
 
 def _no_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fxpipe.runtime import calibrate
+    from fxpipe.runtime.calibration import calibrate
 
     def refuse(device: object = None) -> dict[str, float]:
         raise AssertionError("measured although the cache holds the figures")
@@ -247,7 +248,7 @@ def test_environment_turns_calibration_off(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_local_calibration_reads_its_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from fxpipe.runtime import calibrate
+    from fxpipe.runtime.calibration import calibrate
 
     monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
     path = calibrate.cache_path("cpu")
@@ -277,7 +278,7 @@ def test_local_calibration_reads_its_cache(tmp_path: Path, monkeypatch: pytest.M
                                    {"figures": {"float32": 9.0}}])
 def test_an_old_or_damaged_calibration_is_measured_again(stale: dict[str, object], tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    from fxpipe.runtime import calibrate
+    from fxpipe.runtime.calibration import calibrate
 
     monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
     fresh = {key: value * 2 for key, value in DEVICE_FIGURES.items()}
@@ -301,7 +302,7 @@ def test_an_old_or_damaged_calibration_is_measured_again(stale: dict[str, object
 
 
 def test_only_links_are_wanted_for_a_known_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from fxpipe.runtime import calibrate
+    from fxpipe.runtime.calibration import calibrate
 
     monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
     _no_measuring(monkeypatch)
@@ -311,7 +312,7 @@ def test_only_links_are_wanted_for_a_known_gpu(tmp_path: Path, monkeypatch: pyte
 
 
 def test_no_home_folder_means_no_cache_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fxpipe.runtime import calibrate
+    from fxpipe.runtime.calibration import calibrate
 
     def no_home() -> Path:
         raise RuntimeError("Could not determine home directory.")
@@ -326,7 +327,7 @@ def test_no_home_folder_means_no_cache_not_a_crash(monkeypatch: pytest.MonkeyPat
 
 def test_links_nothing_measured_are_defaults_with_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Outside a process group nothing can time a link (fxpipe never starts processes): defaults and a note."""
-    from fxpipe.runtime import calibrate
+    from fxpipe.runtime.calibration import calibrate
 
     monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
     calibrate.write_cache(calibrate.cache_path("cpu"), {"device": DEVICE_FIGURES})
@@ -343,7 +344,7 @@ def test_links_nothing_measured_are_defaults_with_a_warning(tmp_path: Path, monk
 
 def test_a_failing_measurement_degrades_to_defaults_with_a_warning(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from fxpipe.runtime import calibrate
+    from fxpipe.runtime.calibration import calibrate
 
     monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
 
@@ -398,7 +399,7 @@ def test_unknown_gpus_have_no_preset(name: str) -> None:
 
 
 def _fake_gpus(monkeypatch: pytest.MonkeyPatch, name: str, memory: int, count: int) -> None:
-    from fxpipe.runtime import calibrate
+    from fxpipe.runtime.calibration import calibrate
 
     monkeypatch.setattr(calibrate, "local_device", lambda collective=False: torch.device("cuda", 0))
     monkeypatch.setattr(calibrate, "gpu_properties", lambda device: (name, memory, count))
@@ -415,7 +416,7 @@ def test_local_on_cuda_describes_the_visible_gpus(monkeypatch: pytest.MonkeyPatc
 
 
 def test_an_unknown_gpu_is_measured_or_gets_conservative_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fxpipe.runtime import calibrate
+    from fxpipe.runtime.calibration import calibrate
 
     _fake_gpus(monkeypatch, "NVIDIA GeForce RTX 4090", 24 * GiB, 2)
     figures = {"float32": 80e12, "bfloat16": 160e12, "float16": 160e12, "memory_bandwidth": 9e11,
@@ -450,7 +451,7 @@ def test_an_unknown_gpu_is_measured_or_gets_conservative_defaults(monkeypatch: p
 
 
 def test_device_kind_and_gpu_properties_read_torch_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fxpipe.runtime import calibrate
+    from fxpipe.runtime.calibration import calibrate
 
     properties = SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=80 * GiB)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: properties)
@@ -467,8 +468,8 @@ def test_device_kind_and_gpu_properties_read_torch_cuda(monkeypatch: pytest.Monk
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_local_on_a_real_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fxpipe.runtime import calibrate
-    from fxpipe.runtime.calibrate_measure import measure_device
+    from fxpipe.runtime.calibration import calibrate
+    from fxpipe.runtime.calibration.calibrate_measure import measure_device
 
     monkeypatch.setattr(calibrate, "local_device", REAL_LOCAL_DEVICE)
     cluster = local_cluster(calibrate=False)
@@ -482,5 +483,5 @@ def test_local_cluster_without_the_runtime_probe_names_the_import(monkeypatch: p
     from fxpipe.core import local_probe
 
     monkeypatch.setattr(local_probe, "_LOCAL_PROBE", [])
-    with pytest.raises(ClusterSpecError, match="import fxpipe.runtime.calibrate"):
+    with pytest.raises(ClusterSpecError, match="import fxpipe.runtime.calibration.calibrate"):
         parse_cluster("local:2", calibrate=False)

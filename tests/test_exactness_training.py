@@ -16,9 +16,9 @@ from torch import nn
 import fxpipe
 from fxpipe import models as zoo
 from fxpipe.passes import trace
-from fxpipe.runtime.batchcheck import BatchMismatchError
-from fxpipe.runtime.batchnorm import BatchNormWarning
+from fxpipe.runtime.numerics.batchnorm import BatchNormWarning
 from fxpipe.runtime.sync import ReplicaMismatchError
+from fxpipe.runtime.transport.batchcheck import BatchMismatchError
 from tests.exactness_oracle import (
     mismatches,
     padded_lm_batches,

@@ -8,24 +8,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxpipe.core.plan import Plan, StagePlan
-from fxpipe.runtime.batchcheck import (
-    BatchMismatchError,
-    check_batch_mode,
-    data_digest,
-    layout_digest,
-    raise_on_difference,
-)
-from fxpipe.runtime.batchnorm import (
+from fxpipe.runtime.execution.stage import check_loss_reduction, split_loss
+from fxpipe.runtime.faults.errors import PipelineSetupError
+from fxpipe.runtime.numerics.batchnorm import (
     DeferredBatchNorm,
     check_batch_norm_mode,
     check_layers_kept,
     install_deferred,
     original_layers,
 )
-from fxpipe.runtime.errors import PipelineSetupError
-from fxpipe.runtime.rows import RowMap
-from fxpipe.runtime.stage import check_loss_reduction, split_loss
 from fxpipe.runtime.sync import check_sync_mode
+from fxpipe.runtime.transport.batchcheck import (
+    BatchMismatchError,
+    check_batch_mode,
+    data_digest,
+    layout_digest,
+    raise_on_difference,
+)
+from fxpipe.runtime.transport.rows import RowMap
 
 
 def test_digests_see_data_shape_and_dtype() -> None:

@@ -26,7 +26,7 @@ from fxpipe.passes import trace
 from fxpipe.passes.codegen import split_stages
 from fxpipe.passes.codegen_io import ProgramFileError, export_program, load_program
 from fxpipe.passes.stage_export import StageExportError, StaticBatchWarning
-from fxpipe.runtime.batchnorm import BatchNormWarning
+from fxpipe.runtime.numerics.batchnorm import BatchNormWarning
 from tests.mp_utils import compute_nodes, plan_from_cuts, run_ranks, run_scenarios
 
 torch.set_num_threads(1)

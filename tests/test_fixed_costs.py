@@ -84,8 +84,8 @@ def test_cluster_json_carries_the_figures_and_files_without_them_read_as_zero() 
 def test_calibration_times_the_runtimes_own_driver(monkeypatch: pytest.MonkeyPatch) -> None:
     """Sane, not timed: a positive per-action figure well under a second, a non-negative per-step one, taken
     from real PipelineDriver steps at 1 and 8 micro-batches, under keys whose absence re-measures a cache."""
-    from fxpipe.runtime import calibrate_fixed, calibrate_measure
-    from fxpipe.runtime.driver import PipelineDriver
+    from fxpipe.runtime.calibration import calibrate_fixed, calibrate_measure
+    from fxpipe.runtime.execution.driver import PipelineDriver
 
     counts: dict[int, int] = {}
     real_step = PipelineDriver.step
@@ -110,7 +110,7 @@ def test_calibration_times_the_runtimes_own_driver(monkeypatch: pytest.MonkeyPat
 
 
 def test_a_cache_from_before_the_fixed_costs_is_measured_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from fxpipe.runtime import calibrate
+    from fxpipe.runtime.calibration import calibrate
 
     monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
     device = {"float32": 2e10, "bfloat16": 1e9, "float16": 1.5e9, "memory_bandwidth": 8e9, "kernel_launch": 7e-6,

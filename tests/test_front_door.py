@@ -244,7 +244,7 @@ def test_train_rejects_a_plan_file_made_for_another_model(factory_folder: Any,
 
 def test_compile_names_the_model_a_foreign_plan_was_made_for() -> None:
     from fxpipe.plan_checks import check_plan_matches
-    from fxpipe.runtime.errors import PipelineSetupError
+    from fxpipe.runtime.faults.errors import PipelineSetupError
 
     plan = plan_model(SkipMLP(), (torch.randn(4, 8),), cluster="local:2", global_batch_size=8, layout="1:1")
     plan = plan.with_updates(model="skip-mlp")

@@ -12,7 +12,7 @@ from torch import fx, nn
 
 import fxpipe
 from fxpipe.passes import trace
-from fxpipe.runtime.inplace import inputs_changed_in_place
+from fxpipe.runtime.autograd.inplace import inputs_changed_in_place
 from tests.exactness_oracle import mismatches
 from tests.mp_utils import compute_nodes, join_world, leave_world, plan_from_cuts, run_ranks
 from tests.test_measured_inplace import MobileNetV3Style, ResNetStyle

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 import fxpipe
 from fxpipe import models as zoo
 from fxpipe.passes import trace
-from fxpipe.runtime.errors import LossReductionError
-from fxpipe.runtime.loss_probe import (
+from fxpipe.runtime.faults.errors import LossReductionError
+from fxpipe.runtime.numerics.loss_probe import (
     VERDICTS,
     LossProbe,
     additive_verdict,

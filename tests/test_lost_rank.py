@@ -19,8 +19,8 @@ import torch
 import fxpipe
 from fxpipe import models as zoo
 from fxpipe.passes import trace
-from fxpipe.runtime import failures
-from fxpipe.runtime.errors import BatchShapeError
+from fxpipe.runtime.faults import failures
+from fxpipe.runtime.faults.errors import BatchShapeError
 from tests.mp_utils import (
     before_each_forward,
     eager_weights,

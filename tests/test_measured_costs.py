@@ -157,7 +157,7 @@ def _ranks_agree(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from fxpipe import passes
-    from fxpipe.runtime.calibrate_measure import measure_job_collective
+    from fxpipe.runtime.calibration.calibrate_measure import measure_job_collective
 
     os.environ.pop(COSTS_ENV, None)  # the default path, as a user's script gets it
     model, example_inputs = _mlp()
@@ -224,7 +224,7 @@ def test_ring_allreduce_fit_inverts_the_ring_formula_and_job_costs_plan_with_it(
     from fxpipe.core.cluster import Cluster, LinkSpec, parse_cluster
     from fxpipe.job_costs import JobCosts
     from fxpipe.passes.profile import MeasuredCosts
-    from fxpipe.runtime.calibrate_measure import ring_allreduce_fit
+    from fxpipe.runtime.calibration.calibrate_measure import ring_allreduce_fit
 
     base = parse_cluster("2x4:v100")
     for num_ranks in (2, 3, 8):

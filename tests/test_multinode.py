@@ -15,8 +15,7 @@ import torch
 
 from fxpipe.core.cluster import parse_cluster
 from fxpipe.core.plan import Plan, StagePlan
-from fxpipe.runtime.errors import PipelineSetupError
-from fxpipe.runtime.topology import (
+from fxpipe.runtime.calibration.topology import (
     NODE_ENV,
     Topology,
     cluster_for,
@@ -25,6 +24,7 @@ from fxpipe.runtime.topology import (
     placed_plan,
     topology_from_records,
 )
+from fxpipe.runtime.faults.errors import PipelineSetupError
 from tests.mp_utils import join_world, leave_world, reserved_port, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]

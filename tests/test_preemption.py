@@ -17,8 +17,8 @@ import fxpipe
 from fxpipe import models as zoo
 from fxpipe.core.checkpoint import latest_checkpoint
 from fxpipe.passes import trace
-from fxpipe.runtime import preemption
 from fxpipe.runtime.checkpoint_io import consolidate
+from fxpipe.runtime.faults import preemption
 from tests.mp_utils import join_world, leave_world, plan_from_cuts, run_ranks
 
 pytestmark = pytest.mark.multiprocess

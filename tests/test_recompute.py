@@ -175,7 +175,7 @@ def test_bert48_small_microbatches_keep_activations() -> None:
 def test_checkpointed_forward_updates_batch_norm_statistics_once() -> None:
     import torch
 
-    from fxpipe.runtime.recompute import checkpointed_call
+    from fxpipe.runtime.autograd.recompute import checkpointed_call
 
     torch.manual_seed(0)
     kept = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.5))
@@ -194,8 +194,8 @@ def test_checkpointed_forward_updates_batch_norm_statistics_once() -> None:
 def test_recompute_refuses_deferred_batch_norm_on_a_recomputing_stage() -> None:
     import torch
 
-    from fxpipe.runtime.errors import PipelineSetupError
-    from fxpipe.runtime.recompute import check_recompute_batch_norm
+    from fxpipe.runtime.autograd.recompute import check_recompute_batch_norm
+    from fxpipe.runtime.faults.errors import PipelineSetupError
 
     plan = force_recompute(plan_of((1, 1), 2, 4, 2), "keep,recompute")
     modules = [torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.BatchNorm1d(2))]
@@ -212,8 +212,8 @@ def test_zero_bubble_and_recomputation_are_refused_together_not_run() -> None:
     from torch import nn
 
     from fxpipe.passes import trace
-    from fxpipe.runtime.errors import PipelineSetupError
-    from fxpipe.runtime.recompute import check_recompute_batch_norm
+    from fxpipe.runtime.autograd.recompute import check_recompute_batch_norm
+    from fxpipe.runtime.faults.errors import PipelineSetupError
     from tests.mp_utils import plan_from_cuts
 
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))

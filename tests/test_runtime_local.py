@@ -10,8 +10,11 @@ from fxpipe.core.plan import Plan, StagePlan
 from fxpipe.core.schedule import Action, Op
 from fxpipe.passes import trace
 from fxpipe.passes.codegen import split_for_plan
-from fxpipe.runtime.batch_layout import infer_value_dtypes
-from fxpipe.runtime.comm import (
+from fxpipe.runtime.execution.driver import check_world, lowered_actions
+from fxpipe.runtime.execution.stage import rebuild_tree
+from fxpipe.runtime.faults.errors import CommunicationError, MessageLayoutError, PipelineSetupError
+from fxpipe.runtime.transport.batch_layout import infer_value_dtypes
+from fxpipe.runtime.transport.comm import (
     PACK_ALIGN,
     MessageKind,
     Route,
@@ -26,9 +29,6 @@ from fxpipe.runtime.comm import (
     slice_rows,
     unpack,
 )
-from fxpipe.runtime.driver import check_world, lowered_actions
-from fxpipe.runtime.errors import CommunicationError, MessageLayoutError, PipelineSetupError
-from fxpipe.runtime.stage import rebuild_tree
 from tests.mp_utils import plan_from_cuts
 
 torch.set_num_threads(1)

@@ -12,7 +12,7 @@ import torch
 import fxpipe
 from fxpipe import models as zoo
 from fxpipe.passes import trace
-from fxpipe.runtime.batchcheck import BatchMismatchError
+from fxpipe.runtime.transport.batchcheck import BatchMismatchError
 from tests.exactness_oracle import train_reference
 from tests.mp_utils import plan_from_cuts, run_ranks, run_scenarios
 

@@ -10,8 +10,8 @@ import torch
 
 import fxpipe
 from fxpipe import models as zoo
-from fxpipe.runtime.errors import PipelineSetupError, RemoteSetupError
-from fxpipe.runtime.guard import describe_failures, release_group, setup_group, setup_phase
+from fxpipe.runtime.faults.errors import PipelineSetupError, RemoteSetupError
+from fxpipe.runtime.faults.guard import describe_failures, release_group, setup_group, setup_phase
 from tests.mp_utils import join_world, leave_world, run_ranks
 
 ENTRY = zoo.get("mlp")

@@ -14,12 +14,12 @@ from fxpipe.core.plan import Plan
 from fxpipe.core.program import SplitProgram
 from fxpipe.passes import trace
 from fxpipe.passes.codegen import split_for_plan
-from fxpipe.runtime import stage_routes
-from fxpipe.runtime.batch_layout import make_layout
-from fxpipe.runtime.errors import BatchShapeError
-from fxpipe.runtime.fake_run import fake_layouts
-from fxpipe.runtime.shape_templates import MAX_TEMPLATES, ShapeTemplates
-from fxpipe.runtime.stage_routes import ShapedSteps
+from fxpipe.runtime.execution import stage_routes
+from fxpipe.runtime.execution.stage_routes import ShapedSteps
+from fxpipe.runtime.faults.errors import BatchShapeError
+from fxpipe.runtime.transport.batch_layout import make_layout
+from fxpipe.runtime.transport.fake_run import fake_layouts
+from fxpipe.runtime.transport.shape_templates import MAX_TEMPLATES, ShapeTemplates
 from tests.mp_utils import plan_from_cuts
 
 torch.set_num_threads(1)
@@ -82,7 +82,7 @@ def _inputs(program: SplitProgram, rows: int, length: int) -> tuple[torch.Tensor
 @pytest.mark.parametrize("autocast_dtype", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
 def test_formulas_give_exactly_the_fake_runs_shapes_and_dtypes(build: Any, autocast_dtype: torch.dtype | None) -> None:
     plan, program = build()
-    from fxpipe.runtime.batch_layout import infer_value_dtypes
+    from fxpipe.runtime.transport.batch_layout import infer_value_dtypes
 
     dtypes = infer_value_dtypes(program, CPU, autocast_dtype)
     templates = ShapeTemplates(program, CPU, autocast_dtype)
@@ -117,7 +117,7 @@ def test_uncovered_shapes_fall_back_to_the_fake_run_and_its_errors() -> None:
 
 
 def test_templates_are_bounded_and_keep_the_recently_used(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fxpipe.runtime import shape_templates
+    from fxpipe.runtime.transport import shape_templates
 
     _, program = _halves()
     name = program.model_inputs[0]
@@ -151,7 +151,7 @@ def test_shaped_steps_keep_at_most_the_bound_least_recently_used_out(monkeypatch
 
 
 def test_a_model_without_a_usable_symbolic_run_gets_the_plain_fake_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fxpipe.runtime import shape_templates
+    from fxpipe.runtime.transport import shape_templates
 
     _, program = _gpt()
     name = program.model_inputs[0]

@@ -21,9 +21,9 @@ from fxpipe.compile_options import CompileOptions
 from fxpipe.compile_plan import apply_overrides
 from fxpipe.core.plan import Plan, StagePlan
 from fxpipe.passes import trace
-from fxpipe.runtime.errors import PipelineSetupError
 from fxpipe.runtime.export import gathered_program
-from fxpipe.runtime.sharded_stage import full_value, local_part
+from fxpipe.runtime.faults.errors import PipelineSetupError
+from fxpipe.runtime.parallel.sharded_stage import full_value, local_part
 from fxpipe.sim.sharding_memory import model_state_bytes
 from fxpipe.sim.stagecost import optimizer_factor
 from tests import fsdp_memory_probe
@@ -89,7 +89,7 @@ def test_measuring_saved_activations_is_refused_on_sharded_plans() -> None:
     from types import SimpleNamespace
 
     from fxpipe.api import PipelinedModule
-    from fxpipe.runtime.measure import MeasureMode
+    from fxpipe.runtime.autograd.measure import MeasureMode
 
     sharded = apply_overrides(_plan((2, 1)), CompileOptions(loss_fn=None, global_batch_size=None, sharding="gradients"))
     pipe = PipelinedModule(SimpleNamespace(plan=sharded, measure=MeasureMode.OFF), None)  # type: ignore[arg-type]

@@ -1,5 +1,5 @@
 """Sharded stage replicas under zero-bubble's split backward (B now, W later) on 4 gloo ranks: FSDP2 reduces
-after W, not in B's hooks (fxpipe.runtime.sharded_stage.ShardedStage.after_weights). ZeRO-1 and ZeRO-2 train
+after W, not in B's hooks (fxpipe.runtime.parallel.sharded_stage.ShardedStage.after_weights). ZeRO-1 and ZeRO-2 train
 exactly as one process (tied weights, clipping, AdamW, a compiled stage running W inside B), with the
 reduce-scatters per step the levels promise: a W whose gradients missed them fails both checks."""
 
@@ -15,8 +15,8 @@ import torch
 import fxpipe
 from fxpipe import models as zoo
 from fxpipe.core.schedule import Op
-from fxpipe.runtime.actions import stage_actions
-from fxpipe.runtime.errors import PipelineSetupError
+from fxpipe.runtime.execution.actions import stage_actions
+from fxpipe.runtime.faults.errors import PipelineSetupError
 from tests.exactness_oracle import train_reference
 from tests.mp_utils import run_ranks
 from tests.test_sharded_stages import (
@@ -133,7 +133,7 @@ def test_zero3_under_zero_bubble_is_refused_naming_the_stage_and_the_alternative
 
 
 def test_running_fsdp2s_post_backward_names_the_torch_version_when_its_private_state_is_missing() -> None:
-    from fxpipe.runtime.sharded_stage import run_post_backward
+    from fxpipe.runtime.parallel.sharded_stage import run_post_backward
 
     with pytest.raises(RuntimeError, match=rf"torch {re.escape(torch.__version__)}: FSDP2's state .* lacks .*post_backward"):
         run_post_backward(torch.nn.Linear(2, 2))  # type: ignore[arg-type]  # not fully_shard-ed: no FSDP2 state

@@ -18,7 +18,14 @@ import fxpipe
 from fxpipe import models as zoo
 from fxpipe.core.schedule import Action, Op
 from fxpipe.passes import trace
-from fxpipe.runtime.stalls import Doing, SilenceClock, alive_cause, culprit, describe_action, stall_cause
+from fxpipe.runtime.faults.stalls import (
+    Doing,
+    SilenceClock,
+    alive_cause,
+    culprit,
+    describe_action,
+    stall_cause,
+)
 from tests.mp_utils import before_each_forward, join_world, plan_from_cuts, rank_context, start_ranks
 
 ROOT = Path(__file__).resolve().parent.parent

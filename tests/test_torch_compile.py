@@ -16,10 +16,7 @@ import fxpipe
 from fxpipe.core.plan import Prediction
 from fxpipe.core.recompute import force_recompute
 from fxpipe.passes import trace
-from fxpipe.runtime.batchnorm import BatchNormWarning
-from fxpipe.runtime.compiled_stages import CompileFallbackWarning
-from fxpipe.runtime.errors import PipelineSetupError
-from fxpipe.runtime.stage_compile import (
+from fxpipe.runtime.compile.stage_compile import (
     MEASURED_COSTS_NOTE,
     WAIT_NOTE,
     ZERO_BUBBLE_NOTE,
@@ -29,6 +26,9 @@ from fxpipe.runtime.stage_compile import (
     parse_torch_compile,
     with_compile_notes,
 )
+from fxpipe.runtime.compiled_stages import CompileFallbackWarning
+from fxpipe.runtime.faults.errors import PipelineSetupError
+from fxpipe.runtime.numerics.batchnorm import BatchNormWarning
 from tests.mp_utils import join_world, leave_world, plan_from_cuts, run_ranks
 
 NUM_MICROBATCHES = 4
@@ -286,7 +286,7 @@ class _TwoOutputStage(nn.Module):
 def test_compiled_split_defers_weight_gradients_and_matches_eager_bitwise() -> None:
     """F, B and W cut from the joint graph (aot_eager): B gives the input gradient and no parameter gradient, W
     gives them all; each bitwise equal to eager autograd, and batch norm's buffers move once per micro-batch."""
-    from fxpipe.runtime.compiled_split import SplitCompiledStage
+    from fxpipe.runtime.compile.compiled_split import SplitCompiledStage
 
     torch.manual_seed(0)
     stage, reference = _TwoOutputStage(), _TwoOutputStage()
@@ -323,7 +323,7 @@ def test_compiled_split_defers_weight_gradients_and_matches_eager_bitwise() -> N
 
 def test_compiled_split_falls_back_on_random_ops() -> None:
     """Dropout draws in F what W, run later, could not redraw: the stage says so and runs whole."""
-    from fxpipe.runtime.compiled_split import SplitCompiledStage
+    from fxpipe.runtime.compile.compiled_split import SplitCompiledStage
 
     reasons: list[str] = []
     stage = _TwoOutputStage(dropout=0.1)

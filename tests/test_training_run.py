@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import fxpipe
 from fxpipe import models as zoo
 from fxpipe.passes import trace
-from fxpipe.runtime.errors import BatchShapeError
+from fxpipe.runtime.faults.errors import BatchShapeError
 from tests.exactness_oracle import train_and_compare, train_reference
 from tests.mp_utils import join_world, leave_world, plan_from_cuts, run_ranks
 

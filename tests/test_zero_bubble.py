@@ -25,7 +25,7 @@ from fxpipe.core.schedule import (
 )
 from fxpipe.passes.partition.dapple import partition
 from fxpipe.passes.partition.latency import analytic_iteration_time, pipeline_latency
-from fxpipe.runtime.split_backward import backward_inputs, backward_weights
+from fxpipe.runtime.autograd.split_backward import backward_inputs, backward_weights
 from fxpipe.sim.simulate import simulate
 from fxpipe.sim.stagecost import split_backward_times, step_end_sync_time
 

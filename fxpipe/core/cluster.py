@@ -111,7 +111,7 @@ class Cluster:
 
     ``action_overhead_s``, ``step_overhead_s``: the runtime's own time per forward or backward action beyond its
     blocks and per step beyond its actions and collectives, at one-rank speed (stretched like compute); measured
-    on CPU ranks (:mod:`fxpipe.runtime.calibrate_fixed`); 0 elsewhere (:mod:`fxpipe.sim.fixed_costs`).
+    on CPU ranks (:mod:`fxpipe.runtime.calibration.calibrate_fixed`); 0 elsewhere (:mod:`fxpipe.sim.fixed_costs`).
     """
 
     name: str
@@ -317,15 +317,15 @@ def local_cluster(num_ranks: int | None = None, *, calibrate: bool | None = None
                   collective: bool = False) -> Cluster:
     """This machine's ranks, 1 host x ``num_ranks`` (default: all visible GPUs, else CPUs up to 8); see docs/clusters.md.
 
-    Calibrated unless ``calibrate=False`` or ``FXPIPE_CALIBRATE=0`` (:mod:`fxpipe.runtime.calibrate`,
+    Calibrated unless ``calibrate=False`` or ``FXPIPE_CALIBRATE=0`` (:mod:`fxpipe.runtime.calibration.calibrate`,
     cached). ``collective=True``: every rank of the process group makes this call (``fxpipe.compile``
     does), so the ranks measure together, agree, and the group's device decides CPU or GPU. Otherwise
     only this process's device is measured; links come from the cache or defaults. Never starts a process.
     """
     probe = local_probe()
     if probe is None:
-        raise ClusterSpecError("the 'local' cluster is this machine as measured by fxpipe.runtime.calibrate, "
-                               "which is not loaded; `import fxpipe.runtime.calibrate` first (fxpipe's CLI, "
+        raise ClusterSpecError("the 'local' cluster is this machine as measured by fxpipe.runtime.calibration.calibrate, "
+                               "which is not loaded; `import fxpipe.runtime.calibration.calibrate` first (fxpipe's CLI, "
                                "fxpipe.plan and fxpipe.compile do)")
     machine = probe(measure=calibration_enabled(calibrate), collective=collective, refresh=refresh)
     default_ranks = machine.gpu[2] if machine.gpu is not None else max(1, min(os.cpu_count() or 1, 8))

@@ -109,7 +109,7 @@ GPU_DEFAULT_FIGURES = {"float32": 5e12, "bfloat16": 20e12, "float16": 20e12, "me
 CPU_SPLIT_BACKWARD_OVERHEAD = 0.3
 # What a gradient allreduce overlapped with compute costs (Cluster.overlap_compute_slowdown, overlap_comm_slowdown),
 # fractions of extra time. Uncalibrated CPU ranks: 2 gloo ranks on this project's 2-core VM measured compute
-# 0-0.44 and allreduce 2.4-3.6 (fxpipe.runtime.calibrate_overlap; gloo's threads and the compute share cores).
+# 0-0.44 and allreduce 2.4-3.6 (fxpipe.runtime.calibration.calibrate_overlap; gloo's threads and the compute share cores).
 # GPU presets: an estimate from Lee et al., "Characterizing Compute-Communication Overlap in GPU-Accelerated
 # Distributed Deep Learning" (arXiv 2507.03114, 2025): compute overlapped with NCCL collectives ran 18.9%
 # slower on average (up to 40%) on A100/H100/MI250/MI210; the collective's own slowdown is not reported there:
@@ -119,7 +119,7 @@ GPU_OVERLAP_SLOWDOWNS = (0.19, 0.1)
 # The runtime's own time per forward or backward action (Cluster.action_overhead_s) on a cluster that has no
 # figure for it, used only to judge whether fixed costs could dominate a prediction (then the plan's notes call
 # it a lower bound: fxpipe.sim.fixed_costs), never added to it: one thread of this project's CPU VM measured
-# 56-70 us of CPU work per action (fxpipe.runtime.calibrate_fixed, three runs). The driver's Python runs on
+# 56-70 us of CPU work per action (fxpipe.runtime.calibration.calibrate_fixed, three runs). The driver's Python runs on
 # the host whatever the device, so GPU presets are judged with it too.
 REFERENCE_ACTION_OVERHEAD_S = 60e-6
 
@@ -138,7 +138,7 @@ def measured_device(name: str, memory_bytes: int, figures: dict[str, float]) -> 
 def cpu_device(memory_bytes: int, *, calibrated: dict[str, float] | None = None) -> DeviceSpec:
     """One CPU rank (one thread). Without ``calibrated`` figures: conservative defaults.
 
-    The defaults sit at or below what one thread measured here (``fxpipe.runtime.calibrate``
+    The defaults sit at or below what one thread measured here (``fxpipe.runtime.calibration.calibrate``
     on a shared 2-core x86 VM with torch 2.13: 15-41 GFLOP/s float32 matmul, 0.4-1.4 GFLOP/s
     bfloat16/float16 matmul without AMX, 2-5 GB/s copy, 12-15 us per tiny eager op), so plans
     made without calibration do not promise too much.
@@ -218,7 +218,7 @@ def gpu_preset(name: str, total_memory_bytes: int) -> tuple[DeviceSpec, LinkSpec
 class Calibration:
     """Measured (or cached) figures; ``None`` where nothing was measured and defaults apply.
 
-    ``device``: keys of ``DEVICE_KEYS``; ``links``: keys of ``LINK_KEYS`` (fxpipe.runtime.calibrate_measure
+    ``device``: keys of ``DEVICE_KEYS``; ``links``: keys of ``LINK_KEYS`` (fxpipe.runtime.calibration.calibrate_measure
     measures them); ``source`` says where each came from, for the cluster's description.
     """
 

@@ -29,16 +29,16 @@ class LocalProbe(Protocol):
     def __call__(self, *, measure: bool, collective: bool, refresh: bool) -> LocalMachine: ...
 
 
-# Measuring the machine is the runtime's job and core never imports the runtime: fxpipe.runtime.calibrate
+# Measuring the machine is the runtime's job and core never imports the runtime: fxpipe.runtime.calibration.calibrate
 # registers its probe when imported (the CLI, fxpipe.plan and fxpipe.compile import it before planning).
 _LOCAL_PROBE: list[LocalProbe] = []
 
 
 def register_local_probe(probe: LocalProbe) -> None:
-    """Make ``probe`` the way :func:`local_cluster` measures this machine (``fxpipe.runtime.calibrate`` calls this)."""
+    """Make ``probe`` the way :func:`local_cluster` measures this machine (``fxpipe.runtime.calibration.calibrate`` calls this)."""
     _LOCAL_PROBE[:] = [probe]
 
 
 def local_probe() -> LocalProbe | None:
-    """The registered probe, None when ``fxpipe.runtime.calibrate`` was not imported."""
+    """The registered probe, None when ``fxpipe.runtime.calibration.calibrate`` was not imported."""
     return _LOCAL_PROBE[0] if _LOCAL_PROBE else None

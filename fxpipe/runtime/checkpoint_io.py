@@ -38,8 +38,8 @@ from fxpipe.core.checkpoint import (
     verify_files,
     write_manifest,
 )
-from fxpipe.runtime.comm import broadcast_text
-from fxpipe.runtime.sharded_stage import full_value, is_sharded, shard_of
+from fxpipe.runtime.parallel.sharded_stage import full_value, is_sharded, shard_of
+from fxpipe.runtime.transport.comm import broadcast_text
 
 T = TypeVar("T")
 

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from fxpipe.runtime.comm import Pending
-from fxpipe.runtime.sharded_stage import is_sharded, local_part
+from fxpipe.runtime.parallel.sharded_stage import is_sharded, local_part
+from fxpipe.runtime.transport.comm import Pending
 
 if TYPE_CHECKING:
-    from fxpipe.runtime.driver import PipelineDriver
+    from fxpipe.runtime.execution.driver import PipelineDriver
 
 # The reduced vector: [this rank's share of the total, a NaN seen, one presence flag per dtype of the
 # per-gradient norms (as torch stacks them, the total takes their promoted dtype)]. A NaN travels as a

@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from fxpipe.runtime.batchnorm import DeferredBatchNorm
-from fxpipe.runtime.compiled_split import SplitCompiledStage
-from fxpipe.runtime.guard import release_group, setup_group, setup_phase
-from fxpipe.runtime.stage_compile import CompiledStage, CompileStats
+from fxpipe.runtime.compile.compiled_split import SplitCompiledStage
+from fxpipe.runtime.compile.stage_compile import CompiledStage, CompileStats
+from fxpipe.runtime.faults.guard import release_group, setup_group, setup_phase
+from fxpipe.runtime.numerics.batchnorm import DeferredBatchNorm
 
 if TYPE_CHECKING:
     from fxpipe.core.program import ValueSpec
-    from fxpipe.runtime.driver import PipelineDriver
+    from fxpipe.runtime.execution.driver import PipelineDriver
 
 
 class CompileFallbackWarning(UserWarning):

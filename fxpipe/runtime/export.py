@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from fxpipe.runtime.batchnorm import original_layers
-from fxpipe.runtime.sharded_stage import full_value, plain_copy
+from fxpipe.runtime.numerics.batchnorm import original_layers
+from fxpipe.runtime.parallel.sharded_stage import full_value, plain_copy
 
 if TYPE_CHECKING:
     from fxpipe.core.program import SplitProgram
-    from fxpipe.runtime.driver import PipelineDriver
+    from fxpipe.runtime.execution.driver import PipelineDriver
 
 # (stage index, training flag, tensors by original name) from the first replica of each stage
 StageState = tuple[int, bool, dict[str, torch.Tensor]]

@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from fxpipe.runtime.comm import Pending
-from fxpipe.runtime.errors import PipelineSetupError
-from fxpipe.runtime.sharded_stage import local_part
+from fxpipe.runtime.faults.errors import PipelineSetupError
+from fxpipe.runtime.parallel.sharded_stage import local_part
+from fxpipe.runtime.transport.comm import Pending
 
 if TYPE_CHECKING:
-    from fxpipe.runtime.driver import PipelineDriver
+    from fxpipe.runtime.execution.driver import PipelineDriver
 
 
 class PipelineGradScaler(torch.amp.GradScaler):

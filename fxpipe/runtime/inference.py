@@ -12,11 +12,19 @@ import torch.distributed as dist
 
 from fxpipe.core import schedule as schedules
 from fxpipe.core.program import tree_leaves
-from fxpipe.runtime.comm import Pending, buffer_shape, check_header, header_view, pack, packed_bytes, unpack
-from fxpipe.runtime.driver import PipelineDriver
-from fxpipe.runtime.rows import RowMap
-from fxpipe.runtime.stage import rebuild_tree
-from fxpipe.runtime.step_state import StepState
+from fxpipe.runtime.execution.driver import PipelineDriver
+from fxpipe.runtime.execution.stage import rebuild_tree
+from fxpipe.runtime.execution.step_state import StepState
+from fxpipe.runtime.transport.comm import (
+    Pending,
+    buffer_shape,
+    check_header,
+    header_view,
+    pack,
+    packed_bytes,
+    unpack,
+)
+from fxpipe.runtime.transport.rows import RowMap
 
 Op = schedules.Op
 

@@ -42,15 +42,15 @@ def calibrate_command(num_processes: int) -> int:
 
     Outside torchrun it launches ``num_processes`` local ranks running this same command (the CLI is
     the launcher; library code never starts processes); under torchrun the ranks measure over their
-    process group (:func:`fxpipe.runtime.calibrate.calibrate_group`, ``refresh``) and rank 0 prints
+    process group (:func:`fxpipe.runtime.calibration.calibrate.calibrate_group`, ``refresh``) and rank 0 prints
     the figures and writes the cache that ``local:N`` outside torchrun reads.
     """
     if not under_torchrun():
         if num_processes < 2:
             raise ValueError(f"--nproc must be >= 2 to measure a link between ranks; got {num_processes}")
         return launch_local(num_processes, ["calibrate"])  # (an --nproc here would be taken by torchrun)
-    from fxpipe.runtime.calibrate import cache_path, calibrate, device_kind, local_device
-    from fxpipe.runtime.comm import close_distributed, init_distributed
+    from fxpipe.runtime.calibration.calibrate import cache_path, calibrate, device_kind, local_device
+    from fxpipe.runtime.transport.comm import close_distributed, init_distributed
 
     context = init_distributed()
     device = local_device(collective=True)

@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from fxpipe.runtime.batchcheck import data_digest
-from fxpipe.runtime.errors import PipelineSetupError
+from fxpipe.runtime.faults.errors import PipelineSetupError
+from fxpipe.runtime.transport.batchcheck import data_digest
 
 if TYPE_CHECKING:
-    from fxpipe.runtime.driver import PipelineDriver
+    from fxpipe.runtime.execution.driver import PipelineDriver
 
 SYNC_MODES = ("broadcast", "verify", "off")
 

@@ -124,7 +124,7 @@ def bucket_readiness(backward_s: Sequence[float], param_bytes: Sequence[float], 
     """``(seconds into the last backward when the bucket is full, bytes)`` per bucket, in launch order.
 
     Blocks are given in forward order; a bucket closes once it holds ``bucket_bytes`` (as
-    :func:`fxpipe.runtime.buckets.make_buckets` does with parameters).
+    :func:`fxpipe.runtime.gradients.buckets.make_buckets` does with parameters).
     """
     buckets: list[tuple[float, float]] = []
     elapsed = filled = 0.0

@@ -14,7 +14,7 @@ M micro-batches:
     parameters   -                      AG(W)          AG(W) + RS(G)     -
 
 Under split backward (zero-bubble) "each backward" is each W, which the reduce-scatter follows at runtime
-(:meth:`fxpipe.runtime.sharded_stage.ShardedStage.after_weights`); ZeRO-3 never runs split.
+(:meth:`fxpipe.runtime.parallel.sharded_stage.ShardedStage.after_weights`); ZeRO-3 never runs split.
 
 Each of RS and AG moves (r-1)/r of the bytes per device, half a ring allreduce (:meth:`Cluster.allreduce_time`),
 with half its copies into and out of the flat buffer, on its own link: within a host, the figures calibration

@@ -1,5 +1,5 @@
 """Per-device bytes of a stage's weights, gradients and optimizer state under each sharding level (ZeRO-1/2/3),
-at the step's peak, as the runtime holds them (:mod:`fxpipe.runtime.sharded_stage`).
+at the step's peak, as the runtime holds them (:mod:`fxpipe.runtime.parallel.sharded_stage`).
 
 Legend: P the stage's parameter bytes (fp32 master weights), r its replicas, f the optimizer's bytes kept
 per parameter byte (:data:`fxpipe.sim.stagecost.OPTIMIZER_STATE_FACTORS`: weights 1 + gradients 1 +

@@ -220,7 +220,7 @@ def _replica_specs(plan: Plan, chain: CostChain, cluster: Cluster, slowdowns: Se
                 backward_s, weight_s = split_backward_times(backward_s, stage.stage_index, weight_fraction,
                                                             cluster.split_backward_overhead)
             comm = comms[stage.stage_index]
-            # under split backward ZeRO-2's reduce-scatter follows W (fxpipe.runtime.sharded_stage.after_weights)
+            # under split backward ZeRO-2's reduce-scatter follows W (fxpipe.runtime.parallel.sharded_stage.after_weights)
             in_b, after_w = (comm.backward_s, 0.0) if weight_fraction is None else (0.0, comm.backward_s)
             action_s = action_seconds(cluster, slowdown)
             nodes[stage.stage_index, replica_index] = _Node(stage.stage_index, forward_s + comm.forward_s + action_s,

@@ -17,7 +17,7 @@ from fxpipe.sim.sharding_memory import model_state_bytes
 if TYPE_CHECKING:  # fxpipe.passes imports the planner, which imports this module
     from fxpipe.core.chain import CostChain
 
-# What the allreduce ending every step carries (fxpipe.runtime.driver._broadcast_loss): float64 loss sum,
+# What the allreduce ending every step carries (fxpipe.runtime.execution.driver._broadcast_loss): float64 loss sum,
 # token count, preemption vote and four batch-check folds.
 STEP_END_SYNC_BYTES = 7 * 8
 # Bytes kept per parameter byte: weights + gradients (+ optimizer state).

@@ -1,0 +1,1 @@
+"""The runtime's faults room: the floor everything uses: errors, failure propagation, stalls, guards, preemption."""

@@ -1,0 +1,1 @@
+"""The runtime's gradients room: gradient sums over replicas: bucketed allreduce, trainable-set checks."""
