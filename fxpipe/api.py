@@ -389,8 +389,8 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     from fxpipe.runtime.execution.driver import PipelineDriver, check_world
     from fxpipe.runtime.execution.stage import check_loss_reduction
     from fxpipe.runtime.faults.guard import release_group, setup_group, setup_phase
+    from fxpipe.runtime.loss_check import check_loss_fn
     from fxpipe.runtime.numerics.batchnorm import check_batch_norm_mode, check_layers_kept, warn_batch_norm
-    from fxpipe.runtime.numerics.loss_check import check_loss_fn
     from fxpipe.runtime.sync import check_sync_mode, synchronize_driver
     from fxpipe.runtime.transport.batchcheck import check_batch_mode
     from fxpipe.runtime.transport.comm import init_distributed

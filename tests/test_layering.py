@@ -20,6 +20,16 @@ GRAPH_PACKAGES = {"fxpipe": "fxpipe", "passes": "fxpipe.passes"}
 LAYERS = (("fxpipe.core", 0), ("fxpipe.sim", 1), ("fxpipe.passes", 2), ("fxpipe.runtime", 3))
 FRONT_DOOR = 4
 RUNTIME_MAY_IMPORT = ("fxpipe.core", "fxpipe.runtime")
+# fxpipe/runtime's rooms by floor: a room imports only rooms on lower floors (and itself); the modules at the
+# runtime's root (the operations api.py calls on a running pipeline) sit on top.
+RUNTIME_FLOORS = {
+    "faults": 0,
+    "transport": 1, "autograd": 1, "numerics": 1,
+    "compile": 2, "gradients": 2, "parallel": 2,
+    "execution": 3,
+    "calibration": 4,
+}
+RUNTIME_ROOT_FLOOR = 5
 
 
 def _imports_torch_distributed(path: Path) -> list[int]:
@@ -100,6 +110,43 @@ def upward_edges(graph: Mapping[str, Mapping[str, int]]) -> list[str]:
             if layer_of(imported) > layer_of(module) or runtime_escape:
                 bad.append(f"{module} (line {line}) -> {imported}")
     return bad
+
+
+def runtime_room(module: str) -> str | None:
+    """The room of a runtime module (``fxpipe.runtime.execution.driver`` -> ``execution``), ``""`` for the
+    runtime's root modules, None outside the runtime."""
+    if not _within(module, ("fxpipe.runtime",)):
+        return None
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 or (len(parts) == 3 and parts[2] in RUNTIME_FLOORS) else ""
+
+
+def runtime_upward_edges(graph: Mapping[str, Mapping[str, int]]) -> list[str]:
+    """Runtime imports from a room to a room on the same or a higher floor (a room's own modules excepted)."""
+    bad = []
+    for module, edges in sorted(graph.items()):
+        room = runtime_room(module)
+        for imported, line in sorted(edges.items()):
+            target = runtime_room(imported)
+            if room is None or target is None or target == room:
+                continue
+            floor = RUNTIME_FLOORS.get(room, RUNTIME_ROOT_FLOOR)
+            if RUNTIME_FLOORS.get(target, RUNTIME_ROOT_FLOOR) >= floor:
+                bad.append(f"{module} (line {line}) -> {imported}")
+    return bad
+
+
+def test_runtime_rooms_import_only_lower_floors() -> None:
+    rooms = {p.name for p in (ROOT / "fxpipe" / "runtime").iterdir() if (p / "__init__.py").exists()}
+    assert rooms == set(RUNTIME_FLOORS), f"runtime rooms {sorted(rooms)}; give each a floor in RUNTIME_FLOORS"
+    planted = {"fxpipe.runtime.faults.errors": {"fxpipe.runtime.execution.stage": 3},
+               "fxpipe.runtime.execution.driver": {"fxpipe.runtime.faults.errors": 1, "fxpipe.runtime.sync": 2}}
+    assert runtime_upward_edges(planted) == ["fxpipe.runtime.execution.driver (line 2) -> fxpipe.runtime.sync",
+                                             "fxpipe.runtime.faults.errors (line 3) -> fxpipe.runtime.execution.stage"]
+    bad = runtime_upward_edges(import_graph(ROOT))
+    assert not bad, "runtime imports that point up its floors (" + ", ".join(
+        f"{room} {floor}" for room, floor in sorted(RUNTIME_FLOORS.items(), key=lambda item: item[1])) + \
+        f", root {RUNTIME_ROOT_FLOOR}); move the shared code down:\n" + "\n".join(bad)
 
 
 def import_cycles(graph: Mapping[str, Mapping[str, int]]) -> list[list[str]]:

@@ -34,7 +34,7 @@ class MessageLayoutError(RuntimeError):
 class LossFunctionError(PipelineSetupError, TypeError):
     """``loss_fn`` cannot be the loss: it does not take ``(output, targets)``, or on the example output it returns
     no scalar (no ``(sum, count)`` pair for ``"token_mean"``); raised at compile on every rank
-    (fxpipe.runtime.numerics.loss_check). Both a ValueError and a TypeError."""
+    (fxpipe.runtime.loss_check). Both a ValueError and a TypeError."""
 
 
 class TrainableSetChangedError(ValueError):
