@@ -168,6 +168,11 @@ def test_one_schedule_registry_feeds_plans_the_cli_and_compile() -> None:
     assert sorted(choices) == sorted([*TRAINING_SCHEDULES, "auto"])  # "auto": the planner picks per plan
     assert set(SCHEDULES) - set(TRAINING_SCHEDULES) == {"forward_only"}  # evaluate/predict run it
     for name, kind in TRAINING_SCHEDULES.items():
+        if kind.build_virtual is not None:  # virtual stages: 3 groups of 2 chunks (tests/test_virtual_schedules.py)
+            validate_schedule(make_schedule(name, 6, 4, "B", virtual_stages=2))
+            with pytest.raises(ScheduleError, match="virtual_stages >= 2"):
+                make_schedule(name, 3, 4, "B")
+            continue
         built = make_schedule(name, 3, 4, "B")
         validate_schedule(built)
         assert all(schedule_name(alias) == name == _schedule_name(alias) for alias in (name, *kind.aliases))

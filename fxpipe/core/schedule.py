@@ -1,73 +1,21 @@
-"""Pipeline schedules as data: per-stage action lists (GPipe, early-backward, zero-bubble, forward-only), lowering,
-validation."""
+"""Pipeline schedules as data: per-stage action lists (GPipe, early-backward, zero-bubble, forward-only; the virtual-stage
+ones from fxpipe.core.interleaved_schedules), one registry, lowering, validation."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from enum import StrEnum
+from dataclasses import dataclass, replace
 
-from tabulate import tabulate
-
-
-class Op(StrEnum):
-    """What one action does. FORWARD/BACKWARD/WEIGHT compute; the others move data or gradients.
-
-    In schedules without WEIGHT actions BACKWARD is the whole backward; in split-backward
-    (zero-bubble) schedules BACKWARD computes only the input gradients (what the previous stage
-    waits for) and WEIGHT the parameter gradients of the same micro-batch, later.
-    """
-
-    FORWARD = "F"
-    BACKWARD = "B"
-    WEIGHT = "W"
-    RECV_ACTIVATION = "RA"
-    SEND_ACTIVATION = "SA"
-    RECV_GRADIENT = "RG"
-    SEND_GRADIENT = "SG"
-    ALLREDUCE = "AR"
-
-
-@dataclass(frozen=True)
-class Action:
-    op: Op
-    microbatch_index: int = -1  # -1 for ALLREDUCE, which covers the whole iteration
-
-    def __str__(self) -> str:
-        return self.op.value if self.microbatch_index < 0 else f"{self.op.value}{self.microbatch_index}"
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """Compute order of every stage; all replicas of a stage run the same list.
-
-    ``per_stage[s]`` holds only FORWARD, BACKWARD and WEIGHT actions; :func:`lower` adds the
-    transfers and the gradient allreduce that the simulator and the runtime both execute. A schedule
-    either has a WEIGHT action for every (stage, micro-batch) or none (:attr:`split_backward`).
-    """
-
-    name: str
-    num_stages: int
-    num_microbatches: int
-    per_stage: tuple[tuple[Action, ...], ...]
-
-    def __str__(self) -> str:
-        return format_schedule(self)
-
-    @property
-    def split_backward(self) -> bool:
-        """Whether backward is split into B (input gradients) and W (parameter gradients)."""
-        return any(action.op is Op.WEIGHT for actions in self.per_stage for action in actions)
-
-    @property
-    def forward_only(self) -> bool:
-        """Whether this is the forward-only schedule (evaluation and prediction): by name, so a training
-        schedule that lost its backwards still fails validation."""
-        return self.name == FORWARD_ONLY
-
-
-class ScheduleError(ValueError):
-    """A schedule is malformed or cannot run to completion; the message shows the schedule."""
+from fxpipe.core.interleaved_schedules import (
+    INTERLEAVED,
+    INTERLEAVED_ZERO_BUBBLE,
+    ZBV,
+    interleaved_1f1b,
+    interleaved_zero_bubble,
+    zbv,
+)
+from fxpipe.core.schedule_types import FORWARD_ONLY, Action, Op, Schedule, ScheduleError, format_schedule
+from fxpipe.core.virtual import LOOP, V_SHAPE
 
 
 def _check_sizes(num_stages: int, num_microbatches: int) -> None:
@@ -150,8 +98,6 @@ def zero_bubble(num_stages: int, num_microbatches: int, warmup_policy: str = "A"
     return Schedule(f"zero_bubble_{warmup_policy}", num_stages, num_microbatches, tuple(per_stage))
 
 
-FORWARD_ONLY = "forward_only"
-
 
 def forward_only(num_stages: int, num_microbatches: int) -> Schedule:
     """Every micro-batch's forward in order, no backward: evaluation and prediction.
@@ -181,6 +127,17 @@ class ScheduleKind:
     aliases: tuple[str, ...] = ()
     all_in_flight: bool = False
     trains: bool = True  # False: no backward (evaluate/predict run it); a training plan cannot name it
+    # virtual stages: (num_groups, virtual_stages, num_microbatches) -> the schedule, and the chunk layout it
+    # needs (fxpipe.core.virtual: "loop" or "v"); None/"" for one stage per device group
+    build_virtual: Callable[[int, int, int], Schedule] | None = None
+    chunk_layout: str = ""
+
+
+def _needs_virtual(name: str) -> Callable[[int, int, str], Schedule]:
+    def build(num_stages: int, num_microbatches: int, warmup_policy: str) -> Schedule:
+        raise ScheduleError(f"schedule {name!r} runs several model chunks per device group; give virtual_stages "
+                            ">= 2 (plan key virtual_stages), or use 'early_backward' or 'zero_bubble'")
+    return build
 
 
 # The one registry of schedules: plans, the planner, the CLI and fxpipe.compile all read it.
@@ -189,6 +146,11 @@ SCHEDULES: dict[str, ScheduleKind] = {
     "gpipe": ScheduleKind(_gpipe_any_policy, all_in_flight=True),
     "zero_bubble": ScheduleKind(zero_bubble, aliases=("zb", "zbh1")),
     FORWARD_ONLY: ScheduleKind(_forward_only_any_policy, aliases=("eval",), trains=False),
+    INTERLEAVED: ScheduleKind(_needs_virtual(INTERLEAVED), aliases=("interleaved_1f1b",),
+                              build_virtual=interleaved_1f1b, chunk_layout=LOOP),
+    INTERLEAVED_ZERO_BUBBLE: ScheduleKind(_needs_virtual(INTERLEAVED_ZERO_BUBBLE), aliases=("izb",),
+                                          build_virtual=interleaved_zero_bubble, chunk_layout=LOOP),
+    ZBV: ScheduleKind(_needs_virtual(ZBV), aliases=("zb_v",), build_virtual=zbv, chunk_layout=V_SHAPE),
 }
 # The schedules a plan trains with (plans, the planner and the CLI offer these).
 TRAINING_SCHEDULES: dict[str, ScheduleKind] = {name: kind for name, kind in SCHEDULES.items() if kind.trains}
@@ -210,9 +172,31 @@ def schedule_name(name: str) -> str:
     raise ScheduleError(f"schedule {name!r} is unknown; choose {choices}")
 
 
-def make_schedule(name: str, num_stages: int, num_microbatches: int, warmup_policy: str = "A") -> Schedule:
-    """Build a schedule by name (a key of :data:`SCHEDULES` or one of its aliases)."""
-    return SCHEDULES[schedule_name(name)].build(num_stages, num_microbatches, warmup_policy)
+def make_schedule(name: str, num_stages: int, num_microbatches: int, warmup_policy: str = "A",
+                  virtual_stages: int = 1) -> Schedule:
+    """Build a schedule by name (a key of :data:`SCHEDULES` or one of its aliases).
+
+    With ``virtual_stages`` v > 1, ``num_stages`` counts model chunks (a plan's stages): the schedule runs them
+    on ``num_stages / v`` device groups, v chunks each (the warm-up policy does not apply).
+    """
+    kind = SCHEDULES[schedule_name(name)]
+    if virtual_stages == 1:
+        return kind.build(num_stages, num_microbatches, warmup_policy)
+    if kind.build_virtual is None or virtual_stages < 1 or num_stages % virtual_stages:
+        virtual = sorted(n for n, k in SCHEDULES.items() if k.build_virtual is not None)
+        raise ScheduleError(f"schedule {name!r} cannot run {num_stages} chunks as virtual_stages={virtual_stages} "
+                            f"per device group; use one of {virtual} with v dividing the chunks, or virtual_stages=1")
+    return kind.build_virtual(num_stages // virtual_stages, virtual_stages, num_microbatches)
+
+
+def _chunk_of(schedule: Schedule, row: int, action: Action) -> int:
+    """The chunk (plan stage) an action in list ``row`` runs: its own under virtual stages, else the row's stage."""
+    return action.chunk_index if schedule.virtual else row
+
+
+def _group_of(schedule: Schedule, chunk: int) -> int:
+    """The list (device group) that runs ``chunk``."""
+    return schedule.chunk_groups[chunk] if schedule.virtual else chunk
 
 
 def lower(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
@@ -222,30 +206,34 @@ def lower(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
     sending them (except on the last stage); a backward mirrors this with gradients. A WEIGHT
     action moves nothing. The allreduce follows the stage's last backward or weight action, so
     it sums only complete gradients; a forward-only schedule has no gradients and no allreduce.
+    Under virtual stages the lists are the device groups' and a chunk's neighbour on the same group
+    is handed its values locally: no message either way.
     """
-    last = schedule.num_stages - 1
+    last = schedule.num_chunks - 1
     reduces = not schedule.forward_only
     lowered = []
-    for stage_index, actions in enumerate(schedule.per_stage):
+    for row, actions in enumerate(schedule.per_stage):
         out: list[Action] = []
         for action in actions:
-            m = action.microbatch_index
+            m, chunk = action.microbatch_index, _chunk_of(schedule, row, action)
+            remote_before = chunk > 0 and _group_of(schedule, chunk - 1) != row
+            remote_after = chunk < last and _group_of(schedule, chunk + 1) != row
             if action.op is Op.FORWARD:
-                if stage_index > 0:
-                    out.append(Action(Op.RECV_ACTIVATION, m))
+                if remote_before:
+                    out.append(Action(Op.RECV_ACTIVATION, m, action.chunk_index))
                 out.append(action)
-                if stage_index < last:
-                    out.append(Action(Op.SEND_ACTIVATION, m))
+                if remote_after:
+                    out.append(Action(Op.SEND_ACTIVATION, m, action.chunk_index))
             elif action.op is Op.BACKWARD:
-                if stage_index < last:
-                    out.append(Action(Op.RECV_GRADIENT, m))
+                if remote_after:
+                    out.append(Action(Op.RECV_GRADIENT, m, action.chunk_index))
                 out.append(action)
-                if stage_index > 0:
-                    out.append(Action(Op.SEND_GRADIENT, m))
+                if remote_before:
+                    out.append(Action(Op.SEND_GRADIENT, m, action.chunk_index))
             elif action.op is Op.WEIGHT:
                 out.append(action)
             else:
-                raise ScheduleError(f"stage {stage_index}: unlowered schedules hold only F, B and W, got {action}")
+                raise ScheduleError(f"stage {row}: unlowered schedules hold only F, B and W, got {action}")
         if reduces:
             out.append(Action(Op.ALLREDUCE))
         lowered.append(tuple(out))
@@ -254,15 +242,18 @@ def lower(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
 
 def inflight_peak(schedule: Schedule, stage_index: int) -> int:
     """Most micro-batches stage ``stage_index`` holds at once: forwards whose backward has not finished
-    (under split backward: whose W has not run, since W still reads the saved activations)."""
-    if not 0 <= stage_index < len(schedule.per_stage):
+    (under split backward: whose W has not run, since W still reads the saved activations). Under virtual
+    stages ``stage_index`` is a chunk (a plan stage), counted in its group's list."""
+    if not 0 <= stage_index < schedule.num_chunks:
         raise ScheduleError(f"stage {stage_index} is not in schedule {schedule.name!r} "
-                            f"(stages 0..{len(schedule.per_stage) - 1})")
+                            f"(stages 0..{schedule.num_chunks - 1})")
+    row = _group_of(schedule, stage_index)
+    actions = [a for a in schedule.per_stage[row] if _chunk_of(schedule, row, a) == stage_index]
     if schedule.forward_only:  # nothing is kept for a backward: one micro-batch at a time
-        return 1 if schedule.per_stage[stage_index] else 0
+        return 1 if actions else 0
     release = Op.WEIGHT if schedule.split_backward else Op.BACKWARD
     inflight = peak = 0
-    for action in schedule.per_stage[stage_index]:
+    for action in actions:
         inflight += 1 if action.op is Op.FORWARD else -1 if action.op is release else 0
         peak = max(peak, inflight)
     return peak
@@ -274,7 +265,9 @@ def validate_schedule(schedule: Schedule) -> None:
 
     Completion is checked by abstract execution under the runtime's semantics (sends are
     buffered, receives block): F(m) on stage s needs F(m) done on stage s-1, B(m) on stage s
-    needs B(m) done on stage s+1. Raises ScheduleError naming the problem, then the schedule.
+    needs B(m) done on stage s+1. Under virtual stages the same holds per chunk, each chunk's actions
+    in its own group's list (the hand-off between two chunks of one group included).
+    Raises ScheduleError naming the problem, then the schedule.
     """
     problems = _shape_problems(schedule)
     if not problems:
@@ -291,9 +284,28 @@ def _shape_problems(schedule: Schedule) -> list[str]:
         return [f"num_stages is {schedule.num_stages} but per_stage has {len(schedule.per_stage)} lists"]
     problems: list[str] = []
     split, trains = schedule.split_backward, not schedule.forward_only
+    if schedule.virtual:
+        return _chunk_problems(schedule, split, trains)
     for stage_index, actions in enumerate(schedule.per_stage):
         problems.extend(f"stage {stage_index}: {p}"
                         for p in _stage_problems(actions, schedule.num_microbatches, split, trains))
+    return problems
+
+
+def _chunk_problems(schedule: Schedule, split: bool, trains: bool) -> list[str]:
+    """Virtual stages: every list runs only its group's chunks, each chunk's actions as a stage's would be."""
+    groups = schedule.chunk_groups
+    if sorted(set(groups)) != list(range(schedule.num_stages)):
+        return [f"chunk_groups {list(groups)} must name every group 0..{schedule.num_stages - 1} (one list each)"]
+    problems: list[str] = []
+    for row, actions in enumerate(schedule.per_stage):
+        problems.extend(f"group {row}: step {step} is {action}, but chunk {action.chunk_index} runs on another group"
+                        for step, action in enumerate(actions)
+                        if not (0 <= action.chunk_index < len(groups) and groups[action.chunk_index] == row))
+        for chunk in (c for c, group in enumerate(groups) if group == row):
+            mine = tuple(a for a in actions if a.chunk_index == chunk)
+            problems.extend(f"group {row} chunk {chunk}: {p}"
+                            for p in _stage_problems(mine, schedule.num_microbatches, split, trains))
     return problems
 
 
@@ -325,13 +337,16 @@ def _stage_problems(actions: tuple[Action, ...], num_microbatches: int, split: b
     return problems
 
 
-def _waits_for(schedule: Schedule, stage_index: int, action: Action) -> int | None:
-    """The stage whose same action must finish first (None when the action needs no other stage)."""
-    if action.op is Op.FORWARD and stage_index > 0:
-        return stage_index - 1
-    if action.op is Op.BACKWARD and stage_index < schedule.num_stages - 1:
-        return stage_index + 1
-    return None
+def _waits_for(schedule: Schedule, row: int, action: Action) -> tuple[int, Action] | None:
+    """The list and action that must finish first (None when the action needs no other chunk)."""
+    chunk = _chunk_of(schedule, row, action)
+    if action.op is Op.FORWARD and chunk > 0:
+        other = chunk - 1
+    elif action.op is Op.BACKWARD and chunk < schedule.num_chunks - 1:
+        other = chunk + 1
+    else:
+        return None
+    return _group_of(schedule, other), replace(action, chunk_index=other if schedule.virtual else -1)
 
 
 def _deadlock_problems(schedule: Schedule) -> list[str]:
@@ -340,33 +355,24 @@ def _deadlock_problems(schedule: Schedule) -> list[str]:
     cursor = [0] * schedule.num_stages
     pending = list(range(schedule.num_stages))
     while pending:
-        stage_index = pending.pop()
-        actions = schedule.per_stage[stage_index]
-        while cursor[stage_index] < len(actions):
-            action = actions[cursor[stage_index]]
-            other = _waits_for(schedule, stage_index, action)
-            if other is not None and (other, action) not in done:
+        row = pending.pop()
+        actions = schedule.per_stage[row]
+        while cursor[row] < len(actions):
+            action = actions[cursor[row]]
+            needed = _waits_for(schedule, row, action)
+            if needed is not None and needed not in done:
                 break
-            done.add((stage_index, action))
-            cursor[stage_index] += 1
-            neighbour = stage_index + (1 if action.op is Op.FORWARD else -1)
-            if 0 <= neighbour < schedule.num_stages:
-                pending.append(neighbour)
+            done.add((row, action))
+            cursor[row] += 1
+            neighbour = _chunk_of(schedule, row, action) + (1 if action.op is Op.FORWARD else -1)
+            if 0 <= neighbour < schedule.num_chunks:
+                pending.append(_group_of(schedule, neighbour))
     stuck = []
-    for stage_index, actions in enumerate(schedule.per_stage):
-        if cursor[stage_index] < len(actions):
-            action = actions[cursor[stage_index]]
-            stuck.append(f"stage {stage_index} waits at step {cursor[stage_index]} ({action}) for {action} "
-                         f"on stage {_waits_for(schedule, stage_index, action)}")
+    word = "group" if schedule.virtual else "stage"
+    for row, actions in enumerate(schedule.per_stage):
+        if cursor[row] < len(actions):
+            action = actions[cursor[row]]
+            needed = _waits_for(schedule, row, action)
+            assert needed is not None, "an action that needs no other chunk never blocks"
+            stuck.append(f"{word} {row} waits at step {cursor[row]} ({action}) for {needed[1]} on {word} {needed[0]}")
     return ["deadlock: " + ", ".join(stuck)] if stuck else []
-
-
-def format_schedule(schedule: Schedule) -> str:
-    """An aligned table: one row per stage, one column per step."""
-    width = max((len(a) for a in schedule.per_stage), default=0)
-    rows = []
-    for stage_index, actions in enumerate(schedule.per_stage):
-        cells = [str(a) for a in actions] + [""] * (width - len(actions))
-        rows.append([f"stage {stage_index}", *cells])
-    header = [schedule.name, *(str(i) for i in range(width))]
-    return str(tabulate(rows, headers=header, tablefmt="plain"))
