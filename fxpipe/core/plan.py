@@ -13,8 +13,9 @@ from typing import Any
 
 from fxpipe.core.jsonvalues import JSONValueError, field_hints, read_field
 from fxpipe.core.precision import DEFAULT_PRECISION, PRECISIONS
-from fxpipe.core.schedule import TRAINING_SCHEDULES, WARMUP_POLICIES
+from fxpipe.core.schedule import TRAINING_SCHEDULES, WARMUP_POLICIES, ScheduleError, make_schedule
 from fxpipe.core.sharding import DEFAULT_SHARDING, SHARDING_LEVELS
+from fxpipe.core.virtual import chunk_group_problems, chunk_layout_of, shared_device_problems
 
 FORMAT_VERSION = 1
 PLAN_KEYWORDS = ("auto", "markers")
@@ -135,6 +136,11 @@ class Plan:
     # what the job trains in (fxpipe.core.precision): "fp32", or "bf16"/"fp16" autocast with fp32 master
     # weights; the predictions were costed for it. Plans written before it existed are fp32.
     precision: str = DEFAULT_PRECISION
+    # virtual stages (docs/virtual_stages.md): each device group runs this many model chunks; then ``stages`` are
+    # the chunks in model order and ``chunk_groups[c]`` is chunk c's group (fxpipe.core.virtual: a loop or a V).
+    # Chunks of one group list the same devices. 1 and () (plans written before): one stage per group.
+    virtual_stages: int = 1
+    chunk_groups: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         validate_plan(self)
@@ -149,23 +155,48 @@ class Plan:
 
     @property
     def layout(self) -> str:
-        """The replica layout in the DAPPLE paper's notation: ``"dp"``, ``"3:1"``, ``"1:1:1:1"``."""
-        return layout_string(tuple(stage.replicas for stage in self.stages),
-                             tuple(stage.tensor_parallel for stage in self.stages))
+        """The replica layout in the DAPPLE paper's notation: ``"dp"``, ``"3:1"``, ``"1:1:1:1"``; under virtual
+        stages it names the device groups (``"1:1:1:1"`` with ``virtual_stages=2``: 8 chunks on 4 groups)."""
+        firsts = [self.stages[self.chunks_of_group(g)[0]] for g in range(self.num_groups)]
+        return layout_string(tuple(stage.replicas for stage in firsts), tuple(stage.tensor_parallel for stage in firsts))
 
     @property
     def world_size(self) -> int:
-        return sum(stage.num_devices for stage in self.stages)
+        return sum(self.stages[self.chunks_of_group(g)[0]].num_devices for g in range(self.num_groups))
+
+    @property
+    def num_groups(self) -> int:
+        """Device groups: one per stage, or under virtual stages one per ``virtual_stages`` chunks."""
+        return len(self.stages) // self.virtual_stages
+
+    @property
+    def chunk_layout(self) -> str | None:
+        """How the chunks lie on the groups: ``"loop"`` or ``"v"`` (fxpipe.core.virtual); None without virtual stages."""
+        return chunk_layout_of(self.chunk_groups, self.virtual_stages) if self.chunk_groups else None
+
+    def group_of_chunk(self, chunk_index: int) -> int:
+        """The device group that runs chunk (stage) ``chunk_index``."""
+        if not 0 <= chunk_index < len(self.stages):
+            raise PlanError(f"chunk {chunk_index} is not in this plan (chunks 0..{len(self.stages) - 1})")
+        return self.chunk_groups[chunk_index] if self.chunk_groups else chunk_index
+
+    def chunks_of_group(self, group_index: int) -> tuple[int, ...]:
+        """The chunks (stage indices) device group ``group_index`` runs, in model order."""
+        if not 0 <= group_index < self.num_groups:
+            raise PlanError(f"group {group_index} is not in this plan (groups 0..{self.num_groups - 1})")
+        if not self.chunk_groups:
+            return (group_index,)
+        return tuple(c for c, group in enumerate(self.chunk_groups) if group == group_index)
 
     def stage_of_device(self, device: int) -> tuple[int, int]:
         """``(stage_index, replica_index)`` of the stage replica that runs on ``device``."""
-        for stage in self.stages:
+        for stage in self.stages:  # under virtual stages: the device's first chunk
             if device in stage.devices:
                 return stage.stage_index, stage.devices.index(device) // stage.tensor_parallel
         raise PlanError(f"device {device} runs no stage of this plan (devices: {self.all_devices()})")
 
     def all_devices(self) -> list[int]:
-        return sorted(d for stage in self.stages for d in stage.devices)
+        return sorted({d for stage in self.stages for d in stage.devices})  # chunks of one group share devices
 
     def with_updates(self, **changes: Any) -> Plan:
         return replace(self, **changes)
@@ -176,6 +207,8 @@ class Plan:
         for stage in data["stages"]:  # absent = 1: plans without tensor parallelism keep their bytes
             if stage["tensor_parallel"] == 1:
                 del stage["tensor_parallel"]
+        if self.virtual_stages == 1:  # absent = one stage per group: plans without virtual stages keep their bytes
+            del data["virtual_stages"], data["chunk_groups"]
         data["layout"] = self.layout
         data["baselines"] = {name: asdict(result) for name, result in self.baselines}
         if self.predicted is not None:
@@ -312,6 +345,7 @@ def validate_plan(plan: Plan) -> None:
     _check(plan.warmup_policy in WARMUP_POLICIES,
            f"warmup_policy {plan.warmup_policy!r} is unknown; choose one of {WARMUP_POLICIES}")
     _check(len(plan.stages) > 0, "a plan needs at least one stage")
+    _check_virtual(plan)
     seen_devices: set[int] = set()
     expected_first = 0
     for index, stage in enumerate(plan.stages):
@@ -326,8 +360,6 @@ def validate_plan(plan: Plan) -> None:
         _check(stage.replicas >= 1 and len(stage.devices) == stage.replicas * stage.tensor_parallel,
                f"stage {index} has replicas={stage.replicas} x tensor_parallel={stage.tensor_parallel} but "
                f"devices={list(stage.devices)}; list replicas * tensor_parallel devices, one group after another")
-        overlap = seen_devices.intersection(stage.devices)
-        _check(not overlap, f"devices {sorted(overlap)} are assigned to more than one stage")
         _check(all(isinstance(d, int) and d >= 0 for d in stage.devices),
                f"stage {index} devices must be non-negative integers, got {list(stage.devices)}")
         microbatch_rows = plan.global_batch_size // plan.num_microbatches
@@ -341,6 +373,9 @@ def validate_plan(plan: Plan) -> None:
                f"use {DEFAULT_SHARDING!r}")
         seen_devices.update(stage.devices)
         expected_first = stage.stop_block
+    device_problems = shared_device_problems(plan.chunk_groups, [(s.devices, s.replicas, s.tensor_parallel)
+                                                                 for s in plan.stages])
+    _check(not device_problems, "; ".join(device_problems))
     if plan.num_blocks:
         _check(expected_first == plan.num_blocks,
                f"stages cover blocks [0, {expected_first}) but the chain has {plan.num_blocks} blocks")
@@ -351,6 +386,26 @@ def validate_plan(plan: Plan) -> None:
         _check((result.iteration_time_s is None) == (not result.feasible),
                f"baseline {name!r} has feasible={result.feasible} but iteration_time_s={result.iteration_time_s!r}; "
                "an infeasible baseline has no time (None) and a feasible one has a time")
+
+
+def _check_virtual(plan: Plan) -> None:
+    """``virtual_stages`` and ``chunk_groups`` fit the stages and the schedule (fxpipe.core.virtual)."""
+    problems = chunk_group_problems(plan.chunk_groups, plan.virtual_stages, len(plan.stages))
+    _check(not problems, "; ".join(problems))
+    layout, kind = plan.chunk_layout, TRAINING_SCHEDULES[plan.schedule]
+    if kind.chunk_layout != (layout or ""):
+        fitting = sorted(name for name, k in TRAINING_SCHEDULES.items() if k.chunk_layout == (layout or ""))
+        _check(layout is not None, f"schedule {plan.schedule!r} runs several model chunks per device group but the "
+               f"plan has virtual_stages=1; set virtual_stages and chunk_groups (docs/virtual_stages.md) or choose "
+               f"one of {fitting}")
+        _check(False, f"schedule {plan.schedule!r} does not run chunks laid out as a {layout} (virtual_stages="
+                      f"{plan.virtual_stages}); choose one of {fitting}")
+    if layout is not None:
+        try:
+            make_schedule(plan.schedule, len(plan.stages), plan.num_microbatches, plan.warmup_policy,
+                          plan.virtual_stages)
+        except ScheduleError as error:
+            raise PlanError(str(error)) from None
 
 
 @lru_cache(maxsize=4096)  # planner and simulator ask for the same few splits millions of times

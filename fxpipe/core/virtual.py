@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 LOOP = "loop"  # chunk c on group c mod G (Megatron's virtual pipeline, torch's interleaved schedules)
 V_SHAPE = "v"  # group g holds chunks g and 2G-1-g (torch's ZBV and DualPipeV): two chunks per group
 CHUNK_LAYOUTS = (LOOP, V_SHAPE)
@@ -56,3 +58,31 @@ def chunk_group_problems(chunk_groups: tuple[int, ...], virtual_stages: object, 
         return [f"chunk_groups={list(chunk_groups)} is not a layout of {num_chunks} chunks on {num_groups} groups; "
                 f"use the loop {loop}{also}"]
     return []
+
+
+def shared_device_problems(chunk_groups: tuple[int, ...],
+                           stages: Sequence[tuple[tuple[int, ...], int, int]]) -> list[str]:
+    """What is wrong with the devices of stages ``(devices, replicas, tensor_parallel)``: no device may serve two
+    groups, and the chunks of one group (``chunk_groups``; none: every stage its own group) list the same
+    devices, replicas and tensor-parallel degree."""
+    groups = chunk_groups or tuple(range(len(stages)))
+    first_of: dict[int, int] = {}
+    seen: set[int] = set()
+    problems = []
+    for index, (devices, replicas, tensor_parallel) in enumerate(stages):
+        group = groups[index]
+        if group in first_of:
+            first = first_of[group]
+            if stages[first] != (devices, replicas, tensor_parallel):
+                problems.append(f"chunk {index} runs on group {group} with devices={list(devices)}, replicas="
+                                f"{replicas}, tensor_parallel={tensor_parallel} but chunk {first} of that group has "
+                                f"devices={list(stages[first][0])}, replicas={stages[first][1]}, tensor_parallel="
+                                f"{stages[first][2]}; list the group's devices on every chunk of it")
+            continue
+        first_of[group] = index
+        overlap = seen.intersection(devices)
+        if overlap:
+            problems.append(f"devices {sorted(overlap)} are assigned to more than one "
+                            + ("device group" if chunk_groups else "stage"))
+        seen.update(devices)
+    return problems
