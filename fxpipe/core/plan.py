@@ -392,20 +392,23 @@ def _check_virtual(plan: Plan) -> None:
     """``virtual_stages`` and ``chunk_groups`` fit the stages and the schedule (fxpipe.core.virtual)."""
     problems = chunk_group_problems(plan.chunk_groups, plan.virtual_stages, len(plan.stages))
     _check(not problems, "; ".join(problems))
-    layout, kind = plan.chunk_layout, TRAINING_SCHEDULES[plan.schedule]
-    if kind.chunk_layout != (layout or ""):
-        fitting = sorted(name for name, k in TRAINING_SCHEDULES.items() if k.chunk_layout == (layout or ""))
-        _check(layout is not None, f"schedule {plan.schedule!r} runs several model chunks per device group but the "
-               f"plan has virtual_stages=1; set virtual_stages and chunk_groups (docs/virtual_stages.md) or choose "
-               f"one of {fitting}")
-        _check(False, f"schedule {plan.schedule!r} does not run chunks laid out as a {layout} (virtual_stages="
-                      f"{plan.virtual_stages}); choose one of {fitting}")
-    if layout is not None:
-        try:
-            make_schedule(plan.schedule, len(plan.stages), plan.num_microbatches, plan.warmup_policy,
-                          plan.virtual_stages)
-        except ScheduleError as error:
-            raise PlanError(str(error)) from None
+    kind = TRAINING_SCHEDULES[plan.schedule]
+    if plan.virtual_stages == 1:
+        _check(not kind.chunk_layout, f"schedule {plan.schedule!r} runs several model chunks per device group but "
+               f"the plan has virtual_stages=1; set virtual_stages and chunk_groups (docs/virtual_stages.md) or "
+               f"choose one of {sorted(n for n, k in TRAINING_SCHEDULES.items() if not k.chunk_layout)}")
+        return
+    fitting = sorted(n for n, k in TRAINING_SCHEDULES.items() if k.chunk_layout == plan.chunk_layout)
+    _check(bool(kind.chunk_layout), f"schedule {plan.schedule!r} runs one stage per device group but the plan has "
+           f"virtual_stages={plan.virtual_stages}; choose one of {fitting}")
+    try:
+        schedule = make_schedule(plan.schedule, len(plan.stages), plan.num_microbatches, plan.warmup_policy,
+                                 plan.virtual_stages)
+    except ScheduleError as error:
+        raise PlanError(str(error)) from None
+    _check(schedule.chunk_groups == plan.chunk_groups, f"schedule {plan.schedule!r} runs chunks laid out as a "
+           f"{kind.chunk_layout} {list(schedule.chunk_groups)}, not chunk_groups={list(plan.chunk_groups)}; "
+           f"choose one of {fitting}")
 
 
 @lru_cache(maxsize=4096)  # planner and simulator ask for the same few splits millions of times

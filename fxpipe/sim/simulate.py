@@ -124,6 +124,9 @@ def simulate(plan: Plan, chain: CostChain, cluster: Cluster, *, optimizer: str =
     with identical inputs once (exact: see :func:`_simulate_components`). ``timeline=False`` skips
     recording events and transfers (faster; figures unchanged).
     """
+    if plan.chunk_groups:
+        raise ValueError(f"plan has virtual_stages={plan.virtual_stages} (several chunks per device group): simulate "
+                         "it with fxpipe.sim.virtual_simulate.simulate_virtual")
     schedule = schedule or _default_schedule(plan.schedule, plan.num_stages, plan.num_microbatches,
                                              plan.warmup_policy)
     _check_schedule(plan, chain, schedule)
