@@ -265,11 +265,12 @@ def _is_trace(path: str) -> bool:
 def _run_simulate(args: argparse.Namespace) -> int:
     from fxpipe.sim.chrome_trace import write_chrome_trace
     from fxpipe.sim.simulate import simulate
+    from fxpipe.sim.virtual_simulate import simulate_virtual
 
     plan, chain, cluster = _load(args.plan_file)
     if chain is None or cluster is None:
         raise CommandLineError(f"{args.plan_file} holds no cost chain/cluster; write it with `fxpipe plan --json`")
-    result = simulate(plan, chain, cluster)
+    result = (simulate_virtual if plan.chunk_groups else simulate)(plan, chain, cluster)
     print(json.dumps({
         "layout": plan.layout,
         "iteration_time_s": result.iteration_time_s,
@@ -320,7 +321,7 @@ def _run_show(args: argparse.Namespace) -> int:
     if args.schedule:
         print()
         print(format_schedule(make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches,
-                                            plan.warmup_policy)))
+                                            plan.warmup_policy, plan.virtual_stages)))
     return 0
 
 

@@ -12,11 +12,11 @@ from test_oracle_simulate import with_resaved
 from fxpipe.core.chain import Block, CostChain, SharedParam
 from fxpipe.core.cluster import Cluster, DeviceSpec, LinkSpec
 from fxpipe.core.costgraph import Affine
-from fxpipe.core.plan import Plan, StagePlan
+from fxpipe.core.plan import Plan, PlanError, StagePlan
 from fxpipe.core.schedule import ScheduleError, make_schedule
 from fxpipe.core.virtual import chunk_groups_for
 from fxpipe.sim.simulate import simulate
-from fxpipe.sim.virtual_simulate import VirtualSimulationError, simulate_virtual
+from fxpipe.sim.virtual_simulate import simulate_virtual
 
 VIRTUAL_SCHEDULES = ("interleaved", "interleaved_zero_bubble", "zbv")
 
@@ -141,7 +141,20 @@ def test_what_the_virtual_simulator_does_not_model_yet_is_refused() -> None:
     plan, chain, net = uniform_plan("interleaved", 2, 2, 4)
     with pytest.raises(ValueError, match="simulate_virtual"):
         simulate(plan, chain, net)  # the one-stage-per-group simulator points to the virtual one
-    with pytest.raises(VirtualSimulationError, match="allreduce_bucket_bytes=0"):
+    with pytest.raises(PlanError, match="allreduce_bucket_bytes=0"):
         simulate_virtual(plan.with_updates(allreduce_bucket_bytes=2**20), chain, net)
     with pytest.raises(ScheduleError, match="build it with make_schedule"):
         simulate_virtual(plan, chain, net, schedule=make_schedule("interleaved", 4, 8, virtual_stages=2))
+
+
+def test_the_command_line_simulates_and_shows_a_virtual_plan(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from fxpipe.cli import main
+    from fxpipe.core.planfile import save_plan_file
+
+    plan, chain, net = uniform_plan("zbv", 2, 2, 4)
+    save_plan_file(tmp_path / "plan.json", plan, chain, net)
+    assert main(["simulate", str(tmp_path / "plan.json")]) == 0
+    printed = capsys.readouterr().out
+    assert f'"iteration_time_s": {simulate_virtual(plan, chain, net).iteration_time_s}' in printed
+    assert main(["show", str(tmp_path / "plan.json"), "--schedule"]) == 0
+    assert "group 1  1F0  2F0  1F1" in capsys.readouterr().out

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from fxpipe.core.chain import CostChain
 from fxpipe.core.cluster import Cluster
-from fxpipe.core.plan import Plan, shared_rows, split_rows
+from fxpipe.core.plan import Plan, PlanError, shared_rows, split_rows
 from fxpipe.core.schedule import (
     Op,
     Schedule,
@@ -45,10 +45,6 @@ from fxpipe.sim.virtual_events import (
 Member = tuple[int, int]  # (group, replica)
 
 
-class VirtualSimulationError(ValueError):
-    """A virtual-stage plan asks for something the simulator does not model for virtual stages yet."""
-
-
 @functools.lru_cache(maxsize=64)
 def virtual_schedule(name: str, num_chunks: int, num_microbatches: int, virtual_stages: int) -> Schedule:
     """The plan's schedule, validated (cached: the same few are simulated many times)."""
@@ -66,7 +62,7 @@ def _check(plan: Plan, chain: CostChain, schedule: Schedule) -> None:
         raise ValueError(f"plan covers blocks [0, {plan.stages[-1].stop_block}) but the chain has "
                          f"{chain.num_blocks} blocks; plan and chain must come from the same model")
     if plan.allreduce_bucket_bytes or any(stage.sharding != "none" for stage in plan.stages):
-        raise VirtualSimulationError("virtual stages are simulated with one gradient allreduce per group after its "
+        raise PlanError("virtual stages are simulated with one gradient allreduce per group after its "
                                      "list and unsharded chunks; set allreduce_bucket_bytes=0 and sharding='none' "
                                      "(buckets and sharding under virtual stages: not yet)")
 
