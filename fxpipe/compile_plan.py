@@ -63,7 +63,18 @@ def apply_overrides(plan: Plan, options: CompileOptions) -> Plan:
         except ShardingError as error:
             raise PipelineSetupError(str(error)) from None
     check_sharded_schedule(plan)
+    check_runs_virtual(plan)
     return plan
+
+
+def check_runs_virtual(plan: Plan) -> None:
+    """Virtual stages are plan data and simulation only for now (docs/virtual_stages.md): refused on every rank
+    alike, before anything is split."""
+    if plan.chunk_groups:
+        raise PipelineSetupError(
+            f"the plan has virtual_stages={plan.virtual_stages} ({len(plan.stages)} chunks on {plan.num_groups} device "
+            "groups) and the runtime does not run virtual stages yet (docs/virtual_stages.md); simulate it with "
+            "`fxpipe simulate PLAN.json`, or train a plan without virtual stages")
 
 
 def check_sharded_schedule(plan: Plan) -> None:

@@ -13,9 +13,10 @@ from typing import Any
 
 from fxpipe.core.jsonvalues import JSONValueError, field_hints, read_field
 from fxpipe.core.precision import DEFAULT_PRECISION, PRECISIONS
-from fxpipe.core.schedule import TRAINING_SCHEDULES, WARMUP_POLICIES, ScheduleError, make_schedule
+from fxpipe.core.schedule import TRAINING_SCHEDULES, WARMUP_POLICIES
 from fxpipe.core.sharding import DEFAULT_SHARDING, SHARDING_LEVELS
 from fxpipe.core.virtual import chunk_group_problems, chunk_layout_of, shared_device_problems
+from fxpipe.core.virtual_fit import schedule_fit_problems
 
 FORMAT_VERSION = 1
 PLAN_KEYWORDS = ("auto", "markers")
@@ -389,26 +390,10 @@ def validate_plan(plan: Plan) -> None:
 
 
 def _check_virtual(plan: Plan) -> None:
-    """``virtual_stages`` and ``chunk_groups`` fit the stages and the schedule (fxpipe.core.virtual)."""
-    problems = chunk_group_problems(plan.chunk_groups, plan.virtual_stages, len(plan.stages))
+    """``virtual_stages`` and ``chunk_groups`` fit the stages and the schedule (fxpipe.core.virtual_fit)."""
+    problems = chunk_group_problems(plan.chunk_groups, plan.virtual_stages, len(plan.stages)) or schedule_fit_problems(
+        plan.schedule, plan.chunk_groups, plan.virtual_stages, len(plan.stages), plan.num_microbatches)
     _check(not problems, "; ".join(problems))
-    kind = TRAINING_SCHEDULES[plan.schedule]
-    if plan.virtual_stages == 1:
-        _check(not kind.chunk_layout, f"schedule {plan.schedule!r} runs several model chunks per device group but "
-               f"the plan has virtual_stages=1; set virtual_stages and chunk_groups (docs/virtual_stages.md) or "
-               f"choose one of {sorted(n for n, k in TRAINING_SCHEDULES.items() if not k.chunk_layout)}")
-        return
-    fitting = sorted(n for n, k in TRAINING_SCHEDULES.items() if k.chunk_layout == plan.chunk_layout)
-    _check(bool(kind.chunk_layout), f"schedule {plan.schedule!r} runs one stage per device group but the plan has "
-           f"virtual_stages={plan.virtual_stages}; choose one of {fitting}")
-    try:
-        schedule = make_schedule(plan.schedule, len(plan.stages), plan.num_microbatches, plan.warmup_policy,
-                                 plan.virtual_stages)
-    except ScheduleError as error:
-        raise PlanError(str(error)) from None
-    _check(schedule.chunk_groups == plan.chunk_groups, f"schedule {plan.schedule!r} runs chunks laid out as a "
-           f"{kind.chunk_layout} {list(schedule.chunk_groups)}, not chunk_groups={list(plan.chunk_groups)}; "
-           f"choose one of {fitting}")
 
 
 @lru_cache(maxsize=4096)  # planner and simulator ask for the same few splits millions of times
