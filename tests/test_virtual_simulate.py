@@ -4,6 +4,7 @@ on random hybrid plans, and the bubbles the schedules are known for on uniform c
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from reference_virtual_sim import reference_virtual_run
@@ -143,6 +144,10 @@ def test_what_the_virtual_simulator_does_not_model_yet_is_refused() -> None:
         simulate(plan, chain, net)  # the one-stage-per-group simulator points to the virtual one
     with pytest.raises(PlanError, match="allreduce_bucket_bytes=0"):
         simulate_virtual(plan.with_updates(allreduce_bucket_bytes=2**20), chain, net)
+    tensor_parallel = tuple(replace(stage, devices=(2 * stage.devices[0], 2 * stage.devices[0] + 1), tensor_parallel=2)
+                            for stage in plan.stages)
+    with pytest.raises(PlanError, match="tensor_parallel=1"):
+        simulate_virtual(plan.with_updates(stages=tensor_parallel), chain, replace(net, devices_per_host=2))
     with pytest.raises(ScheduleError, match="build it with make_schedule"):
         simulate_virtual(plan, chain, net, schedule=make_schedule("interleaved", 4, 8, virtual_stages=2))
 

@@ -61,10 +61,11 @@ def _check(plan: Plan, chain: CostChain, schedule: Schedule) -> None:
     if plan.stages[-1].stop_block != chain.num_blocks:
         raise ValueError(f"plan covers blocks [0, {plan.stages[-1].stop_block}) but the chain has "
                          f"{chain.num_blocks} blocks; plan and chain must come from the same model")
-    if plan.allreduce_bucket_bytes or any(stage.sharding != "none" for stage in plan.stages):
-        raise PlanError("virtual stages are simulated with one gradient allreduce per group after its "
-                                     "list and unsharded chunks; set allreduce_bucket_bytes=0 and sharding='none' "
-                                     "(buckets and sharding under virtual stages: not yet)")
+    if plan.allreduce_bucket_bytes or any(stage.sharding != "none" or stage.tensor_parallel > 1
+                                          for stage in plan.stages):
+        raise PlanError("virtual stages are simulated with one gradient allreduce per group after its list, on "
+                        "unsharded chunks without tensor parallelism; set allreduce_bucket_bytes=0, sharding='none' "
+                        "and tensor_parallel=1 (buckets, sharding and TP under virtual stages: not yet)")
 
 
 def _members(plan: Plan) -> list[Member]:
@@ -173,7 +174,7 @@ def simulate_virtual(plan: Plan, chain: CostChain, cluster: Cluster, *, optimize
       micro-batches together (:func:`group_peak_bytes`); every chunk of the group reports its group's peak.
       ``inflight_microbatches`` is per chunk (:func:`inflight_peak`).
 
-    Not modelled yet (refused): gradient buckets and sharded chunks.
+    Not modelled yet (refused): gradient buckets, sharded chunks, tensor-parallel groups.
     """
     schedule = schedule or virtual_schedule(plan.schedule, len(plan.stages), plan.num_microbatches,
                                             plan.virtual_stages)
