@@ -286,3 +286,15 @@ def test_megatron_baseline_is_the_best_grid_point() -> None:
     result = dict(compared.baselines)["megatron"]
     assert result.layout == plan.layout and result.iteration_time_s == plan.predicted.iteration_time_s
     assert compared.to_json_dict()["baselines"]["megatron"]["layout"] == plan.layout
+
+
+def test_plan_table_shows_each_stages_t() -> None:
+    from fxpipe.report import format_plan, stage_table
+
+    plan = partition(_matmul_chain(1e4), _one_host(bandwidth=1e12), 4, layout="1x2:2")
+    lines = stage_table(plan).splitlines()
+    assert lines[0].split()[:4] == ["stage", "blocks", "replicas", "T"]
+    assert [line.split()[2:5] for line in lines[2:]] == [["1", "2", "0-1"], ["2", "1", "2-3"]]
+    assert format_plan(plan).startswith("plan 1x2:2 ")
+    plain = partition(_matmul_chain(1e4), _one_host(bandwidth=1e12), 4, layout="2:2")
+    assert "T" not in stage_table(plain).splitlines()[0].split()  # tables without groups keep their columns

@@ -40,7 +40,7 @@ from fxpipe.passes.partition.scoring import best_dp, finish, score_candidates
 from fxpipe.passes.partition.search import search
 from fxpipe.passes.partition.spans import Candidate, Span, spans_from_stops
 from fxpipe.sim.allreduce_overlap import DEFAULT_BUCKET_BYTES
-from fxpipe.sim.tensor_parallel_cost import splits
+from fxpipe.sim.tensor_parallel_cost import splits, tensor_parallel_degrees
 
 __all__ = ["PLANNERS", "InfeasiblePlanError", "LayoutError", "PlanningError", "on_fine_chain", "parse_layout", "partition",
            "parse_stage_layout", "plan_dapple"]
@@ -202,6 +202,15 @@ def _search_all(request: PlanRequest, model: CandidateCosts, grid: list[int],
     return found, closest
 
 
+def _grid_seeds(request: PlanRequest, model: CandidateCosts) -> list[Candidate]:
+    """With tensor-parallel blocks: the uniform T x P x D grid points that fit (the ``megatron`` baseline's), so
+    the plan is never slower than what people search by hand; none otherwise (plans stay as without TP)."""
+    if tensor_parallel_degrees(request.chain, request.cluster.devices_per_host) == (1,):
+        return []
+    return [c for c in baselines.megatron_candidates(request, model)
+            if request.allows(c) and model.fits(c.spans, c.microbatch_rows)]
+
+
 def _least_memory(model: CandidateCosts, grid: list[int]) -> Candidate | None:
     """For error messages: the plan with the least memory per device (deepest param-balanced pipeline,
     smallest micro-batch), so the table shows how far even the best attempt is from fitting."""
@@ -241,7 +250,10 @@ def plan_dapple(request: PlanRequest) -> Plan:
     dp_allowed = (request.layout is None or forced_dp) and request.num_stages in (None, 1)
     dp = best_dp(request, model) if dp_allowed else None
     bound = dp.plan.predicted.analytic_iteration_time_s if dp and dp.plan.predicted else float("inf")
+    grids = _grid_seeds(request, model)
+    bound = min([bound, *(c.latency_s for c in grids)])
     found, closest = _search_all(request, model, grid, bound)
+    found.extend(grids)
     if request.layout is None:
         found.extend(c for c in _replicated_pipelines(model, grid) if request.allows(c))
     best = score_candidates(request, model, _top(found, request.rerank), "dapple")
