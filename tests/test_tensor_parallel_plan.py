@@ -298,3 +298,12 @@ def test_plan_table_shows_each_stages_t() -> None:
     assert format_plan(plan).startswith("plan 1x2:2 ")
     plain = partition(_matmul_chain(1e4), _one_host(bandwidth=1e12), 4, layout="2:2")
     assert "T" not in stage_table(plain).splitlines()[0].split()  # tables without groups keep their columns
+
+
+def test_plan_notes_name_blocks_t_does_not_split() -> None:
+    chain = _matmul_chain(1e4)
+    odd = CostChain((*chain.blocks[:3], replace(chain.blocks[3], name="head", tp=replace(chain.blocks[3].tp, divisor=6))),
+                    chain.cut_bytes)
+    plan = partition(odd, _one_host(bandwidth=1e12), 4, layout="1x4")
+    assert "stage 0 (T=4): 1 block(s) run whole on every group member, as T does not divide their split: " \
+           "'head' (divisor 6)" in plan.notes
