@@ -106,7 +106,8 @@ def _place_groups(rng: random.Random, sizes: list[int]) -> list[list[int]]:
 
 def tp_setup(seed: int) -> tuple[Plan, CostChain, Cluster, dict[str, float | str]]:
     """Random stages of R replicas x T on 2 hosts x 4 devices, every group inside one host, under any training
-    schedule, with recomputation, buckets, ZeRO levels, measured collective links and fixed costs at random."""
+    schedule, with recomputation, buckets (and what overlapping them costs), ZeRO levels, measured collective
+    links and fixed costs at random."""
     rng = random.Random(seed)
     layout = rng.choice([((1, 2),), ((2, 2),), ((1, 4),), ((1, 2), (2, 1)), ((2, 1), (1, 4)), ((1, 2), (1, 2), (1, 1)),
                          ((2, 2), (2, 2)), ((1, 1), (1, 2), (1, 4))])
@@ -118,7 +119,8 @@ def tp_setup(seed: int) -> tuple[Plan, CostChain, Cluster, dict[str, float | str
                   reduce_scatter_collective=rng.choice([None, LinkSpec(2e9, 4e-5)]),
                   all_gather_collective=rng.choice([None, LinkSpec(8e9, 1e-5)]),
                   action_overhead_s=rng.choice([0.0, 5e-5]), optimizer_s_per_param_byte=rng.choice([0.0, 2e-11]),
-                  split_backward_overhead=rng.choice([0.0, 0.3]))
+                  split_backward_overhead=rng.choice([0.0, 0.3]), overlap_compute_slowdown=rng.choice([0.0, 0.19]),
+                  overlap_comm_slowdown=rng.choice([0.0, 0.1]))
     schedule, policy = rng.choice([("early_backward", "A"), ("early_backward", "B"), ("gpipe", "A"),
                                    ("zero_bubble", "A")])
     cut_points = sorted(rng.sample(range(1, chain.num_blocks), num_stages - 1))
@@ -145,9 +147,11 @@ def test_simulator_matches_the_reference_on_tensor_parallel_stages() -> None:
         assert_agrees(plan, chain, net, f"seed {seed}: {plan.layout} {plan.schedule}/{plan.warmup_policy} "
                       f"{[s.sharding for s in plan.stages]} buckets {plan.allreduce_bucket_bytes}", **options)
         seen |= {plan.schedule} | {s.sharding for s in plan.stages} | {
-            "mixed" for s in plan.stages if s.tensor_parallel > 1 and len(plan.stages) > 1}
+            "mixed" for s in plan.stages if s.tensor_parallel > 1 and len(plan.stages) > 1} | {
+            "buckets" for s in plan.stages if s.tensor_parallel > 1 and s.replicas > 1 and s.sharding == "none"
+            and plan.allreduce_bucket_bytes and net.overlap_compute_slowdown}
     assert {"early_backward", "gpipe", "zero_bubble", "none", "optimizer", "gradients", "parameters",
-            "mixed"} <= seen, seen
+            "mixed", "buckets"} <= seen, seen
 
 
 def test_reference_charges_the_group_formula() -> None:
