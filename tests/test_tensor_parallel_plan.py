@@ -311,3 +311,11 @@ def test_plan_notes_name_blocks_t_does_not_split() -> None:
     plan = partition(odd, _one_host(bandwidth=1e12), 4, layout="1x4")
     assert "stage 0 (T=4): 1 block(s) run whole on every group member, as T does not divide their split: " \
            "'head' (divisor 6)" in plan.notes
+
+
+def test_summary_of_one_stage_of_groups_is_not_called_data_parallel() -> None:
+    from fxpipe.report import summary_lines
+
+    plan = partition(_matmul_chain(1e4), _one_host(bandwidth=1e12), 4, layout="2x2")
+    assert "2 replica(s) of 2-way tensor-parallel groups on 4 of 4 devices" in summary_lines(plan)[1]
+    assert "data parallel on" not in summary_lines(plan)[1]
