@@ -62,8 +62,9 @@ def check_degrees(layout: str, degrees: tuple[int, ...], chain: CostChain) -> No
             continue
         if not split:
             raise LayoutError(f"layout {layout!r}: stage {index} asks for T={degree}, but no block of the model has "
-                              "a tensor-parallel split (Block.tp, found by fxpipe.passes.tensor_parallel); run that "
-                              "pass on the model or use T = 1")
+                              "a tensor-parallel split (Block.tp: the tensor-parallel analysis found no column- and "
+                              "row-parallel pairs in it, or its costs came without them, as from a profile file); "
+                              "use T = 1")
         divisors = ", ".join(f"{block.name!r} divisor {block.tp.divisor}" for block in split[:4] if block.tp)
         raise LayoutError(f"layout {layout!r}: stage {index} asks for T={degree}, which divides no block's "
                           f"tensor-parallel divisor ({divisors}{', ...' if len(split) > 4 else ''}); use a T that "
