@@ -319,3 +319,13 @@ def test_summary_of_one_stage_of_groups_is_not_called_data_parallel() -> None:
     plan = partition(_matmul_chain(1e4), _one_host(bandwidth=1e12), 4, layout="2x2")
     assert "2 replica(s) of 2-way tensor-parallel groups on 4 of 4 devices" in summary_lines(plan)[1]
     assert "data parallel on" not in summary_lines(plan)[1]
+
+
+@pytest.mark.parametrize("layout", ["3x2:1", "1:3x2", "1x4:2x2", "2x2:1x2:1"])
+def test_every_group_stays_inside_one_host(layout: str) -> None:
+    net = Cluster("2x4", 2, 4, DEVICE, LinkSpec(1e12, 1e-6), LinkSpec(1e9, 1e-5))
+    plan = partition(_matmul_chain(1e4), net, 8, layout=layout)
+    assert plan.layout == layout
+    for stage in plan.stages:
+        for replica in range(stage.replicas):
+            assert len({device // 4 for device in stage.replica_devices(replica)}) == 1, (layout, stage.devices)
