@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import operator
 from dataclasses import dataclass, field
 from typing import Any
@@ -143,7 +144,7 @@ class _Rewriter:
             elif node in whole_grad:
                 self.env[node] = self.graph.node_copy(node, lambda arg: self._entered(arg, whole_grad))
             elif node in self.seq_values:
-                self.env[node] = self.graph.node_copy(node, lambda arg, node=node: self._token_share(node, arg))
+                self.env[node] = self.graph.node_copy(node, functools.partial(self._token_share, node))
             elif name in SIZE_READS and _size_dim(node) is not None and node.args[0] in self.seq_values:
                 self.env[node] = self._token_size(node)
             else:
@@ -178,8 +179,8 @@ class _Rewriter:
         """``arg`` as a sequence-parallel node reads it: a whole value with the tokens along the token dim is split."""
         if arg in self.seq_values:
             return self.env[arg]
-        shape, out_shape = self.shapes.find(arg), self.shapes.get(node)
-        dim = SEQUENCE_DIM - (len(out_shape) - len(shape)) if isinstance(shape, tuple) else -1
+        shape, out_shape = self.shapes.find(arg) or (), self.shapes.get(node)
+        dim = SEQUENCE_DIM - (len(out_shape) - len(shape)) if shape else -1
         if dim < 0 or not all(isinstance(size, int) for size in shape) or shape[dim] != self.sequence.tokens:
             return self.env[arg]
         return self._cached(arg, ops.split_sequence, dim)

@@ -17,7 +17,7 @@ _SHAPE_LISTS = frozenset({"view", "reshape", "_unsafe_view", "expand"})
 
 
 def local_args(node: fx.Node, args: list[Any], kwargs: dict[str, Any], name: str, state: Shard,
-               shapes: NodeShapes, divide: Callable[[Any], Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+               shapes: NodeShapes, divide: Callable[..., Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``node``'s (already mapped) args with the split dim's full size replaced by ``divide(size)``: view /
     reshape / expand shapes, unflatten sizes, and (``divide(size, True)``: always) the part sizes of a split
     along the split dim."""

@@ -18,6 +18,7 @@ from fxpipe import hf_examples, passes
 from fxpipe.core import meta
 from fxpipe.passes import tensor_parallel_ops as ops
 from fxpipe.passes.codegen import split_stages
+from fxpipe.passes.tp_loss import is_token_cross_entropy
 from fxpipe.passes.tp_shard import TensorParallelStage, shard_stage
 
 LossOf = Callable[[Tensor], Tensor]
@@ -228,3 +229,13 @@ def test_a_pair_cut_by_a_stage_boundary_stays_whole() -> None:
     split = {p.name for p in stages[0].parameters if p.dim is not None}
     assert "h.1.attn.c_proj.weight" not in split  # its column half is on the other stage
     assert {"h.1.mlp.c_fc.weight", "h.1.mlp.c_proj.weight", "wte.weight"} <= split
+
+
+def test_token_cross_entropy_is_recognised_by_value() -> None:
+    targets = torch.tensor([[1, 2, -100], [3, 0, 9]])
+    assert is_token_cross_entropy(lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()), (2, 3, 10),
+                                  targets)
+    assert is_token_cross_entropy(hf_examples.hf_loss, (2, 3, 10), targets, output_of=lambda logits: {"logits": logits})
+    smoothed = lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten(), label_smoothing=0.1)  # noqa: E731
+    assert not is_token_cross_entropy(smoothed, (2, 3, 10), targets)
+    assert not is_token_cross_entropy(lambda logits, y: logits.square().mean(), (2, 3, 10), targets)
