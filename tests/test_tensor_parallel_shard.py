@@ -259,3 +259,13 @@ def test_fused_gate_up_split_by_chunk() -> None:
     stages, _ = _check_members(passes.trace(FusedGatedMLP(), torch.randn(3, 4, 16)), 2, _weighted_sum)
     by_name = {p.name: p for p in stages[0].parameters}
     assert by_name["gate_up.weight"].parts == (32, 32) and by_name["down.weight"].dim == 1
+
+
+def test_degree_one_is_the_stage_unchanged() -> None:
+    gm = passes.trace(FusedGatedMLP(), torch.randn(3, 4, 16))
+    stage = shard_stage(gm, 1, 0, group_key="never-registered")
+    inputs = gm.meta[meta.EXAMPLE_INPUTS]
+    torch.testing.assert_close(stage.module(*inputs), gm(*inputs), rtol=0, atol=0)
+    assert all(p.dim is None and not p.partial_grad for p in stage.parameters) and "tensor_parallel_ops" not in stage.module.code
+    with pytest.raises(ValueError, match="degree=2, rank=2"):
+        shard_stage(gm, 2, 2)
