@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterable, Mapping
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from fxpipe.core.costgraph import ZERO, Affine, CostGraph
+from fxpipe.core.costgraph import ZERO, Affine, CostGraph, CostNode
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,8 @@ class BlockTensorParallel:
     ``comm_bytes``: per micro-batch slice, the bytes of the full activations at the block's collective points:
     each point is one all-gather into a column-parallel region and one reduce-scatter out of a row-parallel
     one in forward (sequence parallelism), the same two in backward; a group member moves ``(T-1)/T`` of it.
-    ``divisor``: T must divide it (the gcd of the sharded head counts, channels and vocabulary).
+    ``divisor``: T must divide it (the gcd of the sharded head counts, channels and vocabulary); 0: no condition
+    (a block of sequence-parallel norms and adds only).
     """
 
     time_share: float
@@ -260,6 +262,46 @@ def _make_block(graph: CostGraph, index: int, first: int, stop: int, block_of: M
         param_bytes=sum(node.param_bytes for node in nodes),
         saved_bytes=Affine.total(node.saved_bytes for node in costed),
         resaved=merged_resaved(resaved, index),
+        tp=block_tensor_parallel(costed),
+    )
+
+
+def block_tensor_parallel(nodes: Iterable[CostNode]) -> BlockTensorParallel | None:
+    """:attr:`Block.tp` of a block over ``nodes`` (the loss included): time and saved shares weighted by each
+    node's forward + backward time and saved bytes at one row; None when no node splits."""
+    nodes = list(nodes)
+    if not any(node.tp_time_share > 0 or node.tp_divisor > 0 or node.tp_param_bytes > 0 for node in nodes):
+        return None
+    return _weighted_tp([(node.forward_s + node.backward_s, node.saved_bytes,
+                          BlockTensorParallel(node.tp_time_share, node.tp_param_bytes, node.tp_saved_share,
+                                              node.tp_comm_bytes, node.tp_divisor)) for node in nodes])
+
+
+def merged_tensor_parallel(blocks: Sequence[Block]) -> BlockTensorParallel | None:
+    """:attr:`Block.tp` of one block merging ``blocks`` (a coarsened chain); None when none of them splits."""
+    if all(block.tp is None for block in blocks):
+        return None
+    return _weighted_tp([(block.forward_s + block.backward_s, block.saved_bytes, block.tp or _WHOLE)
+                         for block in blocks])
+
+
+_WHOLE = BlockTensorParallel(0.0, 0, 0.0, ZERO, 0)
+
+
+def _weighted_tp(parts: list[tuple[Affine, Affine, BlockTensorParallel]]) -> BlockTensorParallel:
+    """Shares weighted by time and saved bytes at one row; bytes summed; the gcd of the divisors (0: none)."""
+    times = [time.at(1.0) for time, _, _ in parts]
+    saved = [num_bytes.at(1.0) for _, num_bytes, _ in parts]
+    total_time, total_saved = sum(times), sum(saved)
+    divisors = [tp.divisor for _, _, tp in parts if tp.divisor > 0]
+    return BlockTensorParallel(
+        time_share=sum(t * tp.time_share for t, (_, _, tp) in zip(times, parts, strict=True)) / total_time
+        if total_time > 0 else 0.0,
+        param_bytes=sum(tp.param_bytes for _, _, tp in parts),
+        saved_share=sum(b * tp.saved_share for b, (_, _, tp) in zip(saved, parts, strict=True)) / total_saved
+        if total_saved > 0 else 0.0,
+        comm_bytes=Affine.total(tp.comm_bytes for _, _, tp in parts),
+        divisor=math.gcd(*divisors) if divisors else 0,
     )
 
 
