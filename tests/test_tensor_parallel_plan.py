@@ -252,6 +252,20 @@ def test_plan_json_round_trip_keeps_tensor_parallel() -> None:
     assert again.stages == plan.stages and again.layout == "1x2:2"
 
 
+def test_plan_files_keep_each_blocks_split(tmp_path) -> None:
+    from fxpipe.core.planfile import chain_from_json, chain_to_json, load_plan_file, save_plan_file
+
+    chain = _matmul_chain(1e4)
+    assert chain_from_json(chain_to_json(chain)) == chain
+    plain = CostChain(tuple(replace(block, tp=None) for block in chain.blocks), chain.cut_bytes)
+    assert all("tp" not in block for block in chain_to_json(plain)["blocks"])  # older files keep their bytes
+    net = _one_host(bandwidth=1e12)
+    plan = partition(chain, net, 4, layout="1x2:2")
+    save_plan_file(tmp_path / "plan.json", plan, chain, net)
+    _, loaded, _ = load_plan_file(tmp_path / "plan.json")
+    assert loaded == chain and simulate(plan, loaded, net).iteration_time_s == simulate(plan, chain, net).iteration_time_s
+
+
 def test_merged_blocks_keep_their_split() -> None:
     chain = _matmul_chain(1e4)
     merged = coarsen_chain(chain, [2, 4]).blocks[0]

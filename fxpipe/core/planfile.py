@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fxpipe.core.chain import Block, CostChain, SharedParam
+from fxpipe.core.chain import Block, BlockTensorParallel, CostChain, SharedParam
 from fxpipe.core.cluster import Cluster
 from fxpipe.core.costgraph import Affine
 from fxpipe.core.jsonvalues import read_field
@@ -29,6 +29,7 @@ def chain_to_json(chain: CostChain) -> dict[str, Any]:
                 "param_bytes": block.param_bytes,
                 "saved_bytes": block.saved_bytes.to_json(),
                 "resaved": [[saver, num_bytes.to_json()] for saver, num_bytes in block.resaved],
+                **_tp_to_json(block),
             }
             for block in chain.blocks
         ],
@@ -38,6 +39,26 @@ def chain_to_json(chain: CostChain) -> dict[str, Any]:
         "input_saved_bytes": chain.input_saved_bytes.to_json(),
         "target_saved_bytes": chain.target_saved_bytes.to_json(),
     }
+
+
+def _tp_to_json(block: Block) -> dict[str, Any]:
+    """A block's tensor-parallel figures under "tp"; left out when it has none, so older files keep their bytes."""
+    tp = block.tp
+    if tp is None:
+        return {}
+    return {"tp": {"time_share": tp.time_share, "param_bytes": tp.param_bytes, "saved_share": tp.saved_share,
+                   "comm_bytes": tp.comm_bytes.to_json(), "divisor": tp.divisor}}
+
+
+def _tp_from_json(item: Any, where: str) -> BlockTensorParallel | None:
+    if "tp" not in item:
+        return None
+    data, at = item["tp"], f"{where}.tp"
+    return BlockTensorParallel(time_share=read_field(data, "time_share", float, at),
+                               param_bytes=read_field(data, "param_bytes", int, at),
+                               saved_share=read_field(data, "saved_share", float, at),
+                               comm_bytes=Affine.from_json(data["comm_bytes"]),
+                               divisor=read_field(data, "divisor", int, at))
 
 
 def _shared_from_json(item: Any, where: str) -> SharedParam:
@@ -55,6 +76,7 @@ def _block_from_json(item: Any, where: str) -> Block:
         saved_bytes=Affine.from_json(item["saved_bytes"]),
         resaved=tuple((saver, Affine(*num_bytes)) for saver, num_bytes in (
             read_field(item, "resaved", tuple[tuple[int, tuple[float, float]], ...], where) if "resaved" in item else ())),
+        tp=_tp_from_json(item, where),
     )
 
 
