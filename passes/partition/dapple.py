@@ -40,9 +40,10 @@ from fxpipe.passes.partition.scoring import best_dp, finish, score_candidates
 from fxpipe.passes.partition.search import search
 from fxpipe.passes.partition.spans import Candidate, Span, spans_from_stops
 from fxpipe.sim.allreduce_overlap import DEFAULT_BUCKET_BYTES
+from fxpipe.sim.tensor_parallel_cost import splits, tensor_parallel_degrees
 
 __all__ = ["PLANNERS", "InfeasiblePlanError", "LayoutError", "PlanningError", "on_fine_chain", "parse_layout", "partition",
-           "plan_dapple"]
+           "parse_stage_layout", "plan_dapple"]
 
 # Chains longer than this are searched on merged groups of blocks, then the cuts are refined.
 MAX_SEARCH_BLOCKS = 32
@@ -50,33 +51,69 @@ MAX_SEARCH_BLOCKS_LARGE = 16  # on host-aligned (large) clusters
 MAX_REPLICATED_STAGES = 8
 
 
-def parse_layout(layout: str, num_devices: int, num_blocks: int) -> tuple[int, ...]:
-    """``"3:1"`` -> (3, 1); ``"dp"`` -> (num_devices,). Raises LayoutError naming the bad part.
+def parse_layout(layout: str, num_devices: int, num_blocks: int, devices_per_host: int | None = None
+                 ) -> tuple[int, ...]:
+    """``"3:1"`` -> (3, 1); ``"dp"`` -> (num_devices,): the replica counts of :func:`parse_stage_layout`."""
+    return parse_stage_layout(layout, num_devices, num_blocks, devices_per_host)[0]
 
-    ``num_blocks`` is the number of cuttable blocks (:func:`parameter_groups`): no stage may be empty.
+
+def parse_stage_layout(layout: str, num_devices: int, num_blocks: int, devices_per_host: int | None = None
+                       ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``"3:1"`` -> ((3, 1), (1, 1)); ``"48x8:48x8"`` -> ((48, 48), (8, 8)); ``"4x2"`` -> ((4,), (2,));
+    ``"dp"`` -> ((num_devices,), (1,)): replicas and tensor-parallel group size per stage. Raises LayoutError
+    naming the bad part.
+
+    ``num_blocks`` is the number of cuttable blocks (:func:`parameter_groups`): no stage may be empty;
+    ``devices_per_host`` (default: no limit) bounds T, as a group stays inside one host.
     """
     text = layout.strip().lower()
     if text == "dp":
-        return (num_devices,)
-    parts = text.split(":")
-    if not all(part.isdecimal() and part.isascii() and int(part) > 0 for part in parts):
-        raise LayoutError(f"layout {layout!r} is malformed: use replica counts separated by ':' "
-                          "(e.g. '3:1', '1:1:1:1') or 'dp'")
-    counts = tuple(int(part) for part in parts)
-    if sum(counts) > num_devices:
-        raise LayoutError(f"layout {layout!r} needs {sum(counts)} devices but the cluster has {num_devices}; "
-                          "use fewer replicas or a larger cluster")
+        return (num_devices,), (1,)
+    parts = [part.split("x") for part in text.split(":")]
+    if not all(len(fields) <= 2 and all(f.isdecimal() and f.isascii() and int(f) > 0 for f in fields)
+               for fields in parts):
+        raise LayoutError(f"layout {layout!r} is malformed: use replica counts separated by ':', each optionally "
+                          "'RxT' (R replicas, each a T-way tensor-parallel group), e.g. '3:1', '1:1:1:1', '48x8:48x8', "
+                          "'1x2:2', or 'dp'")
+    counts = tuple(int(fields[0]) for fields in parts)
+    degrees = tuple(int(fields[1]) if len(fields) == 2 else 1 for fields in parts)
+    for index, degree in enumerate(degrees):
+        if devices_per_host is not None and degree > devices_per_host:
+            raise LayoutError(f"layout {layout!r}: stage {index} asks for T={degree}, but a tensor-parallel group "
+                              f"stays inside one host and the cluster has {devices_per_host} devices per host; use "
+                              f"T <= {devices_per_host}")
+    needed = sum(r * t for r, t in zip(counts, degrees, strict=True))
+    if needed > num_devices:
+        raise LayoutError(f"layout {layout!r} needs {needed} devices but the cluster has {num_devices} (each stage "
+                          "takes its replicas x T); use fewer replicas or a larger cluster")
     if len(counts) > num_blocks:
         raise LayoutError(f"layout {layout!r} has {len(counts)} stages but the model has only {num_blocks} "
                           f"cuttable block(s) (runs of layers holding parameters; no cut is made where a Python "
                           f"value or a value whose rows are not the batch rows, such as a (batch*seq, hidden) "
                           f"flatten, would cross), so every stage cannot get parameters; use at most {num_blocks} "
                           f"stages")
-    return counts
+    return counts, degrees
+
+
+def _check_degrees(layout: str, degrees: tuple[int, ...], chain: CostChain) -> None:
+    """A forced T > 1 must split at least one block (else its members would all run the same whole stage)."""
+    split = [block for block in chain.blocks if block.tp is not None]
+    for index, degree in enumerate(degrees):
+        if degree == 1 or any(splits(block, degree) for block in split):
+            continue
+        if not split:
+            raise LayoutError(f"layout {layout!r}: stage {index} asks for T={degree}, but no block of the model has "
+                              "a tensor-parallel split (Block.tp, found by fxpipe.passes.tensor_parallel); run that "
+                              "pass on the model or use T = 1")
+        divisors = ", ".join(f"{block.name!r} divisor {block.tp.divisor}" for block in split[:4] if block.tp)
+        raise LayoutError(f"layout {layout!r}: stage {index} asks for T={degree}, which divides no block's "
+                          f"tensor-parallel divisor ({divisors}{', ...' if len(split) > 4 else ''}); use a T that "
+                          "divides the head counts, e.g. one of "
+                          f"{[t for t in (2, 4, 8) if any(splits(block, t) for block in split)] or [1]}")
 
 
 def _fine_spans(spans: Iterable[Span], stops: list[int]) -> list[Span]:
-    return [Span(stops[s.first - 1] if s.first else 0, stops[s.stop - 1], s.devices) for s in spans]
+    return [Span(stops[s.first - 1] if s.first else 0, stops[s.stop - 1], s.devices, s.tensor_parallel) for s in spans]
 
 
 def _refined(model: CandidateCosts, candidate: Candidate, stops: list[int]) -> Candidate:
@@ -85,9 +122,10 @@ def _refined(model: CandidateCosts, candidate: Candidate, stops: list[int]) -> C
     rows = candidate.microbatch_rows
 
     devices = [span.devices for span in spans]
+    degrees = [span.tensor_parallel for span in spans]
 
     def rebuilt(cut_stops: list[int]) -> list[Span]:
-        return spans_from_stops(cut_stops, devices)
+        return spans_from_stops(cut_stops, devices, degrees)
 
     def score(cut_stops: list[int]) -> float:
         trial = rebuilt(cut_stops)
@@ -152,7 +190,7 @@ def _search_all(request: PlanRequest, model: CandidateCosts, grid: list[int],
         found.extend(seeds)
         bound_s = min([bound_s, *(c.latency_s for c in seeds)])
         result = search(search_model, rows, layout=request.layout, bound_s=bound_s, pool_size=request.rerank,
-                        num_stages=request.num_stages, accept=request.allows)
+                        num_stages=request.num_stages, accept=request.allows, degrees=request.tensor_parallel)
         found.extend(result.candidates)
         if result.closest_ratio < closest_ratio:
             closest, closest_ratio = result.closest_miss, result.closest_ratio
@@ -162,6 +200,15 @@ def _search_all(request: PlanRequest, model: CandidateCosts, grid: list[int],
         if closest is not None:
             closest = model.candidate(_fine_spans(closest.spans, stops), closest.microbatch_rows)
     return found, closest
+
+
+def _grid_seeds(request: PlanRequest, model: CandidateCosts) -> list[Candidate]:
+    """With tensor-parallel blocks: the uniform T x P x D grid points that fit (the ``megatron`` baseline's), so
+    the plan is never slower than what people search by hand; none otherwise (plans stay as without TP)."""
+    if tensor_parallel_degrees(request.chain, request.cluster.devices_per_host) == (1,):
+        return []
+    return [c for c in baselines.megatron_candidates(request, model)
+            if request.allows(c) and model.fits(c.spans, c.microbatch_rows)]
 
 
 def _least_memory(model: CandidateCosts, grid: list[int]) -> Candidate | None:
@@ -203,7 +250,10 @@ def plan_dapple(request: PlanRequest) -> Plan:
     dp_allowed = (request.layout is None or forced_dp) and request.num_stages in (None, 1)
     dp = best_dp(request, model) if dp_allowed else None
     bound = dp.plan.predicted.analytic_iteration_time_s if dp and dp.plan.predicted else float("inf")
+    grids = _grid_seeds(request, model)
+    bound = min([bound, *(c.latency_s for c in grids)])
     found, closest = _search_all(request, model, grid, bound)
+    found.extend(grids)
     if request.layout is None:
         found.extend(c for c in _replicated_pipelines(model, grid) if request.allows(c))
     best = score_candidates(request, model, _top(found, request.rerank), "dapple")
@@ -328,13 +378,19 @@ def partition(chain: CostChain, cluster: Cluster, global_batch_size: int, *, pla
     stops = parameter_groups(chain)
     grouped = chain if len(stops) == chain.num_blocks else coarsen_chain(chain, stops)
     _check_num_stages(num_stages, planner, grouped.num_blocks)
-    forced = None if layout is None else parse_layout(layout, cluster.num_devices, grouped.num_blocks)
-    if all_devices and forced is not None and sum(forced) != cluster.num_devices:
-        raise LayoutError(f"layout {layout!r} uses {sum(forced)} of the {cluster.num_devices} devices, but every "
-                          f"device (rank) needs a role; give the stages {cluster.num_devices} replicas in all "
-                          "or launch that many ranks")
+    forced, degrees = (None, None) if layout is None else parse_stage_layout(
+        layout, cluster.num_devices, grouped.num_blocks, cluster.devices_per_host)
+    if degrees is not None:
+        _check_degrees(str(layout), degrees, grouped)
+    if all_devices and forced is not None and degrees is not None:
+        used = sum(r * t for r, t in zip(forced, degrees, strict=True))
+        if used != cluster.num_devices:
+            raise LayoutError(f"layout {layout!r} uses {used} of the {cluster.num_devices} devices (replicas x T "
+                              f"per stage), but every device (rank) needs a role; give the stages "
+                              f"{cluster.num_devices} devices in all or launch {used} ranks")
     request = PlanRequest(
         chain=grouped, cluster=cluster, global_batch_size=global_batch_size, layout=forced,
+        tensor_parallel=degrees if degrees is not None and any(t > 1 for t in degrees) else None,
         num_microbatches=num_microbatches, schedule=schedule, warmup_policy=warmup_policy,
         optimizer=optimizer, memory_limit_bytes=memory_limit_bytes or cluster.device.memory_bytes,
         rerank=rerank, progress=progress, num_stages=num_stages, all_devices=all_devices,
