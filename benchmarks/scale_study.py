@@ -29,6 +29,7 @@ vocabulary 128256).
 from __future__ import annotations
 
 import argparse
+import pickle
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -158,14 +159,33 @@ def study_case(case: Case, chain: CostChain | None = None, chain_s: float = 0.0)
     return Row(case, cluster, chain_s, planned, planned_s, forced, forced_s, (planned_why, forced_why))
 
 
-def study(cases: Sequence[Case], progress: Callable[[str], None] = lambda _: None) -> list[Row]:
+def cached_chain(case: Case, cache: Path | None) -> tuple[CostChain, float]:
+    """The case's chain and the seconds it took to build, from ``cache`` (a folder of pickles) when it has it.
+
+    Tracing and costing a 100-layer model takes minutes on a small machine, planning seconds: the cache lets the
+    planner be rerun alone. Delete it when the cost model or the tensor-parallel pass changes."""
+    path = None if cache is None else cache / f"{case.shape.layers}x{case.shape.hidden}-{case.seq_len}-{case.cluster}.pkl"
+    if path is not None and path.exists():
+        with path.open("rb") as file:
+            cached: tuple[CostChain, float] = pickle.load(file)  # our own files, written below
+        return cached
+    start = time.perf_counter()
+    built = (chain_for(case), time.perf_counter() - start)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("wb") as file:
+            pickle.dump(built, file)
+    return built
+
+
+def study(cases: Sequence[Case], progress: Callable[[str], None] = lambda _: None,
+          cache: Path | None = None) -> list[Row]:
     rows: list[Row] = []
     chains: dict[tuple[Shape, int], tuple[CostChain, float]] = {}  # both 405B rows share one chain
     for case in cases:
         key = (case.shape, case.seq_len)
         if key not in chains:
-            start = time.perf_counter()
-            chains[key] = (chain_for(case), time.perf_counter() - start)
+            chains[key] = cached_chain(case, cache)
         row = study_case(case, *chains[key])
         rows.append(row)
         progress(f"{case.name} on {case.cluster}: chain {row.chain_s:.0f} s, plan {row.planned_s:.1f} s, "
@@ -181,8 +201,20 @@ def describe(plan: Plan | None, why: str = "") -> list[str]:
     tokens = tokens_per_s_per_device(plan)
     levels = sorted({stage.sharding for stage in plan.stages} | ({"recompute"} if any(
         stage.recompute for stage in plan.stages) else set()))
-    return [f"{plan.layout} M={plan.num_microbatches} ({','.join(levels)})", f"{plan.predicted.iteration_time_s:.2f}",
+    return [f"{compact(plan.layout)} M={plan.num_microbatches} ({','.join(levels)})",
+            f"{plan.predicted.iteration_time_s:.2f}",
             "-" if mfu is None else f"{mfu:.1%}", "-" if tokens is None else f"{tokens:,.0f}"]
+
+
+def compact(layout: str) -> str:
+    """A layout with runs of equal stages written once with their count: ``48x8:48x8:16`` -> ``48x8*2:16``."""
+    runs: list[list[Any]] = []
+    for stage in layout.split(":"):
+        if runs and runs[-1][0] == stage:
+            runs[-1][1] += 1
+        else:
+            runs.append([stage, 1])
+    return ":".join(stage if count == 1 else f"{stage}*{count}" for stage, count in runs)
 
 
 def ratio(row: Row) -> str:
@@ -197,8 +229,9 @@ def table(rows: Sequence[Row]) -> str:
     for row in rows:
         case = row.case
         body.append([case.name, f"{num_params(case.shape) / 1e9:.1f}", row.cluster.num_devices, case.seq_len,
-                     case.global_batch_size, *describe(row.planned, row.why[0]), case.layout,
-                     *describe(row.forced, row.why[1])[1:], case.published_mfu, ratio(row),
+                     case.global_batch_size, *describe(row.planned, row.why[0]),
+                     compact(case.layout) + (f" (no plan: {row.why[1]})" if row.forced is None else ""),
+                     *describe(row.forced)[1:], case.published_mfu, ratio(row),
                      f"{row.planned_s:.1f}", f"{row.chain_s:.0f}"])
     headers = ["model", "params B", "GPUs", "seq", "batch", "fxpipe plan", "iter s", "MFU", "tokens/s/GPU",
                "published layout", "iter s", "MFU", "tokens/s/GPU", "published MFU", "fxpipe / published",
@@ -222,10 +255,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--write", action="store_true", help=f"write {RESULTS.name}")
     parser.add_argument("--rows", default="", help="comma-separated row numbers (1-based) to run; default all")
+    parser.add_argument("--cache", type=Path, help="a folder to keep traced chains in and reuse them from")
     args = parser.parse_args(argv)
     wanted = [int(text) - 1 for text in args.rows.split(",") if text] or range(len(CASES))
     start = time.perf_counter()
-    rows = study([CASES[index] for index in wanted], lambda line: print(line, file=sys.stderr, flush=True))
+    rows = study([CASES[index] for index in wanted], lambda line: print(line, file=sys.stderr, flush=True),
+                 args.cache)
     elapsed = time.perf_counter() - start
     flags = f" --rows {args.rows}" if args.rows else ""
     text = "\n".join([
@@ -233,7 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"Command: `{COMMAND}{flags}` ({elapsed:.0f} s wall on a 2-core machine shared with other jobs). "
         "Source: benchmarks/scale_study.py.", "",
         (__doc__ or "").split("\n\n", 1)[1].strip(), "",
-        "Columns: \"fxpipe plan\" is the planner's layout (stages of `R` or `RxT`), its micro-batches and the "
+        "Columns: \"fxpipe plan\" is the planner's layout (stages of `R` or `RxT`; `S*n`: n stages S in a row), its "
+        "micro-batches and the "
         "sharding levels its stages use; \"iter s\" the predicted iteration; MFU and tokens/s/GPU from it; "
         "\"published layout\" is the run's configuration forced; \"fxpipe / published\" the ratio of the two "
         "predicted iterations (at most 1.00: fxpipe's plan is no slower); \"plan s\" fxpipe's planning time; "
