@@ -239,7 +239,7 @@ def test_scale_study_smoke() -> None:
     assert row.planned is not None and row.forced is not None, row.why
     assert row.forced.layout == "1x2:2" and row.forced.stages[0].tensor_parallel == 2
     assert float(scale_study.ratio(row)) <= 1.0 + 1e-9  # the planner's choice is no slower than a forced layout
-    assert scale_study.describe(row.planned)[2].endswith("%")  # its MFU
+    assert scale_study.describe(row.planned)[3].endswith("%")  # its MFU
     assert "| tiny " in scale_study.table([row]) and "no slower than published: met" in scale_study.summary([row])[0]
 
 
