@@ -1,6 +1,8 @@
 """fxpipe's plans beside published H100 runs at their scale (Megatron-LM's weak-scaling table, Llama 3 405B).
 
-Run: python benchmarks/scale_study.py --write   (writes benchmarks/scale_study.md)
+Run: python benchmarks/scale_study.py --write   (writes benchmarks/scale_study.md; about 20 minutes on a loaded
+2-core machine, most of it tracing and costing the six models; ``--cache DIR`` keeps their chains, so that a
+second run only plans)
 
 Each model is a Hugging Face Llama-style config built on the meta device (rotary attention, RMSNorm, a gated
 MLP), costed once with the analytic device model in bf16 (``fxpipe.planning.costed_model``: autocast's dtypes,
