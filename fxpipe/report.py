@@ -88,7 +88,12 @@ def summary_lines(plan: Plan) -> list[str]:
         # DP here is data parallel on every device; a note may name a faster plan on fewer devices
         versus_dp = (f", {speedup:.2f}x the speed of data parallel on all {plan.num_devices} devices"
                      if math.isfinite(speedup) else ", not compared with data parallel (layout given, or it does not fit)")
-        if plan.num_stages == 1:  # the plan is data parallel: no speedup over itself to print
+        if plan.num_stages == 1 and plan.stages[0].tensor_parallel > 1:  # one stage of tensor-parallel groups
+            stage = plan.stages[0]
+            versus_dp = (f", {stage.replicas} replica(s) of {stage.tensor_parallel}-way tensor-parallel groups on "
+                         f"{plan.world_size} of {plan.num_devices} devices" + (
+                             f", {speedup:.2f}x the speed of data parallel" if math.isfinite(speedup) else ""))
+        elif plan.num_stages == 1:  # the plan is data parallel: no speedup over itself to print
             unused = plan.num_devices and plan.world_size < plan.num_devices
             versus_dp = f", data parallel on {plan.world_size} of {plan.num_devices} devices" if unused else ""
         lines.append(f"predicted iteration {predicted.iteration_time_s * 1e3:.2f} ms, "

@@ -355,7 +355,9 @@ def bucket_window(plan: Plan, chain: CostChain, net: Cluster, stage_index: int, 
     share = 1.0
     if split:  # the buckets are armed at the last W: they fill over W's share of each block (stage 0: none)
         share = 0.0 if stage_index == 0 else (1 + net.split_backward_overhead) * weight_share
-    return [at(b.backward_s, rows) * stretch(net) * share for b in blocks], [float(b.param_bytes) for b in blocks]
+    degree = stage.tensor_parallel  # a group member's backward and bytes of each block
+    held = [b.param_bytes - (b.tp.param_bytes if splits_over(b, degree) else 0) * (1 - 1 / degree) for b in blocks]
+    return [block_member_seconds(net, b, rows, degree)[1] * share for b in blocks], [float(h) for h in held]
 
 
 def rate_loop(buckets: list[tuple[float, float]], pass_s: float, net: Cluster) -> tuple[float, float]:

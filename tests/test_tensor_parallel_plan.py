@@ -106,7 +106,8 @@ def _place_groups(rng: random.Random, sizes: list[int]) -> list[list[int]]:
 
 def tp_setup(seed: int) -> tuple[Plan, CostChain, Cluster, dict[str, float | str]]:
     """Random stages of R replicas x T on 2 hosts x 4 devices, every group inside one host, under any training
-    schedule, with recomputation, buckets, ZeRO levels, measured collective links and fixed costs at random."""
+    schedule, with recomputation, buckets (and what overlapping them costs), ZeRO levels, measured collective
+    links and fixed costs at random."""
     rng = random.Random(seed)
     layout = rng.choice([((1, 2),), ((2, 2),), ((1, 4),), ((1, 2), (2, 1)), ((2, 1), (1, 4)), ((1, 2), (1, 2), (1, 1)),
                          ((2, 2), (2, 2)), ((1, 1), (1, 2), (1, 4))])
@@ -118,7 +119,8 @@ def tp_setup(seed: int) -> tuple[Plan, CostChain, Cluster, dict[str, float | str
                   reduce_scatter_collective=rng.choice([None, LinkSpec(2e9, 4e-5)]),
                   all_gather_collective=rng.choice([None, LinkSpec(8e9, 1e-5)]),
                   action_overhead_s=rng.choice([0.0, 5e-5]), optimizer_s_per_param_byte=rng.choice([0.0, 2e-11]),
-                  split_backward_overhead=rng.choice([0.0, 0.3]))
+                  split_backward_overhead=rng.choice([0.0, 0.3]), overlap_compute_slowdown=rng.choice([0.0, 0.19]),
+                  overlap_comm_slowdown=rng.choice([0.0, 0.1]))
     schedule, policy = rng.choice([("early_backward", "A"), ("early_backward", "B"), ("gpipe", "A"),
                                    ("zero_bubble", "A")])
     cut_points = sorted(rng.sample(range(1, chain.num_blocks), num_stages - 1))
@@ -145,9 +147,11 @@ def test_simulator_matches_the_reference_on_tensor_parallel_stages() -> None:
         assert_agrees(plan, chain, net, f"seed {seed}: {plan.layout} {plan.schedule}/{plan.warmup_policy} "
                       f"{[s.sharding for s in plan.stages]} buckets {plan.allreduce_bucket_bytes}", **options)
         seen |= {plan.schedule} | {s.sharding for s in plan.stages} | {
-            "mixed" for s in plan.stages if s.tensor_parallel > 1 and len(plan.stages) > 1}
+            "mixed" for s in plan.stages if s.tensor_parallel > 1 and len(plan.stages) > 1} | {
+            "buckets" for s in plan.stages if s.tensor_parallel > 1 and s.replicas > 1 and s.sharding == "none"
+            and plan.allreduce_bucket_bytes and net.overlap_compute_slowdown}
     assert {"early_backward", "gpipe", "zero_bubble", "none", "optimizer", "gradients", "parameters",
-            "mixed"} <= seen, seen
+            "mixed", "buckets"} <= seen, seen
 
 
 def test_reference_charges_the_group_formula() -> None:
@@ -298,3 +302,30 @@ def test_plan_table_shows_each_stages_t() -> None:
     assert format_plan(plan).startswith("plan 1x2:2 ")
     plain = partition(_matmul_chain(1e4), _one_host(bandwidth=1e12), 4, layout="2:2")
     assert "T" not in stage_table(plain).splitlines()[0].split()  # tables without groups keep their columns
+
+
+def test_plan_notes_name_blocks_t_does_not_split() -> None:
+    chain = _matmul_chain(1e4)
+    odd = CostChain((*chain.blocks[:3], replace(chain.blocks[3], name="head", tp=replace(chain.blocks[3].tp, divisor=6))),
+                    chain.cut_bytes)
+    plan = partition(odd, _one_host(bandwidth=1e12), 4, layout="1x4")
+    assert "stage 0 (T=4): 1 block(s) run whole on every group member, as T does not divide their split: " \
+           "'head' (divisor 6)" in plan.notes
+
+
+def test_summary_of_one_stage_of_groups_is_not_called_data_parallel() -> None:
+    from fxpipe.report import summary_lines
+
+    plan = partition(_matmul_chain(1e4), _one_host(bandwidth=1e12), 4, layout="2x2")
+    assert "2 replica(s) of 2-way tensor-parallel groups on 4 of 4 devices" in summary_lines(plan)[1]
+    assert "data parallel on" not in summary_lines(plan)[1]
+
+
+@pytest.mark.parametrize("layout", ["3x2:1", "1:3x2", "1x4:2x2", "2x2:1x2:1"])
+def test_every_group_stays_inside_one_host(layout: str) -> None:
+    net = Cluster("2x4", 2, 4, DEVICE, LinkSpec(1e12, 1e-6), LinkSpec(1e9, 1e-5))
+    plan = partition(_matmul_chain(1e4), net, 8, layout=layout)
+    assert plan.layout == layout
+    for stage in plan.stages:
+        for replica in range(stage.replicas):
+            assert len({device // 4 for device in stage.replica_devices(replica)}) == 1, (layout, stage.devices)

@@ -149,7 +149,7 @@ def _overlaps(plan: Plan, chain: CostChain, cluster: Cluster, split_backward: bo
         chain, cluster, stage.first_block, stage.stop_block, replica_leads(stage.devices, stage.tensor_parallel),
         max(split_rows(plan.microbatch_size, stage.replicas)), own_bytes[stage.stage_index],
         plan.allreduce_bucket_bytes, last_pass_share(stage.stage_index, split_backward, weight_fraction,
-                                                     cluster.split_backward_overhead))
+                                                     cluster.split_backward_overhead), stage.tensor_parallel)
         for stage in plan.stages]
 
 

@@ -67,16 +67,17 @@ def tensor_parallel_times(chain: CostChain, cluster: Cluster, first: int, stop: 
     return forward_s, backward_s
 
 
+def member_param_bytes(block: Block, tensor_parallel: int) -> float:
+    """Parameter bytes one group member holds of ``block``: (P - p) + p / T where it splits, else P."""
+    if not splits(block, tensor_parallel):
+        return float(block.param_bytes)
+    assert block.tp is not None
+    return (block.param_bytes - block.tp.param_bytes) + block.tp.param_bytes / tensor_parallel
+
+
 def tensor_parallel_param_bytes(chain: CostChain, first: int, stop: int, tensor_parallel: int) -> int:
     """Parameter bytes one group member holds of blocks ``[first, stop)`` (tied copies left out: the caller's)."""
-    total = 0.0
-    for block in chain.blocks[first:stop]:
-        if splits(block, tensor_parallel):
-            assert block.tp is not None
-            total += (block.param_bytes - block.tp.param_bytes) + block.tp.param_bytes / tensor_parallel
-        else:
-            total += block.param_bytes
-    return math.ceil(total)
+    return math.ceil(sum(member_param_bytes(block, tensor_parallel) for block in chain.blocks[first:stop]))
 
 
 def tensor_parallel_saved(chain: CostChain, first: int, stop: int, tensor_parallel: int) -> Affine:

@@ -115,7 +115,7 @@ class CandidateCosts:
         if self.overlap_bytes:
             per_host = self.cluster.devices_per_host
             own = self.allreduce_tail(first, stop, len(devices), len({d // per_host for d in devices}) == 1, rows,
-                                      self.cost(first, stop, 1, 1, tensor_parallel).param_bytes)
+                                      self.cost(first, stop, 1, 1, tensor_parallel).param_bytes, tensor_parallel)
         else:
             own = self.allreduce(first, stop, devices, tensor_parallel)
         return cost.forward_s, backward_seconds(cost.forward_s, cost.backward_s, recompute), own
@@ -166,15 +166,16 @@ class CandidateCosts:
         return gradient_allreduce_time(self.cluster, self.cost(first, stop, 1, 1, tensor_parallel).param_bytes,
                                        devices)
 
-    def _allreduce_tail(self, first: int, stop: int, replicas: int, one_host: bool, rows: int, own_bytes: int
-                        ) -> float:
+    def _allreduce_tail(self, first: int, stop: int, replicas: int, one_host: bool, rows: int, own_bytes: int,
+                        tensor_parallel: int = 1) -> float:
         """The tail for any ``replicas`` devices on one host or not: a ring allreduce's time depends on
         nothing else (:meth:`Cluster.collective_link`), so equivalent placements share a cache entry."""
         per_host = self.cluster.devices_per_host
         devices = tuple(range(replicas)) if one_host else (per_host, *range(replicas - 1))
         slice_rows = self.cost(first, stop, rows, replicas).rows
         return min(stage_allreduce_offsets(self.chain, self.cluster, first, stop, devices, slice_rows, own_bytes,
-                                           self.overlap_bytes, share)[1] for share in self.window_shares)
+                                           self.overlap_bytes, share, tensor_parallel)[1]
+                   for share in self.window_shares)
 
     def allreduce_tails(self, spans: Sequence[Span], rows: int, own_bytes: Sequence[int] | None = None) -> list[float]:
         """Each stage's own allreduce time left after its last backward, buckets overlapping it (``own_bytes``:
@@ -188,7 +189,8 @@ class CandidateCosts:
                                             tensor_parallel=[span.tensor_parallel for span in spans])
         per_host = self.cluster.devices_per_host
         return [self.allreduce_tail(span.first, span.stop, span.replicas,
-                                    len({device // per_host for device in span.leads}) == 1, rows, num_bytes)
+                                    len({device // per_host for device in span.leads}) == 1, rows, num_bytes,
+                                    span.tensor_parallel)
                 for span, num_bytes in zip(spans, own_bytes, strict=True)]
 
     def stage_allreduces(self, spans: Sequence[Span]) -> tuple[list[float], list[tuple[tuple[int, ...], float]]]:

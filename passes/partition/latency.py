@@ -237,7 +237,8 @@ def stage_times(plan: Plan, chain: CostChain, cluster: Cluster) -> PipelineSteps
         _, tail = stage_allreduce_offsets(chain, cluster, stage.first_block, stage.stop_block, leads[stage.stage_index],
                                           cost.rows, own_bytes[stage.stage_index], plan.allreduce_bucket_bytes,
                                           last_pass_share(stage.stage_index, plan.schedule == "zero_bubble",
-                                                          WEIGHT_GRAD_FRACTION, cluster.split_backward_overhead))
+                                                          WEIGHT_GRAD_FRACTION, cluster.split_backward_overhead),
+                                          stage.tensor_parallel)
         comm = comms[stage.stage_index]
         if stage.sharding != "none":
             tail = comm.tail_s

@@ -53,8 +53,9 @@ class Usage:
         return self.take(tuple(self.per_host - have for have in self.used))
 
 
-def _fill(usage: Usage, hosts: list[int], num_devices: int, whole: bool) -> tuple[int, ...] | None:
-    """Take devices host by host from ``hosts``; ``whole`` requires hosts to be completely free."""
+def _fill(usage: Usage, hosts: list[int], num_devices: int, whole: bool, group: int = 1) -> tuple[int, ...] | None:
+    """Take devices host by host from ``hosts``; ``whole`` requires hosts to be completely free; ``group``: take
+    whole groups of that many devices per host (a tensor-parallel group stays inside one host)."""
     counts = [0] * len(usage.used)
     remaining = num_devices
     for host in hosts:
@@ -63,19 +64,20 @@ def _fill(usage: Usage, hosts: list[int], num_devices: int, whole: bool) -> tupl
         free = usage.per_host - usage.used[host]
         if whole and free != usage.per_host:
             continue
-        taken = min(free, remaining)
+        taken = min(free - free % group, remaining)
         counts[host] = taken
         remaining -= taken
     return tuple(counts) if remaining == 0 else None
 
 
-def fresh_first(usage: Usage, num_devices: int) -> tuple[int, ...] | None:
+def fresh_first(usage: Usage, num_devices: int, group: int = 1) -> tuple[int, ...] | None:
     """Only completely unused hosts, so a stage's allreduce stays inside as few hosts as possible."""
     hosts = [h for h, have in enumerate(usage.used) if have == 0]
-    return _fill(usage, hosts, num_devices, whole=True)
+    return _fill(usage, hosts, num_devices, True, group)
 
 
-def append_first(usage: Usage, num_devices: int, near: frozenset[int] = frozenset()) -> tuple[int, ...] | None:
+def append_first(usage: Usage, num_devices: int, near: frozenset[int] = frozenset(), group: int = 1
+                 ) -> tuple[int, ...] | None:
     """Partly used hosts first (fullest first, less fragmentation), then fresh hosts for the rest.
 
     With ``near`` (the previous stage's hosts) those partly used hosts come first, so the transfer
@@ -86,21 +88,22 @@ def append_first(usage: Usage, num_devices: int, near: frozenset[int] = frozense
     if not partial:
         return None
     fresh = [h for h, have in enumerate(usage.used) if have == 0]
-    return _fill(usage, partial + fresh, num_devices, whole=False)
+    return _fill(usage, partial + fresh, num_devices, False, group)
 
 
-def scatter_first(usage: Usage, num_devices: int) -> tuple[int, ...] | None:
-    """One free device per host, round robin, until the stage has enough (many NICs in parallel)."""
-    if num_devices < 2 or len(usage.used) < 2:
+def scatter_first(usage: Usage, num_devices: int, group: int = 1) -> tuple[int, ...] | None:
+    """One free device (or ``group`` of them) per host, round robin, until the stage has enough (many NICs in
+    parallel)."""
+    if num_devices < 2 * group or len(usage.used) < 2:
         return None
     counts = [0] * len(usage.used)
     remaining = num_devices
     while remaining:
         progressed = False
         for host, have in enumerate(usage.used):
-            if remaining and have + counts[host] < usage.per_host:
-                counts[host] += 1
-                remaining -= 1
+            if remaining and have + counts[host] + group <= usage.per_host:
+                counts[host] += group
+                remaining -= group
                 progressed = True
         if not progressed:
             return None
@@ -117,18 +120,21 @@ def _one_host(usage: Usage, num_devices: int, partial: bool) -> tuple[int, ...] 
     return tuple(num_devices if h == host else 0 for h in range(len(usage.used)))
 
 
-def placements(usage: Usage, num_devices: int, near: frozenset[int] = frozenset()) -> Iterator[tuple[int, ...]]:
+def placements(usage: Usage, num_devices: int, near: frozenset[int] = frozenset(), group: int = 1
+               ) -> Iterator[tuple[int, ...]]:
     """Distinct per-host take vectors for a new stage of ``num_devices`` devices, one per policy
-    (append-first twice: fullest hosts first, and the previous stage's hosts ``near`` first)."""
+    (append-first twice: fullest hosts first, and the previous stage's hosts ``near`` first); ``group``: each
+    host takes whole groups of that many (the stage's tensor-parallel groups)."""
     seen: set[tuple[tuple[int, int, bool], ...]] = set()
     if usage.per_host > 1 and len(usage.used) * usage.per_host > ALIGNED_ABOVE_DEVICES:
         # host-aligned: whole fresh hosts for multi-host stages; one host (partly used or fresh) otherwise
         options: tuple[tuple[int, ...] | None, ...] = (
-            (fresh_first(usage, num_devices),) if num_devices % usage.per_host == 0 else
+            (fresh_first(usage, num_devices, group),) if num_devices % usage.per_host == 0 else
             (_one_host(usage, num_devices, partial=True), _one_host(usage, num_devices, partial=False)))
     else:
-        options = (fresh_first(usage, num_devices), append_first(usage, num_devices),
-                   append_first(usage, num_devices, near) if near else None, scatter_first(usage, num_devices))
+        options = (fresh_first(usage, num_devices, group), append_first(usage, num_devices, group=group),
+                   append_first(usage, num_devices, near, group) if near else None,
+                   scatter_first(usage, num_devices, group))
     for counts in options:
         if counts is None:
             continue

@@ -111,10 +111,23 @@ class _Search:
         """Rank of a state: its prefix plus one final stage on every remaining device (paper 1.3)."""
         if stop == self.num_blocks:
             return (0, self.model.latency(spans, self.rows))
-        if usage.num_free == 0 or usage.num_free > self.rows or len(spans) + 1 > self.max_stages:
+        if usage.num_free == 0 or len(spans) + 1 > self.max_stages:
             return (2, float("inf"))
-        fits, latency = self.record((*spans, Span(stop, self.num_blocks, usage.take_all()[1])))
-        return (0 if fits else 1, latency)
+        best = (2, float("inf"))
+        for degree in sorted({1, self.final_degree(usage, spans)}):  # T = 1, and the last stage's T where it fits
+            if usage.num_free // degree <= self.rows:
+                fits, latency = self.record((*spans, Span(stop, self.num_blocks, usage.take_all()[1], degree)))
+                best = min(best, (0 if fits else 1, latency))
+        return best
+
+    @staticmethod
+    def final_degree(usage: Usage, spans: tuple[Span, ...]) -> int:
+        """The group size of a completing stage: the prefix's last stage's where every host's free devices hold
+        whole groups (so prefixes of T-way stages compete with fair completions), else 1."""
+        degree = spans[-1].tensor_parallel if spans else 1
+        if degree > 1 and any((usage.per_host - used) % degree for used in usage.used):
+            return 1
+        return degree
 
     def run(self) -> SearchResult:
         empty = Usage.empty(self.model.cluster)
@@ -135,7 +148,7 @@ class _Search:
         per_host = self.model.cluster.devices_per_host
         near = frozenset(d // per_host for d in state.spans[-1].devices) if state.spans else frozenset()
         for replicas, degree in self.choices(state):
-            for counts in placements(state.usage, replicas * degree, near):
+            for counts in placements(state.usage, replicas * degree, near, degree):
                 if degree > 1 and any(count % degree for count in counts):
                     continue  # a group would span hosts (take() fills each host from its lowest free device)
                 usage, devices = state.usage.take(counts)
@@ -195,9 +208,13 @@ class _Search:
     def rank(self, stop: int, usage: Usage, spans: tuple[Span, ...], work: float, bound: float
              ) -> tuple[int, float]:
         """The completion's latency when its lower bound is within reach, else that bound (ranked last)."""
-        if usage.num_free > self.rows:
+        degree = self.final_degree(usage, spans)
+        if usage.num_free // degree > self.rows:
             return (2, float("inf"))
-        final = self.model.cost(stop, self.num_blocks, self.rows, usage.num_free)
+        final = self.model.cost(stop, self.num_blocks, self.rows, usage.num_free // degree, degree)
+        if degree > 1 and usage.num_free <= self.rows:  # either completion may be the faster one
+            whole = self.model.cost(stop, self.num_blocks, self.rows, usage.num_free)
+            final = min(final, whole, key=lambda cost: cost.forward_s + cost.backward_s)
         lower = max(bound, work + self.num_microbatches * (final.forward_s + final.backward_s))
         if lower > self.limit():
             return (1, lower)
