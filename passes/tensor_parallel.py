@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import fx
 
 from fxpipe.core import meta
@@ -26,8 +27,8 @@ from fxpipe.passes.tp_rules import (
 )
 from fxpipe.passes.tp_shapes import NodeShapes, node_shapes
 
-__all__ = ["MAX_GROUP_SIZE", "ParallelRegion", "SplitStates", "TensorParallelAnalysis", "VocabParallel",
-           "find_tensor_parallel", "split_states"]
+__all__ = ["MAX_GROUP_SIZE", "ParallelRegion", "SplitStates", "column_groups", "TensorParallelAnalysis", "VocabParallel",
+           "embedding_ids", "find_tensor_parallel", "split_states", "vocab_parallel_ends"]
 
 # The largest tensor-parallel group the planner considers (one node); a GQA kv projection counts as split in the
 # costs when every T up to this size that divides the other heads divides the kv heads too.
@@ -63,6 +64,7 @@ class VocabParallel:
     kind: str  # "embedding" or "head"
     weight: str  # the original parameter name
     vocab_size: int
+    path: str = ""  # the weight's attribute path in the graph module
 
 
 @dataclass(frozen=True)
@@ -194,7 +196,7 @@ def find_tensor_parallel(gm: fx.GraphModule, example_inputs: Any = None) -> Tens
     shapes = node_shapes(gm, example_inputs)
     full = split_states(gm, shapes)
     regions = _regions(gm, full, shapes)
-    vocab = _vocab_parallel(gm, full, shapes)
+    vocab = vocab_parallel_ends(gm, full, shapes)
     sequence = _sequence_nodes(gm, full, shapes, vocab)
     kept = {name: why for name, why in full.replicated.items() if name not in {v.node for v in vocab}}
     return TensorParallelAnalysis(regions=regions, vocab=vocab, sequence_nodes=sequence,
@@ -203,7 +205,7 @@ def find_tensor_parallel(gm: fx.GraphModule, example_inputs: Any = None) -> Tens
 
 def _regions(gm: fx.GraphModule, full: SplitStates, shapes: NodeShapes) -> tuple[ParallelRegion, ...]:
     """Group the split nodes into pairs (columns joined by shared nodes) and find each pair's divisors."""
-    groups = _column_groups(full)
+    groups = column_groups(full)
     without = split_states(gm, shapes, keep_whole=full.expand_origins) if full.expand_origins else full
     result = []
     for columns in groups:
@@ -230,7 +232,7 @@ def _regions(gm: fx.GraphModule, full: SplitStates, shapes: NodeShapes) -> tuple
     return tuple(result)
 
 
-def _column_groups(full: SplitStates) -> list[set[str]]:
+def column_groups(full: SplitStates) -> list[set[str]]:
     """Columns that meet in some node (q, k, v at attention; gate and up at their product), in graph order."""
     parent = {name: name for name in full.columns}
 
@@ -251,7 +253,7 @@ def _column_groups(full: SplitStates) -> list[set[str]]:
     return [group for group in groups.values() if group <= closed]
 
 
-def _vocab_parallel(gm: fx.GraphModule, full: SplitStates, shapes: NodeShapes) -> tuple[VocabParallel, ...]:
+def vocab_parallel_ends(gm: fx.GraphModule, full: SplitStates, shapes: NodeShapes) -> tuple[VocabParallel, ...]:
     """Embeddings with a parameter table, and whole linears whose output reaches the graph output unchanged."""
     names: Mapping[str, str] = gm.meta.get(meta.PARAM_NAMES, {})
     found = []
@@ -259,13 +261,14 @@ def _vocab_parallel(gm: fx.GraphModule, full: SplitStates, shapes: NodeShapes) -
         name = op_name(gm, node)
         if name == "embedding":
             path = _embedding_weight(node)
-            if path is not None and _reads_graph_input(node, shapes):
+            if path is not None and _reads_graph_input(node, shapes) and _plain_lookup(gm, node):
                 rows = int(gm.get_parameter(path).shape[0])
-                found.append(VocabParallel(node.name, "embedding", names.get(path, path), rows))
+                found.append(VocabParallel(node.name, "embedding", names.get(path, path), rows, path))
             continue
         info = linear_info(gm, node, name)
         if info is not None and node.name in full.replicated and _reaches_output(gm, node):
-            found.append(VocabParallel(node.name, "head", names.get(info.weight, info.weight), info.out_features))
+            found.append(VocabParallel(node.name, "head", names.get(info.weight, info.weight), info.out_features,
+                                       info.weight))
     return tuple(found)
 
 
@@ -280,6 +283,28 @@ def _reads_graph_input(node: fx.Node, shapes: NodeShapes) -> bool:
                 seen.add(arg)
                 pending.append(arg)
     return False
+
+
+def _plain_lookup(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """A lookup without padding row, norm clipping or sparse gradients (what vocab_embedding computes)."""
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        return all(_unset(getattr(module, name, None)) for name in ("padding_idx", "max_norm", "sparse"))
+    if node.target is torch.nn.functional.embedding:
+        return all(_unset(node.kwargs.get(name)) for name in ("padding_idx", "max_norm", "sparse")) \
+            and len(node.args) <= 2
+    return bool(len(node.args) <= 2 or node.args[2] == -1 and not any(node.args[3:]))  # aten: padding_idx -1: none
+
+
+def _unset(value: object) -> bool:
+    return value is None or value is False  # not `in (None, False)`: padding_idx 0 == False
+
+
+def embedding_ids(node: fx.Node) -> fx.Node:
+    """The ids an embedding looks up (``nn.Embedding(ids)``, ``F.embedding(ids, w)``, ``aten.embedding(w, ids)``)."""
+    ids = next(arg for arg in node.args[:2] if isinstance(arg, fx.Node) and arg.op != "get_attr")
+    assert isinstance(ids, fx.Node)
+    return ids
 
 
 def _embedding_weight(node: fx.Node) -> str | None:

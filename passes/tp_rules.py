@@ -96,6 +96,7 @@ def _parameter_path(node: object) -> str | None:
 def linear_info(gm: fx.GraphModule, node: fx.Node, name: str) -> LinearInfo | None:
     """The node as a matmul with a 2-D parameter weight, or None."""
     input_index = 1 if name == "addmm" else 0
+    weight: Any
     if name == "linear" and node.op == "call_module":
         module = gm.get_submodule(str(node.target))
         bias = f"{node.target}.bias" if getattr(module, "bias", None) is not None else None
@@ -266,11 +267,12 @@ def _permute(node: fx.Node, name: str, states: dict[fx.Node, Any],
     source, state = _first_shard(node, states)
     ndim = len(shape(source))
     if name in ("transpose", "swapaxes", "t"):
-        first, second = (0, 1) if name == "t" else (_norm(int(node.args[1]), ndim), _norm(int(node.args[2]), ndim))
+        args: Any = node.args
+        first, second = (0, 1) if name == "t" else (_norm(int(args[1]), ndim), _norm(int(args[2]), ndim))
         dim = second if state.dim == first else first if state.dim == second else state.dim
     else:
-        order = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], list | tuple) else node.args[1:]
-        dim = [_norm(int(d), ndim) for d in order].index(state.dim)  # type: ignore[union-attr]
+        order: Any = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], list | tuple) else node.args[1:]
+        dim = [_norm(int(d), ndim) for d in order].index(state.dim)
     return Shard(dim, state.extent, state.origins)
 
 

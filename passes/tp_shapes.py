@@ -21,8 +21,13 @@ Shape = tuple[Any, ...]  # ints, or for a multi-output node a tuple of int tuple
 class NodeShapes:
     """``get(node)``: the node's output shape (a tuple of shapes for a tuple output); KeyError for non-tensors."""
 
-    def __init__(self, shapes: dict[fx.Node, Shape]) -> None:
+    def __init__(self, shapes: dict[fx.Node, Shape], floating: set[fx.Node] | None = None) -> None:
         self._shapes = shapes
+        self._floating = floating or set()
+
+    def floating(self, node: fx.Node) -> bool:
+        """Whether the node's output is a floating-point tensor (one that can carry a gradient)."""
+        return node in self._floating
 
     def get(self, node: fx.Node) -> Shape:
         return self._shapes[node]
@@ -68,6 +73,7 @@ def node_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None)
     """Every tensor node's concrete shape at the example inputs."""
     hint = int(gm.meta.get(meta.COST_BATCH_HINT, 2))
     shapes: dict[fx.Node, Shape] = {}
+    floating: set[fx.Node] = set()
     missing = False
     for node in gm.graph.nodes:
         if node.op == "output":
@@ -75,11 +81,21 @@ def node_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None)
         shape = _from_value(node.meta["val"]) if "val" in node.meta else _from_cost(node, hint)
         if shape is not None:
             shapes[node] = shape
+            if _is_floating(node.meta["val"] if "val" in node.meta else node.meta[meta.COST].output_dtypes):
+                floating.add(node)
         elif node.op != "get_attr" and _maybe_tensor(node):
             missing = True
     if missing:
-        shapes.update(_fake_run(gm, example_inputs))
-    return NodeShapes(shapes)
+        shapes, floating = _fake_run(gm, example_inputs)
+    return NodeShapes(shapes, floating)
+
+
+def _is_floating(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.dtype.is_floating_point
+    if isinstance(value, list | tuple) and value:
+        return _is_floating(value[0])
+    return isinstance(value, str) and ("float" in value or value in ("half", "bfloat16"))
 
 
 def _maybe_tensor(node: fx.Node) -> bool:
@@ -88,7 +104,7 @@ def _maybe_tensor(node: fx.Node) -> bool:
     return cost is None and node.target not in ("size", "dim")
 
 
-def _fake_run(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> dict[fx.Node, Shape]:
+def _fake_run(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> tuple[dict[fx.Node, Shape], set[fx.Node]]:
     inputs = example_inputs if example_inputs is not None else gm.meta.get(meta.EXAMPLE_INPUTS)
     if inputs is None:
         raise ValueError("the tensor-parallel pass needs the graph's shapes: pass example_inputs, or trace with "
@@ -99,6 +115,7 @@ def _fake_run(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> dict[
            for node in gm.graph.nodes}
     FakeTensorProp(gm, mode).propagate(*fakes)
     shapes: dict[fx.Node, Shape] = {}
+    floating: set[fx.Node] = set()
     for node in gm.graph.nodes:
         value = node.meta.pop("val", None)  # FakeTensorProp writes meta; the pass must not leave it changed
         node.meta.pop("tensor_meta", None)
@@ -106,4 +123,6 @@ def _fake_run(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> dict[
         shape = _from_value(value)
         if shape is not None:
             shapes[node] = shape
-    return shapes
+            if _is_floating(value):
+                floating.add(node)
+    return shapes, floating

@@ -10,8 +10,9 @@ from torch import nn
 
 import fxpipe
 from fxpipe import hf_examples, passes
-from fxpipe.core.chain import CostChain
+from fxpipe.core.chain import Block, BlockTensorParallel, CostChain, merged_tensor_parallel
 from fxpipe.core.cluster import compact_cluster
+from fxpipe.core.costgraph import Affine
 from fxpipe.passes.tensor_parallel import find_tensor_parallel
 from fxpipe.planning import costed_model
 
@@ -112,3 +113,21 @@ def test_models_without_pairs_keep_tp_none() -> None:
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.Flatten(), nn.Linear(8 * 4 * 4, 10))
     chain = _chain(model, torch.randn(2, 3, 8, 8))
     assert all(block.tp is None for block in chain.blocks)
+
+
+def test_an_embedding_with_a_padding_row_is_not_vocabulary_parallel() -> None:
+    model = nn.Sequential(nn.Embedding(64, 8, padding_idx=0), nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
+    analysis = find_tensor_parallel(passes.trace(model, torch.randint(0, 64, (2, 5))))
+    assert len(analysis.regions) == 1 and analysis.vocab == ()
+
+
+def test_merged_blocks_keep_time_weighted_shares_and_the_gcd_of_divisors() -> None:
+    def block(name: str, time: float, saved: float, tp: BlockTensorParallel | None) -> Block:
+        return Block(name, (name,), Affine(0.0, time), Affine(0.0, 2 * time), 10, Affine(0.0, saved), tp=tp)
+
+    attention = BlockTensorParallel(1.0, 8, 1.0, Affine(0.0, 100.0), 8)
+    mlp = BlockTensorParallel(0.5, 4, 0.5, Affine(0.0, 50.0), 28672)
+    merged = merged_tensor_parallel([block("a", 1.0, 10.0, attention), block("b", 3.0, 30.0, mlp),
+                                     block("c", 4.0, 60.0, None)])
+    assert merged == BlockTensorParallel((3 * 1.0 + 9 * 0.5) / 24, 12, (10 + 15) / 100, Affine(0.0, 150.0), 8)
+    assert merged_tensor_parallel([block("c", 4.0, 60.0, None)]) is None

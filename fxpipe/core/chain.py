@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from fxpipe.core.costgraph import ZERO, Affine, CostGraph, CostNode
@@ -278,17 +278,35 @@ def block_tensor_parallel(nodes: Iterable[CostNode]) -> BlockTensorParallel | No
     nodes = list(nodes)
     if not any(node.tp_time_share > 0 or node.tp_divisor > 0 or node.tp_param_bytes > 0 for node in nodes):
         return None
-    times = [(node.forward_s + node.backward_s).at(1.0) for node in nodes]
-    saved = [node.saved_bytes.at(1.0) for node in nodes]
+    return _weighted_tp([(node.forward_s + node.backward_s, node.saved_bytes,
+                          BlockTensorParallel(node.tp_time_share, node.tp_param_bytes, node.tp_saved_share,
+                                              node.tp_comm_bytes, node.tp_divisor)) for node in nodes])
+
+
+def merged_tensor_parallel(blocks: Sequence[Block]) -> BlockTensorParallel | None:
+    """:attr:`Block.tp` of one block merging ``blocks`` (a coarsened chain); None when none of them splits."""
+    if all(block.tp is None for block in blocks):
+        return None
+    return _weighted_tp([(block.forward_s + block.backward_s, block.saved_bytes, block.tp or _WHOLE)
+                         for block in blocks])
+
+
+_WHOLE = BlockTensorParallel(0.0, 0, 0.0, ZERO, 0)
+
+
+def _weighted_tp(parts: list[tuple[Affine, Affine, BlockTensorParallel]]) -> BlockTensorParallel:
+    """Shares weighted by time and saved bytes at one row; bytes summed; the gcd of the divisors (0: none)."""
+    times = [time.at(1.0) for time, _, _ in parts]
+    saved = [num_bytes.at(1.0) for _, num_bytes, _ in parts]
     total_time, total_saved = sum(times), sum(saved)
-    divisors = [node.tp_divisor for node in nodes if node.tp_divisor > 0]
+    divisors = [tp.divisor for _, _, tp in parts if tp.divisor > 0]
     return BlockTensorParallel(
-        time_share=sum(t * node.tp_time_share for t, node in zip(times, nodes, strict=True)) / total_time
+        time_share=sum(t * tp.time_share for t, (_, _, tp) in zip(times, parts, strict=True)) / total_time
         if total_time > 0 else 0.0,
-        param_bytes=sum(node.tp_param_bytes for node in nodes),
-        saved_share=sum(b * node.tp_saved_share for b, node in zip(saved, nodes, strict=True)) / total_saved
+        param_bytes=sum(tp.param_bytes for _, _, tp in parts),
+        saved_share=sum(b * tp.saved_share for b, (_, _, tp) in zip(saved, parts, strict=True)) / total_saved
         if total_saved > 0 else 0.0,
-        comm_bytes=Affine.total(node.tp_comm_bytes for node in nodes),
+        comm_bytes=Affine.total(tp.comm_bytes for _, _, tp in parts),
         divisor=math.gcd(*divisors) if divisors else 0,
     )
 
