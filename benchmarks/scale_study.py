@@ -296,13 +296,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cache", type=Path, help="a folder to keep traced chains in and reuse them from")
     args = parser.parse_args(argv)
     wanted = [int(text) - 1 for text in args.rows.split(",") if text] or range(len(CASES))
+    reused = args.cache is not None and any(args.cache.glob("*.pkl"))  # chains traced by an earlier run
     start = time.perf_counter()
     rows = study([CASES[index] for index in wanted], lambda line: print(line, file=sys.stderr, flush=True),
                  args.cache)
     elapsed = time.perf_counter() - start
     flags = (f" --rows {args.rows}" if args.rows else "") + (f" --cache {args.cache}" if args.cache else "")
     cached = (" Chains came from --cache: traced and costed by an earlier run of this script at this commit (its "
-              "\"trace+cost s\"); the wall time is planning." if args.cache else "")
+              "\"trace+cost s\"); the wall time is planning." if reused else "")
     text = "\n".join([
         "# Scale study: fxpipe's plans beside published H100 runs", "",
         f"Command: `{COMMAND}{flags}` ({elapsed:.0f} s wall on a 2-core machine shared with other jobs). "
