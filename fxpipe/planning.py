@@ -16,7 +16,9 @@ from fxpipe.core.costgraph import CostGraph, CostNode
 from fxpipe.core.plan import Plan
 from fxpipe.core.precision import DEFAULT_PRECISION, autocast_device_type, autocast_dtype_name
 from fxpipe.core.sharding import DEFAULT_SHARDING, ShardingRequest
+from fxpipe.core.utilization import peak_flops_per_device
 from fxpipe.passes.batchdims import BatchDims
+from fxpipe.passes.model_flops import model_flops_per_sample, tokens_per_sample
 
 if TYPE_CHECKING:
     from fxpipe.passes.profile import MeasuredCosts
@@ -145,7 +147,9 @@ def costed_model(
     graph = passes.to_cost_graph(graph_module, device=cluster.device, measured=measured if costs == "measured"
                                  else None)
     graph = parameter_reads_at_first_use(graph)
-    return CostedModel(graph_module, graph, build_chain(graph, max_blocks=max_blocks))
+    chain = replace(build_chain(graph, max_blocks=max_blocks), model_flops_per_sample=model_flops_per_sample(
+        graph_module), tokens_per_sample=tokens_per_sample(graph_module))
+    return CostedModel(graph_module, graph, chain)
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:
@@ -265,7 +269,19 @@ def plan_chain(chain: CostChain, cluster: Cluster, global_batch_size: int, *,
     plan = partition(chain, cluster, global_batch_size, sharding=sharding, **options)
     note = fixed_cost_note(plan, chain, cluster)  # a lower bound when uncounted fixed costs would dominate
     plan = plan.with_updates(notes=(*plan.notes, note)) if note else plan
+    plan = with_model_flops(plan, chain, cluster, precision)
     return plan if precision == DEFAULT_PRECISION else plan.with_updates(precision=precision)
+
+
+def with_model_flops(plan: Plan, chain: CostChain, cluster: Cluster, precision: str) -> Plan:
+    """``plan`` with the chain's model FLOPs and tokens per sample and the device's datasheet peak for
+    ``precision`` in its prediction: what MFU and tokens/s per device are computed from
+    (:mod:`fxpipe.core.utilization`)."""
+    if plan.predicted is None or chain.model_flops_per_sample <= 0:
+        return plan
+    return plan.with_updates(predicted=replace(
+        plan.predicted, model_flops_per_sample=chain.model_flops_per_sample,
+        tokens_per_sample=chain.tokens_per_sample, peak_flops_per_device=peak_flops_per_device(cluster.device, precision)))
 
 
 def plan_model(
@@ -348,4 +364,5 @@ def plan_markers(
                           "nothing to optimise; remove the marker before or after each such stage")
     plan = partition(marked, cluster, global_batch_size, num_stages=len(stops), sharding=sharding, **options)
     plan = on_fine_chain(plan, chain, stops).with_updates(planner="markers", precision=precision)
+    plan = with_model_flops(plan, chain, cluster, precision)
     return labelled(plan, cost_source_of(costs, cluster)), chain

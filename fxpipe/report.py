@@ -10,6 +10,7 @@ from tabulate import tabulate
 from fxpipe.core.chain import CostChain
 from fxpipe.core.cluster import Cluster
 from fxpipe.core.plan import Plan
+from fxpipe.core.utilization import utilization_text
 from fxpipe.sim.stagecost import backward_seconds
 
 # What each ``predicted.cost_source`` means for the figure above it (how far off: docs/clusters.md).
@@ -98,6 +99,10 @@ def summary_lines(plan: Plan) -> list[str]:
         lines.append(f"predicted iteration {predicted.iteration_time_s * 1e3:.2f} ms, "
                      f"{predicted.throughput_samples_per_s:.1f} samples/s, bubble {predicted.bubble_fraction:.1%}"
                      + versus_dp)
+        utilization = utilization_text(plan)
+        if utilization:  # model FLOPs as Megatron counts them, over the datasheet peak (docs/glossary.md)
+            lines.append(f"predicted {utilization} (peak {predicted.peak_flops_per_device / 1e12:.4g} TFLOP/s "
+                         f"per device, {plan.world_size} devices)")
         if predicted.cost_source:
             lines.append(f"cost source: {COST_SOURCE_NOTES.get(predicted.cost_source, predicted.cost_source)}")
     if plan.planning_time_s > 0:  # a plan read from a file does not carry it (a fact of the run, not the plan)

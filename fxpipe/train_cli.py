@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from fxpipe.core.schedule import schedule_names
+from fxpipe.core.utilization import utilization_text
 
 DEMO_MODEL = "gpt-mini"
 
@@ -264,8 +265,10 @@ def run_train(args: argparse.Namespace) -> int:
     if leader and losses:
         elapsed = time.perf_counter() - start
         num_steps = last_step - first_step
+        utilization = utilization_text(pipe.plan, statistics.median(step_times)) if step_times else ""
         print(f"trained {num_steps} steps in {elapsed:.1f} s: loss {losses[0]:.3f} -> {losses[-1]:.3f} "
-              f"({num_steps * args.global_batch / elapsed:.0f} samples/s)", flush=True)
+              f"({num_steps * args.global_batch / elapsed:.0f} samples/s"
+              + (f"; median step: {utilization}" if utilization else "") + ")", flush=True)
         print(prediction_check(pipe.plan, step_times, measuring=args.measure), flush=True)
         if args.trace and stats:
             _write_trace(args.trace, stats)
@@ -311,7 +314,9 @@ def _train_steps(args: argparse.Namespace, pipe: Any, optimizer: torch.optim.Opt
         if progress is not None:
             # a timeline-only step (a sharded plan's --measure) has no saved-activation peaks to show
             memory = _stage_memory(stats) if stats and stats[0].peak_activation_bytes is not None else ""
-            progress.set_postfix_str(f"loss {loss:.3f} {args.global_batch / step_time:.0f} samples/s {memory}")
+            utilization = utilization_text(pipe.plan, step_time)  # measured step: MFU and tokens/s per device
+            progress.set_postfix_str(f"loss {loss:.3f} {args.global_batch / step_time:.0f} samples/s "
+                                     + (f"{utilization} " if utilization else "") + memory)
             progress.update(1)
         last_step = step + 1
         if _checkpoint_due(args, pipe, last_step):

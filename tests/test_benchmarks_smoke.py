@@ -13,6 +13,7 @@ from benchmarks import (
     precision_plans,
     prediction_fidelity,
     runtime_fidelity,
+    scale_study,
     schedule_memory,
     sharding_fidelity,
     sharding_study,
@@ -229,6 +230,17 @@ def test_sharding_study_smoke() -> None:
     assert rows[0].unsharded is not None and rows[0].sharded is not None  # a tiny model fits either way
     assert sharding_study.speedup(rows[0]) is not None
     assert "| gpt-mini " in sharding_study.table(rows) and sharding_study.summary(rows)
+
+
+def test_scale_study_smoke() -> None:
+    shape = scale_study.Shape(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=96)
+    case = scale_study.Case("tiny", shape, 16, "1x4:h100", 16, "1x2:2", "-", "test")
+    (row,) = scale_study.study([case])
+    assert row.planned is not None and row.forced is not None, row.why
+    assert row.forced.layout == "1x2:2" and row.forced.stages[0].tensor_parallel == 2
+    assert float(scale_study.ratio(row)) <= 1.0 + 1e-9  # the planner's choice is no slower than a forced layout
+    assert scale_study.describe(row.planned)[3].endswith("%")  # its MFU
+    assert "| tiny " in scale_study.table([row]) and "no slower than published: met" in scale_study.summary([row])[0]
 
 
 @pytest.mark.multiprocess

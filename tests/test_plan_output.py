@@ -91,7 +91,8 @@ def test_the_glossary_explains_every_table_header_and_summary_term(tmp_path: Pat
                      "predicted iteration", "samples/s", "not compared with data parallel", "cost source",
                      "planning time", "note", "infeasible", "groups of blocks", "kept for backward", "ring step",
                      "CPU time stretched", "bars end at", "measured step", "iteration_time_s",
-                     "throughput_samples_per_s", "bubble_fraction", "peak_memory_bytes"}
+                     "throughput_samples_per_s", "bubble_fraction", "peak_memory_bytes", "MFU", "tokens/s/device",
+                     "model FLOPs"}
     assert sorted(headers - terms) == [] and sorted(summary_words - terms) == []
     assert "not compared with data parallel" in out and "groups of blocks" not in out  # dapple-b: too many devices
     assert "exhaustive planner: searches at most 12 devices, the cluster has 16" in out

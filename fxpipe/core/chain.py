@@ -82,6 +82,10 @@ class CostChain:
     outside the recomputed forward). ``input_saved_bytes`` / ``target_saved_bytes`` are the parts of the
     first / last block's saved bytes that are the model's own inputs / the targets (slices of the global
     batch every rank holds).
+
+    ``model_flops_per_sample`` is what one sample costs in model FLOPs as Megatron counts them (3 x the
+    forward matmul FLOPs, :mod:`fxpipe.passes.model_flops`); ``tokens_per_sample`` a language model's
+    sequence length. Both 0 when unknown (a profile file's chain, a model without token-id inputs).
     """
 
     blocks: tuple[Block, ...]
@@ -93,6 +97,8 @@ class CostChain:
     loss_saved_bytes: Affine = ZERO
     input_saved_bytes: Affine = ZERO
     target_saved_bytes: Affine = ZERO
+    model_flops_per_sample: float = 0.0
+    tokens_per_sample: int = 0
 
     def __post_init__(self) -> None:
         if not self.blocks:

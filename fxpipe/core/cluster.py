@@ -199,6 +199,10 @@ class Cluster:
         """A JSON-ready dict; :meth:`from_json` reads it back to an equal Cluster."""
         data = asdict(self)
         data["device"]["peak_flops"] = {dtype: flops for dtype, flops in self.device.peak_flops}
+        if self.device.matmul_flops:  # absent = matmuls at the peak: files written before keep their bytes
+            data["device"]["matmul_flops"] = {dtype: flops for dtype, flops in self.device.matmul_flops}
+        else:
+            del data["device"]["matmul_flops"]
         return {"format_version": CLUSTER_FORMAT_VERSION, **data}
 
     @staticmethod

@@ -136,14 +136,17 @@ def optional_seconds(data: Any, key: str) -> float:
 def device_from_json(data: Any) -> DeviceSpec:
     """The device of a cluster JSON file, every field checked."""
     flops = json_field(data, "peak_flops", dict[str, float], "device")
-    for dtype, rate in flops.items():
-        check_bound(rate, f"device.peak_flops[{dtype!r}]", "positive")
+    matmul = json_field(data, "matmul_flops", dict[str, float], "device") if "matmul_flops" in data else {}
+    for key, table in (("peak_flops", flops), ("matmul_flops", matmul)):
+        for dtype, rate in table.items():
+            check_bound(rate, f"device.{key}[{dtype!r}]", "positive")
     return DeviceSpec(
         name=json_field(data, "name", str, "device"),
         memory_bytes=json_field(data, "memory_bytes", int, "device", "non-negative"),
         peak_flops=tuple(sorted(flops.items())),
         memory_bandwidth_bytes_per_s=json_field(data, "memory_bandwidth_bytes_per_s", float, "device", "positive"),
         kernel_launch_s=json_field(data, "kernel_launch_s", float, "device", "non-negative"),
+        matmul_flops=tuple(sorted(matmul.items())),
     )
 
 

@@ -14,7 +14,10 @@ class DeviceSpec:
     """One accelerator (or CPU rank): what it computes, holds and moves per second.
 
     ``peak_flops`` is a tuple of ``(dtype name, FLOP/s)`` pairs (a tuple keeps the spec hashable
-    and its JSON deterministic); ``kernel_launch_s`` is the fixed cost of one kernel/op.
+    and its JSON deterministic): the datasheet peak, what MFU is measured against; ``kernel_launch_s`` is
+    the fixed cost of one kernel/op. ``matmul_flops``: what dense matmuls achieve per dtype (published GEMM
+    measurements on the GPU presets; :func:`fxpipe.core.precision.matmul_flops_per_s` costs matmuls at it);
+    a dtype it lacks runs matmuls at the peak (CPU ranks: the peak is itself a measured matmul rate).
     """
 
     name: str
@@ -22,6 +25,7 @@ class DeviceSpec:
     peak_flops: tuple[tuple[str, float], ...]
     memory_bandwidth_bytes_per_s: float
     kernel_launch_s: float = 5e-6
+    matmul_flops: tuple[tuple[str, float], ...] = ()
 
     def flops_per_s(self, dtype: str = "float32") -> float:
         table = dict(self.peak_flops)
@@ -56,6 +60,17 @@ class LinkSpec:
 # Device presets: NVIDIA datasheet dense (no sparsity) peak figures. float32 is the non-tensor-core
 # FP32 rate; bfloat16/float16 are tensor-core rates. Memory is the nominal capacity in GiB (what
 # nvidia-smi reports, within ~2%). Kernel launch ~5 us is the usual CUDA launch overhead.
+#
+# Achievable dense matmul rates (DeviceSpec.matmul_flops; docs/clusters.md, "Calibrated matmul rates"): no
+# GEMM reaches the datasheet peak. BF16/FP16: the "Maximum Achievable Matmul FLOPS" (MAMF) table of S. Bekman's
+# Machine Learning Engineering open book (github.com/stas00/ml-engineering, compute/accelerator/README.md; torch
+# matmul, best of a brute-force shape search, mean of 100 runs): H100 SXM BF16 794.5 TFLOP/s (80.3% of 989;
+# "H200 is the same"), A100 SXM 271.2 (86.9% of 312). FP16 takes the BF16 figure (same tensor-core rate).
+# FP32 on H100/H200: 51 TFLOP/s (76% of 67), this project's own H200 run (benchmarks/gpu_check_h200.json: the
+# fp32 lm_head block, a 8192x768x50304 matmul, measured 37.4 ms fwd+bwd against 28.5 ms at the 67 TFLOP/s peak).
+# V100 and H100 PCIe: no published figure found, so their matmuls stay at the peak (calibration measures them).
+H100_MATMUL_FLOPS = (("bfloat16", 794.5e12), ("float16", 794.5e12), ("float32", 51e12))
+A100_MATMUL_FLOPS = (("bfloat16", 271.2e12), ("float16", 271.2e12))
 
 # Tesla V100 SXM2 datasheet: FP32 15.7 TFLOPS, tensor (FP16) 125 TFLOPS, HBM2 16 GB at 900 GB/s.
 # Volta has no bfloat16 hardware, so the preset gives no bfloat16 rate (flops_per_s raises).
@@ -71,6 +86,7 @@ A100_80GB = DeviceSpec(
     memory_bytes=80 * GiB,
     peak_flops=(("bfloat16", 312e12), ("float16", 312e12), ("float32", 19.5e12)),
     memory_bandwidth_bytes_per_s=2039e9,
+    matmul_flops=A100_MATMUL_FLOPS,
 )
 # H100 SXM5 datasheet: FP32 67 TFLOPS, BF16/FP16 tensor 1,979 TFLOPS with sparsity = 989.5 dense,
 # HBM3 80 GB at 3.35 TB/s.
@@ -79,6 +95,7 @@ H100_80GB = DeviceSpec(
     memory_bytes=80 * GiB,
     peak_flops=(("bfloat16", 989.5e12), ("float16", 989.5e12), ("float32", 67e12)),
     memory_bandwidth_bytes_per_s=3.35e12,
+    matmul_flops=H100_MATMUL_FLOPS,
 )
 # H200 SXM datasheet: same compute as H100 SXM (FP32 67, BF16/FP16 989.5 dense TFLOPS),
 # HBM3e 141 GB at 4.8 TB/s.
@@ -87,6 +104,7 @@ H200_141GB = DeviceSpec(
     memory_bytes=141 * GiB,
     peak_flops=(("bfloat16", 989.5e12), ("float16", 989.5e12), ("float32", 67e12)),
     memory_bandwidth_bytes_per_s=4.8e12,
+    matmul_flops=H100_MATMUL_FLOPS,
 )
 
 # H100 PCIe datasheet: FP32 51 TFLOPS, BF16/FP16 tensor 1,513 TFLOPS with sparsity = 756.5 dense,

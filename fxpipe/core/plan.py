@@ -15,6 +15,7 @@ from fxpipe.core.jsonvalues import JSONValueError, field_hints, read_field
 from fxpipe.core.precision import DEFAULT_PRECISION, PRECISIONS
 from fxpipe.core.schedule import TRAINING_SCHEDULES, WARMUP_POLICIES
 from fxpipe.core.sharding import DEFAULT_SHARDING, SHARDING_LEVELS
+from fxpipe.core.utilization import model_flops_utilization, tokens_per_s_per_device
 from fxpipe.core.virtual import chunk_group_problems, chunk_layout_of, shared_device_problems
 from fxpipe.core.virtual_fit import schedule_fit_problems
 
@@ -81,6 +82,11 @@ class Prediction:
     ``cost_source`` says where the block times behind the figures came from: ``"measured"`` (timed on
     this machine's devices), ``"analytic"`` (the device model; optimistic, see docs/clusters.md),
     ``"profile"`` (a profile file), or ``""`` when not recorded.
+
+    ``model_flops_per_sample`` (model FLOPs as Megatron counts them: 3 x the forward matmul FLOPs),
+    ``tokens_per_sample`` (a language model's sequence length) and ``peak_flops_per_device`` (the datasheet
+    peak for the plan's precision) give MFU and tokens/s per device (:mod:`fxpipe.core.utilization`);
+    0 = unknown (absent from the JSON, and from files written before them).
     """
 
     iteration_time_s: float
@@ -89,6 +95,9 @@ class Prediction:
     analytic_iteration_time_s: float = 0.0
     dp_iteration_time_s: float = 0.0
     cost_source: str = ""
+    model_flops_per_sample: float = 0.0
+    tokens_per_sample: int = 0
+    peak_flops_per_device: float = 0.0
 
     @property
     def speedup_over_dp(self) -> float:
@@ -215,6 +224,7 @@ class Plan:
         if self.predicted is not None:
             data["predicted"]["peak_memory_bytes"] = [stage.peak_memory_bytes for stage in self.stages]
             data["predicted"]["speedup_over_dp"] = _finite_or_none(self.predicted.speedup_over_dp)
+            _utilization_json(data["predicted"], self)
         return data
 
     def to_json(self) -> str:
@@ -261,6 +271,17 @@ def plan_argument_kind(plan: str | Path) -> str:
         return "file"
     raise PlanError(f"plan {plan!r} is not 'auto', 'markers', a layout (replica counts joined by ':', such as "
                     "'3:1' or '1:1:1:1', or 'dp') nor an existing plan file; fix the spelling or the path")
+
+
+def _utilization_json(predicted: dict[str, Any], plan: Plan) -> None:
+    """Leave out unknown (0) utilization figures, so plans without them keep their bytes; add the derived MFU
+    and tokens/s per device (for readers; not read back) where they are known."""
+    for key in ("model_flops_per_sample", "tokens_per_sample", "peak_flops_per_device"):
+        if not predicted[key]:
+            del predicted[key]
+    for key, value in (("mfu", model_flops_utilization(plan)), ("tokens_per_s_per_device", tokens_per_s_per_device(plan))):
+        if value is not None:
+            predicted[key] = value
 
 
 def _finite_or_none(value: float) -> float | None:

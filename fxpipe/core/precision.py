@@ -43,17 +43,19 @@ def autocast_device_type(device: DeviceSpec) -> str:
 
 
 def matmul_flops_per_s(device: DeviceSpec, dtype_name: str) -> float:
-    """The rate matmuls and convolutions run at in ``dtype_name`` on ``device``.
+    """The rate matmuls and convolutions run at in ``dtype_name`` on ``device``: its achievable matmul rate
+    (``DeviceSpec.matmul_flops``, published GEMM figures on GPU presets) where it has one, else its peak.
 
     Tensor-core dtypes take the device's rate for them (a PrecisionError when it has none, such as
     bfloat16 on a V100); any other dtype (float32, float64) takes the float32 rate.
     """
     table = dict(device.peak_flops)
+    achievable = dict(device.matmul_flops)
     if dtype_name in table:
-        return table[dtype_name]
+        return achievable.get(dtype_name, table[dtype_name])
     if dtype_name in LOW_PRECISION_DTYPES:
         precision = precision_of_dtype(dtype_name)
         raise PrecisionError(f"device {device.name!r} has no {dtype_name} rate (it lists {sorted(table)}), so "
                              f"precision {precision!r} cannot be planned for it; choose a precision it lists "
                              "(fp16 on a V100) or fp32")
-    return device.flops_per_s("float32")
+    return achievable.get("float32", device.flops_per_s("float32"))

@@ -1,0 +1,96 @@
+"""Model FLOPs as Megatron counts them, MFU and tokens/s per device: the count, the plan field, the printed figures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import fxpipe
+from fxpipe.core.plan import Plan
+from fxpipe.core.utilization import model_flops_utilization, tokens_per_s_per_device, utilization_text
+from fxpipe.passes import annotate_costs, trace
+from fxpipe.passes.model_flops import model_flops_per_sample, tokens_per_sample
+from fxpipe.report import summary_lines
+
+pytest.importorskip("transformers")
+hf_examples = pytest.importorskip("fxpipe.hf_examples")
+
+# legend: L layers, h width, s sequence length, V vocabulary, f MLP width, k key/value width (GQA)
+L, H, HEADS, S, V = 2, 64, 4, 16, 96
+
+
+def megatron_flops_per_sample(num_matmul_params: int) -> int:
+    """Megatron's model FLOPs of one sequence: (6N + 12 L h s) per token, N the matmul parameters."""
+    return S * (6 * num_matmul_params + 12 * L * H * S)
+
+
+def _count(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[float, int]:
+    gm = annotate_costs(trace(model, inputs))
+    return model_flops_per_sample(gm), tokens_per_sample(gm)
+
+
+def test_a_gpt_costs_6n_plus_12lhs_per_token() -> None:
+    # GPT-2: fused qkv (h x 3h), output projection, a 4h MLP, the tied output head (V x h) used as a matmul
+    model, inputs = hf_examples.gpt2(n_layer=L, n_embd=H, n_head=HEADS, vocab_size=V, seq_len=S)
+    flops, tokens = _count(model, inputs)
+    num_matmul_params = L * (3 * H * H + H * H + 2 * 4 * H * H) + V * H  # 12 L h^2 + V h; biases are not matmuls
+    assert tokens == S
+    assert flops == pytest.approx(megatron_flops_per_sample(num_matmul_params), rel=1e-12)
+
+
+def test_grouped_query_attention_and_a_gated_mlp_count_their_own_matmuls() -> None:
+    # Llama: q and o are h x h, k and v h x k (2 KV heads of 4), gate/up/down h x f; the attention products
+    # still run over every query head: 12 L h s per token, full (Megatron does not halve causal attention)
+    intermediate, kv_heads = 160, 2
+    model, inputs = hf_examples.llama(num_layers=L, hidden=H, heads=HEADS, vocab_size=V, seq_len=S,
+                                      intermediate=intermediate, kv_heads=kv_heads)
+    flops, tokens = _count(model, inputs)
+    kv_width = H // HEADS * kv_heads
+    num_matmul_params = L * (2 * H * H + 2 * H * kv_width + 3 * H * intermediate) + V * H
+    assert tokens == S
+    assert flops == pytest.approx(megatron_flops_per_sample(num_matmul_params), rel=1e-12)
+
+
+def test_inputs_that_are_not_token_ids_have_no_tokens() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    gm = annotate_costs(trace(model, (torch.randn(3, 8),)))
+    assert tokens_per_sample(gm) == 0
+    assert model_flops_per_sample(gm) == 3 * 2 * 8 * 4
+
+
+def _planned() -> Plan:
+    model, inputs = hf_examples.gpt2(n_layer=L, n_embd=H, n_head=HEADS, vocab_size=V, seq_len=S)
+    return fxpipe.plan(model, inputs, cluster="1x4:h100", global_batch_size=32, costs="analytic", precision="bf16")
+
+
+def test_the_plan_carries_the_count_and_its_mfu_round_trips_through_json() -> None:
+    plan = _planned()
+    predicted = plan.predicted
+    assert predicted is not None
+    num_matmul_params = L * 12 * H * H + V * H
+    assert predicted.model_flops_per_sample == pytest.approx(megatron_flops_per_sample(num_matmul_params), rel=1e-12)
+    assert (predicted.tokens_per_sample, predicted.peak_flops_per_device) == (S, 989.5e12)  # the bf16 datasheet peak
+    mfu = predicted.model_flops_per_sample * 32 / predicted.iteration_time_s / (plan.world_size * 989.5e12)
+    assert model_flops_utilization(plan) == pytest.approx(mfu, rel=1e-12)
+    assert tokens_per_s_per_device(plan) == pytest.approx(S * 32 / predicted.iteration_time_s / plan.world_size)
+    data = json.loads(plan.to_json())
+    assert data["predicted"]["mfu"] == pytest.approx(mfu, rel=1e-12)  # derived, for readers
+    assert Plan.from_json(plan.to_json()) == plan
+    # a file written before the count existed: unknown, no MFU, and no keys written back
+    for key in ("model_flops_per_sample", "tokens_per_sample", "peak_flops_per_device", "mfu", "tokens_per_s_per_device"):
+        del data["predicted"][key]
+    old = Plan.from_json(json.dumps(data))
+    assert model_flops_utilization(old) is None and tokens_per_s_per_device(old) is None
+    assert "mfu" not in json.loads(old.to_json())["predicted"]
+
+
+def test_the_plan_table_and_a_measured_step_show_mfu_and_tokens_per_device() -> None:
+    plan = _planned()
+    assert plan.predicted is not None
+    line = next(line for line in summary_lines(plan) if "MFU" in line)
+    assert f"MFU {model_flops_utilization(plan):.1%}" in line and "tokens/s/device" in line
+    slower = 2 * plan.predicted.iteration_time_s  # a measured step twice the prediction: half the MFU
+    assert model_flops_utilization(plan, slower) == pytest.approx(model_flops_utilization(plan) / 2)
+    assert utilization_text(plan, slower).startswith(f"MFU {model_flops_utilization(plan) / 2:.1%}")
