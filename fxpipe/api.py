@@ -166,11 +166,9 @@ class PipelinedModule:
         """Parameters and buffers of this rank's stage under their original names (detached), whole tensors.
 
         A sharded stage's parameters are gathered (``DTensor.full_tensor``): a collective over the stage's
-        replicas, so every rank calls it (as ``save`` does).
+        replicas, so every rank calls it (as ``save`` does); a tensor-parallel stage's over its group.
         """
-        from fxpipe.runtime.parallel.sharded_stage import full_value
-
-        return {name: full_value(tensor) for name, tensor in self._stage_tensors().items()}
+        return {name: self.driver.whole(name, tensor) for name, tensor in self._stage_tensors().items()}
 
     def _stage_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's parameters (shards on a sharded stage) and buffers by original name, every alias."""
@@ -194,7 +192,7 @@ class PipelinedModule:
         if missing:
             raise KeyError(f"state dict lacks {missing} held by stage {self.stage_index}")
         for name, tensor in own.items():
-            copy_full_into(tensor, state[name])
+            copy_full_into(tensor, self.driver.part(name, state[name]))
 
     def train(self, mode: bool = True) -> PipelinedModule:
         self.driver.runner.module.train(mode)
@@ -378,6 +376,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     The process group comes first; every later setup phase is collective (:func:`setup_phase`), so an
     error on any rank raises on every rank within seconds, naming the rank and the phase.
     """
+    from fxpipe.compile_tensor_parallel import apply_tensor_parallel
     from fxpipe.passes import trace
     from fxpipe.passes.batchdims import resolve_target_dim
     from fxpipe.passes.codegen import split_for_plan
@@ -391,6 +390,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     from fxpipe.runtime.faults.guard import release_group, setup_group, setup_phase
     from fxpipe.runtime.numerics.batchnorm import check_batch_norm_mode, check_layers_kept, warn_batch_norm
     from fxpipe.runtime.numerics.loss_check import check_loss_fn
+    from fxpipe.runtime.parallel.tensor_parallel import check_layout_options
     from fxpipe.runtime.sync import check_sync_mode, synchronize_driver
     from fxpipe.runtime.transport.batchcheck import check_batch_mode
     from fxpipe.runtime.transport.comm import init_distributed
@@ -432,6 +432,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
                 check_world(resolved, program, context.world_size)
                 check_loss_fn(options.loss_fn, program, options.loss_reduction)
                 check_stages_hold_parameters(program, resolved)
+                check_layout_options(resolved, compile_settings is not None, options.batch_norm)
                 check_recompute_batch_norm(resolved, [stage.module for stage in program.stages], options.batch_norm)
                 resolved = with_compile_notes(resolved, compile_settings, options.timeout_s)
     finally:
@@ -453,6 +454,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
             driver.step_hooks.append(commit)
     compile_stage(driver, compile_settings, options.batch_norm)
     synchronize_driver(driver, options.sync_params)  # on full tensors, before sharding
+    apply_tensor_parallel(driver)
     driver.shard_stage()
     if compile_settings is not None:
         warm_compiled_stage(driver)  # a collective: every rank compiles here, not in the first step

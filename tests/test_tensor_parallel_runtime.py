@@ -1,0 +1,239 @@
+"""Tensor-parallel stage replicas (``RxT``) on 4 gloo ranks: T=2 stages next to T=1 stages, with replicas and tied
+weights, train exactly as one process (loss, gathered gradients, clipped norm, weights), predict and evaluate
+other batch shapes, save and load across T, and each rank holds its share of the stage's weights."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxpipe
+from fxpipe.core.plan import Plan
+from fxpipe.passes import trace
+from fxpipe.runtime.faults.errors import PipelineSetupError
+from tests.exactness_oracle import LEARNING_RATE, mismatches, train_reference
+from tests.mp_utils import plan_from_cuts, run_ranks
+from tests.test_sharded_stages import _world
+
+transformers = pytest.importorskip("transformers")
+hf_examples = pytest.importorskip("fxpipe.hf_examples")
+
+WORLD_SIZE = 4
+GLOBAL_BATCH = 8
+NUM_MICROBATCHES = 2
+NUM_STEPS = 3
+SEQ_LEN = 8
+MAX_NORM = 0.05  # below every step's norm: every step clips (checked against the reference's norms)
+ADAM_EPS = 1e-5  # attention key biases get rounding-noise gradients (see test_hf_models)
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with separate q, k, v projections (B, S, D) -> (B, S, D)."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def split(t: torch.Tensor) -> torch.Tensor:  # (B, S, D) -> (B, H, S, D / H)
+            return t.unflatten(-1, (self.heads, -1)).transpose(1, 2)
+
+        y = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)), is_causal=True)
+        return self.out(y.transpose(1, 2).flatten(-2))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attention = Attention(dim, heads)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.norm1(x))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class TinyLM(nn.Module):
+    """tokens (B, S) -> logits (B, S, vocab): embedding, attention + MLP blocks, untied output head."""
+
+    def __init__(self, vocab: int, dim: int, heads: int, num_blocks: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = nn.Embedding(vocab, dim)
+        self.blocks = nn.Sequential(*[Block(dim, heads) for _ in range(num_blocks)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.blocks(self.embedding(tokens))))
+
+
+def _token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _hf_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    return hf_examples.hf_loss(output, targets)
+
+
+# name -> (factory of (model, example inputs), vocabulary, loss)
+MODELS: dict[str, tuple[Any, int, Any]] = {
+    "attention": (lambda: (TinyLM(64, 32, 4, 2), torch.zeros(2, SEQ_LEN, dtype=torch.long)), 64, _token_loss),
+    "vocab": (lambda: (TinyLM(1024, 16, 2, 1), torch.zeros(2, SEQ_LEN, dtype=torch.long)), 1024, _token_loss),
+    "llama": (lambda: hf_examples.llama(hidden=32, heads=4, kv_heads=2, seq_len=SEQ_LEN), 100, _hf_loss),
+    "gpt2": (lambda: hf_examples.gpt2(n_head=4, seq_len=SEQ_LEN), 100, _hf_loss),
+}
+# (name, model, layout: (replicas, T) per stage)
+CASES = (
+    ("attention 1x2:2", "attention", ((1, 2), (2, 1))),
+    ("llama 2x2", "llama", ((2, 2),)),
+    ("gpt2 1x2:1x2", "gpt2", ((1, 2), (1, 2))),
+    ("vocab 2:1x2", "vocab", ((2, 1), (1, 2))),
+)
+
+
+def _batch(model: str, rows: int, seq: int, seed: int) -> tuple[Any, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, MODELS[model][1], (rows, seq + 1), generator=generator)
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    return ({"input_ids": inputs} if model in ("llama", "gpt2") else inputs), targets
+
+
+def _batches(model: str) -> list[tuple[Any, torch.Tensor]]:
+    return [_batch(model, GLOBAL_BATCH, SEQ_LEN, 100 + step) for step in range(NUM_STEPS)]
+
+
+def _clipped(model: nn.Module) -> float:
+    return float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
+
+
+def _plan(model: str, layout: tuple[tuple[int, int], ...]) -> Plan:
+    """Equal node-count cuts, then each stage as ``replicas`` groups of ``T`` devices, numbered stage by stage."""
+    module, example = MODELS[model][0]()
+    example = example if isinstance(example, tuple | dict) else (example,)
+    plan = plan_from_cuts(trace(copy.deepcopy(module), example), [r for r, _ in layout], GLOBAL_BATCH, NUM_MICROBATCHES)
+    stages, first = [], 0
+    for stage, (replicas, degree) in zip(plan.stages, layout, strict=True):
+        devices = tuple(range(first, first + replicas * degree))
+        first += len(devices)
+        stages.append(dataclasses.replace(stage, devices=devices, tensor_parallel=degree))
+    return plan.with_updates(stages=tuple(stages))
+
+
+def _compile(model: str, plan: Plan) -> Any:
+    module, example = MODELS[model][0]()
+    return fxpipe.compile(module, example, loss_fn=MODELS[model][2], global_batch_size=GLOBAL_BATCH, plan=plan,
+                          loss_reduction="mean")
+
+
+def _reference(model: str) -> dict[str, Any]:
+    module, _ = MODELS[model][0]()
+    return train_reference(module, MODELS[model][2], _batches(model), adam_eps=ADAM_EPS, after_backward=_clipped)
+
+
+def _whole_weights(pipe: Any) -> dict[str, torch.Tensor]:
+    names = {name for name, _ in pipe.named_parameters()}
+    return {name: tensor for name, tensor in pipe.state_dict().items() if name in names}
+
+
+def _train(pipe: Any, model: str, reference: dict[str, Any]) -> dict[str, Any]:
+    """Clipped AdamW steps: loss, gathered gradients, norm and final weights against the one-process reference."""
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
+    problems: list[str] = []
+    losses, norms = [], []
+    for step, (inputs, targets) in enumerate(_batches(model)):
+        losses.append(pipe.step(inputs, targets))
+        norms.append(float(pipe.clip_grad_norm_(MAX_NORM)))
+        grads = {name: pipe.driver.whole(name, param.grad) for name, param in pipe.named_parameters()}
+        tolerance = {"rtol": 1e-4, "atol": 1e-6} if step == 0 else {"rtol": 1e-3, "atol": 1e-6, "atol_of_largest": 1e-3}
+        problems += mismatches(f"step {step} grad", grads, reference["grads_per_step"][step], **tolerance)
+        optimizer.step()
+        optimizer.zero_grad()
+    problems += mismatches("weights", _whole_weights(pipe), reference["params"], rtol=0.0, atol=1e-4)
+    if not torch.allclose(torch.tensor(losses), torch.tensor(reference["losses"]), rtol=1e-5, atol=1e-6):
+        problems.append(f"losses {losses} vs {reference['losses']}")
+    if not torch.allclose(torch.tensor(norms), torch.tensor(reference["after_backward"]), rtol=1e-4, atol=0.0) \
+            or min(reference["after_backward"]) <= MAX_NORM:
+        problems.append(f"clipped norms {norms} vs {reference['after_backward']}")
+    return {"problems": problems, "optimizer": optimizer}
+
+
+def _inference(pipe: Any, model: str, reference: dict[str, Any]) -> list[str]:
+    """predict (whole outputs on every rank) and evaluate of other batch shapes against the trained reference."""
+    trained, loss_fn = reference["model"], MODELS[model][2]
+    problems = []
+    for rows, seq in ((GLOBAL_BATCH, SEQ_LEN - 3), (GLOBAL_BATCH - 3, SEQ_LEN)):
+        inputs, targets = _batch(model, rows, seq, 7)
+        with torch.no_grad():
+            expected = trained(**inputs) if isinstance(inputs, dict) else trained(inputs)
+            expected_loss = float(loss_fn(expected, targets))
+        output = pipe.predict(inputs)
+        logits = output["logits"] if isinstance(output, dict) else output
+        problems += mismatches(f"predict {rows}x{seq}", {"logits": logits},
+                               {"logits": expected["logits"] if isinstance(expected, dict) else expected},
+                               rtol=1e-3, atol=1e-4)
+        loss = pipe.evaluate(inputs, targets)
+        if abs(loss - expected_loss) > 1e-4 * abs(expected_loss):
+            problems.append(f"evaluate {rows}x{seq}: {loss} vs {expected_loss}")
+    return problems
+
+
+def _shares(pipe: Any) -> dict[str, Any]:
+    """This rank's parameter elements against the stage's whole ones, and the elements held sharded."""
+    held = sum(param.numel() for _, param in pipe.named_parameters())
+    whole = sum(tensor.numel() for tensor in _whole_weights(pipe).values())
+    sharded = sum(param.numel() for name, param in pipe.named_parameters()
+                  if name in pipe.driver.tp_params and pipe.driver.tp_params[name].dim is not None)
+    return {"held": held, "whole": whole, "sharded": sharded, "degree": pipe.driver.tensor_parallel.degree}
+
+
+def _run(rank: int, world_size: int, store_dir: str, directory: str) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    references = {model: _reference(model) for model in {model for _, model, _ in CASES}}
+    for index, (name, model, layout) in enumerate(CASES):
+        with _world(store_dir, f"case-{index}", rank, world_size):
+            pipe = _compile(model, _plan(model, layout))
+            record = _train(pipe, model, references[model])
+            problems = record["problems"] + _inference(pipe, model, references[model])
+            if index == 0:  # saved at T = 2 on stage 0, loaded below at T = 1 and back
+                pipe.save(directory, optimizer=record["optimizer"], step=NUM_STEPS)
+            results[name] = {"problems": problems, "shares": _shares(pipe), "stage": pipe.stage_index}
+    trained = references["attention"]["params"]
+    for index, layout in enumerate((((2, 1), (2, 1)), ((2, 2),))):  # load T=2's checkpoint at T = 1, save, load at T = 2
+        with _world(store_dir, f"load-{index}", rank, world_size):
+            pipe = _compile("attention", _plan("attention", layout))
+            optimizer = torch.optim.AdamW(pipe.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
+            pipe.load(directory, optimizer=optimizer)
+            problems = mismatches(f"loaded {layout}", _whole_weights(pipe), trained, rtol=0.0, atol=1e-4)
+            pipe.save(f"{directory}-{index}", optimizer=optimizer, step=NUM_STEPS)
+            directory = f"{directory}-{index}"
+            results[f"load {layout}"] = {"problems": problems}
+    with _world(store_dir, "tied", rank, world_size):  # GPT-2 ties its head to the embedding: T must agree
+        try:
+            _compile("gpt2", _plan("gpt2", ((1, 2), (2, 1))))
+            results["tied"] = ""
+        except PipelineSetupError as error:
+            results["tied"] = str(error)
+    return results
+
+
+@pytest.mark.multiprocess
+def test_tensor_parallel_stages_train_like_one_process(tmp_path: Path) -> None:
+    per_rank = run_ranks(_run, WORLD_SIZE, tmp_path, str(tmp_path / "checkpoint"), timeout_s=300.0)
+    failures = []
+    for rank, results in enumerate(per_rank):
+        for name, record in results.items():
+            if name != "tied":
+                failures += [f"{name} rank {rank}: {problem}" for problem in record["problems"][:3]]
+        assert "tied across stages [0, 1]" in results["tied"] and "same T" in results["tied"], results["tied"]
+    assert not failures, "\n".join(failures)
