@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
+from fxpipe import compile_tensor_parallel
+from fxpipe.compile_tensor_parallel import communicator, whole_parameters
 from fxpipe.core.plan import Plan
 from fxpipe.passes import trace
 from fxpipe.runtime.faults.errors import PipelineSetupError
+from fxpipe.runtime.parallel.tensor_parallel import TensorParallelParam
 from tests.exactness_oracle import LEARNING_RATE, mismatches, train_reference
 from tests.mp_utils import plan_from_cuts, run_ranks
 from tests.test_sharded_stages import _world
@@ -76,6 +80,94 @@ class TinyLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(self.blocks(self.embedding(tokens))))
+
+
+class _ToGroup(torch.autograd.Function):
+    """Megatron's f: identity forward, the input gradient summed over the group backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, key: str) -> torch.Tensor:
+        ctx.key = key
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return communicator(ctx.key).all_reduce(grad), None
+
+
+class _FromGroup(torch.autograd.Function):
+    """Megatron's g: the partial outputs summed over the group forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, key: str) -> torch.Tensor:
+        return communicator(key).all_reduce(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _GatherFromGroup(torch.autograd.Function):
+    """The members' last-dim chunks put together forward; this member's chunk of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, key: str) -> torch.Tensor:
+        comm = communicator(key)
+        ctx.size, ctx.rank = comm.size, comm.rank
+        return comm.all_gather(x, x.dim() - 1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.chunk(ctx.size, -1)[ctx.rank].contiguous(), None
+
+
+class _ColumnLinear(nn.Module):
+    """This member's output rows of a Linear (weight and bias split along dim 0); ``gather``: the output whole
+    (an output head split over the vocabulary)."""
+
+    def __init__(self, linear: nn.Linear, degree: int, member: int, key: str, gather: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(linear.weight.detach().chunk(degree, 0)[member].clone())
+        self.bias = nn.Parameter(linear.bias.detach().chunk(degree, 0)[member].clone())
+        self.key, self.gather = key, gather
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(_ToGroup.apply(x, self.key), self.weight, self.bias)
+        return _GatherFromGroup.apply(y, self.key) if self.gather else y
+
+
+class _RowLinear(nn.Module):
+    """This member's input columns of a Linear; each member adds bias / T before the sum, so the bias stays whole
+    on every member with a gradient partial over the group (1/T of it each)."""
+
+    def __init__(self, linear: nn.Linear, degree: int, member: int, key: str) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(linear.weight.detach().chunk(degree, 1)[member].clone())
+        self.bias = nn.Parameter(linear.bias.detach().clone())
+        self.degree, self.key = degree, key
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FromGroup.apply(F.linear(x, self.weight, self.bias / self.degree), self.key)
+
+
+def shard_mlps(module: torch.fx.GraphModule, param_names: Any, degree: int, member: int,
+               key: str) -> tuple[torch.fx.GraphModule, list[TensorParallelParam]]:
+    """A stand-in for the graph pass on TinyLM stages: a block's MLP column- then row-parallel (Megatron's pair)
+    where the stage holds both, the output head split over the vocabulary; attention and norms stay whole."""
+    sharded = copy.deepcopy(module)
+    original = dict(param_names)
+    described = {param.name: param for param in whole_parameters(module, param_names)}
+    modules = dict(module.named_modules())
+    pairs = [path for path in modules if f"{path}.up" in modules and f"{path}.down" in modules]
+    # (path, replacement, weight dim, bias dim): None for the bias a row-parallel layer keeps whole (partial gradient)
+    plan = [(f"{p}.up", _ColumnLinear, 0, 0) for p in pairs] + [(f"{p}.down", _RowLinear, 1, None) for p in pairs]
+    plan += [("head", functools.partial(_ColumnLinear, gather=True), 0, 0)] if "head" in modules else []
+    for path, kind, weight_dim, bias_dim in plan:
+        sharded.set_submodule(path, kind(modules[path], degree, member, key))
+        for attribute, dim in (("weight", weight_dim), ("bias", bias_dim)):
+            name = original[f"{path}.{attribute}"]
+            described[name] = TensorParallelParam(name, dim, described[name].full_shape, partial=dim is None)
+    return sharded, list(described.values())
 
 
 def _token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -151,8 +243,13 @@ def _train(pipe: Any, model: str, reference: dict[str, Any]) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
     problems: list[str] = []
     losses, norms = [], []
+    counts = pipe.driver.tp_communicator.counts if pipe.driver.tp_communicator is not None else {}
+    collectives: dict[str, int] = {}
     for step, (inputs, targets) in enumerate(_batches(model)):
+        before = dict(counts)
         losses.append(pipe.step(inputs, targets))
+        if step == 1:
+            collectives = {kind: count - before.get(kind, 0) for kind, count in counts.items() if count > before.get(kind, 0)}
         norms.append(float(pipe.clip_grad_norm_(MAX_NORM)))
         grads = {name: pipe.driver.whole(name, param.grad) for name, param in pipe.named_parameters()}
         tolerance = {"rtol": 1e-4, "atol": 1e-6} if step == 0 else {"rtol": 1e-3, "atol": 1e-6, "atol_of_largest": 1e-3}
@@ -165,7 +262,7 @@ def _train(pipe: Any, model: str, reference: dict[str, Any]) -> dict[str, Any]:
     if not torch.allclose(torch.tensor(norms), torch.tensor(reference["after_backward"]), rtol=1e-4, atol=0.0) \
             or min(reference["after_backward"]) <= MAX_NORM:
         problems.append(f"clipped norms {norms} vs {reference['after_backward']}")
-    return {"problems": problems, "optimizer": optimizer}
+    return {"problems": problems, "optimizer": optimizer, "collectives": collectives}
 
 
 def _inference(pipe: Any, model: str, reference: dict[str, Any]) -> list[str]:
@@ -188,26 +285,48 @@ def _inference(pipe: Any, model: str, reference: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _shares(pipe: Any) -> dict[str, Any]:
-    """This rank's parameter elements against the stage's whole ones, and the elements held sharded."""
+def _share_problems(pipe: Any) -> list[str]:
+    """Each sharded parameter holds 1/T of its whole tensor here, so the rank holds the stage's whole elements less
+    (T-1)/T of the sharded ones."""
+    degree, described = pipe.driver.tensor_parallel.degree, pipe.driver.tp_params
+    whole = {name: tensor.numel() for name, tensor in _whole_weights(pipe).items()}
+    sharded = [name for name, param in described.items() if param.dim is not None]
+    problems = [f"{name}: {param.numel()} of {whole[name]} elements on a {degree}-way group"
+                for name, param in pipe.named_parameters() if name in sharded and param.numel() * degree != whole[name]]
     held = sum(param.numel() for _, param in pipe.named_parameters())
-    whole = sum(tensor.numel() for tensor in _whole_weights(pipe).values())
-    sharded = sum(param.numel() for name, param in pipe.named_parameters()
-                  if name in pipe.driver.tp_params and pipe.driver.tp_params[name].dim is not None)
-    return {"held": held, "whole": whole, "sharded": sharded, "degree": pipe.driver.tensor_parallel.degree}
+    expected = sum(whole.values()) - sum(whole[name] for name in sharded) * (degree - 1) // degree
+    return problems + ([f"holds {held} parameter elements, expected {expected}"] if held != expected else [])
+
+
+def _implied_collectives(pipe: Any) -> dict[str, int]:
+    """What the stage's collective layers imply per step: per micro-batch, a column-parallel layer's input gradient
+    all-reduce (and a gathering one's all-gather), a row-parallel layer's output all-reduce."""
+    layers = list(pipe.module.modules())
+    columns = [layer for layer in layers if isinstance(layer, _ColumnLinear)]
+    rows = [layer for layer in layers if isinstance(layer, _RowLinear)]
+    implied = {"all_reduce": NUM_MICROBATCHES * (len(columns) + len(rows)),
+               "all_gather": NUM_MICROBATCHES * sum(layer.gather for layer in columns)}
+    return {kind: count for kind, count in implied.items() if count}
 
 
 def _run(rank: int, world_size: int, store_dir: str, directory: str) -> dict[str, Any]:
     results: dict[str, Any] = {}
     references = {model: _reference(model) for model in {model for _, model, _ in CASES}}
+    stand_in = compile_tensor_parallel.shard_for_member
     for index, (name, model, layout) in enumerate(CASES):
+        # this rank process only: TinyLM stages shard with shard_mlps, the HF ones keep every parameter whole
+        compile_tensor_parallel.shard_for_member = shard_mlps if model in ("attention", "vocab") else stand_in
         with _world(store_dir, f"case-{index}", rank, world_size):
             pipe = _compile(model, _plan(model, layout))
             record = _train(pipe, model, references[model])
-            problems = record["problems"] + _inference(pipe, model, references[model])
+            problems = record["problems"] + _inference(pipe, model, references[model]) + _share_problems(pipe)
+            if record["collectives"] != _implied_collectives(pipe):
+                problems.append(f"collectives per step {record['collectives']}, the layers imply "
+                                f"{_implied_collectives(pipe)}")
             if index == 0:  # saved at T = 2 on stage 0, loaded below at T = 1 and back
                 pipe.save(directory, optimizer=record["optimizer"], step=NUM_STEPS)
-            results[name] = {"problems": problems, "shares": _shares(pipe), "stage": pipe.stage_index}
+            results[name] = {"problems": problems, "stage": pipe.stage_index,
+                             "sharded": sorted(n for n, p in pipe.driver.tp_params.items() if p.dim is not None)}
     trained = references["attention"]["params"]
     for index, layout in enumerate((((2, 1), (2, 1)), ((2, 2),))):  # load T=2's checkpoint at T = 1, save, load at T = 2
         with _world(store_dir, f"load-{index}", rank, world_size):
@@ -236,4 +355,8 @@ def test_tensor_parallel_stages_train_like_one_process(tmp_path: Path) -> None:
             if name != "tied":
                 failures += [f"{name} rank {rank}: {problem}" for problem in record["problems"][:3]]
         assert "tied across stages [0, 1]" in results["tied"] and "same T" in results["tied"], results["tied"]
+    # the stand-in sharder split what it should: stage 0's MLP pair on 1x2:2, the vocabulary head on 2:1x2
+    attention = [results["attention 1x2:2"] for results in per_rank[:2]]
+    assert all("blocks.0.down.weight" in record["sharded"] and record["stage"] == 0 for record in attention), attention
+    assert all("head.weight" in results["vocab 2:1x2"]["sharded"] for results in per_rank[2:]), per_rank[2:]
     assert not failures, "\n".join(failures)
