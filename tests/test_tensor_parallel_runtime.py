@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import time
 from pathlib import Path
 from typing import Any
 
@@ -183,15 +184,16 @@ def _hf_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
 MODELS: dict[str, tuple[Any, int, Any]] = {
     "attention": (lambda: (TinyLM(64, 32, 4, 2), torch.zeros(2, SEQ_LEN, dtype=torch.long)), 64, _token_loss),
     "vocab": (lambda: (TinyLM(1024, 16, 2, 1), torch.zeros(2, SEQ_LEN, dtype=torch.long)), 1024, _token_loss),
-    "llama": (lambda: hf_examples.llama(hidden=32, heads=4, kv_heads=2, seq_len=SEQ_LEN), 100, _hf_loss),
-    "gpt2": (lambda: hf_examples.gpt2(n_head=4, seq_len=SEQ_LEN), 100, _hf_loss),
+    "llama": (lambda: hf_examples.llama(num_layers=1, hidden=32, heads=4, kv_heads=2, seq_len=SEQ_LEN), 100, _hf_loss),
+    "gpt2": (lambda: hf_examples.gpt2(n_layer=1, n_head=4, seq_len=SEQ_LEN), 100, _hf_loss),
 }
-# (name, model, layout: (replicas, T) per stage, schedule)
+# (name, model, layout: (replicas, T) per stage, schedule, sharding over each TP index's replicas)
 CASES = (
-    ("attention 1x2:2", "attention", ((1, 2), (2, 1)), "early_backward"),
-    ("llama 2x2", "llama", ((2, 2),), "early_backward"),
-    ("gpt2 1x2:1x2", "gpt2", ((1, 2), (1, 2)), "gpipe"),
-    ("vocab 2:1x2", "vocab", ((2, 1), (1, 2)), "zero_bubble"),
+    ("attention 1x2:2", "attention", ((1, 2), (2, 1)), "early_backward", "none"),
+    ("llama 2x2", "llama", ((2, 2),), "early_backward", "none"),
+    ("gpt2 1x2:1x2", "gpt2", ((1, 2), (1, 2)), "gpipe", "none"),
+    ("vocab 2:1x2", "vocab", ((2, 1), (1, 2)), "zero_bubble", "none"),
+    ("attention 2x2 ZeRO-2", "attention", ((2, 2),), "early_backward", "gradients"),
 )
 
 
@@ -224,10 +226,10 @@ def _plan(model: str, layout: tuple[tuple[int, int], ...], schedule: str = "earl
     return plan.with_updates(stages=tuple(stages))
 
 
-def _compile(model: str, plan: Plan) -> Any:
+def _compile(model: str, plan: Plan, sharding: str = "none") -> Any:
     module, example = MODELS[model][0]()
     return fxpipe.compile(module, example, loss_fn=MODELS[model][2], global_batch_size=GLOBAL_BATCH, plan=plan,
-                          loss_reduction="mean")
+                          loss_reduction="mean", sharding=sharding, check_rows=False)
 
 
 def _reference(model: str) -> dict[str, Any]:
@@ -313,13 +315,16 @@ def _implied_collectives(pipe: Any) -> dict[str, int]:
 
 def _run(rank: int, world_size: int, store_dir: str, directory: str) -> dict[str, Any]:
     results: dict[str, Any] = {}
+    started = time.perf_counter()
     references = {model: _reference(model) for model in {case[1] for case in CASES}}
+    results["reference seconds"] = {"problems": [], "seconds": time.perf_counter() - started}
     stand_in = compile_tensor_parallel.shard_for_member
-    for index, (name, model, layout, schedule) in enumerate(CASES):
+    for index, (name, model, layout, schedule, sharding) in enumerate(CASES):
         # this rank process only: TinyLM stages shard with shard_mlps, the HF ones keep every parameter whole
         compile_tensor_parallel.shard_for_member = shard_mlps if model in ("attention", "vocab") else stand_in
+        started = time.perf_counter()
         with _world(store_dir, f"case-{index}", rank, world_size):
-            pipe = _compile(model, _plan(model, layout, schedule))
+            pipe = _compile(model, _plan(model, layout, schedule), sharding)
             record = _train(pipe, model, references[model])
             problems = record["problems"] + _inference(pipe, model, references[model]) + _share_problems(pipe)
             problems += _exported_matches(pipe, references[model])  # rank 0: every stage unsharded, trained weights
@@ -328,7 +333,8 @@ def _run(rank: int, world_size: int, store_dir: str, directory: str) -> dict[str
                                 f"{_implied_collectives(pipe)}")
             if index == 0:  # saved at T = 2 on stage 0, loaded below at T = 1 and back
                 pipe.save(directory, optimizer=record["optimizer"], step=NUM_STEPS)
-            results[name] = {"problems": problems, "stage": pipe.stage_index,
+            results[name] = {"problems": problems, "stage": pipe.stage_index, "fsdp": pipe.driver.sharded is not None,
+                             "seconds": time.perf_counter() - started,
                              "sharded": sorted(n for n, p in pipe.driver.tp_params.items() if p.dim is not None)}
     trained = references["attention"]["params"]
     for index, layout in enumerate((((2, 1), (2, 1)), ((2, 2),))):  # load T=2's checkpoint at T = 1, save, load at T = 2
@@ -354,6 +360,8 @@ def test_tensor_parallel_stages_train_like_one_process(tmp_path: Path) -> None:
     attention = [results["attention 1x2:2"] for results in per_rank[:2]]
     assert all("blocks.0.down.weight" in record["sharded"] and record["stage"] == 0 for record in attention), attention
     assert all("head.weight" in results["vocab 2:1x2"]["sharded"] for results in per_rank[2:]), per_rank[2:]
+    assert all(results["attention 2x2 ZeRO-2"]["fsdp"] for results in per_rank)
+    print({name: round(record.get("seconds", 0), 1) for name, record in per_rank[0].items()})
     assert not failures, "\n".join(failures)
 
 

@@ -397,7 +397,7 @@ def _shaped_for(pipe: CheckpointablePipe, name: str, value: torch.Tensor, param:
     """A whole optimizer-state tensor as the parameter holds its state: this rank's shard for a sharded one."""
     driver = getattr(pipe, "driver", None)
     if driver is not None and name in driver.tp_params and value.dim() == param.dim():
-        return driver.part(name, value)  # type: ignore[no-any-return]
+        value = driver.part(name, value)  # this member's part, then (FSDP2 over the replicas too) its shard of that
     return shard_of(value, param) if is_sharded(param) and value.shape == param.shape else value
 
 

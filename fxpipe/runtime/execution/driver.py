@@ -175,12 +175,13 @@ class PipelineDriver:
         setup and the replicas' parameter sync, which runs on whole tensors. FSDP2 now reduces the stage's
         gradients, so the replica allreduce goes; tied weights stay whole and keep their own sums."""
         stage_plan = self.plan.stages[self.stage_index]
-        replica_group = self.groups[self.stage_index]
+        replica_group = self.sum_group  # on a tensor-parallel stage: this member's own kind over the replicas
         if stage_plan.sharding == "none" or replica_group is None:
             return
-        tied = {name for name, _ in self.program.tie_groups}  # under any of a parameter's names
+        # under any of a parameter's names; gradients partial over a tensor-parallel group keep their whole-stage sum
+        kept = {name for name, _ in self.program.tie_groups} | {n for n, p in self.tp_params.items() if p.partial}
         self.sharded = ShardedStage(self.runner.module, stage_plan.sharding, replica_group, self.context.device,
-                                    stage_plan.recompute, [p for name, p in self.runner.parameters() if name in tied],
+                                    stage_plan.recompute, [p for name, p in self.runner.parameters() if name in kept],
                                     self.runner.compiled)
         self.runner.call = self.sharded
         if self.overlap is not None:
@@ -197,8 +198,8 @@ class PipelineDriver:
     def whole(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Stage tensor ``name`` (original name) whole, detached: gathered over a sharded stage's replicas or a
         tensor-parallel group (a collective there, every member calls it)."""
-        param = self.tp_params.get(name)
-        return gather_full(tensor, param, self.tensor_parallel) if param is not None else full_value(tensor)
+        param = self.tp_params.get(name)  # a tensor-parallel shard may be FSDP2-sharded over the replicas too
+        return gather_full(full_value(tensor), param, self.tensor_parallel) if param is not None else full_value(tensor)
 
     def part(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This group member's part of whole tensor ``name`` (the whole tensor unless tensor-parallel sharded)."""

@@ -161,12 +161,6 @@ def check_layout_options(plan: Plan, torch_compile: bool, batch_norm: str) -> No
     stages = [stage.stage_index for stage in plan.stages if stage.tensor_parallel > 1]
     if not stages:
         return
-    sharded = [s for s in stages if plan.stages[s].sharding != "none"]
-    if sharded:
-        raise PipelineSetupError(
-            f"stages {sharded} are tensor-parallel and sharded ({[plan.stages[s].sharding for s in sharded]}); "
-            "sharding over the replicas of a tensor-parallel stage is not supported yet: compile with "
-            "sharding='none' for those stages, or use more replicas with T = 1")
     if torch_compile:
         raise PipelineSetupError(f"torch_compile with tensor-parallel stages {stages} is not supported yet; "
                                  "compile with torch_compile=False, or plan those stages with T = 1")
