@@ -432,7 +432,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
                 check_world(resolved, program, context.world_size)
                 check_loss_fn(options.loss_fn, program, options.loss_reduction)
                 check_stages_hold_parameters(program, resolved)
-                check_layout_options(resolved, compile_settings is not None, options.batch_norm)
+                check_layout_options(resolved, options.batch_norm)
                 check_recompute_batch_norm(resolved, [stage.module for stage in program.stages], options.batch_norm)
                 resolved = with_compile_notes(resolved, compile_settings, options.timeout_s)
     finally:
@@ -454,7 +454,8 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
             driver.step_hooks.append(commit)
     compile_stage(driver, compile_settings, options.batch_norm)
     synchronize_driver(driver, options.sync_params)  # on full tensors, before sharding
-    apply_tensor_parallel(driver)
+    if apply_tensor_parallel(driver) is not None:  # the member's shard replaced the module compile_stage wrapped
+        compile_stage(driver, compile_settings, options.batch_norm)
     driver.shard_stage()
     if compile_settings is not None:
         warm_compiled_stage(driver)  # a collective: every rank compiles here, not in the first step

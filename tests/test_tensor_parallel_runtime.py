@@ -187,13 +187,14 @@ MODELS: dict[str, tuple[Any, int, Any]] = {
     "llama": (lambda: hf_examples.llama(num_layers=1, hidden=32, heads=4, kv_heads=2, seq_len=SEQ_LEN), 100, _hf_loss),
     "gpt2": (lambda: hf_examples.gpt2(n_layer=1, n_head=4, seq_len=SEQ_LEN), 100, _hf_loss),
 }
-# (name, model, layout: (replicas, T) per stage, schedule, sharding over each TP index's replicas)
+# (name, model, layout: (replicas, T) per stage, schedule, sharding over each TP index's replicas, torch_compile)
 CASES = (
-    ("attention 1x2:2", "attention", ((1, 2), (2, 1)), "early_backward", "none"),
-    ("llama 2x2", "llama", ((2, 2),), "early_backward", "none"),
-    ("gpt2 1x2:1x2", "gpt2", ((1, 2), (1, 2)), "gpipe", "none"),
-    ("vocab 2:1x2", "vocab", ((2, 1), (1, 2)), "zero_bubble", "none"),
-    ("attention 2x2 ZeRO-2", "attention", ((2, 2),), "early_backward", "gradients"),
+    ("attention 1x2:2", "attention", ((1, 2), (2, 1)), "early_backward", "none", False),
+    ("llama 2x2", "llama", ((2, 2),), "early_backward", "none", False),
+    ("gpt2 1x2:1x2", "gpt2", ((1, 2), (1, 2)), "gpipe", "none", False),
+    ("vocab 2:1x2", "vocab", ((2, 1), (1, 2)), "zero_bubble", "none", False),
+    ("attention 2x2 ZeRO-2", "attention", ((2, 2),), "early_backward", "gradients", False),
+    ("vocab 2:1x2 compiled", "vocab", ((2, 1), (1, 2)), "early_backward", "none", {"backend": "aot_eager"}),
 )
 
 
@@ -226,10 +227,10 @@ def _plan(model: str, layout: tuple[tuple[int, int], ...], schedule: str = "earl
     return plan.with_updates(stages=tuple(stages))
 
 
-def _compile(model: str, plan: Plan, sharding: str = "none") -> Any:
+def _compile(model: str, plan: Plan, sharding: str = "none", torch_compile: Any = False) -> Any:
     module, example = MODELS[model][0]()
     return fxpipe.compile(module, example, loss_fn=MODELS[model][2], global_batch_size=GLOBAL_BATCH, plan=plan,
-                          loss_reduction="mean", sharding=sharding, check_rows=False)
+                          loss_reduction="mean", sharding=sharding, check_rows=False, torch_compile=torch_compile)
 
 
 def _reference(model: str) -> dict[str, Any]:
@@ -319,14 +320,15 @@ def _run(rank: int, world_size: int, store_dir: str, directory: str) -> dict[str
     references = {model: _reference(model) for model in {case[1] for case in CASES}}
     results["reference seconds"] = {"problems": [], "seconds": time.perf_counter() - started}
     stand_in = compile_tensor_parallel.shard_for_member
-    for index, (name, model, layout, schedule, sharding) in enumerate(CASES):
+    for index, (name, model, layout, schedule, sharding, compiled) in enumerate(CASES):
         # this rank process only: TinyLM stages shard with shard_mlps, the HF ones keep every parameter whole
         compile_tensor_parallel.shard_for_member = shard_mlps if model in ("attention", "vocab") else stand_in
         started = time.perf_counter()
         with _world(store_dir, f"case-{index}", rank, world_size):
-            pipe = _compile(model, _plan(model, layout, schedule), sharding)
+            pipe = _compile(model, _plan(model, layout, schedule), sharding, compiled)
             record = _train(pipe, model, references[model])
-            problems = record["problems"] + _inference(pipe, model, references[model]) + _share_problems(pipe)
+            problems = record["problems"] + _share_problems(pipe)
+            problems += [] if compiled else _inference(pipe, model, references[model])  # new shapes would recompile
             problems += _exported_matches(pipe, references[model])  # rank 0: every stage unsharded, trained weights
             if record["collectives"] != _implied_collectives(pipe):
                 problems.append(f"collectives per step {record['collectives']}, the layers imply "
@@ -334,6 +336,7 @@ def _run(rank: int, world_size: int, store_dir: str, directory: str) -> dict[str
             if index == 0:  # saved at T = 2 on stage 0, loaded below at T = 1 and back
                 pipe.save(directory, optimizer=record["optimizer"], step=NUM_STEPS)
             results[name] = {"problems": problems, "stage": pipe.stage_index, "fsdp": pipe.driver.sharded is not None,
+                             "frames": pipe.compile_stats()[rank].num_frames if compiled else 0,
                              "seconds": time.perf_counter() - started,
                              "sharded": sorted(n for n, p in pipe.driver.tp_params.items() if p.dim is not None)}
     trained = references["attention"]["params"]
@@ -361,6 +364,7 @@ def test_tensor_parallel_stages_train_like_one_process(tmp_path: Path) -> None:
     assert all("blocks.0.down.weight" in record["sharded"] and record["stage"] == 0 for record in attention), attention
     assert all("head.weight" in results["vocab 2:1x2"]["sharded"] for results in per_rank[2:]), per_rank[2:]
     assert all(results["attention 2x2 ZeRO-2"]["fsdp"] for results in per_rank)
+    assert all(results["vocab 2:1x2 compiled"]["frames"] > 0 for results in per_rank)
     print({name: round(record.get("seconds", 0), 1) for name, record in per_rank[0].items()})
     assert not failures, "\n".join(failures)
 

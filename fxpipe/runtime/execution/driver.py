@@ -162,8 +162,8 @@ class PipelineDriver:
     def apply_tensor_parallel(self, module: torch.fx.GraphModule, params: Sequence[TensorParallelParam]) -> None:
         """Run this group member's shard of the stage (``module``, the same attribute paths; ``params`` says how
         each parameter is held): after the parameter sync, which runs on whole tensors."""
-        assert self.tensor_parallel.degree > 1 and self.sharded is None and self.runner.compiled is None
-        self.runner.use_module(module)
+        assert self.tensor_parallel.degree > 1 and self.sharded is None
+        self.runner.use_module(module)  # a compiled stage is compiled again on the shard (fxpipe.api)
         self.tp_params = {param.name: param for param in params}
         self._own_params = unique_params(self.runner.parameters())
         self._param_list = [param for _, param in self._own_params]

@@ -137,6 +137,7 @@ class StageRunner:
         self.module = module.to(self.device)
         self._copied_inputs = inputs_changed_in_place(self.module)
         self._trained = None
+        self.compiled = self.split = None  # compiled for the module it replaces
 
     def parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """``(original name, parameter)`` for every parameter of this stage."""

@@ -156,14 +156,11 @@ def counts_in_norm(param: TensorParallelParam | None, member: int) -> bool:
     return member == 0 or (param is not None and param.dim is not None)
 
 
-def check_layout_options(plan: Plan, torch_compile: bool, batch_norm: str) -> None:
+def check_layout_options(plan: Plan, batch_norm: str) -> None:
     """Refuse, on every rank alike, what tensor-parallel stages do not run yet (never a silently wrong result)."""
     stages = [stage.stage_index for stage in plan.stages if stage.tensor_parallel > 1]
     if not stages:
         return
-    if torch_compile:
-        raise PipelineSetupError(f"torch_compile with tensor-parallel stages {stages} is not supported yet; "
-                                 "compile with torch_compile=False, or plan those stages with T = 1")
     if batch_norm != "microbatch":
         raise PipelineSetupError(f"batch_norm={batch_norm!r} with tensor-parallel stages {stages} is not supported "
                                  "yet; use batch_norm='microbatch'")
