@@ -24,6 +24,7 @@ from fxpipe.passes.batchdims import graph_batch_dims
 from fxpipe.passes.fakerun import RunState, SymbolicCost
 from fxpipe.passes.flops import NodeRunError, run_fake
 from fxpipe.passes.losscost import LOSS_NODE_NAME, LossRun
+from fxpipe.passes.tp_costs import annotate_tensor_parallel, loss_fields, tensor_parallel_fields
 from fxpipe.passes.trace_inputs import recorded_inputs
 
 if TYPE_CHECKING:
@@ -87,6 +88,7 @@ def annotate_costs(
     result.meta[meta.COST_BATCH_HINT] = batch  # the batch the costs were sampled at (for non-affine terms)
     result.meta[meta.AUTOCAST] = (None if autocast_dtype is None
                                   else (autocast_device, str(autocast_dtype).removeprefix("torch.")))
+    annotate_tensor_parallel(result)  # on the copy: which nodes split over a tensor-parallel group
     return result
 
 
@@ -299,7 +301,7 @@ def _loss_node(gm: fx.GraphModule, device: DeviceSpec | None, dtype: str | None,
         forward_s=forward, backward_s=backward, output_bytes=_affine(cost.output_bytes, hint),
         saved_bytes=_affine(cost.saved_bytes, hint), forward_flops=_affine(cost.forward_flops, hint),
         backward_flops=_affine(cost.backward_flops, hint), resaved=_resaved(cost, hint),
-        op="loss:loss_fn" if source == "loss_fn" else "loss:estimate",
+        op="loss:loss_fn" if source == "loss_fn" else "loss:estimate", **loss_fields(gm),
     )
 
 
@@ -418,6 +420,8 @@ def _cost_node(gm: fx.GraphModule, node: fx.Node, times: tuple[Affine, Affine], 
         param_names=_param_names(gm, node),
         op=f"{node.op}:{_target_name(gm, node)}",
         tensor_output=cost.is_tensor and rows_follow_batch(cost),
+        **tensor_parallel_fields(node, cost.param_bytes, _affine(cost.output_bytes, hint),
+                                 lambda source: _affine(source.meta[meta.COST].output_bytes, hint)),
     )
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from fxpipe.core.costgraph import ZERO, Affine, CostGraph
+from fxpipe.core.costgraph import ZERO, Affine, CostGraph, CostNode
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,8 @@ class BlockTensorParallel:
     ``comm_bytes``: per micro-batch slice, the bytes of the full activations at the block's collective points:
     each point is one all-gather into a column-parallel region and one reduce-scatter out of a row-parallel
     one in forward (sequence parallelism), the same two in backward; a group member moves ``(T-1)/T`` of it.
-    ``divisor``: T must divide it (the gcd of the sharded head counts, channels and vocabulary).
+    ``divisor``: T must divide it (the gcd of the sharded head counts, channels and vocabulary); 0: no condition
+    (a block of sequence-parallel norms and adds only).
     """
 
     time_share: float
@@ -260,6 +262,28 @@ def _make_block(graph: CostGraph, index: int, first: int, stop: int, block_of: M
         param_bytes=sum(node.param_bytes for node in nodes),
         saved_bytes=Affine.total(node.saved_bytes for node in costed),
         resaved=merged_resaved(resaved, index),
+        tp=block_tensor_parallel(costed),
+    )
+
+
+def block_tensor_parallel(nodes: Iterable[CostNode]) -> BlockTensorParallel | None:
+    """:attr:`Block.tp` of a block over ``nodes`` (the loss included): time and saved shares weighted by each
+    node's forward + backward time and saved bytes at one row; None when no node splits."""
+    nodes = list(nodes)
+    if not any(node.tp_time_share > 0 or node.tp_divisor > 0 or node.tp_param_bytes > 0 for node in nodes):
+        return None
+    times = [(node.forward_s + node.backward_s).at(1.0) for node in nodes]
+    saved = [node.saved_bytes.at(1.0) for node in nodes]
+    total_time, total_saved = sum(times), sum(saved)
+    divisors = [node.tp_divisor for node in nodes if node.tp_divisor > 0]
+    return BlockTensorParallel(
+        time_share=sum(t * node.tp_time_share for t, node in zip(times, nodes, strict=True)) / total_time
+        if total_time > 0 else 0.0,
+        param_bytes=sum(node.tp_param_bytes for node in nodes),
+        saved_share=sum(b * node.tp_saved_share for b, node in zip(saved, nodes, strict=True)) / total_saved
+        if total_saved > 0 else 0.0,
+        comm_bytes=Affine.total(node.tp_comm_bytes for node in nodes),
+        divisor=math.gcd(*divisors) if divisors else 0,
     )
 
 

@@ -86,6 +86,12 @@ class CostNode:
     op: str = ""
     tensor_output: bool = True  # False for ints, shapes, bools: no cut may send such a value
     resaved: tuple[tuple[str, Affine], ...] = ()
+    # Under a T-way tensor-parallel group (found by fxpipe.passes.tensor_parallel; zero: the node runs whole):
+    tp_time_share: float = 0.0  # the share of forward_s / backward_s that divides by T
+    tp_param_bytes: int = 0  # the part of param_bytes split T ways
+    tp_saved_share: float = 0.0  # the share of saved_bytes split T ways
+    tp_comm_bytes: Affine = ZERO  # full activation bytes at this node's collective point (per forward)
+    tp_divisor: int = 0  # T must divide it (0: no condition)
 
 
 class CostGraphError(ValueError):
@@ -174,6 +180,8 @@ class CostGraph:
             out: dict[str, object] = {}
             for field in dataclasses.fields(node):
                 value = getattr(node, field.name)
+                if field.name.startswith("tp_") and value == field.default:
+                    continue  # graphs without tensor parallelism keep their bytes
                 if field.name == "resaved":
                     out[field.name] = [[saver, num_bytes.to_json()] for saver, num_bytes in value]
                     continue

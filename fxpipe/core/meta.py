@@ -31,6 +31,9 @@ LOSS_COST = "fxpipe.loss_cost"  # gm: the SymbolicCost of the loss on the model'
 LOSS_SOURCE = "fxpipe.loss_source"  # gm: "loss_fn", or "estimate (why)": the documented cross-entropy estimate
 INPUT_SAVED_BYTES = "fxpipe.input_saved_bytes"  # gm: bytes of the model's inputs autograd saves (sympy in the batch)
 TARGET_SAVED_BYTES = "fxpipe.target_saved_bytes"  # gm: bytes of the targets the loss saves (sympy in the batch)
+# node: a passes.tensor_parallel.NodeTensorParallel (role and plain-number figures under a T-way group);
+# written by annotate_costs through passes.tp_costs.annotate_tensor_parallel
+TENSOR_PARALLEL = "fxpipe.tensor_parallel"
 AUTOCAST = "fxpipe.autocast"  # gm: (device type, dtype name) of the autocast the costs ran under, or None
 
 # --- written by codegen (fxpipe.passes.codegen), on each stage's GraphModule

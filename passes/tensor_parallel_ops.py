@@ -1,0 +1,208 @@
+"""Collectives a tensor-parallel stage's generated code calls: autograd functions over a communicator registered per group key.
+
+Interface (the runtime implements the communicator; nothing here imports torch.distributed):
+
+    register_group(key, comm)   # comm.size, comm.rank, and collectives that return new tensors:
+                                #   comm.all_reduce(t) (sum), comm.all_gather(t, dim), comm.reduce_scatter(t, dim) (sum)
+    unregister_group(key)
+
+Every function below takes the group key (a string constant in the generated code) as an argument:
+
+    copy_to_group(x, key)                  forward identity,        backward all-reduce   (entering a column region)
+    reduce_from_group(x, key)              forward all-reduce,      backward identity     (leaving a row region)
+    gather_from_group(x, key, dim)         forward all-gather,      backward own chunk    (vocabulary-split logits)
+    gather_sequence(x, key, dim)           forward all-gather,      backward reduce-scatter (sequence parallelism)
+    reduce_scatter_sequence(x, key, dim)   forward reduce-scatter,  backward all-gather
+    split_sequence(x, key, dim)            forward own chunk,       backward all-gather
+    vocab_embedding(ids, weight, key, vocab_start)       a vocabulary-split table lookup, summed over the group
+    vocab_parallel_cross_entropy(logits, targets, key, vocab_start, ignore_index=-100)   mean token cross-entropy
+                                           of vocabulary-split logits (the same value on every member)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["Communicator", "copy_to_group", "gather_from_group", "gather_sequence", "group", "reduce_from_group",
+           "reduce_scatter_sequence", "register_group", "split_sequence", "unregister_group", "vocab_embedding",
+           "vocab_parallel_cross_entropy"]
+
+
+class Communicator(Protocol):
+    """One tensor-parallel group as seen by one member; collectives sum and return new tensors."""
+
+    size: int
+    rank: int
+
+    def all_reduce(self, tensor: Tensor) -> Tensor: ...
+
+    def all_gather(self, tensor: Tensor, dim: int) -> Tensor: ...
+
+    def reduce_scatter(self, tensor: Tensor, dim: int) -> Tensor: ...
+
+
+_GROUPS: dict[str, Communicator] = {}
+
+
+class GroupNotRegisteredError(KeyError):
+    """A stage called a collective of a group key nobody registered."""
+
+
+def register_group(key: str, comm: Communicator) -> None:
+    """Make ``comm`` the communicator of group ``key`` (replacing an earlier one)."""
+    _GROUPS[key] = comm
+
+
+def unregister_group(key: str) -> None:
+    _GROUPS.pop(key, None)
+
+
+def group(key: str) -> Communicator:
+    """The communicator registered under ``key``."""
+    try:
+        return _GROUPS[key]
+    except KeyError:
+        raise GroupNotRegisteredError(f"no tensor-parallel communicator is registered under {key!r} (registered: "
+                                      f"{sorted(_GROUPS)}); call fxpipe.passes.tensor_parallel_ops.register_group("
+                                      f"{key!r}, comm) before running the stage") from None
+
+
+def _own_chunk(tensor: Tensor, comm: Communicator, dim: int) -> Tensor:
+    size = tensor.shape[dim]
+    if size % comm.size:
+        raise ValueError(f"dim {dim} of a {tuple(tensor.shape)} tensor has {size} entries, which {comm.size} "
+                         "tensor-parallel members cannot split evenly; use a length divisible by the group size")
+    return tensor.narrow(dim, comm.rank * (size // comm.size), size // comm.size).contiguous()
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, key: str) -> Tensor:
+        ctx.key = key
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return group(ctx.key).all_reduce(grad), None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, key: str) -> Tensor:
+        return group(key).all_reduce(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+class _GatherFromGroup(torch.autograd.Function):
+    """Forward: the members' parts gathered along ``dim``; backward: the member's part of the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, key: str, dim: int) -> Tensor:
+        ctx.key, ctx.dim = key, dim
+        return group(key).all_gather(x, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return _own_chunk(grad, group(ctx.key), ctx.dim), None, None
+
+
+class _GatherSequence(_GatherFromGroup):
+    """As :class:`_GatherFromGroup`, but every member's gradient is a partial sum: reduce-scatter it."""
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return group(ctx.key).reduce_scatter(grad.contiguous(), ctx.dim), None, None
+
+
+class _GatherInBackward(torch.autograd.Function):
+    """Forward: the member's part along ``dim`` (``_part``); backward: the gradient parts gathered."""
+
+    @staticmethod
+    def _part(x: Tensor, comm: Communicator, dim: int) -> Tensor:
+        raise NotImplementedError
+
+    @classmethod
+    def forward(cls, ctx: Any, x: Tensor, key: str, dim: int) -> Tensor:  # type: ignore[override]
+        ctx.key, ctx.dim = key, dim
+        return cls._part(x, group(key), dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return group(ctx.key).all_gather(grad.contiguous(), ctx.dim), None, None
+
+
+class _ReduceScatterSequence(_GatherInBackward):
+    @staticmethod
+    def _part(x: Tensor, comm: Communicator, dim: int) -> Tensor:
+        _own_chunk(x, comm, dim)  # the same divisibility check and message as a split
+        return comm.reduce_scatter(x.contiguous(), dim)
+
+
+class _SplitSequence(_GatherInBackward):
+    @staticmethod
+    def _part(x: Tensor, comm: Communicator, dim: int) -> Tensor:
+        return _own_chunk(x, comm, dim)
+
+
+def copy_to_group(x: Tensor, key: str) -> Tensor:
+    return _CopyToGroup.apply(x, key)  # type: ignore[no-any-return]
+
+
+def reduce_from_group(x: Tensor, key: str) -> Tensor:
+    return _ReduceFromGroup.apply(x, key)  # type: ignore[no-any-return]
+
+
+def gather_from_group(x: Tensor, key: str, dim: int) -> Tensor:
+    return _GatherFromGroup.apply(x, key, dim)  # type: ignore[no-any-return]
+
+
+def gather_sequence(x: Tensor, key: str, dim: int) -> Tensor:
+    return _GatherSequence.apply(x, key, dim)  # type: ignore[no-any-return]
+
+
+def reduce_scatter_sequence(x: Tensor, key: str, dim: int) -> Tensor:
+    return _ReduceScatterSequence.apply(x, key, dim)  # type: ignore[no-any-return]
+
+
+def split_sequence(x: Tensor, key: str, dim: int) -> Tensor:
+    return _SplitSequence.apply(x, key, dim)  # type: ignore[no-any-return]
+
+
+def vocab_embedding(ids: Tensor, weight: Tensor, key: str, vocab_start: int) -> Tensor:
+    """Rows ``[vocab_start, vocab_start + len(weight))`` of a table split over the group by rows: each member looks
+    up the ids it holds (zeros for the others); the sum over the group is the full lookup."""
+    local = ids - vocab_start
+    outside = (local < 0) | (local >= weight.shape[0])
+    found = F.embedding(local.masked_fill(outside, 0), weight)
+    return reduce_from_group(found.masked_fill(outside.unsqueeze(-1), 0.0), key)
+
+
+def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, key: str, vocab_start: int,
+                                 ignore_index: int = -100) -> Tensor:
+    """``F.cross_entropy(full_logits.flatten(0, -2), targets.flatten(), ignore_index=ignore_index)`` from each
+    member's vocabulary columns ``[vocab_start, vocab_start + logits.shape[-1])``, without gathering the logits.
+
+    The shift by the row maximum is a constant for autograd (the loss does not depend on it), so the sums over
+    the group (forward all-reduce, backward identity) give every member its logits' exact gradient.
+    """
+    comm = group(key)
+    flat = logits.flatten(0, -2).float()
+    labels = targets.flatten()
+    local_max = flat.detach().amax(dim=-1, keepdim=True)
+    row_max = comm.all_gather(local_max, 1).amax(dim=-1, keepdim=True)
+    shifted = flat - row_max
+    sum_exp = reduce_from_group(shifted.exp().sum(dim=-1), key)
+    local = labels - vocab_start
+    held = (local >= 0) & (local < flat.shape[-1])
+    picked = shifted.gather(-1, local.clamp(0, flat.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+    target_logit = reduce_from_group(picked.masked_fill(~held, 0.0), key)
+    valid = labels != ignore_index
+    losses = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
+    return (losses.sum() / valid.sum()).to(logits.dtype)
