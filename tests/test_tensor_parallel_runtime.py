@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import time
 from pathlib import Path
 from typing import Any
@@ -17,12 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
-from fxpipe import compile_tensor_parallel
-from fxpipe.compile_tensor_parallel import communicator, whole_parameters
 from fxpipe.core.plan import Plan, StagePlan
-from fxpipe.passes import trace
+from fxpipe.passes import tensor_parallel_ops, trace
 from fxpipe.runtime.faults.errors import PipelineSetupError
-from fxpipe.runtime.parallel.tensor_parallel import TensorParallelGroups, TensorParallelParam
+from fxpipe.runtime.parallel.tensor_parallel import TensorParallelGroups
 from fxpipe.runtime.transport.group_routes import group_routes
 from tests.exactness_oracle import LEARNING_RATE, mismatches, train_reference
 from tests.mp_utils import plan_from_cuts, run_ranks
@@ -82,94 +79,6 @@ class TinyLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(self.blocks(self.embedding(tokens))))
-
-
-class _ToGroup(torch.autograd.Function):
-    """Megatron's f: identity forward, the input gradient summed over the group backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, key: str) -> torch.Tensor:
-        ctx.key = key
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return communicator(ctx.key).all_reduce(grad), None
-
-
-class _FromGroup(torch.autograd.Function):
-    """Megatron's g: the partial outputs summed over the group forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, key: str) -> torch.Tensor:
-        return communicator(key).all_reduce(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-class _GatherFromGroup(torch.autograd.Function):
-    """The members' last-dim chunks put together forward; this member's chunk of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, key: str) -> torch.Tensor:
-        comm = communicator(key)
-        ctx.size, ctx.rank = comm.size, comm.rank
-        return comm.all_gather(x, x.dim() - 1)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad.chunk(ctx.size, -1)[ctx.rank].contiguous(), None
-
-
-class _ColumnLinear(nn.Module):
-    """This member's output rows of a Linear (weight and bias split along dim 0); ``gather``: the output whole
-    (an output head split over the vocabulary)."""
-
-    def __init__(self, linear: nn.Linear, degree: int, member: int, key: str, gather: bool = False) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(linear.weight.detach().chunk(degree, 0)[member].clone())
-        self.bias = nn.Parameter(linear.bias.detach().chunk(degree, 0)[member].clone())
-        self.key, self.gather = key, gather
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(_ToGroup.apply(x, self.key), self.weight, self.bias)
-        return _GatherFromGroup.apply(y, self.key) if self.gather else y
-
-
-class _RowLinear(nn.Module):
-    """This member's input columns of a Linear; each member adds bias / T before the sum, so the bias stays whole
-    on every member with a gradient partial over the group (1/T of it each)."""
-
-    def __init__(self, linear: nn.Linear, degree: int, member: int, key: str) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(linear.weight.detach().chunk(degree, 1)[member].clone())
-        self.bias = nn.Parameter(linear.bias.detach().clone())
-        self.degree, self.key = degree, key
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _FromGroup.apply(F.linear(x, self.weight, self.bias / self.degree), self.key)
-
-
-def shard_mlps(module: torch.fx.GraphModule, param_names: Any, degree: int, member: int,
-               key: str) -> tuple[torch.fx.GraphModule, list[TensorParallelParam]]:
-    """A stand-in for the graph pass on TinyLM stages: a block's MLP column- then row-parallel (Megatron's pair)
-    where the stage holds both, the output head split over the vocabulary; attention and norms stay whole."""
-    sharded = copy.deepcopy(module)
-    original = dict(param_names)
-    described = {param.name: param for param in whole_parameters(module, param_names)}
-    modules = dict(module.named_modules())
-    pairs = [path for path in modules if f"{path}.up" in modules and f"{path}.down" in modules]
-    # (path, replacement, weight dim, bias dim): None for the bias a row-parallel layer keeps whole (partial gradient)
-    plan = [(f"{p}.up", _ColumnLinear, 0, 0) for p in pairs] + [(f"{p}.down", _RowLinear, 1, None) for p in pairs]
-    plan += [("head", functools.partial(_ColumnLinear, gather=True), 0, 0)] if "head" in modules else []
-    for path, kind, weight_dim, bias_dim in plan:
-        sharded.set_submodule(path, kind(modules[path], degree, member, key))
-        for attribute, dim in (("weight", weight_dim), ("bias", bias_dim)):
-            name = original[f"{path}.{attribute}"]
-            described[name] = TensorParallelParam(name, dim, described[name].full_shape, partial=dim is None)
-    return sharded, list(described.values())
 
 
 def _token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -303,15 +212,25 @@ def _share_problems(pipe: Any) -> list[str]:
     return problems + ([f"holds {held} parameter elements, expected {expected}"] if held != expected else [])
 
 
+# per generated collective node: the communicator calls it makes per micro-batch, forward and backward
+NODE_COLLECTIVES = {
+    tensor_parallel_ops.copy_to_group: {"all_reduce": 1},  # backward
+    tensor_parallel_ops.reduce_from_group: {"all_reduce": 1},  # forward
+    tensor_parallel_ops.vocab_embedding: {"all_reduce": 1},
+    tensor_parallel_ops.gather_from_group: {"all_gather": 1},
+    tensor_parallel_ops.gather_sequence: {"all_gather": 1, "reduce_scatter": 1},
+    tensor_parallel_ops.reduce_scatter_sequence: {"reduce_scatter": 1, "all_gather": 1},
+    tensor_parallel_ops.split_sequence: {"all_gather": 1},
+}
+
+
 def _implied_collectives(pipe: Any) -> dict[str, int]:
-    """What the stage's collective layers imply per step: per micro-batch, a column-parallel layer's input gradient
-    all-reduce (and a gathering one's all-gather), a row-parallel layer's output all-reduce."""
-    layers = list(pipe.module.modules())
-    columns = [layer for layer in layers if isinstance(layer, _ColumnLinear)]
-    rows = [layer for layer in layers if isinstance(layer, _RowLinear)]
-    implied = {"all_reduce": NUM_MICROBATCHES * (len(columns) + len(rows)),
-               "all_gather": NUM_MICROBATCHES * sum(layer.gather for layer in columns)}
-    return {kind: count for kind, count in implied.items() if count}
+    """What the stage's generated collective nodes imply per step: their calls per micro-batch, times M."""
+    implied: dict[str, int] = {}
+    for node in pipe.module.graph.nodes:
+        for kind, count in NODE_COLLECTIVES.get(node.target, {}).items() if node.op == "call_function" else ():
+            implied[kind] = implied.get(kind, 0) + count * NUM_MICROBATCHES
+    return implied
 
 
 def _run(rank: int, world_size: int, store_dir: str, directory: str) -> dict[str, Any]:
@@ -319,10 +238,7 @@ def _run(rank: int, world_size: int, store_dir: str, directory: str) -> dict[str
     started = time.perf_counter()
     references = {model: _reference(model) for model in {case[1] for case in CASES}}
     results["reference seconds"] = {"problems": [], "seconds": time.perf_counter() - started}
-    stand_in = compile_tensor_parallel.shard_for_member
     for index, (name, model, layout, schedule, sharding, compiled) in enumerate(CASES):
-        # this rank process only: TinyLM stages shard with shard_mlps, the HF ones keep every parameter whole
-        compile_tensor_parallel.shard_for_member = shard_mlps if model in ("attention", "vocab") else stand_in
         started = time.perf_counter()
         with _world(store_dir, f"case-{index}", rank, world_size):
             pipe = _compile(model, _plan(model, layout, schedule), sharding, compiled)
@@ -336,6 +252,7 @@ def _run(rank: int, world_size: int, store_dir: str, directory: str) -> dict[str
             if index == 0:  # saved at T = 2 on stage 0, loaded below at T = 1 and back
                 pipe.save(directory, optimizer=record["optimizer"], step=NUM_STEPS)
             results[name] = {"problems": problems, "stage": pipe.stage_index, "fsdp": pipe.driver.sharded is not None,
+                             "degree": pipe.driver.tensor_parallel.degree, "collectives": record["collectives"],
                              "frames": pipe.compile_stats()[rank].num_frames if compiled else 0,
                              "seconds": time.perf_counter() - started,
                              "sharded": sorted(n for n, p in pipe.driver.tp_params.items() if p.dim is not None)}
@@ -359,11 +276,15 @@ def test_tensor_parallel_stages_train_like_one_process(tmp_path: Path) -> None:
     for rank, results in enumerate(per_rank):
         for name, record in results.items():
             failures += [f"{name} rank {rank}: {problem}" for problem in record["problems"][:3]]
-    # the stand-in sharder split what it should: stage 0's MLP pair on 1x2:2, the vocabulary head on 2:1x2
+    # the pass split what it should: stage 0's MLP pair on 1x2:2, the vocabulary head on 2:1x2
     attention = [results["attention 1x2:2"] for results in per_rank[:2]]
     assert all("blocks.0.down.weight" in record["sharded"] and record["stage"] == 0 for record in attention), attention
     assert all("head.weight" in results["vocab 2:1x2"]["sharded"] for results in per_rank[2:]), per_rank[2:]
     assert all(results["attention 2x2 ZeRO-2"]["fsdp"] for results in per_rank)
+    for name, *_ in CASES:  # every T=2 member holds split weights and its stage ran collectives
+        split = [rank for rank, results in enumerate(per_rank) if results[name]["degree"] == 2]
+        assert split and all(per_rank[rank][name]["sharded"] and per_rank[rank][name]["collectives"] for rank in split), (
+            name, [(results[name]["sharded"][:3], results[name]["collectives"]) for results in per_rank])
     assert all(results["vocab 2:1x2 compiled"]["frames"] > 0 for results in per_rank)
     print({name: round(record.get("seconds", 0), 1) for name, record in per_rank[0].items()})
     assert not failures, "\n".join(failures)

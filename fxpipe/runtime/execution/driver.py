@@ -127,6 +127,7 @@ class PipelineDriver:
         self.tensor_parallel = TensorParallelGroups.make(plan, self.rank, tied_stage_sets(program))
         self.tp_params: dict[str, TensorParallelParam] = {}  # by original name, once apply_tensor_parallel ran
         self.tp_communicator: GroupCommunicator | None = None  # what the stage's generated collectives call
+        self.tp_notes: tuple[str, ...] = ()  # what the tensor-parallel pass split and kept whole on this stage
         self.groups = reduce_groups(plan, program)
         if self.failures is not None:  # the heartbeat thread watches this rank's waits (failures.py)
             tp = self.tensor_parallel

@@ -29,6 +29,7 @@ class TensorParallelParam:
     dim: int | None
     full_shape: tuple[int, ...]
     partial: bool = False
+    parts: tuple[int, ...] | None = None  # fused q/k/v: the whole parts' sizes along dim; a member holds 1/T of each
 
 
 @dataclass(frozen=True)
@@ -136,16 +137,19 @@ def shard_slice(full: torch.Tensor, param: TensorParallelParam, degree: int, mem
                          f"{param.full_shape}; load a state dict of the same model")
     if param.dim is None:
         return full
-    return full.chunk(degree, param.dim)[member]
+    parts = full.split(param.parts, param.dim) if param.parts else (full,)
+    return torch.cat([part.chunk(degree, param.dim)[member] for part in parts], param.dim)
 
 
 def gather_full(shard: torch.Tensor, param: TensorParallelParam, groups: TensorParallelGroups) -> torch.Tensor:
     """The whole tensor from every member's shard (a collective over the group; the shard itself when whole)."""
     if param.dim is None or groups.group is None:
         return shard.detach()
-    parts = [torch.empty_like(shard, memory_format=torch.contiguous_format) for _ in range(groups.degree)]
-    dist.all_gather(parts, shard.detach().contiguous(), group=groups.group)
-    full = torch.cat(parts, param.dim)
+    shards = [torch.empty_like(shard, memory_format=torch.contiguous_format) for _ in range(groups.degree)]
+    dist.all_gather(shards, shard.detach().contiguous(), group=groups.group)
+    local_sizes = [size // groups.degree for size in param.parts] if param.parts else [shard.shape[param.dim]]
+    pieces = [member.split(local_sizes, param.dim) for member in shards]  # per member, its share of each part
+    full = torch.cat([piece[index] for index in range(len(local_sizes)) for piece in pieces], param.dim)
     assert tuple(full.shape) == param.full_shape, (param, tuple(full.shape))
     return full
 
