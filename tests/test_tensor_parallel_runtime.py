@@ -19,7 +19,12 @@ import fxpipe
 from fxpipe.core.plan import Plan, StagePlan
 from fxpipe.passes import tensor_parallel_ops, trace
 from fxpipe.runtime.faults.errors import PipelineSetupError
-from fxpipe.runtime.parallel.tensor_parallel import TensorParallelGroups
+from fxpipe.runtime.parallel.tensor_parallel import (
+    TensorParallelGroups,
+    TensorParallelParam,
+    assemble,
+    shard_slice,
+)
 from fxpipe.runtime.transport.group_routes import group_routes
 from tests.exactness_oracle import LEARNING_RATE, mismatches, train_reference
 from tests.mp_utils import plan_from_cuts, run_ranks
@@ -313,3 +318,16 @@ def test_group_routes_pair_members_so_each_value_and_gradient_arrives_once() -> 
     activation, gradient = group_routes("h", True, 4, receiver, sender)
     assert [(r.sender_rank, r.receiver_rank) for r in activation] == [(2, 0), (2, 1), (3, 0), (3, 1)]
     assert [(r.sender_rank, r.receiver_rank) for r in gradient] == [(2, 0), (3, 0)]
+
+
+def test_fused_parameters_are_sliced_and_put_back_part_by_part() -> None:
+    """GPT-2's fused q/k/v (parts 4, 4, 4 along dim 1): a member holds its half of each part, not a block."""
+    full = torch.arange(3 * 12, dtype=torch.float32).reshape(3, 12)
+    fused = TensorParallelParam("attn.c_attn.weight", 1, (3, 12), parts=(4, 4, 4))
+    shards = [shard_slice(full, fused, 2, member) for member in range(2)]
+    assert shards[0].tolist() == [row[0:2] + row[4:6] + row[8:10] for row in full.tolist()]
+    assert torch.equal(assemble(shards, fused), full)
+    plain = TensorParallelParam("mlp.up.weight", 0, (3, 12))
+    assert torch.equal(assemble([shard_slice(full, plain, 3, member) for member in range(3)], plain), full)
+    with pytest.raises(ValueError, match=r"has shape \(3, 12\) but the stage holds it as \(12, 3\)"):
+        shard_slice(full, TensorParallelParam("w", 0, (12, 3)), 2, 0)

@@ -147,7 +147,14 @@ def gather_full(shard: torch.Tensor, param: TensorParallelParam, groups: TensorP
         return shard.detach()
     shards = [torch.empty_like(shard, memory_format=torch.contiguous_format) for _ in range(groups.degree)]
     dist.all_gather(shards, shard.detach().contiguous(), group=groups.group)
-    local_sizes = [size // groups.degree for size in param.parts] if param.parts else [shard.shape[param.dim]]
+    return assemble(shards, param)
+
+
+def assemble(shards: Sequence[torch.Tensor], param: TensorParallelParam) -> torch.Tensor:
+    """The whole tensor from every member's :func:`shard_slice`, in member order (fused parts put back part by part)."""
+    assert param.dim is not None
+    degree = len(shards)
+    local_sizes = [size // degree for size in param.parts] if param.parts else [shards[0].shape[param.dim]]
     pieces = [member.split(local_sizes, param.dim) for member in shards]  # per member, its share of each part
     full = torch.cat([piece[index] for index in range(len(local_sizes)) for piece in pieces], param.dim)
     assert tuple(full.shape) == param.full_shape, (param, tuple(full.shape))
