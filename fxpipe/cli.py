@@ -28,10 +28,12 @@ def _add_planning_options(parser: argparse.ArgumentParser) -> None:
                         "compact spec (4x8:h100) or JSON file")
     parser.add_argument("--global-batch", type=int, required=True, help="global batch size (rows per iteration)")
     parser.add_argument("--planner", default="dapple",
-                        help="dapple (default), pipedream, gpipe, uniform, params, dp, exhaustive, markers "
+                        help="dapple (default), pipedream, gpipe, uniform, params, dp, megatron, exhaustive, markers "
                              "(cut at the model's pipe_split() calls; same as --layout markers)")
-    parser.add_argument("--layout", default=None, help="force replica counts per stage: 3:1, 1:1:1:1, dp; or "
-                        "markers: cut at the model's pipe_split() calls, the planner picks replicas and placement")
+    parser.add_argument("--layout", default=None,
+                        help="force replica counts per stage: 3:1, 1:1:1:1, dp; RxT for R replicas each a T-way "
+                             "tensor-parallel group inside one host (48x8:48x8, 1x2:2); or markers: cut at the "
+                             "model's pipe_split() calls, the planner picks replicas and placement")
     parser.add_argument("--num-microbatches", type=int, default=None, help="force M (default: planner chooses)")
     parser.add_argument("--schedule", default="early_backward", choices=[*sorted(TRAINING_SCHEDULES), "auto"],
                         help="early_backward (default, DAPPLE's 1F1B); zero_bubble splits backward (B, W); "

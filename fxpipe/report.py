@@ -47,8 +47,10 @@ def _device_ranges(devices: tuple[int, ...]) -> str:
 def stage_table(plan: Plan, chain: CostChain | None = None, cluster: Cluster | None = None) -> str:
     """One row per stage: blocks, replicas, devices, forward/backward ms, gradient sync ms (the allreduce, or a
     sharded stage's collectives of the step), params, activations (kept or recomputed in backward, whose
-    time then includes the forward again), sharding level, memory."""
+    time then includes the forward again), sharding level, memory. With a tensor-parallel stage, a column T
+    (each replica's group size) follows the replicas, and times, params and memory are one group member's."""
     capacity = cluster.device.memory_bytes if cluster is not None else 0
+    grouped = any(stage.tensor_parallel > 1 for stage in plan.stages)
     rows = []
     for stage in plan.stages:
         if chain is not None:
@@ -62,12 +64,13 @@ def stage_table(plan: Plan, chain: CostChain | None = None, cluster: Cluster | N
             memory += f" / {format_bytes(capacity)}"
         backward_s = backward_seconds(stage.forward_s, stage.backward_s, stage.recompute)
         rows.append([
-            stage.stage_index, blocks, stage.replicas, _device_ranges(stage.devices),
+            stage.stage_index, blocks, stage.replicas, *([stage.tensor_parallel] if grouped else []),
+            _device_ranges(stage.devices),
             f"{stage.forward_s * 1e3:.2f}", f"{backward_s * 1e3:.2f}", f"{stage.allreduce_s * 1e3:.2f}",
             format_bytes(stage.param_bytes), format_bytes(stage.activation_bytes),
             "recompute" if stage.recompute else "keep", stage.sharding, memory,
         ])
-    headers = ["stage", "blocks", "replicas", "devices", "fwd ms", "bwd ms", "allreduce ms",
+    headers = ["stage", "blocks", "replicas", *(["T"] if grouped else []), "devices", "fwd ms", "bwd ms", "allreduce ms",
                "params", "act/micro-batch", "activations", "sharding", "memory/device"]
     return str(tabulate(rows, headers=headers, tablefmt="simple"))
 
@@ -84,7 +87,12 @@ def summary_lines(plan: Plan) -> list[str]:
         # DP here is data parallel on every device; a note may name a faster plan on fewer devices
         versus_dp = (f", {speedup:.2f}x the speed of data parallel on all {plan.num_devices} devices"
                      if math.isfinite(speedup) else ", not compared with data parallel (layout given, or it does not fit)")
-        if plan.num_stages == 1:  # the plan is data parallel: no speedup over itself to print
+        if plan.num_stages == 1 and plan.stages[0].tensor_parallel > 1:  # one stage of tensor-parallel groups
+            stage = plan.stages[0]
+            versus_dp = (f", {stage.replicas} replica(s) of {stage.tensor_parallel}-way tensor-parallel groups on "
+                         f"{plan.world_size} of {plan.num_devices} devices" + (
+                             f", {speedup:.2f}x the speed of data parallel" if math.isfinite(speedup) else ""))
+        elif plan.num_stages == 1:  # the plan is data parallel: no speedup over itself to print
             unused = plan.num_devices and plan.world_size < plan.num_devices
             versus_dp = f", data parallel on {plan.world_size} of {plan.num_devices} devices" if unused else ""
         lines.append(f"predicted iteration {predicted.iteration_time_s * 1e3:.2f} ms, "

@@ -5,7 +5,8 @@ It shares no code with ``fxpipe.sim`` (nor the planner): only plain data (Plan, 
 F/B/W order of the schedule (``make_schedule(...).per_stage``) come from fxpipe. Row slicing, routing,
 lowering, message costs, core sharing, split backward (zero-bubble), recomputation, bucketed and tied
 gradient allreduces (and what overlapping them with the last gradient pass costs both sides), sharded stages
-(ZeRO-1/2/3: reduce-scatters and all-gathers, sharded memory), the step-end allreduce, the optimizer step and the memory rule are re-derived from the
+(ZeRO-1/2/3: reduce-scatters and all-gathers, sharded memory), tensor-parallel stages (a replica is a T-way group:
+split blocks' time, collectives, bytes), the step-end allreduce, the optimizer step and the memory rule are re-derived from the
 documented model (``fxpipe.sim.simulate.simulate``'s docstring, docs) and written the plain way: one
 time-ordered loop over all replicas, lists instead of prefix sums, no caching, no component splitting.
 
@@ -110,10 +111,10 @@ def sharded_collectives(plan: Plan, chain: CostChain, net: Cluster, stage_index:
     out = {"start": 0.0, "F": 0.0, "B": 0.0, "tail": 0.0}
     if stage.sharding == "none" or stage.replicas < 2:
         return out
-    weights = held_bytes(chain, stage.first_block, stage.stop_block)
-    grads = weights - sum(n for holders, n in tie_sets(plan, chain).items() if stage_index in holders)
-    gather = ring_half_seconds(net, weights, stage.devices, net.all_gather_collective)
-    scatter = ring_half_seconds(net, grads, stage.devices, net.reduce_scatter_collective)
+    weights = held_bytes(chain, stage.first_block, stage.stop_block, stage.tensor_parallel)
+    grads = max(0, weights - sum(n for holders, n in tie_sets(plan, chain).items() if stage_index in holders))
+    gather = ring_half_seconds(net, weights, leads(stage), net.all_gather_collective)
+    scatter = ring_half_seconds(net, grads, leads(stage), net.reduce_scatter_collective)
     if stage.sharding == "optimizer":  # ZeRO-1: gather updated weights once, scatter gradients once
         out["start"], out["tail"] = gather, scatter
     elif stage.sharding == "gradients":  # ZeRO-2: scatter after every micro-batch's backward
@@ -121,6 +122,36 @@ def sharded_collectives(plan: Plan, chain: CostChain, net: Cluster, stage_index:
     else:  # ZeRO-3: gather for every forward and every backward, scatter after every backward
         out["F"], out["B"] = gather, gather + scatter
     return out
+
+
+def splits_over(block, tensor_parallel: int) -> bool:  # type: ignore[no-untyped-def]
+    return tensor_parallel > 1 and block.tp is not None and block.tp.divisor % tensor_parallel == 0
+
+
+def group_link(net: Cluster, own: LinkSpec | None) -> LinkSpec:
+    """A tensor-parallel group's collectives run inside one host: their own figure, else the host's."""
+    return own or net.intra_host_collective or net.intra_host
+
+
+def block_member_seconds(net: Cluster, block, rows: int, tensor_parallel: int) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """Forward, backward seconds of one block on one group member: the split share divided by T, plus an
+    all-gather and a reduce-scatter each way, each member moving (T-1)/T of the collective bytes."""
+    forward, backward = at(block.forward_s, rows) * stretch(net), at(block.backward_s, rows) * stretch(net)
+    if not splits_over(block, tensor_parallel):
+        return forward, backward
+    keep = 1 - block.tp.time_share + block.tp.time_share / tensor_parallel
+    moved = at(block.tp.comm_bytes, rows) * (tensor_parallel - 1) / tensor_parallel
+    comm = 0.0
+    if moved > 0:
+        for own in (net.all_gather_collective, net.reduce_scatter_collective):
+            link = group_link(net, own)
+            comm += link.latency_s + moved / link.bandwidth_bytes_per_s
+    return forward * keep + comm, backward * keep + comm
+
+
+def leads(stage) -> tuple[int, ...]:  # type: ignore[no-untyped-def]
+    """One device per replica (its group's first)."""
+    return tuple(stage.devices[r * stage.tensor_parallel] for r in range(stage.replicas))
 
 
 def step_end_seconds(net: Cluster, plan: Plan) -> float:
@@ -174,8 +205,9 @@ def stage_seconds(plan: Plan, chain: CostChain, net: Cluster, stage_index: int, 
     driver's own time per action (``action_overhead_s``, stretched) goes into F and B, never W."""
     stage = plan.stages[stage_index]
     blocks = chain.blocks[stage.first_block:stage.stop_block]
-    forward = sum(at(b.forward_s, rows) for b in blocks) * stretch(net)
-    backward = sum(at(b.backward_s, rows) for b in blocks) * stretch(net)
+    times = [block_member_seconds(net, b, rows, stage.tensor_parallel) for b in blocks]
+    forward = sum(f for f, _ in times)
+    backward = sum(b for _, b in times)
     if stage.recompute:
         backward += forward
     comm = sharded_collectives(plan, chain, net, stage_index)  # on the critical path, never split
@@ -196,17 +228,17 @@ def build_replicas(plan: Plan, chain: CostChain, net: Cluster, split: bool, weig
     for stage in plan.stages:
         for r, (start, stop) in enumerate(slice_bounds(rows_of, stage.replicas)):
             seconds = stage_seconds(plan, chain, net, stage.stage_index, stop - start, split, weight_share)
-            replicas[stage.stage_index, r] = Replica(stage.stage_index, stage.devices[r], stop - start, seconds,
+            replicas[stage.stage_index, r] = Replica(stage.stage_index, leads(stage)[r], stop - start, seconds,
                                                      {"A": [], "G": []}, {"A": 0, "G": 0})
     for left, right in zip(plan.stages, plan.stages[1:], strict=False):
         cut = chain.cut_bytes[left.stop_block - 1]
         pairs = routes(rows_of, left.replicas, right.replicas)
         for i, j, rows in pairs:
-            seconds = piece_seconds(net, left.devices[i], right.devices[j], at(cut, rows))
+            seconds = piece_seconds(net, leads(left)[i], leads(right)[j], at(cut, rows))
             replicas[left.stage_index, i].sends["A"].append(((right.stage_index, j), seconds))
             replicas[right.stage_index, j].expects["A"] += 1
         for i, j, rows in sorted(pairs, key=lambda p: (p[1], p[0])):  # gradients: each sender in receiver order
-            seconds = piece_seconds(net, right.devices[j], left.devices[i], at(cut, rows))
+            seconds = piece_seconds(net, leads(right)[j], leads(left)[i], at(cut, rows))
             replicas[right.stage_index, j].sends["G"].append(((left.stage_index, i), seconds))
             replicas[left.stage_index, i].expects["G"] += 1
     return replicas
@@ -285,12 +317,19 @@ def event_loop(plan: Plan, replicas: dict[Key, Replica], programs: list[list[tup
     return Run(clock, last_gradient, busy)
 
 
-def held_bytes(chain: CostChain, first: int, stop: int) -> int:
+def held_bytes(chain: CostChain, first: int, stop: int, tensor_parallel: int = 1) -> int:
     """Parameter bytes a stage over blocks [first, stop) holds: its blocks', plus a copy of every shared
-    parameter one of its blocks reads while an earlier block (another stage's) holds it."""
+    parameter one of its blocks reads while an earlier block (another stage's) holds it. A member of a T-way
+    group holds 1/T of each split block's sharded bytes (rounded up over the stage) and the rest whole."""
     copies = sum(s.num_bytes for s in chain.shared_params
                  if s.blocks[0] < first and any(first <= b < stop for b in s.blocks))
-    return sum(b.param_bytes for b in chain.blocks[first:stop]) + copies
+    if tensor_parallel == 1:
+        return sum(b.param_bytes for b in chain.blocks[first:stop]) + copies
+    member = 0.0
+    for b in chain.blocks[first:stop]:
+        sharded = b.tp.param_bytes if splits_over(b, tensor_parallel) else 0
+        member += b.param_bytes - sharded + sharded / tensor_parallel
+    return math.ceil(member) + copies
 
 
 def tie_sets(plan: Plan, chain: CostChain) -> dict[tuple[int, ...], int]:
@@ -316,7 +355,9 @@ def bucket_window(plan: Plan, chain: CostChain, net: Cluster, stage_index: int, 
     share = 1.0
     if split:  # the buckets are armed at the last W: they fill over W's share of each block (stage 0: none)
         share = 0.0 if stage_index == 0 else (1 + net.split_backward_overhead) * weight_share
-    return [at(b.backward_s, rows) * stretch(net) * share for b in blocks], [float(b.param_bytes) for b in blocks]
+    degree = stage.tensor_parallel  # a group member's backward and bytes of each block
+    held = [b.param_bytes - (b.tp.param_bytes if splits_over(b, degree) else 0) * (1 - 1 / degree) for b in blocks]
+    return [block_member_seconds(net, b, rows, degree)[1] * share for b in blocks], [float(h) for h in held]
 
 
 def rate_loop(buckets: list[tuple[float, float]], pass_s: float, net: Cluster) -> tuple[float, float]:
@@ -358,7 +399,7 @@ def stage_buckets(plan: Plan, chain: CostChain, net: Cluster, stage_index: int, 
     """The stage's buckets as (compute seconds into the last gradient pass when full, allreduce seconds),
     and the pass's length; None without buckets or anything to reduce. Buckets close once they hold
     ``plan.allreduce_bucket_bytes`` as the pass walks the blocks backwards."""
-    devices = plan.stages[stage_index].devices
+    devices = leads(plan.stages[stage_index])
     if own_bytes <= 0 or gradient_allreduce_seconds(net, own_bytes, devices) <= 0 or plan.allreduce_bucket_bytes <= 0:
         return None
     seconds, block_bytes = bucket_window(plan, chain, net, stage_index, split, weight_share)
@@ -391,7 +432,7 @@ def stage_allreduce(plan: Plan, chain: CostChain, net: Cluster, stage_index: int
     """(start, end) of the stage's replica allreduce of its own bytes; buckets close once they hold
     ``plan.allreduce_bucket_bytes`` as the last gradient pass walks the blocks backwards, and go one after
     another on one channel, each once full and the previous one done. ``ready``: when that pass ended."""
-    devices = plan.stages[stage_index].devices
+    devices = leads(plan.stages[stage_index])  # one replica allreduce per group index, on its own devices
     if plan.stages[stage_index].sharding != "none" and len(devices) > 1:  # a reduce-scatter tail or nothing
         return ready, ready + sharded_collectives(plan, chain, net, stage_index)["tail"]
     whole = gradient_allreduce_seconds(net, own_bytes, devices)
@@ -496,7 +537,7 @@ def stage_peak_bytes(plan: Plan, chain: CostChain, stage_index: int, inflight: i
     stage = plan.stages[stage_index]
     rows = -(-plan.microbatch_size // stage.replicas)
     blocks = chain.blocks[stage.first_block:stage.stop_block]
-    held = held_bytes(chain, stage.first_block, stage.stop_block)
+    held = held_bytes(chain, stage.first_block, stage.stop_block, stage.tensor_parallel)
     kept_per_byte = BYTES_KEPT_PER_PARAM_BYTE[optimizer]
     if stage.sharding == "none" or stage.replicas == 1:
         weights = float(kept_per_byte * held)
@@ -504,7 +545,9 @@ def stage_peak_bytes(plan: Plan, chain: CostChain, stage_index: int, inflight: i
         weights = fsdp_step_peak_bytes(stage.sharding, held, stage.replicas, kept_per_byte, plan.num_microbatches)
     # a value an earlier stage saved (first, or last before this stage) is received and saved here again
     resaved = sum(at(num_bytes, rows) for b in blocks for saver, num_bytes in b.resaved if saver < stage.first_block)
-    saved = sum(at(b.saved_bytes, rows) for b in blocks) + resaved
+    degree = stage.tensor_parallel  # a group member saves 1/T of a split block's sharded share
+    saved = sum(at(b.saved_bytes, rows) * ((1 - b.tp.saved_share + b.tp.saved_share / degree)
+                                           if splits_over(b, degree) else 1.0) for b in blocks) + resaved
     incoming = at(chain.cut_bytes[stage.first_block - 1], rows) if stage.first_block > 0 else 0.0
     outgoing = at(chain.cut_bytes[stage.stop_block - 1], rows) if stage.stop_block < chain.num_blocks else 0.0
     kept = inflight * incoming + saved if stage.recompute else inflight * (saved + incoming)
@@ -528,8 +571,8 @@ def reference_run(plan: Plan, chain: CostChain, net: Cluster, *, optimizer: str 
     split = is_split(order)
     replicas = build_replicas(plan, chain, net, split, weight_share)
     ties = tie_sets(plan, chain)
-    owns = [held_bytes(chain, stage.first_block, stage.stop_block) - sum(
-        num_bytes for holders, num_bytes in ties.items() if stage.stage_index in holders) for stage in plan.stages]
+    owns = [max(0, held_bytes(chain, stage.first_block, stage.stop_block, stage.tensor_parallel) - sum(
+        num_bytes for holders, num_bytes in ties.items() if stage.stage_index in holders)) for stage in plan.stages]
     extra = {s: pass_stretch(plan, chain, net, s, owns[s], split, weight_share) for s in range(plan.num_stages)}
     run = event_loop(plan, replicas, my_lowering(order), net, extra, (chain, net))
     starts, ends, readies = [], [], []
@@ -543,16 +586,21 @@ def reference_run(plan: Plan, chain: CostChain, net: Cluster, *, optimizer: str 
         starts.append(start)
         ends.append(max(end, readies[-1]))
     for holders, num_bytes in ties.items():
-        devices = tuple(sorted(d for s in holders for d in plan.stages[s].devices))
+        devices = tuple(sorted(d for s in holders for d in leads(plan.stages[s])))
         tie_end = max(readies[s] for s in holders) + gradient_allreduce_seconds(net, num_bytes, devices)
         for s in holders:
             ends[s] = max(ends[s], tie_end)
-    optimizer_s = max(net.optimizer_s_per_param_byte * stretch(net) * held_bytes(chain, s.first_block, s.stop_block)
+    optimizer_s = max(net.optimizer_s_per_param_byte * stretch(net)
+                      * held_bytes(chain, s.first_block, s.stop_block, s.tensor_parallel)
                       / (s.replicas if s.sharding != "none" else 1) for s in plan.stages)  # sharded: its shard
+    busy = dict(run.busy)
+    for stage in plan.stages:  # a group's members compute alongside its first
+        for index, device in enumerate(stage.devices):
+            busy[device] = run.busy[stage.devices[index - index % stage.tensor_parallel]]
     inflight = [inflight_peak(order[s], split) for s in range(plan.num_stages)]
     return Reference(
         iteration_time_s=max(ends) + step_end_seconds(net, plan) + net.step_overhead_s * stretch(net) + optimizer_s,
-        allreduce_start_s=starts, allreduce_end_s=ends, busy=run.busy,
+        allreduce_start_s=starts, allreduce_end_s=ends, busy=busy,
         peak_memory_bytes=[stage_peak_bytes(plan, chain, s, inflight[s], optimizer) for s in range(plan.num_stages)],
         inflight=inflight,
     )

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from fxpipe.core.cluster import Cluster
 from fxpipe.sim.stagecost import gradient_allreduce_time, split_backward_times
+from fxpipe.sim.tensor_parallel_cost import member_param_bytes, tensor_parallel_times
 
 if TYPE_CHECKING:  # fxpipe.passes imports the planner, which imports this module
     from fxpipe.core.chain import CostChain
@@ -141,28 +142,35 @@ def bucket_readiness(backward_s: Sequence[float], param_bytes: Sequence[float], 
 
 def stage_allreduce_offsets(chain: CostChain, cluster: Cluster, first: int, stop: int, devices: Sequence[int],
                             rows: int, own_bytes: float, bucket_bytes: int, window_share: float = 1.0,
-                            ) -> tuple[float, float]:
+                            tensor_parallel: int = 1) -> tuple[float, float]:
     """``(start, end)`` of :func:`stage_allreduce_overlap`: the tail ``end`` counts the pass's stretch."""
     overlap = stage_allreduce_overlap(chain, cluster, first, stop, devices, rows, own_bytes, bucket_bytes,
-                                      window_share)
+                                      window_share, tensor_parallel)
     return overlap.start, overlap.end
 
 
 def stage_allreduce_overlap(chain: CostChain, cluster: Cluster, first: int, stop: int, devices: Sequence[int],
                             rows: int, own_bytes: float, bucket_bytes: int, window_share: float = 1.0,
-                            ) -> Overlap:
+                            tensor_parallel: int = 1) -> Overlap:
     """:func:`overlap_offsets` of blocks ``[first, stop)`` on ``devices`` for a slice of ``rows`` rows,
     with the cluster's overlap slowdowns.
 
     ``own_bytes`` is what the stage's replica allreduce carries (tied parameters left out, see
     :func:`fxpipe.stagecost.allreduce_times`); block bytes are scaled to add up to it. The buckets fill
-    over ``window_share`` of each block's backward (:func:`last_pass_share`).
+    over ``window_share`` of each block's backward (:func:`last_pass_share`). A stage of ``tensor_parallel``-way
+    groups fills them over one member's backward of each block with its bytes (``devices``: one per replica).
     """
     blocks = chain.blocks[first:stop]
-    backward = [block.backward_s.at(rows) * cluster.compute_slowdown * window_share for block in blocks]
-    held = sum(block.param_bytes for block in blocks)
+    if tensor_parallel > 1:
+        backward = [tensor_parallel_times(chain, cluster, index, index + 1, rows, tensor_parallel,
+                                          cluster.compute_slowdown)[1] * window_share for index in range(first, stop)]
+        block_bytes = [member_param_bytes(block, tensor_parallel) for block in blocks]
+    else:
+        backward = [block.backward_s.at(rows) * cluster.compute_slowdown * window_share for block in blocks]
+        block_bytes = [float(block.param_bytes) for block in blocks]
+    held = sum(block_bytes)
     scale = own_bytes / held if held > 0 else 0.0
     link = cluster.collective_link(devices)  # once for every bucket size (the planner asks for many stages)
-    return overlap_offsets(backward, [block.param_bytes * scale for block in blocks], bucket_bytes,
+    return overlap_offsets(backward, [num_bytes * scale for num_bytes in block_bytes], bucket_bytes,
                            lambda num_bytes: gradient_allreduce_time(cluster, num_bytes, devices, link),
                            cluster.overlap_compute_slowdown, cluster.overlap_comm_slowdown)

@@ -36,7 +36,12 @@ from typing import TYPE_CHECKING, NamedTuple
 from fxpipe.core.cluster import Cluster, LinkSpec
 from fxpipe.core.plan import Plan
 from fxpipe.core.sharding import check_level
-from fxpipe.sim.stagecost import gradient_allreduce_time, own_allreduce_bytes, stage_param_bytes
+from fxpipe.sim.stagecost import (
+    gradient_allreduce_time,
+    own_allreduce_bytes,
+    replica_leads,
+    stage_param_bytes,
+)
 
 if TYPE_CHECKING:  # fxpipe.passes imports the planner, which imports this module
     from fxpipe.core.chain import CostChain
@@ -91,10 +96,13 @@ def start_delay(step_start_s: Sequence[float], arrival_s: Sequence[float]) -> fl
 
 
 def plan_sharding_comms(plan: Plan, chain: CostChain, cluster: Cluster) -> list[ShardingComm]:
-    """:func:`sharding_comm` of every stage of ``plan`` (its weights held, its own gradient bytes)."""
+    """:func:`sharding_comm` of every stage of ``plan`` (its weights held, its own gradient bytes); a stage of
+    tensor-parallel groups shards one member's bytes over its replicas (one device per replica)."""
     if all(stage.sharding == "none" for stage in plan.stages):
         return [NO_SHARDING] * plan.num_stages
     bounds = [(stage.first_block, stage.stop_block) for stage in plan.stages]
-    own = own_allreduce_bytes(chain, bounds)
-    return [sharding_comm(cluster, stage.sharding, stage.devices, stage_param_bytes(chain, first, stop), own_bytes)
+    degrees = [stage.tensor_parallel for stage in plan.stages]
+    own = own_allreduce_bytes(chain, bounds, tensor_parallel=degrees)
+    return [sharding_comm(cluster, stage.sharding, replica_leads(stage.devices, stage.tensor_parallel),
+                          stage_param_bytes(chain, first, stop, stage.tensor_parallel), own_bytes)
             for stage, (first, stop), own_bytes in zip(plan.stages, bounds, own, strict=True)]

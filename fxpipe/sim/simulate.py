@@ -34,6 +34,7 @@ from fxpipe.sim.stagecost import (
     allreduce_times,
     compute_times,
     own_allreduce_bytes,
+    replica_leads,
     split_backward_times,
     stage_cost,
     stage_memory_bytes,
@@ -142,12 +143,13 @@ def _overlaps(plan: Plan, chain: CostChain, cluster: Cluster, split_backward: bo
               weight_fraction: float, comms: Sequence[ShardingComm]) -> list[Overlap]:
     """Each stage's bucket offsets from the end of its last gradient pass run alone, and that pass's stretch;
     a sharded stage's only collective after it is its reduce-scatter tail (:mod:`fxpipe.sim.sharding_cost`)."""
-    own_bytes = own_allreduce_bytes(chain, [(s.first_block, s.stop_block) for s in plan.stages])
+    own_bytes = own_allreduce_bytes(chain, [(s.first_block, s.stop_block) for s in plan.stages],
+                                    tensor_parallel=[s.tensor_parallel for s in plan.stages])
     return [Overlap(0.0, comms[stage.stage_index].tail_s) if stage.sharding != "none" else stage_allreduce_overlap(
-        chain, cluster, stage.first_block, stage.stop_block, stage.devices,
+        chain, cluster, stage.first_block, stage.stop_block, replica_leads(stage.devices, stage.tensor_parallel),
         max(split_rows(plan.microbatch_size, stage.replicas)), own_bytes[stage.stage_index],
         plan.allreduce_bucket_bytes, last_pass_share(stage.stage_index, split_backward, weight_fraction,
-                                                     cluster.split_backward_overhead))
+                                                     cluster.split_backward_overhead), stage.tensor_parallel)
         for stage in plan.stages]
 
 
@@ -192,7 +194,8 @@ def _pieces(plan: Plan, chain: CostChain, cluster: Cluster, stage_index: int) ->
     sender, receiver = plan.stages[stage_index], plan.stages[stage_index + 1]
     bytes_per_rows = chain.cut_bytes[sender.stop_block - 1]
     return [
-        (i, j, cluster.link(sender.devices[i], receiver.devices[j]).transfer_time(bytes_per_rows.at(stop - start)))
+        (i, j, cluster.link(sender.replica_devices(i)[0], receiver.replica_devices(j)[0])
+         .transfer_time(bytes_per_rows.at(stop - start)))
         for i, j, start, stop in shared_rows(plan.microbatch_size, sender.replicas, receiver.replicas)
     ]
 
@@ -212,9 +215,10 @@ def _replica_specs(plan: Plan, chain: CostChain, cluster: Cluster, slowdowns: Se
     nodes: dict[Replica, _Node] = {}
     for stage in plan.stages:
         for replica_index, rows in enumerate(split_rows(plan.microbatch_size, stage.replicas)):
-            slowdown = slowdowns[stage.devices[replica_index]]
+            slowdown = max(slowdowns[device] for device in stage.replica_devices(replica_index))
             forward_s, backward_s = compute_times(chain, stage.first_block, stage.stop_block, rows, slowdown,
-                                                  recompute=stage.recompute)
+                                                  recompute=stage.recompute, tensor_parallel=stage.tensor_parallel,
+                                                  cluster=cluster)
             weight_s = 0.0
             if weight_fraction is not None:
                 backward_s, weight_s = split_backward_times(backward_s, stage.stage_index, weight_fraction,
@@ -313,10 +317,12 @@ def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule,
     # buckets launch during the last B or W, before that pass's gradient send: anchored at its end
     anchor_of = {key: run.gradient_end_s[local] for members, run in runs for local, key in enumerate(members)
                  } if plan.allreduce_bucket_bytes > 0 else ready
-    _, ties = allreduce_times(chain, cluster, [(s.first_block, s.stop_block, s.devices) for s in plan.stages])
+    _, ties = allreduce_times(chain, cluster, [(s.first_block, s.stop_block, replica_leads(s.devices, s.tensor_parallel))
+                                               for s in plan.stages], [s.tensor_parallel for s in plan.stages])
     readies, starts, ends, peaks = [], [], [], []
     for stage in plan.stages:
-        cost = stage_cost(chain, stage.first_block, stage.stop_block, plan.microbatch_size, stage.replicas)
+        cost = stage_cost(chain, stage.first_block, stage.stop_block, plan.microbatch_size, stage.replicas,
+                          tensor_parallel=stage.tensor_parallel, cluster=cluster)
         readies.append(max(ready[stage.stage_index, r] for r in range(stage.replicas)))
         anchor = max(anchor_of[stage.stage_index, r] for r in range(stage.replicas))
         # buckets start during the last backward or W (allreduce_bucket_bytes > 0); offsets from its end run
@@ -337,10 +343,11 @@ def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule,
                    + max(_optimizer_s(chain, cluster, stage, slowdowns) for stage in plan.stages))
     split = cluster.split_backward_overhead if schedule.split_backward else None
     comms = plan_sharding_comms(plan, chain, cluster)
-    busy = {device: _busy(plan, chain, stage.stage_index, replica_index, slowdowns[device], split)
+    busy = {device: _busy(plan, chain, cluster, stage.stage_index, index // stage.tensor_parallel, slowdowns[device],
+                          split)
             + 2 * plan.num_microbatches * action_seconds(cluster, slowdowns[device]) + overlaps[stage.stage_index].stretch
             + plan.num_microbatches * (comms[stage.stage_index].forward_s + comms[stage.stage_index].backward_s)
-            for stage in plan.stages for replica_index, device in enumerate(stage.devices)}
+            for stage in plan.stages for index, device in enumerate(stage.devices)}
     devices = tuple(sorted(busy))
     return SimulationResult(
         schedule_name=schedule.name,
@@ -364,27 +371,30 @@ def _optimizer_s(chain: CostChain, cluster: Cluster, stage: StagePlan, slowdowns
     stage's replica steps its shard, 1/replicas of the parameters."""
     if cluster.optimizer_s_per_param_byte <= 0:
         return 0.0
-    param_bytes: float = stage_param_bytes(chain, stage.first_block, stage.stop_block)  # its tied copies step too
+    # its tied copies step too; a group member steps its own part
+    param_bytes: float = stage_param_bytes(chain, stage.first_block, stage.stop_block, stage.tensor_parallel)
     if stage.sharding != "none":
         param_bytes /= stage.replicas
     return cluster.optimizer_s_per_param_byte * param_bytes * max(slowdowns[d] for d in stage.devices)
 
 
-def _busy(plan: Plan, chain: CostChain, stage_index: int, replica_index: int, slowdown: float,
+def _busy(plan: Plan, chain: CostChain, cluster: Cluster, stage_index: int, replica_index: int, slowdown: float,
           split_overhead: float | None) -> float:
     """A replica's compute seconds in one iteration; a split backward (``split_overhead`` not None) takes
     what splitting costs on top (:func:`split_backward_times`: B + W, none on stage 0)."""
     stage = plan.stages[stage_index]
     rows = split_rows(plan.microbatch_size, stage.replicas)[replica_index]
     forward_s, backward_s = compute_times(chain, stage.first_block, stage.stop_block, rows, slowdown,
-                                          recompute=stage.recompute)
+                                          recompute=stage.recompute, tensor_parallel=stage.tensor_parallel,
+                                          cluster=cluster)
     if split_overhead is not None:
         backward_s = sum(split_backward_times(backward_s, stage_index, WEIGHT_GRAD_FRACTION, split_overhead))
     return plan.num_microbatches * (forward_s + backward_s)
 
 
 def _device(plan: Plan, key: Replica) -> int:
-    return plan.stages[key[0]].devices[key[1]]
+    """The device a replica's transfers are costed on: its group's first (:func:`replica_leads`)."""
+    return plan.stages[key[0]].replica_devices(key[1])[0]
 
 
 def _events(plan: Plan, runs: list[tuple[list[Replica], ComponentRun]], starts: Sequence[float],
@@ -395,11 +405,11 @@ def _events(plan: Plan, runs: list[tuple[list[Replica], ComponentRun]], starts: 
         for local, (stage_index, replica_index) in enumerate(members):
             if not run.events[local]:
                 continue  # nothing recorded: timeline=False
-            device = plan.stages[stage_index].devices[replica_index]
-            events = [TimelineEvent(device, stage_index, CODE_OPS[code].value, m, start, end)
-                      for code, m, start, end in run.events[local]]
-            events.append(TimelineEvent(device, stage_index, "AR", -1, starts[stage_index], ends[stage_index]))
-            by_device.append((device, events))
+            for device in plan.stages[stage_index].replica_devices(replica_index):  # a group's members run together
+                events = [TimelineEvent(device, stage_index, CODE_OPS[code].value, m, start, end)
+                          for code, m, start, end in run.events[local]]
+                events.append(TimelineEvent(device, stage_index, "AR", -1, starts[stage_index], ends[stage_index]))
+                by_device.append((device, events))
     return tuple(event for _, events in sorted(by_device, key=lambda item: item[0]) for event in events)
 
 

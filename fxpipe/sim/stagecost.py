@@ -13,6 +13,11 @@ from fxpipe.core.cluster import Cluster, LinkSpec
 from fxpipe.core.costgraph import Affine
 from fxpipe.core.plan import shared_rows, split_rows
 from fxpipe.sim.sharding_memory import model_state_bytes
+from fxpipe.sim.tensor_parallel_cost import (
+    tensor_parallel_param_bytes,
+    tensor_parallel_saved,
+    tensor_parallel_times,
+)
 
 if TYPE_CHECKING:  # fxpipe.passes imports the planner, which imports this module
     from fxpipe.core.chain import CostChain
@@ -57,12 +62,19 @@ def _block_sum(chain: CostChain, first: int, stop: int, field: str) -> Affine:
 
 
 def compute_times(chain: CostChain, first: int, stop: int, rows: int, slowdown: float = 1.0, *,
-                  recompute: bool = False) -> tuple[float, float]:
+                  recompute: bool = False, tensor_parallel: int = 1,
+                  cluster: Cluster | None = None) -> tuple[float, float]:
     """Forward and backward seconds of blocks ``[first, stop)`` on a slice of ``rows`` batch rows.
 
     ``slowdown`` stretches the chain's times (:attr:`Cluster.compute_slowdown`: ranks sharing cores);
-    with ``recompute`` the backward includes the forward run again (:func:`backward_seconds`).
+    with ``recompute`` the backward includes the forward run again (:func:`backward_seconds`). A replica that
+    is a ``tensor_parallel``-way group (T > 1, ``cluster`` given for its links) takes one member's time
+    (:mod:`fxpipe.sim.tensor_parallel_cost`).
     """
+    if tensor_parallel > 1:
+        assert cluster is not None, "a tensor-parallel stage's collectives need the cluster's links"
+        forward_s, backward_s = tensor_parallel_times(chain, cluster, first, stop, rows, tensor_parallel, slowdown)
+        return forward_s, backward_seconds(forward_s, backward_s, recompute)
     forward_s = _block_sum(chain, first, stop, "forward_s").at(rows) * slowdown
     backward_s = _block_sum(chain, first, stop, "backward_s").at(rows) * slowdown
     return forward_s, backward_seconds(forward_s, backward_s, recompute)
@@ -88,20 +100,26 @@ def message_seconds(cluster: Cluster, microbatch_rows: int, replicas: Sequence[i
 
 
 def stage_cost(chain: CostChain, first: int, stop: int, microbatch_rows: int, replicas: int,
-               slowdown: float = 1.0) -> StageCost:
-    """Costs of blocks ``[first, stop)`` run on ``replicas`` devices, each taking its slice of a micro-batch.
+               slowdown: float = 1.0, *, tensor_parallel: int = 1, cluster: Cluster | None = None) -> StageCost:
+    """Costs of blocks ``[first, stop)`` run on ``replicas`` replicas, each taking its slice of a micro-batch.
 
-    ``slowdown`` stretches compute as in :func:`compute_times`.
+    ``slowdown`` stretches compute as in :func:`compute_times`. A replica that is a ``tensor_parallel``-way
+    group (``cluster`` given for its links) costs one member: its time, parameter and saved bytes split as
+    :mod:`fxpipe.sim.tensor_parallel_cost` says; received and sent values stay whole.
     """
     rows = max(split_rows(microbatch_rows, replicas))
     input_bytes = chain.input_bytes if first == 0 else chain.cut_bytes[first - 1]
     output_bytes = chain.output_bytes if stop == chain.num_blocks else chain.cut_bytes[stop - 1]
+    forward_s, backward_s = compute_times(chain, first, stop, rows, slowdown, tensor_parallel=tensor_parallel,
+                                          cluster=cluster)
+    saved = (_block_sum(chain, first, stop, "saved_bytes") if tensor_parallel == 1
+             else tensor_parallel_saved(chain, first, stop, tensor_parallel))
     return StageCost(
         rows=rows,
-        forward_s=_block_sum(chain, first, stop, "forward_s").at(rows) * slowdown,
-        backward_s=_block_sum(chain, first, stop, "backward_s").at(rows) * slowdown,
-        param_bytes=stage_param_bytes(chain, first, stop),
-        activation_bytes=(_block_sum(chain, first, stop, "saved_bytes") + resaved_bytes(chain, first, stop)).at(rows),
+        forward_s=forward_s,
+        backward_s=backward_s,
+        param_bytes=stage_param_bytes(chain, first, stop, tensor_parallel),
+        activation_bytes=(saved + resaved_bytes(chain, first, stop)).at(rows),
         input_bytes=0.0 if first == 0 else input_bytes.at(rows),
         output_bytes=0.0 if stop == chain.num_blocks else output_bytes.at(rows),
         loss_bytes=chain.loss_saved_bytes.at(rows) if stop == chain.num_blocks else 0.0,
@@ -131,8 +149,11 @@ def backward_seconds(forward_s: float, backward_s: float, recompute: bool) -> fl
     return backward_s + forward_s if recompute else backward_s
 
 
-def stage_param_bytes(chain: CostChain, first: int, stop: int) -> int:
-    """Parameter bytes a stage over blocks ``[first, stop)`` holds, its copies of tied parameters included."""
+def stage_param_bytes(chain: CostChain, first: int, stop: int, tensor_parallel: int = 1) -> int:
+    """Parameter bytes a stage over blocks ``[first, stop)`` holds, its copies of tied parameters included;
+    with ``tensor_parallel`` T > 1, what one group member holds (tied copies whole)."""
+    if tensor_parallel > 1:
+        return tensor_parallel_param_bytes(chain, first, stop, tensor_parallel) + tied_copy_bytes(chain, first, stop)
     return sum(block.param_bytes for block in chain.blocks[first:stop]) + tied_copy_bytes(chain, first, stop)
 
 
@@ -161,29 +182,40 @@ def tie_groups(chain: CostChain, stage_bounds: Sequence[tuple[int, int]]) -> lis
 
 
 def allreduce_times(chain: CostChain, cluster: Cluster, stages: Sequence[tuple[int, int, Sequence[int]]],
-                    ) -> tuple[list[float], list[tuple[tuple[int, ...], float]]]:
+                    tensor_parallel: Sequence[int] = ()) -> tuple[list[float], list[tuple[tuple[int, ...], float]]]:
     """Gradient sums of stages ``(first block, stop block, devices)`` as the runtime does them.
 
     Returns each stage's replica allreduce of its own parameters (tied ones left out) and, per set
     of stages sharing parameters (:func:`tie_groups`), the seconds of one allreduce of those bytes
-    over every device of those stages; it can start once all of them are ready.
+    over every device of those stages; it can start once all of them are ready. A stage of
+    ``tensor_parallel[s]``-way groups passes one device per replica (:func:`replica_leads`): its groups'
+    members of one index sum one member's bytes, all indices at once on their own devices.
     """
     bounds = [(first, stop) for first, stop, _ in stages]
     ties = tie_groups(chain, bounds)
     own = [gradient_allreduce_time(cluster, num_bytes, devices)
-           for num_bytes, (_, _, devices) in zip(own_allreduce_bytes(chain, bounds, ties), stages, strict=True)]
+           for num_bytes, (_, _, devices) in zip(own_allreduce_bytes(chain, bounds, ties, tensor_parallel), stages,
+                                                 strict=True)]
     groups = [(holders, gradient_allreduce_time(cluster, num_bytes, sorted(d for s in holders for d in stages[s][2])))
               for holders, num_bytes in ties]
     return own, groups
 
 
+def replica_leads(devices: Sequence[int], tensor_parallel: int) -> tuple[int, ...]:
+    """One device per replica, its group's first: where its transfers and its gradient allreduce are costed."""
+    return tuple(devices[::tensor_parallel])
+
+
 def own_allreduce_bytes(chain: CostChain, stage_bounds: Sequence[tuple[int, int]],
-                        ties: Sequence[tuple[tuple[int, ...], int]] | None = None) -> list[int]:
+                        ties: Sequence[tuple[tuple[int, ...], int]] | None = None,
+                        tensor_parallel: Sequence[int] = ()) -> list[int]:
     """Bytes each stage ``[first, stop)`` sums over its own replicas: its parameters less tied ones
-    (those go in one allreduce per :func:`tie_groups` set)."""
+    (those go in one allreduce per :func:`tie_groups` set); one group member's with ``tensor_parallel``."""
     ties = tie_groups(chain, stage_bounds) if ties is None else ties
-    return [stage_param_bytes(chain, first, stop) - sum(num_bytes for holders, num_bytes in ties if index in holders)
-            for index, (first, stop) in enumerate(stage_bounds)]
+    degrees = tuple(tensor_parallel) or (1,) * len(stage_bounds)
+    return [max(0, stage_param_bytes(chain, first, stop, degree)
+                - sum(num_bytes for holders, num_bytes in ties if index in holders))
+            for index, ((first, stop), degree) in enumerate(zip(stage_bounds, degrees, strict=True))]
 
 
 def stage_memory_bytes(cost: StageCost, inflight_microbatches: int, optimizer: str = "adam",

@@ -1,4 +1,5 @@
-"""Baseline planners (PipeDream, GPipe balance, uniform, parameter balance, DP, exhaustive), scored like DAPPLE."""
+"""Baseline planners (PipeDream, GPipe balance, uniform, parameter balance, DP, Megatron's grid, exhaustive), scored
+like DAPPLE."""
 
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ from fxpipe.passes.partition.pipedream import pipedream_layout
 from fxpipe.passes.partition.request import InfeasiblePlanError, PlanRequest, microbatch_grid
 from fxpipe.passes.partition.scoring import best_dp, dp_candidates, finish, infeasible_error, score_candidates
 from fxpipe.passes.partition.spans import Candidate, Span, spans_from_stops
+from fxpipe.sim.tensor_parallel_cost import TENSOR_PARALLEL_DEGREES
 
-__all__ = ["BASELINES", "plan_dp", "plan_exhaustive", "plan_gpipe", "plan_params", "plan_pipedream",
-           "plan_uniform"]
+__all__ = ["BASELINES", "megatron_candidates", "plan_dp", "plan_exhaustive", "plan_gpipe", "plan_megatron",
+           "plan_params", "plan_pipedream", "plan_uniform"]
 
 
 def _valid(model: CandidateCosts, spans: list[Span], rows: int) -> bool:
     """Every replica gets a row and there are at least as many micro-batches as stages."""
-    return (max(len(s.devices) for s in spans) <= rows
+    return (max(s.replicas for s in spans) <= rows
             and model.global_batch_size // rows >= len(spans))
 
 
@@ -105,8 +107,38 @@ def plan_pipedream(request: PlanRequest) -> Plan:
     return _best(request, model, found, "pipedream")
 
 
+def megatron_candidates(request: PlanRequest, model: CandidateCosts) -> list[Candidate]:
+    """Megatron-LM's uniform grid, what people search by hand: T x P x D = N devices, T in
+    :data:`TENSOR_PARALLEL_DEGREES` dividing a host, P stages of equal block counts (Megatron splits layers
+    evenly), D replicas of T-way groups each, stage s on devices [s D T, (s+1) D T); every micro-batch size.
+    Sorted by the pivot model (the simulator scores them in that order, pruning by lower bounds)."""
+    num_devices, num_blocks = request.cluster.num_devices, request.chain.num_blocks
+    per_host = request.cluster.devices_per_host
+    found = []
+    for degree in TENSOR_PARALLEL_DEGREES:
+        if per_host % degree or num_devices % degree:
+            continue
+        for num_stages in range(1, min(num_blocks, num_devices // degree) + 1):
+            if (num_devices // degree) % num_stages:
+                continue
+            width = num_devices // num_stages
+            spans = spans_from_stops(uniform_cuts(num_blocks, num_stages),
+                                     [tuple(range(s * width, (s + 1) * width)) for s in range(num_stages)],
+                                     (degree,) * num_stages)
+            found.extend(model.candidate(spans, rows) for rows in microbatch_grid(request)
+                         if _valid(model, spans, rows))
+    return sorted(found)
+
+
+def plan_megatron(request: PlanRequest) -> Plan:
+    """The best of Megatron-LM's uniform tensor x pipeline x data grid (:func:`megatron_candidates`)."""
+    model = request.candidate_costs()
+    return _best(request, model, megatron_candidates(request, model), "megatron")
+
+
 BASELINES: dict[str, Callable[[PlanRequest], Plan]] = {
     "dp": plan_dp,
+    "megatron": plan_megatron,
     "exhaustive": plan_exhaustive,
     "gpipe": plan_gpipe,
     "params": plan_params,

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from fxpipe.core.chain import Block, CostChain, merged_resaved, regroup_shared_params
+from fxpipe.core.chain import Block, BlockTensorParallel, CostChain, merged_resaved, regroup_shared_params
 from fxpipe.core.costgraph import Affine
 
 # Above this many (blocks x parts) the exact O(parts x blocks^2) balance gives way to bisection.
@@ -134,6 +135,7 @@ def coarsen_chain(chain: CostChain, stops: Sequence[int]) -> CostChain:
             saved_bytes=Affine.total(block.saved_bytes for block in members),
             resaved=merged_resaved(((group_of_block[saver], num_bytes) for block in members
                                     for saver, num_bytes in block.resaved), group),
+            tp=merged_tensor_parallel(members),
         ))
         first = stop
     cuts = tuple(chain.cut_bytes[stop - 1] for stop in stops[:-1])
@@ -141,6 +143,33 @@ def coarsen_chain(chain: CostChain, stops: Sequence[int]) -> CostChain:
                      regroup_shared_params(chain.shared_params, group_of_block),
                      loss_saved_bytes=chain.loss_saved_bytes, input_saved_bytes=chain.input_saved_bytes,
                      target_saved_bytes=chain.target_saved_bytes)
+
+
+def merged_tensor_parallel(members: Sequence[Block]) -> BlockTensorParallel | None:
+    """One :class:`BlockTensorParallel` for blocks merged into one: sharded bytes and collective bytes add up,
+    the shares are the members' weighted by their per-sample time (forward + backward) and saved bytes, and
+    T must divide every member's divisor (their gcd: a merged block splits only where all its members do).
+    None when no member splits."""
+    split = [block for block in members if block.tp is not None]
+    if not split:
+        return None
+    if len(members) == 1:
+        return members[0].tp
+
+    def share(weights: list[float], shares: list[float]) -> float:
+        total = sum(weights)
+        return sum(w * s for w, s in zip(weights, shares, strict=True)) / total if total > 0 else 0.0
+
+    times = [(block.forward_s + block.backward_s).per_sample or (block.forward_s + block.backward_s).fixed
+             for block in members]
+    saved = [block.saved_bytes.per_sample or block.saved_bytes.fixed for block in members]
+    return BlockTensorParallel(
+        time_share=share(times, [block.tp.time_share if block.tp else 0.0 for block in members]),
+        param_bytes=sum(block.tp.param_bytes for block in split if block.tp),
+        saved_share=share(saved, [block.tp.saved_share if block.tp else 0.0 for block in members]),
+        comm_bytes=Affine.total(block.tp.comm_bytes for block in split if block.tp),
+        divisor=math.gcd(*(block.tp.divisor for block in split if block.tp)),
+    )
 
 
 def refine_cuts(stops: list[int], num_blocks: int, score: Callable[[list[int]], float],

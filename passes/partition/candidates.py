@@ -74,8 +74,9 @@ class CandidateCosts:
         # (candidate identity, schedule, warm-up policy) -> simulated (iteration s, bubble fraction), for scoring
         self.simulated: dict[tuple[object, ...], tuple[float, float]] = {}
 
-    def _cost(self, first: int, stop: int, rows: int, replicas: int) -> StageCost:
-        return stage_cost(self.chain, first, stop, rows, replicas, self.cluster.compute_slowdown)
+    def _cost(self, first: int, stop: int, rows: int, replicas: int, tensor_parallel: int = 1) -> StageCost:
+        return stage_cost(self.chain, first, stop, rows, replicas, self.cluster.compute_slowdown,
+                          tensor_parallel=tensor_parallel, cluster=self.cluster)
 
     def _canonical_hop(self, cut: int, rows: int, src: tuple[int, ...], dst: tuple[int, ...]) -> float:
         """Transfer time across cut ``cut``; devices are relabelled host-major in order of appearance
@@ -101,74 +102,80 @@ class CandidateCosts:
         return transfer_time(relabelled, cut_bytes, rows, src, dst)
 
     def _stage_step(self, first: int, stop: int, rows: int, devices: tuple[int, ...],
-                    recompute: bool, sharding: str = "none") -> tuple[float, float, float]:
+                    recompute: bool, sharding: str = "none", tensor_parallel: int = 1) -> tuple[float, float, float]:
         """(F, B, own allreduce or its tail after backward) of a stage when messages cost nothing
         (:func:`message_seconds` is 0.0) and no parameter is shared with another stage; a sharded stage's
-        collectives (:func:`sharding_comm`) go into F and B, and its tail replaces the allreduce."""
-        cost = self.cost(first, stop, rows, len(devices))
+        collectives (:func:`sharding_comm`) go into F and B, and its tail replaces the allreduce. ``devices``:
+        one per replica (:attr:`Span.leads`), each a ``tensor_parallel``-way group."""
+        cost = self.cost(first, stop, rows, len(devices), tensor_parallel)
         if sharding != "none" and len(devices) > 1:
-            comm = self.stage_comm(first, stop, devices, sharding, cost.param_bytes)
+            comm = self.stage_comm(first, stop, devices, sharding, cost.param_bytes, tensor_parallel)
             return (cost.forward_s + comm.forward_s,
                     backward_seconds(cost.forward_s, cost.backward_s, recompute) + comm.backward_s, comm.tail_s)
         if self.overlap_bytes:
             per_host = self.cluster.devices_per_host
             own = self.allreduce_tail(first, stop, len(devices), len({d // per_host for d in devices}) == 1, rows,
-                                      self.cost(first, stop, 1, 1).param_bytes)
+                                      self.cost(first, stop, 1, 1, tensor_parallel).param_bytes, tensor_parallel)
         else:
-            own = self.allreduce(first, stop, devices)
+            own = self.allreduce(first, stop, devices, tensor_parallel)
         return cost.forward_s, backward_seconds(cost.forward_s, cost.backward_s, recompute), own
 
     def least_comm_seconds(self, span: Span, num_microbatches: int) -> float:
         """The least time any sharded level the request allows spends in a stage's collectives in one step
         (infinite when none is allowed: one replica, or ``"none"``)."""
-        if self.sharding == "none" or len(span.devices) <= 1:
+        if self.sharding == "none" or span.replicas <= 1:
             return float("inf")
         levels = schedule_levels((self.sharding,) if self.sharding in SHARDING_LEVELS else SHARDING_LEVELS, self.schedule)
         # tied parameters may be summed by their tie allreduce instead: count none of them (a lower bound)
-        gradient_bytes = max(0, self.cost(span.first, span.stop, 1, 1).param_bytes
+        gradient_bytes = max(0, self.cost(span.first, span.stop, 1, 1, span.tensor_parallel).param_bytes
                              - sum(shared.num_bytes for shared in self.chain.shared_params))
-        return min((self.stage_comm(span.first, span.stop, span.devices, level, gradient_bytes)
+        return min((self.stage_comm(span.first, span.stop, span.leads, level, gradient_bytes, span.tensor_parallel)
                     .step_seconds(num_microbatches) for level in levels if level != "none"), default=float("inf"))
 
     def least_state_bytes(self, first: int, stop: int, replicas: int, unsharded_bytes: float,
-                          num_microbatches: int) -> float:
+                          num_microbatches: int, tensor_parallel: int = 1) -> float:
         """The fewest bytes per device a stage's weights, gradients and optimizer state can take under the
         request, with ``num_microbatches`` per step: ``unsharded_bytes`` (P x the optimizer's factor) unless a
         level the request allows takes fewer."""
         if self.sharding == "none" or replicas <= 1:
             return unsharded_bytes
         levels = schedule_levels((self.sharding,) if self.sharding in SHARDING_LEVELS else SHARDING_LEVELS, self.schedule)
-        param_bytes = self.cost(first, stop, 1, 1).param_bytes
+        param_bytes = self.cost(first, stop, 1, 1, tensor_parallel).param_bytes
         factor = optimizer_factor(self.optimizer)
         return min(model_state_bytes(param_bytes, factor, level, replicas, num_microbatches) for level in levels)
 
-    def stage_comm(self, first: int, stop: int, devices: Sequence[int], sharding: str, gradient_bytes: int
-                   ) -> ShardingComm:
-        """:func:`sharding_comm` of a stage, cached for any devices on one host or not (as allreduce tails)."""
+    def stage_comm(self, first: int, stop: int, devices: Sequence[int], sharding: str, gradient_bytes: int,
+                   tensor_parallel: int = 1) -> ShardingComm:
+        """:func:`sharding_comm` of a stage, cached for any devices on one host or not (as allreduce tails);
+        ``devices`` one per replica (:attr:`Span.leads`)."""
         if sharding == "none" or len(devices) <= 1:
             return NO_SHARDING
         per_host = self.cluster.devices_per_host
         return self.comm(first, stop, len(devices), len({d // per_host for d in devices}) == 1, sharding,
-                         gradient_bytes)
+                         gradient_bytes, tensor_parallel)
 
-    def _comm(self, first: int, stop: int, replicas: int, one_host: bool, sharding: str, gradient_bytes: int
-              ) -> ShardingComm:
+    def _comm(self, first: int, stop: int, replicas: int, one_host: bool, sharding: str, gradient_bytes: int,
+              tensor_parallel: int = 1) -> ShardingComm:
         per_host = self.cluster.devices_per_host
         devices = tuple(range(replicas)) if one_host else (per_host, *range(replicas - 1))
-        return sharding_comm(self.cluster, sharding, devices, self.cost(first, stop, 1, 1).param_bytes, gradient_bytes)
+        return sharding_comm(self.cluster, sharding, devices, self.cost(first, stop, 1, 1, tensor_parallel).param_bytes,
+                             gradient_bytes)
 
-    def _allreduce(self, first: int, stop: int, devices: tuple[int, ...]) -> float:
-        return gradient_allreduce_time(self.cluster, self.cost(first, stop, 1, 1).param_bytes, devices)
+    def _allreduce(self, first: int, stop: int, devices: tuple[int, ...], tensor_parallel: int = 1) -> float:
+        """A stage's gradient allreduce over ``devices``, one per replica, of one group member's bytes."""
+        return gradient_allreduce_time(self.cluster, self.cost(first, stop, 1, 1, tensor_parallel).param_bytes,
+                                       devices)
 
-    def _allreduce_tail(self, first: int, stop: int, replicas: int, one_host: bool, rows: int, own_bytes: int
-                        ) -> float:
+    def _allreduce_tail(self, first: int, stop: int, replicas: int, one_host: bool, rows: int, own_bytes: int,
+                        tensor_parallel: int = 1) -> float:
         """The tail for any ``replicas`` devices on one host or not: a ring allreduce's time depends on
         nothing else (:meth:`Cluster.collective_link`), so equivalent placements share a cache entry."""
         per_host = self.cluster.devices_per_host
         devices = tuple(range(replicas)) if one_host else (per_host, *range(replicas - 1))
         slice_rows = self.cost(first, stop, rows, replicas).rows
         return min(stage_allreduce_offsets(self.chain, self.cluster, first, stop, devices, slice_rows, own_bytes,
-                                           self.overlap_bytes, share)[1] for share in self.window_shares)
+                                           self.overlap_bytes, share, tensor_parallel)[1]
+                   for share in self.window_shares)
 
     def allreduce_tails(self, spans: Sequence[Span], rows: int, own_bytes: Sequence[int] | None = None) -> list[float]:
         """Each stage's own allreduce time left after its last backward, buckets overlapping it (``own_bytes``:
@@ -176,37 +183,43 @@ class CandidateCosts:
         if own_bytes is not None:
             pass
         elif not self.chain.shared_params:
-            own_bytes = [self.cost(span.first, span.stop, 1, 1).param_bytes for span in spans]
+            own_bytes = [self.cost(span.first, span.stop, 1, 1, span.tensor_parallel).param_bytes for span in spans]
         else:
-            own_bytes = own_allreduce_bytes(self.chain, [(span.first, span.stop) for span in spans])
+            own_bytes = own_allreduce_bytes(self.chain, [(span.first, span.stop) for span in spans],
+                                            tensor_parallel=[span.tensor_parallel for span in spans])
         per_host = self.cluster.devices_per_host
-        return [self.allreduce_tail(span.first, span.stop, len(span.devices),
-                                    len({device // per_host for device in span.devices}) == 1, rows, num_bytes)
+        return [self.allreduce_tail(span.first, span.stop, span.replicas,
+                                    len({device // per_host for device in span.leads}) == 1, rows, num_bytes,
+                                    span.tensor_parallel)
                 for span, num_bytes in zip(spans, own_bytes, strict=True)]
 
     def stage_allreduces(self, spans: Sequence[Span]) -> tuple[list[float], list[tuple[tuple[int, ...], float]]]:
         """Each stage's own gradient allreduce and the tie groups' allreduces (:func:`allreduce_times`)."""
         if not self.chain.shared_params:  # the common case, memoised per span
-            return [self.allreduce(span.first, span.stop, span.devices) for span in spans], []
-        return allreduce_times(self.chain, self.cluster, [(span.first, span.stop, span.devices) for span in spans])
+            return [self.allreduce(span.first, span.stop, span.leads, span.tensor_parallel) for span in spans], []
+        return allreduce_times(self.chain, self.cluster, [(span.first, span.stop, span.leads) for span in spans],
+                               [span.tensor_parallel for span in spans])
 
     def steps(self, spans: Sequence[Span], rows: int, choices: Sequence[StageChoice] | None = None) -> PipelineSteps:
         """Forward, backward and allreduce time of every pipeline step (stages and transfers), tie allreduces."""
         if not self.chain.shared_params and self.cluster.message_overhead_s <= 0 and self.cluster.action_overhead_s <= 0:
             # the common case: a stage's step depends on its own span only (no ties, no per-message or action time)
-            hops = [self.hop(before.stop - 1, rows, before.devices, after.devices)
+            hops = [self.hop(before.stop - 1, rows, before.leads, after.leads)
                     for before, after in zip(spans, spans[1:], strict=False)]
             if self.sharding == "none" and choices is None:
                 recomputing = self.recomputes(spans, rows, "A")  # the search's memory check uses policy A too
-                return pipeline_steps([self.stage_step(span.first, span.stop, rows, span.devices, recompute)
+                return pipeline_steps([self.stage_step(span.first, span.stop, rows, span.leads, recompute, "none",
+                                                       span.tensor_parallel)
                                        for span, recompute in zip(spans, recomputing, strict=True)], hops, [],
                                       split_overhead=self.cluster.split_backward_overhead)
             choices = choices or self.stage_choices(spans, rows, "A")
-            comms = [self.stage_comm(span.first, span.stop, span.devices, choice.sharding,
-                                     self.cost(span.first, span.stop, 1, 1).param_bytes)
+            comms = [self.stage_comm(span.first, span.stop, span.leads, choice.sharding,
+                                     self.cost(span.first, span.stop, 1, 1, span.tensor_parallel).param_bytes,
+                                     span.tensor_parallel)
                      for span, choice in zip(spans, choices, strict=True)]
-            return pipeline_steps([self.stage_step(span.first, span.stop, rows, span.devices, choice.recompute,
-                                                   choice.sharding) for span, choice in zip(spans, choices, strict=True)],
+            return pipeline_steps([self.stage_step(span.first, span.stop, rows, span.leads, choice.recompute,
+                                                   choice.sharding, span.tensor_parallel)
+                                   for span, choice in zip(spans, choices, strict=True)],
                                   hops, [], split_overhead=self.cluster.split_backward_overhead,
                                   messages=[comm.backward_s for comm in comms], starts=[comm.start_s for comm in comms],
                                   collectives=[comm.backward_s for comm in comms])
@@ -216,28 +229,30 @@ class CandidateCosts:
         """:meth:`steps` with tied parameters or a time per message or action (each stage's own bytes and messages;
         the action time goes with the message time: whole in B under split backward)."""
         choices = choices or self.stage_choices(spans, rows, "A")  # the search's memory check uses policy A too
-        sharded = any(choice.sharding != "none" and len(span.devices) > 1 for span, choice in zip(spans, choices,
-                                                                                                 strict=True))
-        own_bytes = (own_allreduce_bytes(self.chain, [(span.first, span.stop) for span in spans])
+        sharded = any(choice.sharding != "none" and span.replicas > 1 for span, choice in zip(spans, choices,
+                                                                                             strict=True))
+        own_bytes = (own_allreduce_bytes(self.chain, [(span.first, span.stop) for span in spans],
+                                         tensor_parallel=[span.tensor_parallel for span in spans])
                      if sharded else [0] * len(spans))
         own, ties = self.stage_allreduces(spans)
         if self.overlap_bytes:
             own = self.allreduce_tails(spans, rows, own_bytes if sharded else None)
-        replicas = [len(span.devices) for span in spans]
+        replicas = [span.replicas for span in spans]
         stages, messages, starts, collectives = [], [], [], []
         for index, span in enumerate(spans):
-            cost = self.cost(span.first, span.stop, rows, len(span.devices))
+            cost = self.cost(span.first, span.stop, rows, span.replicas, span.tensor_parallel)
             message_s = (message_seconds(self.cluster, rows, replicas, index)
                          + action_seconds(self.cluster, self.cluster.compute_slowdown))
             backward_s = backward_seconds(cost.forward_s, cost.backward_s, choices[index].recompute)
-            comm = self.stage_comm(span.first, span.stop, span.devices, choices[index].sharding, own_bytes[index])
-            tail = comm.tail_s if choices[index].sharding != "none" and len(span.devices) > 1 else own[index]
+            comm = self.stage_comm(span.first, span.stop, span.leads, choices[index].sharding, own_bytes[index],
+                                   span.tensor_parallel)
+            tail = comm.tail_s if choices[index].sharding != "none" and span.replicas > 1 else own[index]
             stages.append((cost.forward_s + message_s + comm.forward_s, backward_s + message_s + comm.backward_s,
                            tail))
             messages.append(message_s + comm.backward_s)
             collectives.append(comm.backward_s)
             starts.append(comm.start_s)
-        hops = [self.hop(before.stop - 1, rows, before.devices, after.devices)
+        hops = [self.hop(before.stop - 1, rows, before.leads, after.leads)
                 for before, after in zip(spans, spans[1:], strict=False)]
         return pipeline_steps(stages, hops, ties, split_overhead=self.cluster.split_backward_overhead,
                               messages=messages, starts=starts, collectives=collectives)
@@ -283,7 +298,7 @@ class CandidateCosts:
             return self._sharded_choices(spans, rows, warmup_policy, schedule, setting)
         choices = []
         for index, span in enumerate(spans):
-            cost = self.cost(span.first, span.stop, rows, len(span.devices))
+            cost = self.cost(span.first, span.stop, rows, span.replicas, span.tensor_parallel)
             inflight = self.inflight(index, len(spans), num_microbatches, warmup_policy, schedule)
             keep = stage_memory_bytes(cost, inflight, self.optimizer)
             if choose_recompute(setting, index, len(spans), keep, self.memory_limit_bytes):
@@ -305,14 +320,14 @@ class CandidateCosts:
             request = "auto"
         choices = []
         for index, span in enumerate(spans):
-            levels = self.stage_levels(request, index, len(span.devices), schedule)
+            levels = self.stage_levels(request, index, span.replicas, schedule)
             if isinstance(recompute, tuple):
                 recomputes: tuple[bool, ...] = (recompute[index],)
             else:
                 recomputes = {"auto": (False, True), "never": (False,), "always": (True,)}[recompute]
             inflight = self.inflight(index, len(spans), num_microbatches, warmup_policy, schedule)
-            choices.append(self._sharded_choice(span.first, span.stop, rows, span.devices, inflight, levels,
-                                                recomputes))
+            choices.append(self._sharded_choice(span.first, span.stop, rows, span.leads, inflight, levels,
+                                                recomputes, span.tensor_parallel))
         self._sharded_memo[key] = tuple(choices)
         return choices
 
@@ -334,12 +349,12 @@ class CandidateCosts:
         num_microbatches = self.global_batch_size // rows
         found = []
         for index, (span, choice) in enumerate(zip(spans, chosen, strict=True)):
-            replicas = len(span.devices)
+            replicas = span.replicas
             levels = self.stage_levels(request, index, replicas, schedule)
             recomputes = (choice.recompute,) if isinstance(self.recompute, tuple) or self.recompute != "auto" or (
                 (schedule or self.schedule) == "zero_bubble") else (False, True)
             inflight = self.inflight(index, len(spans), num_microbatches, warmup_policy, schedule)
-            cost = self.cost(span.first, span.stop, rows, replicas)
+            cost = self.cost(span.first, span.stop, rows, replicas, span.tensor_parallel)
             options = [choice]
             for level in levels:
                 for recompute in recomputes:
@@ -379,7 +394,8 @@ class CandidateCosts:
         return choices
 
     def _choose_sharded(self, first: int, stop: int, rows: int, devices: tuple[int, ...], inflight: int,
-                        levels: tuple[str, ...], recomputes: tuple[bool, ...]) -> StageChoice:
+                        levels: tuple[str, ...], recomputes: tuple[bool, ...], tensor_parallel: int = 1
+                        ) -> StageChoice:
         """The fastest ``(level, recompute)`` whose memory fits; the one needing least memory if none fits.
 
         Why per stage and by the stage's own time: a stage's memory depends on its own choice alone, and
@@ -390,7 +406,7 @@ class CandidateCosts:
         (8 S combinations would be). Ties keep the earlier option (none before sharded, keep before
         recompute): less communication and no recomputation for the same predicted time.
         """
-        cost = self.cost(first, stop, rows, len(devices))
+        cost = self.cost(first, stop, rows, len(devices), tensor_parallel)
         num_microbatches = self.global_batch_size // rows
         best: tuple[float, StageChoice] | None = None
         least: StageChoice | None = None
@@ -402,8 +418,9 @@ class CandidateCosts:
                 if memory > self.memory_limit_bytes:
                     least = choice if least is None or memory < least.memory else least
                     continue
-                forward_s, backward_s, tail_s = self.stage_step(first, stop, rows, devices, recompute, level)
-                start_s = self.stage_comm(first, stop, devices, level, cost.param_bytes).start_s
+                forward_s, backward_s, tail_s = self.stage_step(first, stop, rows, devices, recompute, level,
+                                                                tensor_parallel)
+                start_s = self.stage_comm(first, stop, devices, level, cost.param_bytes, tensor_parallel).start_s
                 seconds = start_s + num_microbatches * (forward_s + backward_s) + tail_s
                 if best is None or seconds < best[0] * (1 - 1e-12):
                     best = (seconds, choice)

@@ -25,6 +25,12 @@ from fxpipe.passes.partition.block_partition import (
 )
 from fxpipe.passes.partition.candidates import CandidateCosts
 from fxpipe.passes.partition.every_device import plan_every_device
+from fxpipe.passes.partition.layout import (
+    check_degrees,
+    parse_layout,
+    parse_stage_layout,
+    replicated_block_notes,
+)
 from fxpipe.passes.partition.placement import host_aligned
 from fxpipe.passes.partition.polish import polish
 from fxpipe.passes.partition.request import (
@@ -40,9 +46,10 @@ from fxpipe.passes.partition.scoring import best_dp, finish, score_candidates
 from fxpipe.passes.partition.search import search
 from fxpipe.passes.partition.spans import Candidate, Span, spans_from_stops
 from fxpipe.sim.allreduce_overlap import DEFAULT_BUCKET_BYTES
+from fxpipe.sim.tensor_parallel_cost import tensor_parallel_degrees
 
 __all__ = ["PLANNERS", "InfeasiblePlanError", "LayoutError", "PlanningError", "on_fine_chain", "parse_layout", "partition",
-           "plan_dapple"]
+           "parse_stage_layout", "plan_dapple"]
 
 # Chains longer than this are searched on merged groups of blocks, then the cuts are refined.
 MAX_SEARCH_BLOCKS = 32
@@ -50,33 +57,8 @@ MAX_SEARCH_BLOCKS_LARGE = 16  # on host-aligned (large) clusters
 MAX_REPLICATED_STAGES = 8
 
 
-def parse_layout(layout: str, num_devices: int, num_blocks: int) -> tuple[int, ...]:
-    """``"3:1"`` -> (3, 1); ``"dp"`` -> (num_devices,). Raises LayoutError naming the bad part.
-
-    ``num_blocks`` is the number of cuttable blocks (:func:`parameter_groups`): no stage may be empty.
-    """
-    text = layout.strip().lower()
-    if text == "dp":
-        return (num_devices,)
-    parts = text.split(":")
-    if not all(part.isdecimal() and part.isascii() and int(part) > 0 for part in parts):
-        raise LayoutError(f"layout {layout!r} is malformed: use replica counts separated by ':' "
-                          "(e.g. '3:1', '1:1:1:1') or 'dp'")
-    counts = tuple(int(part) for part in parts)
-    if sum(counts) > num_devices:
-        raise LayoutError(f"layout {layout!r} needs {sum(counts)} devices but the cluster has {num_devices}; "
-                          "use fewer replicas or a larger cluster")
-    if len(counts) > num_blocks:
-        raise LayoutError(f"layout {layout!r} has {len(counts)} stages but the model has only {num_blocks} "
-                          f"cuttable block(s) (runs of layers holding parameters; no cut is made where a Python "
-                          f"value or a value whose rows are not the batch rows, such as a (batch*seq, hidden) "
-                          f"flatten, would cross), so every stage cannot get parameters; use at most {num_blocks} "
-                          f"stages")
-    return counts
-
-
 def _fine_spans(spans: Iterable[Span], stops: list[int]) -> list[Span]:
-    return [Span(stops[s.first - 1] if s.first else 0, stops[s.stop - 1], s.devices) for s in spans]
+    return [Span(stops[s.first - 1] if s.first else 0, stops[s.stop - 1], s.devices, s.tensor_parallel) for s in spans]
 
 
 def _refined(model: CandidateCosts, candidate: Candidate, stops: list[int]) -> Candidate:
@@ -85,9 +67,10 @@ def _refined(model: CandidateCosts, candidate: Candidate, stops: list[int]) -> C
     rows = candidate.microbatch_rows
 
     devices = [span.devices for span in spans]
+    degrees = [span.tensor_parallel for span in spans]
 
     def rebuilt(cut_stops: list[int]) -> list[Span]:
-        return spans_from_stops(cut_stops, devices)
+        return spans_from_stops(cut_stops, devices, degrees)
 
     def score(cut_stops: list[int]) -> float:
         trial = rebuilt(cut_stops)
@@ -152,7 +135,7 @@ def _search_all(request: PlanRequest, model: CandidateCosts, grid: list[int],
         found.extend(seeds)
         bound_s = min([bound_s, *(c.latency_s for c in seeds)])
         result = search(search_model, rows, layout=request.layout, bound_s=bound_s, pool_size=request.rerank,
-                        num_stages=request.num_stages, accept=request.allows)
+                        num_stages=request.num_stages, accept=request.allows, degrees=request.tensor_parallel)
         found.extend(result.candidates)
         if result.closest_ratio < closest_ratio:
             closest, closest_ratio = result.closest_miss, result.closest_ratio
@@ -162,6 +145,15 @@ def _search_all(request: PlanRequest, model: CandidateCosts, grid: list[int],
         if closest is not None:
             closest = model.candidate(_fine_spans(closest.spans, stops), closest.microbatch_rows)
     return found, closest
+
+
+def _grid_seeds(request: PlanRequest, model: CandidateCosts) -> list[Candidate]:
+    """With tensor-parallel blocks: the uniform T x P x D grid points that fit (the ``megatron`` baseline's), so
+    the plan is never slower than what people search by hand; none otherwise (plans stay as without TP)."""
+    if tensor_parallel_degrees(request.chain, request.cluster.devices_per_host) == (1,):
+        return []
+    return [c for c in baselines.megatron_candidates(request, model)
+            if request.allows(c) and model.fits(c.spans, c.microbatch_rows)]
 
 
 def _least_memory(model: CandidateCosts, grid: list[int]) -> Candidate | None:
@@ -203,7 +195,10 @@ def plan_dapple(request: PlanRequest) -> Plan:
     dp_allowed = (request.layout is None or forced_dp) and request.num_stages in (None, 1)
     dp = best_dp(request, model) if dp_allowed else None
     bound = dp.plan.predicted.analytic_iteration_time_s if dp and dp.plan.predicted else float("inf")
+    grids = _grid_seeds(request, model)
+    bound = min([bound, *(c.latency_s for c in grids)])
     found, closest = _search_all(request, model, grid, bound)
+    found.extend(grids)
     if request.layout is None:
         found.extend(c for c in _replicated_pipelines(model, grid) if request.allows(c))
     best = score_candidates(request, model, _top(found, request.rerank), "dapple")
@@ -328,13 +323,19 @@ def partition(chain: CostChain, cluster: Cluster, global_batch_size: int, *, pla
     stops = parameter_groups(chain)
     grouped = chain if len(stops) == chain.num_blocks else coarsen_chain(chain, stops)
     _check_num_stages(num_stages, planner, grouped.num_blocks)
-    forced = None if layout is None else parse_layout(layout, cluster.num_devices, grouped.num_blocks)
-    if all_devices and forced is not None and sum(forced) != cluster.num_devices:
-        raise LayoutError(f"layout {layout!r} uses {sum(forced)} of the {cluster.num_devices} devices, but every "
-                          f"device (rank) needs a role; give the stages {cluster.num_devices} replicas in all "
-                          "or launch that many ranks")
+    forced, degrees = (None, None) if layout is None else parse_stage_layout(
+        layout, cluster.num_devices, grouped.num_blocks, cluster.devices_per_host)
+    if degrees is not None:
+        check_degrees(str(layout), degrees, grouped)
+    if all_devices and forced is not None and degrees is not None:
+        used = sum(r * t for r, t in zip(forced, degrees, strict=True))
+        if used != cluster.num_devices:
+            raise LayoutError(f"layout {layout!r} uses {used} of the {cluster.num_devices} devices (replicas x T "
+                              f"per stage), but every device (rank) needs a role; give the stages "
+                              f"{cluster.num_devices} devices in all or launch {used} ranks")
     request = PlanRequest(
         chain=grouped, cluster=cluster, global_batch_size=global_batch_size, layout=forced,
+        tensor_parallel=degrees if degrees is not None and any(t > 1 for t in degrees) else None,
         num_microbatches=num_microbatches, schedule=schedule, warmup_policy=warmup_policy,
         optimizer=optimizer, memory_limit_bytes=memory_limit_bytes or cluster.device.memory_bytes,
         rerank=rerank, progress=progress, num_stages=num_stages, all_devices=all_devices,
@@ -347,4 +348,6 @@ def partition(chain: CostChain, cluster: Cluster, global_batch_size: int, *, pla
         plan = _no_slower_than_unsharded(plan, request, PLANNERS[planner])
     if compare:
         plan = plan.with_updates(baselines=_baseline_results(request))
-    return on_fine_chain(plan, chain, stops).with_updates(planning_time_s=time.perf_counter() - start)
+    plan = on_fine_chain(plan, chain, stops)
+    return plan.with_updates(notes=(*plan.notes, *replicated_block_notes(plan, chain)),
+                             planning_time_s=time.perf_counter() - start)

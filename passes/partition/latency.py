@@ -51,6 +51,7 @@ from fxpipe.sim.stagecost import (
     backward_seconds,
     message_seconds,
     own_allreduce_bytes,
+    replica_leads,
     split_backward_times,
     stage_cost,
     step_close_time,
@@ -220,28 +221,33 @@ def stage_times(plan: Plan, chain: CostChain, cluster: Cluster) -> PipelineSteps
     With ``plan.allreduce_bucket_bytes`` a stage's AR is only the tail its buckets leave after the
     last backward (:mod:`fxpipe.sim.allreduce_overlap`).
     """
-    _, ties = allreduce_times(chain, cluster, [(s.first_block, s.stop_block, s.devices) for s in plan.stages])
-    own_bytes = own_allreduce_bytes(chain, [(s.first_block, s.stop_block) for s in plan.stages])
+    degrees = [s.tensor_parallel for s in plan.stages]
+    leads = [replica_leads(s.devices, s.tensor_parallel) for s in plan.stages]
+    bounds = [(s.first_block, s.stop_block, lead) for s, lead in zip(plan.stages, leads, strict=True)]
+    _, ties = allreduce_times(chain, cluster, bounds, degrees)
+    own_bytes = own_allreduce_bytes(chain, [(s.first_block, s.stop_block) for s in plan.stages], tensor_parallel=degrees)
     comms = plan_sharding_comms(plan, chain, cluster)
     replicas = [s.replicas for s in plan.stages]
     stages, messages = [], []
     for stage in plan.stages:
         cost = stage_cost(chain, stage.first_block, stage.stop_block, plan.microbatch_size, stage.replicas,
-                          cluster.compute_slowdown)
+                          cluster.compute_slowdown, tensor_parallel=stage.tensor_parallel, cluster=cluster)
         message_s = message_seconds(cluster, plan.microbatch_size, replicas, stage.stage_index)
         backward_s = backward_seconds(cost.forward_s, cost.backward_s, stage.recompute)
-        _, tail = stage_allreduce_offsets(chain, cluster, stage.first_block, stage.stop_block, stage.devices,
+        _, tail = stage_allreduce_offsets(chain, cluster, stage.first_block, stage.stop_block, leads[stage.stage_index],
                                           cost.rows, own_bytes[stage.stage_index], plan.allreduce_bucket_bytes,
                                           last_pass_share(stage.stage_index, plan.schedule == "zero_bubble",
-                                                          WEIGHT_GRAD_FRACTION, cluster.split_backward_overhead))
+                                                          WEIGHT_GRAD_FRACTION, cluster.split_backward_overhead),
+                                          stage.tensor_parallel)
         comm = comms[stage.stage_index]
         if stage.sharding != "none":
             tail = comm.tail_s
         fixed_s = message_s + action_seconds(cluster, cluster.compute_slowdown)
         stages.append((cost.forward_s + fixed_s + comm.forward_s, backward_s + fixed_s + comm.backward_s, tail))
         messages.append(fixed_s + comm.backward_s)
-    hops = [transfer_time(cluster, chain.cut_bytes[before.stop_block - 1], plan.microbatch_size, before.devices,
-                          after.devices) for before, after in zip(plan.stages, plan.stages[1:], strict=False)]
+    hops = [transfer_time(cluster, chain.cut_bytes[before.stop_block - 1], plan.microbatch_size, before_leads,
+                          after_leads) for before, before_leads, after_leads in zip(plan.stages, leads, leads[1:],
+                                                                                     strict=False)]
     return pipeline_steps(stages, hops, ties, split_overhead=cluster.split_backward_overhead, messages=messages,
                           starts=[comm.start_s for comm in comms], collectives=[comm.backward_s for comm in comms])
 

@@ -24,11 +24,11 @@ def build_plan(model: CandidateCosts, candidate: Candidate, *, schedule: str, wa
                 for index in range(len(candidate.spans))]
     stages = []
     for index, span in enumerate(candidate.spans):
-        cost = model.cost(span.first, span.stop, rows, len(span.devices))
+        cost = model.cost(span.first, span.stop, rows, span.replicas, span.tensor_parallel)
         node_names = tuple(name for block in chain.blocks[span.first:span.stop] for name in block.node_names)
         stages.append(StagePlan(
             stage_index=index, first_block=span.first, stop_block=span.stop,
-            replicas=len(span.devices), devices=span.devices, node_names=node_names,
+            replicas=span.replicas, devices=span.devices, node_names=node_names,
             forward_s=cost.forward_s, backward_s=cost.backward_s,
             allreduce_s=_gradient_sync_seconds(model, span, choices[index].sharding, num_microbatches),
             param_bytes=cost.param_bytes, activation_bytes=int(cost.activation_bytes),
@@ -37,6 +37,7 @@ def build_plan(model: CandidateCosts, candidate: Candidate, *, schedule: str, wa
             inflight_microbatches=inflight[index],
             activation_peak_bytes=activation_peak_bytes(cost, inflight[index], num_microbatches,
                                                         choices[index].recompute),
+            tensor_parallel=span.tensor_parallel,
         ))
     return Plan(
         global_batch_size=model.global_batch_size, num_microbatches=num_microbatches, stages=tuple(stages),
@@ -51,9 +52,10 @@ def _gradient_sync_seconds(model: CandidateCosts, span: Span, sharding: str, num
     """A stage's ``allreduce_s``: its gradient allreduce, or when sharded every collective of its step
     (:meth:`ShardingComm.step_seconds`; tied parameters aside)."""
     if sharding == "none":
-        return model.allreduce(span.first, span.stop, span.devices)
-    param_bytes = model.cost(span.first, span.stop, 1, 1).param_bytes
-    return model.stage_comm(span.first, span.stop, span.devices, sharding, param_bytes).step_seconds(num_microbatches)
+        return model.allreduce(span.first, span.stop, span.leads, span.tensor_parallel)
+    param_bytes = model.cost(span.first, span.stop, 1, 1, span.tensor_parallel).param_bytes
+    return model.stage_comm(span.first, span.stop, span.leads, sharding, param_bytes,
+                            span.tensor_parallel).step_seconds(num_microbatches)
 
 
 def with_prediction(plan: Plan, iteration_time_s: float, bubble_fraction: float, analytic_s: float,

@@ -23,14 +23,17 @@ def _cut_moves(spans: tuple[Span, ...]) -> Iterator[tuple[Span, ...]]:
         for delta in (-1, 1):
             stop = left.stop + delta
             if left.first < stop < right.stop:
-                yield (*spans[:index], Span(left.first, stop, left.devices), Span(stop, right.stop, right.devices),
-                       *spans[index + 2:])
+                yield (*spans[:index], Span(left.first, stop, left.devices, left.tensor_parallel),
+                       Span(stop, right.stop, right.devices, right.tensor_parallel), *spans[index + 2:])
 
 
 def _device_moves(spans: tuple[Span, ...]) -> Iterator[tuple[Span, ...]]:
-    """Hand one device from a stage to its neighbour (the giver keeps at least one)."""
+    """Hand one device from a stage to its neighbour (the giver keeps at least one); stages of tensor-parallel
+    groups keep their groups whole."""
     for index in range(len(spans) - 1):
         left, right = spans[index], spans[index + 1]
+        if left.tensor_parallel > 1 or right.tensor_parallel > 1:
+            continue
         if len(left.devices) > 1:
             moved = left.devices[-1]
             yield (*spans[:index], Span(left.first, left.stop, left.devices[:-1]),
@@ -48,18 +51,18 @@ def _neighbours(model: CandidateCosts, candidate: Candidate, grid: list[int], fi
         layouts.extend(_cut_moves(spans))
     if len(spans) <= MAX_DEVICE_MOVE_STAGES and not fixed_layout:
         layouts.extend(_device_moves(spans))
-    found = [model.candidate(s, rows) for s in layouts if max(len(x.devices) for x in s) <= rows]
+    found = [model.candidate(s, rows) for s in layouts if max(x.replicas for x in s) <= rows]
     position = grid.index(rows) if rows in grid else -1
     for other in (grid[position - 1] if position > 0 else None,
                   grid[position + 1] if 0 <= position < len(grid) - 1 else None):
-        if other and max(len(s.devices) for s in spans) <= other and model.global_batch_size // other >= len(spans):
+        if other and max(s.replicas for s in spans) <= other and model.global_batch_size // other >= len(spans):
             found.append(model.candidate(spans, other))
     return found
 
 
 def as_candidate(model: CandidateCosts, scored: Scored) -> Candidate:
     stages = scored.plan.stages
-    return model.candidate(tuple(Span(s.first_block, s.stop_block, s.devices) for s in stages),
+    return model.candidate(tuple(Span(s.first_block, s.stop_block, s.devices, s.tensor_parallel) for s in stages),
                            scored.plan.microbatch_size)
 
 
@@ -70,7 +73,8 @@ def _alternative_cuts(model: CandidateCosts, candidate: Candidate) -> list[Candi
     rules = [uniform_cuts(chain.num_blocks, num_stages), balanced_cuts(param_weights(chain), num_stages),
              balanced_cuts(work_weights(chain), num_stages)]
     devices = [span.devices for span in candidate.spans]
-    return [model.candidate(spans_from_stops(stops, devices), candidate.microbatch_rows) for stops in rules]
+    return [model.candidate(spans_from_stops(stops, devices, candidate.degrees), candidate.microbatch_rows)
+            for stops in rules]
 
 
 def polish(request: PlanRequest, model: CandidateCosts, best: Scored, grid: list[int], planner: str) -> Scored:

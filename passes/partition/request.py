@@ -49,6 +49,7 @@ class PlanRequest:
     cluster: Cluster
     global_batch_size: int
     layout: tuple[int, ...] | None = None
+    tensor_parallel: tuple[int, ...] | None = None  # with layout: each stage's forced group size (None: all 1)
     num_microbatches: int | None = None
     schedule: str = "early_backward"  # or "auto": each candidate under every schedule, keep the fastest
     warmup_policy: str | None = None
@@ -76,9 +77,10 @@ class PlanRequest:
 
     def allows(self, candidate: Candidate) -> bool:
         """Whether a candidate has the forced layout, stage count and device count (when they are forced)."""
-        return ((self.layout is None or candidate.layout == self.layout)
+        return ((self.layout is None or (candidate.layout == self.layout and candidate.degrees == (
+                    self.tensor_parallel or (1,) * len(self.layout))))
                 and (self.num_stages is None or len(candidate.spans) == self.num_stages)
-                and (not self.all_devices or sum(candidate.layout) == self.cluster.num_devices))
+                and (not self.all_devices or candidate.num_devices == self.cluster.num_devices))
 
 
 def check_request(request: PlanRequest) -> None:

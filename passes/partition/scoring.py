@@ -77,7 +77,7 @@ def simulated_lower_bound(model: CandidateCosts, candidate: Candidate) -> float:
     if model.sharding != "none":
         own = [min(seconds, model.least_comm_seconds(span, num_microbatches))
                for span, seconds in zip(candidate.spans, own, strict=True)]
-    costs = [model.cost(span.first, span.stop, rows, len(span.devices)) for span in candidate.spans]
+    costs = [model.cost(span.first, span.stop, rows, span.replicas, span.tensor_parallel) for span in candidate.spans]
     return max(num_microbatches * (cost.forward_s + cost.backward_s) + allreduce_s
                for cost, allreduce_s in zip(costs, own, strict=True))
 
@@ -153,7 +153,8 @@ def infeasible_error(request: PlanRequest, model: CandidateCosts, closest: Candi
         return InfeasiblePlanError(head + "; no candidate satisfied the request (check the layout and "
                                    "num_microbatches against the global batch and device count)")
     memory = model.memory(closest.spans, closest.microbatch_rows, "A")
-    rows = [[index, f"{span.first}..{span.stop - 1}", len(span.devices), f"{need / 2**30:.2f}",
+    rows = [[index, f"{span.first}..{span.stop - 1}", span.replicas if span.tensor_parallel == 1 else
+             f"{span.replicas}x{span.tensor_parallel}", f"{need / 2**30:.2f}",
              f"{capacity / 2**30:.2f}", "OVER" if need > capacity else "ok"]
             for index, (span, need) in enumerate(zip(closest.spans, memory, strict=True))]
     table = tabulate(rows, headers=["stage", "blocks", "replicas", "need GiB", "capacity GiB", ""])

@@ -9,6 +9,7 @@ from fxpipe.passes.partition.candidates import CandidateCosts
 from fxpipe.passes.partition.placement import Usage, host_aligned, placements, replica_choices
 from fxpipe.passes.partition.spans import Candidate, Span
 from fxpipe.sim.stagecost import optimizer_factor
+from fxpipe.sim.tensor_parallel_cost import tensor_parallel_degrees
 
 # The pivot model is within a few percent of the simulator on most plans (worst ~17%), so a branch is
 # cut only when its lower bound exceeds the best latency so far by this much.
@@ -46,13 +47,17 @@ class _Search:
 
     def __init__(self, model: CandidateCosts, rows: int, layout: tuple[int, ...] | None,
                  bound_s: float, beam_width: int, pool_size: int, all_devices: bool = False,
-                 num_stages: int | None = None, accept: Callable[[Candidate], bool] | None = None) -> None:
+                 num_stages: int | None = None, accept: Callable[[Candidate], bool] | None = None,
+                 degrees: tuple[int, ...] | None = None) -> None:
         self.model = model
         self.all_devices = all_devices
         self.rows = rows
         self.num_microbatches = model.global_batch_size // rows
         self.num_blocks = model.chain.num_blocks
         self.layout = layout
+        # per stage: the tensor-parallel group size forced by the layout, or None for every worthwhile one
+        self.degrees = degrees
+        self.tensor_parallel = tensor_parallel_degrees(model.chain, model.cluster.devices_per_host)
         self.max_stages = min(self.num_microbatches, self.num_blocks, model.cluster.num_devices)
         if layout is not None:
             self.max_stages = min(self.max_stages, len(layout))
@@ -83,6 +88,8 @@ class _Search:
             return False, candidate.latency_s
         if self.layout is not None and candidate.layout != self.layout:
             return False, candidate.latency_s
+        if self.degrees is not None and candidate.degrees != self.degrees:
+            return False, candidate.latency_s
         if self.accept is not None and not self.accept(candidate):
             return False, candidate.latency_s
         ratio = max(self.model.memory(spans, self.rows, "A")) / self.model.memory_limit_bytes
@@ -104,10 +111,23 @@ class _Search:
         """Rank of a state: its prefix plus one final stage on every remaining device (paper 1.3)."""
         if stop == self.num_blocks:
             return (0, self.model.latency(spans, self.rows))
-        if usage.num_free == 0 or usage.num_free > self.rows or len(spans) + 1 > self.max_stages:
+        if usage.num_free == 0 or len(spans) + 1 > self.max_stages:
             return (2, float("inf"))
-        fits, latency = self.record((*spans, Span(stop, self.num_blocks, usage.take_all()[1])))
-        return (0 if fits else 1, latency)
+        best = (2, float("inf"))
+        for degree in sorted({1, self.final_degree(usage, spans)}):  # T = 1, and the last stage's T where it fits
+            if usage.num_free // degree <= self.rows:
+                fits, latency = self.record((*spans, Span(stop, self.num_blocks, usage.take_all()[1], degree)))
+                best = min(best, (0 if fits else 1, latency))
+        return best
+
+    @staticmethod
+    def final_degree(usage: Usage, spans: tuple[Span, ...]) -> int:
+        """The group size of a completing stage: the prefix's last stage's where every host's free devices hold
+        whole groups (so prefixes of T-way stages compete with fair completions), else 1."""
+        degree = spans[-1].tensor_parallel if spans else 1
+        if degree > 1 and any((usage.per_host - used) % degree for used in usage.used):
+            return 1
+        return degree
 
     def run(self) -> SearchResult:
         empty = Usage.empty(self.model.cluster)
@@ -125,43 +145,53 @@ class _Search:
         """Split the state's final stage: a new stage of ``replicas`` devices, then the rest."""
         if len(state.spans) >= self.max_stages:
             return
-        free = state.usage.num_free
-        if self.layout is not None:
-            choices = [self.layout[len(state.spans)]] if self.layout[len(state.spans)] <= min(free, self.rows) else []
-        else:
-            choices = replica_choices(self.model.cluster, free, self.rows)
         per_host = self.model.cluster.devices_per_host
         near = frozenset(d // per_host for d in state.spans[-1].devices) if state.spans else frozenset()
-        for replicas in choices:
-            for counts in placements(state.usage, replicas, near):
+        for replicas, degree in self.choices(state):
+            for counts in placements(state.usage, replicas * degree, near):
+                if degree > 1 and any(count % degree for count in counts):
+                    continue  # a group would span hosts (take() fills each host from its lowest free device)
                 usage, devices = state.usage.take(counts)
-                self.extend(state, usage, devices, buckets)
+                self.extend(state, usage, devices, buckets, degree)
+
+    def choices(self, state: _State) -> list[tuple[int, int]]:
+        """``(replicas, T)`` the next stage may take: forced by the layout, else the replica counts of
+        :func:`replica_choices` for T = 1 and the device counts it allows that T divides for each T > 1."""
+        free, index = state.usage.num_free, len(state.spans)
+        if self.layout is not None:
+            replicas, degree = self.layout[index], (self.degrees[index] if self.degrees else 1)
+            return [(replicas, degree)] if replicas <= self.rows and replicas * degree <= free else []
+        found = []
+        for degree in self.tensor_parallel:
+            found.extend((count // degree, degree) for count in replica_choices(self.model.cluster, free, self.rows * degree)
+                         if count % degree == 0 and count // degree <= self.rows)
+        return found
 
     def extend(self, state: _State, usage: Usage, devices: tuple[int, ...],
-               buckets: list[dict[tuple[int, ...], list[_State]]]) -> None:
+               buckets: list[dict[tuple[int, ...], list[_State]]], degree: int = 1) -> None:
         """Add stages ``[state.stop, stop)`` on ``devices`` for every ``stop``, pruning by lower bounds.
 
         The pivot latency of any completion is at least max_s [sum_{t<=s}(F_t+B_t) + (M-1)(F_s+B_s)]
         over its steps, so prefix steps give a valid bound; the new stage's term grows with ``stop``.
         """
-        model, first, replicas, m = self.model, state.stop, len(devices), self.num_microbatches
+        model, first, replicas, m = self.model, state.stop, len(devices) // degree, self.num_microbatches
         last_stage = len(state.spans) + 1 == self.max_stages
         work, bound = state.work_s, state.bound_s
         if state.spans:
             previous = state.spans[-1]
-            hop = model.hop(previous.stop - 1, self.rows, previous.devices, devices)
+            hop = model.hop(previous.stop - 1, self.rows, previous.leads, devices[::degree])
             bound = max(bound, work + m * 2 * hop)
             work += 2 * hop
         for stop in range(first + 1, self.num_blocks + 1):
-            cost = model.cost(first, stop, self.rows, replicas)
+            cost = model.cost(first, stop, self.rows, replicas, degree)
             step = cost.forward_s + cost.backward_s
             new_bound = max(bound, work + m * step)
             if new_bound > self.limit():
                 return  # the new stage alone is too slow, and only grows with more blocks
-            if model.least_state_bytes(first, stop, replicas, cost.param_bytes * self.weight_factor, m) \
+            if model.least_state_bytes(first, stop, replicas, cost.param_bytes * self.weight_factor, m, degree) \
                     > model.memory_limit_bytes:
                 return  # its weights, gradients and optimizer state alone overflow, and only grow with more blocks
-            spans = (*state.spans, Span(first, stop, devices))
+            spans = (*state.spans, Span(first, stop, devices, degree))
             if stop == self.num_blocks:
                 self.record(spans)
                 return
@@ -178,9 +208,13 @@ class _Search:
     def rank(self, stop: int, usage: Usage, spans: tuple[Span, ...], work: float, bound: float
              ) -> tuple[int, float]:
         """The completion's latency when its lower bound is within reach, else that bound (ranked last)."""
-        if usage.num_free > self.rows:
+        degree = self.final_degree(usage, spans)
+        if usage.num_free // degree > self.rows:
             return (2, float("inf"))
-        final = self.model.cost(stop, self.num_blocks, self.rows, usage.num_free)
+        final = self.model.cost(stop, self.num_blocks, self.rows, usage.num_free // degree, degree)
+        if degree > 1 and usage.num_free <= self.rows:  # either completion may be the faster one
+            whole = self.model.cost(stop, self.num_blocks, self.rows, usage.num_free)
+            final = min(final, whole, key=lambda cost: cost.forward_s + cost.backward_s)
         lower = max(bound, work + self.num_microbatches * (final.forward_s + final.backward_s))
         if lower > self.limit():
             return (1, lower)
@@ -195,16 +229,19 @@ class _Search:
 def search(model: CandidateCosts, rows: int, *, layout: tuple[int, ...] | None = None,
            bound_s: float = float("inf"), beam_width: int | None = None, pool_size: int = 32,
            all_devices: bool = False, num_stages: int | None = None,
-           accept: Callable[[Candidate], bool] | None = None) -> SearchResult:
+           accept: Callable[[Candidate], bool] | None = None, degrees: tuple[int, ...] | None = None) -> SearchResult:
     """Best memory-feasible candidates for micro-batch size ``rows`` by the pivot model.
 
     ``bound_s`` is a known achievable latency (e.g. plain DP) used to prune from the start;
     ``beam_width`` prefixes are kept per canonical state (blocks planned, sorted per-host usage); by
     default several on small problems (where it is cheap and closes gaps to exhaustive search) and
     one on large ones. ``all_devices`` keeps only plans that give every device of the cluster a role;
-    ``num_stages`` caps the stage count; ``accept`` filters complete candidates.
+    ``num_stages`` caps the stage count; ``accept`` filters complete candidates. Each stage may be
+    T-way tensor-parallel groups, T in :func:`tensor_parallel_degrees` (``degrees``: forced per stage, with
+    ``layout``), each group inside one host.
     """
     if beam_width is None:
         size = model.chain.num_blocks * model.cluster.num_devices
         beam_width = max(1, min(MAX_BEAM_WIDTH, BEAM_BUDGET // size))
-    return _Search(model, rows, layout, bound_s, beam_width, pool_size, all_devices, num_stages, accept).run()
+    return _Search(model, rows, layout, bound_s, beam_width, pool_size, all_devices, num_stages, accept,
+                   degrees).run()

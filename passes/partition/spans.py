@@ -9,16 +9,30 @@ from typing import NamedTuple
 
 @dataclass(frozen=True)
 class Span:
-    """One stage of a candidate: blocks ``[first, stop)`` on ``devices`` (one replica per device)."""
+    """One stage of a candidate: blocks ``[first, stop)`` on ``devices``, one replica per ``tensor_parallel``
+    devices (a replica's group is ``devices[r*T:(r+1)*T]``, inside one host)."""
 
     first: int
     stop: int
     devices: tuple[int, ...]
+    tensor_parallel: int = 1
+
+    @property
+    def replicas(self) -> int:
+        return len(self.devices) // self.tensor_parallel
+
+    @property
+    def leads(self) -> tuple[int, ...]:
+        """One device per replica, its group's first: where transfers and allreduces are costed."""
+        return self.devices[::self.tensor_parallel]
 
 
-def spans_from_stops(stops: Sequence[int], devices: Sequence[tuple[int, ...]]) -> list[Span]:
-    """Stages over blocks ``[stops[s-1], stops[s])`` (the first from 0) on ``devices[s]``."""
-    return [Span(stops[s - 1] if s else 0, stop, devices[s]) for s, stop in enumerate(stops)]
+def spans_from_stops(stops: Sequence[int], devices: Sequence[tuple[int, ...]],
+                     tensor_parallel: Sequence[int] = ()) -> list[Span]:
+    """Stages over blocks ``[stops[s-1], stops[s])`` (the first from 0) on ``devices[s]`` (groups of
+    ``tensor_parallel[s]``, default 1)."""
+    degrees = tuple(tensor_parallel) or (1,) * len(stops)
+    return [Span(stops[s - 1] if s else 0, stop, devices[s], degrees[s]) for s, stop in enumerate(stops)]
 
 
 @dataclass(frozen=True, order=True)
@@ -31,14 +45,20 @@ class Candidate:
 
     @property
     def layout(self) -> tuple[int, ...]:
-        return tuple(len(span.devices) for span in self.spans)
+        """Replicas per stage."""
+        return tuple(span.replicas for span in self.spans)
+
+    @property
+    def degrees(self) -> tuple[int, ...]:
+        """Tensor-parallel group size per stage."""
+        return tuple(span.tensor_parallel for span in self.spans)
 
     @property
     def num_devices(self) -> int:
         return sum(len(span.devices) for span in self.spans)
 
     def identity(self) -> tuple[object, ...]:
-        return (self.microbatch_rows, tuple((s.first, s.stop, s.devices) for s in self.spans))
+        return (self.microbatch_rows, tuple((s.first, s.stop, s.devices, s.tensor_parallel) for s in self.spans))
 
 
 class StageChoice(NamedTuple):

@@ -1,0 +1,100 @@
+"""What a stage whose replicas are T-way tensor-parallel groups costs: one group member's time, bytes and link.
+
+Legend: T the group size, for each block t its forward (or backward) seconds on the slice, s its
+``tp.time_share``, P its parameter bytes, p its ``tp.param_bytes``, a its saved bytes, q its ``tp.saved_share``,
+c its ``tp.comm_bytes`` on the slice; L the node's link for that collective (:func:`tensor_parallel_link`).
+A block splits when it has ``tp`` and T divides ``tp.divisor``; any other block runs whole on every member
+(replicated: correct, slower):
+
+    time per direction      t ((1 - s) + s / T) + L_ag(c (T-1)/T) + L_rs(c (T-1)/T)    (L(x) = latency + x / bw)
+    weights (grads, state)  (P - p) + p / T
+    saved activations       a ((1 - q) + q / T)
+
+Forward has one all-gather and one reduce-scatter of the block's collective bytes (sequence parallelism),
+backward the same two; each is charged one link latency. Received and sent activations stay whole (every
+member holds the full slice), and a stage's gradient allreduce runs over its replicas, once per group index,
+of one member's gradient bytes. Tied parameters (:attr:`CostChain.shared_params`) are counted whole.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from fxpipe.core.cluster import Cluster, LinkSpec
+from fxpipe.core.costgraph import Affine
+
+if TYPE_CHECKING:  # fxpipe.passes imports the planner, which imports this module
+    from fxpipe.core.chain import Block, CostChain
+
+# The group sizes the planner tries per stage (a group stays inside one host).
+TENSOR_PARALLEL_DEGREES = (1, 2, 4, 8)
+
+
+def splits(block: Block, tensor_parallel: int) -> bool:
+    """Whether ``block`` divides over a group of ``tensor_parallel`` (else every member runs it whole)."""
+    return tensor_parallel > 1 and block.tp is not None and block.tp.divisor % tensor_parallel == 0
+
+
+def tensor_parallel_link(cluster: Cluster, kind: str) -> LinkSpec:
+    """The link a group's ``"all_gather"`` or ``"reduce_scatter"`` runs on: the node's (a group never spans hosts)."""
+    return cluster.collective_link((0,), kind)
+
+
+def collective_seconds(cluster: Cluster, comm_bytes: float, tensor_parallel: int) -> float:
+    """One direction's collectives of a block: an all-gather and a reduce-scatter, each member moving (T-1)/T."""
+    moved = comm_bytes * (tensor_parallel - 1) / tensor_parallel
+    if moved <= 0:
+        return 0.0
+    return (tensor_parallel_link(cluster, "all_gather").transfer_time(moved)
+            + tensor_parallel_link(cluster, "reduce_scatter").transfer_time(moved))
+
+
+def tensor_parallel_times(chain: CostChain, cluster: Cluster, first: int, stop: int, rows: float, tensor_parallel: int,
+                          slowdown: float = 1.0) -> tuple[float, float]:
+    """Forward and backward seconds of one group member over blocks ``[first, stop)`` on ``rows`` rows (module
+    docstring); ``slowdown`` stretches compute, not the collectives."""
+    forward_s = backward_s = 0.0
+    for block in chain.blocks[first:stop]:
+        forward, backward = block.forward_s.at(rows) * slowdown, block.backward_s.at(rows) * slowdown
+        if splits(block, tensor_parallel):
+            assert block.tp is not None
+            kept = (1.0 - block.tp.time_share) + block.tp.time_share / tensor_parallel
+            comm = collective_seconds(cluster, block.tp.comm_bytes.at(rows), tensor_parallel)
+            forward, backward = forward * kept + comm, backward * kept + comm
+        forward_s += forward
+        backward_s += backward
+    return forward_s, backward_s
+
+
+def member_param_bytes(block: Block, tensor_parallel: int) -> float:
+    """Parameter bytes one group member holds of ``block``: (P - p) + p / T where it splits, else P."""
+    if not splits(block, tensor_parallel):
+        return float(block.param_bytes)
+    assert block.tp is not None
+    return (block.param_bytes - block.tp.param_bytes) + block.tp.param_bytes / tensor_parallel
+
+
+def tensor_parallel_param_bytes(chain: CostChain, first: int, stop: int, tensor_parallel: int) -> int:
+    """Parameter bytes one group member holds of blocks ``[first, stop)`` (tied copies left out: the caller's)."""
+    return math.ceil(sum(member_param_bytes(block, tensor_parallel) for block in chain.blocks[first:stop]))
+
+
+def tensor_parallel_saved(chain: CostChain, first: int, stop: int, tensor_parallel: int) -> Affine:
+    """Bytes one group member saves for backward over blocks ``[first, stop)``, per slice (an Affine of rows)."""
+    total = Affine()
+    for block in chain.blocks[first:stop]:
+        if splits(block, tensor_parallel):
+            assert block.tp is not None
+            total = total + block.saved_bytes.scaled((1.0 - block.tp.saved_share)
+                                                     + block.tp.saved_share / tensor_parallel)
+        else:
+            total = total + block.saved_bytes
+    return total
+
+
+def tensor_parallel_degrees(chain: CostChain, devices_per_host: int) -> tuple[int, ...]:
+    """The group sizes worth trying on ``chain``: 1, and each T of :data:`TENSOR_PARALLEL_DEGREES` within a host
+    that splits at least one block (a T splitting nothing only adds devices that do the same work)."""
+    return tuple(degree for degree in TENSOR_PARALLEL_DEGREES if degree == 1 or (
+        degree <= devices_per_host and any(splits(block, degree) for block in chain.blocks)))
