@@ -24,6 +24,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "read_profile": ("fxpipe.passes.profiles_io", "read_profile"),
     "build_chain": ("fxpipe.core.chain", "build_chain"),
     "split_stages": ("fxpipe.passes.codegen", "split_stages"),
+    "find_tensor_parallel": ("fxpipe.passes.tensor_parallel", "find_tensor_parallel"),
+    "shard_stage": ("fxpipe.passes.tp_shard", "shard_stage"),
 }
 
 __all__ = sorted(_EXPORTS)

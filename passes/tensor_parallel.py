@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import fx
 
 from fxpipe.core import meta
@@ -260,7 +261,7 @@ def vocab_parallel_ends(gm: fx.GraphModule, full: SplitStates, shapes: NodeShape
         name = op_name(gm, node)
         if name == "embedding":
             path = _embedding_weight(node)
-            if path is not None and _reads_graph_input(node, shapes):
+            if path is not None and _reads_graph_input(node, shapes) and _plain_lookup(gm, node):
                 rows = int(gm.get_parameter(path).shape[0])
                 found.append(VocabParallel(node.name, "embedding", names.get(path, path), rows, path))
             continue
@@ -282,6 +283,21 @@ def _reads_graph_input(node: fx.Node, shapes: NodeShapes) -> bool:
                 seen.add(arg)
                 pending.append(arg)
     return False
+
+
+def _plain_lookup(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """A lookup without padding row, norm clipping or sparse gradients (what vocab_embedding computes)."""
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        return all(_unset(getattr(module, name, None)) for name in ("padding_idx", "max_norm", "sparse"))
+    if node.target is torch.nn.functional.embedding:
+        return all(_unset(node.kwargs.get(name)) for name in ("padding_idx", "max_norm", "sparse")) \
+            and len(node.args) <= 2
+    return bool(len(node.args) <= 2 or node.args[2] == -1 and not any(node.args[3:]))  # aten: padding_idx -1: none
+
+
+def _unset(value: object) -> bool:
+    return value is None or value is False  # not `in (None, False)`: padding_idx 0 == False
 
 
 def embedding_ids(node: fx.Node) -> fx.Node:

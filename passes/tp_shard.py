@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import operator
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,9 +16,10 @@ from fxpipe.core import meta
 from fxpipe.passes import tensor_parallel_ops as ops
 from fxpipe.passes.tensor_parallel import VocabParallel, embedding_ids, vocab_parallel_ends
 from fxpipe.passes.tp_plan import StagePlanTP, plan_stage_split
-from fxpipe.passes.tp_rules import LinearInfo, input_of, linear_info, op_name
+from fxpipe.passes.tp_rules import SIZE_READS, LinearInfo, input_of, linear_info, op_name
+from fxpipe.passes.tp_sequence import SEQUENCE_DIM, SequenceSplit, sequence_split
 from fxpipe.passes.tp_shapes import NodeShapes, node_shapes
-from fxpipe.passes.tp_sizes import local_args, needs_grad, whole_grad_region
+from fxpipe.passes.tp_sizes import local_args, needs_grad, parameters_read, whole_grad_region
 
 __all__ = ["TensorParallelParameter", "TensorParallelStage", "shard_stage"]
 
@@ -56,7 +58,8 @@ class TensorParallelError(ValueError):
 
 
 def shard_stage(gm: fx.GraphModule, degree: int, rank: int, *, group_key: str = "tp",
-                example_inputs: Any = None, parallel_loss: bool = False) -> TensorParallelStage:
+                example_inputs: Any = None, parallel_loss: bool = False,
+                sequence_parallel: bool = False) -> TensorParallelStage:
     """Return member ``rank``'s copy of the stage ``gm`` for a ``degree``-way group registered under ``group_key``.
 
     Column linears keep their output rows (fused q/k/v: each part's), row linears their input columns and sum over
@@ -65,6 +68,12 @@ def shard_stage(gm: fx.GraphModule, degree: int, rank: int, *, group_key: str = 
     the logits are gathered unless ``parallel_loss`` (then they stay split when the head feeds the output
     directly). Stage inputs and outputs stay whole. ``gm`` is not changed; whole parameters are shared with it,
     split ones are new tensors.
+
+    With ``sequence_parallel`` the whole token-row nodes between pairs (norms, dropout, residual adds on
+    ``(batch, tokens, width)``) run on each member's share of the tokens: row sums are reduce-scattered over the
+    tokens, column inputs all-gathered, whole inputs split after the boundary and outputs gathered before it; the
+    parameters those nodes read get partial gradients. It applies when the example's token count splits
+    ``degree`` ways (other lengths must split too, or the stage raises a ValueError naming the length).
     """
     if degree < 1 or not 0 <= rank < degree:
         raise TensorParallelError(f"shard_stage needs 1 <= degree and 0 <= rank < degree; got degree={degree}, "
@@ -72,7 +81,7 @@ def shard_stage(gm: fx.GraphModule, degree: int, rank: int, *, group_key: str = 
     shapes = node_shapes(gm, example_inputs)
     plan = plan_stage_split(gm, shapes, degree)
     vocab = {end.node: end for end in vocab_parallel_ends(gm, plan.states, shapes) if end.vocab_size % degree == 0}
-    rewriter = _Rewriter(gm, shapes, plan, vocab, degree, rank, group_key, parallel_loss)
+    rewriter = _Rewriter(gm, shapes, plan, vocab, degree, rank, group_key, parallel_loss, sequence_parallel)
     module = rewriter.run()
     notes = [f"tensor parallel {rank}/{degree}: split {len(plan.states.columns)} column and "
              f"{len(plan.states.rows)} row linears, vocabulary-parallel {sorted(vocab) or 'none'}", *plan.notes]
@@ -99,9 +108,12 @@ class _Rewriter:
     rank: int
     key: str
     parallel_loss: bool
+    sequence_parallel: bool = False
     graph: fx.Graph = field(default_factory=fx.Graph)
     env: dict[fx.Node, fx.Node] = field(default_factory=dict)
-    entries: dict[fx.Node, fx.Node] = field(default_factory=dict)
+    entries: dict[tuple[Any, ...], fx.Node] = field(default_factory=dict)  # (value, collective, dim) -> its node
+    sequence: SequenceSplit = field(default_factory=lambda: SequenceSplit(frozenset(), frozenset(), 0))
+    seq_values: set[fx.Node] = field(default_factory=set)
     splits: dict[str, _Split] = field(default_factory=dict)  # attribute path -> how it splits
     partial: set[str] = field(default_factory=set)
     whole_grad: set[fx.Node] = field(default_factory=set)
@@ -114,6 +126,11 @@ class _Rewriter:
         self.whole_grad, self.partial = whole_grad_region(self.gm, self.plan, self.shapes)
         self.grads = needs_grad(self.gm, self.shapes)
         whole_grad = self.whole_grad
+        if self.sequence_parallel:
+            excluded = whole_grad | {node for node in self.gm.graph.nodes if node.name in self.vocab}
+            self.sequence = sequence_split(self.gm, self.plan, self.shapes, excluded, self.degree)
+            self.seq_values = set(self.sequence.nodes | self.sequence.rows)
+            self.partial |= parameters_read(self.gm, self.sequence.nodes)
         for node in self.gm.graph.nodes:
             name = op_name(self.gm, node)
             if node.name in states.columns and node in states.states:
@@ -126,8 +143,12 @@ class _Rewriter:
                 self.env[node] = self._split_op(node, name)
             elif node in whole_grad:
                 self.env[node] = self.graph.node_copy(node, lambda arg: self._entered(arg, whole_grad))
+            elif node in self.seq_values:
+                self.env[node] = self.graph.node_copy(node, functools.partial(self._token_share, node))
+            elif name in SIZE_READS and _size_dim(node) is not None and node.args[0] in self.seq_values:
+                self.env[node] = self._token_size(node)
             else:
-                self.env[node] = self.graph.node_copy(node, lambda arg: self.env[arg])
+                self.env[node] = self.graph.node_copy(node, self._full)
         module = fx.GraphModule(self.gm, self.graph, class_name=type(self.gm).__name__)
         module.meta.update(copy.copy(self.gm.meta))
         for path, split in self.splits.items():
@@ -142,11 +163,42 @@ class _Rewriter:
     def _entered(self, arg: fx.Node, inside: set[fx.Node]) -> fx.Node:
         """``arg`` as read inside a split region: values from outside pass copy_to_group (backward sums the
         members' partial gradients)."""
+        if arg in self.seq_values:  # tokens split: gather them; backward reduce-scatters the partial gradients
+            return self._cached(arg, ops.gather_sequence, SEQUENCE_DIM)
         if arg in inside or arg.op == "get_attr" or arg not in self.grads:
             return self.env[arg]
-        if arg not in self.entries:
-            self.entries[arg] = self.graph.call_function(ops.copy_to_group, (self.env[arg], self.key))
-        return self.entries[arg]
+        return self._cached(arg, ops.copy_to_group)
+
+    def _full(self, arg: fx.Node) -> fx.Node:
+        """``arg`` as a whole node reads it: tokens gathered (backward: each member keeps its tokens' gradient)."""
+        if arg in self.seq_values:
+            return self._cached(arg, ops.gather_from_group, SEQUENCE_DIM)
+        return self.env[arg]
+
+    def _token_share(self, node: fx.Node, arg: fx.Node) -> fx.Node:
+        """``arg`` as a sequence-parallel node reads it: a whole value with the tokens along the token dim is split."""
+        if arg in self.seq_values:
+            return self.env[arg]
+        shape, out_shape = self.shapes.find(arg) or (), self.shapes.get(node)
+        dim = SEQUENCE_DIM - (len(out_shape) - len(shape)) if shape else -1
+        if dim < 0 or not all(isinstance(size, int) for size in shape) or shape[dim] != self.sequence.tokens:
+            return self.env[arg]
+        return self._cached(arg, ops.split_sequence, dim)
+
+    def _token_size(self, node: fx.Node) -> fx.Node:
+        """A size read of a value split over the tokens, read on the member's share (times T along the tokens)."""
+        size = self.graph.node_copy(node, lambda arg: self.env[arg])
+        dim = _size_dim(node)
+        ndim = len(self.shapes.get(node.args[0]))  # type: ignore[arg-type]
+        if dim is not None and dim % ndim == SEQUENCE_DIM:
+            return self.graph.call_function(operator.mul, (size, self.degree))
+        return size
+
+    def _cached(self, arg: fx.Node, function: Any, *extra: Any) -> fx.Node:
+        key = (arg, function, *extra)
+        if key not in self.entries:
+            self.entries[key] = self.graph.call_function(function, (self.env[arg], self.key, *extra))
+        return self.entries[key]
 
     def _get_attr(self, path: str) -> fx.Node:
         return self.graph.get_attr(path)
@@ -167,7 +219,12 @@ class _Rewriter:
     def _row(self, node: fx.Node, info: LinearInfo) -> fx.Node:
         self.splits[info.weight] = _Split(1 - info.out_dim, self._shape(info.weight))
         out = self._matmul(info, self.env[input_of(info)], with_bias=False)
-        summed = self.graph.call_function(ops.reduce_from_group, (out, self.key))
+        if node in self.seq_values:  # the sum lands split over the tokens; the bias is added per token share
+            summed = self.graph.call_function(ops.reduce_scatter_sequence, (out, self.key, SEQUENCE_DIM))
+            if info.bias is not None:
+                self.partial.add(info.bias)
+        else:
+            summed = self.graph.call_function(ops.reduce_from_group, (out, self.key))
         if info.bias is None:
             return summed
         return self.graph.call_function(torch.add, (summed, self._get_attr(info.bias)))
@@ -187,7 +244,7 @@ class _Rewriter:
             path = end.path
             self.splits[path] = _Split(0, self._shape(path))
             ids = embedding_ids(node)
-            return self.graph.call_function(ops.vocab_embedding, (self.env[ids], self._get_attr(path), self.key, start))
+            return self.graph.call_function(ops.vocab_embedding, (self._full(ids), self._get_attr(path), self.key, start))
         info = self._info(node, name)
         self.splits[info.weight] = _Split(info.out_dim, self._shape(info.weight))
         if info.bias is not None:
@@ -201,8 +258,8 @@ class _Rewriter:
     def _split_op(self, node: fx.Node, name: str) -> fx.Node:
         sliced = {arg: self._local_slice(node, arg) for arg in self.plan.local_slices.get(node, [])}
         state = self.plan.states.states[node]
-        mapped_args = fx.node.map_arg(node.args, lambda arg: sliced.get(arg) or self.env[arg])
-        mapped_kwargs = fx.node.map_arg(node.kwargs, lambda arg: sliced.get(arg) or self.env[arg])
+        mapped_args = fx.node.map_arg(node.args, lambda arg: sliced.get(arg) or self._full(arg))
+        mapped_kwargs = fx.node.map_arg(node.kwargs, lambda arg: sliced.get(arg) or self._full(arg))
 
         def divide(size: Any, always: bool = False) -> Any:
             if isinstance(size, fx.Node):  # a size read from a whole value (x.shape): the full extent at run time
@@ -243,6 +300,12 @@ class _Rewriter:
             found.append(TensorParallelParameter(names.get(path, path), path, split.dim if split else None, full,
                                                  path in self.partial, split.parts if split else None))
         return tuple(found)
+
+
+def _size_dim(node: fx.Node) -> int | None:
+    """The dim a ``size(dim)`` / ``sym_size(x, dim)`` reads (None: the whole shape)."""
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    return dim if isinstance(dim, int) else None
 
 
 def _set_parameter(module: nn.Module, path: str, value: nn.Parameter) -> None:

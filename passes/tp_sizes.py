@@ -11,13 +11,13 @@ from fxpipe.passes.tp_plan import StagePlanTP
 from fxpipe.passes.tp_rules import Shard
 from fxpipe.passes.tp_shapes import NodeShapes
 
-__all__ = ["local_args", "needs_grad", "whole_grad_region"]
+__all__ = ["local_args", "needs_grad", "parameters_read", "whole_grad_region"]
 
 _SHAPE_LISTS = frozenset({"view", "reshape", "_unsafe_view", "expand"})
 
 
 def local_args(node: fx.Node, args: list[Any], kwargs: dict[str, Any], name: str, state: Shard,
-               shapes: NodeShapes, divide: Callable[[Any], Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+               shapes: NodeShapes, divide: Callable[..., Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``node``'s (already mapped) args with the split dim's full size replaced by ``divide(size)``: view /
     reshape / expand shapes, unflatten sizes, and (``divide(size, True)``: always) the part sizes of a split
     along the split dim."""
@@ -93,10 +93,14 @@ def whole_grad_region(gm: fx.GraphModule, plan: StagePlanTP, shapes: NodeShapes)
         leads = node in sliced or any(user in region for user in node.users)
         if leads and all(user in region or user in split for user in node.users):
             region.add(node)
-    partial: set[str] = set()
-    for node in region:
-        if node.op == "call_module":
-            partial |= {f"{node.target}.{name}" for name, _ in gm.get_submodule(str(node.target)).named_parameters()}
-        partial |= {str(arg.target) for arg in node.all_input_nodes if arg.op == "get_attr" and arg in grads}
-    return region, partial
+    return region, parameters_read(gm, region)
 
+
+def parameters_read(gm: fx.GraphModule, nodes: set[fx.Node] | frozenset[fx.Node]) -> set[str]:
+    """Attribute paths of the parameters and buffers ``nodes`` read (get_attr arguments, call_module ones)."""
+    paths = set()
+    for node in nodes:
+        if node.op == "call_module":
+            paths |= {f"{node.target}.{name}" for name, _ in gm.get_submodule(str(node.target)).named_parameters()}
+        paths |= {str(arg.target) for arg in node.all_input_nodes if arg.op == "get_attr"}
+    return paths

@@ -47,6 +47,9 @@ INTERNAL_ERRORS = {
     "CalibrationError": "becomes a RuntimeWarning and the default figures",
     "_NotSymbolic": "annotate_costs falls back",
     "_Uncacheable": "the node runs uncached",
+    "Conflict": "the tensor-parallel pass keeps the conflicting column linears whole",
+    "TensorParallelError": "shard_stage's caller (the runtime) passes a plan's degree and rank",
+    "GroupNotRegisteredError": "the runtime registers each tensor-parallel group before its stage runs",
 }
 
 

@@ -112,3 +112,9 @@ def test_models_without_pairs_keep_tp_none() -> None:
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.Flatten(), nn.Linear(8 * 4 * 4, 10))
     chain = _chain(model, torch.randn(2, 3, 8, 8))
     assert all(block.tp is None for block in chain.blocks)
+
+
+def test_an_embedding_with_a_padding_row_is_not_vocabulary_parallel() -> None:
+    model = nn.Sequential(nn.Embedding(64, 8, padding_idx=0), nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
+    analysis = find_tensor_parallel(passes.trace(model, torch.randint(0, 64, (2, 5))))
+    assert len(analysis.regions) == 1 and analysis.vocab == ()

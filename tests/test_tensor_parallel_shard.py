@@ -18,6 +18,7 @@ from fxpipe import hf_examples, passes
 from fxpipe.core import meta
 from fxpipe.passes import tensor_parallel_ops as ops
 from fxpipe.passes.codegen import split_stages
+from fxpipe.passes.tp_loss import is_token_cross_entropy
 from fxpipe.passes.tp_shard import TensorParallelStage, shard_stage
 
 LossOf = Callable[[Tensor], Tensor]
@@ -63,11 +64,12 @@ def _reference(gm: fx.GraphModule, inputs: tuple[Any, ...], loss_of: LossOf) -> 
     return output.detach(), {names.get(path, path): p.grad for path, p in reference.named_parameters()}
 
 
-def _check_members(gm: fx.GraphModule, degree: int, loss_of: LossOf, **options: Any) -> list[TensorParallelStage]:
+def _check_members(gm: fx.GraphModule, degree: int, loss_of: LossOf,
+                   **options: Any) -> tuple[list[TensorParallelStage], ThreadGroup]:
     """Run the ``degree`` members on the traced example inputs; compare outputs and every parameter's gradient."""
     inputs = tuple(gm.meta[meta.EXAMPLE_INPUTS])
     expected_output, expected_grads = _reference(gm, inputs, loss_of)
-    stages, _ = _members(gm, degree, **options)
+    stages, group = _members(gm, degree, **options)
 
     def work(rank: int) -> Tensor:
         torch.set_num_threads(1)
@@ -86,9 +88,9 @@ def _check_members(gm: fx.GraphModule, degree: int, loss_of: LossOf, **options: 
     for name, members in by_name.items():
         # relative to the gradient, or to the model's largest one for (near) zero gradients such as k's bias
         scale = max(expected_grads[name].abs().max().item(), 1e-2 * largest)
-        torch.testing.assert_close(full_gradient(members) / scale, expected_grads[name] / scale, rtol=0, atol=1e-5,
+        torch.testing.assert_close(full_gradient(members) / scale, expected_grads[name] / scale, rtol=0, atol=2e-4,
                                    msg=lambda text, name=name: f"{name}: {text}")  # type: ignore[misc]
-    return stages
+    return stages, group
 
 
 def _weighted_sum(output: Tensor) -> Tensor:
@@ -107,22 +109,31 @@ def _split_bytes(stage: TensorParallelStage) -> tuple[int, int]:
     return held, full
 
 
-@pytest.mark.parametrize("degree", [2, 4])
-def test_hand_written_attention_block(degree: int) -> None:
+@pytest.mark.parametrize(("degree", "sequence_parallel"), [(2, False), (4, False), (2, True), (4, True)])
+def test_hand_written_attention_block(degree: int, sequence_parallel: bool) -> None:
     torch.manual_seed(0)
     gm = passes.trace(AttentionBlock(), torch.randn(2, 8, 32))
-    stages = _check_members(gm, degree, _weighted_sum)
+    stages, group = _check_members(gm, degree, _weighted_sum, sequence_parallel=sequence_parallel)
     held, full = _split_bytes(stages[0])
     assert held * degree == full and full > 0
     split = {p.name for p in stages[0].parameters if p.dim is not None}
     assert split == {"q.weight", "q.bias", "k.weight", "k.bias", "v.weight", "v.bias", "out.weight", "gate.weight",
                      "up.weight", "down.weight"}
+    partial = {p.name for p in stages[0].parameters if p.partial_grad}
+    if sequence_parallel:
+        # forward: 2 all-gathers into the pairs, 2 reduce-scatters out, 1 all-gather of the output; backward:
+        # 2 reduce-scatters, 2 all-gathers (the output's gather keeps a share; the input needs no gradient)
+        assert group.counts == [9] * degree
+        assert partial == {"norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias", "out.bias", "down.bias"}
+    else:  # one all-reduce per pair forward (row sums) and one backward (column inputs)
+        assert group.counts == [4] * degree and partial == set()
 
 
-@pytest.mark.parametrize("degree", [2, 4])
-def test_gpt_mini_fused_qkv_and_tied_vocabulary(degree: int) -> None:
+@pytest.mark.parametrize(("degree", "sequence_parallel"), [(2, False), (4, True)])
+def test_gpt_mini_fused_qkv_and_tied_vocabulary(degree: int, sequence_parallel: bool) -> None:
     model, inputs = fxpipe.models.build("gpt-mini", n_layer=2)
-    stages = _check_members(passes.trace(model, inputs[0]), degree, _weighted_sum)
+    stages, _ = _check_members(passes.trace(model, inputs[0]), degree, _weighted_sum,
+                               sequence_parallel=sequence_parallel)
     held, full = _split_bytes(stages[0])
     assert held * degree == full
     by_name = {p.name: p for p in stages[0].parameters}
@@ -130,20 +141,23 @@ def test_gpt_mini_fused_qkv_and_tied_vocabulary(degree: int) -> None:
     assert "lm_head.weight" not in by_name  # the tied head reads wte's split table: one parameter
 
 
-@pytest.mark.parametrize(("kv_heads", "kv_split"), [(2, True), (1, False)])
-def test_hf_llama_gqa(kv_heads: int, kv_split: bool) -> None:
+@pytest.mark.parametrize(("kv_heads", "kv_split", "sequence_parallel"), [(2, True, True), (1, False, False)])
+def test_hf_llama_gqa(kv_heads: int, kv_split: bool, sequence_parallel: bool) -> None:
     model, inputs = hf_examples.llama(num_layers=2, heads=4, kv_heads=kv_heads)
-    stages = _check_members(passes.trace(model, inputs), 2, _weighted_sum)
+    stages, _ = _check_members(passes.trace(model, inputs), 2, _weighted_sum, sequence_parallel=sequence_parallel)
     by_name = {p.name: p for p in stages[0].parameters}
     k_proj = by_name["model.layers.0.self_attn.k_proj.weight"]
     assert (k_proj.dim == 0) == kv_split and k_proj.partial_grad == (not kv_split)
     assert by_name["model.layers.0.self_attn.q_proj.weight"].dim == 0
     assert by_name["model.layers.0.mlp.down_proj.weight"].dim == 1
+    assert by_name["model.layers.0.input_layernorm.weight"].partial_grad == sequence_parallel or not kv_split
+    code = stages[0].module.code
+    assert ("reduce_scatter_sequence" in code) == sequence_parallel and ("reduce_from_group" in code) != sequence_parallel
 
 
 def test_hf_gpt2_conv1d_fused_qkv() -> None:
     model, inputs = hf_examples.gpt2(n_layer=2)
-    stages = _check_members(passes.trace(model, inputs), 2, _weighted_sum)
+    stages, _ = _check_members(passes.trace(model, inputs), 2, _weighted_sum, sequence_parallel=True)
     by_name = {p.name: p for p in stages[0].parameters}
     assert by_name["transformer.h.0.attn.c_attn.weight"].dim == 1  # Conv1D weights are (in, out)
     assert by_name["transformer.h.0.attn.c_attn.weight"].parts == (32, 32, 32)
@@ -211,7 +225,17 @@ def test_a_pair_cut_by_a_stage_boundary_stays_whole() -> None:
     second_gm = second.module
     second_gm.meta[meta.EXAMPLE_INPUTS] = tuple(value.detach() if isinstance(value, Tensor) else value
                                                 for value in (values[name] for name in second.input_values))
-    stages = _check_members(second_gm, 2, _weighted_sum, example_inputs=second_gm.meta[meta.EXAMPLE_INPUTS])
+    stages, _ = _check_members(second_gm, 2, _weighted_sum, example_inputs=second_gm.meta[meta.EXAMPLE_INPUTS])
     split = {p.name for p in stages[0].parameters if p.dim is not None}
     assert "h.1.attn.c_proj.weight" not in split  # its column half is on the other stage
     assert {"h.1.mlp.c_fc.weight", "h.1.mlp.c_proj.weight", "wte.weight"} <= split
+
+
+def test_token_cross_entropy_is_recognised_by_value() -> None:
+    targets = torch.tensor([[1, 2, -100], [3, 0, 9]])
+    assert is_token_cross_entropy(lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()), (2, 3, 10),
+                                  targets)
+    assert is_token_cross_entropy(hf_examples.hf_loss, (2, 3, 10), targets, output_of=lambda logits: {"logits": logits})
+    smoothed = lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten(), label_smoothing=0.1)  # noqa: E731
+    assert not is_token_cross_entropy(smoothed, (2, 3, 10), targets)
+    assert not is_token_cross_entropy(lambda logits, y: logits.square().mean(), (2, 3, 10), targets)
