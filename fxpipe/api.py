@@ -297,7 +297,8 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
             batch_dims: int | Mapping[str, int] | None = None, target_batch_dim: int | None = None,
             recompute: str | Sequence[bool | str] = "auto", costs: str = "auto", check_rows: bool = True,
             stall_timeout_s: float = 5.0, sharding: str | Sequence[str] | None = None,
-            torch_compile: bool | Mapping[str, Any] = False, verbose: bool | None = None) -> Any:
+            torch_compile: bool | Mapping[str, Any] = False, verbose: bool | None = None,
+            sequence_parallel: bool = False) -> Any:
     """Pipeline ``model`` over the process group's ranks; returns a :class:`PipelinedModule`.
 
     ``plan``: ``"auto"`` (DAPPLE planner on ``cluster``, default ``local:<world size>``), a layout such as
@@ -338,7 +339,10 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
     ``torch_compile``: True (or torch.compile's keyword arguments, e.g. ``{"backend": "aot_eager"}``) compiles
     each stage's forward, and its backward through AOTAutograd, with the batch dim dynamic (docs/compile.md).
     ``verbose``: True prints the plan table (as ``fxpipe plan`` does) on rank 0, False never; None (default) prints
-    it when rank 0's stdout is a terminal. The plan is ``pipe.plan`` either way (``pipe.plan.to_json()``). As a decorator,
+    it when rank 0's stdout is a terminal. The plan is ``pipe.plan`` either way (``pipe.plan.to_json()``).
+    ``sequence_parallel``: on stages of T-way tensor-parallel groups (``RxT``, docs/tensor_parallel.md), norms, dropout
+    and residual adds between pairs run on each member's share of the tokens (every batch's sequence length must
+    then divide by T). As a decorator,
     ``@fxpipe.compile(loss_fn=..., global_batch_size=...)``
     on a model class or factory makes ``Factory(*args, example_inputs=..., **kwargs)`` return the module.
     """
@@ -347,7 +351,8 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
                              check_batch=check_batch, loss_reduction=loss_reduction, batch_norm=batch_norm,
                              batch_dims=batch_dims, target_batch_dim=target_batch_dim, recompute=recompute,
                              costs=costs, check_rows=check_rows, stall_timeout_s=stall_timeout_s,
-                             sharding=sharding, torch_compile=torch_compile, verbose=verbose)
+                             sharding=sharding, torch_compile=torch_compile, verbose=verbose,
+                             sequence_parallel=sequence_parallel)
     if model is None:
         return functools.partial(_wrap_factory, options=options)
     if isinstance(model, torch.nn.Module):
@@ -454,7 +459,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
             driver.step_hooks.append(commit)
     compile_stage(driver, compile_settings, options.batch_norm)
     synchronize_driver(driver, options.sync_params)  # on full tensors, before sharding
-    if apply_tensor_parallel(driver) is not None:  # the member's shard replaced the module compile_stage wrapped
+    if apply_tensor_parallel(driver, options.sequence_parallel) is not None:  # the member's shard replaced the module compile_stage wrapped
         compile_stage(driver, compile_settings, options.batch_norm)
     driver.shard_stage()
     if compile_settings is not None:

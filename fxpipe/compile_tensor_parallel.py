@@ -24,7 +24,8 @@ def group_key(stage_index: int, replica_index: int) -> str:
 
 
 def shard_for_member(module: torch.fx.GraphModule, stage: StageProgram, program: SplitProgram, degree: int,
-                     member: int, key: str) -> tuple[torch.fx.GraphModule, list[TensorParallelParam], tuple[str, ...]]:
+                     member: int, key: str, sequence_parallel: bool = False,
+                     ) -> tuple[torch.fx.GraphModule, list[TensorParallelParam], tuple[str, ...]]:
     """Member ``member``'s module of a ``degree``-way stage (the graph pass ``shard_stage``, on the stage's inputs
     at the plan's shapes), how it holds each parameter under its original name, and the pass's notes. Its
     collectives call group ``key``'s communicator."""
@@ -32,7 +33,8 @@ def shard_for_member(module: torch.fx.GraphModule, stage: StageProgram, program:
                for spec in (program.values[name] for name in stage.input_values)]
     # on a copy: the pass shares whole layers with its input, which must stay the program's plain stage (fake-tensor
     # shape runs and export use it) when FSDP2 later turns the member's parameters into DTensors
-    sharded = shard_stage(copy.deepcopy(module), degree, member, group_key=key, example_inputs=example)
+    sharded = shard_stage(copy.deepcopy(module), degree, member, group_key=key, example_inputs=example,
+                          sequence_parallel=sequence_parallel)
     param_names = stage.param_names
     original = dict(param_names)
     params = [TensorParallelParam(original.get(param.path, param.name), param.dim, param.full_shape,
@@ -54,7 +56,7 @@ def whole_parameters(module: torch.nn.Module, param_names: Sequence[tuple[str, s
     return described
 
 
-def apply_tensor_parallel(driver: PipelineDriver) -> GroupCommunicator | None:
+def apply_tensor_parallel(driver: PipelineDriver, sequence_parallel: bool = False) -> GroupCommunicator | None:
     """Shard this rank's stage over its tensor-parallel group; returns the group's communicator (None at T = 1).
 
     Every rank of a plan with tensor-parallel stages joins one setup phase: the pass runs no collective, and a
@@ -73,7 +75,7 @@ def apply_tensor_parallel(driver: PipelineDriver) -> GroupCommunicator | None:
                 module = driver.runner.module
                 assert isinstance(module, torch.fx.GraphModule), type(module)
                 sharded, params, notes = shard_for_member(module, driver.stage, driver.program, groups.degree,
-                                                          groups.member, key)
+                                                          groups.member, key, sequence_parallel)
                 driver.apply_tensor_parallel(sharded, params)
                 driver.tp_notes = notes
     finally:

@@ -101,13 +101,14 @@ MODELS: dict[str, tuple[Any, int, Any]] = {
     "llama": (lambda: hf_examples.llama(num_layers=1, hidden=32, heads=4, kv_heads=2, seq_len=SEQ_LEN), 100, _hf_loss),
     "gpt2": (lambda: hf_examples.gpt2(n_layer=1, n_head=4, seq_len=SEQ_LEN), 100, _hf_loss),
 }
-# (name, model, layout: (replicas, T) per stage, schedule, sharding over each TP index's replicas, torch_compile)
+# (name, model, layout: (replicas, T) per stage, schedule, sharding over each TP index's replicas, torch_compile);
+# names ending in SP run sequence-parallel
 CASES = (
     ("attention 1x2:2", "attention", ((1, 2), (2, 1)), "early_backward", "none", False),
-    ("llama 2x2", "llama", ((2, 2),), "early_backward", "none", False),
+    ("llama 2x2 SP", "llama", ((2, 2),), "early_backward", "none", False),
     ("gpt2 1x2:1x2", "gpt2", ((1, 2), (1, 2)), "gpipe", "none", False),
     ("vocab 2:1x2", "vocab", ((2, 1), (1, 2)), "zero_bubble", "none", False),
-    ("attention 2x2 ZeRO-2", "attention", ((2, 2),), "early_backward", "gradients", False),
+    ("attention 2x2 ZeRO-2 SP", "attention", ((2, 2),), "early_backward", "gradients", False),
     ("vocab 2:1x2 compiled", "vocab", ((2, 1), (1, 2)), "early_backward", "none", {"backend": "aot_eager"}),
 )
 
@@ -141,10 +142,12 @@ def _plan(model: str, layout: tuple[tuple[int, int], ...], schedule: str = "earl
     return plan.with_updates(stages=tuple(stages))
 
 
-def _compile(model: str, plan: Plan, sharding: str = "none", torch_compile: Any = False) -> Any:
+def _compile(model: str, plan: Plan, sharding: str = "none", torch_compile: Any = False,
+             sequence_parallel: bool = False) -> Any:
     module, example = MODELS[model][0]()
     return fxpipe.compile(module, example, loss_fn=MODELS[model][2], global_batch_size=GLOBAL_BATCH, plan=plan,
-                          loss_reduction="mean", sharding=sharding, check_rows=False, torch_compile=torch_compile)
+                          loss_reduction="mean", sharding=sharding, check_rows=False, torch_compile=torch_compile,
+                          sequence_parallel=sequence_parallel)
 
 
 def _reference(model: str) -> dict[str, Any]:
@@ -188,7 +191,7 @@ def _inference(pipe: Any, model: str, reference: dict[str, Any]) -> list[str]:
     """predict (whole outputs on every rank) and evaluate of other batch shapes against the trained reference."""
     trained, loss_fn = reference["model"], MODELS[model][2]
     problems = []
-    for rows, seq in ((GLOBAL_BATCH, SEQ_LEN - 3), (GLOBAL_BATCH - 3, SEQ_LEN)):
+    for rows, seq in ((GLOBAL_BATCH, SEQ_LEN - 2), (GLOBAL_BATCH - 3, SEQ_LEN)):  # T divides every length (SP)
         inputs, targets = _batch(model, rows, seq, 7)
         with torch.no_grad():
             expected = trained(**inputs) if isinstance(inputs, dict) else trained(inputs)
@@ -217,23 +220,43 @@ def _share_problems(pipe: Any) -> list[str]:
     return problems + ([f"holds {held} parameter elements, expected {expected}"] if held != expected else [])
 
 
-# per generated collective node: the communicator calls it makes per micro-batch, forward and backward
+# per generated collective node: the communicator calls it makes per micro-batch, (forward, backward); backward
+# ones only run when the node's input carries a gradient
 NODE_COLLECTIVES = {
-    tensor_parallel_ops.copy_to_group: {"all_reduce": 1},  # backward
-    tensor_parallel_ops.reduce_from_group: {"all_reduce": 1},  # forward
-    tensor_parallel_ops.vocab_embedding: {"all_reduce": 1},
-    tensor_parallel_ops.gather_from_group: {"all_gather": 1},
-    tensor_parallel_ops.gather_sequence: {"all_gather": 1, "reduce_scatter": 1},
-    tensor_parallel_ops.reduce_scatter_sequence: {"reduce_scatter": 1, "all_gather": 1},
-    tensor_parallel_ops.split_sequence: {"all_gather": 1},
+    tensor_parallel_ops.copy_to_group: ({}, {"all_reduce": 1}),
+    tensor_parallel_ops.reduce_from_group: ({"all_reduce": 1}, {}),
+    tensor_parallel_ops.vocab_embedding: ({"all_reduce": 1}, {}),
+    tensor_parallel_ops.gather_from_group: ({"all_gather": 1}, {}),
+    tensor_parallel_ops.gather_sequence: ({"all_gather": 1}, {"reduce_scatter": 1}),
+    tensor_parallel_ops.reduce_scatter_sequence: ({"reduce_scatter": 1}, {"all_gather": 1}),
+    tensor_parallel_ops.split_sequence: ({}, {"all_gather": 1}),
 }
+
+
+def _carries_gradient(pipe: Any) -> set[torch.fx.Node]:
+    """Nodes of the stage's graph computed from a parameter or a stage input that requires grad."""
+    stage = pipe.program.stages[pipe.stage_index]
+    graph, module = pipe.module.graph, pipe.module
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    carrying = {node for node, name in zip(placeholders, stage.input_values, strict=True)
+                if pipe.program.values[name].requires_grad}
+    params = {name for name, _ in module.named_parameters()}
+    for node in graph.nodes:
+        if (node.op == "get_attr" and node.target in params
+                or node.op == "call_module" and any(True for _ in module.get_submodule(node.target).parameters())
+                or node.op in ("call_function", "call_method", "call_module")
+                and any(arg in carrying for arg in node.all_input_nodes)):
+            carrying.add(node)
+    return carrying
 
 
 def _implied_collectives(pipe: Any) -> dict[str, int]:
     """What the stage's generated collective nodes imply per step: their calls per micro-batch, times M."""
     implied: dict[str, int] = {}
+    carrying = _carries_gradient(pipe)
     for node in pipe.module.graph.nodes:
-        for kind, count in NODE_COLLECTIVES.get(node.target, {}).items() if node.op == "call_function" else ():
+        forward, backward = NODE_COLLECTIVES.get(node.target, ({}, {})) if node.op == "call_function" else ({}, {})
+        for kind, count in [*forward.items(), *(backward.items() if backward and node.args[0] in carrying else ())]:
             implied[kind] = implied.get(kind, 0) + count * NUM_MICROBATCHES
     return implied
 
@@ -246,7 +269,7 @@ def _run(rank: int, world_size: int, store_dir: str, directory: str) -> dict[str
     for index, (name, model, layout, schedule, sharding, compiled) in enumerate(CASES):
         started = time.perf_counter()
         with _world(store_dir, f"case-{index}", rank, world_size):
-            pipe = _compile(model, _plan(model, layout, schedule), sharding, compiled)
+            pipe = _compile(model, _plan(model, layout, schedule), sharding, compiled, name.endswith(" SP"))
             record = _train(pipe, model, references[model])
             problems = record["problems"] + _share_problems(pipe)
             problems += [] if compiled else _inference(pipe, model, references[model])  # new shapes would recompile
@@ -258,6 +281,7 @@ def _run(rank: int, world_size: int, store_dir: str, directory: str) -> dict[str
                 pipe.save(directory, optimizer=record["optimizer"], step=NUM_STEPS)
             results[name] = {"problems": problems, "stage": pipe.stage_index, "fsdp": pipe.driver.sharded is not None,
                              "degree": pipe.driver.tensor_parallel.degree, "collectives": record["collectives"],
+                             "partial": sorted(n for n, p in pipe.driver.tp_params.items() if p.partial),
                              "frames": pipe.compile_stats()[rank].num_frames if compiled else 0,
                              "seconds": time.perf_counter() - started,
                              "sharded": sorted(n for n, p in pipe.driver.tp_params.items() if p.dim is not None)}
@@ -285,12 +309,14 @@ def test_tensor_parallel_stages_train_like_one_process(tmp_path: Path) -> None:
     attention = [results["attention 1x2:2"] for results in per_rank[:2]]
     assert all("blocks.0.down.weight" in record["sharded"] and record["stage"] == 0 for record in attention), attention
     assert all("head.weight" in results["vocab 2:1x2"]["sharded"] for results in per_rank[2:]), per_rank[2:]
-    assert all(results["attention 2x2 ZeRO-2"]["fsdp"] for results in per_rank)
+    assert all(results["attention 2x2 ZeRO-2 SP"]["fsdp"] for results in per_rank)
     for name, *_ in CASES:  # every T=2 member holds split weights and its stage ran collectives
         split = [rank for rank, results in enumerate(per_rank) if results[name]["degree"] == 2]
         assert split and all(per_rank[rank][name]["sharded"] and per_rank[rank][name]["collectives"] for rank in split), (
             name, [(results[name]["sharded"][:3], results[name]["collectives"]) for results in per_rank])
     assert all(results["vocab 2:1x2 compiled"]["frames"] > 0 for results in per_rank)
+    for name in ("attention 2x2 ZeRO-2 SP", "llama 2x2 SP"):  # sequence-parallel norms: gradients partial over T
+        assert all(results[name]["partial"] for results in per_rank), [results[name]["partial"] for results in per_rank]
     print({name: round(record.get("seconds", 0), 1) for name, record in per_rank[0].items()})
     assert not failures, "\n".join(failures)
 
