@@ -11,7 +11,7 @@ import torch
 from fxpipe.passes.tensor_parallel_ops import register_group
 from fxpipe.passes.tp_shard import shard_stage
 from fxpipe.runtime.faults.guard import release_group, setup_group, setup_phase
-from fxpipe.runtime.parallel.tensor_parallel import GroupCommunicator, TensorParallelParam
+from fxpipe.runtime.parallel.tensor_parallel import GroupCommunicator, TensorParallelParam, check_tied_alike
 
 if TYPE_CHECKING:
     from fxpipe.core.program import SplitProgram, StageProgram
@@ -80,5 +80,6 @@ def apply_tensor_parallel(driver: PipelineDriver, sequence_parallel: bool = Fals
                 driver.tp_notes = notes
     finally:
         release_group(setup)
+    check_tied_alike(driver.stage_index, driver.tp_params, driver.program.tie_groups)
     driver.tp_communicator = made
     return made

@@ -24,6 +24,7 @@ from fxpipe.runtime.parallel.tensor_parallel import (
     TensorParallelParam,
     assemble,
     shard_slice,
+    tied_split_differences,
 )
 from fxpipe.runtime.transport.group_routes import group_routes
 from tests.exactness_oracle import LEARNING_RATE, mismatches, train_reference
@@ -357,3 +358,12 @@ def test_fused_parameters_are_sliced_and_put_back_part_by_part() -> None:
     assert torch.equal(assemble([shard_slice(full, plain, 3, member) for member in range(3)], plain), full)
     with pytest.raises(ValueError, match=r"has shape \(3, 12\) but the stage holds it as \(12, 3\)"):
         shard_slice(full, TensorParallelParam("w", 0, (12, 3)), 2, 0)
+
+
+def test_a_weight_tied_across_stages_must_be_split_alike_on_every_owner() -> None:
+    tie_groups = [("wte.weight", (0, 1))]
+    # ranks 0, 1: stage 0 (T=2) split over the vocabulary; ranks 2, 3: stage 1 likewise, then whole; rank 4 owns none
+    alike = [(0, {"wte.weight": (0, None)})] * 2 + [(1, {"wte.weight": (0, None)})] * 2 + [(2, {})]
+    assert tied_split_differences(alike, tie_groups) == []
+    whole = alike[:2] + [(1, {})] * 2 + [(2, {})]
+    assert tied_split_differences(whole, tie_groups) == [("wte.weight", {0: (0, None), 1: (None, None)})]

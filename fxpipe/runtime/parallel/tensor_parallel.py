@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -177,5 +178,32 @@ def check_layout_options(plan: Plan, batch_norm: str) -> None:
                                  "yet; use batch_norm='microbatch'")
 
 
-def by_name(params: Sequence[TensorParallelParam]) -> Mapping[str, TensorParallelParam]:
-    return {param.name: param for param in params}
+def check_tied_alike(stage_index: int, params: Mapping[str, TensorParallelParam],
+                     tie_groups: Sequence[tuple[str, Sequence[int]]]) -> None:
+    """Weights tied across stages must be split alike on every owner (their gradients sum shard by shard): one
+    gather of every rank's (tied name -> split dim, parts); PipelineSetupError on every rank otherwise."""
+    tied = {name for name, _ in tie_groups}
+    if not tied:
+        return
+    mine = {name: (param.dim, param.parts) for name, param in params.items() if name in tied}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (stage_index, mine))
+    differing = tied_split_differences(gathered, tie_groups)
+    if differing:
+        name, ways = differing[0]
+        raise PipelineSetupError(
+            f"weight {name!r} is tied across stages {sorted(ways)} but split differently there (stage: (dim, parts) "
+            f"{ways}); its gradients sum shard by shard, so untie it or give those stages T = 1")
+
+
+def tied_split_differences(gathered: Sequence[tuple[int, Mapping[str, Any]]],
+                           tie_groups: Sequence[tuple[str, Sequence[int]]]) -> list[tuple[str, dict[int, Any]]]:
+    """Tied weights whose owner stages hold them split differently: (name, {stage: (dim, parts)}), by name.
+    ``gathered``: every rank's (stage index, {tied name: (dim, parts)}) (a name it lacks: whole)."""
+    owners = {name: set(stages) for name, stages in tie_groups}
+    held: dict[str, dict[int, Any]] = {}
+    for stage, described in gathered:
+        for name, stages in owners.items():
+            if stage in stages:
+                held.setdefault(name, {})[stage] = described.get(name, (None, None))
+    return sorted((name, dict(sorted(ways.items()))) for name, ways in held.items() if len(set(ways.values())) > 1)
