@@ -166,11 +166,9 @@ class PipelinedModule:
         """Parameters and buffers of this rank's stage under their original names (detached), whole tensors.
 
         A sharded stage's parameters are gathered (``DTensor.full_tensor``): a collective over the stage's
-        replicas, so every rank calls it (as ``save`` does).
+        replicas, so every rank calls it (as ``save`` does); a tensor-parallel stage's over its group.
         """
-        from fxpipe.runtime.parallel.sharded_stage import full_value
-
-        return {name: full_value(tensor) for name, tensor in self._stage_tensors().items()}
+        return {name: self.driver.whole(name, tensor) for name, tensor in self._stage_tensors().items()}
 
     def _stage_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's parameters (shards on a sharded stage) and buffers by original name, every alias."""
@@ -194,7 +192,7 @@ class PipelinedModule:
         if missing:
             raise KeyError(f"state dict lacks {missing} held by stage {self.stage_index}")
         for name, tensor in own.items():
-            copy_full_into(tensor, state[name])
+            copy_full_into(tensor, self.driver.part(name, state[name]))
 
     def train(self, mode: bool = True) -> PipelinedModule:
         self.driver.runner.module.train(mode)
@@ -299,7 +297,8 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
             batch_dims: int | Mapping[str, int] | None = None, target_batch_dim: int | None = None,
             recompute: str | Sequence[bool | str] = "auto", costs: str = "auto", check_rows: bool = True,
             stall_timeout_s: float = 5.0, sharding: str | Sequence[str] | None = None,
-            torch_compile: bool | Mapping[str, Any] = False, verbose: bool | None = None) -> Any:
+            torch_compile: bool | Mapping[str, Any] = False, verbose: bool | None = None,
+            sequence_parallel: bool = False) -> Any:
     """Pipeline ``model`` over the process group's ranks; returns a :class:`PipelinedModule`.
 
     ``plan``: ``"auto"`` (DAPPLE planner on ``cluster``, default ``local:<world size>``), a layout such as
@@ -340,7 +339,10 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
     ``torch_compile``: True (or torch.compile's keyword arguments, e.g. ``{"backend": "aot_eager"}``) compiles
     each stage's forward, and its backward through AOTAutograd, with the batch dim dynamic (docs/compile.md).
     ``verbose``: True prints the plan table (as ``fxpipe plan`` does) on rank 0, False never; None (default) prints
-    it when rank 0's stdout is a terminal. The plan is ``pipe.plan`` either way (``pipe.plan.to_json()``). As a decorator,
+    it when rank 0's stdout is a terminal. The plan is ``pipe.plan`` either way (``pipe.plan.to_json()``).
+    ``sequence_parallel``: on stages of T-way tensor-parallel groups (``RxT``, docs/tensor_parallel.md), norms, dropout
+    and residual adds between pairs run on each member's share of the tokens (every batch's sequence length must
+    then divide by T). As a decorator,
     ``@fxpipe.compile(loss_fn=..., global_batch_size=...)``
     on a model class or factory makes ``Factory(*args, example_inputs=..., **kwargs)`` return the module.
     """
@@ -349,7 +351,8 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
                              check_batch=check_batch, loss_reduction=loss_reduction, batch_norm=batch_norm,
                              batch_dims=batch_dims, target_batch_dim=target_batch_dim, recompute=recompute,
                              costs=costs, check_rows=check_rows, stall_timeout_s=stall_timeout_s,
-                             sharding=sharding, torch_compile=torch_compile, verbose=verbose)
+                             sharding=sharding, torch_compile=torch_compile, verbose=verbose,
+                             sequence_parallel=sequence_parallel)
     if model is None:
         return functools.partial(_wrap_factory, options=options)
     if isinstance(model, torch.nn.Module):
@@ -378,6 +381,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     The process group comes first; every later setup phase is collective (:func:`setup_phase`), so an
     error on any rank raises on every rank within seconds, naming the rank and the phase.
     """
+    from fxpipe.compile_tensor_parallel import apply_tensor_parallel
     from fxpipe.passes import trace
     from fxpipe.passes.batchdims import resolve_target_dim
     from fxpipe.passes.codegen import split_for_plan
@@ -391,6 +395,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     from fxpipe.runtime.faults.guard import release_group, setup_group, setup_phase
     from fxpipe.runtime.loss_check import check_loss_fn
     from fxpipe.runtime.numerics.batchnorm import check_batch_norm_mode, check_layers_kept, warn_batch_norm
+    from fxpipe.runtime.parallel.tensor_parallel import check_layout_options
     from fxpipe.runtime.sync import check_sync_mode, synchronize_driver
     from fxpipe.runtime.transport.batchcheck import check_batch_mode
     from fxpipe.runtime.transport.comm import init_distributed
@@ -432,6 +437,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
                 check_world(resolved, program, context.world_size)
                 check_loss_fn(options.loss_fn, program, options.loss_reduction)
                 check_stages_hold_parameters(program, resolved)
+                check_layout_options(resolved, options.batch_norm)
                 check_recompute_batch_norm(resolved, [stage.module for stage in program.stages], options.batch_norm)
                 resolved = with_compile_notes(resolved, compile_settings, options.timeout_s)
     finally:
@@ -453,6 +459,8 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
             driver.step_hooks.append(commit)
     compile_stage(driver, compile_settings, options.batch_norm)
     synchronize_driver(driver, options.sync_params)  # on full tensors, before sharding
+    if apply_tensor_parallel(driver, options.sequence_parallel) is not None:  # the member's shard replaced the module compile_stage wrapped
+        compile_stage(driver, compile_settings, options.batch_norm)
     driver.shard_stage()
     if compile_settings is not None:
         warm_compiled_stage(driver)  # a collective: every rank compiles here, not in the first step

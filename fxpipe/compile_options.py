@@ -44,3 +44,4 @@ class CompileOptions:
     # torch.compile per stage: False, True or torch.compile's keyword arguments (fxpipe.runtime.compile.stage_compile)
     torch_compile: bool | Mapping[str, Any] = False
     verbose: bool | None = None  # print the plan table on rank 0 (None: when stdout is a terminal)
+    sequence_parallel: bool = False  # tensor-parallel stages run norms and adds between pairs on token shards

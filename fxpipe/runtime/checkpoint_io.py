@@ -246,13 +246,22 @@ def _optimizer_entries(pipe: CheckpointablePipe, optimizer: torch.optim.Optimize
             name = names[index]
             scalars = {}
             for key, value in saved["state"].get(index, {}).items():
-                if isinstance(value, torch.Tensor):  # whole tensors (a sharded stage's state gathered)
-                    entries[f"{OPTIM_PREFIX}{name}/{key}"] = full_value(value)
+                if isinstance(value, torch.Tensor):  # whole tensors (a sharded or tensor-parallel stage's gathered)
+                    entries[f"{OPTIM_PREFIX}{name}/{key}"] = _whole(pipe, name, value)
                 else:
                     scalars[key] = value
             meta = {"group": settings, "scalars": scalars}
             entries[OPTIM_META_PREFIX + name] = _json_bytes(meta, f"optimizer state of {name!r}")
     return entries
+
+
+def _whole(pipe: CheckpointablePipe, name: str, value: torch.Tensor) -> torch.Tensor:
+    """Optimizer state of parameter ``name`` whole: a tensor-parallel shard's gathered (state shaped as the shard)."""
+    driver = getattr(pipe, "driver", None)
+    param = driver.tp_params.get(name) if driver is not None else None
+    if param is not None and value.dim() == len(param.full_shape):
+        return driver.whole(name, value)  # type: ignore[union-attr]
+    return full_value(value)
 
 
 def _optimizer_param_names(pipe: CheckpointablePipe, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -319,7 +328,7 @@ def _restore(pipe: CheckpointablePipe, optimizer: torch.optim.Optimizer | None, 
     # whose shards each rank copies back here (no collective)
     pipe.load_state_dict({key[len(MODEL_PREFIX):]: value for key, value in state.items() if key.startswith(MODEL_PREFIX)})
     if optimizer is not None:
-        _restore_optimizer(optimizer, names, state)
+        _restore_optimizer(pipe, optimizer, names, state)
     _restore_rng(state, rank)
 
 
@@ -358,7 +367,8 @@ def _empty(meta: Any) -> torch.Tensor | None:
     return torch.empty(meta.size, dtype=meta.properties.dtype)
 
 
-def _restore_optimizer(optimizer: torch.optim.Optimizer, names: list[str], state: Mapping[str, torch.Tensor]) -> None:
+def _restore_optimizer(pipe: CheckpointablePipe, optimizer: torch.optim.Optimizer, names: list[str],
+                       state: Mapping[str, torch.Tensor]) -> None:
     """Rebuild an index-keyed optimizer state_dict from the name-keyed entries and load it."""
     current = optimizer.state_dict()
     by_name: dict[str, dict[str, Any]] = {}
@@ -373,7 +383,8 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, names: list[str], state
         settings = dict(group)
         for index in group["params"]:
             meta = _decode_meta(state, names[index])
-            tensors = {key: _shaped_for(value, params[index]) for key, value in by_name.get(names[index], {}).items()}
+            tensors = {key: _shaped_for(pipe, names[index], value, params[index])
+                       for key, value in by_name.get(names[index], {}).items()}
             entries = {**tensors, **meta["scalars"]}
             if entries:
                 restored[index] = entries
@@ -382,8 +393,11 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, names: list[str], state
     optimizer.load_state_dict({"state": restored, "param_groups": groups})
 
 
-def _shaped_for(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+def _shaped_for(pipe: CheckpointablePipe, name: str, value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """A whole optimizer-state tensor as the parameter holds its state: this rank's shard for a sharded one."""
+    driver = getattr(pipe, "driver", None)
+    if driver is not None and name in driver.tp_params and value.dim() == param.dim():
+        value = driver.part(name, value)  # this member's part, then (FSDP2 over the replicas too) its shard of that
     return shard_of(value, param) if is_sharded(param) and value.shape == param.shape else value
 
 

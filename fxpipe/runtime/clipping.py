@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.runtime.parallel.sharded_stage import is_sharded, local_part
+from fxpipe.runtime.parallel.tensor_parallel import TensorParallelParam, counts_in_norm
 from fxpipe.runtime.transport.comm import Pending
 
 if TYPE_CHECKING:
@@ -50,16 +51,21 @@ def counts_parameter(name: str, stage_index: int, replica_index: int,
 
 
 def counted_gradients(named: Iterable[tuple[str, torch.nn.Parameter]], stage_index: int, replica_index: int,
-                      tie_groups: Iterable[tuple[str, Sequence[int]]]) -> list[torch.Tensor]:
+                      tie_groups: Iterable[tuple[str, Sequence[int]]], tensor_parallel_member: int = 0,
+                      tensor_parallel: Mapping[str, TensorParallelParam] | None = None) -> list[torch.Tensor]:
     """The gradients this rank adds to the whole model's norm (parameters without ``.grad`` skipped, as torch does).
 
-    A sharded stage's gradient (a DTensor) is split over its replicas: every replica counts its own shard.
+    A sharded stage's gradient (a DTensor) is split over its replicas: every replica counts its own shard. On a
+    tensor-parallel stage (``tensor_parallel``: how each parameter is held) every member counts its shards and
+    member 0 the whole parameters.
     """
     owners = dict(tie_groups)
     counted = []
     for name, param in named:
         grad = param.grad
         if grad is None:
+            continue
+        if not counts_in_norm((tensor_parallel or {}).get(name), tensor_parallel_member):
             continue
         if is_sharded(grad):  # every replica holds its own shard of the reduced gradient: each counts its part
             if counts_parameter(name, stage_index, 0, owners):
@@ -140,7 +146,8 @@ def clip_grad_norm(driver: PipelineDriver, named: Sequence[tuple[str, torch.nn.P
     Collective: every rank calls it with the same arguments; one allreduce over the default group.
     """
     norm_type = check_norm_type(norm_type)
-    grads = counted_gradients(named, driver.stage_index, driver.replica_index, driver.program.tie_groups)
+    grads = counted_gradients(named, driver.stage_index, driver.replica_index, driver.program.tie_groups,
+                              driver.tensor_parallel.member, driver.tp_params)
     share = local_share(grads, norm_type, driver.context.device)
     if driver.context.world_size > 1:
         op = dist.ReduceOp.MAX if reduce_op(norm_type) == "max" else dist.ReduceOp.SUM

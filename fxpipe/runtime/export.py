@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.runtime.numerics.batchnorm import original_layers
-from fxpipe.runtime.parallel.sharded_stage import full_value, plain_copy
+from fxpipe.runtime.parallel.sharded_stage import plain_copy
 
 if TYPE_CHECKING:
     from fxpipe.core.program import SplitProgram
@@ -42,14 +42,17 @@ def gathered_program(driver: PipelineDriver) -> SplitProgram | None:
     with original_layers(module):  # batch_norm="deferred"/"sync" layers: the model's own ones, same tensors
         mine: StageState | None = None
         # every replica gathers a sharded stage's weights (a collective over them); the first one sends
-        tensors = {k: full_value(v) for k, v in _module_tensors(module, driver.stage.param_names).items()}
-        if driver.replica_index == 0:
+        # a tensor-parallel group gathers its shards (a collective over the group)
+        tensors = {k: driver.whole(k, v) for k, v in _module_tensors(module, driver.stage.param_names).items()}
+        if driver.replica_index == 0 and driver.tensor_parallel.member == 0:
             mine = (driver.stage_index, module.training, {k: v.cpu() for k, v in tensors.items()})
         gathered: list[StageState | None] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         if driver.rank != 0:
             return None
-        return _with_states(driver.program, driver.stage_index, module, gathered)
+        # a tensor-parallel shard is no stage module: the program's unsharded one takes the gathered tensors
+        own = module if driver.tensor_parallel.degree == 1 else driver.stage.module
+        return _with_states(driver.program, driver.stage_index, own, gathered)
 
 
 def _with_states(program: SplitProgram, own_index: int, own_module: torch.nn.Module,

@@ -104,7 +104,8 @@ def _gather_outputs(driver: PipelineDriver, state: StepState) -> dict[str, Any]:
         shape = buffer_shape(layout.shapes[name], spec.batched, layout.num_rows, spec.batch_dim)
         dtype = layout.dtypes[name] or spec.dtype or torch.get_default_dtype()
         values[name] = torch.empty(shape, dtype=dtype, device=driver.context.device)
-    for replica_index, rank in enumerate(last.devices):
+    for replica_index in range(last.replicas):  # a tensor-parallel replica's first member speaks for its group
+        rank = last.replica_devices(replica_index)[0]
         rows = RowMap.split(layout.microbatch_ranges, replica_index, last.replicas)
         pieces = [(name, m, rows.per_microbatch[m]) for m in range(len(layout.microbatch_ranges)) for name in tensors
                   if program.values[name].batched or (m == 0 and replica_index == 0)]

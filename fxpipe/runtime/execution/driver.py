@@ -21,10 +21,24 @@ from fxpipe.runtime.execution.step_state import StepState
 from fxpipe.runtime.faults import preemption
 from fxpipe.runtime.faults.errors import PipelineSetupError
 from fxpipe.runtime.faults.failures import DEFAULT_STALL_TIMEOUT_S, FailureLog, NoLog
-from fxpipe.runtime.gradients.buckets import split_overlapped
-from fxpipe.runtime.gradients.grad_sync import reduce_sets, restore_stashed, start_allreduces, stash_grads
+from fxpipe.runtime.gradients.buckets import OverlappedAllreduce, split_overlapped
+from fxpipe.runtime.gradients.grad_sync import (
+    reduce_groups,
+    reduce_sets,
+    restore_stashed,
+    start_allreduces,
+    stash_grads,
+    tied_stage_sets,
+)
 from fxpipe.runtime.gradients.trainable import TrainableSet
-from fxpipe.runtime.parallel.sharded_stage import ShardedStage
+from fxpipe.runtime.parallel.sharded_stage import ShardedStage, full_value
+from fxpipe.runtime.parallel.tensor_parallel import (
+    GroupCommunicator,
+    TensorParallelGroups,
+    TensorParallelParam,
+    gather_full,
+    shard_slice,
+)
 from fxpipe.runtime.transport.batch_layout import BatchLayout, infer_value_dtypes
 from fxpipe.runtime.transport.batchcheck import BatchChecker, check_shapes, describe_batch_dims
 from fxpipe.runtime.transport.comm import (
@@ -108,16 +122,18 @@ class PipelineDriver:
         self._own_params = unique_params(self.runner.parameters())
         self._param_list = [param for _, param in self._own_params]
         self.trainable = TrainableSet(self.runner.parameters())
-        # per stage, then per tied stage set (fxpipe.runtime.sync reuses them)
-        self.groups, self.reduce_sets = reduce_sets(plan, program, self.stage_index, self._own_params)
+        # T-way groups of tensor-parallel stages (fxpipe.runtime.parallel.tensor_parallel); then per stage, then per
+        # tied stage set (fxpipe.runtime.sync reuses them)
+        self.tensor_parallel = TensorParallelGroups.make(plan, self.rank, tied_stage_sets(program))
+        self.tp_params: dict[str, TensorParallelParam] = {}  # by original name, once apply_tensor_parallel ran
+        self.tp_communicator: GroupCommunicator | None = None  # what the stage's generated collectives call
+        self.tp_notes: tuple[str, ...] = ()  # what the tensor-parallel pass split and kept whole on this stage
+        self.groups = reduce_groups(plan, program)
         if self.failures is not None:  # the heartbeat thread watches this rank's waits (failures.py)
-            self.failures.watch_waits(stall_timeout_s, self.groups)
-        # Earlier steps' gradients are set aside only when this step's must be reduced or divided on
-        # their own; otherwise autograd accumulates into them as in eager (old + new == new + old).
-        self._stashes = bool(self.reduce_sets) or loss_reduction == "token_mean"
-        # the stage's own gradients: buckets launched during its last backward (plan.allreduce_bucket_bytes)
-        self.overlap, self.reduce_sets = split_overlapped(self.reduce_sets, self.groups[self.stage_index],
-                                                          plan.allreduce_bucket_bytes)
+            tp = self.tensor_parallel
+            self.failures.watch_waits(stall_timeout_s, [*self.groups, tp.group, tp.replica_sum, *tp.tied_sums])
+        self.overlap: OverlappedAllreduce | None = None
+        self._set_reductions(frozenset())
         self.forward_only = False  # True while evaluate/predict run (fxpipe.runtime.inference)
         self.measure = MeasureMode.OFF  # what each step records in last_stats (see MeasureMode)
         self.last_stats: StepStats | None = None
@@ -126,17 +142,47 @@ class PipelineDriver:
 
     # ---- setup ---------------------------------------------------------------------------------
 
+    @property
+    def sum_group(self) -> dist.ProcessGroup | None:
+        """The group this stage's own gradients sum over: its replicas (on a tensor-parallel stage, the same member
+        of each replica)."""
+        return self.tensor_parallel.replica_sum if self.tensor_parallel.degree > 1 else self.groups[self.stage_index]
+
+    def _set_reductions(self, partial: frozenset[str]) -> None:
+        """This stage's gradient sums (fxpipe.runtime.gradients.grad_sync); the stage's own as overlapped buckets."""
+        if self.overlap is not None:
+            self.overlap.remove()
+        sets = reduce_sets(self.plan, self.program, self.stage_index, self._own_params, self.groups,
+                           self.tensor_parallel, partial)
+        # Earlier steps' gradients are set aside only when this step's must be reduced or divided on
+        # their own; otherwise autograd accumulates into them as in eager (old + new == new + old).
+        self._stashes = bool(sets) or self.runner.loss_reduction == "token_mean"
+        # the stage's own gradients: buckets launched during its last backward (plan.allreduce_bucket_bytes)
+        self.overlap, self.reduce_sets = split_overlapped(sets, self.sum_group, self.plan.allreduce_bucket_bytes)
+
+    def apply_tensor_parallel(self, module: torch.fx.GraphModule, params: Sequence[TensorParallelParam]) -> None:
+        """Run this group member's shard of the stage (``module``, the same attribute paths; ``params`` says how
+        each parameter is held): after the parameter sync, which runs on whole tensors."""
+        assert self.tensor_parallel.degree > 1 and self.sharded is None
+        self.runner.use_module(module)  # a compiled stage is compiled again on the shard (fxpipe.api)
+        self.tp_params = {param.name: param for param in params}
+        self._own_params = unique_params(self.runner.parameters())
+        self._param_list = [param for _, param in self._own_params]
+        self.trainable = TrainableSet(self.runner.parameters())
+        self._set_reductions(frozenset(param.name for param in params if param.partial))
+
     def shard_stage(self) -> None:
         """Shard this rank's stage as the plan says (fxpipe.runtime.parallel.sharded_stage; nothing for ``"none"``): after
         setup and the replicas' parameter sync, which runs on whole tensors. FSDP2 now reduces the stage's
         gradients, so the replica allreduce goes; tied weights stay whole and keep their own sums."""
         stage_plan = self.plan.stages[self.stage_index]
-        replica_group = self.groups[self.stage_index]
+        replica_group = self.sum_group  # on a tensor-parallel stage: this member's own kind over the replicas
         if stage_plan.sharding == "none" or replica_group is None:
             return
-        tied = {name for name, _ in self.program.tie_groups}  # under any of a parameter's names
+        # under any of a parameter's names; gradients partial over a tensor-parallel group keep their whole-stage sum
+        kept = {name for name, _ in self.program.tie_groups} | {n for n, p in self.tp_params.items() if p.partial}
         self.sharded = ShardedStage(self.runner.module, stage_plan.sharding, replica_group, self.context.device,
-                                    stage_plan.recompute, [p for name, p in self.runner.parameters() if name in tied],
+                                    stage_plan.recompute, [p for name, p in self.runner.parameters() if name in kept],
                                     self.runner.compiled)
         self.runner.call = self.sharded
         if self.overlap is not None:
@@ -149,6 +195,17 @@ class PipelineDriver:
         self._stashes = bool(self.reduce_sets) or self.runner.loss_reduction == "token_mean"
         live = {id(param) for param in self._param_list}  # the tied sets' parameters were left whole, not replaced
         assert all(id(p) in live for _, params in self.reduce_sets for p in params), "a reduced parameter was sharded"
+
+    def whole(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Stage tensor ``name`` (original name) whole, detached: gathered over a sharded stage's replicas or a
+        tensor-parallel group (a collective there, every member calls it)."""
+        param = self.tp_params.get(name)  # a tensor-parallel shard may be FSDP2-sharded over the replicas too
+        return gather_full(full_value(tensor), param, self.tensor_parallel) if param is not None else full_value(tensor)
+
+    def part(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This group member's part of whole tensor ``name`` (the whole tensor unless tensor-parallel sharded)."""
+        param = self.tp_params.get(name)
+        return shard_slice(full, param, self.tensor_parallel.degree, self.tensor_parallel.member) if param else full
 
     def use_autocast(self, dtype: torch.dtype | None) -> None:
         """Run the next calls' forwards under autocast of ``dtype`` (None: none), with that precision's value dtypes
@@ -374,7 +431,7 @@ class PipelineDriver:
     def _send_gradient(self, state: StepState, m: int) -> None:
         grads, received = state.input_grads.pop(m), state.received.pop(m)
         outgoing: list[tuple[int, str, torch.Tensor, Rows]] = []
-        for name, routes in gradient_routes(self.program, state.shaped.routes[m].inputs):
+        for name, routes in gradient_routes(self.program, state.shaped.routes[m].gradient_sends):
             grad = grads.get(name)
             if grad is None:  # the stage did not use the value on a differentiable path
                 grad = torch.zeros_like(received[name])
@@ -414,6 +471,8 @@ class PipelineDriver:
         """The summed weighted losses and counts of all last-stage replicas, on every rank (one allreduce that
         also carries the preemption vote and the folded batch check)."""
         loss_sum, count = read_local_loss(state.loss_parts, state.count_parts)
+        if self.tensor_parallel.member > 0:  # every member of a group computed the same loss: it counts once
+            loss_sum, count = 0.0, 0.0
         probe = self.runner.probe.fold_values()  # while open: every rank's verdict on loss_fn (loss_probe)
         if self.context.world_size > 1:  # a world of one has nothing to add (and no batch to compare)
             folds = self.batch_checker.fold_values()

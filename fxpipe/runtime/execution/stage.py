@@ -132,6 +132,13 @@ class StageRunner:
         self.split: SplitCompiledStage | None = None
         self.scaler: torch.amp.GradScaler | None = None  # pipe.grad_scaler(): scales each slice's loss (grad_scaler)
 
+    def use_module(self, module: torch.fx.GraphModule) -> None:
+        """Run ``module`` from now on (a tensor-parallel shard of the stage, with the same attribute paths)."""
+        self.module = module.to(self.device)
+        self._copied_inputs = inputs_changed_in_place(self.module)
+        self._trained = None
+        self.compiled = self.split = None  # compiled for the module it replaces
+
     def parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """``(original name, parameter)`` for every parameter of this stage."""
         for path, original in self.stage.param_names:

@@ -15,7 +15,8 @@ from fxpipe.runtime.execution.actions import StageActions, stage_actions
 from fxpipe.runtime.execution.receives import Message, Piece, plan_messages
 from fxpipe.runtime.faults.errors import MessageLayoutError
 from fxpipe.runtime.transport.batch_layout import BatchLayout, batch_rows, check_targets, make_layout
-from fxpipe.runtime.transport.comm import MessageKind, Route, buffer_shape, routes_between
+from fxpipe.runtime.transport.comm import MessageKind, Route, buffer_shape
+from fxpipe.runtime.transport.group_routes import group_routes
 from fxpipe.runtime.transport.rows import RowMap
 from fxpipe.runtime.transport.shape_templates import ShapeTemplates
 
@@ -28,14 +29,16 @@ Routes = dict[str, list[Route]]
 @dataclass(frozen=True)
 class StageRoutes:
     """This rank's routes: ``inputs`` (value -> routes it receives on), ``outputs`` (value -> routes it sends
-    on), the activation and gradient pieces received per micro-batch, and the output rows each gradient
-    piece covers (None: all of it)."""
+    on), the activation and gradient pieces received per micro-batch, the output rows each gradient
+    piece covers (None: all of it), and ``gradient_sends`` (value -> routes it sends input gradients back on:
+    ``inputs`` unless a tensor-parallel group sits on either side, :mod:`fxpipe.runtime.transport.group_routes`)."""
 
     inputs: Routes
     outputs: Routes
     activation_pieces: list[Piece]
     gradient_pieces: list[Piece]
     gradient_rows: dict[tuple[str, int], tuple[int, int] | None]
+    gradient_sends: Routes
 
     @classmethod
     def of(cls, program: SplitProgram, plan: Plan, stage_index: int, rank: int,
@@ -44,8 +47,10 @@ class StageRoutes:
         """Routes for micro-batches of ``microbatch_rows`` rows (default: the plan's) whose values have
         ``shapes`` in their other dims (default: the plan's)."""
         rows = plan.microbatch_size if microbatch_rows is None else microbatch_rows
-        inputs = _input_routes(program, plan, stage_index, rank, rows)
-        outputs = _output_routes(program, plan, stage_index, rank, rows)
+        inputs = _input_routes(program, plan, stage_index, rank, rows, 0)
+        outputs = _output_routes(program, plan, stage_index, rank, rows, 0)
+        gradient_sends = _input_routes(program, plan, stage_index, rank, rows, 1)
+        gradient_receives = _output_routes(program, plan, stage_index, rank, rows, 1)
         shape_of = shapes or {name: spec.shape for name, spec in program.values.items()}
         activation = [_piece(route.sender_rank, name, index, route.receiver_rows, program.values[name], dtypes,
                              shape_of[name])
@@ -53,10 +58,10 @@ class StageRoutes:
                       for index, route in enumerate(routes)]
         gradient = [_piece(route.receiver_rank, name, index, route.sender_rows, program.values[name], dtypes,
                            shape_of[name])
-                    for name, routes in gradient_routes(program, outputs) for index, route in enumerate(routes)]
-        gradient_rows = {(name, index): route.sender_rows
-                         for name, routes in gradient_routes(program, outputs) for index, route in enumerate(routes)}
-        return cls(inputs, outputs, activation, gradient, gradient_rows)
+                    for name, routes in gradient_routes(program, gradient_receives) for index, route in enumerate(routes)]
+        gradient_rows = {(name, index): route.sender_rows for name, routes in gradient_routes(program, gradient_receives)
+                         for index, route in enumerate(routes)}
+        return cls(inputs, outputs, activation, gradient, gradient_rows, gradient_sends)
 
 
 def gradient_routes(program: SplitProgram, routes: Routes) -> list[tuple[str, list[Route]]]:
@@ -94,29 +99,30 @@ def check_outgoing(program: SplitProgram, layout: BatchLayout, name: str, rows: 
 
 
 def _routes(program: SplitProgram, plan: Plan, value: str, producer: int, consumer: int,
-            rows: int) -> tuple[Route, ...]:
+            rows: int, kind: int) -> tuple[Route, ...]:
+    """The activation (``kind`` 0) or gradient (1) routes of ``value`` from stage ``producer`` to ``consumer``."""
     spec = program.values[value]
-    return routes_between(value, spec.batched and spec.is_tensor, rows,
-                          plan.stages[producer].devices, plan.stages[consumer].devices)
+    return group_routes(value, spec.batched and spec.is_tensor, rows, plan.stages[producer],
+                        plan.stages[consumer])[kind]
 
 
-def _input_routes(program: SplitProgram, plan: Plan, stage_index: int, rank: int, rows: int) -> Routes:
+def _input_routes(program: SplitProgram, plan: Plan, stage_index: int, rank: int, rows: int, kind: int) -> Routes:
     routes = {}
     for name in sorted(set(program.stages[stage_index].input_values)):
         producer = program.producers[name]
         if producer >= 0:
-            routes[name] = [r for r in _routes(program, plan, name, producer, stage_index, rows)
+            routes[name] = [r for r in _routes(program, plan, name, producer, stage_index, rows, kind)
                             if r.receiver_rank == rank]
     return routes
 
 
-def _output_routes(program: SplitProgram, plan: Plan, stage_index: int, rank: int, rows: int) -> Routes:
+def _output_routes(program: SplitProgram, plan: Plan, stage_index: int, rank: int, rows: int, kind: int) -> Routes:
     routes: Routes = {}
     for name in sorted(set(program.stages[stage_index].output_values)):
         for consumer in sorted(program.consumers.get(name, ())):
             if consumer != stage_index and program.producers.get(name) == stage_index:
                 routes.setdefault(name, []).extend(
-                    r for r in _routes(program, plan, name, stage_index, consumer, rows) if r.sender_rank == rank)
+                    r for r in _routes(program, plan, name, stage_index, consumer, rows, kind) if r.sender_rank == rank)
     return routes
 
 
