@@ -25,11 +25,12 @@ RUNTIME_MAY_IMPORT = ("fxpipe.core", "fxpipe.runtime")
 RUNTIME_FLOORS = {
     "faults": 0,
     "transport": 1, "autograd": 1, "numerics": 1,
-    "compile": 2, "gradients": 2, "parallel": 2,
-    "execution": 3,
-    "calibration": 4,
+    "compile": 2, "parallel": 2,
+    "gradients": 3,  # sums over replica groups, which tensor-parallel stages (parallel/) define
+    "execution": 4,
+    "calibration": 5,
 }
-RUNTIME_ROOT_FLOOR = 5
+RUNTIME_ROOT_FLOOR = 6
 
 
 def _imports_torch_distributed(path: Path) -> list[int]:
