@@ -143,9 +143,8 @@ def block_member_seconds(net: Cluster, block, rows: int, tensor_parallel: int) -
     moved = at(block.tp.comm_bytes, rows) * (tensor_parallel - 1) / tensor_parallel
     comm = 0.0
     if moved > 0:
-        for own in (net.all_gather_collective, net.reduce_scatter_collective):
-            link = group_link(net, own)
-            comm += link.latency_s + moved / link.bandwidth_bytes_per_s
+        link = group_link(net, None)  # plain collectives of activations: the host's allreduce figures
+        comm = 2 * (link.latency_s + moved / link.bandwidth_bytes_per_s)
     return forward * keep + comm, backward * keep + comm
 
 
