@@ -88,7 +88,7 @@ def annotate_costs(
     result.meta[meta.COST_BATCH_HINT] = batch  # the batch the costs were sampled at (for non-affine terms)
     result.meta[meta.AUTOCAST] = (None if autocast_dtype is None
                                   else (autocast_device, str(autocast_dtype).removeprefix("torch.")))
-    annotate_tensor_parallel(result)  # on the copy: which nodes split over a tensor-parallel group
+    annotate_tensor_parallel(result, inputs)  # on the copy: which nodes split over a tensor-parallel group
     return result
 
 

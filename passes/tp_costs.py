@@ -53,10 +53,10 @@ def _parameter_bytes(gm: fx.GraphModule, path: str | None) -> int:
     return parameter.numel() * parameter.element_size()
 
 
-def annotate_tensor_parallel(gm: fx.GraphModule) -> TensorParallelAnalysis:
+def annotate_tensor_parallel(gm: fx.GraphModule, example_inputs: Any = None) -> TensorParallelAnalysis:
     """Write :data:`meta.TENSOR_PARALLEL` on the nodes of ``gm`` that split (in place: annotate_costs calls it on
     its own copy); returns the analysis."""
-    analysis = find_tensor_parallel(gm)
+    analysis = find_tensor_parallel(gm, example_inputs)
     nodes = {node.name: node for node in gm.graph.nodes}
     figures: dict[str, NodeTensorParallel] = {}
     split_params: dict[str, tuple[int, int]] = {}  # attribute path -> (bytes that split, the reader's divisor)

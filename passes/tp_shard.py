@@ -78,6 +78,13 @@ def shard_stage(gm: fx.GraphModule, degree: int, rank: int, *, group_key: str = 
     if degree < 1 or not 0 <= rank < degree:
         raise TensorParallelError(f"shard_stage needs 1 <= degree and 0 <= rank < degree; got degree={degree}, "
                                   f"rank={rank}")
+    if degree == 1:  # a group of one: the stage as it is, no collectives (nothing to register)
+        module = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+        module.meta.update(copy.copy(gm.meta))
+        names: dict[str, str] = gm.meta.get(meta.PARAM_NAMES, {})
+        whole = tuple(TensorParallelParameter(names.get(path, path), path, None, tuple(parameter.shape))
+                      for path, parameter in module.named_parameters())
+        return TensorParallelStage(module, 1, 0, group_key, whole, ("tensor parallel 0/1: stage unchanged",))
     shapes = node_shapes(gm, example_inputs)
     plan = plan_stage_split(gm, shapes, degree)
     vocab = {end.node: end for end in vocab_parallel_ends(gm, plan.states, shapes) if end.vocab_size % degree == 0}

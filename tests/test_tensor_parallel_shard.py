@@ -239,3 +239,33 @@ def test_token_cross_entropy_is_recognised_by_value() -> None:
     smoothed = lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten(), label_smoothing=0.1)  # noqa: E731
     assert not is_token_cross_entropy(smoothed, (2, 3, 10), targets)
     assert not is_token_cross_entropy(lambda logits, y: logits.square().mean(), (2, 3, 10), targets)
+
+
+class FusedGatedMLP(nn.Module):
+    """SwiGLU with gate and up in one Linear, split by chunk (as many Llama ports write it)."""
+
+    def __init__(self, width: int = 16, hidden: int = 32) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(width, 2 * hidden)
+        self.down = nn.Linear(hidden, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+def test_fused_gate_up_split_by_chunk() -> None:
+    torch.manual_seed(0)
+    stages, _ = _check_members(passes.trace(FusedGatedMLP(), torch.randn(3, 4, 16)), 2, _weighted_sum)
+    by_name = {p.name: p for p in stages[0].parameters}
+    assert by_name["gate_up.weight"].parts == (32, 32) and by_name["down.weight"].dim == 1
+
+
+def test_degree_one_is_the_stage_unchanged() -> None:
+    gm = passes.trace(FusedGatedMLP(), torch.randn(3, 4, 16))
+    stage = shard_stage(gm, 1, 0, group_key="never-registered")
+    inputs = gm.meta[meta.EXAMPLE_INPUTS]
+    torch.testing.assert_close(stage.module(*inputs), gm(*inputs), rtol=0, atol=0)
+    assert all(p.dim is None and not p.partial_grad for p in stage.parameters) and "tensor_parallel_ops" not in stage.module.code
+    with pytest.raises(ValueError, match="degree=2, rank=2"):
+        shard_stage(gm, 2, 2)
