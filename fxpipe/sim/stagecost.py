@@ -49,6 +49,8 @@ class StageCost:
     # batch, for one slice and for a whole micro-batch (every replica's rows)
     batch_view_bytes: float = 0.0
     microbatch_view_bytes: float = 0.0
+    # the largest block's parameter bytes: a sharded stage's largest FSDP unit (0: one block, the whole stage)
+    unit_bytes: float = 0.0
 
 
 def _block_sum(chain: CostChain, first: int, stop: int, field: str) -> Affine:
@@ -107,7 +109,20 @@ def stage_cost(chain: CostChain, first: int, stop: int, microbatch_rows: int, re
         loss_bytes=chain.loss_saved_bytes.at(rows) if stop == chain.num_blocks else 0.0,
         batch_view_bytes=_batch_views(chain, first, stop).at(rows),
         microbatch_view_bytes=_batch_views(chain, first, stop).at(microbatch_rows),
+        unit_bytes=largest_unit_bytes(chain, first, stop),
     )
+
+
+def largest_unit_bytes(chain: CostChain, first: int, stop: int) -> float:
+    """The largest block's parameter bytes among blocks ``[first, stop)`` (0.0 unless two or more hold any): the FSDP unit a
+    sharded stage gathers at once, taking chain blocks for the runtime's per-block units (module paths)."""
+    sizes = [block.param_bytes for block in chain.blocks[first:stop] if block.param_bytes > 0]
+    return float(max(sizes)) if len(sizes) >= 2 else 0.0
+
+
+def num_units(chain: CostChain, first: int, stop: int) -> int:
+    """The FSDP units of a sharded stage over blocks ``[first, stop)``: its blocks holding parameters (at least 1)."""
+    return max(1, sum(1 for block in chain.blocks[first:stop] if block.param_bytes > 0))
 
 
 def resaved_bytes(chain: CostChain, first: int, stop: int) -> Affine:
@@ -188,7 +203,7 @@ def own_allreduce_bytes(chain: CostChain, stage_bounds: Sequence[tuple[int, int]
 
 def stage_memory_bytes(cost: StageCost, inflight_microbatches: int, optimizer: str = "adam",
                        recompute: bool = False, *, sharding: str = "none", replicas: int = 1,
-                       num_microbatches: int | None = None) -> int:
+                       num_microbatches: int | None = None, reshard_after_forward: bool | None = None) -> int:
     """Peak bytes per device: weights x optimizer factor + in-flight activations + receive buffers.
 
     ``sharding`` over ``replicas`` splits weights, gradients or optimizer state (:func:`model_state_bytes`;
@@ -200,7 +215,9 @@ def stage_memory_bytes(cost: StageCost, inflight_microbatches: int, optimizer: s
     With ``recompute`` a stage keeps only its inputs per in-flight micro-batch, plus one micro-batch's
     activations while backward recomputes them (and, last stage, every in-flight loss's saved tensors).
     """
-    weights = model_state_bytes(cost.param_bytes, optimizer_factor(optimizer), sharding, replicas, num_microbatches)
+    # a recomputed stage is one FSDP unit: its checkpoint spans the whole stage
+    weights = model_state_bytes(cost.param_bytes, optimizer_factor(optimizer), sharding, replicas, num_microbatches,
+                                0.0 if recompute else cost.unit_bytes, reshard_after_forward)
     held = 0.0 if recompute else inflight_microbatches * cost.input_bytes
     activations = saved_bytes(cost, inflight_microbatches, recompute) + held
     buffers = cost.input_bytes + cost.output_bytes

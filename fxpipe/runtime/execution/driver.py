@@ -137,7 +137,7 @@ class PipelineDriver:
         tied = {name for name, _ in self.program.tie_groups}  # under any of a parameter's names
         self.sharded = ShardedStage(self.runner.module, stage_plan.sharding, replica_group, self.context.device,
                                     stage_plan.recompute, [p for name, p in self.runner.parameters() if name in tied],
-                                    self.runner.compiled)
+                                    self.runner.compiled, stage_plan.reshard_after_forward)
         self.runner.call = self.sharded
         if self.overlap is not None:
             self.overlap.remove()
