@@ -79,7 +79,7 @@ class ShardedStage:
                  reshard_after_forward: bool | None = None) -> None:
         assert level in ("optimizer", "gradients", "parameters"), level
         self.level = level
-        # ZeRO-3 frees each unit after its forward unless the plan keeps it until the micro-batch's backward
+        # ZeRO-3 frees each unit after its forward unless the plan keeps it until a backward frees it
         self.reshard_after_forward = level == "parameters" if reshard_after_forward is None else reshard_after_forward
         self.mesh = DeviceMesh.from_group(group, device.type)
         units: Sequence[torch.nn.Module] = ()
@@ -124,7 +124,7 @@ class ShardedStage:
         """
         self.wrapper.set_is_last_backward(last)
         self.wrapper.set_requires_gradient_sync(last or self.level != "optimizer")
-        self.wrapper.set_reshard_after_backward(last or self.reshard_after_forward)
+        self.wrapper.set_reshard_after_backward(last or self.level == "parameters")
 
     def before_split_backward(self) -> None:
         """Before each B of a split backward: FSDP2's post-backward hook (which fires in B, before W wrote
