@@ -113,7 +113,7 @@ def sharded_collectives(plan: Plan, chain: CostChain, net: Cluster, stage_index:
     weights = held_bytes(chain, stage.first_block, stage.stop_block)
     grads = weights - sum(n for holders, n in tie_sets(plan, chain).items() if stage_index in holders)
     # one FSDP unit per block: each gathers and reduces its share in a collective of its own
-    units = max(1, sum(1 for b in chain.blocks[stage.first_block:stage.stop_block] if b.param_bytes > 0))
+    units = max(1, len(unit_sizes(chain, stage.first_block, stage.stop_block)))
     gather = sum(ring_half_seconds(net, weights / units, stage.devices, net.all_gather_collective) for _ in range(units))
     scatter = sum(ring_half_seconds(net, grads / units, stage.devices, net.reduce_scatter_collective)
                   for _ in range(units))
@@ -288,6 +288,18 @@ def event_loop(plan: Plan, replicas: dict[Key, Replica], programs: list[list[tup
         heapq.heappush(queue, (now, key))
     assert not blocked and all(cursor[k] == len(programs[k[0]]) for k in replicas), "the reference deadlocked"
     return Run(clock, last_gradient, busy)
+
+
+def unit_sizes(chain: CostChain, first: int, stop: int) -> list[int]:
+    """Bytes per FSDP unit of blocks [first, stop): each block's (module path, bytes) summed per path; a block
+    with parameters and no such figures is a unit alone."""
+    sizes: dict[str, int] = {}
+    for index in range(first, stop):
+        block = chain.blocks[index]
+        entries = block.units or (((f"#{index}", block.param_bytes),) if block.param_bytes > 0 else ())
+        for path, num_bytes in entries:
+            sizes[path] = sizes.get(path, 0) + num_bytes
+    return [n for n in sizes.values() if n > 0]
 
 
 def held_bytes(chain: CostChain, first: int, stop: int) -> int:
@@ -527,10 +539,11 @@ def stage_peak_bytes(plan: Plan, chain: CostChain, stage_index: int, inflight: i
     blocks = chain.blocks[stage.first_block:stage.stop_block]
     held = held_bytes(chain, stage.first_block, stage.stop_block)
     kept_per_byte = BYTES_KEPT_PER_PARAM_BYTE[optimizer]
-    largest = max(b.param_bytes for b in blocks)
+    sizes = unit_sizes(chain, stage.first_block, stage.stop_block)
+    largest = max(sizes, default=0)
     if stage.sharding == "none" or stage.replicas == 1:
         weights = float(kept_per_byte * held)
-    elif sum(b.param_bytes > 0 for b in blocks) > 1 and not stage.recompute and stage.sharding != "optimizer" and largest < held:
+    elif len(sizes) > 1 and not stage.recompute and stage.sharding != "optimizer" and largest < held:
         weights = per_block_peak_bytes(stage.sharding, held, largest, stage.replicas, kept_per_byte,
                                        plan.num_microbatches, stage.reshard_after_forward is not False)
     else:

@@ -29,6 +29,7 @@ def chain_to_json(chain: CostChain) -> dict[str, Any]:
                 "param_bytes": block.param_bytes,
                 "saved_bytes": block.saved_bytes.to_json(),
                 "resaved": [[saver, num_bytes.to_json()] for saver, num_bytes in block.resaved],
+                **({"units": [[unit, num_bytes] for unit, num_bytes in block.units]} if block.units else {}),
             }
             for block in chain.blocks
         ],
@@ -55,6 +56,7 @@ def _block_from_json(item: Any, where: str) -> Block:
         saved_bytes=Affine.from_json(item["saved_bytes"]),
         resaved=tuple((saver, Affine(*num_bytes)) for saver, num_bytes in (
             read_field(item, "resaved", tuple[tuple[int, tuple[float, float]], ...], where) if "resaved" in item else ())),
+        units=read_field(item, "units", tuple[tuple[str, int], ...], where) if "units" in item else (),
     )
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fxpipe.core.block_sums import block_sums
+from fxpipe.core.chain import block_units, merged_units
 from fxpipe.core.cluster import Cluster, LinkSpec
 from fxpipe.core.costgraph import Affine
 from fxpipe.core.plan import shared_rows, split_rows
@@ -113,16 +114,24 @@ def stage_cost(chain: CostChain, first: int, stop: int, microbatch_rows: int, re
     )
 
 
+def stage_unit_bytes(chain: CostChain, first: int, stop: int) -> list[int]:
+    """Parameter bytes of each FSDP unit of a sharded stage over blocks ``[first, stop)``: the blocks' units
+    (:attr:`fxpipe.core.chain.Block.units`, module paths as the runtime groups them) merged; a block without
+    unit figures (a profile) is a unit of its own."""
+    units = merged_units(entry for block in chain.blocks[first:stop] for entry in block_units(block))
+    return [num_bytes for _, num_bytes in units if num_bytes > 0]
+
+
 def largest_unit_bytes(chain: CostChain, first: int, stop: int) -> float:
-    """The largest block's parameter bytes among blocks ``[first, stop)`` (0.0 unless two or more hold any): the FSDP unit a
-    sharded stage gathers at once, taking chain blocks for the runtime's per-block units (module paths)."""
-    sizes = [block.param_bytes for block in chain.blocks[first:stop] if block.param_bytes > 0]
+    """The largest FSDP unit's bytes among blocks ``[first, stop)`` (0.0 for fewer than two units: the stage
+    is one unit)."""
+    sizes = stage_unit_bytes(chain, first, stop)
     return float(max(sizes)) if len(sizes) >= 2 else 0.0
 
 
 def num_units(chain: CostChain, first: int, stop: int) -> int:
-    """The FSDP units of a sharded stage over blocks ``[first, stop)``: its blocks holding parameters (at least 1)."""
-    return max(1, sum(1 for block in chain.blocks[first:stop] if block.param_bytes > 0))
+    """The FSDP units of a sharded stage over blocks ``[first, stop)`` (at least 1)."""
+    return max(1, len(stage_unit_bytes(chain, first, stop)))
 
 
 def resaved_bytes(chain: CostChain, first: int, stop: int) -> Affine:

@@ -24,14 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-
-def block_path(target: str) -> str | None:
-    """The unit a parameter or module path belongs to: the path up to its first numbered component, else None."""
-    parts = target.split(".")
-    for index, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[:index + 1])
-    return None
+from fxpipe.core.sharding import block_path
 
 
 @dataclass(frozen=True)
