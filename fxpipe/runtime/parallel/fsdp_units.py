@@ -20,6 +20,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import fx
@@ -85,6 +86,12 @@ def unit_paths(gm: fx.GraphModule) -> list[str]:
     return [span.path for span in unit_spans(gm)]
 
 
+def unviewed(value: Any) -> Any:
+    """``value``, copied when it is a view: FSDP2 hooks a unit's outputs for its backward (the gather, the
+    reduction), and an in-place op on a view output (a residual's ``x += y``) would drop that hook."""
+    return value.clone() if isinstance(value, torch.Tensor) and value._is_view() else value
+
+
 class UnitModule(fx.GraphModule):
     """One unit's nodes as a GraphModule whose one child ``block`` is the stage's block module itself (the same
     object: FSDP2 swaps gathered weights in on their owners, so the stage module sees them under their paths)."""
@@ -114,7 +121,7 @@ def _unit_module(gm: fx.GraphModule, span: UnitSpan, nodes: Sequence[fx.Node]) -
             copied.target = "block" + str(node.target)[len(span.path):]
         env[node] = copied
     outputs = [node for node in inside if any(user not in inside_set for user in node.users)]
-    graph.output(tuple(env[node] for node in outputs))
+    graph.output(tuple(graph.call_function(unviewed, (env[node],)) for node in outputs))
     holder = torch.nn.Module()
     holder.block = gm.get_submodule(span.path)
     module = UnitModule(holder, graph, class_name="UnitModule")
