@@ -87,7 +87,7 @@ def bare_collectives(weight_bytes: int, gradient_bytes: int) -> dict[str, Any]:
 
 class CollectiveClock:
     """Seconds and calls of FSDP2's collectives inside the steps: ``torch.distributed.all_gather_single`` and
-    ``reduce_scatter_single`` wrapped (FSDP2 calls both synchronously here: one unit, no prefetch), each
+    ``reduce_scatter_single`` wrapped (FSDP2 calls both synchronously on CPU, one per unit and step), each
     after a barrier on its group (not timed), so the time is the transfer, not a wait for the peer."""
 
     NAMES = ("all_gather", "reduce_scatter")
@@ -223,7 +223,8 @@ READING = (
     "freshly allocated buffers, its hooks, the ranks waiting for each other at every collective); so the in-loop "
     "model, with the collectives' times right, undercharges the step's extra time (a) by about that. Where (a) "
     "agrees with start-calibrated figures, (1) and (2) partly cancel. The structure of the charge, which "
-    "collectives run and how many per step, is what FSDP2 runs: the clock counts 1/1, 1/M and 2M/M."
+    "collectives run and how many per step, is what FSDP2 runs: the clock counts 1/1, 1/M and 2M/M per FSDP unit "
+    "(one per transformer block and the root: 5 here; the bare collectives move the stage's whole bytes once)."
 )
 MODEL_NAMES = {"half": "old: half an AR, start", "calibrated": "new: own RS/AG, start",
                "half_loop": "old: half an AR, in loop", "loop": "new: own RS/AG, in loop"}

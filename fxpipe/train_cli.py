@@ -39,6 +39,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ZeRO inside each stage's replica group (FSDP2, docs/sharding.md): none, optimizer, "
                              "gradients, parameters, per stage level,level,..., or auto (the planner picks per "
                              "stage); default: a plan file's levels, unsharded for plans made here")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="on stages of T-way tensor-parallel groups (RxT), run norms and adds between the split "
+                             "pairs on token shards (docs/tensor_parallel.md); the tokens must divide by T")
     parser.add_argument("--data", default="auto",
                         help="stdlib: byte-level Python standard library text (language models); random: "
                              "synthetic batches (the zoo's, or for a factory random inputs shaped like its example "
@@ -239,7 +242,8 @@ def run_train(args: argparse.Namespace) -> int:
                           recompute=args.recompute, sharding=args.sharding, batch_dims=batch_dims_option(args),
                           target_batch_dim=args.target_batch_dim, costs=args.costs,
                           autocast_dtype=autocast_dtype(precision), stall_timeout_s=args.stall_timeout,
-                          torch_compile=torch_compile_option(args), timeout_s=timeout_option(args), verbose=True)
+                          torch_compile=torch_compile_option(args), timeout_s=timeout_option(args), verbose=True,
+                          sequence_parallel=args.sequence_parallel)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
     if precision == "fp16":  # loss scaling, overflow agreed over the job; before _resume, which restores its state
         pipe.grad_scaler()

@@ -113,12 +113,17 @@ def sharded_collectives(plan: Plan, chain: CostChain, net: Cluster, stage_index:
         return out
     weights = held_bytes(chain, stage.first_block, stage.stop_block, stage.tensor_parallel)
     grads = max(0, weights - sum(n for holders, n in tie_sets(plan, chain).items() if stage_index in holders))
-    gather = ring_half_seconds(net, weights, leads(stage), net.all_gather_collective)
-    scatter = ring_half_seconds(net, grads, leads(stage), net.reduce_scatter_collective)
+    # one FSDP unit per block: each gathers and reduces its share in a collective of its own
+    units = max(1, len(unit_sizes(chain, stage.first_block, stage.stop_block)))
+    gather = sum(ring_half_seconds(net, weights / units, leads(stage), net.all_gather_collective) for _ in range(units))
+    scatter = sum(ring_half_seconds(net, grads / units, leads(stage), net.reduce_scatter_collective)
+                  for _ in range(units))
     if stage.sharding == "optimizer":  # ZeRO-1: gather updated weights once, scatter gradients once
         out["start"], out["tail"] = gather, scatter
     elif stage.sharding == "gradients":  # ZeRO-2: scatter after every micro-batch's backward
         out["start"], out["B"] = gather, scatter
+    elif stage.reshard_after_forward is False:  # ZeRO-3 keeping the forward's weights for its backward
+        out["F"], out["B"] = gather, scatter
     else:  # ZeRO-3: gather for every forward and every backward, scatter after every backward
         out["F"], out["B"] = gather, gather + scatter
     return out
@@ -314,6 +319,18 @@ def event_loop(plan: Plan, replicas: dict[Key, Replica], programs: list[list[tup
         heapq.heappush(queue, (now, key))
     assert not blocked and all(cursor[k] == len(programs[k[0]]) for k in replicas), "the reference deadlocked"
     return Run(clock, last_gradient, busy)
+
+
+def unit_sizes(chain: CostChain, first: int, stop: int) -> list[int]:
+    """Bytes per FSDP unit of blocks [first, stop): each block's (module path, bytes) summed per path; a block
+    with parameters and no such figures is a unit alone."""
+    sizes: dict[str, int] = {}
+    for index in range(first, stop):
+        block = chain.blocks[index]
+        entries = block.units or (((f"#{index}", block.param_bytes),) if block.param_bytes > 0 else ())
+        for path, num_bytes in entries:
+            sizes[path] = sizes.get(path, 0) + num_bytes
+    return [n for n in sizes.values() if n > 0]
 
 
 def held_bytes(chain: CostChain, first: int, stop: int, tensor_parallel: int = 1) -> int:
@@ -526,6 +543,30 @@ def fsdp_step_peak_bytes(level: str, held: float, replicas: int, kept_per_byte: 
     return peak
 
 
+def per_block_peak_bytes(level: str, held: float, unit: float, replicas: int, kept_per_byte: int,
+                         num_microbatches: int, reshard: bool) -> float:
+    """The peak of a ZeRO-2/3 stage sharded one FSDP unit per block (largest ``unit``), buffer by buffer, as
+    measured on gloo ranks (docs/sharding.md): the shards, the optimizer state and every gradient shard
+    always; ZeRO-2 (or ZeRO-3 keeping its weights from forward to backward) the gathered weights, and from the
+    second micro-batch on one unit's fresh gradients beside the previous unit's kept reduce-scatter input;
+    ZeRO-3 one gathered unit, the next unit's flat all-gather output and its copy, and from the second
+    micro-batch on the previous flat output (kept until the next copy-out) and the last backward's kept input."""
+    shards_and_state = (kept_per_byte - 1) * held / replicas
+    all_grad_shards = held / replicas
+    later = num_microbatches > 1
+    if level == "gradients" or not reshard:
+        fresh_gradients = kept_input = unit if later else 0.0
+        return shards_and_state + all_grad_shards + held + fresh_gradients + kept_input
+    third = 1.0 if held >= 3 * unit else 0.0  # a third unit whose buffer can meet the other two
+    if later:  # a forward after a backward: every gradient shard exists
+        gathered, next_flat, next_copy, previous_flat, kept_input = unit, unit, unit, third * unit, unit
+        return shards_and_state + all_grad_shards + gathered + next_flat + next_copy + previous_flat + kept_input
+    # the one backward, at the second unit: the units after it reduced (their gradient shards made)
+    gathered, gradients, prefetched, kept_input = unit, unit, unit, third * unit
+    made_shards = (held - 2 * unit) / replicas
+    return shards_and_state + made_shards + gathered + gradients + prefetched + kept_input
+
+
 def stage_peak_bytes(plan: Plan, chain: CostChain, stage_index: int, inflight: int, optimizer: str = "adam") -> int:
     """Weights x (weights, gradients, optimizer state) + kept activations + one buffer each way, largest slice.
 
@@ -538,8 +579,13 @@ def stage_peak_bytes(plan: Plan, chain: CostChain, stage_index: int, inflight: i
     blocks = chain.blocks[stage.first_block:stage.stop_block]
     held = held_bytes(chain, stage.first_block, stage.stop_block, stage.tensor_parallel)
     kept_per_byte = BYTES_KEPT_PER_PARAM_BYTE[optimizer]
+    sizes = unit_sizes(chain, stage.first_block, stage.stop_block)
+    largest = max(sizes, default=0)
     if stage.sharding == "none" or stage.replicas == 1:
         weights = float(kept_per_byte * held)
+    elif len(sizes) > 1 and not stage.recompute and stage.sharding != "optimizer" and largest < held:
+        weights = per_block_peak_bytes(stage.sharding, held, largest, stage.replicas, kept_per_byte,
+                                       plan.num_microbatches, stage.reshard_after_forward is not False)
     else:
         weights = fsdp_step_peak_bytes(stage.sharding, held, stage.replicas, kept_per_byte, plan.num_microbatches)
     # a value an earlier stage saved (first, or last before this stage) is received and saved here again

@@ -40,7 +40,7 @@ GLOBAL_BATCH = 12
 NUM_MICROBATCHES = 3
 NUM_STEPS = 3
 MAX_NORM = 0.05  # below every step's norm: every step clips (asserted against the reference)
-# FSDP2's collectives per step of NUM_MICROBATCHES on a sharded rank: (all-gathers, reduce-scatters)
+# FSDP2's collectives per step of NUM_MICROBATCHES on a sharded rank, per FSDP unit: (all-gathers, reduce-scatters)
 COLLECTIVES = {"optimizer": (1, 1), "gradients": (1, NUM_MICROBATCHES),
                "parameters": (2 * NUM_MICROBATCHES, NUM_MICROBATCHES)}
 
@@ -56,7 +56,8 @@ CASES = (
 MEMORY_CASES = (("optimizer", (2, 2), 2, "dapple"), ("gradients", (4,), 2, "gpipe"), ("parameters", (4,), 3, "dapple"),
                 ("parameters", (2, 2), 1, "dapple"))
 MEMORY_TOLERANCE = 0.05
-MEMORY_WIDTH = 512  # 4 layers of 1 MiB of weights each; a micro-batch's activations are a few KiB
+MEMORY_WIDTH = 512  # layers of 1 MiB of weights each (one FSDP unit each); a micro-batch's activations are a few KiB
+MEMORY_LAYERS = 8  # 4 units per stage on 2:2: the per-unit figure's buffers all meet (docs/sharding.md)
 
 
 def _plan(replicas: tuple[int, ...], schedule: str = "early_backward") -> Plan:
@@ -196,6 +197,8 @@ def _train(pipe: Any, reference: dict[str, Any], model: str = MODEL) -> dict[str
             pipe.evaluate(inputs, targets)
     problems += mismatches("param", _weights(pipe), reference["params"], rtol=0.0, atol=1e-4)
     sharded = [isinstance(p, torch.distributed.tensor.DTensor) for p in pipe.parameters()]
+    units = pipe.driver.sharded.num_units if pipe.driver.sharded is not None else 0
+    collectives = (collectives[0] / max(units, 1), collectives[1] / max(units, 1))  # FSDP2 runs them per unit
     return {"problems": problems, "norms": norms, "losses": losses, "optimizer": optimizer, "collectives": collectives,
             "levels": [stage.sharding for stage in pipe.plan.stages],
             "state_bytes": _state_bytes(pipe, optimizer), "sharded": any(sharded)}
@@ -288,7 +291,7 @@ def _measured_memory(store_dir: str, rank: int, world_size: int) -> dict[str, di
     for index, (level, replicas, num_microbatches, schedule) in enumerate(MEMORY_CASES):
         with _world(store_dir, f"memory-{index}", rank, world_size):
             torch.manual_seed(0)
-            model = torch.nn.Sequential(*(torch.nn.Linear(MEMORY_WIDTH, MEMORY_WIDTH) for _ in range(4)))
+            model = torch.nn.Sequential(*(torch.nn.Linear(MEMORY_WIDTH, MEMORY_WIDTH) for _ in range(MEMORY_LAYERS)))
             rows = 4 * num_microbatches
             example = (torch.randn(rows, MEMORY_WIDTH),)
             plan = plan_from_cuts(trace(copy.deepcopy(model), example), replicas, rows, num_microbatches)
@@ -304,22 +307,30 @@ def _measured_memory(store_dir: str, rank: int, world_size: int) -> dict[str, di
             peak, where = fsdp_memory_probe.peak_model_state_bytes(params, optimizer, functools.partial(pipe.step, *batch))
             results[f"{level} {replicas} M={num_microbatches}"] = {
                 "param_bytes": sum(p.numel() * p.element_size() for p in params), "peak": peak, "where": where,
-                "replicas": replicas[pipe.stage_index], "num_microbatches": num_microbatches, "level": level}
+                "replicas": replicas[pipe.stage_index], "num_microbatches": num_microbatches, "level": level,
+                "unit_bytes": pipe.driver.sharded.largest_unit_bytes}
     return results
 
 
 def _memory_failures(rank: int, measured: dict[str, dict[str, Any]]) -> list[str]:
     failures = []
     for name, record in measured.items():
-        predicted = model_state_bytes(record["param_bytes"], optimizer_factor("adamw"), record["level"],
-                                      record["replicas"], record["num_microbatches"])
-        # gloo's staging copy of a reduce-scatter's input (one P, left out of the model: docs/sharding.md) can
+        whole = (record["param_bytes"], optimizer_factor("adamw"), record["level"], record["replicas"],
+                 record["num_microbatches"])
+        unit = record["unit_bytes"]
+        predicted = model_state_bytes(*whole, unit_bytes=unit)
+        # gloo's staging copy of a reduce-scatter's input (one unit, left out of the model: docs/sharding.md) can
         # still be alive when a sample falls, however long the probe waits on a busy machine: at most that more
-        staged = predicted + record["param_bytes"]
+        staged = predicted + unit
         if not predicted * (1 - MEMORY_TOLERANCE) <= record["peak"] <= staged * (1 + MEMORY_TOLERANCE):
             failures.append(f"memory {name} rank {rank}: measured peak {record['peak']} B at {record['where']} "
-                            f"vs model_state_bytes {predicted:.0f} B (P = {record['param_bytes']} B), want from it to it + P "
-                            f"(gloo's staging copy) within {MEMORY_TOLERANCE:.0%}")
+                            f"vs model_state_bytes {predicted:.0f} B (P = {record['param_bytes']} B, unit {unit} B), "
+                            f"want from it to it + a unit (gloo's staging copy) within {MEMORY_TOLERANCE:.0%}")
+        if not 0 < unit < record["param_bytes"] or (record["level"] == "parameters"
+                                                    and record["peak"] >= (1 - MEMORY_TOLERANCE) * model_state_bytes(*whole)):
+            failures.append(f"memory {name} rank {rank}: units of {unit} B in P = {record['param_bytes']} B, peak "
+                            f"{record['peak']} B, want several units and ZeRO-3 clearly under its one-unit figure "
+                            f"{model_state_bytes(*whole):.0f} B")
     return failures
 
 
@@ -400,8 +411,10 @@ def _auto_levels(rank: int, world_size: int, store_dir: str) -> list[Any]:
         cluster = "local:2" if index != 1 else f"local:2,memory={unsharded_peak - 1}B"
         with _world(store_dir, f"auto-{index}", rank, world_size):
             model, example_inputs = zoo.build(UNTIED, **entry.tiny_overrides)
+            # one micro-batch: two would let the unsharded plan fit (smaller slices), and per-unit collectives on
+            # gloo's latencies make it the faster one
             pipe = fxpipe.compile(model, example_inputs, loss_fn=entry.loss_fn, global_batch_size=8, plan="dp",
-                                  costs="analytic", cluster=cluster, sharding=sharding)
+                                  costs="analytic", cluster=cluster, sharding=sharding, num_microbatches=1)
             unsharded_peak = unsharded_peak or pipe.plan.stages[0].peak_memory_bytes
             loss = pipe.step(*entry.make_batch(8, 5, **entry.tiny_overrides))
             found.append(([stage.sharding for stage in pipe.plan.stages], math.isfinite(loss)))

@@ -55,6 +55,28 @@ def test_memory_per_device_of_each_level_by_hand() -> None:
         stage_memory_bytes(cost, 1, "adam", sharding="gradients", replicas=4)
 
 
+def test_memory_per_device_with_one_fsdp_unit_per_block_by_hand() -> None:
+    # P = 1000 bytes in 4 blocks of U = 250 on 4 replicas, Adam (f = 4: f P / r = 1000)
+    cost = StageCost(rows=1, forward_s=0.0, backward_s=0.0, param_bytes=1000, activation_bytes=0.0,
+                     input_bytes=0.0, output_bytes=0.0, unit_bytes=250.0)
+
+    def figures(num_microbatches: int, **options: object) -> dict[str, int]:
+        return {level: stage_memory_bytes(cost, 1, "adam", sharding=level, replicas=4,
+                                          num_microbatches=num_microbatches, **options)  # type: ignore[arg-type]
+                for level in SHARDING_LEVELS}
+
+    # ZeRO-1 as one unit (weights kept, full gradients); ZeRO-2 the weights P + f P / r + one unit's gradients and
+    # the previous unit's kept reduce-scatter input; ZeRO-3 f P / r + a unit, the next unit's flat output and copy,
+    # the previous flat output and the kept input
+    assert figures(3) == {"none": 4000, "optimizer": 2750, "gradients": 2500, "parameters": 2250}
+    # one micro-batch: ZeRO-3 peaks in the second unit's backward, before two units' gradient shards exist
+    assert figures(1) == {"none": 4000, "optimizer": 2750, "gradients": 2000, "parameters": 1875}
+    # ZeRO-3 keeping the weights from forward to backward holds what ZeRO-2 holds
+    assert figures(3, reshard_after_forward=False)["parameters"] == 2500
+    # a recomputed stage is one unit (its checkpoint spans the stage): the whole-stage figures
+    assert stage_memory_bytes(cost, 1, "adam", True, sharding="parameters", replicas=4, num_microbatches=3) == 4000
+
+
 def _net(num_hosts: int = 1, per_host: int = 4, memory_bytes: int = 2**40) -> Cluster:
     device = DeviceSpec("dev", memory_bytes, (("float32", 1e13),), 1e12)
     return Cluster("net", num_hosts, per_host, device, LinkSpec(1e9, 1e-5), LinkSpec(1e8, 1e-4))
@@ -110,9 +132,12 @@ def test_a_dp_stage_sharded_per_level_simulates_its_collectives_exactly() -> Non
         assert times[level] == pytest.approx(reference_run(plan, chain, net).iteration_time_s, rel=1e-12)
         assert times[level] == pytest.approx(analytic_iteration_time(plan, chain, net), rel=1e-12)
     half = sharding_comm(net, "optimizer", (0, 1), 2e8, 2e8).start_s
-    assert times["optimizer"] == pytest.approx(times["none"], rel=1e-12)  # RS + AG = one allreduce, same copies
-    assert times["gradients"] - times["none"] == pytest.approx(half)  # one more reduce-scatter (M = 2)
-    assert times["parameters"] - times["none"] == pytest.approx(4 * half)  # 2 x (AG + AG + RS) - (AG + RS)
+    # one FSDP unit per block: each collective runs per unit, on half the bytes (one more latency each)
+    units = sharding_comm(net, "optimizer", (0, 1), 2e8, 2e8, num_units=2).start_s
+    assert units == pytest.approx(half + net.intra_host.latency_s)  # two ring steps' latencies, the same bytes
+    assert times["optimizer"] - times["none"] == pytest.approx(2 * (units - half))  # RS + AG against one allreduce
+    assert times["gradients"] - times["none"] == pytest.approx(3 * units - 2 * half)  # AG + 2 RS (M = 2) - AR
+    assert times["parameters"] - times["none"] == pytest.approx(6 * units - 2 * half)  # 2 x (AG + AG + RS) - AR
 
 
 @pytest.mark.parametrize("first_seed", [0, 100])
@@ -129,17 +154,18 @@ def test_simulator_matches_the_reference_on_sharded_plans(first_seed: int) -> No
 
 def _dp_case(memory_bytes: float) -> tuple[CostChain, Cluster]:
     """4 blocks of 1e8 parameter bytes on one host of 4 devices with ``memory_bytes`` each; plans are forced
-    to one stage of 4 replicas (layout 'dp'), so only the sharding level decides what fits. P = 4e8, M = 4:
-    none 4P, ZeRO-1 2P + 3P/4 = 2.75P, ZeRO-2/3 3P + P = 4P (the whole stage is one FSDP unit; activations
-    are tiny)."""
+    to one stage of 4 replicas (layout 'dp'), so only the sharding level decides what fits. P = 4e8, M = 4,
+    one FSDP unit per block (U = P/4): none 4P, ZeRO-1 2P + 3P/4 = 2.75P, ZeRO-2 P + P + 2U = 2.5P, ZeRO-3
+    P + 5U = 2.25P (activations are tiny)."""
     return _layers(4, 10**8), _net(memory_bytes=int(memory_bytes))
 
 
-@pytest.mark.parametrize("memory_p, expected", [(4.1, "none"), (2.8, "optimizer"), (2.7, None)])
+@pytest.mark.parametrize("memory_p, expected", [(4.1, "none"), (2.8, "optimizer"), (2.6, "gradients"),
+                                                (2.3, "parameters"), (2.2, None)])
 def test_auto_takes_no_sharding_when_it_fits_else_the_fastest_level_that_fits(memory_p: float,
                                                                              expected: str | None) -> None:
     chain, net = _dp_case(memory_p * 4e8)
-    if expected is None:  # below ZeRO-1's figure nothing fits: ZeRO-2/3 hold more than ZeRO-1 from M = 2 on
+    if expected is None:  # below ZeRO-3's figure nothing fits
         with pytest.raises(InfeasiblePlanError):
             partition(chain, net, 16, layout="dp", sharding="auto", num_microbatches=4)
         return
@@ -290,7 +316,7 @@ def test_zero_bubble_plans_shard_with_zero1_and_zero2_but_never_zero3() -> None:
         assert simulated == pytest.approx(plan.predicted.iteration_time_s)  # type: ignore[union-attr]
         assert simulated == pytest.approx(reference_run(plan, chain, net).iteration_time_s, rel=1e-12)
         assert simulated == pytest.approx(analytic_iteration_time(plan, chain, net), rel=1e-9)
-    chain, net = _dp_case(2.7 * 4e8)  # below ZeRO-1's figure: ZeRO-2/3 (4P from M = 2 on) fit no better
+    chain, net = _dp_case(2.4 * 4e8)  # below ZeRO-2's figure (2.5P): only ZeRO-3 (2.25P) would fit
     with pytest.raises(InfeasiblePlanError):
         partition(chain, net, 16, layout="dp", sharding="auto", num_microbatches=4, schedule="zero_bubble")
     chain, net = _dp_case(4.1 * 4e8)
@@ -310,7 +336,7 @@ def test_zero2_reduce_scatter_under_split_backward_follows_w() -> None:
     simulated = simulate(plan, chain, net)
     assert simulated.iteration_time_s == pytest.approx(reference_run(plan, chain, net).iteration_time_s, rel=1e-12)
     unsharded = simulate(plan.with_updates(stages=(stages[0], replace(stages[1], sharding="none"))), chain, net)
-    scatter = sharding_comm(net, "gradients", (1, 2), 2e8, 2e8).backward_s
+    scatter = sharding_comm(net, "gradients", (1, 2), 2e8, 2e8, num_units=2).backward_s  # one unit per block
 
     def durations(result: Any, op: str) -> list[float]:
         return [event.end_s - event.start_s for event in result.events if event.stage_index == 1 and event.op == op]

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from fxpipe.core.costgraph import ZERO, Affine, CostGraph, CostNode
+from fxpipe.core.sharding import block_path
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class Block:
     saved_bytes: Affine = ZERO  # activation bytes autograd keeps for backward, per micro-batch slice
     resaved: tuple[tuple[int, Affine], ...] = ()  # (earlier block, bytes saved here again)
     tp: BlockTensorParallel | None = None  # how the block splits over a tensor-parallel group; None: it does not
+    # parameter bytes per FSDP unit a sharded stage would gather them in: (module path of the numbered block,
+    # fxpipe.core.sharding.block_path; "" the root, bytes); () where unknown (profiles): the block is its own unit
+    units: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -269,6 +273,8 @@ def _make_block(graph: CostGraph, index: int, first: int, stop: int, block_of: M
         saved_bytes=Affine.total(node.saved_bytes for node in costed),
         resaved=merged_resaved(resaved, index),
         tp=block_tensor_parallel(costed),
+        units=merged_units((block_path(node.param_names[0]) or "", node.param_bytes) for node in nodes
+                           if node.param_bytes > 0 and node.param_names),
     )
 
 
@@ -309,6 +315,21 @@ def _weighted_tp(parts: list[tuple[Affine, Affine, BlockTensorParallel]]) -> Blo
         comm_bytes=Affine.total(tp.comm_bytes for _, _, tp in parts),
         divisor=math.gcd(*divisors) if divisors else 0,
     )
+
+
+def block_units(block: Block) -> tuple[tuple[str, int], ...]:
+    """The block's (unit, bytes); a block without unit figures is a unit of its own (named after the block)."""
+    if block.units or block.param_bytes <= 0:
+        return block.units
+    return ((f"<{block.name}>", block.param_bytes),)
+
+
+def merged_units(entries: Iterable[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
+    """(unit, bytes) entries summed per unit, in order of first appearance."""
+    totals: dict[str, int] = {}
+    for unit, num_bytes in entries:
+        totals[unit] = totals.get(unit, 0) + num_bytes
+    return tuple(totals.items())
 
 
 def merged_resaved(entries: Iterable[tuple[int, Affine]], block: int) -> tuple[tuple[int, Affine], ...]:

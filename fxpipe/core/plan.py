@@ -44,7 +44,9 @@ class StagePlan:
     the stage's replicas split among themselves (:mod:`fxpipe.core.sharding`; absent = ``"none"``).
     ``tensor_parallel`` (T): each replica is a T-way tensor-parallel group inside one node, so the stage runs
     on ``replicas * T`` devices; replica ``r``'s group is ``devices[r*T:(r+1)*T]`` and the per-device figures
-    are one group member's (absent = 1).
+    are one group member's (absent = 1). ``reshard_after_forward``: whether a sharded stage's FSDP units free
+    their gathered weights after each forward (gathering them again for the backward) or keep them until
+    that micro-batch's backward; absent (None) = the level's default: only ``"parameters"`` (ZeRO-3) frees.
     """
 
     stage_index: int
@@ -64,6 +66,7 @@ class StagePlan:
     activation_peak_bytes: int = 0
     sharding: str = DEFAULT_SHARDING
     tensor_parallel: int = 1
+    reshard_after_forward: bool | None = None
 
     @property
     def num_devices(self) -> int:
@@ -217,6 +220,8 @@ class Plan:
         for stage in data["stages"]:  # absent = 1: plans without tensor parallelism keep their bytes
             if stage["tensor_parallel"] == 1:
                 del stage["tensor_parallel"]
+            if stage["reshard_after_forward"] is None:  # absent = the level's default
+                del stage["reshard_after_forward"]
         if self.virtual_stages == 1:  # absent = one stage per group: plans without virtual stages keep their bytes
             del data["virtual_stages"], data["chunk_groups"]
         data["layout"] = self.layout
@@ -390,6 +395,10 @@ def validate_plan(plan: Plan) -> None:
                "use fewer micro-batches or fewer replicas")
         _check(stage.sharding in SHARDING_LEVELS,
                f"stage {index} has sharding {stage.sharding!r}; choose one of {list(SHARDING_LEVELS)}")
+        _check(stage.reshard_after_forward in (None, True, False)
+               and (stage.reshard_after_forward is None or stage.sharding == "parameters"),
+               f"stage {index} has reshard_after_forward={stage.reshard_after_forward!r} at sharding {stage.sharding!r}; "
+               "it applies to 'parameters' (ZeRO-3) stages only: true or false, or leave it out")
         _check(stage.sharding == DEFAULT_SHARDING or stage.replicas > 1,
                f"stage {index} has sharding {stage.sharding!r} on 1 replica; a single replica has nothing to split, "
                f"use {DEFAULT_SHARDING!r}")

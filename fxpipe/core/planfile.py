@@ -30,6 +30,7 @@ def chain_to_json(chain: CostChain) -> dict[str, Any]:
                 "saved_bytes": block.saved_bytes.to_json(),
                 "resaved": [[saver, num_bytes.to_json()] for saver, num_bytes in block.resaved],
                 **_tp_to_json(block),
+                **({"units": [[unit, num_bytes] for unit, num_bytes in block.units]} if block.units else {}),
             }
             for block in chain.blocks
         ],
@@ -77,6 +78,7 @@ def _block_from_json(item: Any, where: str) -> Block:
         resaved=tuple((saver, Affine(*num_bytes)) for saver, num_bytes in (
             read_field(item, "resaved", tuple[tuple[int, tuple[float, float]], ...], where) if "resaved" in item else ())),
         tp=_tp_from_json(item, where),
+        units=read_field(item, "units", tuple[tuple[str, int], ...], where) if "units" in item else (),
     )
 
 

@@ -27,6 +27,16 @@ DEFAULT_SHARDING = "none"
 ShardingRequest = str | Sequence[str]
 
 
+def block_path(name: str) -> str | None:
+    """The FSDP unit a parameter or module path belongs to: the path up to its first numbered component
+    (``h.3.attn.c_attn.weight`` -> ``h.3``, ``model.layers.0.mlp...`` -> ``model.layers.0``), else None (the root)."""
+    parts = name.split(".")
+    for index, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:index + 1])
+    return None
+
+
 class ShardingError(ValueError):
     """A sharding level or request is unknown, or does not fit the plan."""
 

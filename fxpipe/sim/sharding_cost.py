@@ -9,6 +9,7 @@ M micro-batches:
 
     level        before first forward   each forward   each backward     after last backward
     none         -                      -              -                 AR(G), bucketed (allreduce_overlap)
+    (each of AG and RS runs once per FSDP unit, on its share of the bytes: one unit per chain block holding parameters)
     optimizer    AG(W)                  -              -                 RS(G)
     gradients    AG(W)                  -              RS(G)             -
     parameters   -                      AG(W)          AG(W) + RS(G)     -
@@ -38,6 +39,7 @@ from fxpipe.core.plan import Plan
 from fxpipe.core.sharding import check_level
 from fxpipe.sim.stagecost import (
     gradient_allreduce_time,
+    num_units,
     own_allreduce_bytes,
     replica_leads,
     stage_param_bytes,
@@ -72,18 +74,26 @@ def half_collective_time(cluster: Cluster, num_bytes: float, devices: Sequence[i
 
 
 def sharding_comm(cluster: Cluster, sharding: str, devices: Sequence[int], weight_bytes: float,
-                  gradient_bytes: float) -> ShardingComm:
+                  gradient_bytes: float, num_units: int = 1, reshard_after_forward: bool | None = None) -> ShardingComm:
     """The module docstring's table for one stage; :data:`NO_SHARDING` for ``"none"`` (its allreduce is
-    :mod:`fxpipe.sim.allreduce_overlap`'s) and for one device."""
+    :mod:`fxpipe.sim.allreduce_overlap`'s) and for one device. ``num_units``: the stage's FSDP units, each
+    gathered and reduced by its own collective of its share of the bytes (taken as equal shares: the bytes
+    move once either way, and each collective pays its own latency). A ZeRO-3 stage whose plan keeps the
+    weights from forward to backward (``reshard_after_forward`` false) gathers them in the forward only."""
     check_level(sharding)
     if sharding == "none" or len(devices) <= 1:
         return NO_SHARDING
-    gather = half_collective_time(cluster, weight_bytes, devices, cluster.collective_link(devices, "all_gather"))
-    scatter = half_collective_time(cluster, gradient_bytes, devices, cluster.collective_link(devices, "reduce_scatter"))
+    units = max(1, num_units)
+    gather = units * half_collective_time(cluster, weight_bytes / units, devices,
+                                          cluster.collective_link(devices, "all_gather"))
+    scatter = units * half_collective_time(cluster, gradient_bytes / units, devices,
+                                           cluster.collective_link(devices, "reduce_scatter"))
     if sharding == "optimizer":
         return ShardingComm(start_s=gather, tail_s=scatter)
     if sharding == "gradients":
         return ShardingComm(start_s=gather, backward_s=scatter)
+    if reshard_after_forward is False:
+        return ShardingComm(forward_s=gather, backward_s=scatter)
     return ShardingComm(forward_s=gather, backward_s=gather + scatter)
 
 
@@ -104,5 +114,6 @@ def plan_sharding_comms(plan: Plan, chain: CostChain, cluster: Cluster) -> list[
     degrees = [stage.tensor_parallel for stage in plan.stages]
     own = own_allreduce_bytes(chain, bounds, tensor_parallel=degrees)
     return [sharding_comm(cluster, stage.sharding, replica_leads(stage.devices, stage.tensor_parallel),
-                          stage_param_bytes(chain, first, stop, stage.tensor_parallel), own_bytes)
+                          stage_param_bytes(chain, first, stop, stage.tensor_parallel), own_bytes,
+                          num_units(chain, first, stop), stage.reshard_after_forward)
             for stage, (first, stop), own_bytes in zip(plan.stages, bounds, own, strict=True)]

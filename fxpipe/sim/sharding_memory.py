@@ -1,6 +1,28 @@
 """Per-device bytes of a stage's weights, gradients and optimizer state under each sharding level (ZeRO-1/2/3),
 at the step's peak, as the runtime holds them (:mod:`fxpipe.runtime.parallel.sharded_stage`).
 
+Per-block FSDP units (the runtime's default, :mod:`fxpipe.runtime.parallel.fsdp_units`), U the largest unit's
+bytes (the planner takes the largest chain block of the stage), n >= 2 units; measured on gloo ranks
+(tests/test_sharded_stages.py, docs/sharding.md):
+
+    optimizer:               2 P + (f-1) P / r        as one unit: the weights stay gathered, full gradients accumulate
+    gradients, M = 1:        P + f P / r              the weights gathered; each unit's gradients are reduced and
+                                                      freed, and the last backward reshards unit by unit
+    gradients, M >= 2:       P + f P / r + 2 U        + one unit's new gradients and the previous unit's kept
+                                                      reduce-scatter input
+    parameters, M >= 2:      f P / r + 5 U            a forward: the unit gathered, the next one's flat all-gather
+                                                      output and its copy (prefetched), the previous flat output
+                                                      (kept until the next copy-out) and the last backward's kept
+                                                      reduce-scatter input (with all gradient shards)
+    parameters, M = 1:       f P / r + 4 U - 2 U / r  the backward of the second unit: it gathered, its gradients,
+                                                      the first unit prefetched, the kept reduce-scatter input of
+                                                      the third; the first two units' gradient shards not made yet
+    with at most two units (P < 3 U) one U less: no third unit's buffer meets the other two (measured within
+    about 0.5 U, below the figure; the tests hold stages of four or more units to 5%)
+    parameters kept gathered from forward to backward (``reshard_after_forward`` false): as gradients
+
+Whole stage as one unit (a recomputed or compiled stage, or a plan without block units):
+
 Legend: P the stage's parameter bytes (fp32 master weights), r its replicas, f the optimizer's bytes kept
 per parameter byte (:data:`fxpipe.sim.stagecost.OPTIMIZER_STATE_FACTORS`: weights 1 + gradients 1 +
 state f - 2), M the micro-batches each replica runs per step (its backwards):
@@ -39,11 +61,14 @@ from fxpipe.core.sharding import check_level
 
 
 def model_state_bytes(param_bytes: float, factor: float, sharding: str = "none", replicas: int = 1,
-                      num_microbatches: int | None = None) -> float:
-    """Weights + gradients + optimizer state per device of a stage at the step's peak (module docstring's table).
+                      num_microbatches: int | None = None, unit_bytes: float = 0.0,
+                      reshard_after_forward: bool | None = None) -> float:
+    """Weights + gradients + optimizer state per device of a stage at the step's peak (module docstring's tables).
 
     ``num_microbatches``: the micro-batches each replica runs per step (M); required for a sharded level on
-    more than one replica, where ZeRO-2/3's peak depends on it.
+    more than one replica, where ZeRO-2/3's peak depends on it. ``unit_bytes``: the largest FSDP unit's bytes
+    where the stage is sharded per block (0: the whole stage is one unit). ``reshard_after_forward``: the plan's
+    choice for a ZeRO-3 stage (None: its default, free after forward).
     """
     check_level(sharding)
     if sharding == "none" or replicas <= 1:
@@ -53,6 +78,22 @@ def model_state_bytes(param_bytes: float, factor: float, sharding: str = "none",
                          f">= 1 (the micro-batches each replica runs per step), got {num_microbatches!r}: pass the "
                          "plan's num_microbatches")
     shard = param_bytes / replicas
+    if 0.0 < unit_bytes < param_bytes and sharding != "optimizer":
+        return per_unit_state_bytes(param_bytes, factor, sharding, replicas, num_microbatches, unit_bytes,
+                                    reshard_after_forward)
     if sharding == "optimizer" or num_microbatches == 1:
         return 2.0 * param_bytes + (factor - 1.0) * shard
     return 3.0 * param_bytes + factor * shard
+
+
+def per_unit_state_bytes(param_bytes: float, factor: float, sharding: str, replicas: int, num_microbatches: int,
+                         unit_bytes: float, reshard_after_forward: bool | None = None) -> float:
+    """ZeRO-2/3 with the stage sharded per block (the module docstring's first table)."""
+    sharded = factor * param_bytes / replicas
+    several = num_microbatches >= 2
+    if sharding == "gradients" or reshard_after_forward is False:
+        return param_bytes + sharded + (2.0 * unit_bytes if several else 0.0)
+    buffers = 5.0 * unit_bytes if several else 4.0 * unit_bytes - 2.0 * unit_bytes / replicas
+    if param_bytes < 3.0 * unit_bytes:
+        buffers -= unit_bytes
+    return sharded + buffers

@@ -335,7 +335,8 @@ def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule,
         ends.append(max(anchor + overlap.end - overlap.stretch, readies[-1]))  # the rank also finishes its list
         peaks.append(stage_memory_bytes(cost, inflight[stage.stage_index], optimizer, stage.recompute,
                                         sharding=stage.sharding, replicas=stage.replicas,
-                                        num_microbatches=plan.num_microbatches))
+                                        num_microbatches=plan.num_microbatches,
+                                        reshard_after_forward=stage.reshard_after_forward))
     for stages, seconds in ties:  # starts when every holder is ready; its stages end with it
         tie_end = max(readies[s] for s in stages) + seconds
         for s in stages:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fxpipe.core.block_sums import block_sums
+from fxpipe.core.chain import block_units, merged_units
 from fxpipe.core.cluster import Cluster, LinkSpec
 from fxpipe.core.costgraph import Affine
 from fxpipe.core.plan import shared_rows, split_rows
@@ -54,6 +55,8 @@ class StageCost:
     # batch, for one slice and for a whole micro-batch (every replica's rows)
     batch_view_bytes: float = 0.0
     microbatch_view_bytes: float = 0.0
+    # the largest block's parameter bytes: a sharded stage's largest FSDP unit (0: one block, the whole stage)
+    unit_bytes: float = 0.0
 
 
 def _block_sum(chain: CostChain, first: int, stop: int, field: str) -> Affine:
@@ -125,7 +128,28 @@ def stage_cost(chain: CostChain, first: int, stop: int, microbatch_rows: int, re
         loss_bytes=chain.loss_saved_bytes.at(rows) if stop == chain.num_blocks else 0.0,
         batch_view_bytes=_batch_views(chain, first, stop).at(rows),
         microbatch_view_bytes=_batch_views(chain, first, stop).at(microbatch_rows),
+        unit_bytes=largest_unit_bytes(chain, first, stop),
     )
+
+
+def stage_unit_bytes(chain: CostChain, first: int, stop: int) -> list[int]:
+    """Parameter bytes of each FSDP unit of a sharded stage over blocks ``[first, stop)``: the blocks' units
+    (:attr:`fxpipe.core.chain.Block.units`, module paths as the runtime groups them) merged; a block without
+    unit figures (a profile) is a unit of its own."""
+    units = merged_units(entry for block in chain.blocks[first:stop] for entry in block_units(block))
+    return [num_bytes for _, num_bytes in units if num_bytes > 0]
+
+
+def largest_unit_bytes(chain: CostChain, first: int, stop: int) -> float:
+    """The largest FSDP unit's bytes among blocks ``[first, stop)`` (0.0 for fewer than two units: the stage
+    is one unit)."""
+    sizes = stage_unit_bytes(chain, first, stop)
+    return float(max(sizes)) if len(sizes) >= 2 else 0.0
+
+
+def num_units(chain: CostChain, first: int, stop: int) -> int:
+    """The FSDP units of a sharded stage over blocks ``[first, stop)`` (at least 1)."""
+    return max(1, len(stage_unit_bytes(chain, first, stop)))
 
 
 def resaved_bytes(chain: CostChain, first: int, stop: int) -> Affine:
@@ -220,7 +244,7 @@ def own_allreduce_bytes(chain: CostChain, stage_bounds: Sequence[tuple[int, int]
 
 def stage_memory_bytes(cost: StageCost, inflight_microbatches: int, optimizer: str = "adam",
                        recompute: bool = False, *, sharding: str = "none", replicas: int = 1,
-                       num_microbatches: int | None = None) -> int:
+                       num_microbatches: int | None = None, reshard_after_forward: bool | None = None) -> int:
     """Peak bytes per device: weights x optimizer factor + in-flight activations + receive buffers.
 
     ``sharding`` over ``replicas`` splits weights, gradients or optimizer state (:func:`model_state_bytes`;
@@ -232,7 +256,9 @@ def stage_memory_bytes(cost: StageCost, inflight_microbatches: int, optimizer: s
     With ``recompute`` a stage keeps only its inputs per in-flight micro-batch, plus one micro-batch's
     activations while backward recomputes them (and, last stage, every in-flight loss's saved tensors).
     """
-    weights = model_state_bytes(cost.param_bytes, optimizer_factor(optimizer), sharding, replicas, num_microbatches)
+    # a recomputed stage is one FSDP unit: its checkpoint spans the whole stage
+    weights = model_state_bytes(cost.param_bytes, optimizer_factor(optimizer), sharding, replicas, num_microbatches,
+                                0.0 if recompute else cost.unit_bytes, reshard_after_forward)
     held = 0.0 if recompute else inflight_microbatches * cost.input_bytes
     activations = saved_bytes(cost, inflight_microbatches, recompute) + held
     buffers = cost.input_bytes + cost.output_bytes

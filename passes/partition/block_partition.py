@@ -7,7 +7,15 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from fxpipe.core.chain import Block, CostChain, merged_resaved, merged_tensor_parallel, regroup_shared_params
+from fxpipe.core.chain import (
+    Block,
+    CostChain,
+    block_units,
+    merged_resaved,
+    merged_tensor_parallel,
+    merged_units,
+    regroup_shared_params,
+)
 from fxpipe.core.costgraph import Affine
 
 # Above this many (blocks x parts) the exact O(parts x blocks^2) balance gives way to bisection.
@@ -135,6 +143,7 @@ def coarsen_chain(chain: CostChain, stops: Sequence[int]) -> CostChain:
             resaved=merged_resaved(((group_of_block[saver], num_bytes) for block in members
                                     for saver, num_bytes in block.resaved), group),
             tp=merged_tensor_parallel(members),
+            units=merged_units(entry for block in members for entry in block_units(block)),
         ))
         first = stop
     cuts = tuple(chain.cut_bytes[stop - 1] for stop in stops[:-1])

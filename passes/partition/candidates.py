@@ -24,6 +24,7 @@ from fxpipe.sim.stagecost import (
     backward_seconds,
     gradient_allreduce_time,
     message_seconds,
+    num_units,
     optimizer_factor,
     own_allreduce_bytes,
     stage_cost,
@@ -140,9 +141,10 @@ class CandidateCosts:
         if self.sharding == "none" or replicas <= 1:
             return unsharded_bytes
         levels = schedule_levels((self.sharding,) if self.sharding in SHARDING_LEVELS else SHARDING_LEVELS, self.schedule)
-        param_bytes = self.cost(first, stop, 1, 1, tensor_parallel).param_bytes
+        cost = self.cost(first, stop, 1, 1, tensor_parallel)
         factor = optimizer_factor(self.optimizer)
-        return min(model_state_bytes(param_bytes, factor, level, replicas, num_microbatches) for level in levels)
+        return min(model_state_bytes(cost.param_bytes, factor, level, replicas, num_microbatches, unit)
+                   for level in levels for unit in (0.0, cost.unit_bytes))  # one unit when recomputing
 
     def stage_comm(self, first: int, stop: int, devices: Sequence[int], sharding: str, gradient_bytes: int,
                    tensor_parallel: int = 1) -> ShardingComm:
@@ -159,7 +161,7 @@ class CandidateCosts:
         per_host = self.cluster.devices_per_host
         devices = tuple(range(replicas)) if one_host else (per_host, *range(replicas - 1))
         return sharding_comm(self.cluster, sharding, devices, self.cost(first, stop, 1, 1, tensor_parallel).param_bytes,
-                             gradient_bytes)
+                             gradient_bytes, num_units(self.chain, first, stop))
 
     def _allreduce(self, first: int, stop: int, devices: tuple[int, ...], tensor_parallel: int = 1) -> float:
         """A stage's gradient allreduce over ``devices``, one per replica, of one group member's bytes."""

@@ -183,7 +183,7 @@ class PipelineDriver:
         kept = {name for name, _ in self.program.tie_groups} | {n for n, p in self.tp_params.items() if p.partial}
         self.sharded = ShardedStage(self.runner.module, stage_plan.sharding, replica_group, self.context.device,
                                     stage_plan.recompute, [p for name, p in self.runner.parameters() if name in kept],
-                                    self.runner.compiled)
+                                    self.runner.compiled, stage_plan.reshard_after_forward)
         self.runner.call = self.sharded
         if self.overlap is not None:
             self.overlap.remove()

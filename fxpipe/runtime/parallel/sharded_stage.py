@@ -1,7 +1,11 @@
 """Sharded stage replicas: a stage's replicas split optimizer state, gradients or weights with FSDP2 (ZeRO-1/2/3).
 
-The stage's GraphModule is wrapped in :class:`ShardedCall` (its forward, recomputed or not) and the wrapper is
-``fully_shard``-ed over a DeviceMesh of the stage's replica group (the driver's process group for the stage).
+Each block of the stage (a numbered module path, :mod:`fxpipe.runtime.parallel.fsdp_units`) is ``fully_shard``-ed as
+its own unit, each unit prefetching the next one forward and the previous one backward (as torchtitan does); then
+the stage's GraphModule is wrapped in :class:`ShardedCall` (its forward, recomputed or not) and the wrapper is
+``fully_shard``-ed as the root unit (embeddings, head: what no block holds), all over a DeviceMesh of the stage's
+replica group (the driver's process group for the stage). A recomputed or compiled stage stays one unit: its
+checkpoint or compiled graph spans the whole stage.
 The GraphModule keeps its class and paths; its parameters become DTensor shards (``Shard(0)``), so
 ``pipe.parameters()`` yields them and ``torch.optim.AdamW(pipe.parameters())`` keeps 1/r of the state.
 
@@ -40,6 +44,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fxpipe.runtime.autograd.recompute import checkpointed_call
+from fxpipe.runtime.parallel.fsdp_units import unit_parameters, unit_program, unit_spans
 
 
 class ShardedCall(torch.nn.Module):
@@ -70,21 +75,47 @@ class ShardedStage:
     """This rank's stage sharded at ``level`` over ``group``; the driver tells it where each backward falls."""
 
     def __init__(self, module: torch.nn.Module, level: str, group: dist.ProcessGroup, device: torch.device,
-                 recompute: bool, ignored: Sequence[torch.nn.Parameter], call: Callable[..., Any] | None = None) -> None:
+                 recompute: bool, ignored: Sequence[torch.nn.Parameter], call: Callable[..., Any] | None = None,
+                 reshard_after_forward: bool | None = None) -> None:
         assert level in ("optimizer", "gradients", "parameters"), level
         self.level = level
+        # ZeRO-3 frees each unit after its forward unless the plan keeps it until a backward frees it
+        self.reshard_after_forward = level == "parameters" if reshard_after_forward is None else reshard_after_forward
         self.mesh = DeviceMesh.from_group(group, device.type)
+        units: Sequence[torch.nn.Module] = ()
+        if not recompute and call is None and isinstance(module, torch.fx.GraphModule):
+            program, units = unit_program(module, unit_spans(module))
+            call = program if units else None
+        self.units: list[Any] = [self._shard(unit, set(ignored)) for unit in units]
+        for before, after in zip(self.units, self.units[1:], strict=False):  # prefetch: next forward, previous backward
+            before.set_modules_to_forward_prefetch([after])
+            after.set_modules_to_backward_prefetch([before])
         wrapper = ShardedCall(module, recompute, call)
-        fully_shard(wrapper, mesh=self.mesh, reshard_after_forward=level == "parameters",
-                    ignored_params=set(ignored) or None)
-        assert isinstance(wrapper, FSDPModule)
-        self.wrapper: Any = wrapper
+        self.wrapper: Any = self._shard(wrapper, set(ignored) | unit_parameters(units))
+
+    def _shard(self, module: torch.nn.Module, ignored: set[torch.nn.Parameter]) -> Any:
+        fully_shard(module, mesh=self.mesh, reshard_after_forward=self.reshard_after_forward,
+                    ignored_params={param for param in ignored if any(param is own for own in module.parameters())}
+                    or None)
+        assert isinstance(module, FSDPModule)
         # a plain SUM: the slices' losses are weighted already (a factor alone asks for PREMUL_SUM, which gloo lacks)
-        self.wrapper.set_gradient_divide_factor(1.0)
-        self.wrapper.set_force_sum_reduction_for_comms(True)
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
+        return module
 
     def __call__(self, args: Sequence[Any]) -> Any:
         return self.wrapper(*args)
+
+    @property
+    def largest_unit_bytes(self) -> int:
+        """The whole (gathered) bytes of the largest block unit (0: the stage is one unit)."""
+        return max((sum(p.numel() * p.element_size() for p in unit.parameters()) for unit in self.units), default=0)
+
+    @property
+    def num_units(self) -> int:
+        """FSDP2 units holding parameters: the blocks, and the root where anything is left for it."""
+        root = fully_shard.state(self.wrapper)._fsdp_param_group  # type: ignore[attr-defined]
+        return len(self.units) + (root is not None)
 
     def before_backward(self, last: bool) -> None:
         """Before each micro-batch's backward; ``last``: the step's last one (sync and free the weights).
@@ -116,7 +147,8 @@ class ShardedStage:
 
     def reshard(self) -> None:
         """Free gathered weights a forward-only pass kept (ZeRO-1/2 keep them after forward)."""
-        self.wrapper.reshard()
+        for unit in (*self.units, self.wrapper):  # FSDPModule.reshard is not recursive
+            unit.reshard()
 
 
 def run_post_backward(module: FSDPModule) -> None:
