@@ -57,8 +57,11 @@ def test_unconstrained_plan_on_every_device_is_kept_as_is() -> None:
 
 def test_impossible_every_device_requests_say_why() -> None:
     chain, cluster = _mlp_chain("local:2")
+    # one row on two devices: the MLP's linear pairs split over a 2-way tensor-parallel group
+    assert partition(chain, cluster, 1, all_devices=True).layout == "1x2"
+    chain = replace(chain, blocks=tuple(replace(block, tp=None) for block in chain.blocks))
     with pytest.raises(InfeasiblePlanError, match="gives all 2 devices .* the best plan uses 1 .*launch 1 rank,"):
-        partition(chain, cluster, 1, all_devices=True)  # one row: neither two replicas nor two stages
+        partition(chain, cluster, 1, all_devices=True)  # without splits: neither two replicas nor two stages
     with pytest.raises(LayoutError, match="layout '1' uses 1 of the 2 devices"):
         partition(chain, cluster, 8, layout="1", all_devices=True)
     assert partition(chain, cluster, 8, layout="1").all_devices() == [0]  # allowed without the constraint
