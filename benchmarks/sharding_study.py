@@ -24,7 +24,6 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from unittest import mock
 
 from tabulate import tabulate
 
@@ -32,7 +31,6 @@ from fxpipe import models
 from fxpipe.core.chain import CostChain
 from fxpipe.core.cluster import Cluster, parse_cluster
 from fxpipe.core.plan import Plan
-from fxpipe.passes.partition import request as planner_request
 from fxpipe.passes.partition.request import PlanningError
 from fxpipe.planning import costed_model, model_loss, plan_chain
 
@@ -106,18 +104,15 @@ def chains(name: str, clusters: Sequence[Cluster]) -> dict[str, CostChain]:
 
 
 def truncated_grid(cluster: Cluster) -> bool:
-    """Whether the planner tries only the largest micro-batch sizes on this cluster (``microbatch_grid``)."""
-    return cluster.num_devices > planner_request.LARGE_CLUSTER_DEVICES
+    """Whether the planner tries only the largest micro-batch sizes on this cluster: no longer, on any cluster
+    (``microbatch_grid`` keeps every size since issue 34 item 4); kept so the study's columns stay comparable."""
+    return False
 
 
 @contextmanager
 def full_grid(enabled: bool) -> Iterator[None]:
     """Let the planner try every micro-batch size on large clusters too."""
-    if not enabled:
-        yield
-        return
-    with mock.patch.object(planner_request, "MAX_GRID_LARGE", FULL_GRID):
-        yield
+    yield  # the planner tries every size on every cluster now (``microbatch_grid``); nothing to patch
 
 
 def best(chain: CostChain, cluster: Cluster, batch: int, sharding: str) -> Plan | None:

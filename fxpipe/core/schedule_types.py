@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import cached_property
 
 from tabulate import tabulate
 
@@ -72,7 +73,7 @@ class Schedule:
         """Model chunks (plan stages): ``num_stages`` without virtual stages."""
         return len(self.chunk_groups) if self.chunk_groups else self.num_stages
 
-    @property
+    @cached_property  # read once per stage by inflight_peak: a scan of every action each time was quadratic
     def split_backward(self) -> bool:
         """Whether backward is split into B (input gradients) and W (parameter gradients)."""
         return any(action.op is Op.WEIGHT for actions in self.per_stage for action in actions)

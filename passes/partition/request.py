@@ -16,9 +16,6 @@ from fxpipe.passes.partition.spans import Candidate
 # Largest number of micro-batches the grid offers: beyond this the bubble is already < 1% for any
 # pipeline the planners build, and every extra micro-batch costs simulation time.
 MAX_MICROBATCHES = 512
-# On clusters with more devices than this, only the MAX_GRID_LARGE largest micro-batch sizes are tried.
-LARGE_CLUSTER_DEVICES = 16
-MAX_GRID_LARGE = 6
 
 
 # The schedule value that lets the planner pick early backward, zero-bubble or GPipe per plan.
@@ -180,7 +177,4 @@ def microbatch_grid(request: PlanRequest) -> list[int]:
         rows *= 2
     if gbs not in grid:
         grid.append(gbs)  # a batch that is not a power of two still gets M = 1
-    grid = sorted(set(grid))
-    if request.cluster.num_devices > LARGE_CLUSTER_DEVICES:
-        grid = grid[-MAX_GRID_LARGE:]  # large clusters: the largest micro-batches (wide stages need rows)
-    return grid
+    return sorted(set(grid))
