@@ -201,6 +201,26 @@ def test_planner_takes_tensor_parallel_groups_when_matmuls_dominate_and_the_link
     assert all(stage.tensor_parallel == 1 for stage in slow.stages), slow.layout
 
 
+def test_tied_weights_keep_one_t_over_their_holders() -> None:
+    """The runtime sums a tied weight shard by shard: every plan the planner makes gives its holders one T, and a
+    forced layout that does not is refused naming the weight. The chain: three splitting layers and a whole head
+    tied to the first; without the constraint the planner picks 1x2:1 (3 devices) and 2x2:2 (6 devices) for it."""
+    from fxpipe.core.chain import SharedParam
+    from fxpipe.sim.tensor_parallel_cost import tied_degree_conflict
+
+    base = _matmul_chain(1e4)
+    head = Block("head", ("head",), Affine(0, 1e-2), Affine(0, 2e-2), 10**6, Affine(0, 1e6))
+    tied = CostChain((*base.blocks[:3], head), base.cut_bytes, shared_params=(SharedParam("wte.weight", 10**5, (0, 3)),))
+    assert tied_degree_conflict(tied, [(0, 2, 2), (2, 4, 1)]).startswith("tied parameter 'wte.weight'")
+    assert tied_degree_conflict(tied, [(0, 2, 2), (2, 4, 2)]) == "" and tied_degree_conflict(base, [(0, 2, 2), (2, 4, 1)]) == ""
+    for num_devices, batch in ((3, 2), (3, 4), (6, 4), (6, 8)):
+        plan = partition(tied, _one_host(num_devices, bandwidth=1e12), batch)
+        bounds = [(stage.first_block, stage.stop_block, stage.tensor_parallel) for stage in plan.stages]
+        assert tied_degree_conflict(tied, bounds) == "", plan.layout
+    with pytest.raises(LayoutError, match="share the tied parameter 'wte.weight' but have T=2 and T=1"):
+        partition(tied, _one_host(bandwidth=1e12), 4, layout="1x2:2")
+
+
 def test_chain_without_tensor_parallel_blocks_tries_only_t1() -> None:
     chain = _matmul_chain(1e4)
     plain = CostChain(tuple(replace(block, tp=None) for block in chain.blocks), chain.cut_bytes)

@@ -19,6 +19,7 @@ of one member's gradient bytes. Tied parameters (:attr:`CostChain.shared_params`
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from fxpipe.core.cluster import Cluster, LinkSpec
@@ -103,3 +104,15 @@ def tensor_parallel_degrees(chain: CostChain, devices_per_host: int) -> tuple[in
     that splits at least one block (a T splitting nothing only adds devices that do the same work)."""
     return tuple(degree for degree in TENSOR_PARALLEL_DEGREES if degree == 1 or (
         degree <= devices_per_host and any(splits(block, degree) for block in chain.blocks)))
+
+
+def tied_degree_conflict(chain: CostChain, stages: Sequence[tuple[int, int, int]]) -> str:
+    """Why stages ``(first, stop, T)`` cannot run: a tied parameter held by stages of different T (the runtime
+    sums a tied weight shard by shard, so its holders need one T); ``""`` when none is."""
+    for shared in chain.shared_params:
+        holders = [(index, degree) for index, (first, stop, degree) in enumerate(stages)
+                   if any(first <= block < stop for block in shared.blocks)]
+        if len({degree for _, degree in holders}) > 1:
+            return (f"tied parameter {shared.name!r} is held by stages {[index for index, _ in holders]} of "
+                    f"tensor-parallel degrees {[degree for _, degree in holders]}; its holders need one T")
+    return ""

@@ -46,7 +46,7 @@ from fxpipe.passes.partition.scoring import best_dp, finish, score_candidates
 from fxpipe.passes.partition.search import search
 from fxpipe.passes.partition.spans import Candidate, Span, spans_from_stops
 from fxpipe.sim.allreduce_overlap import DEFAULT_BUCKET_BYTES
-from fxpipe.sim.tensor_parallel_cost import tensor_parallel_degrees
+from fxpipe.sim.tensor_parallel_cost import tensor_parallel_degrees, tied_degree_conflict
 
 __all__ = ["PLANNERS", "InfeasiblePlanError", "LayoutError", "PlanningError", "on_fine_chain", "parse_layout", "partition",
            "parse_stage_layout", "plan_dapple"]
@@ -187,6 +187,16 @@ def _top(candidates: Iterable[Candidate], count: int) -> list[Candidate]:
     return chosen
 
 
+def _runs_tied(chain: CostChain, candidate: Candidate) -> bool:
+    """Whether the runtime can run ``candidate``'s tied weights (their holders share one T)."""
+    return not tied_degree_conflict(chain, [(span.first, span.stop, span.tensor_parallel) for span in candidate.spans])
+
+
+def _plan_runs_tied(chain: CostChain, plan: Plan) -> bool:
+    return not tied_degree_conflict(chain, [(stage.first_block, stage.stop_block, stage.tensor_parallel)
+                                            for stage in plan.stages])
+
+
 def plan_dapple(request: PlanRequest) -> Plan:
     """DAPPLE: state search by the pivot model, whole-pipeline replication, simulator re-ranking, DP floor."""
     model = request.candidate_costs()
@@ -201,9 +211,11 @@ def plan_dapple(request: PlanRequest) -> Plan:
     found.extend(grids)
     if request.layout is None:
         found.extend(c for c in _replicated_pipelines(model, grid) if request.allows(c))
+    found = [candidate for candidate in found if _runs_tied(model.chain, candidate)]
     best = score_candidates(request, model, _top(found, request.rerank), "dapple")
     if best is not None:
-        best = polish(request, model, best, grid, "dapple")
+        polished = polish(request, model, best, grid, "dapple")
+        best = polished if _plan_runs_tied(model.chain, polished.plan) else best
     if dp is not None and (best is None or dp.time_s <= best.time_s):
         best = dp.__class__(dp.time_s, dp.plan.with_updates(planner="dapple"))
     if best is None and closest is None and grid:

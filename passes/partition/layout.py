@@ -55,7 +55,14 @@ def parse_stage_layout(layout: str, num_devices: int, num_blocks: int, devices_p
 
 
 def check_degrees(layout: str, degrees: tuple[int, ...], chain: CostChain) -> None:
-    """A forced T > 1 must split at least one block (else its members would all run the same whole stage)."""
+    """A forced T > 1 must split at least one block (else its members would all run the same whole stage), and a
+    weight tied between the first and the last block (an LM's embedding and head) needs one T on both ends."""
+    last = chain.num_blocks - 1
+    for shared in chain.shared_params:
+        if len(degrees) > 1 and shared.blocks[0] == 0 and shared.blocks[-1] == last and degrees[0] != degrees[-1]:
+            raise LayoutError(f"layout {layout!r}: the first and last stages share the tied parameter "
+                              f"{shared.name!r} but have T={degrees[0]} and T={degrees[-1]}; a tied weight is summed "
+                              "shard by shard, so give both ends the same T (e.g. '1x2:1x2'), or untie the weights")
     split = [block for block in chain.blocks if block.tp is not None]
     for index, degree in enumerate(degrees):
         if degree == 1 or any(splits(block, degree) for block in split):

@@ -9,7 +9,7 @@ from fxpipe.passes.partition.candidates import CandidateCosts
 from fxpipe.passes.partition.placement import Usage, host_aligned, placements, replica_choices
 from fxpipe.passes.partition.spans import Candidate, Span
 from fxpipe.sim.stagecost import optimizer_factor
-from fxpipe.sim.tensor_parallel_cost import tensor_parallel_degrees
+from fxpipe.sim.tensor_parallel_cost import tensor_parallel_degrees, tied_degree_conflict
 
 # The pivot model is within a few percent of the simulator on most plans (worst ~17%), so a branch is
 # cut only when its lower bound exceeds the best latency so far by this much.
@@ -91,6 +91,8 @@ class _Search:
         if self.degrees is not None and candidate.degrees != self.degrees:
             return False, candidate.latency_s
         if self.accept is not None and not self.accept(candidate):
+            return False, candidate.latency_s
+        if tied_degree_conflict(self.model.chain, [(span.first, span.stop, span.tensor_parallel) for span in spans]):
             return False, candidate.latency_s
         ratio = max(self.model.memory(spans, self.rows, "A")) / self.model.memory_limit_bytes
         if ratio > 1.0:
