@@ -114,7 +114,7 @@ def megatron_candidates(request: PlanRequest, model: CandidateCosts) -> list[Can
     Sorted by the pivot model (the simulator scores them in that order, pruning by lower bounds)."""
     num_devices, num_blocks = request.cluster.num_devices, request.chain.num_blocks
     per_host = request.cluster.devices_per_host
-    found = []
+    found: list[Candidate] = []
     for degree in TENSOR_PARALLEL_DEGREES:
         if per_host % degree or num_devices % degree:
             continue

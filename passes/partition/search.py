@@ -163,7 +163,7 @@ class _Search:
         if self.layout is not None:
             replicas, degree = self.layout[index], (self.degrees[index] if self.degrees else 1)
             return [(replicas, degree)] if replicas <= self.rows and replicas * degree <= free else []
-        found = []
+        found: list[tuple[int, int]] = []
         for degree in self.tensor_parallel:
             found.extend((count // degree, degree) for count in replica_choices(self.model.cluster, free, self.rows * degree)
                          if count % degree == 0 and count // degree <= self.rows)
