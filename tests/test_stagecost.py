@@ -94,7 +94,7 @@ def test_allreduce_matches_the_ring_formula() -> None:
 
 
 def test_shared_rows_equals_every_overlapping_pair() -> None:
-    from fxpipe.core.plan import row_ranges, shared_rows
+    from fxpipe.core.row_slices import row_ranges, shared_rows
 
     for num_rows in range(1, 30):
         for num_senders in range(1, min(num_rows, 7) + 1):

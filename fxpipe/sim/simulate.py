@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from fxpipe.core.chain import CostChain
 from fxpipe.core.cluster import Cluster
-from fxpipe.core.plan import Plan, StagePlan, shared_rows, split_rows
+from fxpipe.core.plan import Plan, StagePlan
+from fxpipe.core.row_slices import shared_rows, split_rows
 from fxpipe.core.schedule import (
     Schedule,
     ScheduleError,

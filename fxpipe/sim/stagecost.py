@@ -12,7 +12,7 @@ from fxpipe.core.block_sums import block_sums
 from fxpipe.core.chain import block_units, merged_units
 from fxpipe.core.cluster import Cluster, LinkSpec
 from fxpipe.core.costgraph import Affine
-from fxpipe.core.plan import shared_rows, split_rows
+from fxpipe.core.row_slices import shared_rows, split_rows
 from fxpipe.sim.sharding_memory import model_state_bytes
 from fxpipe.sim.tensor_parallel_cost import (
     tensor_parallel_param_bytes,

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 from fxpipe.core.chain import CostChain
 from fxpipe.core.cluster import Cluster
-from fxpipe.core.plan import Plan, PlanError, shared_rows, split_rows
+from fxpipe.core.plan import Plan, PlanError
+from fxpipe.core.row_slices import shared_rows, split_rows
 from fxpipe.core.schedule import (
     Op,
     Schedule,

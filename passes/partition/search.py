@@ -58,6 +58,8 @@ class _Search:
         # per stage: the tensor-parallel group size forced by the layout, or None for every worthwhile one
         self.degrees = degrees
         self.tensor_parallel = tensor_parallel_degrees(model.chain, model.cluster.devices_per_host)
+        # tied weights constrain T only where a stage can take T > 1 (tied_degree_conflict in record)
+        self.tied = bool(model.chain.shared_params) and len(self.tensor_parallel) > 1
         self.max_stages = min(self.num_microbatches, self.num_blocks, model.cluster.num_devices)
         if layout is not None:
             self.max_stages = min(self.max_stages, len(layout))
@@ -92,7 +94,8 @@ class _Search:
             return False, candidate.latency_s
         if self.accept is not None and not self.accept(candidate):
             return False, candidate.latency_s
-        if tied_degree_conflict(self.model.chain, [(span.first, span.stop, span.tensor_parallel) for span in spans]):
+        if self.tied and tied_degree_conflict(self.model.chain, [(span.first, span.stop, span.tensor_parallel)
+                                                                 for span in spans]):
             return False, candidate.latency_s
         ratio = max(self.model.memory(spans, self.rows, "A")) / self.model.memory_limit_bytes
         if ratio > 1.0:

@@ -19,7 +19,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from fxpipe.core.fake_log import quiet_fake_tensor_log
-from fxpipe.core.plan import Plan, row_ranges
+from fxpipe.core.plan import Plan
+from fxpipe.core.row_slices import row_ranges
 from fxpipe.runtime.faults.errors import BatchShapeError
 from fxpipe.runtime.transport.fake_run import Shape, fake_layouts
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpipe.core.plan import row_ranges, shared_rows
+from fxpipe.core.row_slices import row_ranges, shared_rows
 from fxpipe.runtime.faults.errors import CommunicationError, MessageLayoutError
 from fxpipe.runtime.faults.failures import FailureLog, root_cause_hint
 

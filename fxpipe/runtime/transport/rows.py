@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fxpipe.core.plan import Plan, row_ranges
+from fxpipe.core.plan import Plan
+from fxpipe.core.row_slices import row_ranges
 
 if TYPE_CHECKING:
     from fxpipe.core.program import SplitProgram
