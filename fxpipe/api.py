@@ -298,7 +298,7 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
             recompute: str | Sequence[bool | str] = "auto", costs: str = "auto", check_rows: bool = True,
             stall_timeout_s: float = 5.0, sharding: str | Sequence[str] | None = None,
             torch_compile: bool | Mapping[str, Any] = False, verbose: bool | None = None,
-            sequence_parallel: bool = False) -> Any:
+            sequence_parallel: bool = False, param_dtype: torch.dtype | None = None) -> Any:
     """Pipeline ``model`` over the process group's ranks; returns a :class:`PipelinedModule`.
 
     ``plan``: ``"auto"`` (DAPPLE planner on ``cluster``, default ``local:<world size>``), a layout such as
@@ -333,7 +333,9 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
     when the plan splits the batch (micro-batches or replicas), run the model in eval mode on the example
     batch whole and in halves and refuse it if rows see each other (docs/exactness.md). ``autocast_dtype``:
     ``torch.bfloat16`` or ``torch.float16`` trains under autocast (fp32 master weights), and the planner costs
-    and measures the model under the same autocast (the plan's ``precision``, docs/clusters.md). ``timeout_s``:
+    and measures the model under the same autocast (the plan's ``precision``, docs/clusters.md); with
+    ``param_dtype=torch.bfloat16`` too, stages compute with bf16 copies of the fp32 master weights and reduce
+    gradients in fp32 (precision ``"bf16-params"``, docs/sharding.md). ``timeout_s``:
     how long a transfer or collective waits on ranks that are alive; ``stall_timeout_s``: a rank whose heartbeat
     stopped this long (frozen, stopped) is named as the root cause on every rank (docs/faults.md).
     ``torch_compile``: True (or torch.compile's keyword arguments, e.g. ``{"backend": "aot_eager"}``) compiles
@@ -352,7 +354,7 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
                              batch_dims=batch_dims, target_batch_dim=target_batch_dim, recompute=recompute,
                              costs=costs, check_rows=check_rows, stall_timeout_s=stall_timeout_s,
                              sharding=sharding, torch_compile=torch_compile, verbose=verbose,
-                             sequence_parallel=sequence_parallel)
+                             sequence_parallel=sequence_parallel, param_dtype=param_dtype)
     if model is None:
         return functools.partial(_wrap_factory, options=options)
     if isinstance(model, torch.nn.Module):
@@ -395,6 +397,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     from fxpipe.runtime.faults.guard import release_group, setup_group, setup_phase
     from fxpipe.runtime.loss_check import check_loss_fn
     from fxpipe.runtime.numerics.batchnorm import check_batch_norm_mode, check_layers_kept, warn_batch_norm
+    from fxpipe.runtime.parallel.param_precision import with_param_dtype
     from fxpipe.runtime.parallel.tensor_parallel import check_layout_options
     from fxpipe.runtime.sync import check_sync_mode, synchronize_driver
     from fxpipe.runtime.transport.batchcheck import check_batch_mode
@@ -433,7 +436,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
                                            graph_module.meta[meta.BATCH_DIMS])
             with setup_phase("code generation", group):
                 check_plan_matches(resolved, graph_module)
-                program = split_for_plan(graph_module, resolved)
+                program = with_param_dtype(split_for_plan(graph_module, resolved), options.param_dtype)
                 check_world(resolved, program, context.world_size)
                 check_loss_fn(options.loss_fn, program, options.loss_reduction)
                 check_stages_hold_parameters(program, resolved)
@@ -461,7 +464,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     synchronize_driver(driver, options.sync_params)  # on full tensors, before sharding
     if apply_tensor_parallel(driver, options.sequence_parallel) is not None:  # the member's shard replaced the module compile_stage wrapped
         compile_stage(driver, compile_settings, options.batch_norm)
-    driver.shard_stage()
+    driver.shard_stage(options.param_dtype)
     if compile_settings is not None:
         warm_compiled_stage(driver)  # a collective: every rank compiles here, not in the first step
     if context.rank == 0:

@@ -71,9 +71,10 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--sharding", default="none", help="ZeRO inside each stage's replica group: none (default), "
                       "auto (each stage the fastest level that fits), optimizer, gradients, parameters, or one "
                       "level per stage: none,optimizer,... (needs --layout or markers; docs/sharding.md)")
-    plan.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+    plan.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16", "bf16-params"],
                       help="what the job trains in: fp32, or bf16/fp16 autocast (tensor-core matmuls, half-size "
-                           "activations, fp32 master weights); recorded in the plan (docs/clusters.md)")
+                           "activations, fp32 master weights), or bf16-params (bf16 autocast on bf16 copies of the "
+                           "fp32 masters, fp32 gradient sums; docs/sharding.md); recorded in the plan (docs/clusters.md)")
     _add_planning_options(plan)
 
     simulate = commands.add_parser("simulate", help="simulate a plan file's iteration")

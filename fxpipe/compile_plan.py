@@ -91,12 +91,14 @@ def check_sharded_schedule(plan: Plan) -> None:
 
 
 def training_precision(options: CompileOptions) -> str:
-    """The precision ``autocast_dtype`` trains in (``"bf16"`` for torch.bfloat16, ``"fp32"`` for None)."""
-    dtype = options.autocast_dtype
+    """The precision ``autocast_dtype`` and ``param_dtype`` train in (``"bf16"`` for torch.bfloat16, ``"fp32"`` for None,
+    ``"bf16-params"`` for both torch.bfloat16)."""
+    dtype, param_dtype = options.autocast_dtype, options.param_dtype
     try:
-        return precision_of_dtype(None if dtype is None else str(dtype).removeprefix("torch."))
+        return precision_of_dtype(None if dtype is None else str(dtype).removeprefix("torch."),
+                                  None if param_dtype is None else str(param_dtype).removeprefix("torch."))
     except PrecisionError as error:
-        raise PipelineSetupError(f"autocast_dtype={dtype}: {error}") from None
+        raise PipelineSetupError(f"autocast_dtype={dtype}, param_dtype={param_dtype}: {error}") from None
 
 
 def _check_precision(plan: Plan, options: CompileOptions) -> None:

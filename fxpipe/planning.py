@@ -14,7 +14,12 @@ from fxpipe.core.chain import CostChain, build_chain
 from fxpipe.core.cluster import Cluster
 from fxpipe.core.costgraph import CostGraph, CostNode
 from fxpipe.core.plan import Plan
-from fxpipe.core.precision import DEFAULT_PRECISION, autocast_device_type, autocast_dtype_name
+from fxpipe.core.precision import (
+    DEFAULT_PRECISION,
+    autocast_device_type,
+    autocast_dtype_name,
+    param_dtype_name,
+)
 from fxpipe.core.sharding import DEFAULT_SHARDING, ShardingRequest
 from fxpipe.core.utilization import peak_flops_per_device
 from fxpipe.passes.batchdims import BatchDims
@@ -158,6 +163,12 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
     return None if name is None else getattr(torch, name)  # type: ignore[no-any-return]
 
 
+def param_dtype(precision: str) -> torch.dtype | None:
+    """The torch dtype of the compute copies ``precision`` keeps of the fp32 masters (bf16-params), else None."""
+    name = param_dtype_name(precision)
+    return None if name is None else getattr(torch, name)  # type: ignore[no-any-return]
+
+
 def default_costs(cluster: Cluster, *, devices_here: bool | None = None) -> str:
     """Where ``costs="auto"`` takes block times from: ``$FXPIPE_COSTS`` when set, else ``"measured"`` when
     the cluster's devices are this machine's (``local:N``, the nodes a torchrun job forms), else ``"analytic"``.
@@ -265,7 +276,9 @@ def plan_chain(chain: CostChain, cluster: Cluster, global_batch_size: int, *,
     """
     from fxpipe.passes.partition.dapple import partition
     from fxpipe.sim.fixed_costs import fixed_cost_note
+    from fxpipe.sim.sharding_memory import chain_in_precision
 
+    chain = chain_in_precision(chain, precision)  # bf16-params: compute copies in memory, bf16 all-gathers
     plan = partition(chain, cluster, global_batch_size, sharding=sharding, **options)
     note = fixed_cost_note(plan, chain, cluster)  # a lower bound when uncounted fixed costs would dominate
     plan = plan.with_updates(notes=(*plan.notes, note)) if note else plan

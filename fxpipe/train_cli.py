@@ -54,9 +54,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--costs", default="auto", choices=["auto", "measured", "analytic"],
                         help="planner block times: measured on the launched ranks (auto, measured) or the analytic "
                              "device model (docs/clusters.md, Honest predictions)")
-    parser.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"],
-                        help="train in fp32 or under bf16/fp16 autocast (fp32 master weights); the planner costs "
-                             "the model in it; default: a plan file's precision, else fp32")
+    parser.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16", "bf16-params"],
+                        help="train in fp32 or under bf16/fp16 autocast (fp32 master weights); bf16-params: bf16 "
+                             "autocast with bf16 compute copies of the fp32 masters, gradients reduced in fp32 "
+                             "(docs/sharding.md); the planner costs the model in it; default: a plan file's "
+                             "precision, else fp32")
     parser.add_argument("--seed", type=int, default=0, help="random seed for the weights and the data order "
                         "(default 0)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
@@ -229,7 +231,7 @@ def timeout_option(args: argparse.Namespace) -> float:
 
 def run_train(args: argparse.Namespace) -> int:
     import fxpipe
-    from fxpipe.planning import autocast_dtype
+    from fxpipe.planning import autocast_dtype, param_dtype
     from fxpipe.runtime.faults import preemption
 
     preemption.install()  # first: SIGTERM before the handler would kill the rank without a checkpoint
@@ -241,7 +243,8 @@ def run_train(args: argparse.Namespace) -> int:
                           plan=args.plan, schedule=args.schedule, num_microbatches=args.num_microbatches,
                           recompute=args.recompute, sharding=args.sharding, batch_dims=batch_dims_option(args),
                           target_batch_dim=args.target_batch_dim, costs=args.costs,
-                          autocast_dtype=autocast_dtype(precision), stall_timeout_s=args.stall_timeout,
+                          autocast_dtype=autocast_dtype(precision), param_dtype=param_dtype(precision),
+                          stall_timeout_s=args.stall_timeout,
                           torch_compile=torch_compile_option(args), timeout_s=timeout_option(args), verbose=True,
                           sequence_parallel=args.sequence_parallel)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)

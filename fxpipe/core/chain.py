@@ -103,6 +103,9 @@ class CostChain:
     target_saved_bytes: Affine = ZERO
     model_flops_per_sample: float = 0.0
     tokens_per_sample: int = 0
+    # bytes of the compute copy kept per byte of fp32 master weights (precision bf16-params: 0.5; 0: none, the
+    # masters compute), set for the precision the chain is planned in (fxpipe.sim.sharding_memory)
+    param_copy_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.blocks:

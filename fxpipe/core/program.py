@@ -49,6 +49,8 @@ class SplitProgram:
     consumers: Mapping[str, tuple[int, ...]]
     values: Mapping[str, ValueSpec]
     tie_groups: tuple[tuple[str, tuple[int, ...]], ...]
+    # the dtype name the stages compute their weights in (precision bf16-params: "bfloat16"); None: the weights' own
+    param_dtype: str | None = None
 
     @property
     def num_stages(self) -> int:

@@ -74,17 +74,20 @@ def half_collective_time(cluster: Cluster, num_bytes: float, devices: Sequence[i
 
 
 def sharding_comm(cluster: Cluster, sharding: str, devices: Sequence[int], weight_bytes: float,
-                  gradient_bytes: float, num_units: int = 1, reshard_after_forward: bool | None = None) -> ShardingComm:
+                  gradient_bytes: float, num_units: int = 1, reshard_after_forward: bool | None = None,
+                  param_copy_fraction: float = 0.0) -> ShardingComm:
     """The module docstring's table for one stage; :data:`NO_SHARDING` for ``"none"`` (its allreduce is
     :mod:`fxpipe.sim.allreduce_overlap`'s) and for one device. ``num_units``: the stage's FSDP units, each
     gathered and reduced by its own collective of its share of the bytes (taken as equal shares: the bytes
     move once either way, and each collective pays its own latency). A ZeRO-3 stage whose plan keeps the
-    weights from forward to backward (``reshard_after_forward`` false) gathers them in the forward only."""
+    weights from forward to backward (``reshard_after_forward`` false) gathers them in the forward only.
+    ``param_copy_fraction``: bf16-params gathers bf16 copies, that fraction of the fp32 ``weight_bytes``."""
     check_level(sharding)
     if sharding == "none" or len(devices) <= 1:
         return NO_SHARDING
     units = max(1, num_units)
-    gather = units * half_collective_time(cluster, weight_bytes / units, devices,
+    gathered = weight_bytes * (param_copy_fraction or 1.0)
+    gather = units * half_collective_time(cluster, gathered / units, devices,
                                           cluster.collective_link(devices, "all_gather"))
     scatter = units * half_collective_time(cluster, gradient_bytes / units, devices,
                                            cluster.collective_link(devices, "reduce_scatter"))
@@ -115,5 +118,5 @@ def plan_sharding_comms(plan: Plan, chain: CostChain, cluster: Cluster) -> list[
     own = own_allreduce_bytes(chain, bounds, tensor_parallel=degrees)
     return [sharding_comm(cluster, stage.sharding, replica_leads(stage.devices, stage.tensor_parallel),
                           stage_param_bytes(chain, first, stop, stage.tensor_parallel), own_bytes,
-                          num_units(chain, first, stop), stage.reshard_after_forward)
+                          num_units(chain, first, stop), stage.reshard_after_forward, chain.param_copy_fraction)
             for stage, (first, stop), own_bytes in zip(plan.stages, bounds, own, strict=True)]

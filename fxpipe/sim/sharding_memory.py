@@ -49,6 +49,29 @@ wrapper around the whole stage, so the stage is ONE unit: what FSDP2 gathers or 
 - ZeRO-1: weights P + P/r, gradients P, state (f-2) P / r through the step; its one reduce-scatter (last
   backward) runs after the weights are freed: the peak is 2 P + (f-1) P / r. ZeRO-2/3 with M = 1 likewise.
 
+Mixed-precision parameters (precision ``bf16-params``, :mod:`fxpipe.runtime.parallel.param_precision`), c the
+compute copy's bytes per master byte (bf16 over fp32: 1/2); P, U stay the fp32 masters' bytes. FSDP2's
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` gathers bf16 weights (all-gather output and copies
+c U each), makes bf16 unsharded gradients (c U) and reduce-scatters an fp32 input (U); ZeRO-1's gradients accumulate
+unsharded in fp32 (P) across the micro-batches that do not sync. Per byte of weights under Adam (f = 4): none
+4 + 2 + 4 + 8 = 18 bytes per parameter (f + c of P) against 16 without copies. Measured on 3 gloo ranks, 8 units
+of 1 MiB (P = 8 U, r = 3, Adam; tests/test_mixed_precision_params.py, docs/sharding.md):
+
+    none:                    (f + c) P                the fp32 masters, gradients and state, and the bf16 copy
+    optimizer, M >= 2:       (1 + c) P + (f-1) P / r + c U        weights gathered in bf16, fp32 gradients
+                                                      accumulated, the last backward's bf16 gradients of one unit
+    optimizer, gradients (or parameters kept), M = 1:
+                             c P + (f-1) P / r + (1 + c) U        bf16 weights; one unit's bf16 gradients and its
+                                                      fp32 reduce-scatter input (gradient shards made unit by unit)
+    gradients (or kept), M >= 2:  c P + f P / r + (1 + c) U       measured 16.30 U, figure 16.17 U
+    parameters, M >= 2:      f P / r + 4 c U + U      the fp32 table's five buffers, four of them bf16: 13.81 U
+                                                      measured, 13.67 U figure
+    parameters, M = 1:       f P / r + 3 c U + U - 2 U / r        12.60 U measured, 12.50 U figure
+    with at most two units (P < 3 U) one c U less, as above; a stage of one unit takes U = P.
+
+The all-gather moves c of the weights' bytes; reduce-scatters and all-reduces move fp32 gradients
+(:func:`fxpipe.sim.sharding_cost.sharding_comm`).
+
 Not counted: collective backends' own staging (gloo's reduce-scatter may hold another copy of its input
 while it runs; NCCL does not), and gradient shards kept from the previous step when the optimizer does not
 set them to None (``zero_grad(set_to_none=False)``: + P / r). A stage of one replica has nothing to split:
@@ -57,20 +80,35 @@ every level is ``none`` there.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from fxpipe.core.chain import CostChain
+from fxpipe.core.precision import param_copy_fraction
 from fxpipe.core.sharding import check_level
+
+
+def chain_in_precision(chain: CostChain, precision: str) -> CostChain:
+    """``chain`` counting the compute copies ``precision`` keeps (bf16-params), for the planner and the simulator.
+    A chain already counting them keeps them: the planner simulates its plans before it records their precision."""
+    fraction = param_copy_fraction(precision)
+    return chain if fraction in (0.0, chain.param_copy_fraction) else replace(chain, param_copy_fraction=fraction)
 
 
 def model_state_bytes(param_bytes: float, factor: float, sharding: str = "none", replicas: int = 1,
                       num_microbatches: int | None = None, unit_bytes: float = 0.0,
-                      reshard_after_forward: bool | None = None) -> float:
+                      reshard_after_forward: bool | None = None, param_copy_fraction: float = 0.0) -> float:
     """Weights + gradients + optimizer state per device of a stage at the step's peak (module docstring's tables).
 
     ``num_microbatches``: the micro-batches each replica runs per step (M); required for a sharded level on
     more than one replica, where ZeRO-2/3's peak depends on it. ``unit_bytes``: the largest FSDP unit's bytes
     where the stage is sharded per block (0: the whole stage is one unit). ``reshard_after_forward``: the plan's
-    choice for a ZeRO-3 stage (None: its default, free after forward).
+    choice for a ZeRO-3 stage (None: its default, free after forward). ``param_copy_fraction``: bytes of the
+    compute copies per master byte (bf16-params: 0.5; 0: the masters compute, the fp32 tables).
     """
     check_level(sharding)
+    if param_copy_fraction > 0.0:
+        return mixed_state_bytes(param_bytes, factor, sharding, replicas, num_microbatches, unit_bytes,
+                                 reshard_after_forward, param_copy_fraction)
     if sharding == "none" or replicas <= 1:
         return param_bytes * factor
     if num_microbatches is None or num_microbatches < 1:
@@ -97,3 +135,26 @@ def per_unit_state_bytes(param_bytes: float, factor: float, sharding: str, repli
     if param_bytes < 3.0 * unit_bytes:
         buffers -= unit_bytes
     return sharded + buffers
+
+
+def mixed_state_bytes(param_bytes: float, factor: float, sharding: str, replicas: int, num_microbatches: int | None,
+                      unit_bytes: float, reshard_after_forward: bool | None, copy: float) -> float:
+    """:func:`model_state_bytes` under mixed-precision parameters, ``copy`` = c (the module docstring's last table)."""
+    if sharding == "none" or replicas <= 1:
+        return (factor + copy) * param_bytes
+    if num_microbatches is None or num_microbatches < 1:
+        raise ValueError(f"model_state_bytes(sharding={sharding!r}, replicas={replicas}) needs num_microbatches "
+                         f">= 1, got {num_microbatches!r}: pass the plan's num_microbatches")
+    unit = unit_bytes if 0.0 < unit_bytes < param_bytes else param_bytes
+    several = num_microbatches >= 2
+    rest = (factor - 1.0) * param_bytes / replicas  # weight shards and optimizer state (gradient shards not yet)
+    if sharding == "optimizer" and several:
+        return (1.0 + copy) * param_bytes + rest + copy * unit
+    if sharding != "parameters" or reshard_after_forward is False:
+        if not several:
+            return copy * param_bytes + rest + (1.0 + copy) * unit
+        return copy * param_bytes + factor * param_bytes / replicas + (1.0 + copy) * unit
+    buffers = (4.0 * copy * unit + unit) if several else (3.0 * copy * unit + unit - 2.0 * unit / replicas)
+    if param_bytes < 3.0 * unit:
+        buffers -= copy * unit
+    return factor * param_bytes / replicas + buffers

@@ -29,6 +29,7 @@ from fxpipe.sim.events import (
     run_component,
 )
 from fxpipe.sim.sharding_cost import ShardingComm, plan_sharding_comms
+from fxpipe.sim.sharding_memory import chain_in_precision
 from fxpipe.sim.stagecost import (
     WEIGHT_GRAD_FRACTION,
     action_seconds,
@@ -132,6 +133,7 @@ def simulate(plan: Plan, chain: CostChain, cluster: Cluster, *, optimizer: str =
     schedule = schedule or _default_schedule(plan.schedule, plan.num_stages, plan.num_microbatches,
                                              plan.warmup_policy)
     _check_schedule(plan, chain, schedule)
+    chain = chain_in_precision(chain, plan.precision)  # bf16-params: compute copies, bf16 all-gathers
     slowdowns = _slowdowns(cluster, compute_scale)
     programs, inflight = _prepared(schedule)
     comms = plan_sharding_comms(plan, chain, cluster)

@@ -57,6 +57,7 @@ class StageCost:
     microbatch_view_bytes: float = 0.0
     # the largest block's parameter bytes: a sharded stage's largest FSDP unit (0: one block, the whole stage)
     unit_bytes: float = 0.0
+    param_copy_fraction: float = 0.0  # CostChain.param_copy_fraction: bf16 compute copies of the fp32 weights
 
 
 def _block_sum(chain: CostChain, first: int, stop: int, field: str) -> Affine:
@@ -129,6 +130,7 @@ def stage_cost(chain: CostChain, first: int, stop: int, microbatch_rows: int, re
         batch_view_bytes=_batch_views(chain, first, stop).at(rows),
         microbatch_view_bytes=_batch_views(chain, first, stop).at(microbatch_rows),
         unit_bytes=largest_unit_bytes(chain, first, stop),
+        param_copy_fraction=chain.param_copy_fraction,
     )
 
 
@@ -258,7 +260,7 @@ def stage_memory_bytes(cost: StageCost, inflight_microbatches: int, optimizer: s
     """
     # a recomputed stage is one FSDP unit: its checkpoint spans the whole stage
     weights = model_state_bytes(cost.param_bytes, optimizer_factor(optimizer), sharding, replicas, num_microbatches,
-                                0.0 if recompute else cost.unit_bytes, reshard_after_forward)
+                                0.0 if recompute else cost.unit_bytes, reshard_after_forward, cost.param_copy_fraction)
     held = 0.0 if recompute else inflight_microbatches * cost.input_bytes
     activations = saved_bytes(cost, inflight_microbatches, recompute) + held
     buffers = cost.input_bytes + cost.output_bytes

@@ -161,7 +161,7 @@ class CandidateCosts:
         per_host = self.cluster.devices_per_host
         devices = tuple(range(replicas)) if one_host else (per_host, *range(replicas - 1))
         return sharding_comm(self.cluster, sharding, devices, self.cost(first, stop, 1, 1, tensor_parallel).param_bytes,
-                             gradient_bytes, num_units(self.chain, first, stop))
+                             gradient_bytes, num_units(self.chain, first, stop), None, self.chain.param_copy_fraction)
 
     def _allreduce(self, first: int, stop: int, devices: tuple[int, ...], tensor_parallel: int = 1) -> float:
         """A stage's gradient allreduce over ``devices``, one per replica, of one group member's bytes."""

@@ -31,6 +31,7 @@ from fxpipe.runtime.gradients.grad_sync import (
     tied_stage_sets,
 )
 from fxpipe.runtime.gradients.trainable import TrainableSet
+from fxpipe.runtime.parallel.param_precision import unsharded_call
 from fxpipe.runtime.parallel.sharded_stage import ShardedStage, full_value
 from fxpipe.runtime.parallel.tensor_parallel import (
     GroupCommunicator,
@@ -171,19 +172,21 @@ class PipelineDriver:
         self.trainable = TrainableSet(self.runner.parameters())
         self._set_reductions(frozenset(param.name for param in params if param.partial))
 
-    def shard_stage(self) -> None:
+    def shard_stage(self, param_dtype: torch.dtype | None = None) -> None:
         """Shard this rank's stage as the plan says (fxpipe.runtime.parallel.sharded_stage; nothing for ``"none"``): after
         setup and the replicas' parameter sync, which runs on whole tensors. FSDP2 now reduces the stage's
-        gradients, so the replica allreduce goes; tied weights stay whole and keep their own sums."""
+        gradients, so the replica allreduce goes; tied weights stay whole and keep their own sums. ``param_dtype``: the
+        stage computes with copies of its weights in that dtype (fxpipe.runtime.parallel.param_precision)."""
         stage_plan = self.plan.stages[self.stage_index]
         replica_group = self.sum_group  # on a tensor-parallel stage: this member's own kind over the replicas
         if stage_plan.sharding == "none" or replica_group is None:
+            self.runner.call = unsharded_call(self.runner.module, param_dtype, stage_plan.recompute, self.tp_params)
             return
         # under any of a parameter's names; gradients partial over a tensor-parallel group keep their whole-stage sum
         kept = {name for name, _ in self.program.tie_groups} | {n for n, p in self.tp_params.items() if p.partial}
         self.sharded = ShardedStage(self.runner.module, stage_plan.sharding, replica_group, self.context.device,
                                     stage_plan.recompute, [p for name, p in self.runner.parameters() if name in kept],
-                                    self.runner.compiled, stage_plan.reshard_after_forward)
+                                    self.runner.compiled, stage_plan.reshard_after_forward, param_dtype)
         self.runner.call = self.sharded
         if self.overlap is not None:
             self.overlap.remove()

@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fxpipe.runtime.autograd.recompute import checkpointed_call
 from fxpipe.runtime.parallel.fsdp_units import unit_parameters, unit_program, unit_spans
+from fxpipe.runtime.parallel.param_precision import ParamCopies, fsdp_policy
 
 
 class ShardedCall(torch.nn.Module):
@@ -54,14 +55,18 @@ class ShardedCall(torch.nn.Module):
     backward runs on the weights FSDP's pre-backward hook gathered.
     """
 
-    def __init__(self, module: torch.nn.Module, recompute: bool, call: Callable[..., Any] | None = None) -> None:
+    def __init__(self, module: torch.nn.Module, recompute: bool, call: Callable[..., Any] | None = None,
+                 copies: ParamCopies | None = None) -> None:
         super().__init__()
         self.stage = module
         self.recompute = recompute
         self.call = call  # the stage's compiled form (fxpipe.runtime.compile.stage_compile), None: the module itself
+        self.copies = copies  # bf16-params: compute copies of the weights FSDP2 leaves out (tied across stages)
 
     def forward(self, *args: Any) -> Any:
         call = self.call or self.stage
+        if self.copies is not None:
+            call = self.copies.run_as_call
         if not torch.is_grad_enabled():
             return call(*args)
         results = checkpointed_call(self.stage, args, call) if self.recompute else call(*args)
@@ -76,9 +81,10 @@ class ShardedStage:
 
     def __init__(self, module: torch.nn.Module, level: str, group: dist.ProcessGroup, device: torch.device,
                  recompute: bool, ignored: Sequence[torch.nn.Parameter], call: Callable[..., Any] | None = None,
-                 reshard_after_forward: bool | None = None) -> None:
+                 reshard_after_forward: bool | None = None, param_dtype: torch.dtype | None = None) -> None:
         assert level in ("optimizer", "gradients", "parameters"), level
         self.level = level
+        self.policy = fsdp_policy(param_dtype)  # bf16-params: bf16 compute weights, fp32 reductions
         # ZeRO-3 frees each unit after its forward unless the plan keeps it until a backward frees it
         self.reshard_after_forward = level == "parameters" if reshard_after_forward is None else reshard_after_forward
         self.mesh = DeviceMesh.from_group(group, device.type)
@@ -90,11 +96,14 @@ class ShardedStage:
         for before, after in zip(self.units, self.units[1:], strict=False):  # prefetch: next forward, previous backward
             before.set_modules_to_forward_prefetch([after])
             after.set_modules_to_backward_prefetch([before])
-        wrapper = ShardedCall(module, recompute, call)
+        copies = None
+        if param_dtype is not None and ignored:
+            copies = ParamCopies(call if isinstance(call, torch.nn.Module) else module, param_dtype, ignored)
+        wrapper = ShardedCall(module, recompute, call, copies)
         self.wrapper: Any = self._shard(wrapper, set(ignored) | unit_parameters(units))
 
     def _shard(self, module: torch.nn.Module, ignored: set[torch.nn.Parameter]) -> Any:
-        fully_shard(module, mesh=self.mesh, reshard_after_forward=self.reshard_after_forward,
+        fully_shard(module, mesh=self.mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=self.policy,
                     ignored_params={param for param in ignored if any(param is own for own in module.parameters())}
                     or None)
         assert isinstance(module, FSDPModule)

@@ -38,9 +38,13 @@ def run_stages(program: SplitProgram, device: torch.device, autocast_dtype: torc
     """Run every stage in order on the fake values in ``known`` (model inputs), adding each stage's outputs;
     the weights enter as fake tensors of ``mode`` on ``device`` (``static_weights``: with constant sizes, for a
     mode with a ShapeEnv), under autocast when it is on."""
+    cast = getattr(torch, program.param_dtype) if program.param_dtype else None  # bf16-params: the stages' copies
     for stage in program.stages:
         weights = {name: mode.from_tensor(t, static_shapes=static_weights or None).to(device) for name, t in
                    itertools.chain(stage.module.named_parameters(), stage.module.named_buffers())}
+        if cast is not None:
+            weights.update({name: weights[name].to(cast) for name, t in stage.module.named_parameters()
+                            if t.is_floating_point()})
         args = tuple(known[name] for name in stage.input_values)
         with torch.autocast(device_type=device.type, dtype=autocast_dtype or torch.bfloat16,
                             enabled=autocast_dtype is not None):
