@@ -19,6 +19,8 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
+from reference_mixed_memory import mixed_peak_bytes
+
 from fxpipe.core.chain import CostChain
 from fxpipe.core.cluster import Cluster, LinkSpec
 from fxpipe.core.plan import Plan
@@ -115,7 +117,8 @@ def sharded_collectives(plan: Plan, chain: CostChain, net: Cluster, stage_index:
     grads = max(0, weights - sum(n for holders, n in tie_sets(plan, chain).items() if stage_index in holders))
     # one FSDP unit per block: each gathers and reduces its share in a collective of its own
     units = max(1, len(unit_sizes(chain, stage.first_block, stage.stop_block)))
-    gather = sum(ring_half_seconds(net, weights / units, leads(stage), net.all_gather_collective) for _ in range(units))
+    gathered = weights * (chain.param_copy_fraction or 1.0)  # bf16-params gathers bf16 copies
+    gather = sum(ring_half_seconds(net, gathered / units, leads(stage), net.all_gather_collective) for _ in range(units))
     scatter = sum(ring_half_seconds(net, grads / units, leads(stage), net.reduce_scatter_collective)
                   for _ in range(units))
     if stage.sharding == "optimizer":  # ZeRO-1: gather updated weights once, scatter gradients once
@@ -581,7 +584,11 @@ def stage_peak_bytes(plan: Plan, chain: CostChain, stage_index: int, inflight: i
     kept_per_byte = BYTES_KEPT_PER_PARAM_BYTE[optimizer]
     sizes = unit_sizes(chain, stage.first_block, stage.stop_block)
     largest = max(sizes, default=0)
-    if stage.sharding == "none" or stage.replicas == 1:
+    if chain.param_copy_fraction > 0:  # bf16-params: tests/reference_mixed_memory.py
+        unit = largest if len(sizes) > 1 and not stage.recompute and largest < held else held
+        weights = mixed_peak_bytes(stage.sharding, held, unit, stage.replicas, kept_per_byte, plan.num_microbatches,
+                                   stage.reshard_after_forward is not False, chain.param_copy_fraction)
+    elif stage.sharding == "none" or stage.replicas == 1:
         weights = float(kept_per_byte * held)
     elif len(sizes) > 1 and not stage.recompute and stage.sharding != "optimizer" and largest < held:
         weights = per_block_peak_bytes(stage.sharding, held, largest, stage.replicas, kept_per_byte,

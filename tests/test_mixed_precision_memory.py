@@ -4,7 +4,11 @@ planner and the simulator charging the same figures for a plan in that precision
 
 from __future__ import annotations
 
+import random
+from dataclasses import replace
+
 import pytest
+from test_oracle_simulate import assert_agrees, rich_setup
 
 from fxpipe.cli import _build_parser as build_parser
 from fxpipe.core.chain import Block, CostChain
@@ -17,6 +21,7 @@ from fxpipe.core.precision import (
     param_dtype_name,
     precision_of_dtype,
 )
+from fxpipe.core.sharding import SHARDING_LEVELS
 from fxpipe.planning import plan_chain
 from fxpipe.sim.sharding_cost import sharding_comm
 from fxpipe.sim.sharding_memory import model_state_bytes
@@ -96,3 +101,19 @@ def test_the_planner_and_the_simulator_charge_the_policy(level: str) -> None:
     assert simulated.peak_memory_bytes[0] - fp32.peak_memory_bytes[0] == pytest.approx(state[0.5] - state[0.0], abs=1)
     if level != "none":  # the all-gathers move half the bytes
         assert simulated.iteration_time_s < fp32.iteration_time_s
+
+
+@pytest.mark.parametrize("first_seed", [0, 100])
+def test_the_simulator_matches_the_reference_under_the_policy(first_seed: int) -> None:
+    """Random hybrid plans with random levels, in bf16-params: the simulator against tests/reference_sim.py (its
+    memory itemised buffer by buffer with their dtypes in tests/reference_mixed_memory.py) on time and memory."""
+    for seed in range(first_seed, first_seed + 40):
+        plan, chain, net, options = rich_setup(seed)
+        pick = random.Random(seed + 7 * 10**6)
+        stages = tuple(replace(stage, sharding=pick.choice(SHARDING_LEVELS) if stage.replicas > 1 else "none")
+                       for stage in plan.stages)
+        plan = plan.with_updates(stages=stages, precision="bf16-params")
+        mixed_chain = replace(chain, param_copy_fraction=0.5)
+        where = f"seed {seed}: {plan.layout} {[s.sharding for s in stages]} {plan.schedule}, {options}"
+        assert_agrees(plan, mixed_chain, net, where, **options)
+        assert simulate(plan, chain, net).peak_memory_bytes == simulate(plan, mixed_chain, net).peak_memory_bytes

@@ -94,7 +94,7 @@ def test_a_device_without_bf16_names_the_precision_to_use() -> None:
 def test_precision_names() -> None:
     assert [autocast_dtype_name(name) for name in ("fp32", "bf16", "fp16")] == [None, "bfloat16", "float16"]
     assert precision_of_dtype("bfloat16") == "bf16" and precision_of_dtype(None) == "fp32"
-    with pytest.raises(PrecisionError, match=r"'fp8' is unknown; choose one of \['bf16', 'fp16', 'fp32'\]"):
+    with pytest.raises(PrecisionError, match=r"'fp8' is unknown; choose one of \['bf16', 'bf16-params', 'fp16', 'fp32'\]"):
         check_precision("fp8")
 
 

@@ -67,7 +67,8 @@ of 1 MiB (P = 8 U, r = 3, Adam; tests/test_mixed_precision_params.py, docs/shard
     parameters, M >= 2:      f P / r + 4 c U + U      the fp32 table's five buffers, four of them bf16: 13.81 U
                                                       measured, 13.67 U figure
     parameters, M = 1:       f P / r + 3 c U + U - 2 U / r        12.60 U measured, 12.50 U figure
-    with at most two units (P < 3 U) one c U less, as above; a stage of one unit takes U = P.
+    with at most two units (P < 3 U) the third unit's buffer goes, as above: c U at M >= 2, U at M = 1; a stage
+    of one unit takes U = P.
 
 The all-gather moves c of the weights' bytes; reduce-scatters and all-reduces move fp32 gradients
 (:func:`fxpipe.sim.sharding_cost.sharding_comm`).
@@ -155,6 +156,6 @@ def mixed_state_bytes(param_bytes: float, factor: float, sharding: str, replicas
             return copy * param_bytes + rest + (1.0 + copy) * unit
         return copy * param_bytes + factor * param_bytes / replicas + (1.0 + copy) * unit
     buffers = (4.0 * copy * unit + unit) if several else (3.0 * copy * unit + unit - 2.0 * unit / replicas)
-    if param_bytes < 3.0 * unit:
-        buffers -= copy * unit
+    if param_bytes < 3.0 * unit:  # no third unit's buffer: M >= 2 the previous bf16 flat output, M = 1 the fp32
+        buffers -= copy * unit if several else unit  # reduce-scatter input kept from the third unit
     return factor * param_bytes / replicas + buffers
