@@ -47,11 +47,11 @@ def precision_of_dtype(dtype_name: str | None, param_dtype: str | None = None) -
     """The precision of an autocast dtype name and a parameter copy dtype name (``"bfloat16"`` -> ``"bf16"``;
     None -> ``"fp32"``; ``("bfloat16", "bfloat16")`` -> ``"bf16-params"``)."""
     if param_dtype is not None:
-        for precision, name in PARAM_DTYPES.items():
-            if name == param_dtype and PRECISIONS[precision] == dtype_name:
-                return precision
+        for mixed, copy_dtype in PARAM_DTYPES.items():
+            if copy_dtype == param_dtype and PRECISIONS[mixed] == dtype_name:
+                return mixed
         raise PrecisionError(f"param_dtype {param_dtype!r} with autocast dtype {dtype_name!r} is not a precision "
-                             f"fxpipe trains in; use param_dtype=torch.bfloat16 with autocast_dtype=torch.bfloat16 "
+                             "fxpipe trains in; use param_dtype=torch.bfloat16 with autocast_dtype=torch.bfloat16 "
                              "(precision 'bf16-params'), or param_dtype=None")
     for precision, name in PRECISIONS.items():
         if name == dtype_name and precision not in PARAM_DTYPES:
