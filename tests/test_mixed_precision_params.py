@@ -2,7 +2,8 @@
 
 Every case trains gpt-mini (4 blocks, its embedding tied to the head across stages) on a 2:1 layout under bf16
 autocast with ``param_dtype=torch.bfloat16``: stage 0's two replicas unsharded (the runtime's own bf16 copies,
-fxpipe.runtime.parallel.param_precision), ZeRO-1 and ZeRO-3 (FSDP2's MixedPrecisionPolicy). Each rank checks
+fxpipe.runtime.parallel.param_precision), ZeRO-1 and ZeRO-3 (FSDP2's MixedPrecisionPolicy), and under zero-bubble
+unsharded and ZeRO-2 (W apart from B). Each rank checks
 that its masters and their gradients stay fp32 while the stage's layers compute with bf16 weights; step 1's
 gradients and the weights after NUM_STEPS AdamW steps must match one process that makes its bf16 copies the
 same way (one differentiable cast per master per step, fp32 masters, same AdamW).
@@ -47,7 +48,10 @@ GLOBAL_BATCH = 12
 NUM_MICROBATCHES = 3
 NUM_STEPS = 3
 BF16 = torch.bfloat16
-LEVELS = ("none", "optimizer", "parameters")  # stage 0 (2 replicas) at each level; stage 1 (1 replica) unsharded
+# (stage 0's level over its 2 replicas, schedule); stage 1 (1 replica) is unsharded. Zero-bubble's W runs the
+# weight gradients apart from B: through the runtime's casts (none) and FSDP2's post-backward (ZeRO-2)
+CASES = (("none", "dapple"), ("optimizer", "dapple"), ("parameters", "dapple"), ("none", "zero_bubble"),
+         ("gradients", "zero_bubble"))
 TIED_USE = {"wte.weight": 0, "lm_head.weight": 1}  # the stage each use of gpt-mini's tied weight runs on
 # Step 1's gradients: each slice's bf16 gradient (8 significant bits) added in fp32 (24) is exact unless the slices'
 # magnitudes differ by more than 2**16, so the order of the pipeline's sums (replicas, micro-batches) rarely
@@ -132,12 +136,12 @@ def _world(store_dir: str, name: str, rank: int, world_size: int) -> Iterator[No
         leave_world()
 
 
-def _compile(level: str) -> Any:
+def _compile(level: str, schedule: str) -> Any:
     model, example_inputs = zoo.build(MODEL, **OVERRIDES)
     plan = plan_from_cuts(trace(copy.deepcopy(model), example_inputs), (2, 1), GLOBAL_BATCH, NUM_MICROBATCHES)
     stages = tuple(replace(stage, sharding=level) if stage.replicas > 1 else stage for stage in plan.stages)
     return fxpipe.compile(model, example_inputs, loss_fn=zoo.get(MODEL).loss_fn, global_batch_size=GLOBAL_BATCH,
-                          plan=plan.with_updates(stages=stages), schedule="dapple", autocast_dtype=BF16,
+                          plan=plan.with_updates(stages=stages), schedule=schedule, autocast_dtype=BF16,
                           param_dtype=BF16)
 
 
@@ -194,9 +198,9 @@ def _run(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     fsdp_memory_probe.install()
     results: dict[str, Any] = {}
-    for level in LEVELS:
-        with _world(store_dir, f"mixed-{level}", rank, world_size):
-            results[level] = _train(_compile(level))
+    for level, schedule in CASES:
+        with _world(store_dir, f"mixed-{level}-{schedule}", rank, world_size):
+            results[f"{level} {schedule}"] = _train(_compile(level, schedule))
     with _world(store_dir, "mixed-memory", rank, world_size):
         results["memory"] = _measured_memory()
     return results
@@ -207,13 +211,13 @@ def test_bf16_params_train_as_one_process_on_every_level(tmp_path: Path) -> None
     """Unsharded, ZeRO-1 and ZeRO-3 replicas under bf16-params match one process under the same policy; masters
     and gradients are fp32, compute weights bf16; the memory model's ZeRO-3 figure matches the measured peak."""
     ranks = run_ranks(_run, WORLD_SIZE, tmp_path)
-    stage_names = {results["none"]["stage"]: set(results["none"]["grads"]) for results in ranks}
+    stage_names = {results["none dapple"]["stage"]: set(results["none dapple"]["grads"]) for results in ranks}
     slicing = plan_slicing(stage_names)
     expected = reference(slicing)
     autocast_only = reference(slicing, param_dtype=None)
     weight_tolerance = 0.01 * _largest_difference(autocast_only["params"], expected["params"])
     failures = []
-    for level in LEVELS:
+    for level in (f"{level} {schedule}" for level, schedule in CASES):
         grads: dict[str, torch.Tensor] = {}
         params: dict[str, torch.Tensor] = {}
         for rank, results in enumerate(ranks):
