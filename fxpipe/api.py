@@ -332,10 +332,9 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
     devices; ``$FXPIPE_COSTS`` overrides), ``"measured"`` or ``"analytic"`` (no measuring). ``check_rows``:
     when the plan splits the batch (micro-batches or replicas), run the model in eval mode on the example
     batch whole and in halves and refuse it if rows see each other (docs/exactness.md). ``autocast_dtype``:
-    ``torch.bfloat16`` or ``torch.float16`` trains under autocast (fp32 master weights), and the planner costs
-    and measures the model under the same autocast (the plan's ``precision``, docs/clusters.md); with
-    ``param_dtype=torch.bfloat16`` too, stages compute with bf16 copies of the fp32 master weights and reduce
-    gradients in fp32 (precision ``"bf16-params"``, docs/sharding.md). ``timeout_s``:
+    ``torch.bfloat16`` or ``torch.float16`` trains under autocast (fp32 master weights), and the planner costs and
+    measures the model under the same autocast (the plan's ``precision``, docs/clusters.md); ``param_dtype=torch.
+    bfloat16`` too: bf16 copies of the fp32 masters compute, gradients sum in fp32 (``"bf16-params"``). ``timeout_s``:
     how long a transfer or collective waits on ranks that are alive; ``stall_timeout_s``: a rank whose heartbeat
     stopped this long (frozen, stopped) is named as the root cause on every rank (docs/faults.md).
     ``torch_compile``: True (or torch.compile's keyword arguments, e.g. ``{"backend": "aot_eager"}``) compiles

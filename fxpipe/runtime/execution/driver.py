@@ -175,8 +175,7 @@ class PipelineDriver:
     def shard_stage(self, param_dtype: torch.dtype | None = None) -> None:
         """Shard this rank's stage as the plan says (fxpipe.runtime.parallel.sharded_stage; nothing for ``"none"``): after
         setup and the replicas' parameter sync, which runs on whole tensors. FSDP2 now reduces the stage's
-        gradients, so the replica allreduce goes; tied weights stay whole and keep their own sums. ``param_dtype``: the
-        stage computes with copies of its weights in that dtype (fxpipe.runtime.parallel.param_precision)."""
+        gradients, so the replica allreduce goes; tied weights stay whole and keep their own sums (bf16-params)."""
         stage_plan = self.plan.stages[self.stage_index]
         replica_group = self.sum_group  # on a tensor-parallel stage: this member's own kind over the replicas
         if stage_plan.sharding == "none" or replica_group is None:
