@@ -49,9 +49,10 @@ NUM_MICROBATCHES = 3
 NUM_STEPS = 3
 BF16 = torch.bfloat16
 # (stage 0's level over its 2 replicas, schedule); stage 1 (1 replica) is unsharded. Zero-bubble's W runs the
-# weight gradients apart from B: through the runtime's casts (none) and FSDP2's post-backward (ZeRO-2)
+# weight gradients apart from B: through the runtime's casts (none) and FSDP2's post-backward (ZeRO-2).
+# "recompute": both stages recompute in backward, on the same copies (ZeRO-3 then one unit, stage 1 unsharded)
 CASES = (("none", "dapple"), ("optimizer", "dapple"), ("parameters", "dapple"), ("none", "zero_bubble"),
-         ("gradients", "zero_bubble"))
+         ("gradients", "zero_bubble"), ("parameters", "recompute"))
 TIED_USE = {"wte.weight": 0, "lm_head.weight": 1}  # the stage each use of gpt-mini's tied weight runs on
 # Step 1's gradients: each slice's bf16 gradient (8 significant bits) added in fp32 (24) is exact unless the slices'
 # magnitudes differ by more than 2**16, so the order of the pipeline's sums (replicas, micro-batches) rarely
@@ -139,9 +140,12 @@ def _world(store_dir: str, name: str, rank: int, world_size: int) -> Iterator[No
 def _compile(level: str, schedule: str) -> Any:
     model, example_inputs = zoo.build(MODEL, **OVERRIDES)
     plan = plan_from_cuts(trace(copy.deepcopy(model), example_inputs), (2, 1), GLOBAL_BATCH, NUM_MICROBATCHES)
-    stages = tuple(replace(stage, sharding=level) if stage.replicas > 1 else stage for stage in plan.stages)
+    recompute = schedule == "recompute"
+    stages = tuple(replace(stage, sharding=level if stage.replicas > 1 else "none", recompute=recompute)
+                   for stage in plan.stages)
     return fxpipe.compile(model, example_inputs, loss_fn=zoo.get(MODEL).loss_fn, global_batch_size=GLOBAL_BATCH,
-                          plan=plan.with_updates(stages=stages), schedule=schedule, autocast_dtype=BF16,
+                          plan=plan.with_updates(stages=stages), schedule="dapple" if recompute else schedule,
+                          recompute="always" if recompute else "never", autocast_dtype=BF16,
                           param_dtype=BF16)
 
 
@@ -169,7 +173,7 @@ def _train(pipe: Any) -> dict[str, Any]:
         optimizer.zero_grad()
     params = {name: full_value(p).numpy() for name, p in pipe.named_parameters()}  # numpy: tensors do not pickle here
     return {"grads": grads, "params": params, "masters": sorted(master_dtypes), "computed": sorted(computed),
-            "stage": pipe.driver.stage_index}
+            "stage": pipe.driver.stage_index, "recompute": pipe.driver.runner.recompute}
 
 
 def _measured_memory() -> dict[str, Any]:
@@ -225,6 +229,8 @@ def test_bf16_params_train_as_one_process_on_every_level(tmp_path: Path) -> None
             if record["masters"] != ["torch.float32/torch.float32"] or record["computed"] != ["torch.bfloat16"]:
                 failures.append(f"{level} rank {rank}: master/grad dtypes {record['masters']}, compute weights "
                                 f"{record['computed']}; want fp32 masters and gradients, bf16 compute")
+            if record["recompute"] != level.endswith("recompute"):
+                failures.append(f"{level} rank {rank}: the stage recomputes: {record['recompute']}")
             grads.update({name: torch.from_numpy(value) for name, value in record["grads"].items()})
             params.update({name: torch.from_numpy(value) for name, value in record["params"].items()})
         if set(params) != set(expected["params"]):
