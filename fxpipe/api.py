@@ -443,6 +443,10 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     finally:
         release_group(group)
     warn_batch_norm(model, resolved, options.batch_norm)
+    if resolved.chunk_groups:  # virtual stages: a rank runs several chunks (fxpipe.virtual_pipe)
+        from fxpipe.virtual_pipe import build_virtual_pipe
+
+        return build_virtual_pipe(program, resolved, options, context, target_dim, compile_settings, graph_module)
     driver = PipelineDriver(program, resolved, options.loss_fn, context=context,
                             autocast_dtype=options.autocast_dtype, timeout_s=options.timeout_s,
                             loss_reduction=options.loss_reduction, check_batch=options.check_batch,
