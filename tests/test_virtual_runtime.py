@@ -124,14 +124,14 @@ def _checkpoints(rank: int, store_dir: str, directory: str) -> dict[str, Any]:
             optimizer.step()
             optimizer.zero_grad()
         pipe.save(directory, optimizer=optimizer, step=2)
-        return {name: tensor.clone() for name, tensor in pipe.state_dict().items()}
+        return {name: tensor.numpy().copy() for name, tensor in pipe.state_dict().items()}  # queue-safe
 
     def load(plan: Plan) -> dict[str, torch.Tensor]:
         pipe = _compile(model, plan)
         optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
         info = pipe.load(directory, optimizer=optimizer)
         assert info["step"] == 2
-        return {name: tensor.clone() for name, tensor in pipe.state_dict().items()}
+        return {name: tensor.numpy().copy() for name, tensor in pipe.state_dict().items()}
 
     saved = _in_world(store_dir, "ckpt-save", rank, save)
     at_one = _in_world(store_dir, "ckpt-v1", rank, lambda: load(virtual_plan(model, "early_backward", 3, 1)))
@@ -189,7 +189,7 @@ def test_evaluate_and_predict_match_the_trained_model(per_rank: list[dict[str, A
 
 @pytest.mark.multiprocess
 def test_checkpoints_load_between_values_of_v(per_rank: list[dict[str, Any]]) -> None:
-    saved: dict[str, torch.Tensor] = {}
+    saved: dict[str, Any] = {}
     for results in per_rank:
         saved.update(results["checkpoints"]["saved"])
     for rank, results in enumerate(per_rank):
@@ -197,7 +197,7 @@ def test_checkpoints_load_between_values_of_v(per_rank: list[dict[str, Any]]) ->
             state = results["checkpoints"][loaded]
             assert state, (rank, loaded)
             for name, tensor in state.items():
-                assert torch.equal(tensor, saved[name]), (rank, loaded, name)
+                assert (tensor == saved[name]).all(), (rank, loaded, name)
 
 
 @pytest.mark.multiprocess

@@ -108,6 +108,7 @@ class VirtualDriver:
         self._steps: dict[tuple[Any, ...], VirtualStep] = {}
         self.forward_only = False
         self.preempted = False
+        self.tp_params: dict[str, Any] = {}  # checkpoints ask for tensor-parallel shards: none (refused in compile_plan)
 
     # ---- layout ----------------------------------------------------------------------------------
 
