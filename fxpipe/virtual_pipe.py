@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fxpipe.api import PipelinedModule
+from fxpipe.pipe_inputs import positional_inputs
 from fxpipe.runtime.faults.errors import PipelineSetupError
 
 if TYPE_CHECKING:
@@ -17,18 +18,46 @@ if TYPE_CHECKING:
     from fxpipe.runtime.transport.comm import DistContext
 
 
-class VirtualPipelinedModule(PipelinedModule):
+class VirtualPipelinedModule:
     """This rank's chunks of a virtual-stage pipeline; ``step``, ``evaluate``, ``predict`` for the whole job.
 
-    ``parameters()``/``named_parameters()`` cover every chunk this rank runs (a tied weight held by two of them
-    appears once per chunk: each copy gets the same summed gradient); ``state_dict()`` gives whole tensors under
-    the original names, so checkpoints load across plans and values of v.
+    Every rank calls them with the same global batch (as on ``fxpipe.api.PipelinedModule``). ``parameters()`` /
+    ``named_parameters()`` cover every chunk this rank runs, each parameter once; ``state_dict()`` gives whole
+    tensors under the original names, so checkpoints load across plans and values of v.
     """
 
-    driver: VirtualDriver  # type: ignore[assignment]
+    def __init__(self, driver: VirtualDriver, graph_module: torch.fx.GraphModule) -> None:
+        self.driver = driver
+        self.graph_module = graph_module
 
+    plan = property(lambda self: self.driver.plan, doc="The Plan this module runs.")
+    program = property(lambda self: self.driver.program, doc="The SplitProgram (all chunks' code).")
+    rank = property(lambda self: self.driver.rank, doc="This process's rank.")
     stage_index = property(lambda self: self.driver.stage_index, doc="The first chunk this rank runs.")
-    module = property(lambda self: self.driver.runner.module, doc="The GraphModule of this rank's last chunk.")
+    replica_index = property(lambda self: self.driver.replica_index, doc="Which replica of its device group.")
+    chunks = property(lambda self: self.driver.chunks, doc="The chunks (plan stages) this rank runs.")
+    scaler = None  # no grad scaler on virtual stages yet (checkpoints ask)
+
+    def step(self, inputs: Any, targets: Any, *, partial: bool = False) -> float:
+        """Forward and backward of the global batch; gradients land in ``parameters()``; returns the loss."""
+        return self._collective(self.driver.step, self._positional(inputs), targets, partial=partial)
+
+    def evaluate(self, inputs: Any, targets: Any) -> float:
+        """The loss of the global batch, forward only, gradients untouched (collective)."""
+        from fxpipe.runtime.virtual_inference import evaluate
+
+        return self._collective(evaluate, self.driver, self._positional(inputs), targets)
+
+    def predict(self, inputs: Any) -> Any:
+        """The model's output for the global batch on every rank (collective, forward only)."""
+        from fxpipe.runtime.virtual_inference import predict
+
+        return self._collective(predict, self.driver, self._positional(inputs))
+
+    __call__ = predict
+
+    def _positional(self, inputs: Any) -> tuple[Any, ...]:
+        return positional_inputs(self.driver.program.model_inputs, inputs)
 
     def _collective(self, run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
@@ -38,39 +67,59 @@ class VirtualPipelinedModule(PipelinedModule):
                 self.driver.failures.note_error(error)
             raise
 
-    def evaluate(self, inputs: Any, targets: Any) -> float:
-        from fxpipe.runtime.virtual_inference import evaluate
-
-        return self._collective(evaluate, self.driver, self._positional(inputs), targets)
-
-    def predict(self, inputs: Any) -> Any:
-        from fxpipe.runtime.virtual_inference import predict
-
-        return self._collective(predict, self.driver, self._positional(inputs))
-
-    __call__ = predict
-
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         yield from self.driver.named
 
-    def _stage_tensors(self) -> dict[str, torch.Tensor]:
-        return dict(chunk_tensors(self.driver))
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        for _, param in self.driver.named:
+            yield param
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {name: tensor.detach() for name, tensor in self._stage_tensors().items()}
+        """Parameters and buffers of this rank's chunks under their original names (detached, whole)."""
+        return {name: tensor.detach() for name, tensor in chunk_tensors(self.driver)}
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        missing = sorted({name for name in self._stage_tensors()} - set(state))
+        """Copy the entries this rank's chunks hold from a full (or partial) state dict keyed by original names."""
+        held = chunk_tensors(self.driver)
+        missing = sorted({name for name, _ in held} - set(state))
         if missing:
             raise KeyError(f"state dict lacks {missing} held by chunks {list(self.driver.chunks)}")
         with torch.no_grad():
-            for name, tensor in chunk_tensors(self.driver):  # every copy of a tied weight
+            for name, tensor in held:  # every copy of a tied weight
                 tensor.copy_(state[name])
 
-    def train(self, mode: bool = True) -> PipelinedModule:
+    def train(self, mode: bool = True) -> VirtualPipelinedModule:
         for runner in self.driver.runners.values():
             runner.module.train(mode)
         return self
+
+    def eval(self) -> VirtualPipelinedModule:
+        return self.train(False)
+
+    def save(self, directory: str | Path, *, optimizer: torch.optim.Optimizer | None = None, step: int = 0,
+             extra: Mapping[str, Any] | None = None) -> Path:
+        """Atomic sharded checkpoint under original names (every rank calls it); loads under any plan."""
+        from fxpipe.runtime.checkpoint_io import save_checkpoint
+
+        return save_checkpoint(self, directory, optimizer=optimizer, step=step, extra=extra)
+
+    def load(self, directory: str | Path, *, optimizer: torch.optim.Optimizer | None = None,
+             verify: bool = True) -> dict[str, Any]:
+        """Load a checkpoint saved under any plan, with or without virtual stages; returns ``{"step", "extra"}``."""
+        from fxpipe.runtime.checkpoint_io import load_checkpoint
+
+        return load_checkpoint(self, directory, optimizer=optimizer, verify=verify)
+
+    @property
+    def preempted(self) -> bool:
+        """A preemption signal reached some rank before the last step ended (the same on every rank)."""
+        return bool(self.driver.preempted)
+
+    def close(self) -> None:
+        """Wait for all ranks, then release the process group if ``compile`` created it."""
+        from fxpipe.runtime.transport.comm import close_distributed
+
+        close_distributed(self.driver.context)
 
     def __repr__(self) -> str:
         return (f"VirtualPipelinedModule(layout={self.plan.layout!r}, virtual_stages={self.plan.virtual_stages}, "
@@ -83,17 +132,6 @@ def chunk_tensors(driver: VirtualDriver) -> list[tuple[str, torch.Tensor]]:
     from fxpipe.runtime.sync import stage_state
 
     return [item for runner in driver.runners.values() for item in stage_state(runner.module, runner.stage.param_names)]
-
-
-def unsupported(name: str) -> Callable[..., Any]:
-    def refuse(self: VirtualPipelinedModule, *args: Any, **kwargs: Any) -> Any:
-        raise PipelineSetupError(f"pipe.{name} is not supported with virtual stages yet (virtual_stages="
-                                 f"{self.plan.virtual_stages}); use a plan without virtual stages for it")
-    return refuse
-
-
-for _name in ("clip_grad_norm_", "grad_scaler", "export", "input_rows", "target_rows", "compile_stats", "step_stats"):
-    setattr(VirtualPipelinedModule, _name, unsupported(_name))
 
 
 def build_virtual_pipe(program: SplitProgram, plan: Any, options: CompileOptions, context: DistContext,
@@ -123,4 +161,4 @@ def build_virtual_pipe(program: SplitProgram, plan: Any, options: CompileOptions
         from fxpipe.report import print_plan
 
         print_plan(plan, options.verbose)
-    return VirtualPipelinedModule(driver, graph_module)  # type: ignore[arg-type]  # a driver of several chunks
+    return VirtualPipelinedModule(driver, graph_module)
