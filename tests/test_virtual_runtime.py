@@ -4,10 +4,14 @@ evaluate and predict, save at v=2 and load at v=1 and back, and run compiled chu
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import fxpipe
 from fxpipe import models as zoo
@@ -153,9 +157,38 @@ def _compiled(rank: int, store_dir: str) -> dict[str, Any]:
     return _in_world(store_dir, "compiled", rank, run)
 
 
+STALLED = 3  # the rank that stops itself (group 2: ZB-V's middle chunks 2 and 3)
+STALL_S, TIMEOUT_S = 3.0, 8.0  # stall_timeout_s and the receive timeout of the stall scenario
+
+
+def _stall(rank: int, store_dir: str) -> dict[str, Any]:
+    """Rank STALLED stops (SIGSTOP) before the second step; the others must exit that step naming it, within the
+    stall limit and a few seconds; rank 0 then resumes it (SIGCONT), and it fails too, naming the root cause."""
+    def run() -> dict[str, Any]:
+        pipe = _compile("mlp", virtual_plan("mlp", "zbv", 2), timeout_s=TIMEOUT_S, stall_timeout_s=STALL_S)
+        pids: list[Any] = [None] * WORLD_SIZE
+        dist.all_gather_object(pids, os.getpid())
+        batches = _batches("mlp", 2)
+        pipe.step(*batches[0])
+        started = time.time()
+        if rank == STALLED:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        try:
+            pipe.step(*batches[1])
+            message = "no error"
+        except Exception as error:  # what the test checks
+            message = f"{type(error).__name__}: {error}"
+        delay = time.time() - started
+        if rank == 0:
+            os.kill(pids[STALLED], signal.SIGCONT)
+        time.sleep(STALL_S + 2.0)  # stay in the world: a rank leaving early closes its connections under the others
+        return {"message": message, "delay": delay}
+    return _in_world(store_dir, "stall", rank, run)
+
+
 def _run(rank: int, world_size: int, store_dir: str, directory: str) -> dict[str, Any]:
     return {"exact": _exact_cases(rank, store_dir), "checkpoints": _checkpoints(rank, store_dir, directory),
-            "compiled": _compiled(rank, store_dir)}
+            "compiled": _compiled(rank, store_dir), "stall": _stall(rank, store_dir)}
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +241,18 @@ def test_compiled_chunks_train_exactly(per_rank: list[dict[str, Any]]) -> None:
         assert not record["problems"], (rank, record["problems"][:3])
 
 
+@pytest.mark.multiprocess
+def test_a_stalled_rank_is_named_by_every_other_rank(per_rank: list[dict[str, Any]]) -> None:
+    for rank, results in enumerate(per_rank):
+        message, delay = results["stall"]["message"], results["stall"]["delay"]
+        if rank == STALLED:
+            assert message.startswith("CommunicationError"), message
+            continue
+        assert message.startswith("CommunicationError"), (rank, message)
+        assert f"rank {STALLED} stalled: no heartbeat for" in message, (rank, message)
+        assert delay < STALL_S + 6.0, (rank, delay, message)
+
+
 def test_sharded_and_tensor_parallel_chunks_are_refused_naming_the_fix() -> None:
     from dataclasses import replace
 
@@ -219,3 +264,8 @@ def test_sharded_and_tensor_parallel_chunks_are_refused_naming_the_fix() -> None
                                              for s in plan.stages))
     with pytest.raises(PipelineSetupError, match=r"chunks \[0, 3\] are sharded .*sharding='none'"):
         check_runs_virtual(sharded)
+    doubled = {(0, 1): (0, 1, 2, 3), (2,): (4, 5), (3,): (6, 7)}  # every group 2-way tensor parallel
+    tensor_parallel = plan.with_updates(stages=tuple(replace(s, tensor_parallel=2, devices=doubled[s.devices])
+                                                     for s in plan.stages))
+    with pytest.raises(PipelineSetupError, match=r"are 2-way tensor parallel .*use T = 1"):
+        check_runs_virtual(tensor_parallel)
