@@ -279,8 +279,10 @@ class VirtualDriver:
         outputs = state.outputs.pop((chunk, m))
         grads: dict[str, torch.Tensor] = {}
         for consumer in (k for k in self.chunks if chunk in self.links[k][2]):
-            for name, grad in state.input_grads.get((consumer, m), {}).items():
-                if name in outputs and grad is not None:
+            given = state.input_grads.get((consumer, m), {})
+            for name in [n for n in given if n in outputs]:  # a value has one producer: its gradients go now
+                grad = given.pop(name)
+                if grad is not None:
                     grads[name] = grad if name not in grads else grads[name] + grad
         for link in self.links[chunk][1]:
             pieces = state.inboxes[link, MessageKind.GRADIENT].take(MessageKind.GRADIENT, m)
@@ -301,6 +303,13 @@ class VirtualDriver:
             state.input_grads[chunk, m] = runner.backward(m, output_grads)
         for link in self.links[chunk][0]:
             self._send_gradients(state, link, m)
+        # what the remote producers got is sent (packed copies): keep only the local producers' gradients
+        received = state.received.pop((chunk, m), {})
+        kept = {n: g for n, g in state.input_grads[chunk, m].items() if n not in received}
+        if kept:
+            state.input_grads[chunk, m] = kept
+        else:
+            del state.input_grads[chunk, m]
 
     def _send_gradients(self, state: VirtualState, link: Link, m: int) -> None:
         grads, received = state.input_grads[link[1], m], state.received[link[1], m]
