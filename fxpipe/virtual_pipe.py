@@ -110,6 +110,32 @@ class VirtualPipelinedModule:
 
         return load_checkpoint(self, directory, optimizer=optimizer, verify=verify)
 
+    def handle_preemption(self) -> None:
+        """On SIGTERM, only note it; after the step it lands in, ``preempted`` is True on every rank (docs/faults.md)."""
+        from fxpipe.runtime.faults.preemption import install
+
+        install()
+
+    def clip_grad_norm_(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._unsupported("clip_grad_norm_")
+
+    def grad_scaler(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._unsupported("grad_scaler")
+
+    def export(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._unsupported("export")
+
+    def input_rows(self) -> Any:
+        raise self._unsupported("input_rows")
+
+    def target_rows(self) -> Any:
+        raise self._unsupported("target_rows")
+
+    def _unsupported(self, name: str) -> PipelineSetupError:
+        return PipelineSetupError(f"pipe.{name} is not supported with virtual stages yet (virtual_stages="
+                                  f"{self.plan.virtual_stages}); use a plan without virtual stages for it "
+                                  "(docs/virtual_stages.md, Runtime)")
+
     @property
     def preempted(self) -> bool:
         """A preemption signal reached some rank before the last step ended (the same on every rank)."""
