@@ -116,8 +116,13 @@ class VirtualPipelinedModule:
 
         install()
 
-    def clip_grad_norm_(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._unsupported("clip_grad_norm_")
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model (every chunk of every rank, each parameter once);
+        call on every rank after ``step``: the same total everywhere."""
+        from fxpipe.runtime.virtual_clipping import clip_virtual_grad_norm
+
+        return clip_virtual_grad_norm(self.driver, max_norm, norm_type, error_if_nonfinite)
 
     def grad_scaler(self, *args: Any, **kwargs: Any) -> Any:
         raise self._unsupported("grad_scaler")

@@ -25,6 +25,7 @@ from tests.mp_utils import compute_nodes, join_world, leave_world, run_ranks
 WORLD_SIZE = 4
 GLOBAL_BATCH = 12
 GROUP_DEVICES = ((0, 1), (2,), (3,))  # layout 2:1:1: group 0 has two replicas
+MAX_NORM = 0.05  # below every step's gradient norm in these cases: every step clips (asserted)
 LM = "gpt-mini"  # ties the embedding to the output head: chunk 0 and the last chunk hold it
 MLP_OVERRIDES = {"in_features": 8, "hidden_features": 16, "out_features": 4, "num_layers": 6}
 # (name, model, schedule, micro-batches): M=4 is not a multiple of G=3 for the loops; zbv needs the V map
@@ -86,8 +87,8 @@ def _in_world(store_dir: str, name: str, rank: int, run: Any) -> Any:
 
 
 def _exact_cases(rank: int, store_dir: str) -> dict[str, Any]:
-    references = {model: train_reference(_build(model)[0], zoo.get(model).loss_fn, _batches(model))
-                  for model in (LM, "mlp")}
+    references = {model: train_reference(_build(model)[0], zoo.get(model).loss_fn, _batches(model),
+                                         after_backward=_clipped) for model in (LM, "mlp")}
     results = {}
     for index, (name, model, schedule, num_microbatches) in enumerate(CASES):
         results[name] = _in_world(store_dir, f"exact-{index}", rank,
@@ -95,12 +96,19 @@ def _exact_cases(rank: int, store_dir: str) -> dict[str, Any]:
     return results
 
 
+def _clipped(model: Any) -> float:
+    """One process's clipping (MAX_NORM is below every step's norm: every step clips)."""
+    return float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
+
+
 def _exact(name: str, model: str, schedule: str, num_microbatches: int, references: dict[str, Any]) -> dict[str, Any]:
     pipe = _compile(model, virtual_plan(model, schedule, num_microbatches))
-    record = train_and_compare(pipe, _batches(model), references[model])
+    record = train_and_compare(pipe, _batches(model), references[model],
+                               after_backward=lambda pipe: float(pipe.clip_grad_norm_(MAX_NORM)))
+    record["reference_norms"] = references[model]["after_backward"]
     record["chunks"] = list(pipe.driver.chunks)
-    with pytest.raises(PipelineSetupError, match=r"pipe.clip_grad_norm_ is not supported with virtual stages"):
-        pipe.clip_grad_norm_(1.0)  # local: refused on every rank alike, before any collective
+    with pytest.raises(PipelineSetupError, match=r"pipe.export is not supported with virtual stages"):
+        pipe.export("unused")  # local: refused on every rank alike, before any collective
     record["reference_losses"] = references[model]["losses"]
     if name == "lm interleaved":  # forward only, with the trained weights: against the trained reference
         record.update(_inference(pipe, references[model]["model"], model))
@@ -206,6 +214,9 @@ def test_every_schedule_trains_exactly_as_one_process(per_rank: list[dict[str, A
         record = results["exact"][case]
         assert not record["problems"], (rank, record["problems"][:3])
         assert record["losses"] == pytest.approx(record["reference_losses"], rel=1e-5), rank
+        # clipped by the whole model's norm (the tied weight once), as one process clips
+        assert min(record["reference_norms"]) > MAX_NORM, record["reference_norms"]
+        assert record["after_backward"] == pytest.approx(record["reference_norms"], rel=1e-5), rank
     chunks = [results["exact"][case]["chunks"] for results in per_rank]
     if "zbv" in case:  # a V: group 0 holds the first and the last chunk (the tied embedding on one rank)
         assert chunks == [[0, 5], [0, 5], [1, 4], [2, 3]]
