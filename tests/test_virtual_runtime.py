@@ -189,10 +189,15 @@ def _stall(rank: int, store_dir: str) -> dict[str, Any]:
         except Exception as error:  # what the test checks
             message = f"{type(error).__name__}: {error}"
         delay = time.time() - started
+        try:  # refused locally: the failed step's receives may still be posted
+            pipe.step(*batches[1])
+            again = "no error"
+        except PipelineSetupError as error:
+            again = str(error)
         if rank == 0:
             os.kill(pids[STALLED], signal.SIGCONT)
         time.sleep(STALL_S + 2.0)  # stay in the world: a rank leaving early closes its connections under the others
-        return {"message": message, "delay": delay}
+        return {"message": message, "delay": delay, "again": again}
     return _in_world(store_dir, "stall", rank, run)
 
 
@@ -258,6 +263,7 @@ def test_compiled_chunks_train_exactly(per_rank: list[dict[str, Any]]) -> None:
 def test_a_stalled_rank_is_named_by_every_other_rank(per_rank: list[dict[str, Any]]) -> None:
     for rank, results in enumerate(per_rank):
         message, delay = results["stall"]["message"], results["stall"]["delay"]
+        assert "an earlier step failed (CommunicationError" in results["stall"]["again"], results["stall"]["again"]
         if rank == STALLED:
             assert message.startswith("CommunicationError"), message
             continue

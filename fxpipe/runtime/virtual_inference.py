@@ -22,6 +22,9 @@ def _run(driver: VirtualDriver, inputs: tuple[Any, ...], targets: Any) -> Virtua
         with torch.no_grad():
             driver.run_actions(state, state.shaped.forward_actions, {schedules.Op.FORWARD: driver.forward})
         driver.finish_transfers(state)
+    except BaseException as error:
+        driver.mark_failed(error)
+        raise
     finally:
         driver.forward_only = False
     return state

@@ -14,7 +14,7 @@ from fxpipe.core import schedule as schedules
 from fxpipe.core.plan import Plan
 from fxpipe.runtime.execution.receives import Inbox
 from fxpipe.runtime.execution.stage import LossFn, StageRunner, read_local_loss, unique_params
-from fxpipe.runtime.execution.stage_routes import check_outgoing
+from fxpipe.runtime.execution.stage_routes import MAX_CACHED_SHAPES, check_outgoing
 from fxpipe.runtime.execution.virtual_routes import (
     Link,
     VirtualStep,
@@ -93,7 +93,7 @@ class VirtualDriver:
         self.links = {c: chunk_links(program, plan, c) for c in self.chunks}
         self.split_backward = any(a.op is Op.WEIGHT for a in group_actions(
             plan.schedule, plan.num_stages, plan.num_microbatches, plan.virtual_stages, self.group_index))
-        # value dtypes and shape formulas: autocast_dtype is refused for virtual stages (compile_plan)
+        # value dtypes and shape formulas, without autocast (refused above)
         self._dtypes = infer_value_dtypes(program, context.device, None)
         self._templates = ShapeTemplates(program, context.device, None)
         self.value_index = {name: i for i, name in enumerate(sorted(program.values))}
@@ -108,6 +108,7 @@ class VirtualDriver:
         self._steps: dict[tuple[Any, ...], VirtualStep] = {}
         self.forward_only = False
         self.preempted = False
+        self._failed_step: str | None = None  # why a step failed: later steps are refused
         self.tp_params: dict[str, Any] = {}  # checkpoints ask for tensor-parallel shards: none (refused in compile_plan)
 
     # ---- layout ----------------------------------------------------------------------------------
@@ -122,10 +123,15 @@ class VirtualDriver:
             layout = make_layout(program, plan, inputs, num_rows, self.context.device, None, self._dtypes,
                                  self._templates)
             self._steps[signature] = VirtualStep.of(program, plan, self.group_index, self.rank, layout)
+            if len(self._steps) > MAX_CACHED_SHAPES:  # a loop over ever-new lengths: forget the oldest
+                del self._steps[next(iter(self._steps))]
         return self._steps[signature]
 
     def start(self, inputs: tuple[Any, ...], targets: Any, *, forward_only: bool) -> VirtualState:
         """The step's state, with one inbox per (chunk pair, kind) this rank receives, first receives posted."""
+        if self._failed_step is not None:  # its receives may still be posted: they would take this step's messages
+            raise PipelineSetupError(f"rank {self.rank}: an earlier step failed ({self._failed_step}); build the "
+                                     "pipeline again (fxpipe.compile) to go on")
         shaped = self.shaped(inputs, targets)
         inboxes = {}
         for (link, kind), messages in shaped.messages.items():
@@ -160,7 +166,8 @@ class VirtualDriver:
             self.finish_transfers(state)
             sum_gradients(self.named, self.groups, self.exchange, f"device group {self.group_index}")
             loss = self.runner.batch_loss(*self.reduce_loss(state), [p for _, p in self.named])
-        except BaseException:
+        except BaseException as error:
+            self.mark_failed(error)
             for runner in self.runners.values():
                 runner.reset()
             restore_stashed(self.named, stash, keep_this_step=False)
@@ -170,6 +177,10 @@ class VirtualDriver:
         if dropped is not None:
             raise dropped
         return loss
+
+    def mark_failed(self, error: BaseException) -> None:
+        """Refuse later steps and forward passes: a failed one may leave receives posted."""
+        self._failed_step = f"{type(error).__name__}: {str(error)[:200]}"
 
     def run_actions(self, state: VirtualState, actions: Sequence[schedules.Action],
                     handlers: Mapping[Op, Callable[[VirtualState, int, int], None]]) -> None:
