@@ -17,6 +17,7 @@ from fxpipe.core.cluster import Cluster
 from fxpipe.core.plan import Plan
 from fxpipe.core.recompute import parse_recompute
 from fxpipe.core.sharding import ShardingError, check_request
+from fxpipe.pipe_inputs import positional_inputs
 from fxpipe.runtime.faults.errors import PipelineSetupError
 
 if TYPE_CHECKING:
@@ -108,17 +109,7 @@ class PipelinedModule:
         return target_rows(self.driver.program, self.stage_index, self.driver.rows)
 
     def _positional(self, inputs: Any, partial: bool = False) -> tuple[Any, ...]:
-        if isinstance(inputs, Mapping):
-            names = self.driver.program.model_inputs
-            if partial:  # a rank passes only what its stage reads
-                return tuple(inputs.get(name) for name in names)
-            missing = [name for name in names if name not in inputs]
-            if missing:
-                raise TypeError(f"inputs dict lacks {missing}; the model takes {list(names)}")
-            return tuple(inputs[name] for name in names)
-        if isinstance(inputs, tuple | list):
-            return tuple(inputs)
-        return (inputs,)
+        return positional_inputs(self.driver.program.model_inputs, inputs, partial)
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         seen: set[int] = set()
@@ -445,6 +436,11 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     finally:
         release_group(group)
     warn_batch_norm(model, resolved, options.batch_norm)
+    if resolved.chunk_groups:  # virtual stages: a rank runs several chunks (fxpipe.virtual_pipe)
+        from fxpipe.virtual_pipe import build_virtual_pipe
+
+        return build_virtual_pipe(program, resolved, options, context, target_dim, compile_settings,  # type: ignore[return-value]
+                                  graph_module)
     driver = PipelineDriver(program, resolved, options.loss_fn, context=context,
                             autocast_dtype=options.autocast_dtype, timeout_s=options.timeout_s,
                             loss_reduction=options.loss_reduction, check_batch=options.check_batch,

@@ -68,13 +68,22 @@ def apply_overrides(plan: Plan, options: CompileOptions) -> Plan:
 
 
 def check_runs_virtual(plan: Plan) -> None:
-    """Virtual stages are plan data and simulation only for now (docs/virtual_stages.md): refused on every rank
-    alike, before anything is split."""
-    if plan.chunk_groups:
+    """What the virtual-stage runtime does not run yet (docs/virtual_stages.md), refused on every rank alike before
+    anything is split: sharded chunks and tensor-parallel groups."""
+    if not plan.chunk_groups:
+        return
+    sharded = [s.stage_index for s in plan.stages if s.sharding != "none"]
+    if sharded:
         raise PipelineSetupError(
-            f"the plan has virtual_stages={plan.virtual_stages} ({len(plan.stages)} chunks on {plan.num_groups} device "
-            "groups) and the runtime does not run virtual stages yet (docs/virtual_stages.md); simulate it with "
-            "`fxpipe simulate PLAN.json`, or train a plan without virtual stages")
+            f"chunks {sharded} are sharded ({plan.stages[sharded[0]].sharding!r}) but the runtime does not shard "
+            f"virtual stages yet (virtual_stages={plan.virtual_stages}); pass sharding='none', or plan without "
+            "virtual stages to shard")
+    tensor_parallel = sorted({s.tensor_parallel for s in plan.stages if s.tensor_parallel > 1})
+    if tensor_parallel:
+        raise PipelineSetupError(
+            f"the device groups of layout {plan.layout!r} are {tensor_parallel[0]}-way tensor parallel but the runtime "
+            f"does not run tensor-parallel virtual stages yet (virtual_stages={plan.virtual_stages}); use T = 1 "
+            "groups, or plan without virtual stages for tensor parallelism")
 
 
 def check_sharded_schedule(plan: Plan) -> None:

@@ -1,0 +1,195 @@
+"""The PipelinedModule of a virtual-stage plan: a rank holds all its device group's chunks (docs/virtual_stages.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fxpipe.pipe_inputs import positional_inputs
+from fxpipe.runtime.faults.errors import PipelineSetupError
+
+if TYPE_CHECKING:
+    from fxpipe.compile_options import CompileOptions
+    from fxpipe.core.program import SplitProgram
+    from fxpipe.runtime.execution.virtual_driver import VirtualDriver
+    from fxpipe.runtime.transport.comm import DistContext
+
+
+class VirtualPipelinedModule:
+    """This rank's chunks of a virtual-stage pipeline; ``step``, ``evaluate``, ``predict`` for the whole job.
+
+    Every rank calls them with the same global batch (as on ``fxpipe.api.PipelinedModule``). ``parameters()`` /
+    ``named_parameters()`` cover every chunk this rank runs, each parameter once; ``state_dict()`` gives whole
+    tensors under the original names, so checkpoints load across plans and values of v.
+    """
+
+    def __init__(self, driver: VirtualDriver, graph_module: torch.fx.GraphModule) -> None:
+        self.driver = driver
+        self.graph_module = graph_module
+
+    plan = property(lambda self: self.driver.plan, doc="The Plan this module runs.")
+    program = property(lambda self: self.driver.program, doc="The SplitProgram (all chunks' code).")
+    rank = property(lambda self: self.driver.rank, doc="This process's rank.")
+    stage_index = property(lambda self: self.driver.stage_index, doc="The first chunk this rank runs.")
+    replica_index = property(lambda self: self.driver.replica_index, doc="Which replica of its device group.")
+    chunks = property(lambda self: self.driver.chunks, doc="The chunks (plan stages) this rank runs.")
+    scaler = None  # no grad scaler on virtual stages yet (checkpoints ask)
+
+    def step(self, inputs: Any, targets: Any, *, partial: bool = False) -> float:
+        """Forward and backward of the global batch; gradients land in ``parameters()``; returns the loss."""
+        return self._collective(self.driver.step, self._positional(inputs), targets, partial=partial)
+
+    def evaluate(self, inputs: Any, targets: Any) -> float:
+        """The loss of the global batch, forward only, gradients untouched (collective)."""
+        from fxpipe.runtime.virtual_inference import evaluate
+
+        return self._collective(evaluate, self.driver, self._positional(inputs), targets)
+
+    def predict(self, inputs: Any) -> Any:
+        """The model's output for the global batch on every rank (collective, forward only)."""
+        from fxpipe.runtime.virtual_inference import predict
+
+        return self._collective(predict, self.driver, self._positional(inputs))
+
+    __call__ = predict
+
+    def _positional(self, inputs: Any) -> tuple[Any, ...]:
+        return positional_inputs(self.driver.program.model_inputs, inputs)
+
+    def _collective(self, run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return run(*args, **kwargs)
+        except Exception as error:  # the job's root cause when this rank failed first (docs/faults.md)
+            if self.driver.failures is not None:
+                self.driver.failures.note_error(error)
+            raise
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        yield from self.driver.named
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        for _, param in self.driver.named:
+            yield param
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Parameters and buffers of this rank's chunks under their original names (detached, whole)."""
+        return {name: tensor.detach() for name, tensor in chunk_tensors(self.driver)}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Copy the entries this rank's chunks hold from a full (or partial) state dict keyed by original names."""
+        held = chunk_tensors(self.driver)
+        missing = sorted({name for name, _ in held} - set(state))
+        if missing:
+            raise KeyError(f"state dict lacks {missing} held by chunks {list(self.driver.chunks)}")
+        with torch.no_grad():
+            for name, tensor in held:  # every copy of a tied weight
+                tensor.copy_(state[name])
+
+    def train(self, mode: bool = True) -> VirtualPipelinedModule:
+        for runner in self.driver.runners.values():
+            runner.module.train(mode)
+        return self
+
+    def eval(self) -> VirtualPipelinedModule:
+        return self.train(False)
+
+    def save(self, directory: str | Path, *, optimizer: torch.optim.Optimizer | None = None, step: int = 0,
+             extra: Mapping[str, Any] | None = None) -> Path:
+        """Atomic sharded checkpoint under original names (every rank calls it); loads under any plan."""
+        from fxpipe.runtime.checkpoint_io import save_checkpoint
+
+        return save_checkpoint(self, directory, optimizer=optimizer, step=step, extra=extra)
+
+    def load(self, directory: str | Path, *, optimizer: torch.optim.Optimizer | None = None,
+             verify: bool = True) -> dict[str, Any]:
+        """Load a checkpoint saved under any plan, with or without virtual stages; returns ``{"step", "extra"}``."""
+        from fxpipe.runtime.checkpoint_io import load_checkpoint
+
+        return load_checkpoint(self, directory, optimizer=optimizer, verify=verify)
+
+    def handle_preemption(self) -> None:
+        """On SIGTERM, only note it; after the step it lands in, ``preempted`` is True on every rank (docs/faults.md)."""
+        from fxpipe.runtime.faults.preemption import install
+
+        install()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model (every chunk of every rank, each parameter once);
+        call on every rank after ``step``: the same total everywhere."""
+        from fxpipe.runtime.virtual_clipping import clip_virtual_grad_norm
+
+        return clip_virtual_grad_norm(self.driver, max_norm, norm_type, error_if_nonfinite)
+
+    def grad_scaler(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._unsupported("grad_scaler")
+
+    def export(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._unsupported("export")
+
+    def input_rows(self) -> Any:
+        raise self._unsupported("input_rows")
+
+    def target_rows(self) -> Any:
+        raise self._unsupported("target_rows")
+
+    def _unsupported(self, name: str) -> PipelineSetupError:
+        return PipelineSetupError(f"pipe.{name} is not supported with virtual stages yet (virtual_stages="
+                                  f"{self.plan.virtual_stages}); use a plan without virtual stages for it "
+                                  "(docs/virtual_stages.md, Runtime)")
+
+    @property
+    def preempted(self) -> bool:
+        """A preemption signal reached some rank before the last step ended (the same on every rank)."""
+        return bool(self.driver.preempted)
+
+    def close(self) -> None:
+        """Wait for all ranks, then release the process group if ``compile`` created it."""
+        from fxpipe.runtime.transport.comm import close_distributed
+
+        close_distributed(self.driver.context)
+
+    def __repr__(self) -> str:
+        return (f"VirtualPipelinedModule(layout={self.plan.layout!r}, virtual_stages={self.plan.virtual_stages}, "
+                f"rank={self.rank}, chunks={list(self.driver.chunks)}, schedule={self.plan.schedule!r})")
+
+
+def chunk_tensors(driver: VirtualDriver) -> list[tuple[str, torch.Tensor]]:
+    """``(original name, tensor)`` of every parameter and buffer of every chunk on this rank, chunk by chunk (a tied
+    weight once per chunk holding it)."""
+    from fxpipe.runtime.sync import stage_state
+
+    return [item for runner in driver.runners.values() for item in stage_state(runner.module, runner.stage.param_names)]
+
+
+def build_virtual_pipe(program: SplitProgram, plan: Any, options: CompileOptions, context: DistContext,
+                       target_dim: int, compile_settings: Mapping[str, Any] | None,
+                       graph_module: torch.fx.GraphModule) -> VirtualPipelinedModule:
+    """The setup ``fxpipe.compile`` runs for a virtual-stage plan after code generation (every rank)."""
+    from fxpipe.runtime.execution.virtual_driver import VirtualDriver
+    from fxpipe.runtime.gradients.virtual_grads import broadcast_state
+    from fxpipe.runtime.sync import check_sync_mode
+    from fxpipe.runtime.virtual_compile import compile_chunks
+
+    if options.batch_norm != "microbatch":
+        raise PipelineSetupError(f"batch_norm={options.batch_norm!r} is not supported with virtual stages yet; "
+                                 "use batch_norm='microbatch' (the default)")
+    driver = VirtualDriver(program, plan, options.loss_fn, context=context, autocast_dtype=options.autocast_dtype,
+                           timeout_s=options.timeout_s, loss_reduction=options.loss_reduction,
+                           target_batch_dim=target_dim, stall_timeout_s=options.stall_timeout_s)
+    mode = check_sync_mode(options.sync_params)
+    if mode == "verify":
+        raise PipelineSetupError("sync_params='verify' is not supported with virtual stages yet; use 'broadcast' "
+                                 "(the default) or 'off'")
+    if mode == "broadcast":
+        broadcast_state(chunk_tensors(driver), driver.groups, plan, driver.group_index)
+    if compile_settings is not None:
+        compile_chunks(driver, compile_settings)
+    if context.rank == 0:
+        from fxpipe.report import print_plan
+
+        print_plan(plan, options.verbose)
+    return VirtualPipelinedModule(driver, graph_module)
