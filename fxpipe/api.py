@@ -457,7 +457,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
             driver.step_hooks.append(commit)
     compile_stage(driver, compile_settings, options.batch_norm)
     synchronize_driver(driver, options.sync_params)  # on full tensors, before sharding
-    if apply_tensor_parallel(driver, options.sequence_parallel) is not None:  # the member's shard replaced the module compile_stage wrapped
+    if apply_tensor_parallel(driver, options.sequence_parallel, graph_module) is not None:  # the shard replaced the module compile_stage wrapped
         compile_stage(driver, compile_settings, options.batch_norm)
     driver.shard_stage(options.param_dtype)
     if compile_settings is not None:

@@ -11,6 +11,7 @@ Every function below takes the group key (a string constant in the generated cod
     copy_to_group(x, key)                  forward identity,        backward all-reduce   (entering a column region)
     reduce_from_group(x, key)              forward all-reduce,      backward identity     (leaving a row region)
     gather_from_group(x, key, dim)         forward all-gather,      backward own chunk    (vocabulary-split logits)
+    gather_for_inference(x, key, dim)      gather_from_group without autograd, else x (split logits of a parallel loss)
     gather_sequence(x, key, dim)           forward all-gather,      backward reduce-scatter (sequence parallelism)
     reduce_scatter_sequence(x, key, dim)   forward reduce-scatter,  backward all-gather
     split_sequence(x, key, dim)            forward own chunk,       backward all-gather
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["Communicator", "copy_to_group", "gather_from_group", "gather_sequence", "group", "reduce_from_group",
+__all__ = ["Communicator", "copy_to_group", "gather_for_inference", "gather_from_group", "gather_sequence", "group", "reduce_from_group",
            "reduce_scatter_sequence", "register_group", "split_sequence", "unregister_group", "vocab_embedding",
            "vocab_parallel_cross_entropy"]
 
@@ -161,6 +162,12 @@ def reduce_from_group(x: Tensor, key: str) -> Tensor:
 
 def gather_from_group(x: Tensor, key: str, dim: int) -> Tensor:
     return _GatherFromGroup.apply(x, key, dim)  # type: ignore[no-any-return]
+
+
+def gather_for_inference(x: Tensor, key: str, dim: int) -> Tensor:
+    """``x`` while autograd records (training: the parallel loss takes the split logits); gathered under no_grad,
+    where evaluate and predict run and predict returns whole outputs."""
+    return x if torch.is_grad_enabled() else gather_from_group(x, key, dim)
 
 
 def gather_sequence(x: Tensor, key: str, dim: int) -> Tensor:

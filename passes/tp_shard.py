@@ -258,8 +258,8 @@ class _Rewriter:
             self.splits[info.bias] = _Split(0, self._shape(info.bias))
         logits = self._matmul(info, self._entered(input_of(info), self.whole_grad), with_bias=True)
         if self.parallel_loss and all(user.op == "output" for user in node.users):
-            self.vocab_logits = (node.name, start, end.vocab_size)
-            return logits
+            self.vocab_logits = (node.name, start, end.vocab_size)  # the loss takes them split; predict gathers them
+            return self.graph.call_function(ops.gather_for_inference, (logits, self.key, -1))
         return self.graph.call_function(ops.gather_from_group, (logits, self.key, -1))
 
     def _split_op(self, node: fx.Node, name: str) -> fx.Node:

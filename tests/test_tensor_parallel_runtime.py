@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
+from fxpipe.compile_parallel_loss import VocabParallelLoss
 from fxpipe.core.plan import Plan, StagePlan
 from fxpipe.passes import tensor_parallel_ops, trace
 from fxpipe.runtime.faults.errors import PipelineSetupError
@@ -228,6 +229,7 @@ NODE_COLLECTIVES = {
     tensor_parallel_ops.reduce_from_group: ({"all_reduce": 1}, {}),
     tensor_parallel_ops.vocab_embedding: ({"all_reduce": 1}, {}),
     tensor_parallel_ops.gather_from_group: ({"all_gather": 1}, {}),
+    tensor_parallel_ops.gather_for_inference: ({}, {}),  # gathers only under no_grad (evaluate, predict)
     tensor_parallel_ops.gather_sequence: ({"all_gather": 1}, {"reduce_scatter": 1}),
     tensor_parallel_ops.reduce_scatter_sequence: ({"reduce_scatter": 1}, {"all_gather": 1}),
     tensor_parallel_ops.split_sequence: ({}, {"all_gather": 1}),
@@ -259,6 +261,10 @@ def _implied_collectives(pipe: Any) -> dict[str, int]:
         forward, backward = NODE_COLLECTIVES.get(node.target, ({}, {})) if node.op == "call_function" else ({}, {})
         for kind, count in [*forward.items(), *(backward.items() if backward and node.args[0] in carrying else ())]:
             implied[kind] = implied.get(kind, 0) + count * NUM_MICROBATCHES
+    if isinstance(pipe.driver.runner.loss_fn, VocabParallelLoss):  # per micro-batch: the row maxima, then the sums
+        # of exponentials and the target logits (compile_parallel_loss)
+        implied["all_gather"] = implied.get("all_gather", 0) + NUM_MICROBATCHES
+        implied["all_reduce"] = implied.get("all_reduce", 0) + 2 * NUM_MICROBATCHES
     return implied
 
 

@@ -65,6 +65,7 @@ def _with_states(program: SplitProgram, own_index: int, own_module: torch.nn.Mod
     for stage in program.stages:
         module = plain_copy(own_module) if stage.stage_index == own_index else copy.deepcopy(stage.module)
         assert isinstance(module, torch.fx.GraphModule), type(module)
+        materialize(module)  # a tensor-parallel member's unsharded stage holds placeholders (release_unsharded)
         _, training, tensors = states[stage.stage_index]
         with torch.no_grad():
             for name, tensor in _module_tensors(module, stage.param_names).items():
@@ -72,3 +73,12 @@ def _with_states(program: SplitProgram, own_index: int, own_module: torch.nn.Mod
         module.train(training)
         stages.append(dataclasses.replace(stage, module=module))
     return dataclasses.replace(program, stages=tuple(stages))
+
+
+def materialize(module: torch.nn.Module) -> None:
+    """Give each meta-device parameter of ``module`` uninitialised CPU storage, in place (the caller fills it)."""
+    for submodule in module.modules():
+        for name, param in list(submodule._parameters.items()):
+            if param is not None and param.is_meta:
+                submodule._parameters[name] = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype),
+                                                                 requires_grad=param.requires_grad)

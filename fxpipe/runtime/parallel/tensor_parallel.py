@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from fxpipe.core.plan import Plan
 from fxpipe.runtime.faults.errors import PipelineSetupError
-from fxpipe.runtime.transport.comm import new_groups
+from fxpipe.runtime.transport.comm import PeerExchange, Pending, new_groups
 
 
 @dataclass(frozen=True)
@@ -91,22 +91,31 @@ class GroupCommunicator:
     """The collectives a tensor-parallel GraphModule calls (``fxpipe.passes.tensor_parallel_ops``) over one group.
 
     Each returns a new tensor; ``counts`` tallies calls by kind (a test compares them with the graph's nodes).
-    gloo has no reduce-scatter, so there it is an all-reduce and this member's chunk.
+    gloo has no reduce-scatter, so there it is an all-reduce and this member's chunk. With an ``exchange`` (the
+    driver's), each collective is waited on there, so stall detection watches it: a member that stops makes the
+    others raise naming it instead of blocking in the collective.
     """
 
     group: dist.ProcessGroup | None
     size: int
     rank: int
     counts: dict[str, int] = field(default_factory=dict)
+    exchange: PeerExchange | None = None
 
     def _count(self, kind: str) -> None:
         self.counts[kind] = self.counts.get(kind, 0) + 1
+
+    def _wait(self, work: dist.Work | None, kind: str, tensor: torch.Tensor) -> None:
+        if work is not None and self.exchange is not None:
+            ranks = dist.get_process_group_ranks(self.group) if self.group is not None else []
+            self.exchange.wait([Pending(work, -1, f"tensor-parallel {kind} over ranks {ranks}", tensor)])
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         self._count("all_reduce")
         result = tensor.contiguous().clone()
         if self.size > 1:
-            dist.all_reduce(result, group=self.group)
+            self._wait(dist.all_reduce(result, group=self.group, async_op=self.exchange is not None),
+                       "all_reduce", result)
         return result
 
     def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
@@ -114,7 +123,8 @@ class GroupCommunicator:
         if self.size == 1:
             return tensor.clone()
         parts = [torch.empty_like(tensor, memory_format=torch.contiguous_format) for _ in range(self.size)]
-        dist.all_gather(parts, tensor.contiguous(), group=self.group)
+        self._wait(dist.all_gather(parts, tensor.contiguous(), group=self.group, async_op=self.exchange is not None),
+                   "all_gather", parts[0])
         return torch.cat(parts, dim)
 
     def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
@@ -123,11 +133,13 @@ class GroupCommunicator:
             return tensor.clone()
         if dist.get_backend(self.group) == "gloo":
             total = tensor.contiguous().clone()
-            dist.all_reduce(total, group=self.group)
+            self._wait(dist.all_reduce(total, group=self.group, async_op=self.exchange is not None),
+                       "reduce_scatter", total)
             return total.chunk(self.size, dim)[self.rank].contiguous()
         chunks = [chunk.contiguous() for chunk in tensor.chunk(self.size, dim)]
         result = torch.empty_like(chunks[self.rank])
-        dist.reduce_scatter(result, chunks, group=self.group)
+        self._wait(dist.reduce_scatter(result, chunks, group=self.group, async_op=self.exchange is not None),
+                   "reduce_scatter", result)
         return result
 
 
