@@ -133,6 +133,7 @@ class Cluster:
     all_gather_collective: LinkSpec | None = None
     action_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
+    lockstep_wait_fraction: float = 0.0  # ranks sharing cores wait for peers at collectives: tensor_parallel_cost
 
     def __post_init__(self) -> None:
         if self.num_hosts < 1 or self.devices_per_host < 1:
@@ -149,7 +150,7 @@ class Cluster:
         if not self.split_backward_overhead >= 0:
             raise ValueError(f"cluster {self.name!r}: split_backward_overhead must be >= 0 (a fraction of the "
                              f"fused backward); got {self.split_backward_overhead}")
-        for field_name in ("overlap_compute_slowdown", "overlap_comm_slowdown"):
+        for field_name in ("overlap_compute_slowdown", "overlap_comm_slowdown", "lockstep_wait_fraction"):
             if not getattr(self, field_name) >= 0:
                 raise ValueError(f"cluster {self.name!r}: {field_name} must be >= 0 (a fraction: the extra "
                                  f"time while overlapped); got {getattr(self, field_name)}")
@@ -250,6 +251,7 @@ def _cluster_from_json(data: Any) -> Cluster:
         all_gather_collective=optional_link(data, "all_gather_collective"),
         action_overhead_s=optional_seconds(data, "action_overhead_s"),
         step_overhead_s=optional_seconds(data, "step_overhead_s"),
+        lockstep_wait_fraction=optional_seconds(data, "lockstep_wait_fraction"),
     )
 
 
@@ -360,9 +362,10 @@ def _local_cpu_cluster(name: str, ranks: int, measured: Calibration | None, coll
     figures = measured.links or {}
     overlap = tuple(figures.get(f"overlap_{side}_slowdown", default)
                     for side, default in zip(("compute", "comm"), CPU_OVERLAP_SLOWDOWNS, strict=True))
-    return _cpu_cluster(name, 1, ranks, cpu_device(memory, calibrated=measured.device), link,
-                        f"local CPU ranks, calibrated: {measured.source}", usable_cores(), collective_link, overhead,
-                        split, (overlap[0], overlap[1]), sharding_links(figures), (action, step))
+    return replace(_cpu_cluster(name, 1, ranks, cpu_device(memory, calibrated=measured.device), link,
+                                f"local CPU ranks, calibrated: {measured.source}", usable_cores(), collective_link,
+                                overhead, split, (overlap[0], overlap[1]), sharding_links(figures), (action, step)),
+                   lockstep_wait_fraction=figures.get("lockstep_wait_fraction", 0.0))
 
 
 def _local_gpu_cluster(name: str, ranks: int, model: str, memory: int, measured: Calibration | None) -> Cluster:
