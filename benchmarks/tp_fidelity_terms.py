@@ -19,6 +19,7 @@ the step-end sync) = predicted - both. Medians of rank 0's per-step figures, the
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
@@ -106,25 +107,26 @@ def _between_compute_allreduce_s(num_bytes: int) -> float:
 
 
 def _model_terms(plan: Any, chain: Any, cluster: Any) -> dict[str, Any]:
-    """The model's compute and collective seconds of the stage's step, and what it charges per call."""
-    from fxpipe.sim.tensor_parallel_cost import collective_seconds, splits
+    """The model's compute, lock-step wait and collective seconds of the stage's step, and its calls charged."""
+    from fxpipe.sim.tensor_parallel_cost import collective_seconds, lockstep_stretch, splits
 
     stage = plan.stages[0]
     degree, rows, num_mb = stage.tensor_parallel, plan.global_batch_size / plan.num_microbatches, plan.num_microbatches
-    compute = comm = 0.0
+    compute = wait = comm = 0.0
     charged = 0
     for block in chain.blocks[stage.first_block:stage.stop_block]:
-        forward, backward = block.forward_s.at(rows), block.backward_s.at(rows)
+        both = block.forward_s.at(rows) + block.backward_s.at(rows)
         if splits(block, degree):
-            kept = (1.0 - block.tp.time_share) + block.tp.time_share / degree
-            forward, backward = forward * kept, backward * kept
+            both *= (1.0 - block.tp.time_share) + block.tp.time_share / degree
+            wait += both * (lockstep_stretch(cluster, degree) - 1.0)
             block_comm = collective_seconds(cluster, block.tp.comm_bytes.at(rows), degree)
             comm += 2 * block_comm
             charged += 4 if block_comm > 0 else 0
-        compute += forward + backward
+        compute += both
     link = cluster.collective_link((0, 1))
-    return {"compute_s": compute * num_mb, "comm_s": comm * num_mb, "charged_calls": charged * num_mb,
-            "link_latency_s": link.latency_s, "link_bandwidth": link.bandwidth_bytes_per_s}
+    return {"compute_s": compute * num_mb, "wait_s": wait * num_mb, "comm_s": comm * num_mb,
+            "charged_calls": charged * num_mb, "link_latency_s": link.latency_s,
+            "link_bandwidth": link.bandwidth_bytes_per_s, "lockstep": cluster.lockstep_wait_fraction}
 
 
 def _steps(pipe: Any, optimizer: Any, inputs: Any, targets: Any, log: CallLog, num_warmup: int,
@@ -189,15 +191,19 @@ def report(rounds: list[dict[str, Any]], args: Any) -> str:
     def med(key: str) -> float:
         return median([r[key] for r in rounds])
 
-    measured_rest = med("real") - med("real_comm")
     rows = [
         ["whole step", med("predicted_s"), med("real")],
         ["compute (local steps, no gloo)", med("compute_s"), med("local") - med("local_comm")],
-        ["collectives (timed calls in real steps)", med("comm_s"), med("real_comm")],
-        ["  the same sizes, bare dist.all_reduce", med("comm_s"), med("bare_sum_s")],
-        ["compute + the rest (real step - its collectives)", med("predicted_s") - med("comm_s"), measured_rest],
+        ["collectives and lock-step waits (timed calls in real steps)", med("comm_s") + med("wait_s"),
+         med("real_comm")],
+        ["  collectives alone: the same sizes, bare dist.all_reduce", med("comm_s"), med("bare_sum_s")],
+        ["  lock-step waits: real step - local step - bare collectives", med("wait_s"),
+         med("real") - med("local") - med("bare_sum_s")],
+        ["the rest: real step - its collectives", med("predicted_s") - med("comm_s") - med("wait_s"),
+         med("real") - med("real_comm")],
     ]
-    table = [[name, f"{p * 1e3:.2f}", f"{m * 1e3:.2f}", f"{m / p:.2f}"] for name, p, m in rows]
+    waits = " ".join(f"{r['lockstep']:.2f}" for r in rounds)
+    table = [[name, f"{p * 1e3:.2f}", f"{m * 1e3:.2f}", f"{m / p:.2f}" if p > 0 else "-"] for name, p, m in rows]
     calls = [[key, rounds[0]["calls_per_step"][key], f"{median([r['per_call'][key] for r in rounds]) * 1e3:.3f}"]
              for key in sorted(rounds[0]["per_call"])]
     bare = [[f"{size} B", f"{median([r['bare'][size] for r in rounds]) * 1e3:.3f}",
@@ -207,7 +213,8 @@ def report(rounds: list[dict[str, Any]], args: Any) -> str:
         f"Command: `{COMMAND} --rounds {args.rounds} --steps {args.steps} --warmup {args.warmup}`", "",
         f"Machine: {machine_notes()}.", "",
         f"Model's link for the group's collectives: latency {med('link_latency_s') * 1e6:.0f} us, "
-        f"bandwidth {med('link_bandwidth') / 1e9:.2f} GB/s; collective calls charged per step "
+        f"bandwidth {med('link_bandwidth') / 1e9:.2f} GB/s; lock-step wait fraction per peer "
+        f"{waits} (per round); collective calls charged per step "
         f"{rounds[0]['charged_calls']}, made per step {rounds[0]['num_calls']}.", "",
         tabulate(table, ["term", "model ms", "measured ms", "measured / model"], tablefmt="github"), "",
         tabulate(calls, ["communicator call (bytes in)", "per step", "median ms per call"], tablefmt="github"), "",
@@ -225,6 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--write", action="store_true", help=f"write {RESULTS.name}")
     args = parser.parse_args(argv)
     rounds = run_ranks(terms_rank, 2, args.rounds, args.warmup, args.steps)[0]
+    print(json.dumps(rounds, default=str))
     text = report(rounds, args)
     print(text)
     if args.write:

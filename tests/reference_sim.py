@@ -115,9 +115,11 @@ def sharded_collectives(plan: Plan, chain: CostChain, net: Cluster, stage_index:
     grads = max(0, weights - sum(n for holders, n in tie_sets(plan, chain).items() if stage_index in holders))
     # one FSDP unit per block: each gathers and reduces its share in a collective of its own
     units = max(1, len(unit_sizes(chain, stage.first_block, stage.stop_block)))
-    gather = sum(ring_half_seconds(net, weights / units, leads(stage), net.all_gather_collective) for _ in range(units))
+    # each call also costs FSDP2's own host time (its buffers and hooks)
+    gather = sum(ring_half_seconds(net, weights / units, leads(stage), net.all_gather_collective)
+                 + (net.fsdp_call_overhead_s if weights > 0 else 0.0) for _ in range(units))
     scatter = sum(ring_half_seconds(net, grads / units, leads(stage), net.reduce_scatter_collective)
-                  for _ in range(units))
+                  + (net.fsdp_call_overhead_s if grads > 0 else 0.0) for _ in range(units))
     if stage.sharding == "optimizer":  # ZeRO-1: gather updated weights once, scatter gradients once
         out["start"], out["tail"] = gather, scatter
     elif stage.sharding == "gradients":  # ZeRO-2: scatter after every micro-batch's backward
