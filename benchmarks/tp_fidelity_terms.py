@@ -20,8 +20,10 @@ the step-end sync) = predicted - both. Medians of rank 0's per-step figures, the
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -230,7 +232,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--write", action="store_true", help=f"write {RESULTS.name}")
+    parser.add_argument("--cached", action="store_true",
+                        help="plan with the calibration cache as it is (default: calibrate afresh, as the steps run)")
     args = parser.parse_args(argv)
+    if not args.cached:  # the figures of this moment's load, not of whenever the shared cache was written
+        os.environ["FXPIPE_CACHE_DIR"] = tempfile.mkdtemp(prefix="fxpipe-calibration-")
     rounds = run_ranks(terms_rank, 2, args.rounds, args.warmup, args.steps)[0]
     print(json.dumps(rounds, default=str))
     text = report(rounds, args)
