@@ -211,20 +211,15 @@ def run(num_rounds: int, num_warmup: int, num_steps: int, workload: Workload = W
 
 # How to read the tables (mechanisms, not figures: those are in the tables).
 READING = (
-    "Reading. gloo's reduce-scatter is not half an allreduce: timed between the same steps it takes longer than "
-    "the allreduce of the same buffer (a ring would take half), and its all-gather about as long as that "
-    "allreduce (column 'measured / allreduce'). So the old charge, half the calibrated allreduce for each, left "
-    "out most of ZeRO-2/3's per-micro-batch cost and all of ZeRO-1's extra over `none` (where AG + RS is then "
-    "exactly the allreduce it replaces). Calibration now measures each collective's own link (docs/clusters.md). "
-    "Two effects remain, in opposite directions. (1) On a loaded shared machine the figures calibration takes at "
-    "the ranks' start can be slower than the same collectives between steps (compare the start and in-loop "
-    "columns); then the start-calibrated model overcharges the collectives themselves (b). (2) FSDP2 spends time "
-    "per collective beyond the collective and the one copy the model charges (its copy-in and copy-out through "
-    "freshly allocated buffers, its hooks, the ranks waiting for each other at every collective); so the in-loop "
-    "model, with the collectives' times right, undercharges the step's extra time (a) by about that. Where (a) "
-    "agrees with start-calibrated figures, (1) and (2) partly cancel. The structure of the charge, which "
-    "collectives run and how many per step, is what FSDP2 runs: the clock counts 1/1, 1/M and 2M/M per FSDP unit "
-    "(one per transformer block and the root: 5 here; the bare collectives move the stage's whole bytes once)."
+    "Reading. gloo's reduce-scatter is not half an allreduce (column 'measured / allreduce'), so each collective "
+    "has its own calibrated link. Beyond its collectives FSDP2 spends host time at every call: it copies each "
+    "unit's parameters or gradients into and out of flat buffers it allocates per call and runs its hooks in "
+    "Python. That time is (a)'s measured extra less (b)'s FSDP2 collectives, divided by the calls the clock "
+    "counts; the *now* models charge it per call at the figure calibration measured on small units "
+    "(fxpipe/runtime/calibration/calibrate_fsdp.py). The structure of the charge, which collectives run and how "
+    "many per step, is what FSDP2 runs: the clock counts 1/1, 1/M and 2M/M per FSDP unit (one per transformer "
+    "block and the root: 5 here; the bare collectives move the stage's whole bytes once). On a loaded shared "
+    "machine every calibrated figure is a snapshot of its moment's load: compare the start and in-loop columns."
 )
 MODEL_NAMES = {"calibrated": "before: own RS/AG, start", "calls": "now: + FSDP2 per call, start",
                "loop": "before: own RS/AG, in loop", "calls_loop": "now: + FSDP2 per call, in loop"}
