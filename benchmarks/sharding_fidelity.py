@@ -16,10 +16,11 @@ with the same batch and micro-batches. Each round forks 2 gloo ranks (1 thread e
    all-gather of its weight bytes W, as FSDP2 calls them (``reduce_scatter_single``/``all_gather_single``
    of one flat buffer); medians of the slower rank.
 
-Two models, both on the figures the ranks just measured: "half an allreduce (old)", the reduce-scatter
-and all-gather charged as half the calibrated allreduce (the cluster's ``reduce_scatter_collective`` and
-``all_gather_collective`` left out), and "calibrated RS/AG (new)", each on its own calibrated link
-(docs/clusters.md). Two comparisons per level, errors (measured - model) / measured:
+Models, all on the figures the ranks just measured: "own RS/AG (before)", each of the reduce-scatter and the
+all-gather on its own calibrated link (docs/clusters.md), and "+ FSDP2 per call (now)", the same plus FSDP2's
+host time per collective call (``Cluster.fsdp_call_overhead_s``, calibrated by
+:mod:`fxpipe.runtime.calibration.calibrate_fsdp` in the same ``measure_pair_link``: its copies into and out of
+flat buffers, allocations and hooks, which the bare collectives do not make). Two comparisons per level, errors (measured - model) / measured:
 
 - (a) the step's extra time over ``none``: measured step(level) - step(none) against the simulator's
   iteration(level) - iteration(none) on the cluster the ranks just measured (the same chain, measured
@@ -185,10 +186,9 @@ def run(num_rounds: int, num_warmup: int, num_steps: int, workload: Workload = W
                  for level in LEVELS}
         bare = {name: max(r["collectives"][name] for r in ranks) for name in ranks[0]["collectives"]}
         in_loop = links_from_bare(calibrated, bare, weight_bytes, gradient_bytes, len(stage.devices))
-        models = {"half": replace(calibrated, reduce_scatter_collective=None, all_gather_collective=None),
-                  "calibrated": calibrated,
-                  "half_loop": replace(in_loop, reduce_scatter_collective=None, all_gather_collective=None),
-                  "loop": in_loop}
+        call_s = ranks[0]["figures"]["fsdp_call_overhead"]  # FSDP2's host time per call, as calibration measured it
+        models = {"calibrated": calibrated, "calls": replace(calibrated, fsdp_call_overhead_s=call_s),
+                  "loop": in_loop, "calls_loop": replace(in_loop, fsdp_call_overhead_s=call_s)}
         modelled = {}
         for model_name, cluster in models.items():
             modelled[model_name] = {
@@ -211,23 +211,18 @@ def run(num_rounds: int, num_warmup: int, num_steps: int, workload: Workload = W
 
 # How to read the tables (mechanisms, not figures: those are in the tables).
 READING = (
-    "Reading. gloo's reduce-scatter is not half an allreduce: timed between the same steps it takes longer than "
-    "the allreduce of the same buffer (a ring would take half), and its all-gather about as long as that "
-    "allreduce (column 'measured / allreduce'). So the old charge, half the calibrated allreduce for each, left "
-    "out most of ZeRO-2/3's per-micro-batch cost and all of ZeRO-1's extra over `none` (where AG + RS is then "
-    "exactly the allreduce it replaces). Calibration now measures each collective's own link (docs/clusters.md). "
-    "Two effects remain, in opposite directions. (1) On a loaded shared machine the figures calibration takes at "
-    "the ranks' start can be slower than the same collectives between steps (compare the start and in-loop "
-    "columns); then the start-calibrated model overcharges the collectives themselves (b). (2) FSDP2 spends time "
-    "per collective beyond the collective and the one copy the model charges (its copy-in and copy-out through "
-    "freshly allocated buffers, its hooks, the ranks waiting for each other at every collective); so the in-loop "
-    "model, with the collectives' times right, undercharges the step's extra time (a) by about that. Where (a) "
-    "agrees with start-calibrated figures, (1) and (2) partly cancel. The structure of the charge, which "
-    "collectives run and how many per step, is what FSDP2 runs: the clock counts 1/1, 1/M and 2M/M per FSDP unit "
-    "(one per transformer block and the root: 5 here; the bare collectives move the stage's whole bytes once)."
+    "Reading. gloo's reduce-scatter is not half an allreduce (column 'measured / allreduce'), so each collective "
+    "has its own calibrated link. Beyond its collectives FSDP2 spends host time at every call: it copies each "
+    "unit's parameters or gradients into and out of flat buffers it allocates per call and runs its hooks in "
+    "Python. That time is (a)'s measured extra less (b)'s FSDP2 collectives, divided by the calls the clock "
+    "counts; the *now* models charge it per call at the figure calibration measured on small units "
+    "(fxpipe/runtime/calibration/calibrate_fsdp.py). The structure of the charge, which collectives run and how "
+    "many per step, is what FSDP2 runs: the clock counts 1/1, 1/M and 2M/M per FSDP unit (one per transformer "
+    "block and the root: 5 here; the bare collectives move the stage's whole bytes once). On a loaded shared "
+    "machine every calibrated figure is a snapshot of its moment's load: compare the start and in-loop columns."
 )
-MODEL_NAMES = {"half": "old: half an AR, start", "calibrated": "new: own RS/AG, start",
-               "half_loop": "old: half an AR, in loop", "loop": "new: own RS/AG, in loop"}
+MODEL_NAMES = {"calibrated": "before: own RS/AG, start", "calls": "now: + FSDP2 per call, start",
+               "loop": "before: own RS/AG, in loop", "calls_loop": "now: + FSDP2 per call, in loop"}
 
 
 def links_from_bare(cluster: Any, bare: dict[str, float], weight_bytes: int, gradient_bytes: int,
@@ -328,9 +323,10 @@ def report(result: dict[str, Any], elapsed_s: float) -> str:
         f"Machine: {machine_notes()}.", "",
         "Calibrated in the ranks, per round (`measure_pair_link`, bandwidth and latency of the ring fit): "
         f"allreduce {figures_of('allreduce')}; reduce-scatter {figures_of('reduce_scatter')}; all-gather "
-        f"{figures_of('all_gather')}.", "",
-        "Models: *old* charges a reduce-scatter or an all-gather as half the allreduce; *new* gives each its own "
-        "link (this change: `Cluster.reduce_scatter_collective`, `all_gather_collective`). *start*: the figures "
+        f"{figures_of('all_gather')}; FSDP2's host time per call "
+        + ", ".join(f"{r['figures']['fsdp_call_overhead'] * 1e3:.2f} ms" for r in result["rounds"]) + ".", "",
+        "Models: *before* gives each collective its own calibrated link; *now* adds FSDP2's host time per call "
+        "(`Cluster.fsdp_call_overhead_s`), which (b)'s timed collectives and the bare ones leave out. *start*: the figures "
         "calibration measured at the round's start, as a planner gets them; *in loop*: the same latencies with "
         "each bandwidth re-fitted to the bare collectives timed between the steps (the same moments as the "
         "steps), which separates the calibration's drift from the model's structure.", "",

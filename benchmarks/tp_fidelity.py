@@ -13,7 +13,9 @@ runtime's fixed costs); the error is (measured - predicted) / measured, per roun
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +75,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed iterations per case and round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed iterations before them")
     parser.add_argument("--write", action="store_true", help=f"write {RESULTS.name}")
+    parser.add_argument("--cached", action="store_true",
+                        help="plan with the calibration cache as it is (default: calibrate afresh, as the steps run)")
     args = parser.parse_args(argv)
+    if not args.cached:  # the figures of this moment's load, not of whenever the shared cache was written
+        os.environ["FXPIPE_CACHE_DIR"] = tempfile.mkdtemp(prefix="fxpipe-calibration-")
     text = report(run(num_rounds=args.rounds, num_warmup=args.warmup, num_steps=args.steps))
     print(text)
     if args.write:

@@ -118,9 +118,11 @@ def sharded_collectives(plan: Plan, chain: CostChain, net: Cluster, stage_index:
     # one FSDP unit per block: each gathers and reduces its share in a collective of its own
     units = max(1, len(unit_sizes(chain, stage.first_block, stage.stop_block)))
     gathered = weights * (chain.param_copy_fraction or 1.0)  # bf16-params gathers bf16 copies
-    gather = sum(ring_half_seconds(net, gathered / units, leads(stage), net.all_gather_collective) for _ in range(units))
+    # each call also costs FSDP2's own host time (its buffers and hooks)
+    gather = sum(ring_half_seconds(net, gathered / units, leads(stage), net.all_gather_collective)
+                 + (net.fsdp_call_overhead_s if weights > 0 else 0.0) for _ in range(units))
     scatter = sum(ring_half_seconds(net, grads / units, leads(stage), net.reduce_scatter_collective)
-                  for _ in range(units))
+                  + (net.fsdp_call_overhead_s if grads > 0 else 0.0) for _ in range(units))
     if stage.sharding == "optimizer":  # ZeRO-1: gather updated weights once, scatter gradients once
         out["start"], out["tail"] = gather, scatter
     elif stage.sharding == "gradients":  # ZeRO-2: scatter after every micro-batch's backward
@@ -142,17 +144,18 @@ def group_link(net: Cluster, own: LinkSpec | None) -> LinkSpec:
 
 
 def block_member_seconds(net: Cluster, block, rows: int, tensor_parallel: int) -> tuple[float, float]:  # type: ignore[no-untyped-def]
-    """Forward, backward seconds of one block on one group member: the split share divided by T, plus an
-    all-gather and a reduce-scatter each way, each member moving (T-1)/T of the collective bytes."""
+    """Forward, backward seconds of one block on one group member: the split share divided by T and waiting for
+    T-1 peers, plus an all-gather and a reduce-scatter each way, each a ring of T-1 steps moving (T-1)/T of the bytes."""
     forward, backward = at(block.forward_s, rows) * stretch(net), at(block.backward_s, rows) * stretch(net)
     if not splits_over(block, tensor_parallel):
         return forward, backward
-    keep = 1 - block.tp.time_share + block.tp.time_share / tensor_parallel
+    keep = (1 - block.tp.time_share + block.tp.time_share / tensor_parallel) * (
+        1 + (tensor_parallel - 1) * net.lockstep_wait_fraction)
     moved = at(block.tp.comm_bytes, rows) * (tensor_parallel - 1) / tensor_parallel
     comm = 0.0
     if moved > 0:
         link = group_link(net, None)  # plain collectives of activations: the host's allreduce figures
-        comm = 2 * (link.latency_s + moved / link.bandwidth_bytes_per_s)
+        comm = 2 * ((tensor_parallel - 1) * link.latency_s + moved / link.bandwidth_bytes_per_s)
     return forward * keep + comm, backward * keep + comm
 
 

@@ -47,9 +47,9 @@ def test_stage_cost_of_a_tensor_parallel_group_by_hand() -> None:
     assert cost.backward_s == pytest.approx(4.8e-3 + 24e-6 + 4e-3, rel=1e-12)
     assert cost.param_bytes == 200 + 800 // 2 + 200
     assert cost.activation_bytes == pytest.approx(400 * (0.5 + 0.5 / 2) + 160)
-    # T = 4: 4 ms x 0.4 + 2 x (10 us + 3,000 bytes / 1 GB/s)
+    # T = 4: 4 ms x 0.4 + 2 rings of 3 steps: 2 x (3 x 10 us + 3,000 bytes / 1 GB/s)
     cost4 = stage_cost(chain, 0, 2, 4, 1, tensor_parallel=4, cluster=net)
-    assert cost4.forward_s == pytest.approx(1.6e-3 + 26e-6 + 4e-3, rel=1e-12)
+    assert cost4.forward_s == pytest.approx(1.6e-3 + 66e-6 + 4e-3, rel=1e-12)
     assert (cost4.param_bytes, cost4.activation_bytes) == (200 + 200 + 200, pytest.approx(400 * 0.625 + 160))
     # T = 8 does not divide mm's divisor 4: every member runs everything whole
     whole = stage_cost(chain, 0, 2, 4, 1)
@@ -120,7 +120,8 @@ def tp_setup(seed: int) -> tuple[Plan, CostChain, Cluster, dict[str, float | str
                   all_gather_collective=rng.choice([None, LinkSpec(8e9, 1e-5)]),
                   action_overhead_s=rng.choice([0.0, 5e-5]), optimizer_s_per_param_byte=rng.choice([0.0, 2e-11]),
                   split_backward_overhead=rng.choice([0.0, 0.3]), overlap_compute_slowdown=rng.choice([0.0, 0.19]),
-                  overlap_comm_slowdown=rng.choice([0.0, 0.1]))
+                  overlap_comm_slowdown=rng.choice([0.0, 0.1]), lockstep_wait_fraction=rng.choice([0.0, 0.4]),
+                  fsdp_call_overhead_s=rng.choice([0.0, 3e-3]))
     schedule, policy = rng.choice([("early_backward", "A"), ("early_backward", "B"), ("gpipe", "A"),
                                    ("zero_bubble", "A")])
     cut_points = sorted(rng.sample(range(1, chain.num_blocks), num_stages - 1))

@@ -17,14 +17,11 @@ from fxpipe.core.cluster_spec import (
     COUNT_DIGITS,
     ClusterSpecError,
     base_suggestion,
-    device_from_json,
+    cluster_fields_from_json,
     did_you_mean,
     existing_file,
     json_field,
-    link_from_json,
     measured_links,
-    optional_link,
-    optional_seconds,
     quantity,
     sharding_links,
     spec_error,
@@ -133,6 +130,8 @@ class Cluster:
     all_gather_collective: LinkSpec | None = None
     action_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
+    lockstep_wait_fraction: float = 0.0  # ranks sharing cores wait for peers at collectives: tensor_parallel_cost
+    fsdp_call_overhead_s: float = 0.0  # FSDP2's host time per collective beyond the collective: sharding_cost
 
     def __post_init__(self) -> None:
         if self.num_hosts < 1 or self.devices_per_host < 1:
@@ -149,11 +148,11 @@ class Cluster:
         if not self.split_backward_overhead >= 0:
             raise ValueError(f"cluster {self.name!r}: split_backward_overhead must be >= 0 (a fraction of the "
                              f"fused backward); got {self.split_backward_overhead}")
-        for field_name in ("overlap_compute_slowdown", "overlap_comm_slowdown"):
+        for field_name in ("overlap_compute_slowdown", "overlap_comm_slowdown", "lockstep_wait_fraction"):
             if not getattr(self, field_name) >= 0:
                 raise ValueError(f"cluster {self.name!r}: {field_name} must be >= 0 (a fraction: the extra "
                                  f"time while overlapped); got {getattr(self, field_name)}")
-        for field_name in ("action_overhead_s", "step_overhead_s", "optimizer_s_per_param_byte"):
+        for field_name in ("action_overhead_s", "step_overhead_s", "optimizer_s_per_param_byte", "fsdp_call_overhead_s"):
             if not getattr(self, field_name) >= 0:
                 raise ValueError(f"cluster {self.name!r}: {field_name} must be >= 0; got {getattr(self, field_name)}")
 
@@ -230,27 +229,7 @@ def _cluster_from_json(data: Any) -> Cluster:
     version = json_field(data, "format_version", int)
     if version != CLUSTER_FORMAT_VERSION:
         raise ClusterSpecError(f"cluster JSON format_version {version} is unknown; expected {CLUSTER_FORMAT_VERSION}")
-    return Cluster(
-        device=device_from_json(json_field(data, "device", dict)),
-        name=json_field(data, "name", str),
-        num_hosts=json_field(data, "num_hosts", int, "", "positive"),
-        devices_per_host=json_field(data, "devices_per_host", int, "", "positive"),
-        intra_host=link_from_json(json_field(data, "intra_host", dict), "intra_host"),
-        inter_host=link_from_json(json_field(data, "inter_host", dict), "inter_host"),
-        inter_host_collective=optional_link(data, "inter_host_collective"),
-        description=json_field(data, "description", str) if "description" in data else "",
-        cores_per_host=json_field(data, "cores_per_host", int, "", "non-negative") if "cores_per_host" in data else 0,
-        intra_host_collective=optional_link(data, "intra_host_collective"),
-        message_overhead_s=optional_seconds(data, "message_overhead_s"),
-        split_backward_overhead=optional_seconds(data, "split_backward_overhead"),
-        optimizer_s_per_param_byte=optional_seconds(data, "optimizer_s_per_param_byte"),
-        overlap_compute_slowdown=optional_seconds(data, "overlap_compute_slowdown"),
-        overlap_comm_slowdown=optional_seconds(data, "overlap_comm_slowdown"),
-        reduce_scatter_collective=optional_link(data, "reduce_scatter_collective"),
-        all_gather_collective=optional_link(data, "all_gather_collective"),
-        action_overhead_s=optional_seconds(data, "action_overhead_s"),
-        step_overhead_s=optional_seconds(data, "step_overhead_s"),
-    )
+    return Cluster(**cluster_fields_from_json(data))
 
 
 # Compact-spec devices: name -> (device, intra link, inter p2p link, inter collective link).
@@ -360,9 +339,11 @@ def _local_cpu_cluster(name: str, ranks: int, measured: Calibration | None, coll
     figures = measured.links or {}
     overlap = tuple(figures.get(f"overlap_{side}_slowdown", default)
                     for side, default in zip(("compute", "comm"), CPU_OVERLAP_SLOWDOWNS, strict=True))
-    return _cpu_cluster(name, 1, ranks, cpu_device(memory, calibrated=measured.device), link,
-                        f"local CPU ranks, calibrated: {measured.source}", usable_cores(), collective_link, overhead,
-                        split, (overlap[0], overlap[1]), sharding_links(figures), (action, step))
+    return replace(_cpu_cluster(name, 1, ranks, cpu_device(memory, calibrated=measured.device), link,
+                                f"local CPU ranks, calibrated: {measured.source}", usable_cores(), collective_link,
+                                overhead, split, (overlap[0], overlap[1]), sharding_links(figures), (action, step)),
+                   lockstep_wait_fraction=figures.get("lockstep_wait_fraction", 0.0),
+                   fsdp_call_overhead_s=figures.get("fsdp_call_overhead", 0.0))
 
 
 def _local_gpu_cluster(name: str, ranks: int, model: str, memory: int, measured: Calibration | None) -> Cluster:

@@ -172,3 +172,30 @@ def existing_file(text: str) -> Path | None:
         return path if path.is_file() else None
     except (OSError, RuntimeError, ValueError):  # too long for the file system, unknown ~user, NUL byte
         return None
+
+
+def cluster_fields_from_json(data: Any) -> dict[str, Any]:
+    """The keyword arguments of ``Cluster`` from its JSON (after the format check), every field checked."""
+    return dict(
+        device=device_from_json(json_field(data, "device", dict)),
+        name=json_field(data, "name", str),
+        num_hosts=json_field(data, "num_hosts", int, "", "positive"),
+        devices_per_host=json_field(data, "devices_per_host", int, "", "positive"),
+        intra_host=link_from_json(json_field(data, "intra_host", dict), "intra_host"),
+        inter_host=link_from_json(json_field(data, "inter_host", dict), "inter_host"),
+        inter_host_collective=optional_link(data, "inter_host_collective"),
+        description=json_field(data, "description", str) if "description" in data else "",
+        cores_per_host=json_field(data, "cores_per_host", int, "", "non-negative") if "cores_per_host" in data else 0,
+        intra_host_collective=optional_link(data, "intra_host_collective"),
+        message_overhead_s=optional_seconds(data, "message_overhead_s"),
+        split_backward_overhead=optional_seconds(data, "split_backward_overhead"),
+        optimizer_s_per_param_byte=optional_seconds(data, "optimizer_s_per_param_byte"),
+        overlap_compute_slowdown=optional_seconds(data, "overlap_compute_slowdown"),
+        overlap_comm_slowdown=optional_seconds(data, "overlap_comm_slowdown"),
+        reduce_scatter_collective=optional_link(data, "reduce_scatter_collective"),
+        all_gather_collective=optional_link(data, "all_gather_collective"),
+        action_overhead_s=optional_seconds(data, "action_overhead_s"),
+        step_overhead_s=optional_seconds(data, "step_overhead_s"),
+        lockstep_wait_fraction=optional_seconds(data, "lockstep_wait_fraction"),
+        fsdp_call_overhead_s=optional_seconds(data, "fsdp_call_overhead_s"),
+    )

@@ -18,7 +18,8 @@ Under split backward (zero-bubble) "each backward" is each W, which the reduce-s
 (:meth:`fxpipe.runtime.parallel.sharded_stage.ShardedStage.after_weights`); ZeRO-3 never runs split.
 
 Each of RS and AG moves (r-1)/r of the bytes per device, half a ring allreduce (:meth:`Cluster.allreduce_time`),
-with half its copies into and out of the flat buffer, on its own link: within a host, the figures calibration
+with half its copies into and out of the flat buffer, plus FSDP2's own host time per call
+(:attr:`Cluster.fsdp_call_overhead_s`: its buffers and hooks, calibrated on CPU ranks, 0 on presets), on its own link: within a host, the figures calibration
 measured for that collective (:attr:`Cluster.reduce_scatter_collective`, :attr:`Cluster.all_gather_collective`;
 gloo's reduce-scatter takes longer than a whole allreduce), else the allreduce's, where RS(x) + AG(x) is
 exactly :func:`fxpipe.sim.stagecost.gradient_allreduce_time` of x. Nothing here overlaps compute: the
@@ -85,12 +86,9 @@ def sharding_comm(cluster: Cluster, sharding: str, devices: Sequence[int], weigh
     check_level(sharding)
     if sharding == "none" or len(devices) <= 1:
         return NO_SHARDING
-    units = max(1, num_units)
-    gathered = weight_bytes * (param_copy_fraction or 1.0)
-    gather = units * half_collective_time(cluster, gathered / units, devices,
-                                          cluster.collective_link(devices, "all_gather"))
-    scatter = units * half_collective_time(cluster, gradient_bytes / units, devices,
-                                           cluster.collective_link(devices, "reduce_scatter"))
+    gathered = weight_bytes * (param_copy_fraction or 1.0)  # bf16-params gathers bf16 copies
+    gather = unit_collectives(cluster, gathered, devices, num_units, "all_gather")
+    scatter = unit_collectives(cluster, gradient_bytes, devices, num_units, "reduce_scatter")
     if sharding == "optimizer":
         return ShardingComm(start_s=gather, tail_s=scatter)
     if sharding == "gradients":
@@ -98,6 +96,16 @@ def sharding_comm(cluster: Cluster, sharding: str, devices: Sequence[int], weigh
     if reshard_after_forward is False:
         return ShardingComm(forward_s=gather, backward_s=scatter)
     return ShardingComm(forward_s=gather, backward_s=gather + scatter)
+
+
+def unit_collectives(cluster: Cluster, num_bytes: float, devices: Sequence[int], num_units: int, kind: str) -> float:
+    """One ``kind`` collective per FSDP unit over ``devices``, each of its share of ``num_bytes`` on the kind's
+    link, plus FSDP2's host time per call; 0 when nothing moves."""
+    if num_bytes <= 0:
+        return 0.0
+    units = max(1, num_units)
+    link = cluster.collective_link(devices, kind)
+    return units * (half_collective_time(cluster, num_bytes / units, devices, link) + cluster.fsdp_call_overhead_s)
 
 
 def start_delay(step_start_s: Sequence[float], arrival_s: Sequence[float]) -> float:

@@ -2,18 +2,22 @@
 
 Legend: T the group size, for each block t its forward (or backward) seconds on the slice, s its
 ``tp.time_share``, P its parameter bytes, p its ``tp.param_bytes``, a its saved bytes, q its ``tp.saved_share``,
-c its ``tp.comm_bytes`` on the slice; L the node's link for that collective (:func:`tensor_parallel_link`).
-A block splits when it has ``tp`` and T divides ``tp.divisor``; any other block runs whole on every member
-(replicated: correct, slower):
+c its ``tp.comm_bytes`` on the slice; L the node's link for that collective (:func:`tensor_parallel_link`), l its
+latency per ring step and bw its bandwidth; w the cluster's ``lockstep_wait_fraction``. A block splits when it has
+``tp`` and T divides ``tp.divisor``; any other block runs whole on every member (replicated: correct, slower):
 
-    time per direction      t ((1 - s) + s / T) + L_ag(c (T-1)/T) + L_rs(c (T-1)/T)    (L(x) = latency + x / bw)
+    time per direction      t ((1 - s) + s / T) (1 + (T-1) w) + AG + RS
+    AG = RS                 (T-1) l + c (T-1)/T / bw         (a ring: T-1 steps, each member moving c/T per step)
     weights (grads, state)  (P - p) + p / T
     saved activations       a ((1 - q) + q / T)
 
 Forward has one all-gather and one reduce-scatter of the block's collective bytes (sequence parallelism),
-backward the same two; each is charged one link latency. Received and sent activations stay whole (every
-member holds the full slice), and a stage's gradient allreduce runs over its replicas, once per group index,
-of one member's gradient bytes. Tied parameters (:attr:`CostChain.shared_params`) are counted whole.
+backward the same two; without sequence parallelism each pair is one all-reduce, which a ring runs as exactly
+that reduce-scatter and all-gather. A split block's members meet at its collectives, so each waits for its T - 1
+peers' hold-ups (w: what one peer costs, calibrated on CPU ranks sharing cores; 0 on GPU presets). Received and
+sent activations stay whole (every member holds the full slice), and a stage's gradient allreduce runs over its
+replicas, once per group index, of one member's gradient bytes. Tied parameters (:attr:`CostChain.shared_params`)
+are counted whole.
 """
 
 from __future__ import annotations
@@ -47,13 +51,23 @@ def tensor_parallel_link(cluster: Cluster, kind: str) -> LinkSpec:
     return cluster.collective_link((0,))
 
 
-def collective_seconds(cluster: Cluster, comm_bytes: float, tensor_parallel: int) -> float:
-    """One direction's collectives of a block: an all-gather and a reduce-scatter, each member moving (T-1)/T."""
-    moved = comm_bytes * (tensor_parallel - 1) / tensor_parallel
-    if moved <= 0:
+def ring_seconds(link: LinkSpec, comm_bytes: float, tensor_parallel: int) -> float:
+    """A ring all-gather or reduce-scatter of ``comm_bytes`` over T members: T - 1 steps, each a latency and c/T."""
+    if comm_bytes <= 0 or tensor_parallel <= 1:
         return 0.0
-    return (tensor_parallel_link(cluster, "all_gather").transfer_time(moved)
-            + tensor_parallel_link(cluster, "reduce_scatter").transfer_time(moved))
+    steps = tensor_parallel - 1
+    return steps * link.latency_s + comm_bytes * steps / tensor_parallel / link.bandwidth_bytes_per_s
+
+
+def collective_seconds(cluster: Cluster, comm_bytes: float, tensor_parallel: int) -> float:
+    """One direction's collectives of a block: an all-gather and a reduce-scatter (:func:`ring_seconds`)."""
+    return (ring_seconds(tensor_parallel_link(cluster, "all_gather"), comm_bytes, tensor_parallel)
+            + ring_seconds(tensor_parallel_link(cluster, "reduce_scatter"), comm_bytes, tensor_parallel))
+
+
+def lockstep_stretch(cluster: Cluster, tensor_parallel: int) -> float:
+    """What a split block's compute takes on a group member for meeting its T - 1 peers: 1 + (T-1) w."""
+    return 1.0 + (tensor_parallel - 1) * cluster.lockstep_wait_fraction
 
 
 def tensor_parallel_times(chain: CostChain, cluster: Cluster, first: int, stop: int, rows: float, tensor_parallel: int,
@@ -65,7 +79,8 @@ def tensor_parallel_times(chain: CostChain, cluster: Cluster, first: int, stop: 
         forward, backward = block.forward_s.at(rows) * slowdown, block.backward_s.at(rows) * slowdown
         if splits(block, tensor_parallel):
             assert block.tp is not None
-            kept = (1.0 - block.tp.time_share) + block.tp.time_share / tensor_parallel
+            kept = ((1.0 - block.tp.time_share) + block.tp.time_share / tensor_parallel) * lockstep_stretch(
+                cluster, tensor_parallel)
             comm = collective_seconds(cluster, block.tp.comm_bytes.at(rows), tensor_parallel)
             forward, backward = forward * kept + comm, backward * kept + comm
         forward_s += forward

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.runtime.calibration.calibrate_fixed import measure_fixed_costs
+from fxpipe.runtime.calibration.calibrate_fsdp import measure_fsdp_overhead
+from fxpipe.runtime.calibration.calibrate_lockstep import measure_lockstep
 from fxpipe.runtime.calibration.calibrate_overlap import measure_overlap
 
 # Bytes for the bandwidth ping: big enough that latency is small next to it, small enough to be quick.
@@ -38,7 +40,8 @@ DEVICE_KEYS = ("float32", "bfloat16", "float16", "memory_bandwidth", "kernel_lau
                "action_overhead", "step_overhead")
 LINK_KEYS = ("link_latency", "link_bandwidth", "allreduce_latency", "allreduce_bandwidth", "message_overhead",
              "overlap_compute_slowdown", "overlap_comm_slowdown", "reduce_scatter_latency", "reduce_scatter_bandwidth",
-             "all_gather_latency", "all_gather_bandwidth")
+             "all_gather_latency", "all_gather_bandwidth", "lockstep_wait_fraction",
+             "fsdp_call_overhead")
 
 
 def synchronizer(device: torch.device) -> Callable[[], None]:
@@ -257,8 +260,10 @@ def measure_pair_link(rank: int, device: torch.device, group: dist.ProcessGroup 
     Latency (s) and bandwidth (B/s) of send/recv and of a two-rank allreduce (what
     :meth:`fxpipe.core.cluster.Cluster.allreduce_time`'s ring formula needs to give the measured times), and
     the seconds each end spends on a message of its own time (``message_overhead``; 0 on CUDA, where
-    copy engines move the data), and what overlapping an allreduce with compute costs on CPU ranks
-    (:func:`fxpipe.runtime.calibration.calibrate_overlap.measure_overlap`).
+    copy engines move the data), what overlapping an allreduce with compute costs on CPU ranks
+    (:func:`fxpipe.runtime.calibration.calibrate_overlap.measure_overlap`), and how long ranks in lock-step wait
+    for each other (:func:`fxpipe.runtime.calibration.calibrate_lockstep.measure_lockstep`), and FSDP2's host time
+    per collective (:func:`fxpipe.runtime.calibration.calibrate_fsdp.measure_fsdp_overhead`).
     """
     small = torch.zeros(PING_SMALL_BYTES // 4, dtype=torch.float32, device=device)
     large = torch.zeros(PING_LARGE_BYTES // 4, dtype=torch.float32, device=device)
@@ -282,7 +287,8 @@ def measure_pair_link(rank: int, device: torch.device, group: dist.ProcessGroup 
     return {"link_latency": latency, "link_bandwidth": PING_LARGE_BYTES / one_way,
             "allreduce_latency": allreduce_latency, "allreduce_bandwidth": allreduce_bandwidth,
             "message_overhead": overhead, **measure_overlap(device, group),
-            **sharding_collective_figures(device, group)}
+            **sharding_collective_figures(device, group), **measure_lockstep(device, group),
+            **measure_fsdp_overhead(device, group)}
 
 
 def ring_allreduce_fit(num_ranks: int, small: tuple[float, float], large: tuple[float, float]) -> tuple[float, float]:

@@ -1,0 +1,249 @@
+"""Why a T=2 stage's prediction misses, term by term: compute, collectives and the rest, measured vs charged.
+
+Run: python benchmarks/tp_fidelity_terms.py [--rounds 3] [--steps 8] [--warmup 2] [--write]
+
+On 2 forked gloo ranks (1 thread each), gpt-mini b=8 laid out ``1x2`` M=2 (benchmarks/tp_fidelity.py's case) is
+compiled once per round with the default ``costs="auto"``; then, interleaved step by step:
+
+- *real* steps, every call of the runtime's ``GroupCommunicator`` timed (its copies and the gloo call: what the
+  step spends in the group's collectives, waits for the peer included), with their kinds and byte counts;
+- *local* steps, the same communicator answering without gloo (the shapes a collective returns, from this
+  member's own tensor): the stage's compute on its shards with the runtime's copies, no collective;
+- bare ``dist.all_reduce`` calls of each size the step used, and of 8 bytes (the per-call latency).
+
+The model's side comes from the plan's own chain and cluster (fxpipe/sim/tensor_parallel_cost.py): compute
+t ((1 - s) + s / T) summed over the stage's blocks, forward and backward, times M; collectives
+``collective_seconds`` of each block's bytes, per direction, times M; the rest (fixed costs, optimizer,
+the step-end sync) = predicted - both. Medians of rank 0's per-step figures, then over rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from tabulate import tabulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.bench_common import Workload, machine_notes, median, run_ranks  # noqa: E402
+from benchmarks.small_fidelity import _captured_planning  # noqa: E402
+
+RESULTS = Path(__file__).with_suffix(".md")
+COMMAND = "python benchmarks/tp_fidelity_terms.py --write"
+GPT = Workload("gpt-mini", (), 8, 2)
+LAYOUT = "1x2"
+BARE_REPEATS = 15
+
+
+class CallLog:
+    """Each communicator call of the current step: (kind, bytes in, seconds); ``local`` skips gloo."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, float]] = []
+        self.local = False
+
+
+def _instrument(log: CallLog) -> None:
+    """Time every GroupCommunicator collective into ``log``; in ``log.local`` mode answer without gloo."""
+    from fxpipe.runtime.parallel.tensor_parallel import GroupCommunicator
+
+    originals: dict[str, Callable[..., torch.Tensor]] = {
+        name: getattr(GroupCommunicator, name) for name in ("all_reduce", "all_gather", "reduce_scatter")}
+
+    def local_answer(comm: Any, name: str, tensor: torch.Tensor, *dim: int) -> torch.Tensor:
+        if name == "all_reduce":
+            return tensor.contiguous().clone()
+        if name == "all_gather":
+            return torch.cat([tensor.contiguous()] * comm.size, dim[0])
+        return tensor.contiguous().clone().chunk(comm.size, dim[0])[comm.rank].contiguous()
+
+    def wrap(name: str) -> Callable[..., torch.Tensor]:
+        def timed_call(comm: Any, tensor: torch.Tensor, *dim: int) -> torch.Tensor:
+            start = time.perf_counter()
+            out = local_answer(comm, name, tensor, *dim) if log.local else originals[name](comm, tensor, *dim)
+            log.calls.append((name, tensor.numel() * tensor.element_size(), time.perf_counter() - start))
+            return out
+        return timed_call
+
+    for name in originals:
+        setattr(GroupCommunicator, name, wrap(name))
+
+
+def _bare_allreduce_s(num_bytes: int) -> float:
+    import torch.distributed as dist
+
+    tensor = torch.zeros(max(1, num_bytes // 4))
+    times = []
+    for _ in range(BARE_REPEATS + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(tensor)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def _between_compute_allreduce_s(num_bytes: int) -> float:
+    """Median seconds of an all-reduce posted right after a few matmuls, no barrier: as a TP stage calls it."""
+    import torch.distributed as dist
+
+    from fxpipe.runtime.calibration.calibrate_measure import MESSAGE_GAP_MATMULS
+
+    tensor, square = torch.zeros(max(1, num_bytes // 4)), torch.randn(256, 256)
+    times = []
+    dist.barrier()
+    for _ in range(BARE_REPEATS + 1):
+        for _ in range(MESSAGE_GAP_MATMULS):
+            torch.mm(square, square)
+        start = time.perf_counter()
+        dist.all_reduce(tensor)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def _model_terms(plan: Any, chain: Any, cluster: Any) -> dict[str, Any]:
+    """The model's compute, lock-step wait and collective seconds of the stage's step, and its calls charged."""
+    from fxpipe.sim.tensor_parallel_cost import collective_seconds, lockstep_stretch, splits
+
+    stage = plan.stages[0]
+    degree, rows, num_mb = stage.tensor_parallel, plan.global_batch_size / plan.num_microbatches, plan.num_microbatches
+    compute = wait = comm = 0.0
+    charged = 0
+    for block in chain.blocks[stage.first_block:stage.stop_block]:
+        both = block.forward_s.at(rows) + block.backward_s.at(rows)
+        if splits(block, degree):
+            both *= (1.0 - block.tp.time_share) + block.tp.time_share / degree
+            wait += both * (lockstep_stretch(cluster, degree) - 1.0)
+            block_comm = collective_seconds(cluster, block.tp.comm_bytes.at(rows), degree)
+            comm += 2 * block_comm
+            charged += 4 if block_comm > 0 else 0
+        compute += both
+    link = cluster.collective_link((0, 1))
+    return {"compute_s": compute * num_mb, "wait_s": wait * num_mb, "comm_s": comm * num_mb,
+            "charged_calls": charged * num_mb, "link_latency_s": link.latency_s,
+            "link_bandwidth": link.bandwidth_bytes_per_s, "lockstep": cluster.lockstep_wait_fraction}
+
+
+def _steps(pipe: Any, optimizer: Any, inputs: Any, targets: Any, log: CallLog, num_warmup: int,
+           num_steps: int) -> dict[str, list[Any]]:
+    import torch.distributed as dist
+
+    out: dict[str, list[Any]] = {"real": [], "local": [], "real_comm": [], "local_comm": [], "calls": []}
+    for index in range(num_warmup + num_steps):
+        for mode in ("real", "local"):
+            log.local, log.calls = mode == "local", []
+            dist.barrier()
+            start = time.perf_counter()
+            pipe.step(inputs, targets)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            elapsed = time.perf_counter() - start
+            if index >= num_warmup:
+                out[mode].append(elapsed)
+                out[f"{mode}_comm"].append(sum(seconds for _, _, seconds in log.calls))
+                if mode == "real":
+                    out["calls"].append(list(log.calls))
+    log.local = False
+    return out
+
+
+def one_round(rank: int, num_warmup: int, num_steps: int, log: CallLog, seen: dict[str, Any]) -> dict[str, Any]:
+    import fxpipe
+
+    model, example_inputs = GPT.build()
+    pipe = fxpipe.compile(model, example_inputs, loss_fn=GPT.loss_fn(), plan=LAYOUT, loss_reduction="mean",
+                          global_batch_size=GPT.global_batch_size, num_microbatches=GPT.num_microbatches)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+    inputs, targets = GPT.batch()
+    steps = _steps(pipe, optimizer, inputs, targets, log, num_warmup, num_steps)
+    calls = steps["calls"][0]
+    sizes = sorted({num_bytes for _, num_bytes, _ in calls})
+    bare = {num_bytes: _bare_allreduce_s(num_bytes) for num_bytes in [8, *sizes]}
+    between = {num_bytes: _between_compute_allreduce_s(num_bytes) for num_bytes in [8, *sizes]}
+    if rank != 0:
+        return {}
+    plan = pipe.plan
+    assert plan.predicted is not None
+    by_kind: dict[str, list[float]] = {}
+    for kind, num_bytes, seconds in (call for step in steps["calls"] for call in step):
+        by_kind.setdefault(f"{kind} {num_bytes} B", []).append(seconds)
+    return {"predicted_s": plan.predicted.iteration_time_s, **_model_terms(plan, seen["chain"], seen["cluster"]),
+            **{key: statistics.median(values) for key, values in steps.items() if key != "calls"},
+            "num_calls": len(calls), "bare": bare, "between": between, "per_call": {k: statistics.median(v) for k, v in by_kind.items()},
+            "calls_per_step": {k: len(v) // len(steps["calls"]) for k, v in by_kind.items()},
+            "bare_sum_s": sum(bare[num_bytes] for _, num_bytes, _ in calls)}
+
+
+def terms_rank(rank: int, world_size: int, num_rounds: int, num_warmup: int, num_steps: int) -> list[dict[str, Any]]:
+    torch.set_num_threads(1)
+    log = CallLog()
+    _instrument(log)
+    seen = _captured_planning()
+    return [one_round(rank, num_warmup, num_steps, log, seen) for _ in range(num_rounds)]
+
+
+def report(rounds: list[dict[str, Any]], args: Any) -> str:
+    def med(key: str) -> float:
+        return median([r[key] for r in rounds])
+
+    rows = [
+        ["whole step", med("predicted_s"), med("real")],
+        ["compute (local steps, no gloo)", med("compute_s"), med("local") - med("local_comm")],
+        ["collectives and lock-step waits (timed calls in real steps)", med("comm_s") + med("wait_s"),
+         med("real_comm")],
+        ["  collectives alone: the same sizes, bare dist.all_reduce", med("comm_s"), med("bare_sum_s")],
+        ["  lock-step waits: real step - local step - bare collectives", med("wait_s"),
+         med("real") - med("local") - med("bare_sum_s")],
+        ["the rest: real step - its collectives", med("predicted_s") - med("comm_s") - med("wait_s"),
+         med("real") - med("real_comm")],
+    ]
+    waits = " ".join(f"{r['lockstep']:.2f}" for r in rounds)
+    table = [[name, f"{p * 1e3:.2f}", f"{m * 1e3:.2f}", f"{m / p:.2f}" if p > 0 else "-"] for name, p, m in rows]
+    calls = [[key, rounds[0]["calls_per_step"][key], f"{median([r['per_call'][key] for r in rounds]) * 1e3:.3f}"]
+             for key in sorted(rounds[0]["per_call"])]
+    bare = [[f"{size} B", f"{median([r['bare'][size] for r in rounds]) * 1e3:.3f}",
+             f"{median([r['between'][size] for r in rounds]) * 1e3:.3f}"] for size in sorted(rounds[0]["bare"])]
+    return "\n".join([
+        "# Tensor-parallel fidelity, term by term: gpt-mini b=8 `1x2` M=2 on 2 gloo ranks", "",
+        f"Command: `{COMMAND} --rounds {args.rounds} --steps {args.steps} --warmup {args.warmup}`", "",
+        f"Machine: {machine_notes()}.", "",
+        f"Model's link for the group's collectives: latency {med('link_latency_s') * 1e6:.0f} us, "
+        f"bandwidth {med('link_bandwidth') / 1e9:.2f} GB/s; lock-step wait fraction per peer "
+        f"{waits} (per round); collective calls charged per step "
+        f"{rounds[0]['charged_calls']}, made per step {rounds[0]['num_calls']}.", "",
+        tabulate(table, ["term", "model ms", "measured ms", "measured / model"], tablefmt="github"), "",
+        tabulate(calls, ["communicator call (bytes in)", "per step", "median ms per call"], tablefmt="github"), "",
+        tabulate(bare, ["dist.all_reduce of", "median ms, after a barrier", "median ms, after matmuls (no barrier)"], tablefmt="github"), "",
+        __doc__.split("\n\n", 2)[2].strip() if __doc__ else "", ""])
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--write", action="store_true", help=f"write {RESULTS.name}")
+    parser.add_argument("--cached", action="store_true",
+                        help="plan with the calibration cache as it is (default: calibrate afresh, as the steps run)")
+    args = parser.parse_args(argv)
+    if not args.cached:  # the figures of this moment's load, not of whenever the shared cache was written
+        os.environ["FXPIPE_CACHE_DIR"] = tempfile.mkdtemp(prefix="fxpipe-calibration-")
+    rounds = run_ranks(terms_rank, 2, args.rounds, args.warmup, args.steps)[0]
+    print(json.dumps(rounds, default=str))
+    text = report(rounds, args)
+    print(text)
+    if args.write:
+        RESULTS.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
