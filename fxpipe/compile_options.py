@@ -45,3 +45,4 @@ class CompileOptions:
     torch_compile: bool | Mapping[str, Any] = False
     verbose: bool | None = None  # print the plan table on rank 0 (None: when stdout is a terminal)
     sequence_parallel: bool = False  # tensor-parallel stages run norms and adds between pairs on token shards
+    virtual_stages: int | str = 1  # model chunks per device group, or "auto" (docs/virtual_stages.md)
