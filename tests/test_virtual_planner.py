@@ -4,12 +4,13 @@ memory, exhaustive search over cuts, the API and CLI surfaces, and the errors.""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from fxpipe.cli import main
-from fxpipe.core.chain import Block, CostChain
+from fxpipe.core.chain import Block, BlockTensorParallel, CostChain
 from fxpipe.core.cluster import Cluster, DeviceSpec, LinkSpec
 from fxpipe.core.costgraph import Affine
 from fxpipe.core.plan import Plan, validate_plan
@@ -66,6 +67,19 @@ def test_zbv_lays_the_chunks_out_as_a_v() -> None:
     validate_plan(plan)
 
 
+def test_forced_tensor_parallel_groups_run_chunks_of_their_share() -> None:
+    split = BlockTensorParallel(0.9, 10**6, 0.9, Affine(0.0, 1e4), 0)
+    chain = uniform_chain(16)
+    chain = replace(chain, blocks=tuple(replace(block, tp=split) for block in chain.blocks))
+    plan = partition(chain, fast_cluster(), 4, layout="1x2:1x2", num_microbatches=4, virtual_stages=2,
+                     schedule="interleaved")
+    assert (plan.layout, plan.chunk_groups) == ("1x2:1x2", (0, 1, 0, 1))
+    assert all(stage.tensor_parallel == 2 and len(stage.devices) == 2 for stage in plan.stages)
+    validate_plan(plan)
+    assert plan.predicted is not None
+    assert simulate_virtual(plan, chain, fast_cluster()).iteration_time_s == pytest.approx(plan.predicted.iteration_time_s)
+
+
 def test_default_stays_one_stage_per_group_without_searching(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("the virtual search ran although virtual stages were not asked for")
@@ -115,7 +129,7 @@ def test_chosen_plan_matches_exhaustive_search_over_v_and_cuts(num_microbatches:
     forced = partition(chain, cluster, batch, virtual_stages=2, **common)  # type: ignore[arg-type]
     plain = partition(chain, cluster, batch, layout="1:1", num_microbatches=num_microbatches)
     model = CandidateCosts(chain, cluster, batch, "adam", BIG)
-    groups = tuple(stage.devices for stage in plain.stages)
+    groups = tuple((stage.devices, stage.tensor_parallel) for stage in plain.stages)
     best = {v: min(simulate_virtual(chunk_plan(model, Trial(groups, v, "interleaved", 1, (*cuts, 8)), "dapple"),
                                     chain, cluster).iteration_time_s
                    for cuts in itertools.combinations(range(1, 8), 2 * v - 1)) for v in (2, 3, 4)}
@@ -141,7 +155,7 @@ def test_scaled_cuts_balance_time_per_replica() -> None:
     ({"schedule": "interleaved"}, "virtual_stages=1"),
     ({"virtual_stages": 2, "schedule": "gpipe"}, "no virtual-stage form"),
     ({"virtual_stages": 2, "planner": "uniform"}, "only 'dapple'"),
-    ({"virtual_stages": 2, "layout": "1x2:1x2"}, "tensor-parallel"),
+    ({"virtual_stages": 2, "layout": "4"}, "one device group"),
 ])
 def test_impossible_requests_name_the_value_and_the_fix(kwargs: dict[str, object], match: str) -> None:
     options: dict[str, object] = {"layout": "1:1:1:1", **kwargs}

@@ -344,7 +344,7 @@ def partition(chain: CostChain, cluster: Cluster, global_batch_size: int, *, pla
     forced, degrees = (None, None) if layout is None else parse_stage_layout(
         layout, cluster.num_devices, grouped.num_blocks, cluster.devices_per_host)
     if virtual is not None:
-        check_virtual_layout(virtual, forced, degrees, layout, grouped.num_blocks, num_microbatches)
+        check_virtual_layout(virtual, forced, layout, grouped.num_blocks, num_microbatches)
         schedule = virtual.plain_schedule
     if degrees is not None:
         check_degrees(str(layout), degrees, grouped)

@@ -81,9 +81,9 @@ def virtual_request(virtual_stages: object, schedule: str, *, planner: str, num_
     return VirtualRequest(fixed, schedules, plain)
 
 
-def check_virtual_layout(request: VirtualRequest, layout: tuple[int, ...] | None, degrees: tuple[int, ...] | None,
-                         text: str | None, num_blocks: int, num_microbatches: int | None) -> None:
-    """A forced layout's groups against the virtual request: T = 1, enough blocks for every chunk, M >= G."""
+def check_virtual_layout(request: VirtualRequest, layout: tuple[int, ...] | None, text: str | None,
+                         num_blocks: int, num_microbatches: int | None) -> None:
+    """A forced layout's groups against the virtual request: enough blocks for every chunk, M >= G, two groups."""
     if layout is None:
         if request.virtual_stages is not None and 2 * request.virtual_stages > num_blocks:
             raise VirtualStagesError(f"virtual_stages={request.virtual_stages} needs at least "
@@ -92,10 +92,6 @@ def check_virtual_layout(request: VirtualRequest, layout: tuple[int, ...] | None
                                      f"{num_blocks}; use virtual_stages <= {max(1, num_blocks // 2)}")
         return
     groups = len(layout)
-    if degrees is not None and any(t > 1 for t in degrees):
-        raise VirtualStagesError(f"layout {text!r} has tensor-parallel groups (T > 1) and virtual stages of "
-                                 "tensor-parallel groups are not simulated yet (docs/virtual_stages.md); use T = 1 "
-                                 "in the layout or virtual_stages=1")
     fixed = request.virtual_stages
     if fixed is not None and groups * fixed > num_blocks:
         raise VirtualStagesError(f"layout {text!r} with virtual_stages={fixed} makes {groups * fixed} chunks but "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -13,11 +13,13 @@ from fxpipe.passes.partition.block_partition import work_weights
 from fxpipe.passes.partition.candidates import CandidateCosts
 from fxpipe.passes.partition.plan_build import with_prediction
 from fxpipe.passes.partition.request import PlanRequest, microbatch_grid
-from fxpipe.passes.partition.virtual_request import ZBV, VirtualRequest
+from fxpipe.passes.partition.virtual_request import INTERLEAVED, ZBV, VirtualRequest
 from fxpipe.sim.stagecost import activation_peak_bytes
+from fxpipe.sim.tensor_parallel_cost import tied_degree_conflict
 from fxpipe.sim.virtual_simulate import group_peak_bytes, simulate_virtual, virtual_schedule
 
-Groups = tuple[tuple[int, ...], ...]  # the devices of every device group, in pipeline order
+# every device group in pipeline order: (its devices, T), one replica per T devices (a T-way tensor-parallel group)
+Groups = tuple[tuple[tuple[int, ...], int], ...]
 
 # v tried under virtual_stages="auto": 2, 4, ... up to this many chunks per group (each chunk keeps a block).
 MAX_AUTO_VIRTUAL_STAGES = 8
@@ -25,7 +27,7 @@ MAX_AUTO_VIRTUAL_STAGES = 8
 MICROBATCH_NEIGHBOURS = 2
 # The best virtual plan's cuts are moved one block at a time under the simulator while it has at most this many
 # chunks and devices (each move is one exact simulation; deeper or wider plans keep their balanced cuts).
-MAX_POLISH_CHUNKS = 16
+MAX_POLISH_CHUNKS = 8
 MAX_POLISH_DEVICES = 64
 MAX_POLISH_ROUNDS = 3
 
@@ -39,6 +41,7 @@ class Trial:
     schedule: str
     rows: int
     stops: tuple[int, ...]
+    recompute: bool = False  # every chunk keeps only its inputs and runs its forward again in backward
 
 
 @dataclass(frozen=True)
@@ -83,23 +86,26 @@ def chunk_groups_of(schedule: str, num_groups: int, virtual_stages: int) -> tupl
 
 
 def group_structures(plain: Plan, num_devices: int, forced: bool) -> list[Groups]:
-    """Device groups to lay chunks on: the plain plan's (T = 1, unsharded, two or more stages), and unless the layout
-    is forced, G even groups of contiguous devices for G = 2, 4, ... dividing the devices."""
-    found: list[Groups] = []
-    if len(plain.stages) > 1 and all(s.tensor_parallel == 1 and s.sharding == "none" for s in plain.stages):
-        found.append(tuple(stage.devices for stage in plain.stages))
+    """Device groups to lay chunks on: the plain plan's stages (two or more; their devices and T), and unless the
+    layout is forced, G even groups of contiguous devices for G = 2, 4, ... dividing the devices, at T = 1 and at
+    the plain plan's T where all its stages share one (a T-way group stays inside a host: T divides the width)."""
+    found: list[Groups] = [tuple((stage.devices, stage.tensor_parallel) for stage in plain.stages)
+                           ] if len(plain.stages) > 1 else []
+    degrees = sorted({1, plain.stages[0].tensor_parallel} if len({s.tensor_parallel for s in plain.stages}) == 1
+                     else {1})
     num_groups = 2
     while not forced and num_groups <= num_devices:
-        if num_devices % num_groups == 0:
-            width = num_devices // num_groups
-            found.append(tuple(tuple(range(g * width, (g + 1) * width)) for g in range(num_groups)))
+        width = num_devices // num_groups
+        for degree in degrees if num_devices % num_groups == 0 else ():
+            if width % degree == 0:
+                found.append(tuple((tuple(range(g * width, (g + 1) * width)), degree) for g in range(num_groups)))
         num_groups *= 2
     return list(dict.fromkeys(found))
 
 
 def _microbatch_rows(request: PlanRequest, plain: Plan, groups: Groups) -> list[int]:
     """Micro-batch sizes for ``groups``: M >= G, every group's replicas get a row, near the plain plan's M."""
-    widest = max(len(group) for group in groups)
+    widest = max(len(devices) // degree for devices, degree in groups)
     grid = [rows for rows in microbatch_grid(request)
             if rows >= widest and request.global_batch_size // rows >= len(groups)]
     if not grid:
@@ -124,7 +130,7 @@ def trials(request: PlanRequest, virtual: VirtualRequest, plain: Plan, forced: b
                 if schedule == ZBV and v != 2:
                     continue
                 layout = chunk_groups_of(schedule, len(groups), v)
-                stops = tuple(scaled_balanced_cuts(weights, [len(groups[g]) for g in layout]))
+                stops = tuple(scaled_balanced_cuts(weights, [len(groups[g][0]) for g in layout]))
                 for rows in _microbatch_rows(request, plain, groups):
                     yield Trial(groups, v, schedule, rows, stops)
 
@@ -136,13 +142,14 @@ def chunk_plan(model: CandidateCosts, trial: Trial, planner: str) -> Plan:
     stages = []
     for index, stop in enumerate(trial.stops):
         first = trial.stops[index - 1] if index else 0
-        devices = trial.groups[layout[index]]
-        cost = model.cost(first, stop, rows, len(devices))
+        devices, degree = trial.groups[layout[index]]
+        cost = model.cost(first, stop, rows, len(devices) // degree, degree)
         stages.append(StagePlan(
-            stage_index=index, first_block=first, stop_block=stop, replicas=len(devices), devices=devices,
+            stage_index=index, first_block=first, stop_block=stop, replicas=len(devices) // degree, devices=devices,
+            tensor_parallel=degree,
             node_names=tuple(name for block in chain.blocks[first:stop] for name in block.node_names),
-            forward_s=cost.forward_s, backward_s=cost.backward_s, allreduce_s=model.allreduce(first, stop, devices),
-            param_bytes=cost.param_bytes, activation_bytes=int(cost.activation_bytes)))
+            forward_s=cost.forward_s, backward_s=cost.backward_s, allreduce_s=model.allreduce(first, stop, devices[::degree], degree),
+            param_bytes=cost.param_bytes, activation_bytes=int(cost.activation_bytes), recompute=trial.recompute))
     return Plan(global_batch_size=model.global_batch_size, num_microbatches=model.global_batch_size // rows,
                 stages=tuple(stages), schedule=trial.schedule, warmup_policy="A", planner=planner,
                 cluster=model.cluster.name, num_devices=model.cluster.num_devices, num_blocks=chain.num_blocks,
@@ -157,7 +164,8 @@ def _schedule_of(plan: Plan) -> Schedule:
 def peak_bytes(model: CandidateCosts, plan: Plan) -> int:
     """The most any device of ``plan`` holds (the virtual simulator's memory model, without simulating)."""
     schedule = _schedule_of(plan)
-    return max(group_peak_bytes(plan, model.chain, schedule, g, model.optimizer) for g in range(plan.num_groups))
+    return max(group_peak_bytes(plan, model.chain, schedule, g, model.optimizer, model.cluster)
+               for g in range(plan.num_groups))
 
 
 def lower_bound(plan: Plan) -> float:
@@ -167,10 +175,21 @@ def lower_bound(plan: Plan) -> float:
 
 
 def price(request: PlanRequest, model: CandidateCosts, trial: Trial, bound_s: float = float("inf")) -> Priced | None:
-    """The trial simulated exactly, or None when it does not fit in memory or cannot beat ``bound_s``."""
+    """The trial simulated exactly, or None when it does not fit in memory or cannot beat ``bound_s``. Under
+    ``recompute="auto"`` a trial that does not fit is tried with every chunk recomputing (interleaved 1F1B only:
+    a split backward cannot rerun a checkpointed forward); ``"always"`` recomputes every chunk."""
+    if request.recompute == "always" and trial.schedule == INTERLEAVED:
+        trial = replace(trial, recompute=True)
     plan = chunk_plan(model, trial, "dapple")
-    if lower_bound(plan) >= bound_s or peak_bytes(model, plan) > request.memory_limit_bytes:
+    if lower_bound(plan) >= bound_s or _tie_conflict(model, plan):
         return None
+    if peak_bytes(model, plan) > request.memory_limit_bytes:
+        if trial.recompute or request.recompute != "auto" or trial.schedule != INTERLEAVED:
+            return None
+        trial = replace(trial, recompute=True)
+        plan = chunk_plan(model, trial, "dapple")
+        if peak_bytes(model, plan) > request.memory_limit_bytes:
+            return None
     result = simulate_virtual(plan, request.chain, request.cluster, optimizer=request.optimizer,
                               schedule=_schedule_of(plan), timeline=False)
     stages = tuple(_with_memory(stage, peak, inflight, plan.num_microbatches, model)
@@ -182,9 +201,16 @@ def price(request: PlanRequest, model: CandidateCosts, trial: Trial, bound_s: fl
 
 
 def _with_memory(stage: StagePlan, peak: int, inflight: int, num_microbatches: int, model: CandidateCosts) -> StagePlan:
-    cost = model.cost(stage.first_block, stage.stop_block, model.global_batch_size // num_microbatches, stage.replicas)
-    return StagePlan(**{**stage.__dict__, "peak_memory_bytes": peak, "inflight_microbatches": inflight,
-                        "activation_peak_bytes": activation_peak_bytes(cost, inflight, num_microbatches)})
+    cost = model.cost(stage.first_block, stage.stop_block, model.global_batch_size // num_microbatches, stage.replicas,
+                      stage.tensor_parallel)
+    return replace(stage, peak_memory_bytes=peak, inflight_microbatches=inflight,
+                   activation_peak_bytes=activation_peak_bytes(cost, inflight, num_microbatches, stage.recompute))
+
+
+def _tie_conflict(model: CandidateCosts, plan: Plan) -> bool:
+    """Whether a tied weight's holders differ in T (the runtime sums it shard by shard: one T over its holders)."""
+    return bool(model.chain.shared_params) and tied_degree_conflict(
+        model.chain, [(stage.first_block, stage.stop_block, stage.tensor_parallel) for stage in plan.stages])
 
 
 def cut_moves(trial: Trial) -> Iterator[Trial]:
@@ -195,8 +221,7 @@ def cut_moves(trial: Trial) -> Iterator[Trial]:
         for delta in (-1, 1):
             stop = stops[index] + delta
             if first < stop < stops[index + 1]:
-                yield Trial(trial.groups, trial.virtual_stages, trial.schedule, trial.rows,
-                            (*stops[:index], stop, *stops[index + 1:]))
+                    yield replace(trial, stops=(*stops[:index], stop, *stops[index + 1:]))
 
 
 def polish(request: PlanRequest, model: CandidateCosts, best: Priced) -> Priced:
