@@ -191,3 +191,15 @@ def test_cli_plans_virtual_stages_and_compare_shows_v(tmp_path: Path, capsys: py
     assert any(line.split()[:3] == ["dapple_v1", "1:1", "1"] for line in printed.splitlines())
     with pytest.raises(SystemExit):
         main(["plan", "mlp", "--cluster", "dapple-b", "--global-batch", "8", "--virtual-stages", "0"])
+
+
+def test_fxpipe_plan_takes_virtual_stages() -> None:
+    import fxpipe
+
+    model, example_inputs = fxpipe.models.build("mlp")
+    plan = fxpipe.plan(model, example_inputs, cluster="dapple-b", global_batch_size=8, costs="analytic", layout="1:1",
+                       num_microbatches=4, virtual_stages=2, schedule="zbv")
+    assert (plan.virtual_stages, plan.chunk_groups, plan.schedule) == (2, (0, 1, 1, 0), "zbv")
+    with pytest.raises(fxpipe.VirtualStagesError, match="exactly 2 chunks"):
+        fxpipe.plan(model, example_inputs, cluster="dapple-b", global_batch_size=8, costs="analytic", layout="1:1",
+                    virtual_stages=3, schedule="zbv")
