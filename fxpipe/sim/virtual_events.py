@@ -196,7 +196,8 @@ def run_chunk_devices(devices: Sequence[ChunkDevice], programs: Sequence[ChunkPr
             run = cache[key] = _VirtualSim(specs, [programs[d] for d in members], record).run()
         for index, device in enumerate(members):
             ready[device], events[device] = run.ready_s[index], run.events[index]
-        transfers.extend((members[src], members[dst], *rest) for src, dst, *rest in run.transfers)
+        transfers.extend((members[src], members[dst], code, chunk, m, start_s, end_s)
+                         for src, dst, code, chunk, m, start_s, end_s in run.transfers)
     return VirtualRun(tuple(ready), tuple(events), tuple(transfers))
 
 

@@ -209,8 +209,8 @@ def _with_memory(stage: StagePlan, peak: int, inflight: int, num_microbatches: i
 
 def _tie_conflict(model: CandidateCosts, plan: Plan) -> bool:
     """Whether a tied weight's holders differ in T (the runtime sums it shard by shard: one T over its holders)."""
-    return bool(model.chain.shared_params) and tied_degree_conflict(
-        model.chain, [(stage.first_block, stage.stop_block, stage.tensor_parallel) for stage in plan.stages])
+    return bool(model.chain.shared_params) and bool(tied_degree_conflict(
+        model.chain, [(stage.first_block, stage.stop_block, stage.tensor_parallel) for stage in plan.stages]))
 
 
 def cut_moves(trial: Trial) -> Iterator[Trial]:
