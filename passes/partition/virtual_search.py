@@ -24,7 +24,7 @@ Groups = tuple[tuple[tuple[int, ...], int], ...]
 # v tried under virtual_stages="auto": 2, 4, ... up to this many chunks per group (each chunk keeps a block).
 MAX_AUTO_VIRTUAL_STAGES = 8
 # Micro-batch counts tried per group structure: the plain plan's M and this many grid neighbours each side.
-MICROBATCH_NEIGHBOURS = 2
+MICROBATCH_NEIGHBOURS = 1
 # The best virtual plan's cuts are moved one block at a time under the simulator while it has at most this many
 # chunks and devices (each move is one exact simulation; deeper or wider plans keep their balanced cuts).
 MAX_POLISH_CHUNKS = 8
