@@ -51,6 +51,7 @@ _ERRORS: dict[str, str] = {
     "PlanningError": "fxpipe.passes.partition.request",
     "InfeasiblePlanError": "fxpipe.passes.partition.request",
     "LayoutError": "fxpipe.passes.partition.request",
+    "VirtualStagesError": "fxpipe.passes.partition.virtual_request",
     "ProfileError": "fxpipe.passes.profile",
     "ProfileFormatError": "fxpipe.passes.profiles_io",
     "ProgramFileError": "fxpipe.passes.codegen_io",

@@ -289,15 +289,17 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
             recompute: str | Sequence[bool | str] = "auto", costs: str = "auto", check_rows: bool = True,
             stall_timeout_s: float = 5.0, sharding: str | Sequence[str] | None = None,
             torch_compile: bool | Mapping[str, Any] = False, verbose: bool | None = None,
-            sequence_parallel: bool = False, param_dtype: torch.dtype | None = None) -> Any:
+            sequence_parallel: bool = False, param_dtype: torch.dtype | None = None,
+            virtual_stages: int | str = 1) -> Any:
     """Pipeline ``model`` over the process group's ranks; returns a :class:`PipelinedModule`.
 
     ``plan``: ``"auto"`` (DAPPLE planner on ``cluster``, default ``local:<world size>``), a layout such as
     ``"3:1"`` (planner picks cuts and placement), ``"markers"`` (cuts at the model's
     ``torch.distributed.pipelining.pipe_split()`` calls; the planner picks replicas and placement on
-    every rank), a :class:`Plan`, or a plan JSON path. ``schedule``:
-    ``"dapple"`` (early backward), ``"gpipe"``, ``"zero_bubble"`` (split backward, W deferred) or
-    ``"auto"`` (the planner picks per plan); None keeps the plan's (plans made here: ``"dapple"``). ``loss_fn(output, targets)``
+    every rank), a :class:`Plan`, or a plan JSON path. ``schedule``: ``"dapple"`` (early backward), ``"gpipe"``,
+    ``"zero_bubble"`` (split backward, W deferred), ``"auto"`` (the planner picks per plan), or with ``virtual_stages``
+    (model chunks per device group: 1, 2, ... or ``"auto"``; docs/virtual_stages.md) ``"interleaved"``,
+    ``"interleaved_zero_bubble"`` or ``"zbv"``; None keeps the plan's (plans made here: ``"dapple"``). ``loss_fn(output, targets)``
     returns what ``loss_reduction`` says: ``"auto"`` (default) a scalar that the first step finds to be a
     per-row mean or a sum over rows (a loss that is neither raises on every rank, naming ``"token_mean"``),
     ``"mean"`` a per-row mean scalar, ``"sum"`` a sum over rows, ``"token_mean"`` a ``(sum, count)`` pair
@@ -334,8 +336,7 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
     it when rank 0's stdout is a terminal. The plan is ``pipe.plan`` either way (``pipe.plan.to_json()``).
     ``sequence_parallel``: on stages of T-way tensor-parallel groups (``RxT``, docs/tensor_parallel.md), norms, dropout
     and residual adds between pairs run on each member's share of the tokens (every batch's sequence length must
-    then divide by T). As a decorator,
-    ``@fxpipe.compile(loss_fn=..., global_batch_size=...)``
+    then divide by T). As a decorator, ``@fxpipe.compile(loss_fn=..., global_batch_size=...)``
     on a model class or factory makes ``Factory(*args, example_inputs=..., **kwargs)`` return the module.
     """
     options = CompileOptions(loss_fn, global_batch_size, plan, schedule, num_microbatches, warmup_policy,
@@ -344,7 +345,8 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
                              batch_dims=batch_dims, target_batch_dim=target_batch_dim, recompute=recompute,
                              costs=costs, check_rows=check_rows, stall_timeout_s=stall_timeout_s,
                              sharding=sharding, torch_compile=torch_compile, verbose=verbose,
-                             sequence_parallel=sequence_parallel, param_dtype=param_dtype)
+                             sequence_parallel=sequence_parallel, param_dtype=param_dtype,
+                             virtual_stages=virtual_stages)
     if model is None:
         return functools.partial(_wrap_factory, options=options)
     if isinstance(model, torch.nn.Module):

@@ -75,6 +75,10 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="what the job trains in: fp32, or bf16/fp16 autocast (tensor-core matmuls, half-size "
                            "activations, fp32 master weights), or bf16-params (bf16 autocast on bf16 copies of the "
                            "fp32 masters, fp32 gradient sums; docs/sharding.md); recorded in the plan (docs/clusters.md)")
+    plan.add_argument("--virtual-stages", default="1", type=_virtual_stages,
+                      help="model chunks per device group (docs/virtual_stages.md): 1 (default), N, or auto (the "
+                           "planner chooses, 1 included); with --schedule interleaved, interleaved_zero_bubble, zbv "
+                           "(early_backward, zero_bubble and auto map to them)")
     _add_planning_options(plan)
 
     simulate = commands.add_parser("simulate", help="simulate a plan file's iteration")
@@ -175,7 +179,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     args.costs = _cost_source(args, cluster)
     options = {"num_microbatches": args.num_microbatches, "schedule": args.schedule, "optimizer": args.optimizer,
                "recompute": args.recompute, "allreduce_bucket_bytes": _bucket_bytes(args.allreduce_bucket_mb),
-               "compare": args.compare, "progress": sys.stderr.isatty(), "sharding": _sharding(args.sharding)}
+               "compare": args.compare, "progress": sys.stderr.isatty(), "sharding": _sharding(args.sharding),
+               "virtual_stages": args.virtual_stages}
     if "markers" in (args.layout, args.planner):
         plan, chain = _marker_plan(args, cluster, options)
     else:
@@ -193,6 +198,15 @@ def _run_plan(args: argparse.Namespace) -> int:
         save_plan_file(args.json_out, plan, chain, cluster, run=None if args.no_run_info else _run_info(plan))
         print(f"wrote {args.json_out}")
     return 0
+
+
+def _virtual_stages(text: str) -> int | str:
+    """``--virtual-stages``: ``auto`` or a positive integer."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    if not text.strip().isdecimal() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not 'auto' or a positive integer (chunks per device group)")
+    return int(text)
 
 
 def _time_blocks_like_a_rank(threads: int) -> None:

@@ -46,3 +46,4 @@ class CompileOptions:
     verbose: bool | None = None  # print the plan table on rank 0 (None: when stdout is a terminal)
     sequence_parallel: bool = False  # tensor-parallel stages run norms and adds between pairs on token shards
     param_dtype: torch.dtype | None = None  # bf16 compute copies of fp32 masters (fxpipe.runtime.parallel.param_precision)
+    virtual_stages: int | str = 1  # model chunks per device group, or "auto" (docs/virtual_stages.md)

@@ -214,7 +214,8 @@ def _run_planner(options: CompileOptions, model: torch.nn.Module, example_inputs
                       num_microbatches=options.num_microbatches,
                       schedule=_schedule_name(options.schedule or "dapple"),
                       warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True,
-                      recompute=options.recompute, precision=precision, sharding=options.sharding or "none")
+                      recompute=options.recompute, precision=precision, sharding=options.sharding or "none",
+                      virtual_stages=options.virtual_stages)
     return placed_plan(plan, topology, cluster)
 
 
@@ -231,5 +232,6 @@ def _run_marker_planner(options: CompileOptions, model: torch.nn.Module, example
                            schedule=_schedule_name(options.schedule or "dapple"),
                            warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True,
                            batch_dims=options.batch_dims, recompute=options.recompute, loss_fn=options.loss_fn,
-                           precision=training_precision(options), sharding=options.sharding or "none")
+                           precision=training_precision(options), sharding=options.sharding or "none",
+                           virtual_stages=options.virtual_stages)
     return placed_plan(plan, topology, cluster)

@@ -80,7 +80,9 @@ def summary_lines(plan: Plan) -> list[str]:
     lines = [
         f"plan {plan.layout}  planner={plan.planner}  schedule={plan.schedule} (warm-up {plan.warmup_policy})  "
         f"global batch={plan.global_batch_size}  micro-batches={plan.num_microbatches} "
-        f"x {plan.microbatch_size} rows" + (f"  precision={plan.precision}" if plan.precision != "fp32" else ""),
+        f"x {plan.microbatch_size} rows" + (f"  precision={plan.precision}" if plan.precision != "fp32" else "")
+        + (f"  virtual stages={plan.virtual_stages} ({plan.chunk_layout}: {len(plan.stages)} chunks on "
+           f"{plan.num_groups} groups)" if plan.chunk_groups else ""),
     ]
     predicted = plan.predicted
     if predicted is not None:
@@ -115,15 +117,16 @@ def baseline_table(plan: Plan) -> str:
     if not plan.baselines:
         return ""
     own = plan.predicted.iteration_time_s if plan.predicted else 0.0
-    rows = [[plan.planner, plan.layout, plan.num_microbatches, f"{own * 1e3:.2f}", "1.00"]]
+    # v: model chunks per device group (docs/virtual_stages.md); the baselines plan one stage per group
+    rows = [[plan.planner, plan.layout, plan.virtual_stages, plan.num_microbatches, f"{own * 1e3:.2f}", "1.00"]]
     for name, result in plan.baselines:
         if result.iteration_time_s is None:
-            rows.append([name, result.layout or "-", result.num_microbatches or "-", "infeasible", result.note])
+            rows.append([name, result.layout or "-", 1, result.num_microbatches or "-", "infeasible", result.note])
             continue
         ratio = result.iteration_time_s / own if own > 0 else float("nan")
-        rows.append([name, result.layout, result.num_microbatches, f"{result.iteration_time_s * 1e3:.2f}",
+        rows.append([name, result.layout, 1, result.num_microbatches, f"{result.iteration_time_s * 1e3:.2f}",
                      f"{ratio:.2f}"])
-    return str(tabulate(rows, headers=["planner", "layout", "M", "iteration ms", "vs chosen"], tablefmt="simple"))
+    return str(tabulate(rows, headers=["planner", "layout", "v", "M", "iteration ms", "vs chosen"], tablefmt="simple"))
 
 
 def print_plan(plan: Plan, verbose: bool | None) -> None:

@@ -10,7 +10,7 @@ import pytest
 from reference_virtual_sim import reference_virtual_run
 from test_oracle_simulate import with_resaved
 
-from fxpipe.core.chain import Block, CostChain, SharedParam
+from fxpipe.core.chain import Block, BlockTensorParallel, CostChain, SharedParam
 from fxpipe.core.cluster import Cluster, DeviceSpec, LinkSpec
 from fxpipe.core.costgraph import Affine
 from fxpipe.core.plan import Plan, PlanError, StagePlan
@@ -144,10 +144,11 @@ def test_what_the_virtual_simulator_does_not_model_yet_is_refused() -> None:
         simulate(plan, chain, net)  # the one-stage-per-group simulator points to the virtual one
     with pytest.raises(PlanError, match="allreduce_bucket_bytes=0"):
         simulate_virtual(plan.with_updates(allreduce_bucket_bytes=2**20), chain, net)
-    tensor_parallel = tuple(replace(stage, devices=(2 * stage.devices[0], 2 * stage.devices[0] + 1), tensor_parallel=2)
-                            for stage in plan.stages)
-    with pytest.raises(PlanError, match="tensor_parallel=1"):
-        simulate_virtual(plan.with_updates(stages=tensor_parallel), chain, replace(net, devices_per_host=2))
+    sharded = tuple(replace(stage, devices=(2 * stage.devices[0], 2 * stage.devices[0] + 1), replicas=2,
+                            sharding="optimizer") for stage in plan.stages)
+    with pytest.raises(PlanError, match="sharding='none'"):
+        simulate_virtual(plan.with_updates(stages=sharded, global_batch_size=16, num_microbatches=4), chain,
+                         replace(net, devices_per_host=2))
     with pytest.raises(ScheduleError, match="build it with make_schedule"):
         simulate_virtual(plan, chain, net, schedule=make_schedule("interleaved", 4, 8, virtual_stages=2))
 
@@ -163,3 +164,21 @@ def test_the_command_line_simulates_and_shows_a_virtual_plan(tmp_path, capsys) -
     assert f'"iteration_time_s": {simulate_virtual(plan, chain, net).iteration_time_s}' in printed
     assert main(["show", str(tmp_path / "plan.json"), "--schedule"]) == 0
     assert "group 1  1F0  2F0  1F1" in capsys.readouterr().out
+
+
+def test_tensor_parallel_groups_run_their_share() -> None:
+    """Chunks of 2-way tensor-parallel groups whose blocks split whole (every second of time and byte of weights
+    and activations divides by T, no collective bytes, free links): the iteration takes half the time and each
+    member holds half the bytes of the same plan without tensor parallelism, and both members of a group are busy."""
+    plan, chain, net = uniform_plan("interleaved", 2, 2, 4)
+    split = BlockTensorParallel(1.0, 2**20, 1.0, Affine(0.0, 0.0), 0)
+    chain = replace(chain, blocks=tuple(replace(b, param_bytes=2**20, saved_bytes=Affine(0.0, 2**20), tp=split)
+                                        for b in chain.blocks))
+    net = replace(net, num_hosts=1, devices_per_host=4)
+    whole = simulate_virtual(plan, chain, net)
+    stages = tuple(replace(stage, devices=(2 * stage.devices[0], 2 * stage.devices[0] + 1), tensor_parallel=2)
+                   for stage in plan.stages)
+    halved = simulate_virtual(plan.with_updates(stages=stages), chain, net)
+    assert halved.iteration_time_s == pytest.approx(whole.iteration_time_s / 2)
+    assert [2 * peak for peak in halved.peak_memory_bytes] == pytest.approx(whole.peak_memory_bytes, rel=1e-6)
+    assert halved.devices == (0, 1, 2, 3) and halved.busy_s[0] == halved.busy_s[1] > 0

@@ -40,8 +40,11 @@ def without_work(chain: CostChain) -> CostChain:
 
 def fixed_cost_share(plan: Plan, chain: CostChain, cluster: Cluster) -> tuple[float, float]:
     """(seconds of ``plan``'s iteration without work (:func:`without_work`), seconds with it) on ``cluster``."""
-    floor = simulate(plan, without_work(chain), cluster, timeline=False).iteration_time_s
-    return floor, simulate(plan, chain, cluster, timeline=False).iteration_time_s
+    from fxpipe.sim.virtual_simulate import simulate_virtual  # imports this module's simulate
+
+    run = simulate_virtual if plan.chunk_groups else simulate
+    floor = run(plan, without_work(chain), cluster, timeline=False).iteration_time_s
+    return floor, run(plan, chain, cluster, timeline=False).iteration_time_s
 
 
 def fixed_cost_note(plan: Plan, chain: CostChain, cluster: Cluster) -> str:

@@ -176,5 +176,56 @@ class _VirtualSim:
 
 def run_chunk_devices(devices: Sequence[ChunkDevice], programs: Sequence[ChunkProgram],
                       record: bool = True) -> VirtualRun:
-    """Simulate devices running several chunks each (``programs[d]``: device d's lowered list, encoded)."""
-    return _VirtualSim(devices, programs, record).run()
+    """Simulate devices running several chunks each (``programs[d]``: device d's lowered list, encoded).
+
+    Devices that exchange nothing (e.g. the replica columns of groups with equal replica counts) share no port,
+    so each set linked by pieces runs alone, and sets with equal local figures once (the same deterministic
+    computation): exact, as :func:`fxpipe.sim.simulate._simulate_components`.
+    """
+    ready = [0.0] * len(devices)
+    events: list[tuple[tuple[int, int, int, float, float], ...]] = [()] * len(devices)
+    transfers: list[tuple[int, int, int, int, int, float, float]] = []
+    cache: dict[tuple[object, ...], VirtualRun] = {}
+    for members in _components(devices):
+        local = {device: index for index, device in enumerate(members)}
+        specs = tuple(_localised(devices[d], local) for d in members)
+        key = (tuple((spec.message_s, tuple(sorted(spec.chunks.items()))) for spec in specs),
+               tuple(programs[d] for d in members))
+        run = cache.get(key)
+        if run is None:
+            run = cache[key] = _VirtualSim(specs, [programs[d] for d in members], record).run()
+        for index, device in enumerate(members):
+            ready[device], events[device] = run.ready_s[index], run.events[index]
+        transfers.extend((members[src], members[dst], code, chunk, m, start_s, end_s)
+                         for src, dst, code, chunk, m, start_s, end_s in run.transfers)
+    return VirtualRun(tuple(ready), tuple(events), tuple(transfers))
+
+
+def _components(devices: Sequence[ChunkDevice]) -> list[list[int]]:
+    """Sets of devices linked by pieces (union-find), each sorted, in order of their first device."""
+    parent = list(range(len(devices)))
+
+    def find(device: int) -> int:
+        while parent[device] != device:
+            parent[device] = parent[parent[device]]
+            device = parent[device]
+        return device
+
+    for device, spec in enumerate(devices):
+        for costs in spec.chunks.values():
+            for receiver, _, _ in (*costs.activation_out, *costs.gradient_out):
+                parent[find(receiver)] = find(device)
+    groups: dict[int, list[int]] = {}
+    for device in range(len(devices)):
+        groups.setdefault(find(device), []).append(device)
+    return sorted(groups.values())
+
+
+def _localised(spec: ChunkDevice, local: dict[int, int]) -> ChunkDevice:
+    """``spec`` with its pieces' receiving devices renumbered within its set."""
+    def moved(pieces: tuple[tuple[int, int, float], ...]) -> tuple[tuple[int, int, float], ...]:
+        return tuple((local[receiver], chunk, seconds) for receiver, chunk, seconds in pieces)
+
+    return ChunkDevice({chunk: ChunkCosts(c.forward_s, c.backward_s, c.weight_s, moved(c.activation_out),
+                                          moved(c.gradient_out), c.num_activation_in, c.num_gradient_in)
+                        for chunk, c in spec.chunks.items()}, spec.message_s)

@@ -27,6 +27,7 @@ from fxpipe.sim.stagecost import (
     compute_times,
     gradient_allreduce_time,
     own_allreduce_bytes,
+    replica_leads,
     split_backward_times,
     stage_cost,
     stage_memory_bytes,
@@ -62,11 +63,10 @@ def _check(plan: Plan, chain: CostChain, schedule: Schedule) -> None:
     if plan.stages[-1].stop_block != chain.num_blocks:
         raise ValueError(f"plan covers blocks [0, {plan.stages[-1].stop_block}) but the chain has "
                          f"{chain.num_blocks} blocks; plan and chain must come from the same model")
-    if plan.allreduce_bucket_bytes or any(stage.sharding != "none" or stage.tensor_parallel > 1
-                                          for stage in plan.stages):
+    if plan.allreduce_bucket_bytes or any(stage.sharding != "none" for stage in plan.stages):
         raise PlanError("virtual stages are simulated with one gradient allreduce per group after its list, on "
-                        "unsharded chunks without tensor parallelism; set allreduce_bucket_bytes=0, sharding='none' "
-                        "and tensor_parallel=1 (buckets, sharding and TP under virtual stages: not yet)")
+                        "unsharded chunks; set allreduce_bucket_bytes=0 and sharding='none' (buckets and sharding "
+                        "under virtual stages: not yet)")
 
 
 def _members(plan: Plan) -> list[Member]:
@@ -74,7 +74,12 @@ def _members(plan: Plan) -> list[Member]:
 
 
 def _device_of(plan: Plan, member: Member) -> int:
-    return plan.stages[plan.chunks_of_group(member[0])[0]].devices[member[1]]
+    """Where a member's transfers are costed: its replica's first device (a T-way group's lead)."""
+    return _replica_devices(plan, member)[0]
+
+
+def _replica_devices(plan: Plan, member: Member) -> tuple[int, ...]:
+    return plan.stages[plan.chunks_of_group(member[0])[0]].replica_devices(member[1])
 
 
 def _chunk_costs(plan: Plan, chain: CostChain, cluster: Cluster, slowdowns: Sequence[float],
@@ -89,7 +94,8 @@ def _chunk_costs(plan: Plan, chain: CostChain, cluster: Cluster, slowdowns: Sequ
         if plan.group_of_chunk(chunk) == plan.group_of_chunk(chunk + 1):
             continue  # the local hand-off: no message
         cut = chain.cut_bytes[sender.stop_block - 1]
-        routes = [(i, j, cluster.link(sender.devices[i], receiver.devices[j]).transfer_time(cut.at(stop - start)))
+        routes = [(i, j, cluster.link(sender.replica_devices(i)[0], receiver.replica_devices(j)[0]).transfer_time(
+                   cut.at(stop - start)))
                   for i, j, start, stop in shared_rows(rows_of, sender.replicas, receiver.replicas)]
         send_group, receive_group = plan.group_of_chunk(chunk), plan.group_of_chunk(chunk + 1)
         for i, j, seconds in routes:
@@ -101,9 +107,10 @@ def _chunk_costs(plan: Plan, chain: CostChain, cluster: Cluster, slowdowns: Sequ
     for stage in plan.stages:
         group = plan.group_of_chunk(stage.stage_index)
         for replica, rows in enumerate(split_rows(rows_of, stage.replicas)):
-            slowdown = slowdowns[stage.devices[replica]]
+            slowdown = max(slowdowns[d] for d in stage.replica_devices(replica))
             forward_s, backward_s = compute_times(chain, stage.first_block, stage.stop_block, rows, slowdown,
-                                                  recompute=stage.recompute)
+                                                  recompute=stage.recompute, tensor_parallel=stage.tensor_parallel,
+                                                  cluster=cluster)
             weight_s = 0.0
             if weight_fraction is not None:
                 backward_s, weight_s = split_backward_times(backward_s, stage.stage_index, weight_fraction,
@@ -116,12 +123,15 @@ def _chunk_costs(plan: Plan, chain: CostChain, cluster: Cluster, slowdowns: Sequ
     return out
 
 
-def group_peak_bytes(plan: Plan, chain: CostChain, schedule: Schedule, group: int, optimizer: str) -> int:
+def group_peak_bytes(plan: Plan, chain: CostChain, schedule: Schedule, group: int, optimizer: str,
+                     cluster: Cluster | None = None) -> int:
     """Peak bytes per device of a group: the most, over its list, of what its chunks hold together, each chunk
-    its weights, buffers and the micro-batches it holds at that point (F done, B, or W when split, not yet)."""
+    its weights, buffers and the micro-batches it holds at that point (F done, B, or W when split, not yet); a
+    T-way group member holds its share (``cluster``: needed when T > 1)."""
     chunks = plan.chunks_of_group(group)
     costs = {c: stage_cost(chain, plan.stages[c].first_block, plan.stages[c].stop_block, plan.microbatch_size,
-                           plan.stages[c].replicas) for c in chunks}
+                           plan.stages[c].replicas, tensor_parallel=plan.stages[c].tensor_parallel, cluster=cluster)
+             for c in chunks}
     release = Op.WEIGHT if schedule.split_backward else Op.BACKWARD
     held = dict.fromkeys(chunks, 0)
 
@@ -140,15 +150,16 @@ def _allreduces(plan: Plan, chain: CostChain, cluster: Cluster, readies: Sequenc
     allreduce per set of groups sharing parameters (over their distinct devices) once all of them are ready."""
     bounds = [(stage.first_block, stage.stop_block) for stage in plan.stages]
     ties = tie_groups(chain, bounds)
-    own = own_allreduce_bytes(chain, bounds, ties)
+    own = own_allreduce_bytes(chain, bounds, ties, [stage.tensor_parallel for stage in plan.stages])
+    leads = [replica_leads(first.devices, first.tensor_parallel)
+             for first in (plan.stages[plan.chunks_of_group(g)[0]] for g in range(plan.num_groups))]
     ends = []
-    for group in range(plan.num_groups):
-        devices = plan.stages[plan.chunks_of_group(group)[0]].devices
+    for group in range(plan.num_groups):  # a T-way group's members of one index sum one member's bytes
         ends.append(readies[group] + gradient_allreduce_time(cluster, sum(own[c] for c in plan.chunks_of_group(group)),
-                                                             devices))
+                                                             leads[group]))
     for holders, num_bytes in ties:
         groups = sorted({plan.group_of_chunk(c) for c in holders})
-        tie_devices = sorted({d for g in groups for d in plan.stages[plan.chunks_of_group(g)[0]].devices})
+        tie_devices = sorted({d for g in groups for d in leads[g]})
         tie_end = max(readies[g] for g in groups) + gradient_allreduce_time(cluster, num_bytes, tie_devices)
         for g in groups:
             ends[g] = max(ends[g], tie_end)
@@ -175,7 +186,11 @@ def simulate_virtual(plan: Plan, chain: CostChain, cluster: Cluster, *, optimize
       micro-batches together (:func:`group_peak_bytes`); every chunk of the group reports its group's peak.
       ``inflight_microbatches`` is per chunk (:func:`inflight_peak`).
 
-    Not modelled yet (refused): gradient buckets, sharded chunks, tensor-parallel groups.
+    A replica that is a T-way tensor-parallel group is one member simulated (its time, collectives and bytes as
+    :mod:`fxpipe.sim.tensor_parallel_cost` says, as :func:`fxpipe.sim.simulate.simulate` charges them); its
+    transfers and allreduces are costed on its lead device, its figures hold for every member.
+
+    Not modelled yet (refused): gradient buckets, sharded chunks.
     """
     schedule = schedule or virtual_schedule(plan.schedule, len(plan.stages), plan.num_microbatches,
                                             plan.virtual_stages)
@@ -193,12 +208,13 @@ def simulate_virtual(plan: Plan, chain: CostChain, cluster: Cluster, *, optimize
     ends = _allreduces(plan, chain, cluster, readies)
     devices = plan.all_devices()
     optimizer_s = max(cluster.optimizer_s_per_param_byte * max(slowdowns[d] for d in plan.stages[c[0]].devices)
-                      * sum(stage_param_bytes(chain, plan.stages[i].first_block, plan.stages[i].stop_block) for i in c)
+                      * sum(stage_param_bytes(chain, plan.stages[i].first_block, plan.stages[i].stop_block,
+                                              plan.stages[i].tensor_parallel) for i in c)
                       for c in (plan.chunks_of_group(g) for g in range(plan.num_groups)))
     iteration_s = max(ends) + step_close_time(cluster, devices, max(slowdowns[d] for d in devices)) + optimizer_s
-    busy = {_device_of(plan, m): plan.num_microbatches * sum(c.forward_s + c.backward_s + c.weight_s
-                                                             for c in costs[index[m]].values()) for m in members}
-    peaks = [group_peak_bytes(plan, chain, schedule, g, optimizer) for g in range(plan.num_groups)]
+    busy = {device: plan.num_microbatches * sum(c.forward_s + c.backward_s + c.weight_s for c in costs[index[m]].values())
+            for m in members for device in _replica_devices(plan, m)}  # a group's members run together
+    peaks = [group_peak_bytes(plan, chain, schedule, g, optimizer, cluster) for g in range(plan.num_groups)]
     groups = [plan.group_of_chunk(c) for c in range(len(plan.stages))]
     ordered = tuple(sorted(busy))
     return SimulationResult(
@@ -219,11 +235,12 @@ def _events(plan: Plan, members: Sequence[Member], run: VirtualRun, readies: Seq
     for local, member in enumerate(members):
         if not run.events[local]:
             continue  # nothing recorded: timeline=False
-        device, group = _device_of(plan, member), member[0]
-        events = [TimelineEvent(device, chunk, CODE_OPS[code].value, m, start, end)
-                  for code, chunk, m, start, end in run.events[local]]
-        events.append(TimelineEvent(device, plan.chunks_of_group(group)[0], "AR", -1, readies[group], ends[group]))
-        by_device.append((device, events))
+        group = member[0]
+        for device in _replica_devices(plan, member):  # a T-way group's members run together
+            events = [TimelineEvent(device, chunk, CODE_OPS[code].value, m, start, end)
+                      for code, chunk, m, start, end in run.events[local]]
+            events.append(TimelineEvent(device, plan.chunks_of_group(group)[0], "AR", -1, readies[group], ends[group]))
+            by_device.append((device, events))
     return tuple(event for _, events in sorted(by_device, key=lambda item: item[0]) for event in events)
 
 

@@ -45,6 +45,8 @@ from fxpipe.passes.partition.request import (
 from fxpipe.passes.partition.scoring import best_dp, finish, score_candidates
 from fxpipe.passes.partition.search import search
 from fxpipe.passes.partition.spans import Candidate, Span, spans_from_stops
+from fxpipe.passes.partition.virtual_plan import plan_virtual
+from fxpipe.passes.partition.virtual_request import check_virtual_layout, virtual_request
 from fxpipe.sim.allreduce_overlap import DEFAULT_BUCKET_BYTES
 from fxpipe.sim.tensor_parallel_cost import tensor_parallel_degrees, tied_degree_conflict
 
@@ -309,7 +311,7 @@ def partition(chain: CostChain, cluster: Cluster, global_batch_size: int, *, pla
               memory_limit_bytes: int | None = None, rerank: int = 16, progress: bool = False,
               compare: bool = False, num_stages: int | None = None, all_devices: bool = False,
               recompute: object = "auto", allreduce_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-              sharding: ShardingRequest = "none") -> Plan:
+              sharding: ShardingRequest = "none", virtual_stages: int | str = 1) -> Plan:
     """Plan hybrid pipeline + data parallel training of ``chain`` on ``cluster``.
 
     ``planner`` is a key of :data:`PLANNERS`; ``layout`` forces replica counts per stage
@@ -325,7 +327,10 @@ def partition(chain: CostChain, cluster: Cluster, global_batch_size: int, *, pla
     ``sharding`` (:mod:`fxpipe.core.sharding`): ``"none"`` (DAPPLE's replicas), ``"auto"`` (each stage the
     fastest level that fits, decided with recompute), one level for every replicated stage, or one level per
     stage (the stage count fixed by ``layout`` or ``num_stages``); recorded as ``stages[*].sharding``.
-    ``--compare``'s baselines stay unsharded.
+    ``--compare``'s baselines stay unsharded. ``virtual_stages`` (docs/virtual_stages.md): 1 (default) one stage
+    per device group; a number of chunks per group, or ``"auto"`` (the planner chooses, 1 included), with a
+    schedule that runs chunks (``"interleaved"``, ``"interleaved_zero_bubble"``, ``"zbv"``; ``"dapple"``,
+    ``"zero_bubble"`` and ``"auto"`` map to them).
     Every stage holds parameters: cuts fall only between :func:`parameter_groups`, so the README's
     ``torch.optim.AdamW(pipe.parameters())`` works on every rank.
     """
@@ -335,8 +340,12 @@ def partition(chain: CostChain, cluster: Cluster, global_batch_size: int, *, pla
     stops = parameter_groups(chain)
     grouped = chain if len(stops) == chain.num_blocks else coarsen_chain(chain, stops)
     _check_num_stages(num_stages, planner, grouped.num_blocks)
+    virtual = virtual_request(virtual_stages, schedule, planner=planner, num_stages=num_stages, sharding=sharding)
     forced, degrees = (None, None) if layout is None else parse_stage_layout(
         layout, cluster.num_devices, grouped.num_blocks, cluster.devices_per_host)
+    if virtual is not None:
+        check_virtual_layout(virtual, forced, layout, grouped.num_blocks, num_microbatches)
+        schedule = virtual.plain_schedule
     if degrees is not None:
         check_degrees(str(layout), degrees, grouped)
     if all_devices and forced is not None and degrees is not None:
@@ -358,8 +367,10 @@ def partition(chain: CostChain, cluster: Cluster, global_batch_size: int, *, pla
     plan = _planned(request, PLANNERS[planner])
     if request.sharding == "auto":
         plan = _no_slower_than_unsharded(plan, request, PLANNERS[planner])
+    if virtual is not None:
+        plan = plan_virtual(request, virtual, plan, forced_layout=forced is not None, compare=compare)
     if compare:
-        plan = plan.with_updates(baselines=_baseline_results(request))
+        plan = plan.with_updates(baselines=(*plan.baselines, *_baseline_results(request)))
     plan = on_fine_chain(plan, chain, stops)
     return plan.with_updates(notes=(*plan.notes, *replicated_block_notes(plan, chain)),
                              planning_time_s=time.perf_counter() - start)
