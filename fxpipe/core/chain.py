@@ -8,6 +8,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from fxpipe.core.attention_core import cores_within_blocks
 from fxpipe.core.costgraph import ZERO, Affine, CostGraph, CostNode
 from fxpipe.core.sharding import block_path
 
@@ -34,6 +35,10 @@ class Block:
     # parameter bytes per FSDP unit a sharded stage would gather them in: (module path of the numbered block,
     # fxpipe.core.sharding.block_path; "" the root, bytes); () where unknown (profiles): the block is its own unit
     units: tuple[tuple[str, int], ...] = ()
+    # attention's core in this block (fxpipe.core.attention_core): the bytes recomputing only it saves per slice and
+    # the forward time that costs; ZERO: no attention core (selective recompute "attention" does nothing here)
+    attention_core_bytes: Affine = ZERO
+    attention_core_s: Affine = ZERO
 
 
 @dataclass(frozen=True)
@@ -256,7 +261,8 @@ def _best_cut(window: list[int], prefix: list[float], target: float, tolerance: 
     return window[min(range(len(window)), key=score)]
 
 
-def _make_block(graph: CostGraph, index: int, first: int, stop: int, block_of: Mapping[str, int]) -> Block:
+def _make_block(graph: CostGraph, index: int, first: int, stop: int, block_of: Mapping[str, int],
+                cores: Mapping[str, tuple[Affine, Affine]] | None = None) -> Block:
     """Block ``index`` over nodes ``[first, stop)``; the last block runs the loss too (its costs, no node name).
 
     ``block_of`` maps each node name to its block (for the re-saved values' earlier savers).
@@ -264,6 +270,7 @@ def _make_block(graph: CostGraph, index: int, first: int, stop: int, block_of: M
     nodes = graph.nodes[first:stop]
     costed = (*nodes, graph.loss) if stop == len(graph.nodes) and graph.loss is not None else nodes
     resaved = [(block_of[saver], num_bytes) for node in costed for saver, num_bytes in node.resaved]
+    mine = [cores[node.name] for node in nodes if node.name in (cores or {})]  # keyed by each core's last node
     return Block(
         name=f"block{index}",
         node_names=tuple(node.name for node in nodes),
@@ -275,6 +282,8 @@ def _make_block(graph: CostGraph, index: int, first: int, stop: int, block_of: M
         tp=block_tensor_parallel(costed),
         units=merged_units((block_path(node.param_names[0]) or "", node.param_bytes) for node in nodes
                            if node.param_bytes > 0 and node.param_names),
+        attention_core_bytes=Affine.total(num_bytes for num_bytes, _ in mine),
+        attention_core_s=Affine.total(seconds for _, seconds in mine),
     )
 
 
@@ -374,7 +383,8 @@ def build_chain(graph: CostGraph, *, max_blocks: int | None = 64, balance_rows: 
             allowed = sorted({allowed[int(step * j)] for j in range(1, max_blocks)})
     bounds = [0, *(k + 1 for k in allowed), len(graph.nodes)]
     block_of = {node.name: bisect.bisect_right(bounds, position) - 1 for position, node in enumerate(graph.nodes)}
-    blocks = tuple(_make_block(graph, index, first, stop, block_of)
+    cores = cores_within_blocks(graph, block_of)
+    blocks = tuple(_make_block(graph, index, first, stop, block_of, cores)
                    for index, (first, stop) in enumerate(itertools.pairwise(bounds)))
     return CostChain(
         blocks=blocks,

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from tqdm import tqdm
 
+from fxpipe.core.block_recompute import expanded_choices
 from fxpipe.core.chain import CostChain
 from fxpipe.core.cluster import Cluster
 from fxpipe.core.plan import BaselineResult, Plan
@@ -254,7 +255,8 @@ def on_fine_chain(plan: Plan, chain: CostChain, stops: list[int]) -> Plan:
     def fine(index: int) -> int:
         return stops[index - 1] if index else 0
 
-    stages = tuple(replace(stage, first_block=fine(stage.first_block), stop_block=fine(stage.stop_block))
+    stages = tuple(replace(stage, first_block=fine(stage.first_block), stop_block=fine(stage.stop_block),
+                           block_recompute=expanded_choices(stage.block_recompute, stage.first_block, stops))
                    for stage in plan.stages)
     return plan.with_updates(stages=stages, num_blocks=chain.num_blocks,
                              block_names=tuple(block.name for block in chain.blocks))
