@@ -13,11 +13,9 @@ _SEARCH_DEPTH = 8
 
 
 def _target(node: CostNode) -> str:
-    """``call_function:matmul`` -> ``matmul``; ``call_function:aten.bmm.default`` -> ``bmm``."""
-    name = node.op.rpartition(":")[2]
-    if name.startswith("aten."):
-        name = name.split(".")[1]
-    return name
+    """``call_function:matmul`` -> ``matmul``; ``call_function:bmm.default`` (an aten overload) -> ``bmm``;
+    ``call_module:Softmax`` -> ``softmax``."""
+    return node.op.rpartition(":")[2].removeprefix("aten.").split(".")[0].lower()
 
 
 def _is_matmul(node: CostNode) -> bool:
@@ -29,14 +27,24 @@ def _is_sdpa(node: CostNode) -> bool:
 
 
 def attention_core_nodes(graph: CostGraph) -> list[tuple[str, ...]]:
-    """Each attention core's node names, in graph order: an SDPA node alone, or for each softmax whose input
-    comes (within a few ops) from a matmul and whose output reaches one, every node on a path between the two
-    matmuls, both included (the part that grows with the sequence length squared)."""
-    position = {node.name: index for index, node in enumerate(graph.nodes)}
-    by_name = graph.by_name()
-    consumers = graph.consumers()
+    """Each attention core's node names, in graph order (:func:`attention_cores`)."""
+    return attention_cores(graph.nodes)
+
+
+def attention_cores(nodes: Sequence[CostNode]) -> list[tuple[str, ...]]:
+    """Each attention core's node names among ``nodes`` (topological order; only ``name``, ``op`` and ``inputs``
+    are read, so a stage's fx graph works too): an SDPA node alone, or for each softmax whose input comes (within
+    a few ops) from a matmul and whose output reaches one, every node on a path between the two matmuls, both
+    included (the part that grows with the sequence length squared)."""
+    position = {node.name: index for index, node in enumerate(nodes)}
+    by_name = {node.name: node for node in nodes}
+    consumers: dict[str, list[str]] = {node.name: [] for node in nodes}
+    for node in nodes:
+        for producer in node.inputs:
+            if producer in consumers:
+                consumers[producer].append(node.name)
     cores = []
-    for node in graph.nodes:
+    for node in nodes:
         if _is_sdpa(node):
             cores.append((node.name,))
         elif _target(node) in _SOFTMAXES:
@@ -51,7 +59,8 @@ def _nearest(start: str, step: object, by_name: Mapping[str, CostNode]) -> str |
     """The closest matmul reached from ``start`` by ``step`` (inputs or consumers), breadth first."""
     frontier, seen = [start], {start}
     for _ in range(_SEARCH_DEPTH):
-        following = [nxt for name in frontier for nxt in step(name) if nxt not in seen]  # type: ignore[operator]
+        following = [nxt for name in frontier for nxt in step(name)  # type: ignore[operator]
+                     if nxt not in seen and nxt in by_name]
         for name in following:
             if _is_matmul(by_name[name]):
                 return name
@@ -72,7 +81,7 @@ def _between(first: str, last: str, position: Mapping[str, int], by_name: Mappin
     stack = [last]
     while stack:
         for producer in by_name[stack.pop()].inputs:
-            if producer not in above and lo <= position[producer] <= hi:
+            if producer not in above and producer in position and lo <= position[producer] <= hi:
                 above.add(producer)
                 stack.append(producer)
     return tuple(sorted(below & above, key=position.__getitem__))

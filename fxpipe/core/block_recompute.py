@@ -9,13 +9,18 @@ from collections.abc import Sequence
 BLOCK_CHOICES = ("keep", "block", "attention")
 
 
-def block_recompute_problems(stage_index: int, num_blocks: int, recompute: bool,
-                             block_recompute: Sequence[str]) -> list[str]:
-    """What is wrong with a stage's ``block_recompute`` (empty when fine): one known choice per block, and
-    never beside ``recompute=True`` (which already means every block is recomputed)."""
-    if not block_recompute:
-        return []
+def block_recompute_problems(stage_index: int, num_blocks: int, recompute: bool, block_recompute: Sequence[str],
+                             block_node_counts: Sequence[int] = (), num_nodes: int = 0) -> list[str]:
+    """What is wrong with a stage's ``block_recompute`` (empty when fine): one known choice per block, never beside
+    ``recompute=True`` (which already means every block is recomputed); ``block_node_counts``, when given, one
+    count per block adding up to the stage's ``num_nodes`` node names."""
     problems = []
+    if block_node_counts and (len(block_node_counts) != num_blocks or sum(block_node_counts) != num_nodes
+                              or min(block_node_counts) < 0):
+        problems.append(f"stage {stage_index} has block_node_counts {list(block_node_counts)} for {num_blocks} blocks "
+                        f"and {num_nodes} node names; give each block's count of the stage's node names, in order")
+    if not block_recompute:
+        return problems
     if len(block_recompute) != num_blocks:
         problems.append(f"stage {stage_index} has block_recompute {list(block_recompute)} for {num_blocks} blocks; "
                         f"give one of {list(BLOCK_CHOICES)} per block of the stage")

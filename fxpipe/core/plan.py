@@ -70,6 +70,7 @@ class StagePlan:
     # per block of the stage: "keep", "block" or "attention" (fxpipe.core.block_recompute); () = every block as
     # ``recompute`` says. Written only when choices differ, so older plans keep their bytes.
     block_recompute: tuple[str, ...] = ()
+    block_node_counts: tuple[int, ...] = ()  # with block_recompute: how many of node_names each block holds
 
     @property
     def num_devices(self) -> int:
@@ -225,8 +226,9 @@ class Plan:
                 del stage["tensor_parallel"]
             if stage["reshard_after_forward"] is None:  # absent = the level's default
                 del stage["reshard_after_forward"]
-            if not stage["block_recompute"]:  # absent = every block as "recompute" says
-                del stage["block_recompute"]
+            for key in ("block_recompute", "block_node_counts"):  # absent = every block as "recompute" says
+                if not stage[key]:
+                    del stage[key]
         if self.virtual_stages == 1:  # absent = one stage per group: plans without virtual stages keep their bytes
             del data["virtual_stages"], data["chunk_groups"]
         data["layout"] = self.layout
@@ -408,7 +410,7 @@ def validate_plan(plan: Plan) -> None:
                f"stage {index} has sharding {stage.sharding!r} on 1 replica; a single replica has nothing to split, "
                f"use {DEFAULT_SHARDING!r}")
         problems = block_recompute_problems(index, stage.stop_block - stage.first_block, stage.recompute,
-                                            stage.block_recompute)
+                                            stage.block_recompute, stage.block_node_counts, len(stage.node_names))
         _check(not problems, "; ".join(problems))
         seen_devices.update(stage.devices)
         expected_first = stage.stop_block

@@ -45,6 +45,7 @@ from fxpipe.passes.partition.request import (
 )
 from fxpipe.passes.partition.scoring import best_dp, finish, score_candidates
 from fxpipe.passes.partition.search import search
+from fxpipe.passes.partition.selective import with_block_node_counts
 from fxpipe.passes.partition.spans import Candidate, Span, spans_from_stops
 from fxpipe.sim.allreduce_overlap import DEFAULT_BUCKET_BYTES
 from fxpipe.sim.tensor_parallel_cost import tensor_parallel_degrees, tied_degree_conflict
@@ -362,6 +363,6 @@ def partition(chain: CostChain, cluster: Cluster, global_batch_size: int, *, pla
         plan = _no_slower_than_unsharded(plan, request, PLANNERS[planner])
     if compare:
         plan = plan.with_updates(baselines=_baseline_results(request))
-    plan = on_fine_chain(plan, chain, stops)
+    plan = with_block_node_counts(on_fine_chain(plan, chain, stops), chain)
     return plan.with_updates(notes=(*plan.notes, *replicated_block_notes(plan, chain)),
                              planning_time_s=time.perf_counter() - start)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from fxpipe.core.block_recompute import normalized_choices
+from fxpipe.core.plan import Plan
 from fxpipe.passes.partition.spans import Span, StageChoice
 from fxpipe.sim.recompute_cost import block_saving, selective_figures
 from fxpipe.sim.stagecost import stage_memory_bytes
@@ -39,14 +42,35 @@ def fits(saved: Sequence[float], inflight: int, excess_bytes: float) -> bool:
     return inflight * sum(saved) - max(saved, default=0.0) >= excess_bytes
 
 
+# stages of at most this many blocks with a choice to make are searched exhaustively (3^6 = 729 combinations)
+EXHAUSTIVE_BLOCKS = 6
+
+
 def pick_block_choices(options: BlockOptions, inflight: int, excess_bytes: float) -> tuple[str, ...] | None:
-    """Per block a choice whose saved bytes cover ``excess_bytes`` (what keeping everything overflows) at little
+    """Per block a choice whose saved bytes cover ``excess_bytes`` (what keeping everything overflows) at the least
     added time; None when recomputing everything still does not.
 
-    Greedy: from all "keep", take the upgrade with the most bytes per added second until the stage fits, then
-    undo any upgrade (costliest first) it still fits without. Checked against exhaustive search in
-    tests/test_selective_recompute.py.
+    Exhaustive over the blocks with a choice when they are few (:data:`EXHAUSTIVE_BLOCKS`), else greedy
+    (:func:`greedy_block_choices`; tests/test_selective_recompute.py compares the two).
     """
+    open_blocks = [block for block, choices in enumerate(options) if len(choices) > 1]
+    if len(open_blocks) > EXHAUSTIVE_BLOCKS:
+        return greedy_block_choices(options, inflight, excess_bytes)
+    best: tuple[float, tuple[int, ...]] | None = None
+    for picked in itertools.product(*(range(len(options[block])) for block in open_blocks)):
+        saved = [options[block][index][1] for block, index in zip(open_blocks, picked, strict=True)]
+        seconds = sum(options[block][index][2] for block, index in zip(open_blocks, picked, strict=True))
+        if fits(saved, inflight, excess_bytes) and (best is None or seconds < best[0] * (1 - 1e-12)):
+            best = (seconds, picked)
+    if best is None:
+        return None
+    chosen = dict(zip(open_blocks, best[1], strict=True))
+    return tuple(choices[chosen.get(block, 0)][0] for block, choices in enumerate(options))
+
+
+def greedy_block_choices(options: BlockOptions, inflight: int, excess_bytes: float) -> tuple[str, ...] | None:
+    """:func:`pick_block_choices` for many blocks: from all "keep", take the upgrade with the most bytes per added
+    second until the stage fits, then undo any upgrade (costliest first) it still fits without."""
     state = [0] * len(options)  # index into each block's options
     saved = [0.0] * len(options)
 
@@ -107,3 +131,12 @@ def selective_choice(model: CandidateCosts, span: Span, rows: int, inflight: int
     if recompute:  # every block recomputed: the whole-stage checkpoint the search costed
         return choice, ()
     return StageChoice(False, memory(block_recompute), choice.sharding), block_recompute
+
+
+def with_block_node_counts(plan: Plan, chain: CostChain) -> Plan:
+    """``plan`` whose stages with per-block choices record how many node names each block holds (the runtime
+    finds a block's nodes by them: fxpipe.passes.recompute_regions); other stages keep their bytes."""
+    return plan.with_updates(stages=tuple(
+        replace(stage, block_node_counts=tuple(len(block.node_names)
+                                               for block in chain.blocks[stage.first_block:stage.stop_block]))
+        if stage.block_recompute else stage for stage in plan.stages))

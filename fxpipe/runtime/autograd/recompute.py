@@ -61,7 +61,7 @@ def check_recompute_batch_norm(plan: Plan, stage_modules: Sequence[torch.nn.Modu
 
     Decided from the plan and every stage's module, so every rank raises alike.
     """
-    recomputing = [stage.stage_index for stage in plan.stages if stage.recompute]
+    recomputing = [stage.stage_index for stage in plan.stages if stage.recompute or set(stage.block_recompute) - {"keep"}]
     if recomputing and plan.schedule == "zero_bubble":
         raise PipelineSetupError(
             f"stages {recomputing} recompute their activations, which zero-bubble's split backward (B, then W "
@@ -71,7 +71,7 @@ def check_recompute_batch_norm(plan: Plan, stage_modules: Sequence[torch.nn.Modu
         return
     for stage, module in zip(plan.stages, stage_modules, strict=True):
         names = [name for name, layer in module.named_modules() if isinstance(layer, _BatchNorm)]
-        if stage.recompute and names:
+        if stage.stage_index in recomputing and names:
             raise PipelineSetupError(
                 f"stage {stage.stage_index} recomputes its activations but holds batch norm {names[0]!r} and "
                 f"batch_norm={batch_norm!r} sums statistics in every forward; pass recompute='never' (or "
