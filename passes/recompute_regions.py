@@ -36,7 +36,67 @@ class CheckpointedRegion(torch.nn.Module):
         region: fx.GraphModule = self.__dict__["region"]
         if not torch.is_grad_enabled():  # evaluation and predict: nothing is saved anyway
             return region(*args)
-        return checkpoint(region, *args, use_reentrant=False, preserve_rng_state=True)
+        outputs = checkpoint(region, *args, use_reentrant=False, preserve_rng_state=True)
+        meter = _active_meter()
+        return outputs if meter is None else _measured(region, args, outputs, meter)
+
+
+def _active_meter() -> Any:
+    """The saved-activation meter measuring this step (``pipe.measure``: fxpipe.runtime.autograd.measure), if any:
+    the object whose pack hook is the innermost saved-tensor hook."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    owner = getattr(hooks[0], "__self__", None) if hooks else None
+    return owner if hasattr(owner, "note_transient") else None
+
+
+class _Hold(torch.autograd.Function):
+    """A scalar whose node saves a region's inputs: the checkpoint keeps them out of the meter's sight until the
+    region's backward, so the meter is shown them (the same storages, no copy) for as long."""
+
+    @staticmethod
+    def forward(ctx: Any, *values: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*values)
+        return torch.zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return (None,) * len(ctx.saved_tensors)
+
+
+def _measured(region: fx.GraphModule, args: Sequence[Any], outputs: tuple[Any, ...], meter: Any) -> tuple[Any, ...]:
+    """``outputs`` (unchanged) with what the meter should see: the region's inputs counted as kept until its
+    backward starts, and then the bytes its recomputation rebuilds (a dry run of the region counts them)."""
+    inputs = [a for a in args if isinstance(a, torch.Tensor)]
+    first = next((value for value in outputs if isinstance(value, torch.Tensor) and value.requires_grad), None)
+    if first is None:
+        return outputs
+    keeper = [_Hold.apply(*inputs)]
+    rebuilt = _rebuilt_bytes(region, args, {t.untyped_storage().data_ptr() for t in inputs} | meter.excluded)
+
+    def at_backward(grad: torch.Tensor) -> None:
+        meter.note_transient(rebuilt)
+        keeper.clear()  # the inputs' count ends here; the checkpoint frees them as this backward ends
+
+    first.register_hook(at_backward)
+    return outputs
+
+
+def _rebuilt_bytes(region: fx.GraphModule, args: Sequence[Any], excluded: set[int]) -> int:
+    """Bytes of the storages the region saves for backward, beyond ``excluded`` ones (its inputs, parameters):
+    what its recomputation holds again (a dry run; random number generators left as they were)."""
+    sizes: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        key = tensor.untyped_storage().data_ptr()
+        if key not in excluded:
+            sizes[key] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    devices = sorted({a.device for a in args if isinstance(a, torch.Tensor) and a.device.type == "cuda"}, key=str)
+    with torch.random.fork_rng(devices=devices), torch.enable_grad(), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        region(*args)
+    return sum(sizes.values())
 
 
 def stage_regions(gm: fx.GraphModule, stage: StagePlan) -> list[tuple[str, ...]]:

@@ -43,7 +43,7 @@ def attention_cores(nodes: Sequence[CostNode]) -> list[tuple[str, ...]]:
         for producer in node.inputs:
             if producer in consumers:
                 consumers[producer].append(node.name)
-    cores = []
+    cores: list[tuple[str, ...]] = []
     for node in nodes:
         if _is_sdpa(node):
             cores.append((node.name,))
@@ -104,3 +104,14 @@ def cores_within_blocks(graph: CostGraph, block_of: Mapping[str, int]) -> dict[s
     (the xV matmul or the SDPA call). A core a block boundary cuts is left out: no block can recompute it alone."""
     return {core[-1]: core_figures(graph, core) for core in attention_core_nodes(graph)
             if len({block_of[name] for name in core}) == 1}
+
+
+def cuts_inside_cores(graph: CostGraph) -> set[int]:
+    """Node-level cuts (cut k lies between node k and k + 1) that would split an attention core; a chain never cuts
+    there (the scores and probabilities crossing such a cut grow with the sequence length squared anyway)."""
+    position = {node.name: index for index, node in enumerate(graph.nodes)}
+    inside: set[int] = set()
+    for core in attention_core_nodes(graph):
+        spots = [position[name] for name in core]
+        inside.update(range(min(spots), max(spots)))
+    return inside

@@ -8,7 +8,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from fxpipe.core.attention_core import cores_within_blocks
+from fxpipe.core.attention_core import cores_within_blocks, cuts_inside_cores
 from fxpipe.core.costgraph import ZERO, Affine, CostGraph, CostNode
 from fxpipe.core.sharding import block_path
 
@@ -270,7 +270,8 @@ def _make_block(graph: CostGraph, index: int, first: int, stop: int, block_of: M
     nodes = graph.nodes[first:stop]
     costed = (*nodes, graph.loss) if stop == len(graph.nodes) and graph.loss is not None else nodes
     resaved = [(block_of[saver], num_bytes) for node in costed for saver, num_bytes in node.resaved]
-    mine = [cores[node.name] for node in nodes if node.name in (cores or {})]  # keyed by each core's last node
+    cores = cores or {}
+    mine = [cores[node.name] for node in nodes if node.name in cores]  # keyed by each core's last node
     return Block(
         name=f"block{index}",
         node_names=tuple(node.name for node in nodes),
@@ -369,7 +370,8 @@ def build_chain(graph: CostGraph, *, max_blocks: int | None = 64, balance_rows: 
     if max_blocks is not None and max_blocks < 1:
         raise ChainError(f"max_blocks must be >= 1 (or None for no limit); got {max_blocks}")
     cuts = _node_cuts(graph)
-    allowed = [k for k, forbidden in enumerate(cuts.forbidden) if not forbidden]
+    inside = cuts_inside_cores(graph)  # a block holds each attention core whole, so it can recompute it alone
+    allowed = [k for k, forbidden in enumerate(cuts.forbidden) if not forbidden and k not in inside]
     if max_blocks is not None and len(allowed) > max_blocks - 1:
         weights = [(node.forward_s + node.backward_s).at(balance_rows) for node in graph.nodes]
         if graph.loss is not None:  # the loss runs with the last node's block

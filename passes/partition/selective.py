@@ -111,6 +111,8 @@ def selective_choice(model: CandidateCosts, span: Span, rows: int, inflight: int
     setting = model.recompute
     if schedule == "zero_bubble" or setting not in ("auto", "selective") or (setting == "auto" and not choice.recompute):
         return choice, ()
+    if choice.sharding != "none" or span.tensor_parallel > 1:  # the runtime runs per-block choices unsharded, T = 1
+        return choice, ()
     cost = model.cost(span.first, span.stop, rows, span.replicas, span.tensor_parallel)
     options = block_options(model.chain, span.first, span.stop, cost.rows, tensor_parallel=span.tensor_parallel)
     num_microbatches = model.global_batch_size // rows
