@@ -313,8 +313,8 @@ def compile(model: Any = None, example_inputs: Any = None, *, loss_fn: Callable[
     ``target_batch_dim``: the targets' (default: ``batch_dims`` when an int, else 0); with neither,
     dim 0, and an input whose batch size also sits in another dim the model can grow is refused as
     ambiguous. See docs/exactness.md. ``recompute``: ``"auto"`` (the planner recomputes a stage's
-    activations in backward only where keeping them does not fit), ``"never"``, ``"always"``, or one
-    ``"keep"``/``"recompute"`` per stage. ``sharding``: what a stage's replicas split among themselves (ZeRO
+    activations only where keeping them does not fit, per block), ``"never"``, ``"always"``, ``"selective"``
+    (attention cores only; docs/recompute.md) or one ``"keep"``/``"recompute"`` per stage. ``sharding``: what a stage's replicas split among themselves (ZeRO
     inside the replica group, through FSDP2; docs/sharding.md): ``"none"``, ``"optimizer"``, ``"gradients"``,
     ``"parameters"``, one level per stage, or ``"auto"`` (the planner picks each stage's level with its recompute
     choice; a given plan keeps its levels); None (default) keeps a given plan's levels and plans unsharded.

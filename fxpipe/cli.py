@@ -40,7 +40,8 @@ def _add_planning_options(parser: argparse.ArgumentParser) -> None:
                              "auto: the planner picks per plan")
     parser.add_argument("--optimizer", default="adam", help="memory model: sgd, momentum, adam")
     parser.add_argument("--recompute", default="auto", help="activation recomputation in backward: auto (only "
-                        "stages whose activations do not fit), never, always, or per stage: keep,recompute,...")
+                        "stages whose activations do not fit, narrowed per block), never, always, selective (attention cores only), "
+                        "or per stage: keep,recompute,...")
     parser.add_argument("--allreduce-bucket-mb", type=float, default=25.0, help="gradient allreduce in buckets of "
                         "this many MiB overlapping the last backward (0: one allreduce after backward)")
     parser.add_argument("--batch-dims", default=None,

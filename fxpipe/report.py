@@ -69,7 +69,7 @@ def stage_table(plan: Plan, chain: CostChain | None = None, cluster: Cluster | N
             _device_ranges(stage.devices),
             f"{stage.forward_s * 1e3:.2f}", f"{backward_s * 1e3:.2f}", f"{stage.allreduce_s * 1e3:.2f}",
             format_bytes(stage.param_bytes), format_bytes(stage.activation_bytes),
-            "recompute" if stage.recompute else "keep", stage.sharding, memory,
+            "recompute" if stage.recompute else _per_block(stage.block_recompute), stage.sharding, memory,
         ])
     headers = ["stage", "blocks", "replicas", *(["T"] if grouped else []), "devices", "fwd ms", "bwd ms", "allreduce ms",
                "params", "act/micro-batch", "activations", "sharding", "memory/device"]
@@ -144,3 +144,10 @@ def format_plan(plan: Plan, chain: CostChain | None = None, cluster: Cluster | N
     if table:
         parts += ["", table]
     return "\n".join(parts)
+
+
+def _per_block(choices: tuple[str, ...]) -> str:
+    """The activations column of a stage with per-block recompute: how many blocks take each choice."""
+    if not choices:
+        return "keep"
+    return " ".join(f"{choices.count(c)} {c}" for c in ("attention", "block") if c in choices)

@@ -34,7 +34,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-microbatches", type=int, default=None,
                         help="split each step's batch into this many micro-batches (default: the planner chooses)")
     parser.add_argument("--recompute", default="auto", help="activation recomputation: auto (where activations do "
-                        "not fit), never, always, or per stage keep,recompute,...; a plan file's choices stay with auto")
+                        "not fit, narrowed per block), never, always, selective (attention cores only), or per stage "
+                        "keep,recompute,...; a plan file's choices stay with auto")
     parser.add_argument("--sharding", default=None, type=_sharding_argument,
                         help="ZeRO inside each stage's replica group (FSDP2, docs/sharding.md): none, optimizer, "
                              "gradients, parameters, per stage level,level,..., or auto (the planner picks per "

@@ -21,6 +21,7 @@ from fxpipe.passes.batchdims import (
     fake_values,
     graph_batch_dims,
 )
+from fxpipe.passes.recompute_regions import with_recompute_regions
 from fxpipe.passes.subgraph import extract_subgraph
 from fxpipe.passes.trace_inputs import recorded_inputs
 
@@ -105,7 +106,7 @@ def split_for_plan(
         )
     program, varying = _split(gm, [stage.node_names for stage in plan.stages], example_inputs)
     _check_row_counts(program, plan, varying)
-    return program
+    return with_recompute_regions(program, plan)
 
 
 def _equal(value: Any, other: Any) -> bool:

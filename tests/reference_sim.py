@@ -220,6 +220,7 @@ def stage_seconds(plan: Plan, chain: CostChain, net: Cluster, stage_index: int, 
     backward = sum(b for _, b in times)
     if stage.recompute:
         backward += forward
+    backward += rerun_and_dropped(chain, plan.stages[stage_index], rows)[0] * stretch(net)
     comm = sharded_collectives(plan, chain, net, stage_index)  # on the critical path, never split
     action = net.action_overhead_s * stretch(net)
     if not split:
@@ -230,6 +231,26 @@ def stage_seconds(plan: Plan, chain: CostChain, net: Cluster, stage_index: int, 
     total = backward * (1 + net.split_backward_overhead)
     return {"F": forward + comm["F"] + action, "B": total * (1 - weight_share) + action,
             "W": total * weight_share + comm["B"]}
+
+
+def rerun_and_dropped(chain: CostChain, stage, rows: int) -> tuple[float, list[float]]:  # type: ignore[no-untyped-def]
+    """Selective recompute written out: the forward seconds a stage's per-block choices rerun in one backward
+    (unstretched) and, per block, the bytes it stops keeping; a T-way group member does 1/T of both."""
+    seconds, dropped = 0.0, []
+    for offset, choice in enumerate(stage.block_recompute):
+        index = stage.first_block + offset
+        block = chain.blocks[index]
+        if choice == "attention":
+            seconds += at(block.attention_core_s, rows)
+            dropped.append(at(block.attention_core_bytes, rows))
+        elif choice == "block":  # keeps what it reads and, last block, the loss's saved tensors
+            reads = at(chain.input_bytes if index == 0 else chain.cut_bytes[index - 1], rows)
+            loss = at(chain.loss_saved_bytes, rows) if index == chain.num_blocks - 1 else 0.0
+            seconds += at(block.forward_s, rows)
+            dropped.append(max(0.0, at(block.saved_bytes, rows) - reads - loss))
+        else:
+            dropped.append(0.0)
+    return seconds / stage.tensor_parallel, [num_bytes / stage.tensor_parallel for num_bytes in dropped]
 
 
 def build_replicas(plan: Plan, chain: CostChain, net: Cluster, split: bool, weight_share: float) -> dict[Key, Replica]:
@@ -606,6 +627,9 @@ def stage_peak_bytes(plan: Plan, chain: CostChain, stage_index: int, inflight: i
     incoming = at(chain.cut_bytes[stage.first_block - 1], rows) if stage.first_block > 0 else 0.0
     outgoing = at(chain.cut_bytes[stage.stop_block - 1], rows) if stage.stop_block < chain.num_blocks else 0.0
     kept = inflight * incoming + saved if stage.recompute else inflight * (saved + incoming)
+    dropped = rerun_and_dropped(chain, stage, rows)[1]
+    if dropped:  # each in-flight micro-batch keeps less; one recomputed part at a time is rebuilt in backward
+        kept += max(dropped) - inflight * sum(dropped)
     return math.ceil(weights + kept + incoming + outgoing)
 
 

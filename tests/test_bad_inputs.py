@@ -366,7 +366,7 @@ ROWS: list[Any] = [
     ("planner-batch-not-dividing", lambda _: _plan_tiny(num_microbatches=3), PlanningError,
      r"global batch 16 does not divide into num_microbatches=3 .*choose a divisor of 16"),
     ("planner-recompute-unknown", lambda _: _plan_tiny(recompute="sometimes"), PlanningError,
-     r"recompute='sometimes' is unknown; choose one of \('auto', 'never', 'always'\)"),
+     r"recompute='sometimes' is unknown; choose one of \('auto', 'never', 'always', 'selective'\)"),
     ("planner-recompute-per-stage-free-layout", lambda _: _plan_tiny(recompute="keep,recompute"), PlanningError,
      r"per-stage choices \(False, True\) but the stage count is the planner's choice; force a layout"),
     ("planner-recompute-per-stage-length", lambda _: _plan_tiny(layout="1:1", recompute=[True]), PlanningError,

@@ -158,7 +158,7 @@ def test_bert48_recompute_lets_the_planner_choose_a_faster_pipeline() -> None:
     auto = planning.plan_chain(chain, cluster_b, 4096, num_microbatches=4)
     assert never.predicted is not None and auto.predicted is not None
     assert not any(stage.recompute for stage in never.stages)
-    assert any(stage.recompute for stage in auto.stages)
+    assert any(stage.recompute or set(stage.block_recompute) - {"keep"} for stage in auto.stages)  # whole or per block
     assert auto.predicted.iteration_time_s < never.predicted.iteration_time_s
 
 

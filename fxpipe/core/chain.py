@@ -8,6 +8,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from fxpipe.core.attention_core import cores_within_blocks, cuts_inside_cores
 from fxpipe.core.costgraph import ZERO, Affine, CostGraph, CostNode
 from fxpipe.core.sharding import block_path
 
@@ -34,6 +35,10 @@ class Block:
     # parameter bytes per FSDP unit a sharded stage would gather them in: (module path of the numbered block,
     # fxpipe.core.sharding.block_path; "" the root, bytes); () where unknown (profiles): the block is its own unit
     units: tuple[tuple[str, int], ...] = ()
+    # attention's core in this block (fxpipe.core.attention_core): the bytes recomputing only it saves per slice and
+    # the forward time that costs; ZERO: no attention core (selective recompute "attention" does nothing here)
+    attention_core_bytes: Affine = ZERO
+    attention_core_s: Affine = ZERO
 
 
 @dataclass(frozen=True)
@@ -259,7 +264,8 @@ def _best_cut(window: list[int], prefix: list[float], target: float, tolerance: 
     return window[min(range(len(window)), key=score)]
 
 
-def _make_block(graph: CostGraph, index: int, first: int, stop: int, block_of: Mapping[str, int]) -> Block:
+def _make_block(graph: CostGraph, index: int, first: int, stop: int, block_of: Mapping[str, int],
+                cores: Mapping[str, tuple[Affine, Affine]] | None = None) -> Block:
     """Block ``index`` over nodes ``[first, stop)``; the last block runs the loss too (its costs, no node name).
 
     ``block_of`` maps each node name to its block (for the re-saved values' earlier savers).
@@ -267,6 +273,8 @@ def _make_block(graph: CostGraph, index: int, first: int, stop: int, block_of: M
     nodes = graph.nodes[first:stop]
     costed = (*nodes, graph.loss) if stop == len(graph.nodes) and graph.loss is not None else nodes
     resaved = [(block_of[saver], num_bytes) for node in costed for saver, num_bytes in node.resaved]
+    cores = cores or {}
+    mine = [cores[node.name] for node in nodes if node.name in cores]  # keyed by each core's last node
     return Block(
         name=f"block{index}",
         node_names=tuple(node.name for node in nodes),
@@ -278,6 +286,8 @@ def _make_block(graph: CostGraph, index: int, first: int, stop: int, block_of: M
         tp=block_tensor_parallel(costed),
         units=merged_units((block_path(node.param_names[0]) or "", node.param_bytes) for node in nodes
                            if node.param_bytes > 0 and node.param_names),
+        attention_core_bytes=Affine.total(num_bytes for num_bytes, _ in mine),
+        attention_core_s=Affine.total(seconds for _, seconds in mine),
     )
 
 
@@ -363,7 +373,8 @@ def build_chain(graph: CostGraph, *, max_blocks: int | None = 64, balance_rows: 
     if max_blocks is not None and max_blocks < 1:
         raise ChainError(f"max_blocks must be >= 1 (or None for no limit); got {max_blocks}")
     cuts = _node_cuts(graph)
-    allowed = [k for k, forbidden in enumerate(cuts.forbidden) if not forbidden]
+    inside = cuts_inside_cores(graph)  # a block holds each attention core whole, so it can recompute it alone
+    allowed = [k for k, forbidden in enumerate(cuts.forbidden) if not forbidden and k not in inside]
     if max_blocks is not None and len(allowed) > max_blocks - 1:
         weights = [(node.forward_s + node.backward_s).at(balance_rows) for node in graph.nodes]
         if graph.loss is not None:  # the loss runs with the last node's block
@@ -377,7 +388,8 @@ def build_chain(graph: CostGraph, *, max_blocks: int | None = 64, balance_rows: 
             allowed = sorted({allowed[int(step * j)] for j in range(1, max_blocks)})
     bounds = [0, *(k + 1 for k in allowed), len(graph.nodes)]
     block_of = {node.name: bisect.bisect_right(bounds, position) - 1 for position, node in enumerate(graph.nodes)}
-    blocks = tuple(_make_block(graph, index, first, stop, block_of)
+    cores = cores_within_blocks(graph, block_of)
+    blocks = tuple(_make_block(graph, index, first, stop, block_of, cores)
                    for index, (first, stop) in enumerate(itertools.pairwise(bounds)))
     return CostChain(
         blocks=blocks,

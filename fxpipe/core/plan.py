@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from fxpipe.core.block_recompute import block_recompute_problems
 from fxpipe.core.jsonvalues import JSONValueError, field_hints, read_field
 from fxpipe.core.precision import DEFAULT_PRECISION, PRECISIONS
 from fxpipe.core.schedule import TRAINING_SCHEDULES, WARMUP_POLICIES
@@ -66,6 +67,10 @@ class StagePlan:
     sharding: str = DEFAULT_SHARDING
     tensor_parallel: int = 1
     reshard_after_forward: bool | None = None
+    # per block of the stage: "keep", "block" or "attention" (fxpipe.core.block_recompute); () = every block as
+    # ``recompute`` says. Written only when choices differ, so older plans keep their bytes.
+    block_recompute: tuple[str, ...] = ()
+    block_node_counts: tuple[int, ...] = ()  # with block_recompute: how many of node_names each block holds
 
     @property
     def num_devices(self) -> int:
@@ -221,6 +226,9 @@ class Plan:
                 del stage["tensor_parallel"]
             if stage["reshard_after_forward"] is None:  # absent = the level's default
                 del stage["reshard_after_forward"]
+            for key in ("block_recompute", "block_node_counts"):  # absent = every block as "recompute" says
+                if not stage[key]:
+                    del stage[key]
         if self.virtual_stages == 1:  # absent = one stage per group: plans without virtual stages keep their bytes
             del data["virtual_stages"], data["chunk_groups"]
         data["layout"] = self.layout
@@ -401,6 +409,9 @@ def validate_plan(plan: Plan) -> None:
         _check(stage.sharding == DEFAULT_SHARDING or stage.replicas > 1,
                f"stage {index} has sharding {stage.sharding!r} on 1 replica; a single replica has nothing to split, "
                f"use {DEFAULT_SHARDING!r}")
+        problems = block_recompute_problems(index, stage.stop_block - stage.first_block, stage.recompute,
+                                            stage.block_recompute, stage.block_node_counts, len(stage.node_names))
+        _check(not problems, "; ".join(problems))
         seen_devices.update(stage.devices)
         expected_first = stage.stop_block
     device_problems = shared_device_problems(plan.chunk_groups, [(s.devices, s.replicas, s.tensor_parallel)

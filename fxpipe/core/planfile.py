@@ -9,7 +9,7 @@ from typing import Any
 
 from fxpipe.core.chain import Block, BlockTensorParallel, CostChain, SharedParam
 from fxpipe.core.cluster import Cluster
-from fxpipe.core.costgraph import Affine
+from fxpipe.core.costgraph import ZERO, Affine
 from fxpipe.core.jsonvalues import read_field
 from fxpipe.core.plan import Plan, PlanError, plan_from_dict
 
@@ -31,6 +31,7 @@ def chain_to_json(chain: CostChain) -> dict[str, Any]:
                 "resaved": [[saver, num_bytes.to_json()] for saver, num_bytes in block.resaved],
                 **_tp_to_json(block),
                 **({"units": [[unit, num_bytes] for unit, num_bytes in block.units]} if block.units else {}),
+                **_attention_core_to_json(block),
             }
             for block in chain.blocks
         ],
@@ -49,6 +50,14 @@ def _tp_to_json(block: Block) -> dict[str, Any]:
         return {}
     return {"tp": {"time_share": tp.time_share, "param_bytes": tp.param_bytes, "saved_share": tp.saved_share,
                    "comm_bytes": tp.comm_bytes.to_json(), "divisor": tp.divisor}}
+
+
+def _attention_core_to_json(block: Block) -> dict[str, Any]:
+    """A block's attention core figures; left out without a core, so older files keep their bytes."""
+    if block.attention_core_bytes == ZERO and block.attention_core_s == ZERO:
+        return {}
+    return {"attention_core_bytes": block.attention_core_bytes.to_json(),
+            "attention_core_s": block.attention_core_s.to_json()}
 
 
 def _tp_from_json(item: Any, where: str) -> BlockTensorParallel | None:
@@ -79,6 +88,8 @@ def _block_from_json(item: Any, where: str) -> Block:
             read_field(item, "resaved", tuple[tuple[int, tuple[float, float]], ...], where) if "resaved" in item else ())),
         tp=_tp_from_json(item, where),
         units=read_field(item, "units", tuple[tuple[str, int], ...], where) if "units" in item else (),
+        attention_core_bytes=Affine.from_json(item["attention_core_bytes"]) if "attention_core_bytes" in item else ZERO,
+        attention_core_s=Affine.from_json(item["attention_core_s"]) if "attention_core_s" in item else ZERO,
     )
 
 

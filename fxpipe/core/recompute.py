@@ -1,4 +1,4 @@
-"""Activation recomputation per stage: the user's setting, the planner's choice, and forcing it on a plan."""
+"""Activation recomputation per stage or block: the user's setting, the planner's choice, and forcing it on a plan."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from fxpipe.core.plan import Plan
 
-RECOMPUTE_MODES = ("auto", "never", "always")
+RECOMPUTE_MODES = ("auto", "never", "always", "selective")
 STAGE_CHOICES = {"keep": False, "recompute": True}
 # A checked setting: one of RECOMPUTE_MODES, or one choice per stage (True = recompute).
 RecomputeSetting = str | tuple[bool, ...]
@@ -18,7 +18,8 @@ class RecomputeError(ValueError):
 
 
 def parse_recompute(value: object) -> RecomputeSetting:
-    """``"auto"``, ``"never"``, ``"always"``, or per stage ``True``/``False``/``"keep"``/``"recompute"``
+    """``"auto"`` (the planner picks per block: docs/recompute.md), ``"never"``, ``"always"``, ``"selective"`` (every
+    block recomputes attention's core only, as Megatron's selective recompute), or per stage ``True``/``False``/``"keep"``/``"recompute"``
     (a sequence, or a string such as ``"keep,recompute"``); returns a mode or a tuple of bools."""
     if isinstance(value, str):
         if value in RECOMPUTE_MODES:
@@ -54,7 +55,9 @@ def choose_recompute(setting: RecomputeSetting, stage_index: int, num_stages: in
     """Whether stage ``stage_index`` recomputes: forced by the setting, or under ``"auto"`` exactly when
     keeping its activations (``keep_bytes`` peak per device) would not fit in ``limit_bytes``.
 
-    Recomputation only ever adds time, so ``"auto"`` never picks it for a stage that fits without it.
+    Recomputation only ever adds time, so ``"auto"`` never picks it for a stage that fits without it (the planner
+    then narrows a recomputing stage to per-block choices: :mod:`fxpipe.passes.partition.selective`);
+    ``"selective"`` recomputes per block, never whole stages.
     """
     if isinstance(setting, tuple):
         check_stage_count(setting, num_stages)
@@ -73,7 +76,10 @@ def force_recompute(plan: Plan, value: object) -> Plan:
     setting = parse_recompute(value)
     if setting == "auto":
         return plan
+    if setting == "selective":  # "attention" on a block without a core keeps it whole
+        return plan.with_updates(stages=tuple(replace(stage, recompute=False, block_recompute=("attention",) * (
+            stage.stop_block - stage.first_block)) for stage in plan.stages))
     check_stage_count(setting, plan.num_stages)
     flags = setting if isinstance(setting, tuple) else (setting == "always",) * plan.num_stages
-    return plan.with_updates(stages=tuple(replace(stage, recompute=flag)
+    return plan.with_updates(stages=tuple(replace(stage, recompute=flag, block_recompute=())
                                           for stage, flag in zip(plan.stages, flags, strict=True)))

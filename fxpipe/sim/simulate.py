@@ -28,6 +28,7 @@ from fxpipe.sim.events import (
     encode_program,
     run_component,
 )
+from fxpipe.sim.recompute_cost import selective_figures
 from fxpipe.sim.sharding_cost import ShardingComm, plan_sharding_comms
 from fxpipe.sim.sharding_memory import chain_in_precision
 from fxpipe.sim.stagecost import (
@@ -224,7 +225,7 @@ def _replica_specs(plan: Plan, chain: CostChain, cluster: Cluster, slowdowns: Se
             slowdown = max(slowdowns[device] for device in stage.replica_devices(replica_index))
             forward_s, backward_s = compute_times(chain, stage.first_block, stage.stop_block, rows, slowdown,
                                                   recompute=stage.recompute, tensor_parallel=stage.tensor_parallel,
-                                                  cluster=cluster)
+                                                  cluster=cluster, block_recompute=stage.block_recompute)
             weight_s = 0.0
             if weight_fraction is not None:
                 backward_s, weight_s = split_backward_times(backward_s, stage.stage_index, weight_fraction,
@@ -339,7 +340,9 @@ def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule,
         peaks.append(stage_memory_bytes(cost, inflight[stage.stage_index], optimizer, stage.recompute,
                                         sharding=stage.sharding, replicas=stage.replicas,
                                         num_microbatches=plan.num_microbatches,
-                                        reshard_after_forward=stage.reshard_after_forward))
+                                        reshard_after_forward=stage.reshard_after_forward,
+                                        selective=selective_figures(chain, stage.first_block, stage.block_recompute,
+                                                                    cost.rows, tensor_parallel=stage.tensor_parallel)))
     for stages, seconds in ties:  # starts when every holder is ready; its stages end with it
         tie_end = max(readies[s] for s in stages) + seconds
         for s in stages:
@@ -393,7 +396,7 @@ def _busy(plan: Plan, chain: CostChain, cluster: Cluster, stage_index: int, repl
     rows = split_rows(plan.microbatch_size, stage.replicas)[replica_index]
     forward_s, backward_s = compute_times(chain, stage.first_block, stage.stop_block, rows, slowdown,
                                           recompute=stage.recompute, tensor_parallel=stage.tensor_parallel,
-                                          cluster=cluster)
+                                          cluster=cluster, block_recompute=stage.block_recompute)
     if split_overhead is not None:
         backward_s = sum(split_backward_times(backward_s, stage_index, WEIGHT_GRAD_FRACTION, split_overhead))
     return plan.num_microbatches * (forward_s + backward_s)

@@ -13,6 +13,7 @@ from fxpipe.core.chain import block_units, merged_units
 from fxpipe.core.cluster import Cluster, LinkSpec
 from fxpipe.core.costgraph import Affine
 from fxpipe.core.row_slices import shared_rows, split_rows
+from fxpipe.sim.recompute_cost import SelectiveRecompute, selective_seconds
 from fxpipe.sim.sharding_memory import model_state_bytes
 from fxpipe.sim.tensor_parallel_cost import (
     tensor_parallel_param_bytes,
@@ -67,21 +68,23 @@ def _block_sum(chain: CostChain, first: int, stop: int, field: str) -> Affine:
 
 def compute_times(chain: CostChain, first: int, stop: int, rows: int, slowdown: float = 1.0, *,
                   recompute: bool = False, tensor_parallel: int = 1,
-                  cluster: Cluster | None = None) -> tuple[float, float]:
+                  cluster: Cluster | None = None, block_recompute: Sequence[str] = ()) -> tuple[float, float]:
     """Forward and backward seconds of blocks ``[first, stop)`` on a slice of ``rows`` batch rows.
 
     ``slowdown`` stretches the chain's times (:attr:`Cluster.compute_slowdown`: ranks sharing cores);
     with ``recompute`` the backward includes the forward run again (:func:`backward_seconds`). A replica that
     is a ``tensor_parallel``-way group (T > 1, ``cluster`` given for its links) takes one member's time
-    (:mod:`fxpipe.sim.tensor_parallel_cost`).
+    (:mod:`fxpipe.sim.tensor_parallel_cost`). Per-block ``block_recompute`` choices add the forward they rerun
+    (:func:`fxpipe.sim.recompute_cost.selective_figures`).
     """
+    extra_s = selective_seconds(chain, first, block_recompute, rows, slowdown, tensor_parallel)
     if tensor_parallel > 1:
         assert cluster is not None, "a tensor-parallel stage's collectives need the cluster's links"
         forward_s, backward_s = tensor_parallel_times(chain, cluster, first, stop, rows, tensor_parallel, slowdown)
-        return forward_s, backward_seconds(forward_s, backward_s, recompute)
+        return forward_s, backward_seconds(forward_s, backward_s, recompute) + extra_s
     forward_s = _block_sum(chain, first, stop, "forward_s").at(rows) * slowdown
     backward_s = _block_sum(chain, first, stop, "backward_s").at(rows) * slowdown
-    return forward_s, backward_seconds(forward_s, backward_s, recompute)
+    return forward_s, backward_seconds(forward_s, backward_s, recompute) + extra_s
 
 
 def message_seconds(cluster: Cluster, microbatch_rows: int, replicas: Sequence[int], stage_index: int) -> float:
@@ -246,7 +249,8 @@ def own_allreduce_bytes(chain: CostChain, stage_bounds: Sequence[tuple[int, int]
 
 def stage_memory_bytes(cost: StageCost, inflight_microbatches: int, optimizer: str = "adam",
                        recompute: bool = False, *, sharding: str = "none", replicas: int = 1,
-                       num_microbatches: int | None = None, reshard_after_forward: bool | None = None) -> int:
+                       num_microbatches: int | None = None, reshard_after_forward: bool | None = None,
+                       selective: SelectiveRecompute | None = None) -> int:
     """Peak bytes per device: weights x optimizer factor + in-flight activations + receive buffers.
 
     ``sharding`` over ``replicas`` splits weights, gradients or optimizer state (:func:`model_state_bytes`;
@@ -257,20 +261,25 @@ def stage_memory_bytes(cost: StageCost, inflight_microbatches: int, optimizer: s
     gradient slice back per in-flight micro-batch boundary (the runtime preallocates one of each).
     With ``recompute`` a stage keeps only its inputs per in-flight micro-batch, plus one micro-batch's
     activations while backward recomputes them (and, last stage, every in-flight loss's saved tensors).
+    Per-block choices (``selective``) keep the received inputs and save less per micro-batch (:func:`saved_bytes`).
     """
     # a recomputed stage is one FSDP unit: its checkpoint spans the whole stage
     weights = model_state_bytes(cost.param_bytes, optimizer_factor(optimizer), sharding, replicas, num_microbatches,
                                 0.0 if recompute else cost.unit_bytes, reshard_after_forward, cost.param_copy_fraction)
     held = 0.0 if recompute else inflight_microbatches * cost.input_bytes
-    activations = saved_bytes(cost, inflight_microbatches, recompute) + held
+    activations = saved_bytes(cost, inflight_microbatches, recompute, selective) + held
     buffers = cost.input_bytes + cost.output_bytes
     return int(math.ceil(weights + activations + buffers))
 
 
-def saved_bytes(cost: StageCost, inflight_microbatches: int, recompute: bool = False) -> float:
+def saved_bytes(cost: StageCost, inflight_microbatches: int, recompute: bool = False,
+                selective: SelectiveRecompute | None = None) -> float:
     """Bytes autograd saves at the peak, counted per slice: every in-flight micro-batch's activations, or
     with ``recompute`` their inputs (and the loss's saved tensors, outside the recomputed forward) plus one
-    micro-batch's activations rebuilt in backward."""
+    micro-batch's activations rebuilt in backward; with per-block choices (``selective``) each in-flight
+    micro-batch keeps its activations less what they recompute, plus the largest recomputed part once."""
+    if selective is not None:
+        return inflight_microbatches * (cost.activation_bytes - selective.saved_bytes) + selective.transient_bytes
     if recompute:
         kept = cost.input_bytes + cost.loss_bytes
         return inflight_microbatches * kept + cost.activation_bytes - cost.loss_bytes
@@ -278,7 +287,7 @@ def saved_bytes(cost: StageCost, inflight_microbatches: int, recompute: bool = F
 
 
 def activation_peak_bytes(cost: StageCost, inflight_microbatches: int, num_microbatches: int,
-                          recompute: bool = False) -> int:
+                          recompute: bool = False, selective: SelectiveRecompute | None = None) -> int:
     """Peak bytes autograd saves for backward on one device: what a measured step records
     (``pipe.measure = True``, ``StepStats.peak_activation_bytes``).
 
@@ -286,7 +295,7 @@ def activation_peak_bytes(cost: StageCost, inflight_microbatches: int, num_micro
     the targets the loss saves are slices of the global batch every rank holds: autograd keeps the whole
     batch's storage alive, all ``num_microbatches`` micro-batches of it, not one slice per micro-batch.
     """
-    saved = saved_bytes(cost, inflight_microbatches, recompute)
+    saved = saved_bytes(cost, inflight_microbatches, recompute, selective)
     if cost.batch_view_bytes > 0:
         slices = 1 if recompute else inflight_microbatches
         saved += num_microbatches * cost.microbatch_view_bytes - slices * cost.batch_view_bytes

@@ -144,6 +144,8 @@ def coarsen_chain(chain: CostChain, stops: Sequence[int]) -> CostChain:
                                     for saver, num_bytes in block.resaved), group),
             tp=merged_tensor_parallel(members),
             units=merged_units(entry for block in members for entry in block_units(block)),
+            attention_core_bytes=Affine.total(block.attention_core_bytes for block in members),
+            attention_core_s=Affine.total(block.attention_core_s for block in members),
         ))
         first = stop
     cuts = tuple(chain.cut_bytes[stop - 1] for stop in stops[:-1])

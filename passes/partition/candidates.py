@@ -326,7 +326,7 @@ class CandidateCosts:
             if isinstance(recompute, tuple):
                 recomputes: tuple[bool, ...] = (recompute[index],)
             else:
-                recomputes = {"auto": (False, True), "never": (False,), "always": (True,)}[recompute]
+                recomputes = {"auto": (False, True), "never": (False,), "always": (True,), "selective": (False,)}[recompute]
             inflight = self.inflight(index, len(spans), num_microbatches, warmup_policy, schedule)
             choices.append(self._sharded_choice(span.first, span.stop, rows, span.leads, inflight, levels,
                                                 recomputes, span.tensor_parallel))

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from tqdm import tqdm
 
+from fxpipe.core.block_recompute import expanded_choices
 from fxpipe.core.chain import CostChain
 from fxpipe.core.cluster import Cluster
 from fxpipe.core.plan import BaselineResult, Plan
@@ -44,6 +45,7 @@ from fxpipe.passes.partition.request import (
 )
 from fxpipe.passes.partition.scoring import best_dp, finish, score_candidates
 from fxpipe.passes.partition.search import search
+from fxpipe.passes.partition.selective import with_block_node_counts
 from fxpipe.passes.partition.spans import Candidate, Span, spans_from_stops
 from fxpipe.passes.partition.virtual_plan import plan_virtual
 from fxpipe.passes.partition.virtual_request import check_virtual_layout, virtual_request
@@ -256,7 +258,8 @@ def on_fine_chain(plan: Plan, chain: CostChain, stops: list[int]) -> Plan:
     def fine(index: int) -> int:
         return stops[index - 1] if index else 0
 
-    stages = tuple(replace(stage, first_block=fine(stage.first_block), stop_block=fine(stage.stop_block))
+    stages = tuple(replace(stage, first_block=fine(stage.first_block), stop_block=fine(stage.stop_block),
+                           block_recompute=expanded_choices(stage.block_recompute, stage.first_block, stops))
                    for stage in plan.stages)
     return plan.with_updates(stages=stages, num_blocks=chain.num_blocks,
                              block_names=tuple(block.name for block in chain.blocks))
@@ -371,6 +374,6 @@ def partition(chain: CostChain, cluster: Cluster, global_batch_size: int, *, pla
         plan = plan_virtual(request, virtual, plan, forced_layout=forced is not None, compare=compare)
     if compare:
         plan = plan.with_updates(baselines=(*plan.baselines, *_baseline_results(request)))
-    plan = on_fine_chain(plan, chain, stops)
+    plan = with_block_node_counts(on_fine_chain(plan, chain, stops), chain)
     return plan.with_updates(notes=(*plan.notes, *replicated_block_notes(plan, chain)),
                              planning_time_s=time.perf_counter() - start)

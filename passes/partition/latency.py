@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from fxpipe.core.cluster import Cluster
 from fxpipe.core.plan import Plan
 from fxpipe.sim.allreduce_overlap import last_pass_share, stage_allreduce_offsets
+from fxpipe.sim.recompute_cost import selective_seconds
 from fxpipe.sim.sharding_cost import plan_sharding_comms, start_delay
 from fxpipe.sim.stagecost import (
     WEIGHT_GRAD_FRACTION,
@@ -233,7 +234,8 @@ def stage_times(plan: Plan, chain: CostChain, cluster: Cluster) -> PipelineSteps
         cost = stage_cost(chain, stage.first_block, stage.stop_block, plan.microbatch_size, stage.replicas,
                           cluster.compute_slowdown, tensor_parallel=stage.tensor_parallel, cluster=cluster)
         message_s = message_seconds(cluster, plan.microbatch_size, replicas, stage.stage_index)
-        backward_s = backward_seconds(cost.forward_s, cost.backward_s, stage.recompute)
+        backward_s = backward_seconds(cost.forward_s, cost.backward_s, stage.recompute) + selective_seconds(
+            chain, stage.first_block, stage.block_recompute, cost.rows, cluster.compute_slowdown, stage.tensor_parallel)
         _, tail = stage_allreduce_offsets(chain, cluster, stage.first_block, stage.stop_block, leads[stage.stage_index],
                                           cost.rows, own_bytes[stage.stage_index], plan.allreduce_bucket_bytes,
                                           last_pass_share(stage.stage_index, plan.schedule == "zero_bubble",

@@ -6,7 +6,9 @@ from fxpipe.core.plan import Plan, Prediction, StagePlan
 from fxpipe.core.recompute import check_stage_count
 from fxpipe.core.sharding import stage_levels
 from fxpipe.passes.partition.candidates import CandidateCosts
+from fxpipe.passes.partition.selective import selective_choice
 from fxpipe.passes.partition.spans import Candidate, Span
+from fxpipe.sim.recompute_cost import selective_figures
 from fxpipe.sim.stagecost import activation_peak_bytes
 
 
@@ -24,6 +26,7 @@ def build_plan(model: CandidateCosts, candidate: Candidate, *, schedule: str, wa
                 for index in range(len(candidate.spans))]
     stages = []
     for index, span in enumerate(candidate.spans):
+        choices[index], block_recompute = selective_choice(model, span, rows, inflight[index], choices[index], schedule)
         cost = model.cost(span.first, span.stop, rows, span.replicas, span.tensor_parallel)
         node_names = tuple(name for block in chain.blocks[span.first:span.stop] for name in block.node_names)
         stages.append(StagePlan(
@@ -35,9 +38,10 @@ def build_plan(model: CandidateCosts, candidate: Candidate, *, schedule: str, wa
             peak_memory_bytes=choices[index].memory, recompute=choices[index].recompute,
             sharding=choices[index].sharding,
             inflight_microbatches=inflight[index],
-            activation_peak_bytes=activation_peak_bytes(cost, inflight[index], num_microbatches,
-                                                        choices[index].recompute),
-            tensor_parallel=span.tensor_parallel,
+            activation_peak_bytes=activation_peak_bytes(
+                cost, inflight[index], num_microbatches, choices[index].recompute,
+                selective_figures(chain, span.first, block_recompute, cost.rows, tensor_parallel=span.tensor_parallel)),
+            tensor_parallel=span.tensor_parallel, block_recompute=block_recompute,
         ))
     return Plan(
         global_batch_size=model.global_batch_size, num_microbatches=num_microbatches, stages=tuple(stages),

@@ -57,21 +57,32 @@ def _buffers_restored(module: torch.nn.Module) -> Iterator[None]:
 
 
 def check_recompute_batch_norm(plan: Plan, stage_modules: Sequence[torch.nn.Module], batch_norm: str) -> None:
-    """Deferred/synchronised batch norm (collectives and sums per forward) cannot run twice per micro-batch.
+    """Deferred/synchronised batch norm (collectives and sums per forward) cannot run twice per micro-batch; nor can
+    zero-bubble's split backward rerun a checkpoint; per-block recompute runs on unsharded T = 1 stages without
+    batch norm in a whole recomputed block.
 
     Decided from the plan and every stage's module, so every rank raises alike.
     """
-    recomputing = [stage.stage_index for stage in plan.stages if stage.recompute]
+    recomputing = [stage.stage_index for stage in plan.stages if stage.recompute or set(stage.block_recompute) - {"keep"}]
     if recomputing and plan.schedule == "zero_bubble":
         raise PipelineSetupError(
             f"stages {recomputing} recompute their activations, which zero-bubble's split backward (B, then W "
             "on the same autograd graph) cannot run; use schedule='early_backward' (or 'auto') with "
             "recomputation, or recompute='never' with zero_bubble")
-    if batch_norm == "microbatch":
-        return
+    selective = [stage.stage_index for stage in plan.stages if stage.block_recompute
+                 and (stage.sharding != "none" or stage.tensor_parallel > 1)]
+    if selective:
+        raise PipelineSetupError(
+            f"stages {selective} recompute per block (block_recompute) but are sharded or tensor-parallel, which "
+            "per-block recompute does not run yet; use recompute='always' or 'never' for them")
     for stage, module in zip(plan.stages, stage_modules, strict=True):
         names = [name for name, layer in module.named_modules() if isinstance(layer, _BatchNorm)]
-        if stage.recompute and names:
+        if "block" in stage.block_recompute and names:  # a checkpointed block would update their statistics twice
+            raise PipelineSetupError(f"stage {stage.stage_index} recomputes blocks whole (block_recompute) and holds "
+                                     f"batch norm {names[0]!r}; recompute that stage whole or not at all")
+        if batch_norm == "microbatch":
+            continue
+        if stage.stage_index in recomputing and names:
             raise PipelineSetupError(
                 f"stage {stage.stage_index} recomputes its activations but holds batch norm {names[0]!r} and "
                 f"batch_norm={batch_norm!r} sums statistics in every forward; pass recompute='never' (or "
