@@ -30,12 +30,14 @@ from tests.test_virtual_runtime import (
     virtual_plan,
 )
 
-# (name, model, schedule, micro-batches, level of the replicated group's chunks)
-CASES = (
-    ("lm interleaved zero3", LM, "interleaved", 4, "parameters"),
-    ("lm zbv zero1", LM, "zbv", 3, "optimizer"),
-    ("mlp interleaved zero1", "mlp", "interleaved", 6, "optimizer"),
-    ("mlp interleaved_zero_bubble zero2", "mlp", "interleaved_zero_bubble", 3, "gradients"),
+COMPILED = {"torch_compile": {"backend": "aot_eager"}}
+# (name, model, schedule, micro-batches, level of the replicated group's chunks, compile options)
+CASES: tuple[tuple[str, str, str, int, str, dict[str, Any]], ...] = (
+    ("lm interleaved zero3", LM, "interleaved", 4, "parameters", {}),
+    ("lm zbv zero1", LM, "zbv", 3, "optimizer", {}),
+    ("mlp interleaved zero1", "mlp", "interleaved", 6, "optimizer", {}),
+    ("mlp interleaved_zero_bubble zero2", "mlp", "interleaved_zero_bubble", 3, "gradients", {}),
+    ("mlp zbv zero1 compiled", "mlp", "zbv", 3, "optimizer", COMPILED),
 )
 
 
@@ -50,8 +52,9 @@ def _whole(tensors: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
     return {name: full_value(t) for name, t in sorted(tensors.items()) if t is not None}
 
 
-def _exact(model: str, schedule: str, num_microbatches: int, level: str, reference: dict[str, Any]) -> dict[str, Any]:
-    pipe = _compile(model, sharded_plan(model, schedule, num_microbatches, level))
+def _exact(model: str, schedule: str, num_microbatches: int, level: str, options: dict[str, Any],
+           reference: dict[str, Any]) -> dict[str, Any]:
+    pipe = _compile(model, sharded_plan(model, schedule, num_microbatches, level), **options)
     sharded = sorted(name for name, p in pipe.named_parameters() if isinstance(p, DTensor))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=LEARNING_RATE)
     losses, problems, norms = [], [], []
@@ -68,7 +71,8 @@ def _exact(model: str, schedule: str, num_microbatches: int, level: str, referen
     inputs, targets = _batches(model, 1, seed=900)[0]
     with torch.no_grad():
         expected = float(zoo.get(model).loss_fn(_call(reference["model"], inputs), targets))
-    return {"losses": losses, "reference_losses": reference["losses"], "problems": problems, "norms": norms,
+    compiled = [chunk for chunk, runner in pipe.driver.runners.items() if runner.compiled is not None]
+    return {"compiled": compiled, "losses": losses, "reference_losses": reference["losses"], "problems": problems, "norms": norms,
             "reference_norms": reference["after_backward"], "sharded": sharded, "chunks": list(pipe.driver.chunks),
             "evaluated": pipe.evaluate(inputs, targets), "expected_loss": expected,
             "shard_state": [tuple(s.shape) for s in optimizer.state_dict()["state"].get(0, {}).values()
@@ -112,9 +116,9 @@ def _run(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
     references = {model: train_reference(_build(model)[0], zoo.get(model).loss_fn, _batches(model),
                                          after_backward=_clipped) for model in (LM, "mlp")}
     results = {}
-    for index, (name, model, schedule, num_microbatches, level) in enumerate(CASES):
+    for index, (name, model, schedule, num_microbatches, level, options) in enumerate(CASES):
         results[name] = _in_world(store_dir, f"sharded-{index}", rank, lambda case=(model, schedule, num_microbatches,
-                                  level): _exact(*case, references[case[0]]))
+                                  level, options): _exact(*case, references[case[0]]))
     return {"exact": results, "checkpoints": _checkpoints(rank, store_dir, f"{store_dir}/ckpt")}
 
 
@@ -135,6 +139,7 @@ def test_sharded_chunks_train_exactly_as_one_process(per_rank: list[dict[str, An
         assert record["evaluated"] == pytest.approx(record["expected_loss"], rel=1e-5), rank
         # the replicated group's chunks are FSDP2 shards, every other group's whole
         assert bool(record["sharded"]) == (rank in (0, 1)), (rank, record["sharded"])
+        assert record["compiled"] == (record["chunks"] if "compiled" in case else []), rank
     assert per_rank[0]["exact"][case]["sharded"] == per_rank[1]["exact"][case]["sharded"]
 
 
