@@ -6,6 +6,7 @@ backward stays refused."""
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import pytest
@@ -117,8 +118,8 @@ def _run(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
                                          after_backward=_clipped) for model in (LM, "mlp")}
     results = {}
     for index, (name, model, schedule, num_microbatches, level, options) in enumerate(CASES):
-        results[name] = _in_world(store_dir, f"sharded-{index}", rank, lambda case=(model, schedule, num_microbatches,
-                                  level, options): _exact(*case, references[case[0]]))
+        results[name] = _in_world(store_dir, f"sharded-{index}", rank,
+                                  partial(_exact, model, schedule, num_microbatches, level, options, references[model]))
     return {"exact": results, "checkpoints": _checkpoints(rank, store_dir, f"{store_dir}/ckpt")}
 
 
