@@ -69,7 +69,7 @@ def apply_overrides(plan: Plan, options: CompileOptions) -> Plan:
 
 def check_runs_virtual(plan: Plan) -> None:
     """What the virtual-stage runtime does not run yet (docs/virtual_stages.md), refused on every rank alike before
-    anything is split: tensor-parallel groups (sharded chunks run: fxpipe.runtime.parallel.virtual_sharding)."""
+    anything is split: tensor-parallel groups (sharded chunks run: fxpipe.runtime.execution.virtual_sharding)."""
     if not plan.chunk_groups:
         return
     tensor_parallel = sorted({s.tensor_parallel for s in plan.stages if s.tensor_parallel > 1})

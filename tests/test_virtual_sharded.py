@@ -1,4 +1,4 @@
-"""Sharded chunks on virtual stages (fxpipe.runtime.parallel.virtual_sharding): the 2:1:1 device groups with 2 chunks each
+"""Sharded chunks on virtual stages (fxpipe.runtime.execution.virtual_sharding): the 2:1:1 device groups with 2 chunks each
 on 4 gloo ranks, group 0's chunks sharded over its 2 replicas at ZeRO-1, 2 or 3, train exactly as one process under
 interleaved 1F1B, interleaved zero-bubble and ZB-V (the tied embedding included), and evaluate; ZeRO-3 under a split
 backward stays refused."""

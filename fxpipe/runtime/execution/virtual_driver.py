@@ -22,12 +22,12 @@ from fxpipe.runtime.execution.virtual_routes import (
     group_actions,
     link_tag,
 )
+from fxpipe.runtime.execution.virtual_sharding import ChunkSharding
 from fxpipe.runtime.faults import preemption
 from fxpipe.runtime.faults.errors import PipelineSetupError
 from fxpipe.runtime.faults.failures import DEFAULT_STALL_TIMEOUT_S, FailureLog, NoLog
 from fxpipe.runtime.gradients.grad_sync import restore_stashed, stash_grads
 from fxpipe.runtime.gradients.virtual_grads import VirtualGroups, sum_gradients
-from fxpipe.runtime.parallel.virtual_sharding import ChunkSharding
 from fxpipe.runtime.transport.batch_layout import batch_rows, infer_value_dtypes, make_layout
 from fxpipe.runtime.transport.comm import (
     DEFAULT_TIMEOUT_S,
@@ -111,18 +111,18 @@ class VirtualDriver:
         self.preempted = False
         self._failed_step: str | None = None  # why a step failed: later steps are refused
         self.tp_params: dict[str, Any] = {}  # checkpoints ask for tensor-parallel shards: none (refused in compile_plan)
-        self.sharding: ChunkSharding | None = None  # FSDP2 per sharded chunk (shard_chunks)
+        self.sharding: ChunkSharding | None = None  # FSDP2 per sharded chunk (shard_chunks, fxpipe.runtime.execution.virtual_sharding)
         self.summed = self.named  # what sum_gradients reduces: all but what FSDP2 reduces
 
     def shard_chunks(self) -> None:
-        """Shard the chunks the plan shards (fxpipe.runtime.parallel.virtual_sharding), after the parameter sync;
+        """Shard the chunks the plan shards (fxpipe.runtime.execution.virtual_sharding), after the parameter sync;
         FSDP2 then reduces their untied parameters, so the driver's allreduce leaves them out."""
-        sharding = ChunkSharding(self)
+        sharding = ChunkSharding(self.plan, self.runners, self.groups, self.context.device)
         if not sharding.stages:
             return
         self.sharding = sharding
         self.named = unique_params(item for c in self.chunks for item in self.runners[c].parameters())
-        fsdp = sharding.reduced_by_fsdp(self)
+        fsdp = sharding.reduced_by_fsdp()
         self.summed = [(name, param) for name, param in self.named if id(param) not in fsdp]
 
     # ---- layout ----------------------------------------------------------------------------------

@@ -13,16 +13,15 @@ a chunk's gathered weights only after that chunk's last backward of the step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from fxpipe.core import schedule as schedules
+from fxpipe.core.plan import Plan
+from fxpipe.runtime.execution.stage import StageRunner
+from fxpipe.runtime.gradients.virtual_grads import VirtualGroups
 from fxpipe.runtime.parallel.sharded_stage import ShardedStage
-
-if TYPE_CHECKING:
-    from fxpipe.runtime.execution.virtual_driver import VirtualDriver
 
 Op = schedules.Op
 
@@ -30,27 +29,25 @@ Op = schedules.Op
 class ChunkSharding:
     """The sharded chunks of one rank (none when the plan shards nothing or the group has one replica)."""
 
-    def __init__(self, driver: VirtualDriver) -> None:
+    def __init__(self, plan: Plan, runners: Mapping[int, StageRunner], groups: VirtualGroups,
+                 device: torch.device) -> None:
         self.stages: dict[int, ShardedStage] = {}
-        group = driver.groups.replicas
-        tied = set(driver.groups.tied)
-        for chunk in driver.chunks:
-            stage_plan = driver.plan.stages[chunk]
-            if stage_plan.sharding == "none" or group is None:
+        self.runners, self.tied = runners, set(groups.tied)
+        for chunk, runner in runners.items():
+            stage_plan = plan.stages[chunk]
+            if stage_plan.sharding == "none" or groups.replicas is None:
                 continue
-            runner = driver.runners[chunk]
-            ignored = [param for name, param in runner.parameters() if name in tied]
-            sharded = ShardedStage(runner.module, stage_plan.sharding, group, driver.context.device,
+            ignored = [param for name, param in runner.parameters() if name in self.tied]
+            sharded = ShardedStage(runner.module, stage_plan.sharding, groups.replicas, device,
                                    stage_plan.recompute, ignored, runner.compiled, stage_plan.reshard_after_forward)
             runner.call = sharded
             self.stages[chunk] = sharded
         self._last: dict[int, int] = {}  # chunk -> micro-batch of its last gradient-writing action this step
 
-    def reduced_by_fsdp(self, driver: VirtualDriver) -> set[int]:
+    def reduced_by_fsdp(self) -> set[int]:
         """ids of the parameters FSDP2 reduces (every parameter of a sharded chunk but the tied weights)."""
-        tied = set(driver.groups.tied)
-        return {id(param) for chunk in self.stages for name, param in driver.runners[chunk].parameters()
-                if name not in tied}
+        return {id(param) for chunk in self.stages for name, param in self.runners[chunk].parameters()
+                if name not in self.tied}
 
     def start_step(self, actions: Sequence[schedules.Action], split_backward: bool) -> None:
         """Note each sharded chunk's last backward (W under a split backward) in this step's action list."""
