@@ -69,15 +69,9 @@ def apply_overrides(plan: Plan, options: CompileOptions) -> Plan:
 
 def check_runs_virtual(plan: Plan) -> None:
     """What the virtual-stage runtime does not run yet (docs/virtual_stages.md), refused on every rank alike before
-    anything is split: sharded chunks and tensor-parallel groups."""
+    anything is split: tensor-parallel groups (sharded chunks run: fxpipe.runtime.execution.virtual_sharding)."""
     if not plan.chunk_groups:
         return
-    sharded = [s.stage_index for s in plan.stages if s.sharding != "none"]
-    if sharded:
-        raise PipelineSetupError(
-            f"chunks {sharded} are sharded ({plan.stages[sharded[0]].sharding!r}) but the runtime does not shard "
-            f"virtual stages yet (virtual_stages={plan.virtual_stages}); pass sharding='none', or plan without "
-            "virtual stages to shard")
     tensor_parallel = sorted({s.tensor_parallel for s in plan.stages if s.tensor_parallel > 1})
     if tensor_parallel:
         raise PipelineSetupError(
@@ -86,17 +80,22 @@ def check_runs_virtual(plan: Plan) -> None:
             "groups, or plan without virtual stages for tensor parallelism")
 
 
+SPLIT_BACKWARD_SCHEDULES = ("zero_bubble", "interleaved_zero_bubble", "zbv")  # W runs apart from B
+WITHOUT_SPLIT_BACKWARD = ("schedule='dapple' or 'gpipe'", "schedule='interleaved'")  # one stage, virtual stages
+
+
 def check_sharded_schedule(plan: Plan) -> None:
     """ZeRO-3 under zero-bubble is refused, on every rank alike: a micro-batch's W runs after later forwards,
     which (resharding after forward) would free the weights it needs; keeping them gathered all step would
     save nothing over ZeRO-2 (docs/sharding.md). ZeRO-1/2 run: FSDP2 reduces after W
     (fxpipe.runtime.parallel.sharded_stage.ShardedStage.after_weights)."""
     zero3 = [stage.stage_index for stage in plan.stages if stage.sharding == "parameters"]
-    if zero3 and plan.schedule == "zero_bubble":
+    if zero3 and plan.schedule in SPLIT_BACKWARD_SCHEDULES:
         raise PipelineSetupError(
-            f"stages {zero3} are sharded with 'parameters' (ZeRO-3) but schedule='zero_bubble' runs each "
+            f"stages {zero3} are sharded with 'parameters' (ZeRO-3) but schedule={plan.schedule!r} runs each "
             "micro-batch's W after later forwards, which free ZeRO-3's gathered weights; use sharding='gradients' "
-            "or 'optimizer' with zero_bubble, or schedule='dapple' or 'gpipe' with 'parameters'")
+            f"or 'optimizer' with {plan.schedule}, or "
+            f"{WITHOUT_SPLIT_BACKWARD[bool(plan.chunk_groups)]} with 'parameters'")
 
 
 def training_precision(options: CompileOptions) -> str:

@@ -75,18 +75,22 @@ class VirtualPipelinedModule:
             yield param
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Parameters and buffers of this rank's chunks under their original names (detached, whole)."""
-        return {name: tensor.detach() for name, tensor in chunk_tensors(self.driver)}
+        """Parameters and buffers of this rank's chunks under their original names (detached, whole: a sharded
+        chunk's gathered over its group's replicas, a collective there)."""
+        from fxpipe.runtime.parallel.sharded_stage import full_value
+
+        return {name: full_value(tensor) for name, tensor in chunk_tensors(self.driver)}
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Copy the entries this rank's chunks hold from a full (or partial) state dict keyed by original names."""
+        from fxpipe.runtime.parallel.sharded_stage import copy_full_into
+
         held = chunk_tensors(self.driver)
         missing = sorted({name for name, _ in held} - set(state))
         if missing:
             raise KeyError(f"state dict lacks {missing} held by chunks {list(self.driver.chunks)}")
-        with torch.no_grad():
-            for name, tensor in held:  # every copy of a tied weight
-                tensor.copy_(state[name])
+        for name, tensor in held:  # every copy of a tied weight; a sharded chunk's rows of it
+            copy_full_into(tensor, state[name])
 
     def train(self, mode: bool = True) -> VirtualPipelinedModule:
         for runner in self.driver.runners.values():
@@ -188,6 +192,7 @@ def build_virtual_pipe(program: SplitProgram, plan: Any, options: CompileOptions
         broadcast_state(chunk_tensors(driver), driver.groups, plan, driver.group_index)
     if compile_settings is not None:
         compile_chunks(driver, compile_settings)
+    driver.shard_chunks()  # on whole, synced tensors (FSDP2 cuts each replica's rows from its own copy)
     if context.rank == 0:
         from fxpipe.report import print_plan
 

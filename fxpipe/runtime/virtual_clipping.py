@@ -15,6 +15,7 @@ from fxpipe.runtime.clipping import (
     scale_gradients,
     total_norm,
 )
+from fxpipe.runtime.parallel.sharded_stage import is_sharded, local_part
 from fxpipe.runtime.transport.comm import Pending
 
 if TYPE_CHECKING:
@@ -27,10 +28,11 @@ def clip_virtual_grad_norm(driver: VirtualDriver, max_norm: float, norm_type: fl
     """Clip this rank's gradients by the whole model's norm, which it returns (collective, like
     ``fxpipe.runtime.clipping.clip_grad_norm``). After ``step`` every replica of a device group holds the same
     gradients and every holder of a tied weight the same sum, so one copy counts: the first replica's, on the
-    group of the lowest chunk holding it."""
+    group of the lowest chunk holding it. A sharded chunk's replicas hold disjoint rows: each counts its own."""
     norm_type = check_norm_type(norm_type)
     owners = dict(driver.program.tie_groups)
-    counted = [param.grad for name, param in driver.named if param.grad is not None and driver.replica_index == 0
+    counted = [local_part(param.grad) for name, param in driver.named if param.grad is not None
+               and (driver.replica_index == 0 or is_sharded(param.grad))
                and min(owners.get(name, driver.chunks)) in driver.chunks]
     share = local_share(counted, norm_type, driver.context.device)
     if driver.context.world_size > 1:

@@ -22,6 +22,8 @@ def _run(driver: VirtualDriver, inputs: tuple[Any, ...], targets: Any) -> Virtua
         with torch.no_grad():
             driver.run_actions(state, state.shaped.forward_actions, {schedules.Op.FORWARD: driver.forward})
         driver.finish_transfers(state)
+        if driver.sharding is not None:
+            driver.sharding.reshard()
     except BaseException as error:
         driver.mark_failed(error)
         raise

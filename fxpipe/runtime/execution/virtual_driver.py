@@ -22,6 +22,7 @@ from fxpipe.runtime.execution.virtual_routes import (
     group_actions,
     link_tag,
 )
+from fxpipe.runtime.execution.virtual_sharding import ChunkSharding
 from fxpipe.runtime.faults import preemption
 from fxpipe.runtime.faults.errors import PipelineSetupError
 from fxpipe.runtime.faults.failures import DEFAULT_STALL_TIMEOUT_S, FailureLog, NoLog
@@ -110,6 +111,19 @@ class VirtualDriver:
         self.preempted = False
         self._failed_step: str | None = None  # why a step failed: later steps are refused
         self.tp_params: dict[str, Any] = {}  # checkpoints ask for tensor-parallel shards: none (refused in compile_plan)
+        self.sharding: ChunkSharding | None = None  # FSDP2 per sharded chunk (shard_chunks, fxpipe.runtime.execution.virtual_sharding)
+        self.summed = self.named  # what sum_gradients reduces: all but what FSDP2 reduces
+
+    def shard_chunks(self) -> None:
+        """Shard the chunks the plan shards (fxpipe.runtime.execution.virtual_sharding), after the parameter sync;
+        FSDP2 then reduces their untied parameters, so the driver's allreduce leaves them out."""
+        sharding = ChunkSharding(self.plan, self.runners, self.groups, self.context.device)
+        if not sharding.stages:
+            return
+        self.sharding = sharding
+        self.named = unique_params(item for c in self.chunks for item in self.runners[c].parameters())
+        fsdp = sharding.reduced_by_fsdp()
+        self.summed = [(name, param) for name, param in self.named if id(param) not in fsdp]
 
     # ---- layout ----------------------------------------------------------------------------------
 
@@ -161,10 +175,12 @@ class VirtualDriver:
         stash = stash_grads(self.named)
         handlers: dict[Op, Callable[[VirtualState, int, int], None]] = {
             Op.FORWARD: self.forward, Op.BACKWARD: self._backward, Op.WEIGHT: self._weight}
+        if self.sharding is not None:
+            self.sharding.start_step(state.shaped.actions, self.split_backward)
         try:
             self.run_actions(state, state.shaped.actions, handlers)
             self.finish_transfers(state)
-            sum_gradients(self.named, self.groups, self.exchange, f"device group {self.group_index}")
+            sum_gradients(self.summed, self.groups, self.exchange, f"device group {self.group_index}")
             loss = self.runner.batch_loss(*self.reduce_loss(state), [p for _, p in self.named])
         except BaseException as error:
             self.mark_failed(error)
@@ -309,8 +325,12 @@ class VirtualDriver:
         runner = self.runners[chunk]
         output_grads = self._output_grads(state, chunk, m)
         if self.split_backward:
+            if self.sharding is not None:  # FSDP2 reduces after W (_weight), not in B's hooks
+                self.sharding.before_split_backward(chunk)
             state.input_grads[chunk, m] = runner.backward_input(m, output_grads)
         else:
+            if self.sharding is not None:
+                self.sharding.before_backward(chunk, m)
             state.input_grads[chunk, m] = runner.backward(m, output_grads)
         for link in self.links[chunk][0]:
             self._send_gradients(state, link, m)
@@ -338,6 +358,8 @@ class VirtualDriver:
 
     def _weight(self, state: VirtualState, chunk: int, m: int) -> None:
         self.runners[chunk].backward_weight(m)
+        if self.sharding is not None:  # FSDP2's post-backward, which its hook ran too early (in B)
+            self.sharding.after_weights(chunk, m)
 
     # ---- loss ----------------------------------------------------------------------------------------
 
