@@ -215,7 +215,27 @@ def _run_planner(options: CompileOptions, model: torch.nn.Module, example_inputs
                       warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True,
                       recompute=options.recompute, precision=precision, sharding=options.sharding or "none",
                       virtual_stages=options.virtual_stages)
+    problem = _virtual_problem(plan)
+    if options.virtual_stages == "auto" and problem:
+        # the planner prices tensor-parallel chunks, which the runtime does not run yet: one stage per group
+        plain = plan_chain(costed.chain, cluster, options.global_batch_size, layout=layout,
+                           num_microbatches=options.num_microbatches,
+                           schedule=_schedule_name(options.schedule or "dapple"),
+                           warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True,
+                           recompute=options.recompute, precision=precision, sharding=options.sharding or "none")
+        plan = plain.with_updates(notes=(*plain.notes, f"virtual_stages='auto' chose layout {plan.layout!r} with "
+                                         f"v={plan.virtual_stages}, which the runtime does not run yet ({problem}); "
+                                         "kept one stage per device group"))
     return placed_plan(plan, topology, cluster)
+
+
+def _virtual_problem(plan: Plan) -> str:
+    """Why the runtime would refuse virtual-stage ``plan`` (check_runs_virtual's message), '' if it runs it."""
+    try:
+        check_runs_virtual(plan)
+    except PipelineSetupError as error:
+        return str(error)
+    return ""
 
 
 def _run_marker_planner(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, topology: Topology,
