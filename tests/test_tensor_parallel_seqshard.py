@@ -4,6 +4,9 @@ per member) pass member j's token share to member j, and give one process's outp
 from __future__ import annotations
 
 import copy
+import functools
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +17,8 @@ from tp_threads import ThreadGroup, full_gradient, run_members
 from fxpipe import passes
 from fxpipe.passes import tensor_parallel_ops as ops
 from fxpipe.passes.tp_shard import TensorParallelStage, shard_stage
+from tests import test_tensor_parallel_runtime as runtime_tests
+from tests.mp_utils import run_ranks
 
 
 def _output_node(gm: fx.GraphModule) -> str:
@@ -73,7 +78,7 @@ def test_two_stages_exchange_token_shares(degree: int) -> None:
             grads = [(m.parameters[i], m.module.get_parameter(m.parameters[i].path).grad)
                      for m in members for i, p in enumerate(m.parameters) if p.path == parameter.path]
             torch.testing.assert_close(full_gradient(grads), reference.get_parameter(parameter.path).grad,
-                                       rtol=1e-4, atol=1e-5, msg=lambda text, n=parameter.name: f"{n}: {text}")
+                                       rtol=1e-4, atol=1e-5, msg=lambda text, n=parameter.name: f"{n}: {text}")  # type: ignore[misc]
 
 
 def test_boundary_applies_only_to_sequence_parallel_token_rows() -> None:
@@ -86,3 +91,57 @@ def test_boundary_applies_only_to_sequence_parallel_token_rows() -> None:
                         sequence_boundary=frozenset({"x"}))
     assert plain.sequence_boundary == frozenset()
     assert members[0].sequence_boundary == {"x", _output_node(gm)}
+
+
+# ---- the runtime: one 4-rank gloo world, 1x2:1x2 sequence-parallel against one process ----------------------------
+
+def _counting_sends(step: Any) -> list[int]:
+    """Run ``step`` with the driver's pack counting the bytes of the pieces each send carries; the counts."""
+    from fxpipe.runtime.execution import driver as driver_module
+
+    sent: list[int] = []
+    original = driver_module.pack
+
+    def pack(tensors: list[Tensor]) -> Tensor:
+        sent.append(sum(t.numel() * t.element_size() for t in tensors))
+        return original(tensors)
+
+    driver_module.pack = pack  # type: ignore[assignment]
+    try:
+        step()
+    finally:
+        driver_module.pack = original  # type: ignore[assignment]
+    return sent
+
+
+def _run(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    reference = runtime_tests._reference("attention")
+    results: dict[str, Any] = {}
+    for index, sequence_parallel in enumerate((True, False)):
+        with runtime_tests._world(store_dir, f"seqshard-{index}", rank, world_size):
+            pipe = runtime_tests._compile("attention", runtime_tests._plan("attention", ((1, 2), (1, 2))),
+                                          sequence_parallel=sequence_parallel)
+            record = runtime_tests._train(pipe, "attention", reference)
+            inputs, targets = runtime_tests._batches("attention")[0]
+            sent = _counting_sends(functools.partial(pipe.step, inputs, targets))
+            results[f"sp={sequence_parallel}"] = {
+                "problems": record["problems"] + runtime_tests._inference(pipe, "attention", reference), "stage": pipe.stage_index, "sent": sum(sent),
+                "split": dict(pipe.driver.token_split)}
+    return results
+
+
+@pytest.mark.multiprocess
+def test_sequence_parallel_stages_send_token_shares_and_train_like_one_process(tmp_path: Path) -> None:
+    per_rank = run_ranks(_run, 4, tmp_path, timeout_s=300.0)
+    failures = [f"{name} rank {rank}: {problem}" for rank, results in enumerate(per_rank)
+                for name, record in results.items() for problem in record["problems"][:3]]
+    assert not failures, "\n".join(failures)
+    # the block output between the stages crosses as token shares (T = 2) on every rank, only under SP
+    assert all(results["sp=True"]["split"] and set(results["sp=True"]["split"].values()) == {2}
+               for results in per_rank), [results["sp=True"]["split"] for results in per_rank]
+    assert all(not results["sp=False"]["split"] for results in per_rank)
+    # bytes each rank sends per step (stage 0: activations, stage 1: their gradients): 1/T of the whole values
+    for rank, results in enumerate(per_rank):
+        whole, shares = results["sp=False"]["sent"], results["sp=True"]["sent"]
+        assert whole > 0 and shares * 2 == whole, (rank, shares, whole)

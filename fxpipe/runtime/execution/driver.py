@@ -193,7 +193,8 @@ class PipelineDriver(TensorParallelDriver):
         if dtype not in self._precisions:
             dtypes = infer_value_dtypes(self.program, self.context.device, dtype)
             self._precisions[dtype] = dtypes, ShapedSteps(self.program, self.plan, self.stage_index, self.rank,
-                                                          self.context.device, dtype, dtypes, self.target_batch_dim)
+                                                          self.context.device, dtype, dtypes, self.target_batch_dim,
+                                                          self.token_split)
         self.dtypes, self.shapes = self._precisions[dtype]
         self.autocast_dtype = self.runner.autocast_dtype = dtype
         self.batch_checker.precision = "" if dtype == self.compiled_autocast else f"caller's autocast {dtype}"
