@@ -9,6 +9,7 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten
 
+from fxpipe.core.program import MODEL_INPUT, tree_leaves
 from fxpipe.passes.tp_shard import shard_stage
 
 if TYPE_CHECKING:
@@ -17,10 +18,14 @@ if TYPE_CHECKING:
 
 
 def _candidates(program: SplitProgram, plan: Plan) -> dict[str, int]:
-    """value -> T of the (batch, tokens, width) values whose producer and every consumer are T-way stages, T > 1."""
+    """value -> T of the (batch, tokens, width) values whose producer and every consumer are T-way stages, T > 1
+    (not model inputs, which every rank slices from the batch, nor model outputs, which predict returns whole)."""
     found = {}
+    outputs = set(tree_leaves(program.output_tree))
     for name, producer in program.producers.items():
         spec, consumers = program.values[name], program.consumers.get(name, ())
+        if producer == MODEL_INPUT or name in outputs:
+            continue
         degree = plan.stages[producer].tensor_parallel
         if degree > 1 and consumers and spec.is_tensor and spec.batched and len(spec.shape) == 3 \
                 and all(plan.stages[stage].tensor_parallel == degree for stage in consumers):

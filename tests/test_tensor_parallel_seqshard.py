@@ -15,7 +15,10 @@ from torch import Tensor, fx
 from tp_threads import ThreadGroup, full_gradient, run_members
 
 from fxpipe import passes
+from fxpipe.compile_sequence_boundary import sequence_boundary
+from fxpipe.core.program import tree_leaves
 from fxpipe.passes import tensor_parallel_ops as ops
+from fxpipe.passes.codegen import split_for_plan
 from fxpipe.passes.tp_shard import TensorParallelStage, shard_stage
 from tests import test_tensor_parallel_runtime as runtime_tests
 from tests.mp_utils import run_ranks
@@ -145,3 +148,22 @@ def test_sequence_parallel_stages_send_token_shares_and_train_like_one_process(t
     for rank, results in enumerate(per_rank):
         whole, shares = results["sp=False"]["sent"], results["sp=True"]["sent"]
         assert whole > 0 and shares * 2 == whole, (rank, shares, whole)
+
+
+@pytest.mark.parametrize(("layout", "crosses"), [(((1, 2), (1, 2)), True), (((1, 2), (2, 1)), False),
+                                                  (((1, 4), (1, 2)), False)])
+def test_only_values_between_sequence_parallel_stages_of_one_t_cross_as_shares(
+        layout: tuple[tuple[int, int], ...], crosses: bool) -> None:
+    plan = runtime_tests._plan("attention", layout)
+    module, example = runtime_tests.MODELS["attention"][0]()
+    program = split_for_plan(passes.trace(module, (example,)), plan, example_inputs=(example,))
+    first, first_split = sequence_boundary(program, plan, 0)
+    second, second_split = sequence_boundary(program, plan, 1)
+    assert first_split == second_split  # both sides agree
+    if crosses:  # (batch, tokens, width) activations of the cut block; model inputs and logits stay whole
+        assert first_split and set(first_split.values()) == {2}
+        assert all(len(program.values[value].shape) == 3 for value in first_split)
+        assert len(first) == len(second) == len(first_split)  # one node per value on each side
+        assert not set(first_split) & {*program.model_inputs, *tree_leaves(program.output_tree)}
+    else:
+        assert not first and not second and not first_split
