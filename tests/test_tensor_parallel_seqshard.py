@@ -145,6 +145,7 @@ def test_sequence_parallel_stages_send_token_shares_and_train_like_one_process(t
                for results in per_rank), [results["sp=True"]["split"] for results in per_rank]
     assert all(not results["sp=False"]["split"] for results in per_rank)
     # bytes each rank sends per step (stage 0: activations, stage 1: their gradients): 1/T of the whole values
+    print({rank: (results["sp=False"]["sent"], results["sp=True"]["sent"]) for rank, results in enumerate(per_rank)})
     for rank, results in enumerate(per_rank):
         whole, shares = results["sp=False"]["sent"], results["sp=True"]["sent"]
         assert whole > 0 and shares * 2 == whole, (rank, shares, whole)
