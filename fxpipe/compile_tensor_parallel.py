@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fxpipe.compile_parallel_loss import output_value, parallel_loss_for
+from fxpipe.compile_sequence_boundary import sequence_boundary
 from fxpipe.core import meta
 from fxpipe.passes.tensor_parallel_ops import register_group
 from fxpipe.passes.tp_shard import TensorParallelStage, shard_stage
@@ -27,6 +28,7 @@ def group_key(stage_index: int, replica_index: int) -> str:
 
 def shard_for_member(module: torch.fx.GraphModule, stage: StageProgram, program: SplitProgram, degree: int,
                      member: int, key: str, sequence_parallel: bool = False, parallel_loss: bool = False,
+                     sequence_boundary: frozenset[str] = frozenset(),
                      ) -> tuple[TensorParallelStage, list[TensorParallelParam]]:
     """Member ``member``'s stage of a ``degree``-way group (the graph pass ``shard_stage``, on the stage's inputs
     at the plan's shapes: its module, notes and logits left vocabulary-split under ``parallel_loss``) and how it
@@ -36,7 +38,8 @@ def shard_for_member(module: torch.fx.GraphModule, stage: StageProgram, program:
     # on a copy: the pass shares whole layers with its input, which must stay the program's plain stage (fake-tensor
     # shape runs and export use it) when FSDP2 later turns the member's parameters into DTensors
     sharded = shard_stage(copy.deepcopy(module), degree, member, group_key=key, example_inputs=example,
-                          sequence_parallel=sequence_parallel, parallel_loss=parallel_loss)
+                          sequence_parallel=sequence_parallel, parallel_loss=parallel_loss,
+                          sequence_boundary=sequence_boundary)
     param_names = stage.param_names
     original = dict(param_names)
     params = [TensorParallelParam(original.get(param.path, param.name), param.dim, param.full_shape,
@@ -80,9 +83,12 @@ def apply_tensor_parallel(driver: PipelineDriver, sequence_parallel: bool = Fals
                 register_group(key, made)
                 module = driver.runner.module
                 assert isinstance(module, torch.fx.GraphModule), type(module)
+                # boundary values between sequence-parallel stages of this T cross as token shares
+                names, split = sequence_boundary(driver.program, driver.plan, driver.stage_index) \
+                    if sequence_parallel else (frozenset(), {})
                 sharded, params = shard_for_member(module, driver.stage, driver.program, groups.degree, groups.member,
-                                                   key, sequence_parallel, parallel_loss=driver.is_last)
-                driver.apply_tensor_parallel(sharded.module, params)
+                                                   key, sequence_parallel, driver.is_last, names)
+                driver.apply_tensor_parallel(sharded.module, params, split)
                 driver.tp_notes = sharded.notes + use_parallel_loss(driver, sharded, module, key)
                 release_unsharded(driver.stage, [stage.module for stage in driver.program.stages], traced)
     finally:

@@ -10,7 +10,7 @@ from fxpipe.passes.tp_plan import StagePlanTP
 from fxpipe.passes.tp_rules import ELEMENTWISE, input_of, op_name
 from fxpipe.passes.tp_shapes import NodeShapes
 
-__all__ = ["SEQUENCE_DIM", "SequenceSplit", "sequence_split"]
+__all__ = ["SEQUENCE_DIM", "SequenceSplit", "boundary_inputs", "sequence_split"]
 
 SEQUENCE_DIM = 1  # (batch, tokens, channels): the dim split over the group between pairs
 
@@ -25,6 +25,7 @@ class SequenceSplit:
     nodes: frozenset[fx.Node]
     rows: frozenset[fx.Node]
     tokens: int
+    widths: frozenset[int] = frozenset()  # the token-row widths: 1 and the column linears' input widths
 
 
 def sequence_split(gm: fx.GraphModule, plan: StagePlanTP, shapes: NodeShapes, excluded: set[fx.Node],
@@ -48,7 +49,16 @@ def sequence_split(gm: fx.GraphModule, plan: StagePlanTP, shapes: NodeShapes, ex
         if name in _TOKEN_OPS and _token_rows(shapes.find(node), count, widths) and \
                 (name != "mean" or _reduces_last_dim(node)):
             nodes.add(node)
-    return SequenceSplit(frozenset(nodes), rows, count)
+    return SequenceSplit(frozenset(nodes), rows, count, frozenset(widths))
+
+
+def boundary_inputs(gm: fx.GraphModule, shapes: NodeShapes, split: SequenceSplit,
+                    names: frozenset[str]) -> frozenset[fx.Node]:
+    """The placeholders named in ``names`` that are token rows, so that they can arrive split over the tokens."""
+    if not split.tokens:
+        return frozenset()
+    return frozenset(node for node in gm.graph.nodes if node.op == "placeholder" and node.name in names
+                     and _token_rows(shapes.find(node), split.tokens, set(split.widths)))
 
 
 def _token_rows(shape: object, tokens: int, widths: set[int]) -> bool:

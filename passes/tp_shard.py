@@ -17,7 +17,7 @@ from fxpipe.passes import tensor_parallel_ops as ops
 from fxpipe.passes.tensor_parallel import VocabParallel, embedding_ids, vocab_parallel_ends
 from fxpipe.passes.tp_plan import StagePlanTP, plan_stage_split
 from fxpipe.passes.tp_rules import SIZE_READS, LinearInfo, input_of, linear_info, op_name
-from fxpipe.passes.tp_sequence import SEQUENCE_DIM, SequenceSplit, sequence_split
+from fxpipe.passes.tp_sequence import SEQUENCE_DIM, SequenceSplit, boundary_inputs, sequence_split
 from fxpipe.passes.tp_shapes import NodeShapes, node_shapes
 from fxpipe.passes.tp_sizes import local_args, needs_grad, parameters_read, whole_grad_region
 
@@ -51,6 +51,7 @@ class TensorParallelStage:
     parameters: tuple[TensorParallelParameter, ...]
     notes: tuple[str, ...]
     vocab_parallel_logits: tuple[str, int, int] | None = None
+    sequence_boundary: frozenset[str] = frozenset()  # inputs taken and outputs left split over the tokens
 
 
 class TensorParallelError(ValueError):
@@ -59,7 +60,8 @@ class TensorParallelError(ValueError):
 
 def shard_stage(gm: fx.GraphModule, degree: int, rank: int, *, group_key: str = "tp",
                 example_inputs: Any = None, parallel_loss: bool = False,
-                sequence_parallel: bool = False) -> TensorParallelStage:
+                sequence_parallel: bool = False, sequence_boundary: frozenset[str] = frozenset(),
+                ) -> TensorParallelStage:
     """Return member ``rank``'s copy of the stage ``gm`` for a ``degree``-way group registered under ``group_key``.
 
     Column linears keep their output rows (fused q/k/v: each part's), row linears their input columns and sum over
@@ -74,6 +76,8 @@ def shard_stage(gm: fx.GraphModule, degree: int, rank: int, *, group_key: str = 
     tokens, column inputs all-gathered, whole inputs split after the boundary and outputs gathered before it; the
     parameters those nodes read get partial gradients. It applies when the example's token count splits
     ``degree`` ways (other lengths must split too, or the stage raises a ValueError naming the length).
+    ``sequence_boundary`` names placeholders that arrive split over the tokens (member j holds the j-th share) and
+    output nodes to leave split, where they are token rows; the result's ``sequence_boundary`` says which were.
     """
     if degree < 1 or not 0 <= rank < degree:
         raise TensorParallelError(f"shard_stage needs 1 <= degree and 0 <= rank < degree; got degree={degree}, "
@@ -88,14 +92,15 @@ def shard_stage(gm: fx.GraphModule, degree: int, rank: int, *, group_key: str = 
     shapes = node_shapes(gm, example_inputs)
     plan = plan_stage_split(gm, shapes, degree)
     vocab = {end.node: end for end in vocab_parallel_ends(gm, plan.states, shapes) if end.vocab_size % degree == 0}
-    rewriter = _Rewriter(gm, shapes, plan, vocab, degree, rank, group_key, parallel_loss, sequence_parallel)
+    rewriter = _Rewriter(gm, shapes, plan, vocab, degree, rank, group_key, parallel_loss, sequence_parallel,
+                         sequence_boundary)
     module = rewriter.run()
     notes = [f"tensor parallel {rank}/{degree}: split {len(plan.states.columns)} column and "
              f"{len(plan.states.rows)} row linears, vocabulary-parallel {sorted(vocab) or 'none'}", *plan.notes]
     notes += [f"linear {name} whole: {why}" for name, why in sorted(plan.states.replicated.items())
               if name not in vocab]
     return TensorParallelStage(module, degree, rank, group_key, rewriter.parameters(module), tuple(notes),
-                               rewriter.vocab_logits)
+                               rewriter.vocab_logits, frozenset(rewriter.boundary))
 
 
 @dataclass
@@ -116,6 +121,8 @@ class _Rewriter:
     key: str
     parallel_loss: bool
     sequence_parallel: bool = False
+    sequence_boundary: frozenset[str] = frozenset()
+    boundary: set[str] = field(default_factory=set)  # the boundary values taken or left split
     graph: fx.Graph = field(default_factory=fx.Graph)
     env: dict[fx.Node, fx.Node] = field(default_factory=dict)
     entries: dict[tuple[Any, ...], fx.Node] = field(default_factory=dict)  # (value, collective, dim) -> its node
@@ -138,9 +145,14 @@ class _Rewriter:
             self.sequence = sequence_split(self.gm, self.plan, self.shapes, excluded, self.degree)
             self.seq_values = set(self.sequence.nodes | self.sequence.rows)
             self.partial |= parameters_read(self.gm, self.sequence.nodes)
+            taken = boundary_inputs(self.gm, self.shapes, self.sequence, self.sequence_boundary)
+            self.seq_values |= taken
+            self.boundary |= {node.name for node in taken}
         for node in self.gm.graph.nodes:
             name = op_name(self.gm, node)
-            if node.name in states.columns and node in states.states:
+            if node.op == "output" and self.sequence_boundary:
+                self.env[node] = self.graph.node_copy(node, self._leaving)
+            elif node.name in states.columns and node in states.states:
                 self.env[node] = self._column(node, states.columns[node.name])
             elif node in states.rows:
                 self.env[node] = self._row(node, self._info(node, name))
@@ -181,6 +193,13 @@ class _Rewriter:
         if arg in self.seq_values:
             return self._cached(arg, ops.gather_from_group, SEQUENCE_DIM)
         return self.env[arg]
+
+    def _leaving(self, arg: fx.Node) -> fx.Node:
+        """``arg`` as the stage output holds it: split over the tokens when named in the boundary, else as read whole."""
+        if arg in self.seq_values and arg.name in self.sequence_boundary:
+            self.boundary.add(arg.name)
+            return self.env[arg]
+        return self._full(arg)
 
     def _token_share(self, node: fx.Node, arg: fx.Node) -> fx.Node:
         """``arg`` as a sequence-parallel node reads it: a whole value with the tokens along the token dim is split."""

@@ -32,14 +32,9 @@ from fxpipe.runtime.gradients.grad_sync import (
 )
 from fxpipe.runtime.gradients.trainable import TrainableSet
 from fxpipe.runtime.parallel.param_precision import unsharded_call
-from fxpipe.runtime.parallel.sharded_stage import ShardedStage, full_value
-from fxpipe.runtime.parallel.tensor_parallel import (
-    GroupCommunicator,
-    TensorParallelGroups,
-    TensorParallelParam,
-    gather_full,
-    shard_slice,
-)
+from fxpipe.runtime.parallel.sharded_stage import ShardedStage
+from fxpipe.runtime.parallel.tensor_parallel import TensorParallelGroups
+from fxpipe.runtime.parallel.tensor_parallel_driver import TensorParallelDriver
 from fxpipe.runtime.transport.batch_layout import BatchLayout, infer_value_dtypes
 from fxpipe.runtime.transport.batchcheck import BatchChecker, check_shapes, describe_batch_dims
 from fxpipe.runtime.transport.comm import (
@@ -80,7 +75,7 @@ def check_world(plan: Plan, program: SplitProgram, world_size: int) -> None:
                                  "generate the program from this plan (split_for_plan)")
 
 
-class PipelineDriver:
+class PipelineDriver(TensorParallelDriver):
     """One rank's part of a pipelined model: its stage replica, routes, process groups and step()."""
 
     def __init__(self, program: SplitProgram, plan: Plan, loss_fn: LossFn | None, *, context: DistContext,
@@ -119,16 +114,10 @@ class PipelineDriver:
         self.use_autocast(autocast_dtype)
         self.inbox = Inbox(self.exchange, context.device, self._tag, ahead=context.backend == "gloo",
                            stage_of=lambda rank: plan.stage_of_device(rank)[0])
-        # Walking parameters by path costs milliseconds; the set never changes, so walk once.
-        self._own_params = unique_params(self.runner.parameters())
-        self._param_list = [param for _, param in self._own_params]
-        self.trainable = TrainableSet(self.runner.parameters())
+        self._refresh_params()
         # T-way groups of tensor-parallel stages (fxpipe.runtime.parallel.tensor_parallel); then per stage, then per
         # tied stage set (fxpipe.runtime.sync reuses them)
-        self.tensor_parallel = TensorParallelGroups.make(plan, self.rank, tied_stage_sets(program))
-        self.tp_params: dict[str, TensorParallelParam] = {}  # by original name, once apply_tensor_parallel ran
-        self.tp_communicator: GroupCommunicator | None = None  # what the stage's generated collectives call
-        self.tp_notes: tuple[str, ...] = ()  # what the tensor-parallel pass split and kept whole on this stage
+        self._init_tensor_parallel(TensorParallelGroups.make(plan, self.rank, tied_stage_sets(program)))
         self.groups = reduce_groups(plan, program)
         if self.failures is not None:  # the heartbeat thread watches this rank's waits (failures.py)
             tp = self.tensor_parallel
@@ -161,16 +150,16 @@ class PipelineDriver:
         # the stage's own gradients: buckets launched during its last backward (plan.allreduce_bucket_bytes)
         self.overlap, self.reduce_sets = split_overlapped(sets, self.sum_group, self.plan.allreduce_bucket_bytes)
 
-    def apply_tensor_parallel(self, module: torch.fx.GraphModule, params: Sequence[TensorParallelParam]) -> None:
-        """Run this group member's shard of the stage (``module``, the same attribute paths; ``params`` says how
-        each parameter is held): after the parameter sync, which runs on whole tensors."""
-        assert self.tensor_parallel.degree > 1 and self.sharded is None
-        self.runner.use_module(module)  # a compiled stage is compiled again on the shard (fxpipe.api)
-        self.tp_params = {param.name: param for param in params}
+    def _use_stage_module(self, module: torch.fx.GraphModule) -> None:
+        """Run ``module`` (a tensor-parallel shard) and walk its parameters again."""
+        self.runner.use_module(module)
+        self._refresh_params()
+
+    def _refresh_params(self) -> None:
+        # Walking parameters by path costs milliseconds; the set changes only when the module does.
         self._own_params = unique_params(self.runner.parameters())
         self._param_list = [param for _, param in self._own_params]
         self.trainable = TrainableSet(self.runner.parameters())
-        self._set_reductions(frozenset(param.name for param in params if param.partial))
 
     def shard_stage(self, param_dtype: torch.dtype | None = None) -> None:
         """Shard this rank's stage as the plan says (fxpipe.runtime.parallel.sharded_stage; nothing for ``"none"``): after
@@ -191,23 +180,10 @@ class PipelineDriver:
             self.overlap.remove()
             self.overlap = None
         self.reduce_sets = [(group, params) for group, params in self.reduce_sets if group is not replica_group]
-        self._own_params = unique_params(self.runner.parameters())
-        self._param_list = [param for _, param in self._own_params]
-        self.trainable = TrainableSet(self.runner.parameters())
+        self._refresh_params()
         self._stashes = bool(self.reduce_sets) or self.runner.loss_reduction == "token_mean"
         live = {id(param) for param in self._param_list}  # the tied sets' parameters were left whole, not replaced
         assert all(id(p) in live for _, params in self.reduce_sets for p in params), "a reduced parameter was sharded"
-
-    def whole(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Stage tensor ``name`` (original name) whole, detached: gathered over a sharded stage's replicas or a
-        tensor-parallel group (a collective there, every member calls it)."""
-        param = self.tp_params.get(name)  # a tensor-parallel shard may be FSDP2-sharded over the replicas too
-        return gather_full(full_value(tensor), param, self.tensor_parallel) if param is not None else full_value(tensor)
-
-    def part(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """This group member's part of whole tensor ``name`` (the whole tensor unless tensor-parallel sharded)."""
-        param = self.tp_params.get(name)
-        return shard_slice(full, param, self.tensor_parallel.degree, self.tensor_parallel.member) if param else full
 
     def use_autocast(self, dtype: torch.dtype | None) -> None:
         """Run the next calls' forwards under autocast of ``dtype`` (None: none), with that precision's value dtypes
@@ -217,7 +193,8 @@ class PipelineDriver:
         if dtype not in self._precisions:
             dtypes = infer_value_dtypes(self.program, self.context.device, dtype)
             self._precisions[dtype] = dtypes, ShapedSteps(self.program, self.plan, self.stage_index, self.rank,
-                                                          self.context.device, dtype, dtypes, self.target_batch_dim)
+                                                          self.context.device, dtype, dtypes, self.target_batch_dim,
+                                                          self.token_split)
         self.dtypes, self.shapes = self._precisions[dtype]
         self.autocast_dtype = self.runner.autocast_dtype = dtype
         self.batch_checker.precision = "" if dtype == self.compiled_autocast else f"caller's autocast {dtype}"

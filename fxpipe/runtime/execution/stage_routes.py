@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from fxpipe.core.plan import Plan
 from fxpipe.core.schedule import FORWARD_ONLY
 from fxpipe.runtime.execution.actions import StageActions, stage_actions
 from fxpipe.runtime.execution.receives import Message, Piece, plan_messages
-from fxpipe.runtime.faults.errors import MessageLayoutError
+from fxpipe.runtime.faults.errors import BatchShapeError, MessageLayoutError
 from fxpipe.runtime.transport.batch_layout import BatchLayout, batch_rows, check_targets, make_layout
 from fxpipe.runtime.transport.comm import MessageKind, Route, buffer_shape
 from fxpipe.runtime.transport.group_routes import group_routes
@@ -171,8 +172,9 @@ class ShapedSteps:
 
     def __init__(self, program: SplitProgram, plan: Plan, stage_index: int, rank: int, device: torch.device,
                  autocast_dtype: torch.dtype | None, dtypes: Mapping[str, torch.dtype | None],
-                 target_batch_dim: int) -> None:
+                 target_batch_dim: int, token_split: Mapping[str, int] | None = None) -> None:
         self.program, self.plan, self.stage_index, self.rank = program, plan, stage_index, rank
+        self.token_split = dict(token_split or {})  # value -> T: sent and received as token shares
         self.device, self.autocast_dtype, self.dtypes = device, autocast_dtype, dtypes
         self.target_batch_dim = target_batch_dim
         self.templates = ShapeTemplates(program, device, autocast_dtype)
@@ -202,7 +204,20 @@ class ShapedSteps:
     def _made(self, inputs: Sequence[Any], num_rows: int) -> ShapedStep:
         layout = make_layout(self.program, self.plan, inputs, num_rows, self.device, self.autocast_dtype, self.dtypes,
                              self.templates)
+        if self.token_split:  # member j's share of the tokens travels member j to member j
+            shapes = {name: token_share(shape, self.token_split.get(name, 1)) for name, shape in layout.shapes.items()}
+            layout = dataclasses.replace(layout, shapes=shapes)
         return ShapedStep.of(self.program, self.plan, self.stage_index, self.rank, layout)
+
+
+def token_share(shape: tuple[int, ...], degree: int) -> tuple[int, ...]:
+    """A (batch, tokens, width) value's shape as one of ``degree`` token shares holds it."""
+    if degree == 1:
+        return shape
+    if shape[1] % degree:
+        raise BatchShapeError(f"a sequence length of {shape[1]} does not split {degree} ways over the tensor-parallel "
+                              f"group; use lengths that are multiples of {degree}")
+    return (shape[0], shape[1] // degree, *shape[2:])
 
 
 MAX_CACHED_SHAPES = 128  # ShapedSteps kept per rank, least recently used out first (each holds small route tables)

@@ -1,7 +1,8 @@
 """Tensor-parallel stage replicas: the process groups, the communicator generated collectives call, and shards.
 
 A stage of ``replicas`` x ``T`` devices runs each replica as a T-way group (``StagePlan.replica_devices``).
-Every member receives the whole stage inputs and returns the whole outputs, so stages of different T exchange
+Every member receives the whole stage inputs and returns the whole outputs (under sequence parallelism, values between
+stages of the same T may cross as token shares: fxpipe/compile_sequence_boundary.py), so stages of different T exchange
 values as before (:mod:`fxpipe.runtime.transport.group_routes`). Gradient sums: member ``j`` of every replica
 sums with member ``j`` of the others (its own shard, or a whole copy); a replicated parameter whose gradient is
 partial over the group (sequence-parallel norms) sums over all the stage's devices instead.
