@@ -55,7 +55,9 @@ def _prepare(schedule: Schedule) -> Prepared:
         programs = tuple(encode_program(actions) for actions in lower(schedule))
         inflight = tuple(inflight_peak(schedule, s) for s in range(schedule.num_chunks))
     else:
-        programs = tuple(_lowered_row(schedule, row) for row in range(schedule.num_stages))
+        shared: dict[tuple[int, int], tuple[int, int]] = {}  # one tuple per (code, m) for all stages: memory
+        programs = tuple(tuple(shared.setdefault(pair, pair) for pair in _lowered_row(schedule, row))
+                         for row in range(schedule.num_stages))
         inflight = tuple(_inflight(schedule, row) for row in range(schedule.num_stages))
     return Prepared(schedule.name, schedule.split_backward, programs, inflight)
 
