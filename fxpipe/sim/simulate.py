@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -330,8 +331,9 @@ def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Prepared,
                    + max(_optimizer_s(chain, cluster, stage, slowdowns) for stage in plan.stages))
     split = cluster.split_backward_overhead if schedule.split_backward else None
     comms = plan_sharding_comms(plan, chain, cluster)
-    busy = {device: _busy(plan, chain, cluster, stage.stage_index, index // stage.tensor_parallel, slowdowns[device],
-                          split)
+    # one figure per (stage, replica, stretch): a 2,048-replica plan asked it per device, same arguments each time
+    replica_busy = functools.lru_cache(maxsize=None)(functools.partial(_busy, plan, chain, cluster))
+    busy = {device: replica_busy(stage.stage_index, index // stage.tensor_parallel, slowdowns[device], split)
             + 2 * plan.num_microbatches * action_seconds(cluster, slowdowns[device]) + overlaps[stage.stage_index].stretch
             + plan.num_microbatches * (comms[stage.stage_index].forward_s + comms[stage.stage_index].backward_s)
             for stage in plan.stages for index, device in enumerate(stage.devices)}
