@@ -10,9 +10,9 @@ and ``sharding="auto"`` (each replicated stage's fastest level that fits, chosen
 docs/sharding.md). Global batches: 256 sequences, GPT-3's own batch for XL (512, 1M tokens), and small
 batches (8, 64), where pipelines get few micro-batches and bubbles weigh most. Figures are the planner's simulated predictions (analytic costs:
 optimistic in absolute terms, see docs/clusters.md); "peak GiB" is the largest per-device peak over the
-plan's stages. On clusters of more than 16 devices (4x8:h100, which is also dgx-h100:4) the planner
-normally tries only the 6 largest micro-batch sizes; this study gives it every size (``--default-grid``:
-the planner's own grid), see the grid note below the table.
+plan's stages. The planner tries every micro-batch size on every cluster (issue 34 item 4; runs before it
+tried only the 6 largest on clusters over 16 devices), and a ZeRO-3 stage gathers one FSDP unit per block at a
+time (issue 34 item 1). benchmarks/sharding_study_13b.md searches gpt3-13b on one node over sequence and batch.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,8 +78,6 @@ class Row:
     unsharded: Plan | None
     sharded: Plan | None
     seconds: float  # planning time of both
-    # On clusters whose micro-batch grid the planner truncates: both plans again on the planner's own grid.
-    default_grid: tuple[Plan | None, Plan | None] | None = None
 
 
 def low_precision(cluster: Cluster) -> str:
@@ -103,18 +100,6 @@ def chains(name: str, clusters: Sequence[Cluster]) -> dict[str, CostChain]:
     return found
 
 
-def truncated_grid(cluster: Cluster) -> bool:
-    """Whether the planner tries only the largest micro-batch sizes on this cluster: no longer, on any cluster
-    (``microbatch_grid`` keeps every size since issue 34 item 4); kept so the study's columns stay comparable."""
-    return False
-
-
-@contextmanager
-def full_grid(enabled: bool) -> Iterator[None]:
-    """Let the planner try every micro-batch size on large clusters too."""
-    yield  # the planner tries every size on every cluster now (``microbatch_grid``); nothing to patch
-
-
 def best(chain: CostChain, cluster: Cluster, batch: int, sharding: str) -> Plan | None:
     try:
         return plan_chain(chain, cluster, batch, precision=low_precision(cluster), sharding=sharding)
@@ -123,7 +108,7 @@ def best(chain: CostChain, cluster: Cluster, batch: int, sharding: str) -> Plan 
 
 
 def study(cases: Sequence[tuple[str, int, Sequence[str]]], presets: Sequence[str],
-          progress: Callable[[str], None] = lambda _: None, every_size: bool = True,
+          progress: Callable[[str], None] = lambda _: None,
           built: dict[str, dict[str, CostChain]] | None = None) -> list[Row]:
     """Plan every case; ``built`` (model -> cluster name -> chain) receives the chains used."""
     rows = []
@@ -136,15 +121,10 @@ def study(cases: Sequence[tuple[str, int, Sequence[str]]], presets: Sequence[str
         for cluster in clusters:
             start = time.perf_counter()
             chain = known[cluster.name]
-            with full_grid(every_size):
-                unsharded, sharded = best(chain, cluster, batch, "none"), best(chain, cluster, batch, "auto")
+            unsharded, sharded = best(chain, cluster, batch, "none"), best(chain, cluster, batch, "auto")
             seconds = time.perf_counter() - start
-            default = None
-            if every_size and truncated_grid(cluster):
-                default = (best(chain, cluster, batch, "none"), best(chain, cluster, batch, "auto"))
-            rows.append(Row(name, cluster, batch, unsharded, sharded, seconds, default))
-            progress(f"{name} batch {batch} on {cluster.name}: {seconds:.1f} s"
-                     + (f" (+{time.perf_counter() - start - seconds:.1f} s on the default grid)" if default else ""))
+            rows.append(Row(name, cluster, batch, unsharded, sharded, seconds))
+            progress(f"{name} batch {batch} on {cluster.name}: {seconds:.1f} s")
     return rows
 
 
@@ -189,25 +169,6 @@ def table(rows: Sequence[Row]) -> str:
     headers = ["model", "cluster", "GiB/dev", "batch", "unsharded plan", "levels", "samples/s", "peak GiB",
                "auto plan", "levels", "samples/s", "peak GiB", "auto vs unsharded", "plan s"]
     return str(tabulate(body, headers=headers, tablefmt="github"))
-
-
-def grid_table(rows: Sequence[Row]) -> str:
-    """Rows planned twice: every micro-batch size (the table above) and the planner's own truncated grid."""
-    body = []
-    for row in rows:
-        if row.default_grid is None:
-            continue
-        plain, sharded = row.default_grid
-        body.append([row.model, row.cluster.name, row.batch, *describe(plain)[::2], *describe(sharded)[::2],
-                     _fmt(ratio(plain, sharded)), describe(row.unsharded)[2], describe(row.sharded)[2], verdict(row)])
-    headers = ["model", "cluster", "batch", "unsharded plan (own grid)", "samples/s", "auto plan (own grid)",
-               "samples/s", "auto vs unsharded (own grid)", "unsharded samples/s (every size)",
-               "auto samples/s (every size)", "auto vs unsharded (every size)"]
-    return str(tabulate(body, headers=headers, tablefmt="github")) if body else ""
-
-
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
 
 
 @dataclass(frozen=True)
@@ -269,11 +230,6 @@ def summary(rows: Sequence[Row]) -> list[str]:
     chosen = [stage.sharding for r in rows if r.sharded is not None for stage in r.sharded.stages if stage.replicas > 1]
     counts = ", ".join(f"{level} {chosen.count(level)}" for level in ("none", "optimizer", "gradients", "parameters"))
     lines.append(f"- Levels auto chose for replicated stages, over every auto plan above: {counts}.")
-    graded = [(ratio(*r.default_grid), speedup(r), r) for r in rows if r.default_grid is not None]
-    if graded:
-        lines.append("- Planner's own grid (6 largest micro-batch sizes) against every size, auto vs unsharded: "
-                     + ", ".join(f"{r.model} batch {r.batch} on {r.cluster.name} {_fmt(own)} -> {_fmt(full)}"
-                                 for own, full, r in graded) + ".")
     return lines
 
 
@@ -345,17 +301,6 @@ def reading(rows: Sequence[Row], found: Sequence[Facts]) -> list[str]:
             + "A sharded stage of r replicas rebuilds r times as many layers per device, so it needs more."
             + (f" {COARSENING_CHECKED[key]}" if (key := (row.model, row.cluster.name, row.batch)) in COARSENING_CHECKED
                else ""))
-    graded = [(own, r) for r in rows if r.default_grid is not None and (own := ratio(*r.default_grid)) is not None]
-    if graded:
-        own, row = max(graded, key=lambda item: item[0])
-        paragraphs.append(
-            f"Grid note. On the planner's own micro-batch grid, auto was up to {own:.2f}x ahead ({row.model} batch "
-            f"{row.batch} on {row.cluster.name}): on clusters of more than 16 devices the planner keeps only the "
-            "6 largest micro-batch sizes, which can leave out the deep unsharded pipelines with small "
-            "micro-batches (many micro-batches, a small bubble, no recomputation). Given every size, the unsharded "
-            "plan finds them (last table). This is a limit of the planner's search, not of sharding; it is "
-            "recorded here rather than changed because changing it changes plans on every cluster of more than "
-            "16 devices.")
     paragraphs.append("Every figure is the analytic model's, with the sharded collectives charged whole (no overlap: "
                       "docs/sharding.md), so the sharded columns are conservative.")
     return paragraphs
@@ -368,22 +313,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--presets", default=",".join(PRESETS))
     parser.add_argument("--slow", action="store_true",
                         help="also plan gpt3-13b at batch 256 on dgx-h100:2, dapple-b and dapple-c")
-    parser.add_argument("--default-grid", action="store_true",
-                        help="plan on the planner's own micro-batch grid only (6 largest sizes over 16 devices)")
     args = parser.parse_args(argv)
     wanted = args.models.split(",")
     start, cpu_start = time.perf_counter(), time.process_time()
     cases = [case for case in (*CASES, *(SLOW_CASES if args.slow else ())) if case[0] in wanted]
     built: dict[str, dict[str, CostChain]] = {}
-    rows = study(cases, args.presets.split(","), lambda line: print(line, file=sys.stderr),
-                 every_size=not args.default_grid, built=built)
+    rows = study(cases, args.presets.split(","), lambda line: print(line, file=sys.stderr), built=built)
     found = []
     for name, per_cluster in built.items():
         by_precision = {low_precision(parse_cluster(spec)): chain for spec, chain in per_cluster.items()}
         found.extend(facts(name, chain, precision) for precision, chain in sorted(by_precision.items()))
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    flags = "".join(f" --{flag}" for flag, on in (("slow", args.slow), ("default-grid", args.default_grid)) if on)
-    grid = grid_table(rows)
+    flags = " --slow" if args.slow else ""
     text = "\n".join([
         "# Sharded stage replicas: best plan without sharding vs sharding=\"auto\"", "",
         f"Command: `{COMMAND}{flags}` ({elapsed:.0f} s wall, {cpu:.0f} s CPU on a 2-core "
@@ -392,9 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "Levels per stage: `-` unsharded, Z1/Z2/Z3 = sharding optimizer/gradients/parameters, +rc = recompute.", "",
         table(rows), "", "## Summary", "", *summary(rows), "", *_paragraphs(reading(rows, found)), "",
         "## Model facts", "", "From each model's cost chain (all blocks), per precision the study used.", "",
-        facts_table(found), "",
-        *(["## Micro-batch grid", "", "Clusters of more than 16 devices, planned again on the planner's own grid "
-           "(its 6 largest micro-batch sizes).", "", grid, ""] if grid else [])])
+        facts_table(found), ""])
     print(text)
     if args.write:
         RESULTS.write_text(text)

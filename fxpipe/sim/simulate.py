@@ -10,14 +10,7 @@ from fxpipe.core.chain import CostChain
 from fxpipe.core.cluster import Cluster
 from fxpipe.core.plan import Plan, StagePlan
 from fxpipe.core.row_slices import shared_rows, split_rows
-from fxpipe.core.schedule import (
-    Schedule,
-    ScheduleError,
-    inflight_peak,
-    lower,
-    make_schedule,
-    validate_schedule,
-)
+from fxpipe.core.schedule import Schedule, ScheduleError
 from fxpipe.core.timeline import TimelineEvent, TransferEvent
 from fxpipe.sim.allreduce_overlap import Overlap, last_pass_share, stage_allreduce_overlap
 from fxpipe.sim.events import (
@@ -25,9 +18,9 @@ from fxpipe.sim.events import (
     ComponentRun,
     Program,
     ReplicaSpec,
-    encode_program,
     run_component,
 )
+from fxpipe.sim.programs import Prepared, built_programs, prepared
 from fxpipe.sim.recompute_cost import selective_figures
 from fxpipe.sim.sharding_cost import ShardingComm, plan_sharding_comms
 from fxpipe.sim.sharding_memory import chain_in_precision
@@ -131,19 +124,20 @@ def simulate(plan: Plan, chain: CostChain, cluster: Cluster, *, optimizer: str =
     if plan.chunk_groups:
         raise ValueError(f"plan has virtual_stages={plan.virtual_stages} (several chunks per device group): simulate "
                          "it with fxpipe.sim.virtual_simulate.simulate_virtual")
-    schedule = schedule or _default_schedule(plan.schedule, plan.num_stages, plan.num_microbatches,
-                                             plan.warmup_policy)
-    _check_schedule(plan, chain, schedule)
+    if schedule is not None:
+        _check_schedule(plan, chain, schedule)
+    _check_chain(plan, chain)
+    ready = prepared(schedule) if schedule is not None else built_programs(
+        plan.schedule, plan.num_stages, plan.num_microbatches, plan.warmup_policy)
     chain = chain_in_precision(chain, plan.precision)  # bf16-params: compute copies, bf16 all-gathers
     slowdowns = _slowdowns(cluster, compute_scale)
-    programs, inflight = _prepared(schedule)
     comms = plan_sharding_comms(plan, chain, cluster)
-    overlaps = _overlaps(plan, chain, cluster, schedule.split_backward, weight_fraction, comms)
+    overlaps = _overlaps(plan, chain, cluster, ready.split_backward, weight_fraction, comms)
     specs = _replica_specs(plan, chain, cluster, slowdowns,
-                           weight_fraction if schedule.split_backward else None,
+                           weight_fraction if ready.split_backward else None,
                            [overlap.stretch for overlap in overlaps], comms)
-    runs = _simulate_components(specs, programs, plan.num_microbatches, timeline)
-    return _collect(plan, chain, cluster, schedule, inflight, runs, optimizer, slowdowns, overlaps)
+    runs = _simulate_components(specs, ready.programs, plan.num_microbatches, timeline)
+    return _collect(plan, chain, cluster, ready, runs, optimizer, slowdowns, overlaps)
 
 
 def _overlaps(plan: Plan, chain: CostChain, cluster: Cluster, split_backward: bool,
@@ -171,26 +165,14 @@ def _slowdowns(cluster: Cluster, compute_scale: Sequence[float] | None) -> tuple
     return tuple(cluster.compute_slowdown * factor for factor in scale)
 
 
-# The planner simulates hundreds of plans with the same few schedules (x4 under schedule="auto"): build,
-# validate and lower once.
-@functools.lru_cache(maxsize=128)
-def _default_schedule(name: str, num_stages: int, num_microbatches: int, warmup_policy: str) -> Schedule:
-    return make_schedule(name, num_stages, num_microbatches, warmup_policy)
-
-
-@functools.lru_cache(maxsize=128)
-def _prepared(schedule: Schedule) -> tuple[tuple[Program, ...], tuple[int, ...]]:
-    """The validated schedule's per-stage programs and in-flight peaks."""
-    validate_schedule(schedule)
-    programs = tuple(encode_program(actions) for actions in lower(schedule))
-    return programs, tuple(inflight_peak(schedule, s) for s in range(schedule.num_stages))
-
-
 def _check_schedule(plan: Plan, chain: CostChain, schedule: Schedule) -> None:
     if (schedule.num_stages, schedule.num_microbatches) != (plan.num_stages, plan.num_microbatches):
         raise ScheduleError(f"schedule {schedule.name!r} is for S={schedule.num_stages}, M="
                             f"{schedule.num_microbatches} but the plan has S={plan.num_stages}, "
                             f"M={plan.num_microbatches}; build it with make_schedule for this plan")
+
+
+def _check_chain(plan: Plan, chain: CostChain) -> None:
     if plan.stages[-1].stop_block != chain.num_blocks:
         raise ValueError(f"plan covers blocks [0, {plan.stages[-1].stop_block}) but the chain has "
                          f"{chain.num_blocks} blocks; plan and chain must come from the same model")
@@ -316,10 +298,11 @@ def _simulate_components(nodes: dict[Replica, _Node], programs: Sequence[Program
     return result
 
 
-def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule, inflight: tuple[int, ...],
+def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Prepared,
              runs: list[tuple[list[Replica], ComponentRun]], optimizer: str,
              slowdowns: Sequence[float], overlaps: Sequence[Overlap]) -> SimulationResult:
     """Add the allreduces and turn component runs into per-device figures and events."""
+    inflight = schedule.inflight
     ready = {key: run.allreduce_ready_s[local] for members, run in runs for local, key in enumerate(members)}
     # buckets launch during the last B or W, before that pass's gradient send: anchored at its end
     anchor_of = {key: run.gradient_end_s[local] for members, run in runs for local, key in enumerate(members)
@@ -353,8 +336,9 @@ def _collect(plan: Plan, chain: CostChain, cluster: Cluster, schedule: Schedule,
                    + max(_optimizer_s(chain, cluster, stage, slowdowns) for stage in plan.stages))
     split = cluster.split_backward_overhead if schedule.split_backward else None
     comms = plan_sharding_comms(plan, chain, cluster)
-    busy = {device: _busy(plan, chain, cluster, stage.stage_index, index // stage.tensor_parallel, slowdowns[device],
-                          split)
+    # one figure per (stage, replica, stretch): a 2,048-replica plan asked it per device, same arguments each time
+    replica_busy = functools.lru_cache(maxsize=None)(functools.partial(_busy, plan, chain, cluster))
+    busy = {device: replica_busy(stage.stage_index, index // stage.tensor_parallel, slowdowns[device], split)
             + 2 * plan.num_microbatches * action_seconds(cluster, slowdowns[device]) + overlaps[stage.stage_index].stretch
             + plan.num_microbatches * (comms[stage.stage_index].forward_s + comms[stage.stage_index].backward_s)
             for stage in plan.stages for index, device in enumerate(stage.devices)}

@@ -10,6 +10,7 @@ from tabulate import tabulate
 from fxpipe.core.plan import Plan
 from fxpipe.passes.partition.candidates import CandidateCosts
 from fxpipe.passes.partition.latency import analytic_iteration_time
+from fxpipe.passes.partition.pipeline_bound import pipeline_lower_bound
 from fxpipe.passes.partition.plan_build import build_plan, with_prediction
 from fxpipe.passes.partition.request import (
     AUTO_SCHEDULE,
@@ -78,8 +79,9 @@ def simulated_lower_bound(model: CandidateCosts, candidate: Candidate) -> float:
         own = [min(seconds, model.least_comm_seconds(span, num_microbatches))
                for span, seconds in zip(candidate.spans, own, strict=True)]
     costs = [model.cost(span.first, span.stop, rows, span.replicas, span.tensor_parallel) for span in candidate.spans]
-    return max(num_microbatches * (cost.forward_s + cost.backward_s) + allreduce_s
-               for cost, allreduce_s in zip(costs, own, strict=True))
+    return max(max(num_microbatches * (cost.forward_s + cost.backward_s) + allreduce_s
+                   for cost, allreduce_s in zip(costs, own, strict=True)),
+               pipeline_lower_bound(model, candidate, costs, own if model.sharding == "none" else None))
 
 
 def _score_candidate(request: PlanRequest, model: CandidateCosts, candidate: Candidate,

@@ -1,0 +1,93 @@
+"""gpt3-13b on one 8-GPU H100 node (dgx-h100:1): the best unsharded plan against sharding="auto" over sequence
+length and global batch, and the one-stage (pure FSDP) plan's memory, which says why sharding buys little here.
+
+Run: python benchmarks/sharding_study_13b.py --write   (writes benchmarks/sharding_study_13b.md; costing each
+sequence length on the meta device takes about a minute, each pair of plans 10-60 s on a loaded 2-core machine)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+from sharding_study import MAX_BLOCKS, GiB, describe, ratio
+from tabulate import tabulate
+
+from fxpipe import models
+from fxpipe.core.chain import CostChain
+from fxpipe.core.cluster import parse_cluster
+from fxpipe.passes.partition.dapple import partition
+from fxpipe.passes.partition.request import PlanningError
+from fxpipe.planning import costed_model, model_loss, plan_chain
+
+RESULTS = Path(__file__).with_suffix(".md")
+COMMAND = "python benchmarks/sharding_study_13b.py --write"
+CLUSTER = "dgx-h100:1"
+SEQUENCES = (2048, 4096)
+BATCHES = (4, 8, 32, 128)
+PRECISIONS = ("bf16", "fp32")  # fp32: no autocast, so matmuls at the fp32 rate and activations twice the bytes
+
+
+def chain_for(seq: int, precision: str) -> CostChain:
+    model, example_inputs = models.build("gpt3-13b", device="meta", block_size=seq)
+    return costed_model(model, example_inputs, parse_cluster(CLUSTER), costs="analytic", max_blocks=MAX_BLOCKS,
+                        precision=precision, **model_loss("gpt3-13b", example_inputs)).chain
+
+
+def fsdp_peak_gib(chain: CostChain, batch: int, recompute: str) -> float:
+    """Peak GiB per device of the one-stage plan on all 8 GPUs, ZeRO-3 (per-block units), one row per GPU per
+    micro-batch, with no memory limit: what pure FSDP would need under the planner's memory model."""
+    cluster = parse_cluster(CLUSTER)
+    plan = partition(chain, cluster, batch, layout="dp", sharding="parameters", recompute=recompute,
+                     memory_limit_bytes=2**60, num_microbatches=batch // cluster.num_devices)
+    return max(stage.peak_memory_bytes for stage in plan.stages) / GiB
+
+
+def best(chain: CostChain, batch: int, sharding: str, precision: str):  # type: ignore[no-untyped-def]
+    try:
+        return plan_chain(chain, parse_cluster(CLUSTER), batch, precision=precision, sharding=sharding)
+    except PlanningError:
+        return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args()
+    rows, facts = [], []
+    for precision, seq in [(p, q) for p in PRECISIONS for q in SEQUENCES]:
+        start = time.perf_counter()
+        chain = chain_for(seq, precision)
+        saved = sum(block.saved_bytes.per_sample for block in chain.blocks) / GiB
+        state = 4 * sum(block.param_bytes for block in chain.blocks) / GiB
+        facts.append([precision, seq, f"{state:.0f}", f"{saved:.1f}", f"{fsdp_peak_gib(chain, 8, 'never'):.0f}",
+                      f"{fsdp_peak_gib(chain, 8, 'always'):.0f}", round(time.perf_counter() - start, 1)])
+        print(facts[-1], flush=True)
+        for batch in BATCHES:
+            start = time.perf_counter()
+            plain, auto = best(chain, batch, "none", precision), best(chain, batch, "auto", precision)
+            value = ratio(plain, auto)
+            rows.append([precision, seq, batch, *describe(plain), *describe(auto),
+                         f"{value:.2f}x" if value else ("now feasible" if auto and not plain else "infeasible"),
+                         round(time.perf_counter() - start, 1), round(os.getloadavg()[0], 1)])
+            print(rows[-1], flush=True)
+    text = [f"# gpt3-13b on {CLUSTER}: sharding over sequence length and batch", "",
+            f"Command: `{COMMAND}` (analytic costs, chains of {MAX_BLOCKS} blocks; a 2-core machine "
+            "shared with other jobs: plan s is wall time, load the 1-minute load average). Source: "
+            "benchmarks/sharding_study_13b.py.", "",
+            tabulate(rows, headers=["precision", "seq", "batch", "unsharded plan", "levels", "samples/s", "peak GiB", "auto plan",
+                                    "levels", "samples/s", "peak GiB", "auto vs unsharded", "plan s", "load"],
+                     tablefmt="github"), "",
+            "One-stage plan on all 8 GPUs, ZeRO-3 with per-block units, batch 8 (one row per GPU per micro-batch), "
+            "no memory limit: what pure FSDP needs under the planner's memory model.", "",
+            tabulate(facts, headers=["precision", "seq", "Adam state GiB (16 B/param)", "saved activations GiB per row",
+                                     "FSDP peak GiB, keep", "FSDP peak GiB, recompute", "cost+plan s"], tablefmt="github"), ""]
+    if args.write:
+        RESULTS.write_text("\n".join(text))
+    print("\n".join(text))
+
+
+if __name__ == "__main__":
+    main()
