@@ -148,13 +148,18 @@ class VirtualDriver:
                                      "pipeline again (fxpipe.compile) to go on")
         shaped = self.shaped(inputs, targets)
         inboxes = {}
-        for (link, kind), messages in shaped.messages.items():
-            if forward_only and kind is MessageKind.GRADIENT:
-                continue
-            inbox = Inbox(self.exchange, self.context.device, self._tagger(link), ahead=self.context.backend == "gloo",
-                          stage_of=lambda rank: self.plan.stage_of_device(rank)[0])
-            inbox.start_step(messages, shaped.following(link, kind, forward_only))
-            inboxes[link, kind] = inbox
+        try:
+            for (link, kind), messages in shaped.messages.items():
+                if forward_only and kind is MessageKind.GRADIENT:
+                    continue
+                inbox = Inbox(self.exchange, self.context.device, self._tagger(link),
+                              ahead=self.context.backend == "gloo",
+                              stage_of=lambda rank: self.plan.stage_of_device(rank)[0])
+                inbox.start_step(messages, shaped.following(link, kind, forward_only))
+                inboxes[link, kind] = inbox
+        except BaseException as error:  # receives posted before the failure would take a later step's messages
+            self.mark_failed(error)
+            raise
         return VirtualState(inputs, targets, shaped, inboxes)
 
     def _tagger(self, link: Link) -> Callable[[MessageKind, int, str], int]:
