@@ -18,6 +18,7 @@ from fxpipe.core.plan import Plan
 from fxpipe.core.recompute import parse_recompute
 from fxpipe.core.sharding import ShardingError, check_request
 from fxpipe.pipe_inputs import positional_inputs
+from fxpipe.pipe_lifecycle import PipeLifecycle
 from fxpipe.runtime.faults.errors import PipelineSetupError
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 
 
 
-class PipelinedModule:
+class PipelinedModule(PipeLifecycle):
     """This rank's share of a pipelined model: one replica of one stage, and ``step`` for the whole job.
 
     Every rank calls ``step(inputs, targets)`` with the same global batch and gets the same loss.
@@ -237,42 +238,9 @@ class PipelinedModule:
 
     def step_stats(self) -> list[StepStats]:
         """All ranks' StepStats of the last measured step (a collective: call on every rank)."""
-        return self.driver.gather_stats()
+        from fxpipe.runtime.execution.measured_step import gather_step_stats
 
-    def save(self, directory: str | Path, *, optimizer: torch.optim.Optimizer | None = None, step: int = 0,
-             extra: Mapping[str, Any] | None = None) -> Path:
-        """Atomic sharded checkpoint under original names (every rank calls it); see fxpipe.core.checkpoint."""
-        from fxpipe.runtime.checkpoint_io import save_checkpoint
-
-        return save_checkpoint(self, directory, optimizer=optimizer, step=step, extra=extra)
-
-    def load(self, directory: str | Path, *, optimizer: torch.optim.Optimizer | None = None,
-             verify: bool = True) -> dict[str, Any]:
-        """Load a checkpoint saved under any plan (checksums checked unless ``verify=False``); returns ``{"step", "extra"}``."""
-        from fxpipe.runtime.checkpoint_io import load_checkpoint
-
-        return load_checkpoint(self, directory, optimizer=optimizer, verify=verify)
-
-    def handle_preemption(self) -> None:
-        """On SIGTERM, only note it; after the step it lands in, ``preempted`` is True on every rank.
-
-        Loop: ``pipe.step(...); opt.step(); if pipe.preempted: pipe.save(...); break``. Call from the
-        main thread; see docs/faults.md (Ranks and signals).
-        """
-        from fxpipe.runtime.faults.preemption import install
-
-        install()
-
-    @property
-    def preempted(self) -> bool:
-        """A preemption signal reached some rank before the last step ended (the same on every rank)."""
-        return bool(self.driver.preempted)
-
-    def close(self) -> None:
-        """Wait for all ranks, then release the process group if ``compile`` created it."""
-        from fxpipe.runtime.transport.comm import close_distributed
-
-        close_distributed(self.driver.context)
+        return gather_step_stats(self.driver)
 
     def __repr__(self) -> str:
         return (f"PipelinedModule(layout={self.plan.layout!r}, rank={self.rank}, stage={self.stage_index}, "

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fxpipe.pipe_inputs import positional_inputs
+from fxpipe.pipe_lifecycle import PipeLifecycle
 from fxpipe.runtime.faults.errors import PipelineSetupError
 
 if TYPE_CHECKING:
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from fxpipe.runtime.transport.comm import DistContext
 
 
-class VirtualPipelinedModule:
+class VirtualPipelinedModule(PipeLifecycle):
     """This rank's chunks of a virtual-stage pipeline; ``step``, ``evaluate``, ``predict`` for the whole job.
 
     Every rank calls them with the same global batch (as on ``fxpipe.api.PipelinedModule``). ``parameters()`` /
@@ -100,26 +100,6 @@ class VirtualPipelinedModule:
     def eval(self) -> VirtualPipelinedModule:
         return self.train(False)
 
-    def save(self, directory: str | Path, *, optimizer: torch.optim.Optimizer | None = None, step: int = 0,
-             extra: Mapping[str, Any] | None = None) -> Path:
-        """Atomic sharded checkpoint under original names (every rank calls it); loads under any plan."""
-        from fxpipe.runtime.checkpoint_io import save_checkpoint
-
-        return save_checkpoint(self, directory, optimizer=optimizer, step=step, extra=extra)
-
-    def load(self, directory: str | Path, *, optimizer: torch.optim.Optimizer | None = None,
-             verify: bool = True) -> dict[str, Any]:
-        """Load a checkpoint saved under any plan, with or without virtual stages; returns ``{"step", "extra"}``."""
-        from fxpipe.runtime.checkpoint_io import load_checkpoint
-
-        return load_checkpoint(self, directory, optimizer=optimizer, verify=verify)
-
-    def handle_preemption(self) -> None:
-        """On SIGTERM, only note it; after the step it lands in, ``preempted`` is True on every rank (docs/faults.md)."""
-        from fxpipe.runtime.faults.preemption import install
-
-        install()
-
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the whole model (every chunk of every rank, each parameter once);
@@ -144,17 +124,6 @@ class VirtualPipelinedModule:
         return PipelineSetupError(f"pipe.{name} is not supported with virtual stages yet (virtual_stages="
                                   f"{self.plan.virtual_stages}); use a plan without virtual stages for it "
                                   "(docs/virtual_stages.md, Runtime)")
-
-    @property
-    def preempted(self) -> bool:
-        """A preemption signal reached some rank before the last step ended (the same on every rank)."""
-        return bool(self.driver.preempted)
-
-    def close(self) -> None:
-        """Wait for all ranks, then release the process group if ``compile`` created it."""
-        from fxpipe.runtime.transport.comm import close_distributed
-
-        close_distributed(self.driver.context)
 
     def __repr__(self) -> str:
         return (f"VirtualPipelinedModule(layout={self.plan.layout!r}, virtual_stages={self.plan.virtual_stages}, "

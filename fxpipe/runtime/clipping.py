@@ -15,6 +15,7 @@ from fxpipe.runtime.transport.comm import Pending
 
 if TYPE_CHECKING:
     from fxpipe.runtime.execution.driver import PipelineDriver
+    from fxpipe.runtime.execution.virtual_driver import VirtualDriver
 
 # The reduced vector: [this rank's share of the total, a NaN seen, one presence flag per dtype of the
 # per-gradient norms (as torch stacks them, the total takes their promoted dtype)]. A NaN travels as a
@@ -148,7 +149,15 @@ def clip_grad_norm(driver: PipelineDriver, named: Sequence[tuple[str, torch.nn.P
     norm_type = check_norm_type(norm_type)
     grads = counted_gradients(named, driver.stage_index, driver.replica_index, driver.program.tie_groups,
                               driver.tensor_parallel.member, driver.tp_params)
-    share = local_share(grads, norm_type, driver.context.device)
+    return clip_by_counted(driver, grads, [param for _, param in named], max_norm, norm_type, error_if_nonfinite)
+
+
+def clip_by_counted(driver: PipelineDriver | VirtualDriver, counted: Sequence[torch.Tensor],
+                    params: Sequence[torch.nn.Parameter], max_norm: float, norm_type: float,
+                    error_if_nonfinite: bool) -> torch.Tensor:
+    """The job's norm from each rank's ``counted`` gradients (each gradient counted on one rank only), one
+    allreduce over the default group waited on through the driver's exchange; ``params``' gradients scaled by it."""
+    share = local_share(counted, norm_type, driver.context.device)
     if driver.context.world_size > 1:
         op = dist.ReduceOp.MAX if reduce_op(norm_type) == "max" else dist.ReduceOp.SUM
         work = dist.all_reduce(share, op=op, async_op=True)
@@ -157,5 +166,5 @@ def clip_grad_norm(driver: PipelineDriver, named: Sequence[tuple[str, torch.nn.P
     total = total_norm(share, norm_type)
     if error_if_nonfinite:
         check_finite(total, norm_type)
-    scale_gradients((param for _, param in named), max_norm, total)
+    scale_gradients(params, max_norm, total)
     return total

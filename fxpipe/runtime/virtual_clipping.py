@@ -5,18 +5,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
-from fxpipe.runtime.clipping import (
-    check_finite,
-    check_norm_type,
-    local_share,
-    reduce_op,
-    scale_gradients,
-    total_norm,
-)
+from fxpipe.runtime.clipping import check_norm_type, clip_by_counted
 from fxpipe.runtime.parallel.sharded_stage import is_sharded, local_part
-from fxpipe.runtime.transport.comm import Pending
 
 if TYPE_CHECKING:
     from fxpipe.runtime.execution.virtual_driver import VirtualDriver
@@ -34,14 +25,5 @@ def clip_virtual_grad_norm(driver: VirtualDriver, max_norm: float, norm_type: fl
     counted = [local_part(param.grad) for name, param in driver.named if param.grad is not None
                and (driver.replica_index == 0 or is_sharded(param.grad))
                and min(owners.get(name, driver.chunks)) in driver.chunks]
-    share = local_share(counted, norm_type, driver.context.device)
-    if driver.context.world_size > 1:
-        op = dist.ReduceOp.MAX if reduce_op(norm_type) == "max" else dist.ReduceOp.SUM
-        work = dist.all_reduce(share, op=op, async_op=True)
-        assert work is not None
-        driver.exchange.wait([Pending(work, -1, "gradient norm allreduce over all ranks", share)])
-    total = total_norm(share, norm_type)
-    if error_if_nonfinite:
-        check_finite(total, norm_type)
-    scale_gradients((param for _, param in driver.named), max_norm, total)
-    return total
+    return clip_by_counted(driver, counted, [param for _, param in driver.named], max_norm, norm_type,
+                           error_if_nonfinite)

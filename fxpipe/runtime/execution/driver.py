@@ -14,11 +14,12 @@ from fxpipe.core import schedule as schedules
 from fxpipe.core.plan import Plan
 from fxpipe.runtime.autograd.measure import ActionTimer, MeasureMode, SavedActivationMeter, StepStats
 from fxpipe.runtime.execution.actions import stage_actions
+from fxpipe.runtime.execution.loss_allreduce import sum_loss_and_votes
+from fxpipe.runtime.execution.measured_step import measured_step
 from fxpipe.runtime.execution.receives import Inbox
 from fxpipe.runtime.execution.stage import LossFn, StageRunner, read_local_loss, unique_params
 from fxpipe.runtime.execution.stage_routes import ShapedStep, ShapedSteps, check_outgoing, gradient_routes
 from fxpipe.runtime.execution.step_state import StepState
-from fxpipe.runtime.faults import preemption
 from fxpipe.runtime.faults.errors import PipelineSetupError
 from fxpipe.runtime.faults.failures import DEFAULT_STALL_TIMEOUT_S, FailureLog, NoLog
 from fxpipe.runtime.gradients.buckets import OverlappedAllreduce, split_overlapped
@@ -127,7 +128,7 @@ class PipelineDriver(TensorParallelDriver):
         self.forward_only = False  # True while evaluate/predict run (fxpipe.runtime.inference)
         self.measure = MeasureMode.OFF  # what each step records in last_stats (see MeasureMode)
         self.last_stats: StepStats | None = None
-        self._meter: SavedActivationMeter | None = None
+        self.saved_meter: SavedActivationMeter | None = None  # made on the first fully measured step
         self.sharded: ShardedStage | None = None  # FSDP2 replicas (shard_stage, fxpipe.runtime.parallel.sharded_stage)
 
     # ---- setup ---------------------------------------------------------------------------------
@@ -223,12 +224,12 @@ class PipelineDriver(TensorParallelDriver):
                     Op.BACKWARD: self._backward_input if self.split_backward else self._backward,
                     Op.WEIGHT: self._backward_weight, Op.SEND_GRADIENT: self._send_gradient}
         if self.measure is MeasureMode.OFF:
-            self._run_actions(state, stash, handlers, None)
+            self.run_actions(state, stash, handlers, None)
         else:
-            self._measured_step(state, stash, handlers)
+            measured_step(self, state, stash, handlers)
         return state.loss
 
-    def _run_actions(self, state: StepState, stash: dict[int, torch.Tensor | None] | None,
+    def run_actions(self, state: StepState, stash: dict[int, torch.Tensor | None] | None,
                      handlers: Mapping[Op, Callable[[StepState, int], None]], timer: ActionTimer | None) -> None:
         """This rank's actions in schedule order, then the step's end; ``timer`` records each action."""
         doing = self._doing
@@ -243,26 +244,6 @@ class PipelineDriver(TensorParallelDriver):
                 timer.stop(action, started)
         self._finish(state, stash)
         doing.action = None
-
-    def _measured_step(self, state: StepState, stash: dict[int, torch.Tensor | None] | None,
-                       handlers: Mapping[Op, Callable[[StepState, int], None]]) -> None:
-        """The same step with a timeline of every action and exact saved-activation bytes (StepStats)."""
-        meter: SavedActivationMeter | None = None
-        if self.measure is MeasureMode.FULL:
-            if self._meter is None:
-                self._meter = SavedActivationMeter.for_parameters(p for _, p in self.runner.parameters())
-            meter = self._meter
-            meter.reset_peak()
-        timer = ActionTimer(self.rank, self.stage_index, synchronize=self.context.device.type == "cuda")
-        self.runner.meter = meter  # a recomputing stage adds the forward it rebuilds in each backward
-        try:
-            with meter.measure() if meter is not None else contextlib.nullcontext():
-                self._run_actions(state, stash, handlers, timer)
-        finally:
-            self.runner.meter = None
-        step_time = timer.start()
-        self.last_stats = StepStats(self.rank, self.stage_index, step_time,
-                                    meter.peak_bytes if meter is not None else None, tuple(timer.events))
 
     def begin(self, inputs: tuple[Any, ...], targets: Any, *, partial: bool = False,
               fold: bool = True) -> ShapedStep:
@@ -453,28 +434,10 @@ class PipelineDriver(TensorParallelDriver):
         if self.tensor_parallel.member > 0:  # every member of a group computed the same loss: it counts once
             loss_sum, count = 0.0, 0.0
         probe = self.runner.probe.fold_values()  # while open: every rank's verdict on loss_fn (loss_probe)
-        if self.context.world_size > 1:  # a world of one has nothing to add (and no batch to compare)
-            folds = self.batch_checker.fold_values()
-            total = torch.tensor([loss_sum, count, preemption.vote(), *probe, *folds], dtype=torch.float64,
-                                 device=self.context.device)
-            work = dist.all_reduce(total, op=dist.ReduceOp.SUM, async_op=True)
-            assert work is not None
-            self.exchange.wait([Pending(work, -1, "loss allreduce over all ranks", total)])
-            loss_sum, count, stop_votes, *folded = total.tolist()
-            self.preempted = stop_votes > 0  # the same on every rank: a signal reached at least one of them
-            probe, folded = folded[:len(probe)], folded[len(probe):]
-            self.runner.probe.conclude(probe)
-            self.batch_checker.check_folded(folded)
-        else:
-            self.preempted = preemption.vote() > 0
-            self.runner.probe.conclude(probe)
+        folds = self.batch_checker.fold_values() if self.context.world_size > 1 else []  # one rank: no batch to compare
+        loss_sum, count, self.preempted, folded = sum_loss_and_votes(self.exchange, self.context, loss_sum, count,
+                                                                     [*probe, *folds])
+        self.runner.probe.conclude(folded[:len(probe)])
+        if self.context.world_size > 1:
+            self.batch_checker.check_folded(folded[len(probe):])
         return loss_sum, count
-
-    def gather_stats(self) -> list[StepStats]:
-        """Every rank's StepStats of the last measured step, by rank (a collective: call on all ranks)."""
-        if self.last_stats is None:
-            raise PipelineSetupError("no measured step yet; set pipe.measure = True (or 'timeline') before step()")
-        gathered: list[StepStats | None] = [None] * self.context.world_size
-        dist.all_gather_object(gathered, self.last_stats)
-        return [stats for stats in gathered if stats is not None]
-

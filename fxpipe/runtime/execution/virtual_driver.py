@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from fxpipe.core import schedule as schedules
 from fxpipe.core.plan import Plan
+from fxpipe.runtime.execution.loss_allreduce import sum_loss_and_votes
 from fxpipe.runtime.execution.receives import Inbox
 from fxpipe.runtime.execution.stage import LossFn, StageRunner, read_local_loss, unique_params
 from fxpipe.runtime.execution.stage_routes import MAX_CACHED_SHAPES, check_outgoing
@@ -23,7 +23,6 @@ from fxpipe.runtime.execution.virtual_routes import (
     link_tag,
 )
 from fxpipe.runtime.execution.virtual_sharding import ChunkSharding
-from fxpipe.runtime.faults import preemption
 from fxpipe.runtime.faults.errors import PipelineSetupError
 from fxpipe.runtime.faults.failures import DEFAULT_STALL_TIMEOUT_S, FailureLog, NoLog
 from fxpipe.runtime.gradients.grad_sync import restore_stashed, stash_grads
@@ -373,16 +372,7 @@ class VirtualDriver:
         also carries the preemption vote and every rank's loss-probe verdict)."""
         loss_sum, count = read_local_loss(state.loss_parts, state.count_parts)
         probe = self.runner.probe.fold_values()
-        if self.context.world_size > 1:
-            total = torch.tensor([loss_sum, count, preemption.vote(), *probe], dtype=torch.float64,
-                                 device=self.context.device)
-            work = dist.all_reduce(total, op=dist.ReduceOp.SUM, async_op=True)
-            assert work is not None
-            self.exchange.wait([Pending(work, -1, "loss allreduce over all ranks", total)])
-            loss_sum, count, stop_votes, *probe = total.tolist()
-        else:
-            stop_votes = preemption.vote()
-        self.preempted = stop_votes > 0
+        loss_sum, count, self.preempted, probe = sum_loss_and_votes(self.exchange, self.context, loss_sum, count, probe)
         for runner in self.runners.values():
             runner.probe.conclude(probe)
         return loss_sum, count
