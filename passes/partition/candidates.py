@@ -340,61 +340,6 @@ class CandidateCosts:
             (request,) if isinstance(request, str) else (request[index],))
         return schedule_levels(levels, schedule or self.schedule)
 
-    def stage_options(self, spans: Sequence[Span], rows: int, warmup_policy: str, schedule: str | None = None
-                      ) -> list[tuple[StageChoice, ...]]:
-        """Every ``(level, recompute)`` each stage may take under the request and that fits, as StageChoices
-        (the chosen one first); a stage whose options all overflow keeps its chosen one alone."""
-        chosen = self.stage_choices(spans, rows, warmup_policy, schedule)
-        if self.sharding == "none":
-            return [(choice,) for choice in chosen]
-        request = self.sharding if isinstance(self.sharding, str) or len(self.sharding) == len(spans) else "auto"
-        num_microbatches = self.global_batch_size // rows
-        found = []
-        for index, (span, choice) in enumerate(zip(spans, chosen, strict=True)):
-            replicas = span.replicas
-            levels = self.stage_levels(request, index, replicas, schedule)
-            recomputes = (choice.recompute,) if isinstance(self.recompute, tuple) or self.recompute != "auto" or (
-                (schedule or self.schedule) == "zero_bubble") else (False, True)
-            inflight = self.inflight(index, len(spans), num_microbatches, warmup_policy, schedule)
-            cost = self.cost(span.first, span.stop, rows, replicas, span.tensor_parallel)
-            options = [choice]
-            for level in levels:
-                for recompute in recomputes:
-                    memory = stage_memory_bytes(cost, inflight, self.optimizer, recompute, sharding=level,
-                                                replicas=replicas, num_microbatches=num_microbatches)
-                    option = StageChoice(recompute, memory, level)
-                    if memory <= self.memory_limit_bytes and option != choice:
-                        options.append(option)
-            found.append(tuple(options))
-        return found
-
-    def refined_choices(self, spans: Sequence[Span], rows: int, warmup_policy: str, schedule: str | None = None
-                        ) -> list[StageChoice]:
-        """:meth:`stage_choices`, then each stage's option changed where the whole pipeline's pivot latency
-        drops, stage by stage until nothing improves (for the few candidates the simulator scores).
-
-        The per-stage rule (:meth:`_choose_sharded`) sees one stage; stages interact through the fill (a
-        stage's step all-gather can hide behind another's) and the drain (a tail behind a later stage's
-        backward), so an option slower alone can make the pipeline faster.
-        """
-        options = self.stage_options(spans, rows, warmup_policy, schedule)
-        choices = [stage[0] for stage in options]
-        if all(len(stage) == 1 for stage in options):
-            return choices
-        split = (schedule or self.schedule) == "zero_bubble"
-        num_microbatches = self.global_batch_size // rows
-        best_s = self.steps(spans, rows, choices).latency(num_microbatches, split)
-        improved = True
-        while improved:
-            improved = False
-            for index, stage in enumerate(options):
-                for option in stage:
-                    trial = [*choices[:index], option, *choices[index + 1:]]
-                    seconds = self.steps(spans, rows, trial).latency(num_microbatches, split)
-                    if seconds < best_s * (1 - 1e-9):
-                        choices, best_s, improved = trial, seconds, True
-        return choices
-
     def _choose_sharded(self, first: int, stop: int, rows: int, devices: tuple[int, ...], inflight: int,
                         levels: tuple[str, ...], recomputes: tuple[bool, ...], tensor_parallel: int = 1
                         ) -> StageChoice:

@@ -6,6 +6,7 @@ from fxpipe.core.plan import Plan, Prediction, StagePlan
 from fxpipe.core.recompute import check_stage_count
 from fxpipe.core.sharding import stage_levels
 from fxpipe.passes.partition.candidates import CandidateCosts
+from fxpipe.passes.partition.refined_choices import refined_choices
 from fxpipe.passes.partition.selective import selective_choice
 from fxpipe.passes.partition.spans import Candidate, Span
 from fxpipe.sim.recompute_cost import selective_figures
@@ -21,7 +22,7 @@ def build_plan(model: CandidateCosts, candidate: Candidate, *, schedule: str, wa
     check_stage_count(model.recompute, len(candidate.spans))
     if not isinstance(model.sharding, str):
         stage_levels(model.sharding, candidate.layout)  # raises unless one level per stage
-    choices = model.refined_choices(candidate.spans, rows, warmup_policy, schedule)
+    choices = refined_choices(model, candidate.spans, rows, warmup_policy, schedule)
     inflight = [model.inflight(index, len(candidate.spans), num_microbatches, warmup_policy, schedule)
                 for index in range(len(candidate.spans))]
     stages = []
