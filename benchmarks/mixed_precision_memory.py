@@ -9,7 +9,6 @@ Figures to compare with: fxpipe.sim.sharding_memory.model_state_bytes (docs/shar
 from __future__ import annotations
 
 import copy
-import functools
 import sys
 import tempfile
 from pathlib import Path
@@ -41,14 +40,8 @@ def measure(level: str, num_microbatches: int, mixed: bool) -> tuple[float, str]
     dtype = torch.bfloat16 if mixed else None
     pipe = fxpipe.compile(model, example, loss_fn=_squared_error, global_batch_size=rows, plan=plan,
                           schedule="dapple", sharding=level, autocast_dtype=dtype, param_dtype=dtype)
-    params = list(pipe.parameters())
-    optimizer = torch.optim.AdamW(params, lr=1e-3)
     batch = (torch.randn(rows, WIDTH), torch.randn(rows, WIDTH))
-    for _ in range(2):  # FSDP2 set up, AdamW's state allocated
-        pipe.step(*batch)
-        optimizer.step()
-        optimizer.zero_grad()
-    peak, where = fsdp_memory_probe.peak_model_state_bytes(params, optimizer, functools.partial(pipe.step, *batch))
+    _, peak, where = fsdp_memory_probe.warmed_peak_model_state_bytes(pipe, batch, 1e-3)
     return peak / pipe.driver.sharded.largest_unit_bytes, where
 
 

@@ -131,3 +131,17 @@ def peak_model_state_bytes(params: list[torch.nn.Parameter], optimizer: torch.op
     offset = SAMPLES[0][1] - quiet
     label, peak = max(SAMPLES, key=lambda sample: sample[1])
     return peak - offset, label
+
+
+def warmed_peak_model_state_bytes(pipe: Any, batch: tuple[Any, ...], learning_rate: float
+                                  ) -> tuple[list[torch.nn.Parameter], int, str]:
+    """``pipe``'s parameters and :func:`peak_model_state_bytes` of one more AdamW step on ``batch``, after two
+    steps that set FSDP2 up and allocate AdamW's state."""
+    params = list(pipe.parameters())
+    optimizer = torch.optim.AdamW(params, lr=learning_rate)
+    for _ in range(2):
+        pipe.step(*batch)
+        optimizer.step()
+        optimizer.zero_grad()
+    peak, where = peak_model_state_bytes(params, optimizer, lambda: pipe.step(*batch))
+    return params, peak, where

@@ -186,14 +186,8 @@ def _measured_memory() -> dict[str, Any]:
     pipe = fxpipe.compile(model, example, loss_fn=lambda out, target: ((out.float() - target) ** 2).sum(),
                           global_batch_size=rows, plan=plan, schedule="dapple", sharding="parameters",
                           autocast_dtype=BF16, param_dtype=BF16)
-    params = list(pipe.parameters())
-    optimizer = torch.optim.AdamW(params, lr=LEARNING_RATE)
     batch = (torch.randn(rows, MEMORY_WIDTH), torch.randn(rows, MEMORY_WIDTH))
-    for _ in range(2):  # FSDP2 set up, AdamW's state allocated
-        pipe.step(*batch)
-        optimizer.step()
-        optimizer.zero_grad()
-    peak, where = fsdp_memory_probe.peak_model_state_bytes(params, optimizer, functools.partial(pipe.step, *batch))
+    params, peak, where = fsdp_memory_probe.warmed_peak_model_state_bytes(pipe, batch, LEARNING_RATE)
     whole = sum(p.to_local().numel() for p in params) * WORLD_SIZE * 4  # fp32 masters' whole bytes (P)
     return {"param_bytes": whole, "peak": peak, "where": where, "unit_bytes": pipe.driver.sharded.largest_unit_bytes}
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -297,14 +296,8 @@ def _measured_memory(store_dir: str, rank: int, world_size: int) -> dict[str, di
             plan = plan_from_cuts(trace(copy.deepcopy(model), example), replicas, rows, num_microbatches)
             pipe = fxpipe.compile(model, example, loss_fn=_squared_error, global_batch_size=rows, plan=plan,
                                   schedule=schedule, sharding=level)
-            params = list(pipe.parameters())
-            optimizer = torch.optim.AdamW(params, lr=LEARNING_RATE)
             batch = (torch.randn(rows, MEMORY_WIDTH), torch.randn(rows, MEMORY_WIDTH))
-            for _ in range(2):  # FSDP2 set up, AdamW's state allocated
-                pipe.step(*batch)
-                optimizer.step()
-                optimizer.zero_grad()
-            peak, where = fsdp_memory_probe.peak_model_state_bytes(params, optimizer, functools.partial(pipe.step, *batch))
+            params, peak, where = fsdp_memory_probe.warmed_peak_model_state_bytes(pipe, batch, LEARNING_RATE)
             results[f"{level} {replicas} M={num_microbatches}"] = {
                 "param_bytes": sum(p.numel() * p.element_size() for p in params), "peak": peak, "where": where,
                 "replicas": replicas[pipe.stage_index], "num_microbatches": num_microbatches, "level": level,
