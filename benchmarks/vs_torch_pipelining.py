@@ -35,22 +35,11 @@ from benchmarks.bench_common import (  # noqa: E402
     run_ranks,
     stage_names,
 )
-from benchmarks.torch_pipelining_common import TorchSide, build_torch_side, fxpipe_step, torch_step  # noqa: E402
+from benchmarks.torch_pipelining_common import build_torch_side, fxpipe_step, gradient_gap, torch_step  # noqa: E402
 
 RESULTS = Path(__file__).with_suffix(".md")
 COMMAND = "python benchmarks/vs_torch_pipelining.py --write"
 DEFAULT_WORKLOAD = Workload("gpt-mini", (("n_layer", 4), ("n_embd", 128), ("block_size", 64)), 32, 8)
-
-
-def _gradient_gap(pipe: Any, side: TorchSide) -> float:
-    """Largest |fxpipe grad - torch grad| over this rank's parameters after one step of each."""
-    fx_grads = {name: p.grad for name, p in pipe.named_parameters()}
-    gap = 0.0
-    for parameter in side.parameters:
-        name = side.names[id(parameter)]
-        if parameter.grad is not None and fx_grads.get(name) is not None:
-            gap = max(gap, float((parameter.grad - fx_grads[name]).abs().max()))
-    return gap
 
 
 def throughput_rank(rank: int, world_size: int, workload: Workload, num_warmup: int,
@@ -64,7 +53,7 @@ def throughput_rank(rank: int, world_size: int, workload: Workload, num_warmup: 
     steps = {"fxpipe": lambda: fxpipe_step(pipe, fx_params, inputs, targets),
              "torch": lambda: torch_step(side, inputs, targets)}
     times = interleaved(steps, num_warmup, num_steps)
-    return {"times": times, "gradient_gap": _gradient_gap(pipe, side)}
+    return {"times": times, "gradient_gap": gradient_gap(pipe, side)}
 
 
 def memory_rank(rank: int, world_size: int, workload: Workload, num_steps: int) -> dict[str, int]:

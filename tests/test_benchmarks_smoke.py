@@ -19,6 +19,7 @@ from benchmarks import (
     sharding_study,
     small_fidelity,
     torch_pipelining_common,
+    virtual_schedules,
     vs_torch_pipelining,
     vs_torch_schedules,
 )
@@ -115,6 +116,21 @@ def test_vs_torch_schedules_smoke() -> None:
     assert all(0 < busy <= step for r in bubbles for busy, step in r["stats"]["zero_bubble"])
     assert all(r["memory"][s] > 0 for r in bubbles for s in ("early_backward", "zero_bubble"))
     assert vs_torch_schedules.auto_schedule(tiny(8, 4), 2) in vs_torch_schedules.FX_SCHEDULES
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_virtual_schedules_smoke_computes_torchs_gradients() -> None:
+    """fxpipe's interleaved/ZB-V chunks and torch's ScheduleInterleaved1F1B/ScheduleZBVZeroBubble on the same chunk
+    code and map: every rank's gradients agree (the comparison times the same work)."""
+    from benchmarks.bench_common import run_ranks
+
+    workload = Workload("gpt-mini", (("n_layer", 8), *TINY[1:]), 8, 4)
+    per_rank = run_ranks(virtual_schedules.compare_rank, 4, workload, 0, 1)
+    names = {"fxpipe 1F1B (early_backward)", "fxpipe interleaved (v=2)", "fxpipe zbv (v=2)"} | {
+        f"torch {name} (v=2)" for name in torch_pipelining_common.TORCH_VIRTUAL_SCHEDULES}
+    assert all(set(r["times"]) == names for r in per_rank)
+    assert all(gap < 1e-5 for r in per_rank for gap in r["gradient_gaps"].values())
 
 
 def test_the_torch_benchmarks_share_code_without_importing_each_other() -> None:
