@@ -69,7 +69,6 @@ _ERRORS: dict[str, str] = {
     "MessageLayoutError": "fxpipe.runtime.faults.errors",
     "TrainableSetChangedError": "fxpipe.runtime.faults.errors",
     "GradScalerError": "fxpipe.runtime.grad_scaler",
-    "ParamPrecisionError": "fxpipe.runtime.parallel.param_precision",
     "BatchMismatchError": "fxpipe.runtime.transport.batchcheck",
     "ReplicaMismatchError": "fxpipe.runtime.sync",
     "NormTypeError": "fxpipe.runtime.clipping",

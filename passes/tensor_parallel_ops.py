@@ -18,6 +18,8 @@ Every function below takes the group key (a string constant in the generated cod
     vocab_embedding(ids, weight, key, vocab_start)       a vocabulary-split table lookup, summed over the group
     vocab_parallel_cross_entropy(logits, targets, key, vocab_start, ignore_index=-100)   mean token cross-entropy
                                            of vocabulary-split logits (the same value on every member)
+
+and one local op: add_bias(out, bias), a split layer's bias added in its output's dtype.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["Communicator", "copy_to_group", "gather_for_inference", "gather_from_group", "gather_sequence", "group", "reduce_from_group",
+__all__ = ["Communicator", "add_bias", "copy_to_group", "gather_for_inference", "gather_from_group", "gather_sequence", "group", "reduce_from_group",
            "reduce_scatter_sequence", "register_group", "split_sequence", "unregister_group", "vocab_embedding",
            "vocab_parallel_cross_entropy"]
 
@@ -152,6 +154,14 @@ class _SplitSequence(_GatherInBackward):
         return _own_chunk(x, comm, dim)
 
 
+def add_bias(out: Tensor, bias: Tensor) -> Tensor:
+    """``out + bias`` in ``out``'s dtype. The unsplit layer (F.linear, or addmm for GPT-2's Conv1D) casts its bias
+    to the compute dtype under autocast and returns bf16; a plain add of the fp32 bias would promote the split
+    layer's output to fp32, which the next stage (expecting the unsplit dtype) refuses. Without autocast both are
+    fp32 and this is the plain add."""
+    return out + bias.to(out.dtype)
+
+
 def copy_to_group(x: Tensor, key: str) -> Tensor:
     return _CopyToGroup.apply(x, key)  # type: ignore[no-any-return]
 
@@ -200,7 +210,10 @@ def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, key: str, voca
     the group (forward all-reduce, backward identity) give every member its logits' exact gradient.
     """
     comm = group(key)
-    flat = logits.flatten(0, -2).float()
+    # the dtype F.cross_entropy gives: autocast runs it in fp32 (a bf16 loss would round the reported value)
+    autocast = torch.is_autocast_enabled(logits.device.type) and logits.dtype in (torch.bfloat16, torch.float16)
+    dtype = torch.float32 if autocast else logits.dtype
+    flat = logits.flatten(0, -2).to(torch.promote_types(logits.dtype, torch.float32))
     labels = targets.flatten()
     local_max = flat.detach().amax(dim=-1, keepdim=True)
     row_max = comm.all_gather(local_max, 1).amax(dim=-1, keepdim=True)
@@ -212,4 +225,4 @@ def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, key: str, voca
     target_logit = reduce_from_group(picked.masked_fill(~held, 0.0), key)
     valid = labels != ignore_index
     losses = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
-    return (losses.sum() / valid.sum()).to(logits.dtype)
+    return (losses.sum() / valid.sum()).to(dtype)

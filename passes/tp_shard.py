@@ -253,7 +253,7 @@ class _Rewriter:
             summed = self.graph.call_function(ops.reduce_from_group, (out, self.key))
         if info.bias is None:
             return summed
-        return self.graph.call_function(torch.add, (summed, self._get_attr(info.bias)))
+        return self.graph.call_function(ops.add_bias, (summed, self._get_attr(info.bias)))
 
     def _matmul(self, info: LinearInfo, x: fx.Node, *, with_bias: bool) -> fx.Node:
         weight = self._get_attr(info.weight)
@@ -261,7 +261,7 @@ class _Rewriter:
         if info.out_dim == 0:
             return self.graph.call_function(F.linear, (x, weight, bias))
         out = self.graph.call_function(torch.mm, (x, weight))
-        return out if bias is None else self.graph.call_function(torch.add, (out, bias))
+        return out if bias is None else self.graph.call_function(ops.add_bias, (out, bias))
 
     def _vocab(self, node: fx.Node, name: str, end: VocabParallel) -> fx.Node:
         local = end.vocab_size // self.degree

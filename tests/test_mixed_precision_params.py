@@ -66,21 +66,25 @@ def _batches() -> list[Any]:
     return [entry.make_batch(GLOBAL_BATCH, 500 + step, **OVERRIDES) for step in range(NUM_STEPS)]
 
 
-def reference(slices_of: Mapping[str, int], param_dtype: torch.dtype | None = BF16) -> dict[str, Any]:
+def reference(slices_of: Mapping[str, int], param_dtype: torch.dtype | None = BF16,
+              make_optimizer: Any = None) -> dict[str, Any]:
     """One process under the policy, each weight's gradient summed over the slices its stage cuts the batch into:
     ``slices_of`` maps each use path of a master (``named_parameters(remove_duplicate=False)``: a weight tied across
     stages has one per stage) to the number of slices. Per step and slicing, one bf16 copy per use path of each
     fp32 master (a leaf here, so a hook can take each slice's bf16 gradient), each slice's loss weighted by its rows;
     each slice's gradient is added in fp32 into its master's, then AdamW on the fp32 masters. ``param_dtype`` None:
-    bf16 autocast over fp32 weights (precision ``bf16``, no copies), the same slicings."""
+    bf16 autocast over fp32 weights (precision ``bf16``, no copies), the same slicings. ``make_optimizer``: the
+    optimizer for the model's parameters (default AdamW at the oracle's rate)."""
     torch.manual_seed(0)
     model = zoo.build(MODEL, **OVERRIDES)[0]
     loss_fn = zoo.get(MODEL).loss_fn
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
+    optimizer = (make_optimizer or _adamw)(model.parameters())
     paths = dict(model.named_parameters(remove_duplicate=False))
     first_grads: dict[str, torch.Tensor] = {}
+    losses = []
     for inputs, targets in _batches():
         sums = {path: torch.zeros_like(param) for path, param in paths.items()}
+        losses.append(0.0)  # the step's loss as the first slicing sums it
         for num_slices in sorted(set(slices_of.values())):
             copies = {path: param.detach().to(param_dtype or param.dtype).requires_grad_() for path, param in paths.items()}
             for path, copy_ in copies.items():
@@ -93,13 +97,20 @@ def reference(slices_of: Mapping[str, int], param_dtype: torch.dtype | None = BF
                     logits = functional_call(model, copies, part, tie_weights=False)
                     loss = loss_fn(logits, targets[start:start + rows]) * (rows / GLOBAL_BATCH)
                 loss.backward()
+                if num_slices == min(slices_of.values()):
+                    losses[-1] += float(loss.detach())
         for path, param in paths.items():
             param.grad = sums[path] if param.grad is None else param.grad + sums[path]
         if not first_grads:
             first_grads = {name: param.grad.clone() for name, param in model.named_parameters()}
         optimizer.step()
         optimizer.zero_grad()
-    return {"grads": first_grads, "params": {name: p.detach().clone() for name, p in model.named_parameters()}}
+    return {"grads": first_grads, "params": {name: p.detach().clone() for name, p in model.named_parameters()},
+            "losses": losses}
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LEARNING_RATE, eps=ADAM_EPS)
 
 
 def _add_float(total: torch.Tensor, grad: torch.Tensor) -> None:

@@ -169,7 +169,7 @@ class PipelineDriver(TensorParallelDriver):
         stage_plan = self.plan.stages[self.stage_index]
         replica_group = self.sum_group  # on a tensor-parallel stage: this member's own kind over the replicas
         if stage_plan.sharding == "none" or replica_group is None:
-            self.runner.call = unsharded_call(self.runner.module, param_dtype, stage_plan.recompute, self.tp_params)
+            self.runner.call = unsharded_call(self.runner.module, param_dtype, stage_plan.recompute)
             return
         # under any of a parameter's names; gradients partial over a tensor-parallel group keep their whole-stage sum
         kept = {name for name, _ in self.program.tie_groups} | {n for n, p in self.tp_params.items() if p.partial}

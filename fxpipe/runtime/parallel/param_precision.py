@@ -15,7 +15,7 @@ fp32 by the driver's usual sums, untouched. The cast saves no tensor, so one cop
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -95,17 +95,9 @@ def with_param_dtype(program: SplitProgram, param_dtype: torch.dtype | None) -> 
     return replace(program, param_dtype=str(param_dtype).removeprefix("torch."))
 
 
-def unsharded_call(module: torch.nn.Module, param_dtype: torch.dtype | None, recompute: bool,
-                   tensor_parallel: Mapping[str, object]) -> ParamCopiesCall | None:
-    """The runner's ``call`` for an unsharded stage: None (the module itself) without ``param_dtype``."""
+def unsharded_call(module: torch.nn.Module, param_dtype: torch.dtype | None, recompute: bool) -> ParamCopiesCall | None:
+    """The runner's ``call`` for an unsharded stage, tensor-parallel or not (a member's copies are of its shards):
+    None (the module itself) without ``param_dtype``."""
     if param_dtype is None:
         return None
-    if tensor_parallel:
-        raise ParamPrecisionError(f"param_dtype={param_dtype} (precision 'bf16-params') on a tensor-parallel stage is "
-                                  "not supported yet; train it in 'bf16' (autocast over fp32 weights) or drop the "
-                                  "stage's tensor parallelism (T = 1)")
     return ParamCopiesCall(module, param_dtype, recompute)
-
-
-class ParamPrecisionError(ValueError):
-    """Mixed-precision parameters asked for where the runtime cannot give them."""
