@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import multiprocessing
 import os
@@ -195,6 +196,17 @@ def plan_from_cuts(gm: fx.GraphModule, replicas: Sequence[int], global_batch_siz
                                 devices=devices, node_names=tuple(names[bounds[index]:bounds[index + 1]])))
     return Plan(global_batch_size=global_batch_size, num_microbatches=num_microbatches, stages=tuple(stages),
                 schedule=schedule, warmup_policy=warmup_policy, planner="test-cuts")
+
+
+def with_layout(plan: Plan, layout: Sequence[tuple[int, int]]) -> Plan:
+    """``plan`` with each stage as ``replicas`` groups of ``T`` devices (``layout``: (replicas, T) per stage),
+    devices numbered stage by stage (test fixture)."""
+    stages, first = [], 0
+    for stage, (replicas, degree) in zip(plan.stages, layout, strict=True):
+        devices = tuple(range(first, first + replicas * degree))
+        first += len(devices)
+        stages.append(dataclasses.replace(stage, replicas=replicas, devices=devices, tensor_parallel=degree))
+    return plan.with_updates(stages=tuple(stages))
 
 
 def before_each_forward(runner: Any, hook: Callable[[], None]) -> None:

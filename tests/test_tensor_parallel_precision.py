@@ -21,7 +21,6 @@ under AdamW, by more than their own size).
 from __future__ import annotations
 
 import copy
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ import fxpipe
 from fxpipe import models as zoo
 from fxpipe.core.plan import Plan
 from fxpipe.passes import trace
-from tests.mp_utils import plan_from_cuts, run_ranks
+from tests.mp_utils import plan_from_cuts, run_ranks, with_layout
 from tests.test_mixed_precision_params import (
     BF16,
     GLOBAL_BATCH,
@@ -65,12 +64,7 @@ def _plan() -> Plan:
     model, example_inputs = zoo.build(MODEL, **OVERRIDES)
     plan = plan_from_cuts(trace(copy.deepcopy(model), example_inputs), [r for r, _ in LAYOUT], GLOBAL_BATCH,
                           NUM_MICROBATCHES)
-    stages, first = [], 0
-    for stage, (replicas, degree) in zip(plan.stages, LAYOUT, strict=True):
-        devices = tuple(range(first, first + replicas * degree))
-        first += len(devices)
-        stages.append(dataclasses.replace(stage, devices=devices, tensor_parallel=degree))
-    return plan.with_updates(stages=tuple(stages))
+    return with_layout(plan, LAYOUT)
 
 
 class _WeightDtypes(TorchFunctionMode):

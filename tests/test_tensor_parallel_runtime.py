@@ -5,7 +5,6 @@ other batch shapes, save and load across T, and each rank holds its share of the
 from __future__ import annotations
 
 import copy
-import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from fxpipe.runtime.parallel.tensor_parallel import (
 )
 from fxpipe.runtime.transport.group_routes import group_routes
 from tests.exactness_oracle import LEARNING_RATE, mismatches, train_reference
-from tests.mp_utils import plan_from_cuts, run_ranks
+from tests.mp_utils import plan_from_cuts, run_ranks, with_layout
 from tests.test_sharded_stages import _exported_matches, _world
 
 transformers = pytest.importorskip("transformers")
@@ -136,12 +135,7 @@ def _plan(model: str, layout: tuple[tuple[int, int], ...], schedule: str = "earl
     example = example if isinstance(example, tuple | dict) else (example,)
     plan = plan_from_cuts(trace(copy.deepcopy(module), example), [r for r, _ in layout], GLOBAL_BATCH, NUM_MICROBATCHES,
                           schedule=schedule)
-    stages, first = [], 0
-    for stage, (replicas, degree) in zip(plan.stages, layout, strict=True):
-        devices = tuple(range(first, first + replicas * degree))
-        first += len(devices)
-        stages.append(dataclasses.replace(stage, devices=devices, tensor_parallel=degree))
-    return plan.with_updates(stages=tuple(stages))
+    return with_layout(plan, layout)
 
 
 def _compile(model: str, plan: Plan, sharding: str = "none", torch_compile: Any = False,
