@@ -51,12 +51,16 @@ def _batches(model: str, num_steps: int = 2, seed: int = 500) -> list[Any]:
     return [entry.make_batch(GLOBAL_BATCH, seed + step, **_overrides(model)) for step in range(num_steps)]
 
 
-def virtual_plan(model: str, schedule: str, num_microbatches: int, virtual_stages: int = 2) -> Plan:
-    """Chunks cut at equal node counts, on the 2:1:1 device groups as a loop (a V for zbv)."""
+def virtual_plan(model: str, schedule: str, num_microbatches: int, virtual_stages: int = 2,
+                 group_devices: tuple[tuple[int, ...], ...] = GROUP_DEVICES,
+                 tensor_parallel: tuple[int, ...] | None = None) -> Plan:
+    """Chunks cut at equal node counts, on the device groups (2:1:1 unless given; ``tensor_parallel``: each
+    group's T) as a loop (a V for zbv)."""
     built, example_inputs = _build(model)
     graph = trace(built, example_inputs if isinstance(example_inputs, tuple | dict) else (example_inputs,))
     names = compute_nodes(graph)
-    num_groups = len(GROUP_DEVICES)
+    num_groups = len(group_devices)
+    degrees = tensor_parallel or (1,) * num_groups
     groups = chunk_groups_for("v" if schedule == "zbv" else "loop", num_groups, virtual_stages) if virtual_stages > 1 \
         else tuple(range(num_groups))
     # cut before parameter users at equal counts of them: every chunk holds parameters
@@ -64,8 +68,9 @@ def virtual_plan(model: str, schedule: str, num_microbatches: int, virtual_stage
     users = [i for i, name in enumerate(names) if nodes[name].op == "call_module"
              and next(graph.get_submodule(str(nodes[name].target)).parameters(), None) is not None]
     bounds = [0, *(users[round(i * len(users) / len(groups))] for i in range(1, len(groups))), len(names)]
-    stages = tuple(StagePlan(c, c, c + 1, len(GROUP_DEVICES[g]), GROUP_DEVICES[g],
-                             node_names=tuple(names[bounds[c]:bounds[c + 1]])) for c, g in enumerate(groups))
+    stages = tuple(StagePlan(c, c, c + 1, len(group_devices[g]) // degrees[g], group_devices[g],
+                             node_names=tuple(names[bounds[c]:bounds[c + 1]]), tensor_parallel=degrees[g])
+                   for c, g in enumerate(groups))
     if virtual_stages == 1:
         return Plan(GLOBAL_BATCH, num_microbatches, stages, schedule=schedule, planner="test-cuts")
     return Plan(GLOBAL_BATCH, num_microbatches, stages, schedule=schedule, planner="test-cuts",
@@ -272,15 +277,16 @@ def test_a_stalled_rank_is_named_by_every_other_rank(per_rank: list[dict[str, An
         assert delay < STALL_S + 6.0, (rank, delay, message)
 
 
-def test_tensor_parallel_chunks_are_refused_naming_the_fix() -> None:
+def test_sequence_parallel_tensor_parallel_chunks_are_refused_naming_the_fix() -> None:
     from dataclasses import replace
 
     from fxpipe.compile_plan import check_runs_virtual
 
     plan = virtual_plan("mlp", "interleaved", 3)
-    check_runs_virtual(plan)  # sharded chunks run: tests/test_virtual_sharded.py
+    check_runs_virtual(plan, sequence_parallel=True)  # T = 1 groups: nothing to shard over the tokens
     doubled = {(0, 1): (0, 1, 2, 3), (2,): (4, 5), (3,): (6, 7)}  # every group 2-way tensor parallel
     tensor_parallel = plan.with_updates(stages=tuple(replace(s, tensor_parallel=2, devices=doubled[s.devices])
                                                      for s in plan.stages))
-    with pytest.raises(PipelineSetupError, match=r"are 2-way tensor parallel .*use T = 1"):
-        check_runs_virtual(tensor_parallel)
+    check_runs_virtual(tensor_parallel)  # tensor-parallel chunks run: tests/test_virtual_tensor_parallel.py
+    with pytest.raises(PipelineSetupError, match=r"sequence_parallel=True on the 2-way .*pass sequence_parallel=False"):
+        check_runs_virtual(tensor_parallel, sequence_parallel=True)

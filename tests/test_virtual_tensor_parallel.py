@@ -1,0 +1,219 @@
+"""Tensor-parallel chunks on virtual stages (fxpipe.compile_virtual_tensor_parallel): two device groups with 2 chunks
+each on 4 gloo ranks, 1x2:1x2 (4 chunks on two 2-way groups) and the hybrid 2:1x2, train exactly as one process under
+interleaved 1F1B, interleaved zero-bubble and ZB-V (gpt-mini's tied embedding across groups, and on one rank as two
+shards), hold 1/T of each split weight, evaluate and predict, and save checkpoints that load at v=1, T=1."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from fxpipe import models as zoo
+from fxpipe.core.plan import Plan
+from fxpipe.runtime.faults.errors import PipelineSetupError
+from tests.exactness_oracle import LEARNING_RATE, _call, mismatches, train_reference
+from tests.mp_utils import run_ranks
+from tests.test_virtual_runtime import (
+    LM,
+    MAX_NORM,
+    WORLD_SIZE,
+    _batches,
+    _build,
+    _clipped,
+    _compile,
+    _in_world,
+    virtual_plan,
+)
+
+PAIRS = ((0, 1), (2, 3))
+LAYOUTS = {"1x2:1x2": (2, 2), "2:1x2": (1, 2)}  # each group's T
+# (name, model, layout, schedule, micro-batches): M=3 is not a multiple of G=2 for the loops
+CASES: tuple[tuple[str, str, str, str, int], ...] = (
+    ("lm 1x2:1x2 interleaved", LM, "1x2:1x2", "interleaved", 3),
+    ("lm 1x2:1x2 zbv", LM, "1x2:1x2", "zbv", 2),
+    ("lm 2:1x2 zbv", LM, "2:1x2", "zbv", 3),
+    ("mlp 2:1x2 interleaved_zero_bubble", "mlp", "2:1x2", "interleaved_zero_bubble", 3),
+    ("mlp 1x2:1x2 interleaved", "mlp", "1x2:1x2", "interleaved", 4),
+)
+
+
+def tp_plan(model: str, layout: str, schedule: str, num_microbatches: int, virtual_stages: int = 2) -> Plan:
+    return virtual_plan(model, schedule, num_microbatches, virtual_stages, PAIRS, LAYOUTS[layout])
+
+
+def _whole_grads(pipe: Any) -> dict[str, torch.Tensor]:
+    """Every gradient whole (a shard gathered over its group: every member walks the same names in order)."""
+    return {name: pipe.driver.whole(name, p.grad) for name, p in pipe.named_parameters() if p.grad is not None}
+
+
+def _held(pipe: Any) -> dict[str, Any]:
+    """Per split parameter, the numel this rank holds and the whole numel; and the unsharded chunks' storage."""
+    driver = pipe.driver
+    split = {name: (p.numel(), int(torch.Size(driver.tp_params[name].full_shape).numel()))
+             for name, p in pipe.named_parameters() if name in driver.tp_params and driver.tp_params[name].dim is not None}
+    unsharded = [p.device.type for c in driver.chunks for p in driver.program.stages[c].module.parameters()]
+    return {"split": split, "unsharded_devices": sorted(set(unsharded)), "degree": driver.tensor_parallel.degree}
+
+
+def _exact(model: str, layout: str, schedule: str, num_microbatches: int, reference: dict[str, Any],
+           inference: bool) -> dict[str, Any]:
+    pipe = _compile(model, tp_plan(model, layout, schedule, num_microbatches))
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=LEARNING_RATE)
+    losses, norms, problems = [], [], []
+    for step, (inputs, targets) in enumerate(_batches(model)):
+        losses.append(pipe.step(inputs, targets))
+        norms.append(float(pipe.clip_grad_norm_(MAX_NORM)))  # each shard once, whole parameters once per group
+        tolerance = {"rtol": 1e-4, "atol": 1e-6} if step == 0 else {"rtol": 1e-3, "atol": 1e-6, "atol_of_largest": 1e-3}
+        problems += mismatches(f"step {step} grad", _whole_grads(pipe), reference["grads_per_step"][step], **tolerance)
+        optimizer.step()
+        optimizer.zero_grad()
+    state = pipe.state_dict()  # whole tensors under the original names
+    problems += mismatches("param", {n: t for n, t in state.items() if n in reference["params"]}, reference["params"],
+                           rtol=0.0, atol=1e-4)
+    record = {"losses": losses, "norms": norms, "problems": problems, "chunks": list(pipe.driver.chunks),
+              "state_shapes": {n: tuple(t.shape) for n, t in state.items()}, **_held(pipe)}
+    if inference:  # forward only, with the trained weights: against the trained reference
+        inputs, targets = _batches(model, 1, seed=900)[0]
+        with torch.no_grad():
+            expected = _call(reference["model"], inputs)
+        predicted = pipe.predict(inputs)
+        record.update(evaluated=pipe.evaluate(inputs, targets),
+                      expected_loss=float(zoo.get(model).loss_fn(expected, targets)),
+                      predict_error=float((predicted - expected).abs().max()))
+    return record
+
+
+def _exact_cases(rank: int, store_dir: str) -> dict[str, Any]:
+    references = {model: train_reference(_build(model)[0], zoo.get(model).loss_fn, _batches(model),
+                                         after_backward=_clipped) for model in (LM, "mlp")}
+    results = {}
+    for index, (name, model, layout, schedule, num_microbatches) in enumerate(CASES):
+        results[name] = _in_world(store_dir, f"exact-{index}", rank, lambda case=(model, layout, schedule, num_microbatches),
+                                  first=index == 0: _exact(*case, references[case[0]], first))
+        results[name]["reference_norms"] = references[model]["after_backward"]
+        results[name]["reference_losses"] = references[model]["losses"]
+        results[name]["reference_shapes"] = {n: tuple(t.shape) for n, t in references[model]["params"].items()}
+    return results
+
+
+def _checkpoints(rank: int, store_dir: str, directory: str) -> dict[str, Any]:
+    """Train 2 steps at 1x2:1x2 under zbv (v=2, T=2) and save; load at 2:1:1 with v=1 (T=1) and at 2:1x2
+    (v=2, interleaved), then train one more step on each: the same weights as the saving run's next step."""
+    def train(pipe: Any, optimizer: Any, batches: list[Any]) -> None:
+        for inputs, targets in batches:
+            pipe.step(inputs, targets)
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def arrays(pipe: Any) -> dict[str, Any]:
+        return {name: t.numpy().copy() for name, t in pipe.state_dict().items()}  # queue-safe
+
+    def save() -> dict[str, Any]:
+        pipe = _compile("mlp", tp_plan("mlp", "1x2:1x2", "zbv", 2))
+        optimizer = torch.optim.AdamW(pipe.parameters(), lr=LEARNING_RATE)
+        train(pipe, optimizer, _batches("mlp"))
+        pipe.save(directory, optimizer=optimizer, step=2)
+        saved = arrays(pipe)
+        train(pipe, optimizer, _batches("mlp", 1, seed=700))
+        return {"saved": saved, "trained": arrays(pipe)}
+
+    def load(plan: Plan) -> dict[str, Any]:
+        pipe = _compile("mlp", plan)
+        optimizer = torch.optim.AdamW(pipe.parameters(), lr=LEARNING_RATE)
+        assert pipe.load(directory, optimizer=optimizer)["step"] == 2
+        loaded = arrays(pipe)
+        train(pipe, optimizer, _batches("mlp", 1, seed=700))
+        return {"loaded": loaded, "trained": arrays(pipe)}
+
+    return {"saved": _in_world(store_dir, "ckpt-save", rank, save),
+            "v1": _in_world(store_dir, "ckpt-v1", rank, lambda: load(virtual_plan("mlp", "early_backward", 2, 1))),
+            "hybrid": _in_world(store_dir, "ckpt-hybrid", rank,
+                                lambda: load(tp_plan("mlp", "2:1x2", "interleaved", 2)))}
+
+
+def _refusal(rank: int, store_dir: str) -> str:
+    """gpt-mini's tied embedding on a T=1 group (chunk 0) and a T=2 one (the last chunk of the loop): refused."""
+    def run() -> str:
+        with pytest.raises(PipelineSetupError) as error:
+            _compile(LM, tp_plan(LM, "2:1x2", "interleaved", 3))
+        return str(error.value)
+    return _in_world(store_dir, "refusal", rank, run)
+
+
+def _run(rank: int, world_size: int, store_dir: str, directory: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    return {"exact": _exact_cases(rank, store_dir), "checkpoints": _checkpoints(rank, store_dir, directory),
+            "refusal": _refusal(rank, store_dir)}
+
+
+@pytest.fixture(scope="module")
+def per_rank(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    store = tmp_path_factory.mktemp("virtual-tp")
+    return run_ranks(_run, WORLD_SIZE, store, str(store / "ckpt"), timeout_s=900.0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", [name for name, *_ in CASES])
+def test_tensor_parallel_chunks_train_exactly_as_one_process(per_rank: list[dict[str, Any]], case: str) -> None:
+    for rank, results in enumerate(per_rank):
+        record = results["exact"][case]
+        assert not record["problems"], (rank, record["problems"][:3])
+        assert record["losses"] == pytest.approx(record["reference_losses"], rel=1e-5), rank
+        # clipped by the whole model's norm (each shard once, the tied weight once), as one process clips
+        assert min(record["reference_norms"]) > MAX_NORM, record["reference_norms"]
+        assert record["norms"] == pytest.approx(record["reference_norms"], rel=1e-5), rank
+        shapes = {n: shape for n, shape in record["state_shapes"].items() if n in record["reference_shapes"]}
+        assert shapes and shapes == {n: record["reference_shapes"][n] for n in shapes}, rank  # whole, not shards
+    chunks = [results["exact"][case]["chunks"] for results in per_rank]
+    assert chunks == ([[0, 3], [0, 3], [1, 2], [1, 2]] if "zbv" in case else [[0, 2], [0, 2], [1, 3], [1, 3]])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", [name for name, *_ in CASES])
+def test_each_member_holds_a_t_th_of_every_split_weight(per_rank: list[dict[str, Any]], case: str) -> None:
+    layout = next(layout for name, _, layout, *_ in CASES if name == case)
+    for rank, results in enumerate(per_rank):
+        record = results["exact"][case]
+        degree = LAYOUTS[layout][rank // 2]
+        assert record["degree"] == degree, rank
+        if degree == 1:
+            assert not record["split"], rank
+            continue
+        assert record["split"], rank  # every chunk of these models has a linear layer the pass splits
+        for name, (held, whole) in record["split"].items():
+            assert held * degree == whole, (rank, name, held, whole)
+        assert record["unsharded_devices"] == ["meta"], rank  # the whole chunks' storage was dropped
+
+
+@pytest.mark.multiprocess
+def test_evaluate_and_predict_match_the_trained_model(per_rank: list[dict[str, Any]]) -> None:
+    for rank, results in enumerate(per_rank):
+        record = results["exact"][CASES[0][0]]
+        assert record["evaluated"] == pytest.approx(record["expected_loss"], rel=1e-5), rank
+        assert record["predict_error"] < 1e-4, rank
+
+
+@pytest.mark.multiprocess
+def test_a_checkpoint_saved_at_t2_v2_loads_at_t1_v1(per_rank: list[dict[str, Any]]) -> None:
+    saved: dict[str, Any] = {}
+    trained: dict[str, Any] = {}
+    for results in per_rank:
+        saved.update(results["checkpoints"]["saved"]["saved"])
+        trained.update(results["checkpoints"]["saved"]["trained"])
+    for rank, results in enumerate(per_rank):
+        for kind in ("v1", "hybrid"):
+            record = results["checkpoints"][kind]
+            assert record["loaded"], (rank, kind)
+            for name, tensor in record["loaded"].items():
+                assert (tensor == saved[name]).all(), (rank, kind, name)
+            for name, tensor in record["trained"].items():  # the optimizer state came along: the same next step
+                torch.testing.assert_close(torch.from_numpy(tensor), torch.from_numpy(trained[name]),
+                                           rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiprocess
+def test_a_weight_tied_across_groups_of_different_t_is_refused(per_rank: list[dict[str, Any]]) -> None:
+    for rank, results in enumerate(per_rank):
+        assert "tensor-parallel degrees differ" in results["refusal"], (rank, results["refusal"])
