@@ -176,11 +176,11 @@ STALLED = 3  # the rank that stops itself (group 2: ZB-V's middle chunks 2 and 3
 STALL_S, TIMEOUT_S = 3.0, 8.0  # stall_timeout_s and the receive timeout of the stall scenario
 
 
-def _stall(rank: int, store_dir: str) -> dict[str, Any]:
+def _stall(rank: int, store_dir: str, plan: Plan | None = None) -> dict[str, Any]:
     """Rank STALLED stops (SIGSTOP) before the second step; the others must exit that step naming it, within the
     stall limit and a few seconds; rank 0 then resumes it (SIGCONT), and it fails too, naming the root cause."""
     def run() -> dict[str, Any]:
-        pipe = _compile("mlp", virtual_plan("mlp", "zbv", 2), timeout_s=TIMEOUT_S, stall_timeout_s=STALL_S)
+        pipe = _compile("mlp", plan or virtual_plan("mlp", "zbv", 2), timeout_s=TIMEOUT_S, stall_timeout_s=STALL_S)
         pids: list[Any] = [None] * WORLD_SIZE
         dist.all_gather_object(pids, os.getpid())
         batches = _batches("mlp", 2)
@@ -266,6 +266,11 @@ def test_compiled_chunks_train_exactly(per_rank: list[dict[str, Any]]) -> None:
 
 @pytest.mark.multiprocess
 def test_a_stalled_rank_is_named_by_every_other_rank(per_rank: list[dict[str, Any]]) -> None:
+    check_stall(per_rank)
+
+
+def check_stall(per_rank: list[dict[str, Any]]) -> None:
+    """Every rank's ``_stall`` record: the stalled rank named by every other within the limit, later steps refused."""
     for rank, results in enumerate(per_rank):
         message, delay = results["stall"]["message"], results["stall"]["delay"]
         assert "an earlier step failed (CommunicationError" in results["stall"]["again"], results["stall"]["again"]

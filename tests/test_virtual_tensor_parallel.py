@@ -1,7 +1,8 @@
 """Tensor-parallel chunks on virtual stages (fxpipe.compile_virtual_tensor_parallel): two device groups with 2 chunks
 each on 4 gloo ranks, 1x2:1x2 (4 chunks on two 2-way groups) and the hybrid 2:1x2, train exactly as one process under
-interleaved 1F1B, interleaved zero-bubble and ZB-V (gpt-mini's tied embedding across groups, and on one rank as two
-shards), hold 1/T of each split weight, evaluate and predict, and save checkpoints that load at v=1, T=1."""
+interleaved 1F1B, interleaved zero-bubble and ZB-V, compiled too (gpt-mini's tied embedding across groups, and on one rank as two
+shards), hold 1/T of each split weight, evaluate and predict, save checkpoints that load at v=1, T=1, and name a
+stalled group member."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from tests.test_virtual_runtime import (
     _clipped,
     _compile,
     _in_world,
+    _stall,
+    check_stall,
     virtual_plan,
 )
 
@@ -36,7 +39,11 @@ CASES: tuple[tuple[str, str, str, str, int], ...] = (
     ("lm 2:1x2 zbv", LM, "2:1x2", "zbv", 3),
     ("mlp 2:1x2 interleaved_zero_bubble", "mlp", "2:1x2", "interleaved_zero_bubble", 3),
     ("mlp 1x2:1x2 interleaved", "mlp", "1x2:1x2", "interleaved", 4),
+    ("mlp 1x2:1x2 interleaved compiled", "mlp", "1x2:1x2", "interleaved", 3),
+    # split-backward compiled tensor-parallel chunks run W inside B (compiled_stages._split_stage warns)
+    ("mlp 1x2:1x2 interleaved_zero_bubble compiled", "mlp", "1x2:1x2", "interleaved_zero_bubble", 3),
 )
+COMPILED = {"torch_compile": {"backend": "aot_eager"}}
 
 
 def tp_plan(model: str, layout: str, schedule: str, num_microbatches: int, virtual_stages: int = 2) -> Plan:
@@ -57,9 +64,10 @@ def _held(pipe: Any) -> dict[str, Any]:
     return {"split": split, "unsharded_devices": sorted(set(unsharded)), "degree": driver.tensor_parallel.degree}
 
 
-def _exact(model: str, layout: str, schedule: str, num_microbatches: int, reference: dict[str, Any],
+def _exact(name: str, model: str, layout: str, schedule: str, num_microbatches: int, reference: dict[str, Any],
            inference: bool) -> dict[str, Any]:
-    pipe = _compile(model, tp_plan(model, layout, schedule, num_microbatches))
+    options = COMPILED if "compiled" in name else {}
+    pipe = _compile(model, tp_plan(model, layout, schedule, num_microbatches), **options)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=LEARNING_RATE)
     losses, norms, problems = [], [], []
     for step, (inputs, targets) in enumerate(_batches(model)):
@@ -73,6 +81,9 @@ def _exact(model: str, layout: str, schedule: str, num_microbatches: int, refere
     problems += mismatches("param", {n: t for n, t in state.items() if n in reference["params"]}, reference["params"],
                            rtol=0.0, atol=1e-4)
     record = {"losses": losses, "norms": norms, "problems": problems, "chunks": list(pipe.driver.chunks),
+              "compiled": [c for c, runner in pipe.driver.runners.items() if runner.compiled is not None],
+              "w_in_b": sorted({runner.compiled.stats.w_in_b_reason for runner in pipe.driver.runners.values()
+                                if runner.compiled is not None and runner.compiled.stats.w_in_b_reason}),
               "state_shapes": {n: tuple(t.shape) for n, t in state.items()}, **_held(pipe)}
     if inference:  # forward only, with the trained weights: against the trained reference
         inputs, targets = _batches(model, 1, seed=900)[0]
@@ -90,8 +101,9 @@ def _exact_cases(rank: int, store_dir: str) -> dict[str, Any]:
                                          after_backward=_clipped) for model in (LM, "mlp")}
     results = {}
     for index, (name, model, layout, schedule, num_microbatches) in enumerate(CASES):
-        results[name] = _in_world(store_dir, f"exact-{index}", rank, lambda case=(model, layout, schedule, num_microbatches),
-                                  first=index == 0: _exact(*case, references[case[0]], first))
+        case = (name, model, layout, schedule, num_microbatches)
+        results[name] = _in_world(store_dir, f"exact-{index}", rank,
+                                  lambda case=case, first=index == 0: _exact(*case, references[case[1]], first))
         results[name]["reference_norms"] = references[model]["after_backward"]
         results[name]["reference_losses"] = references[model]["losses"]
         results[name]["reference_shapes"] = {n: tuple(t.shape) for n, t in references[model]["params"].items()}
@@ -145,7 +157,9 @@ def _refusal(rank: int, store_dir: str) -> str:
 def _run(rank: int, world_size: int, store_dir: str, directory: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     return {"exact": _exact_cases(rank, store_dir), "checkpoints": _checkpoints(rank, store_dir, directory),
-            "refusal": _refusal(rank, store_dir)}
+            "refusal": _refusal(rank, store_dir),
+            # rank 3 (member 1 of group 1, ZB-V's middle chunks) stops: its partner waits in a tensor-parallel collective
+            "stall": _stall(rank, store_dir, tp_plan("mlp", "1x2:1x2", "zbv", 2))}
 
 
 @pytest.fixture(scope="module")
@@ -217,3 +231,18 @@ def test_a_checkpoint_saved_at_t2_v2_loads_at_t1_v1(per_rank: list[dict[str, Any
 def test_a_weight_tied_across_groups_of_different_t_is_refused(per_rank: list[dict[str, Any]]) -> None:
     for rank, results in enumerate(per_rank):
         assert "tensor-parallel degrees differ" in results["refusal"], (rank, results["refusal"])
+
+
+@pytest.mark.multiprocess
+def test_compiled_tensor_parallel_chunks_train_exactly(per_rank: list[dict[str, Any]]) -> None:
+    compiled = [name for name, *_ in CASES if "compiled" in name]
+    for rank, results in enumerate(per_rank):
+        for name in compiled:  # exact: test_tensor_parallel_chunks_train_exactly_as_one_process
+            assert results["exact"][name]["compiled"] == results["exact"][name]["chunks"], (rank, name)
+        assert not results["exact"][compiled[0]]["w_in_b"], rank
+        assert any("tensor_parallel=2" in reason for reason in results["exact"][compiled[1]]["w_in_b"]), rank
+
+
+@pytest.mark.multiprocess
+def test_a_stalled_group_member_is_named_by_every_other_rank(per_rank: list[dict[str, Any]]) -> None:
+    check_stall(per_rank)
