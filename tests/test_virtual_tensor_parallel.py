@@ -6,10 +6,12 @@ stalled group member."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from fxpipe import models as zoo
 from fxpipe.core.plan import Plan
@@ -38,6 +40,8 @@ CASES: tuple[tuple[str, str, str, str, int], ...] = (
     ("lm 1x2:1x2 zbv", LM, "1x2:1x2", "zbv", 2),
     ("lm 2:1x2 zbv", LM, "2:1x2", "zbv", 3),
     ("mlp 2:1x2 interleaved_zero_bubble", "mlp", "2:1x2", "interleaved_zero_bubble", 3),
+    # group 0's chunks at ZeRO-1 over its 2 replicas next to group 1's tensor-parallel chunks
+    ("mlp 2:1x2 zbv zero1", "mlp", "2:1x2", "zbv", 3),
     ("mlp 1x2:1x2 interleaved", "mlp", "1x2:1x2", "interleaved", 4),
     ("mlp 1x2:1x2 interleaved compiled", "mlp", "1x2:1x2", "interleaved", 3),
     # split-backward compiled tensor-parallel chunks run W inside B (compiled_stages._split_stage warns)
@@ -67,7 +71,11 @@ def _held(pipe: Any) -> dict[str, Any]:
 def _exact(name: str, model: str, layout: str, schedule: str, num_microbatches: int, reference: dict[str, Any],
            inference: bool) -> dict[str, Any]:
     options = COMPILED if "compiled" in name else {}
-    pipe = _compile(model, tp_plan(model, layout, schedule, num_microbatches), **options)
+    plan = tp_plan(model, layout, schedule, num_microbatches)
+    if "zero1" in name:
+        plan = plan.with_updates(stages=tuple(replace(s, sharding="optimizer") if s.replicas > 1 else s
+                                              for s in plan.stages))
+    pipe = _compile(model, plan, **options)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=LEARNING_RATE)
     losses, norms, problems = [], [], []
     for step, (inputs, targets) in enumerate(_batches(model)):
@@ -80,7 +88,7 @@ def _exact(name: str, model: str, layout: str, schedule: str, num_microbatches: 
     state = pipe.state_dict()  # whole tensors under the original names
     problems += mismatches("param", {n: t for n, t in state.items() if n in reference["params"]}, reference["params"],
                            rtol=0.0, atol=1e-4)
-    record = {"losses": losses, "norms": norms, "problems": problems, "chunks": list(pipe.driver.chunks),
+    record = {"sharded": sorted(n for n, p in pipe.named_parameters() if isinstance(p, DTensor)), "losses": losses, "norms": norms, "problems": problems, "chunks": list(pipe.driver.chunks),
               "compiled": [c for c, runner in pipe.driver.runners.items() if runner.compiled is not None],
               "w_in_b": sorted({runner.compiled.stats.w_in_b_reason for runner in pipe.driver.runners.values()
                                 if runner.compiled is not None and runner.compiled.stats.w_in_b_reason}),
@@ -195,7 +203,8 @@ def test_each_member_holds_a_t_th_of_every_split_weight(per_rank: list[dict[str,
         if degree == 1:
             assert not record["split"], rank
             continue
-        assert record["split"], rank  # every chunk of these models has a linear layer the pass splits
+        # the pass splits linear pairs: ZB-V's middle chunks of the 6-layer MLP hold one linear layer each
+        assert bool(record["split"]) == (case != "mlp 2:1x2 zbv zero1"), rank
         for name, (held, whole) in record["split"].items():
             assert held * degree == whole, (rank, name, held, whole)
         assert record["unsharded_devices"] == ["meta"], rank  # the whole chunks' storage was dropped
@@ -246,3 +255,10 @@ def test_compiled_tensor_parallel_chunks_train_exactly(per_rank: list[dict[str, 
 @pytest.mark.multiprocess
 def test_a_stalled_group_member_is_named_by_every_other_rank(per_rank: list[dict[str, Any]]) -> None:
     check_stall(per_rank)
+
+
+@pytest.mark.multiprocess
+def test_zero1_chunks_run_next_to_tensor_parallel_ones(per_rank: list[dict[str, Any]]) -> None:
+    for rank, results in enumerate(per_rank):
+        sharded = results["exact"]["mlp 2:1x2 zbv zero1"]["sharded"]
+        assert bool(sharded) == (rank < 2), (rank, sharded)  # group 0's weights are FSDP2 shards, group 1's TP shards
