@@ -63,23 +63,7 @@ def apply_overrides(plan: Plan, options: CompileOptions) -> Plan:
         except ShardingError as error:
             raise PipelineSetupError(str(error)) from None
     check_sharded_schedule(plan)
-    check_runs_virtual(plan, options.sequence_parallel)
     return plan
-
-
-def check_runs_virtual(plan: Plan, sequence_parallel: bool = False) -> None:
-    """What the virtual-stage runtime does not run yet (docs/virtual_stages.md), refused on every rank alike before
-    anything is split: sequence parallelism on tensor-parallel groups (its token-share boundaries between chunks;
-    tensor-parallel chunks run: fxpipe.compile_virtual_tensor_parallel, sharded ones:
-    fxpipe.runtime.execution.virtual_sharding)."""
-    if not plan.chunk_groups or not sequence_parallel:
-        return
-    tensor_parallel = sorted({s.tensor_parallel for s in plan.stages if s.tensor_parallel > 1})
-    if tensor_parallel:
-        raise PipelineSetupError(
-            f"sequence_parallel=True on the {tensor_parallel[0]}-way tensor-parallel groups of layout {plan.layout!r} "
-            f"with virtual stages (virtual_stages={plan.virtual_stages}) is not supported yet; pass "
-            "sequence_parallel=False (the chunks then run tensor parallel without it), or plan without virtual stages")
 
 
 SPLIT_BACKWARD_SCHEDULES = ("zero_bubble", "interleaved_zero_bubble", "zbv")  # W runs apart from B
@@ -217,27 +201,7 @@ def _run_planner(options: CompileOptions, model: torch.nn.Module, example_inputs
                       warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True,
                       recompute=options.recompute, precision=precision, sharding=options.sharding or "none",
                       virtual_stages=options.virtual_stages)
-    problem = _virtual_problem(plan, options.sequence_parallel)
-    if options.virtual_stages == "auto" and problem:
-        # the runtime does not run sequence parallelism on tensor-parallel chunks yet: one stage per group
-        plain = plan_chain(costed.chain, cluster, options.global_batch_size, layout=layout,
-                           num_microbatches=options.num_microbatches,
-                           schedule=_schedule_name(options.schedule or "dapple"),
-                           warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True,
-                           recompute=options.recompute, precision=precision, sharding=options.sharding or "none")
-        plan = plain.with_updates(notes=(*plain.notes, f"virtual_stages='auto' chose layout {plan.layout!r} with "
-                                         f"v={plan.virtual_stages}, which the runtime does not run yet ({problem}); "
-                                         "kept one stage per device group"))
     return placed_plan(plan, topology, cluster)
-
-
-def _virtual_problem(plan: Plan, sequence_parallel: bool) -> str:
-    """Why the runtime would refuse virtual-stage ``plan`` (check_runs_virtual's message), '' if it runs it."""
-    try:
-        check_runs_virtual(plan, sequence_parallel)
-    except PipelineSetupError as error:
-        return str(error)
-    return ""
 
 
 def _run_marker_planner(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, topology: Topology,

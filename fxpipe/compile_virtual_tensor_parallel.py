@@ -33,9 +33,12 @@ class ChunkView:
     tensor_parallel: TensorParallelGroups
 
 
-def shard_virtual_chunks(driver: VirtualDriver, traced: torch.nn.Module | None = None) -> GroupCommunicator | None:
+def shard_virtual_chunks(driver: VirtualDriver, traced: torch.nn.Module | None = None,
+                         sequence_parallel: bool = False) -> GroupCommunicator | None:
     """Shard every chunk of this rank over its T-way group (fxpipe.compile_tensor_parallel's pass, per chunk); returns
-    the group's communicator (None at T = 1). The unsharded chunks' parameters become placeholders.
+    the group's communicator (None at T = 1). The unsharded chunks' parameters become placeholders. Under
+    ``sequence_parallel`` each chunk runs its norms and adds on token shares but takes and gives whole values at
+    its ends (token-share boundaries between chunks: not yet).
 
     Every rank of a plan with tensor-parallel groups calls it (one setup phase, then one gather checking that tied
     weights are split alike): after the parameter sync, which runs on whole tensors, and before torch.compile and
@@ -50,7 +53,7 @@ def shard_virtual_chunks(driver: VirtualDriver, traced: torch.nn.Module | None =
     try:
         with setup_phase("tensor-parallel sharding", setup):
             if made is not None:
-                held = _shard_each(driver, made)
+                held = _shard_each(driver, made, sequence_parallel)
                 modules = [stage.module for stage in driver.program.stages]
                 for chunk in driver.chunks:  # after every shard is cut: two chunks of a V may share a tied weight
                     release_unsharded(driver.program.stages[chunk], modules, traced)
@@ -64,7 +67,7 @@ def shard_virtual_chunks(driver: VirtualDriver, traced: torch.nn.Module | None =
     return made
 
 
-def _shard_each(driver: VirtualDriver, made: GroupCommunicator) -> Held:
+def _shard_each(driver: VirtualDriver, made: GroupCommunicator, sequence_parallel: bool) -> Held:
     """Cut each chunk's shard (its collectives call ``made`` under the chunk's key), the last chunk's loss
     vocabulary-parallel where it applies; refuse a tied weight whose gradient is partial over the group."""
     groups, held, notes = driver.tensor_parallel, [], []
@@ -77,7 +80,7 @@ def _shard_each(driver: VirtualDriver, made: GroupCommunicator) -> Held:
         module = runner.module
         assert isinstance(module, torch.fx.GraphModule), type(module)
         sharded, params = shard_for_member(module, stage, driver.program, groups.degree, groups.member, key,
-                                           parallel_loss=chunk == driver.last_chunk, objects=objects)
+                                           sequence_parallel, chunk == driver.last_chunk, objects=objects)
         partial_tied = sorted(p.name for p in params if p.partial and p.name in tied)
         if partial_tied:
             raise PipelineSetupError(f"tied weights {partial_tied} have gradients partial over a tensor-parallel "

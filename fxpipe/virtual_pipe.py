@@ -158,7 +158,7 @@ def build_virtual_pipe(program: SplitProgram, plan: Any, options: CompileOptions
                                  "(the default) or 'off'")
     if mode == "broadcast":
         broadcast_state(chunk_tensors(driver), driver.groups, plan, driver.group_index)
-    shard_virtual_chunks(driver, graph_module)
+    shard_virtual_chunks(driver, graph_module, options.sequence_parallel)
     if compile_settings is not None:
         compile_chunks(driver, compile_settings)  # on the tensor-parallel shards
     driver.shard_chunks()  # on whole, synced tensors (FSDP2 cuts each replica's rows from its own copy)

@@ -280,18 +280,3 @@ def check_stall(per_rank: list[dict[str, Any]]) -> None:
         assert message.startswith("CommunicationError"), (rank, message)
         assert f"rank {STALLED} stalled: no heartbeat for" in message, (rank, message)
         assert delay < STALL_S + 6.0, (rank, delay, message)
-
-
-def test_sequence_parallel_tensor_parallel_chunks_are_refused_naming_the_fix() -> None:
-    from dataclasses import replace
-
-    from fxpipe.compile_plan import check_runs_virtual
-
-    plan = virtual_plan("mlp", "interleaved", 3)
-    check_runs_virtual(plan, sequence_parallel=True)  # T = 1 groups: nothing to shard over the tokens
-    doubled = {(0, 1): (0, 1, 2, 3), (2,): (4, 5), (3,): (6, 7)}  # every group 2-way tensor parallel
-    tensor_parallel = plan.with_updates(stages=tuple(replace(s, tensor_parallel=2, devices=doubled[s.devices])
-                                                     for s in plan.stages))
-    check_runs_virtual(tensor_parallel)  # tensor-parallel chunks run: tests/test_virtual_tensor_parallel.py
-    with pytest.raises(PipelineSetupError, match=r"sequence_parallel=True on the 2-way .*pass sequence_parallel=False"):
-        check_runs_virtual(tensor_parallel, sequence_parallel=True)

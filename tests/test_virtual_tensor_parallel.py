@@ -1,7 +1,7 @@
 """Tensor-parallel chunks on virtual stages (fxpipe.compile_virtual_tensor_parallel): two device groups with 2 chunks
 each on 4 gloo ranks, 1x2:1x2 (4 chunks on two 2-way groups) and the hybrid 2:1x2, train exactly as one process under
-interleaved 1F1B, interleaved zero-bubble and ZB-V, compiled too (gpt-mini's tied embedding across groups, and on one rank as two
-shards), hold 1/T of each split weight, evaluate and predict, save checkpoints that load at v=1, T=1, and name a
+interleaved 1F1B, interleaved zero-bubble and ZB-V, compiled, sequence-parallel and next to ZeRO-1 chunks too (gpt-mini's
+tied embedding across groups, and on one rank as two shards), hold 1/T of each split weight, evaluate and predict, save checkpoints that load at v=1, T=1, and name a
 stalled group member."""
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ CASES: tuple[tuple[str, str, str, str, int], ...] = (
     # group 0's chunks at ZeRO-1 over its 2 replicas next to group 1's tensor-parallel chunks
     ("mlp 2:1x2 zbv zero1", "mlp", "2:1x2", "zbv", 3),
     ("mlp 1x2:1x2 interleaved", "mlp", "1x2:1x2", "interleaved", 4),
+    # norms and adds on token shares inside each chunk, whole values between chunks
+    ("lm 1x2:1x2 interleaved SP", LM, "1x2:1x2", "interleaved", 3),
     ("mlp 1x2:1x2 interleaved compiled", "mlp", "1x2:1x2", "interleaved", 3),
     # split-backward compiled tensor-parallel chunks run W inside B (compiled_stages._split_stage warns)
     ("mlp 1x2:1x2 interleaved_zero_bubble compiled", "mlp", "1x2:1x2", "interleaved_zero_bubble", 3),
@@ -70,7 +72,7 @@ def _held(pipe: Any) -> dict[str, Any]:
 
 def _exact(name: str, model: str, layout: str, schedule: str, num_microbatches: int, reference: dict[str, Any],
            inference: bool) -> dict[str, Any]:
-    options = COMPILED if "compiled" in name else {}
+    options: dict[str, Any] = COMPILED if "compiled" in name else {"sequence_parallel": True} if "SP" in name else {}
     plan = tp_plan(model, layout, schedule, num_microbatches)
     if "zero1" in name:
         plan = plan.with_updates(stages=tuple(replace(s, sharding="optimizer") if s.replicas > 1 else s
@@ -88,7 +90,7 @@ def _exact(name: str, model: str, layout: str, schedule: str, num_microbatches: 
     state = pipe.state_dict()  # whole tensors under the original names
     problems += mismatches("param", {n: t for n, t in state.items() if n in reference["params"]}, reference["params"],
                            rtol=0.0, atol=1e-4)
-    record = {"sharded": sorted(n for n, p in pipe.named_parameters() if isinstance(p, DTensor)), "losses": losses, "norms": norms, "problems": problems, "chunks": list(pipe.driver.chunks),
+    record = {"partial": sorted(n for n, p in pipe.driver.tp_params.items() if p.partial), "sharded": sorted(n for n, p in pipe.named_parameters() if isinstance(p, DTensor)), "losses": losses, "norms": norms, "problems": problems, "chunks": list(pipe.driver.chunks),
               "compiled": [c for c, runner in pipe.driver.runners.items() if runner.compiled is not None],
               "w_in_b": sorted({runner.compiled.stats.w_in_b_reason for runner in pipe.driver.runners.values()
                                 if runner.compiled is not None and runner.compiled.stats.w_in_b_reason}),
@@ -262,3 +264,10 @@ def test_zero1_chunks_run_next_to_tensor_parallel_ones(per_rank: list[dict[str, 
     for rank, results in enumerate(per_rank):
         sharded = results["exact"]["mlp 2:1x2 zbv zero1"]["sharded"]
         assert bool(sharded) == (rank < 2), (rank, sharded)  # group 0's weights are FSDP2 shards, group 1's TP shards
+
+
+@pytest.mark.multiprocess
+def test_sequence_parallel_chunks_sum_their_partial_gradients_over_the_group(per_rank: list[dict[str, Any]]) -> None:
+    for rank, results in enumerate(per_rank):  # exact: test_tensor_parallel_chunks_train_exactly_as_one_process
+        assert results["exact"]["lm 1x2:1x2 interleaved SP"]["partial"], rank  # the norms' weights
+        assert not results["exact"]["lm 1x2:1x2 interleaved"]["partial"], rank
