@@ -109,6 +109,7 @@ def test_the_planner_shards_chunks_at_a_forced_level_and_predicts_what_the_simul
                      schedule=schedule, sharding=level)
     assert (plan.layout, plan.virtual_stages, plan.schedule) == ("2:2", 2, schedule)
     assert [stage.sharding for stage in plan.stages] == [level] * 4
+    assert any(f"sharded at {level!r}" in note for note in plan.notes), plan.notes
     again = simulate_virtual(plan, chain, net)
     assert plan.predicted is not None and plan.predicted.iteration_time_s == pytest.approx(again.iteration_time_s)
     assert [stage.peak_memory_bytes for stage in plan.stages] == list(again.peak_memory_bytes)
