@@ -63,21 +63,7 @@ def apply_overrides(plan: Plan, options: CompileOptions) -> Plan:
         except ShardingError as error:
             raise PipelineSetupError(str(error)) from None
     check_sharded_schedule(plan)
-    check_runs_virtual(plan)
     return plan
-
-
-def check_runs_virtual(plan: Plan) -> None:
-    """What the virtual-stage runtime does not run yet (docs/virtual_stages.md), refused on every rank alike before
-    anything is split: tensor-parallel groups (sharded chunks run: fxpipe.runtime.execution.virtual_sharding)."""
-    if not plan.chunk_groups:
-        return
-    tensor_parallel = sorted({s.tensor_parallel for s in plan.stages if s.tensor_parallel > 1})
-    if tensor_parallel:
-        raise PipelineSetupError(
-            f"the device groups of layout {plan.layout!r} are {tensor_parallel[0]}-way tensor parallel but the runtime "
-            f"does not run tensor-parallel virtual stages yet (virtual_stages={plan.virtual_stages}); use T = 1 "
-            "groups, or plan without virtual stages for tensor parallelism")
 
 
 SPLIT_BACKWARD_SCHEDULES = ("zero_bubble", "interleaved_zero_bubble", "zbv")  # W runs apart from B
@@ -215,27 +201,7 @@ def _run_planner(options: CompileOptions, model: torch.nn.Module, example_inputs
                       warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True,
                       recompute=options.recompute, precision=precision, sharding=options.sharding or "none",
                       virtual_stages=options.virtual_stages)
-    problem = _virtual_problem(plan)
-    if options.virtual_stages == "auto" and problem:
-        # the planner prices tensor-parallel chunks, which the runtime does not run yet: one stage per group
-        plain = plan_chain(costed.chain, cluster, options.global_batch_size, layout=layout,
-                           num_microbatches=options.num_microbatches,
-                           schedule=_schedule_name(options.schedule or "dapple"),
-                           warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True,
-                           recompute=options.recompute, precision=precision, sharding=options.sharding or "none")
-        plan = plain.with_updates(notes=(*plain.notes, f"virtual_stages='auto' chose layout {plan.layout!r} with "
-                                         f"v={plan.virtual_stages}, which the runtime does not run yet ({problem}); "
-                                         "kept one stage per device group"))
     return placed_plan(plan, topology, cluster)
-
-
-def _virtual_problem(plan: Plan) -> str:
-    """Why the runtime would refuse virtual-stage ``plan`` (check_runs_virtual's message), '' if it runs it."""
-    try:
-        check_runs_virtual(plan)
-    except PipelineSetupError as error:
-        return str(error)
-    return ""
 
 
 def _run_marker_planner(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, topology: Topology,

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,12 +28,13 @@ def group_key(stage_index: int, replica_index: int) -> str:
 
 def shard_for_member(module: torch.fx.GraphModule, stage: StageProgram, program: SplitProgram, degree: int,
                      member: int, key: str, sequence_parallel: bool = False, parallel_loss: bool = False,
-                     sequence_boundary: frozenset[str] = frozenset(),
+                     sequence_boundary: frozenset[str] = frozenset(), objects: Mapping[str, Any] | None = None,
                      ) -> tuple[TensorParallelStage, list[TensorParallelParam]]:
     """Member ``member``'s stage of a ``degree``-way group (the graph pass ``shard_stage``, on the stage's inputs
     at the plan's shapes: its module, notes and logits left vocabulary-split under ``parallel_loss``) and how it
-    holds each parameter under its original name. Its collectives call group ``key``'s communicator."""
-    example = [torch.zeros(spec.shape, dtype=spec.dtype) if spec.is_tensor else None
+    holds each parameter under its original name. Its collectives call group ``key``'s communicator. ``objects``:
+    the Python values (sizes) among the stage's inputs at the plan's shapes, where a cut passes any."""
+    example = [torch.zeros(spec.shape, dtype=spec.dtype) if spec.is_tensor else (objects or {}).get(spec.name)
                for spec in (program.values[name] for name in stage.input_values)]
     # on a copy: the pass shares whole layers with its input, which must stay the program's plain stage (fake-tensor
     # shape runs and export use it) when FSDP2 later turns the member's parameters into DTensors
@@ -93,7 +94,7 @@ def apply_tensor_parallel(driver: PipelineDriver, sequence_parallel: bool = Fals
                 release_unsharded(driver.stage, [stage.module for stage in driver.program.stages], traced)
     finally:
         release_group(setup)
-    check_tied_alike(driver.stage_index, driver.tp_params, driver.program.tie_groups)
+    check_tied_alike([(driver.stage_index, driver.tp_params)], driver.program.tie_groups)
     driver.tp_communicator = made
     return made
 

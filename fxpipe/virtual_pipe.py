@@ -76,10 +76,8 @@ class VirtualPipelinedModule(PipeLifecycle):
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers of this rank's chunks under their original names (detached, whole: a sharded
-        chunk's gathered over its group's replicas, a collective there)."""
-        from fxpipe.runtime.parallel.sharded_stage import full_value
-
-        return {name: full_value(tensor) for name, tensor in chunk_tensors(self.driver)}
+        chunk's gathered over its group's replicas, a tensor-parallel shard over its group: collectives there)."""
+        return {name: self.driver.whole(name, tensor) for name, tensor in chunk_tensors(self.driver)}
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Copy the entries this rank's chunks hold from a full (or partial) state dict keyed by original names."""
@@ -90,7 +88,7 @@ class VirtualPipelinedModule(PipeLifecycle):
         if missing:
             raise KeyError(f"state dict lacks {missing} held by chunks {list(self.driver.chunks)}")
         for name, tensor in held:  # every copy of a tied weight; a sharded chunk's rows of it
-            copy_full_into(tensor, state[name])
+            copy_full_into(tensor, self.driver.part(name, state[name]))
 
     def train(self, mode: bool = True) -> VirtualPipelinedModule:
         for runner in self.driver.runners.values():
@@ -142,6 +140,7 @@ def build_virtual_pipe(program: SplitProgram, plan: Any, options: CompileOptions
                        target_dim: int, compile_settings: Mapping[str, Any] | None,
                        graph_module: torch.fx.GraphModule) -> VirtualPipelinedModule:
     """The setup ``fxpipe.compile`` runs for a virtual-stage plan after code generation (every rank)."""
+    from fxpipe.compile_virtual_tensor_parallel import shard_virtual_chunks
     from fxpipe.runtime.execution.virtual_driver import VirtualDriver
     from fxpipe.runtime.gradients.virtual_grads import broadcast_state
     from fxpipe.runtime.sync import check_sync_mode
@@ -159,8 +158,9 @@ def build_virtual_pipe(program: SplitProgram, plan: Any, options: CompileOptions
                                  "(the default) or 'off'")
     if mode == "broadcast":
         broadcast_state(chunk_tensors(driver), driver.groups, plan, driver.group_index)
+    shard_virtual_chunks(driver, graph_module, options.sequence_parallel)
     if compile_settings is not None:
-        compile_chunks(driver, compile_settings)
+        compile_chunks(driver, compile_settings)  # on the tensor-parallel shards
     driver.shard_chunks()  # on whole, synced tensors (FSDP2 cuts each replica's rows from its own copy)
     if context.rank == 0:
         from fxpipe.report import print_plan

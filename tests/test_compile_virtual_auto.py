@@ -1,4 +1,5 @@
-"""compile(virtual_stages='auto') never hands the runtime a virtual plan it refuses (tensor-parallel chunks)."""
+"""compile(virtual_stages='auto') hands the runtime the planner's virtual plan, tensor-parallel chunks included (with
+or without sequence parallelism: the runtime runs both), and a forced v as planned."""
 
 from __future__ import annotations
 
@@ -41,18 +42,19 @@ def _planner(monkeypatch: pytest.MonkeyPatch, virtual_choice: Plan) -> list[Any]
     return calls
 
 
-def _run(virtual_stages: Any) -> Plan:
-    options = CompileOptions(loss_fn=None, global_batch_size=8, virtual_stages=virtual_stages)
+def _run(virtual_stages: Any, sequence_parallel: bool = False) -> Plan:
+    options = CompileOptions(loss_fn=None, global_batch_size=8, virtual_stages=virtual_stages,
+                             sequence_parallel=sequence_parallel)
     costs = SimpleNamespace(source="analytic", measured=None, graph_module=None)
     return compile_plan._run_planner(options, None, (), None, None, costs)  # type: ignore[arg-type]
 
 
-def test_auto_falls_back_to_one_stage_per_group_when_chunks_are_tensor_parallel(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = _planner(monkeypatch, _tensor_parallel_virtual_plan())
-    plan = _run("auto")
-    assert calls == ["auto", 1]
-    assert plan.chunk_groups == () or plan.virtual_stages == 1
-    assert any("does not run yet" in note and "kept one stage per device group" in note for note in plan.notes)
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_auto_keeps_tensor_parallel_chunks(monkeypatch: pytest.MonkeyPatch, sequence_parallel: bool) -> None:
+    chosen = _tensor_parallel_virtual_plan()
+    calls = _planner(monkeypatch, chosen)
+    assert _run("auto", sequence_parallel) is chosen  # the runtime runs them (tests/test_virtual_tensor_parallel.py)
+    assert calls == ["auto"]
 
 
 def test_auto_keeps_a_virtual_plan_the_runtime_runs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -66,5 +68,5 @@ def test_auto_keeps_a_virtual_plan_the_runtime_runs(monkeypatch: pytest.MonkeyPa
 def test_a_forced_virtual_stage_count_is_not_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
     forced = _tensor_parallel_virtual_plan()
     calls = _planner(monkeypatch, forced)
-    assert _run(2) is forced  # the runtime then refuses it naming the fix (check_runs_virtual)
+    assert _run(2, sequence_parallel=True) is forced
     assert calls == [2]

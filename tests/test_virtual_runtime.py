@@ -51,12 +51,16 @@ def _batches(model: str, num_steps: int = 2, seed: int = 500) -> list[Any]:
     return [entry.make_batch(GLOBAL_BATCH, seed + step, **_overrides(model)) for step in range(num_steps)]
 
 
-def virtual_plan(model: str, schedule: str, num_microbatches: int, virtual_stages: int = 2) -> Plan:
-    """Chunks cut at equal node counts, on the 2:1:1 device groups as a loop (a V for zbv)."""
+def virtual_plan(model: str, schedule: str, num_microbatches: int, virtual_stages: int = 2,
+                 group_devices: tuple[tuple[int, ...], ...] = GROUP_DEVICES,
+                 tensor_parallel: tuple[int, ...] | None = None) -> Plan:
+    """Chunks cut at equal node counts, on the device groups (2:1:1 unless given; ``tensor_parallel``: each
+    group's T) as a loop (a V for zbv)."""
     built, example_inputs = _build(model)
     graph = trace(built, example_inputs if isinstance(example_inputs, tuple | dict) else (example_inputs,))
     names = compute_nodes(graph)
-    num_groups = len(GROUP_DEVICES)
+    num_groups = len(group_devices)
+    degrees = tensor_parallel or (1,) * num_groups
     groups = chunk_groups_for("v" if schedule == "zbv" else "loop", num_groups, virtual_stages) if virtual_stages > 1 \
         else tuple(range(num_groups))
     # cut before parameter users at equal counts of them: every chunk holds parameters
@@ -64,8 +68,9 @@ def virtual_plan(model: str, schedule: str, num_microbatches: int, virtual_stage
     users = [i for i, name in enumerate(names) if nodes[name].op == "call_module"
              and next(graph.get_submodule(str(nodes[name].target)).parameters(), None) is not None]
     bounds = [0, *(users[round(i * len(users) / len(groups))] for i in range(1, len(groups))), len(names)]
-    stages = tuple(StagePlan(c, c, c + 1, len(GROUP_DEVICES[g]), GROUP_DEVICES[g],
-                             node_names=tuple(names[bounds[c]:bounds[c + 1]])) for c, g in enumerate(groups))
+    stages = tuple(StagePlan(c, c, c + 1, len(group_devices[g]) // degrees[g], group_devices[g],
+                             node_names=tuple(names[bounds[c]:bounds[c + 1]]), tensor_parallel=degrees[g])
+                   for c, g in enumerate(groups))
     if virtual_stages == 1:
         return Plan(GLOBAL_BATCH, num_microbatches, stages, schedule=schedule, planner="test-cuts")
     return Plan(GLOBAL_BATCH, num_microbatches, stages, schedule=schedule, planner="test-cuts",
@@ -171,11 +176,11 @@ STALLED = 3  # the rank that stops itself (group 2: ZB-V's middle chunks 2 and 3
 STALL_S, TIMEOUT_S = 3.0, 8.0  # stall_timeout_s and the receive timeout of the stall scenario
 
 
-def _stall(rank: int, store_dir: str) -> dict[str, Any]:
+def _stall(rank: int, store_dir: str, plan: Plan | None = None) -> dict[str, Any]:
     """Rank STALLED stops (SIGSTOP) before the second step; the others must exit that step naming it, within the
     stall limit and a few seconds; rank 0 then resumes it (SIGCONT), and it fails too, naming the root cause."""
     def run() -> dict[str, Any]:
-        pipe = _compile("mlp", virtual_plan("mlp", "zbv", 2), timeout_s=TIMEOUT_S, stall_timeout_s=STALL_S)
+        pipe = _compile("mlp", plan or virtual_plan("mlp", "zbv", 2), timeout_s=TIMEOUT_S, stall_timeout_s=STALL_S)
         pids: list[Any] = [None] * WORLD_SIZE
         dist.all_gather_object(pids, os.getpid())
         batches = _batches("mlp", 2)
@@ -261,6 +266,11 @@ def test_compiled_chunks_train_exactly(per_rank: list[dict[str, Any]]) -> None:
 
 @pytest.mark.multiprocess
 def test_a_stalled_rank_is_named_by_every_other_rank(per_rank: list[dict[str, Any]]) -> None:
+    check_stall(per_rank)
+
+
+def check_stall(per_rank: list[dict[str, Any]]) -> None:
+    """Every rank's ``_stall`` record: the stalled rank named by every other within the limit, later steps refused."""
     for rank, results in enumerate(per_rank):
         message, delay = results["stall"]["message"], results["stall"]["delay"]
         assert "an earlier step failed (CommunicationError" in results["stall"]["again"], results["stall"]["again"]
@@ -270,17 +280,3 @@ def test_a_stalled_rank_is_named_by_every_other_rank(per_rank: list[dict[str, An
         assert message.startswith("CommunicationError"), (rank, message)
         assert f"rank {STALLED} stalled: no heartbeat for" in message, (rank, message)
         assert delay < STALL_S + 6.0, (rank, delay, message)
-
-
-def test_tensor_parallel_chunks_are_refused_naming_the_fix() -> None:
-    from dataclasses import replace
-
-    from fxpipe.compile_plan import check_runs_virtual
-
-    plan = virtual_plan("mlp", "interleaved", 3)
-    check_runs_virtual(plan)  # sharded chunks run: tests/test_virtual_sharded.py
-    doubled = {(0, 1): (0, 1, 2, 3), (2,): (4, 5), (3,): (6, 7)}  # every group 2-way tensor parallel
-    tensor_parallel = plan.with_updates(stages=tuple(replace(s, tensor_parallel=2, devices=doubled[s.devices])
-                                                     for s in plan.stages))
-    with pytest.raises(PipelineSetupError, match=r"are 2-way tensor parallel .*use T = 1"):
-        check_runs_virtual(tensor_parallel)

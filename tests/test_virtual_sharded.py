@@ -164,11 +164,10 @@ def test_checkpoints_load_between_sharded_and_whole_chunks(per_rank: list[dict[s
 
 
 def test_zero3_under_a_split_backward_is_refused_naming_the_fix() -> None:
-    from fxpipe.compile_plan import check_runs_virtual, check_sharded_schedule
+    from fxpipe.compile_plan import check_sharded_schedule
 
     for schedule in ("zbv", "interleaved_zero_bubble"):
         plan = sharded_plan("mlp", schedule, 3, "parameters")
-        check_runs_virtual(plan)
         with pytest.raises(PipelineSetupError, match=rf"schedule='{schedule}' runs each micro-batch's W .*'interleaved'"):
             check_sharded_schedule(plan)
     check_sharded_schedule(sharded_plan("mlp", "interleaved", 3, "parameters"))

@@ -144,11 +144,7 @@ def test_what_the_virtual_simulator_does_not_model_yet_is_refused() -> None:
         simulate(plan, chain, net)  # the one-stage-per-group simulator points to the virtual one
     with pytest.raises(PlanError, match="allreduce_bucket_bytes=0"):
         simulate_virtual(plan.with_updates(allreduce_bucket_bytes=2**20), chain, net)
-    sharded = tuple(replace(stage, devices=(2 * stage.devices[0], 2 * stage.devices[0] + 1), replicas=2,
-                            sharding="optimizer") for stage in plan.stages)
-    with pytest.raises(PlanError, match="sharding='none'"):
-        simulate_virtual(plan.with_updates(stages=sharded, global_batch_size=16, num_microbatches=4), chain,
-                         replace(net, devices_per_host=2))
+    # sharded chunks are simulated: tests/test_virtual_sharded_cost.py
     with pytest.raises(ScheduleError, match="build it with make_schedule"):
         simulate_virtual(plan, chain, net, schedule=make_schedule("interleaved", 4, 8, virtual_stages=2))
 

@@ -59,7 +59,7 @@ def predict(driver: VirtualDriver, inputs: tuple[Any, ...]) -> Any:
     dist.all_gather_object(gathered, mine)
     pieces = sorted((piece for part in gathered for piece in part), key=lambda piece: piece[0])
     starts = sorted({start for start, _ in pieces})
-    by_start = {start: values for start, values in pieces}  # replicas of a TP-free group: one piece per start
+    by_start = {start: values for start, values in pieces}  # the members of a T-way group give the same piece
     values: dict[str, Any] = {}
     for name in driver.program.stages[last].output_values:
         spec = driver.program.values[name]

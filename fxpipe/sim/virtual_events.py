@@ -47,10 +47,12 @@ class ChunkCosts:
 
 @dataclass(frozen=True)
 class ChunkDevice:
-    """A device of a group: its chunks' costs (by chunk index) and its own time per message piece."""
+    """A device of a group: its chunks' costs (by chunk index), its own time per message piece, and when it starts its
+    list (sharded chunks gather their weights first: :mod:`fxpipe.sim.sharding_cost`)."""
 
     chunks: dict[int, ChunkCosts]
     message_s: float = 0.0
+    start_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -95,8 +97,8 @@ class _VirtualSim:
         return costs.num_activation_in if key[0] == ACTIVATION else costs.num_gradient_in
 
     def run(self) -> VirtualRun:
-        for device in range(len(self.devices)):
-            self.push(0.0, device)
+        for device, spec in enumerate(self.devices):
+            self.push(spec.start_s, device)
         while self.heap:
             time_s, _, device = heapq.heappop(self.heap)
             self.advance(device, time_s)
@@ -189,7 +191,7 @@ def run_chunk_devices(devices: Sequence[ChunkDevice], programs: Sequence[ChunkPr
     for members in _components(devices):
         local = {device: index for index, device in enumerate(members)}
         specs = tuple(_localised(devices[d], local) for d in members)
-        key = (tuple((spec.message_s, tuple(sorted(spec.chunks.items()))) for spec in specs),
+        key = (tuple((spec.message_s, spec.start_s, tuple(sorted(spec.chunks.items()))) for spec in specs),
                tuple(programs[d] for d in members))
         run = cache.get(key)
         if run is None:
@@ -228,4 +230,4 @@ def _localised(spec: ChunkDevice, local: dict[int, int]) -> ChunkDevice:
 
     return ChunkDevice({chunk: ChunkCosts(c.forward_s, c.backward_s, c.weight_s, moved(c.activation_out),
                                           moved(c.gradient_out), c.num_activation_in, c.num_gradient_in)
-                        for chunk, c in spec.chunks.items()}, spec.message_s)
+                        for chunk, c in spec.chunks.items()}, spec.message_s, spec.start_s)

@@ -20,7 +20,8 @@ from fxpipe.core.schedule import (
 )
 from fxpipe.core.timeline import TimelineEvent, TransferEvent
 from fxpipe.sim.events import CODE_OPS
-from fxpipe.sim.simulate import SimulationResult, _slowdowns
+from fxpipe.sim.sharding_cost import ShardingComm, plan_sharding_comms
+from fxpipe.sim.simulate import SimulationResult, _optimizer_s, _slowdowns
 from fxpipe.sim.stagecost import (
     WEIGHT_GRAD_FRACTION,
     action_seconds,
@@ -31,7 +32,6 @@ from fxpipe.sim.stagecost import (
     split_backward_times,
     stage_cost,
     stage_memory_bytes,
-    stage_param_bytes,
     step_close_time,
     tie_groups,
 )
@@ -63,10 +63,9 @@ def _check(plan: Plan, chain: CostChain, schedule: Schedule) -> None:
     if plan.stages[-1].stop_block != chain.num_blocks:
         raise ValueError(f"plan covers blocks [0, {plan.stages[-1].stop_block}) but the chain has "
                          f"{chain.num_blocks} blocks; plan and chain must come from the same model")
-    if plan.allreduce_bucket_bytes or any(stage.sharding != "none" for stage in plan.stages):
-        raise PlanError("virtual stages are simulated with one gradient allreduce per group after its list, on "
-                        "unsharded chunks; set allreduce_bucket_bytes=0 and sharding='none' (buckets and sharding "
-                        "under virtual stages: not yet)")
+    if plan.allreduce_bucket_bytes:
+        raise PlanError("virtual stages are simulated with one gradient allreduce per group after its list; set "
+                        "allreduce_bucket_bytes=0 (buckets under virtual stages: not yet)")
 
 
 def _members(plan: Plan) -> list[Member]:
@@ -83,8 +82,10 @@ def _replica_devices(plan: Plan, member: Member) -> tuple[int, ...]:
 
 
 def _chunk_costs(plan: Plan, chain: CostChain, cluster: Cluster, slowdowns: Sequence[float],
-                 weight_fraction: float | None, index: dict[Member, int]) -> list[dict[int, ChunkCosts]]:
-    """Every device's per-chunk compute seconds and pieces (transfers only between chunks on different groups)."""
+                 weight_fraction: float | None, index: dict[Member, int],
+                 comms: Sequence[ShardingComm]) -> list[dict[int, ChunkCosts]]:
+    """Every device's per-chunk compute seconds and pieces (transfers only between chunks on different groups); a
+    sharded chunk's collectives on each forward and backward as on a sharded stage (``comms``)."""
     rows_of = plan.microbatch_size
     out: list[dict[int, ChunkCosts]] = [{} for _ in index]
     pieces: dict[tuple[int, int, str], list[tuple[int, int, float]]] = {}  # (chunk, replica, kind) -> pieces
@@ -115,10 +116,14 @@ def _chunk_costs(plan: Plan, chain: CostChain, cluster: Cluster, slowdowns: Sequ
             if weight_fraction is not None:
                 backward_s, weight_s = split_backward_times(backward_s, stage.stage_index, weight_fraction,
                                                             cluster.split_backward_overhead)
+            comm = comms[stage.stage_index]
+            # under split backward ZeRO-2's reduce-scatter follows W (fxpipe.runtime.parallel.sharded_stage.after_weights)
+            in_b, after_w = (comm.backward_s, 0.0) if weight_fraction is None else (0.0, comm.backward_s)
             action_s = action_seconds(cluster, slowdown)
             key = stage.stage_index, replica
             out[index[group, replica]][stage.stage_index] = ChunkCosts(
-                forward_s + action_s, backward_s + action_s, weight_s, tuple(pieces.get((*key, "A"), ())),
+                forward_s + comm.forward_s + action_s, backward_s + in_b + action_s, weight_s + after_w,
+                tuple(pieces.get((*key, "A"), ())),
                 tuple(pieces.get((*key, "G"), ())), counts.get((*key, "A"), 0), counts.get((*key, "G"), 0))
     return out
 
@@ -127,7 +132,8 @@ def group_peak_bytes(plan: Plan, chain: CostChain, schedule: Schedule, group: in
                      cluster: Cluster | None = None) -> int:
     """Peak bytes per device of a group: the most, over its list, of what its chunks hold together, each chunk
     its weights, buffers and the micro-batches it holds at that point (F done, B, or W when split, not yet); a
-    T-way group member holds its share (``cluster``: needed when T > 1)."""
+    T-way group member holds its share (``cluster``: needed when T > 1), a sharded chunk its level's split over the
+    group's replicas (as :func:`fxpipe.sim.simulate.simulate` charges a sharded stage)."""
     chunks = plan.chunks_of_group(group)
     costs = {c: stage_cost(chain, plan.stages[c].first_block, plan.stages[c].stop_block, plan.microbatch_size,
                            plan.stages[c].replicas, tensor_parallel=plan.stages[c].tensor_parallel, cluster=cluster)
@@ -136,7 +142,10 @@ def group_peak_bytes(plan: Plan, chain: CostChain, schedule: Schedule, group: in
     held = dict.fromkeys(chunks, 0)
 
     def total() -> int:
-        return sum(stage_memory_bytes(costs[c], held[c], optimizer, plan.stages[c].recompute) for c in chunks)
+        return sum(stage_memory_bytes(costs[c], held[c], optimizer, plan.stages[c].recompute,
+                                      sharding=plan.stages[c].sharding, replicas=plan.stages[c].replicas,
+                                      num_microbatches=plan.num_microbatches,
+                                      reshard_after_forward=plan.stages[c].reshard_after_forward) for c in chunks)
 
     peak = total()
     for action in schedule.per_stage[group]:
@@ -145,9 +154,11 @@ def group_peak_bytes(plan: Plan, chain: CostChain, schedule: Schedule, group: in
     return peak
 
 
-def _allreduces(plan: Plan, chain: CostChain, cluster: Cluster, readies: Sequence[float]) -> list[float]:
-    """When each group's gradient sums end: its own chunks' bytes over its replicas from its ready time, and one
-    allreduce per set of groups sharing parameters (over their distinct devices) once all of them are ready."""
+def _allreduces(plan: Plan, chain: CostChain, cluster: Cluster, readies: Sequence[float],
+                comms: Sequence[ShardingComm]) -> list[float]:
+    """When each group's gradient sums end: its unsharded chunks' own bytes over its replicas from its ready time,
+    then its sharded chunks' reduce-scatter tails (ZeRO-1; FSDP2 reduces the other levels in their backwards), and
+    one allreduce per set of groups sharing parameters (over their distinct devices) once all of them are ready."""
     bounds = [(stage.first_block, stage.stop_block) for stage in plan.stages]
     ties = tie_groups(chain, bounds)
     own = own_allreduce_bytes(chain, bounds, ties, [stage.tensor_parallel for stage in plan.stages])
@@ -155,8 +166,10 @@ def _allreduces(plan: Plan, chain: CostChain, cluster: Cluster, readies: Sequenc
              for first in (plan.stages[plan.chunks_of_group(g)[0]] for g in range(plan.num_groups))]
     ends = []
     for group in range(plan.num_groups):  # a T-way group's members of one index sum one member's bytes
-        ends.append(readies[group] + gradient_allreduce_time(cluster, sum(own[c] for c in plan.chunks_of_group(group)),
-                                                             leads[group]))
+        chunks = plan.chunks_of_group(group)
+        summed = sum(own[c] for c in chunks if plan.stages[c].sharding == "none")
+        ends.append(readies[group] + gradient_allreduce_time(cluster, summed, leads[group])
+                    + sum(comms[c].tail_s for c in chunks))
     for holders, num_bytes in ties:
         groups = sorted({plan.group_of_chunk(c) for c in holders})
         tie_devices = sorted({d for g in groups for d in leads[g]})
@@ -190,7 +203,12 @@ def simulate_virtual(plan: Plan, chain: CostChain, cluster: Cluster, *, optimize
     :mod:`fxpipe.sim.tensor_parallel_cost` says, as :func:`fxpipe.sim.simulate.simulate` charges them); its
     transfers and allreduces are costed on its lead device, its figures hold for every member.
 
-    Not modelled yet (refused): gradient buckets, sharded chunks.
+    A sharded chunk (ZeRO-1/2/3 over its group's replicas) is charged as a sharded stage is
+    (:mod:`fxpipe.sim.sharding_cost`, :mod:`fxpipe.sim.sharding_memory`): its collectives on each of its forwards and
+    backwards (W under a split backward), its step all-gather before the group starts, its reduce-scatter tail
+    after the group's list in place of its share of the allreduce, its optimizer step on its shard.
+
+    Not modelled yet (refused): gradient buckets.
     """
     schedule = schedule or virtual_schedule(plan.schedule, len(plan.stages), plan.num_microbatches,
                                             plan.virtual_stages)
@@ -198,18 +216,20 @@ def simulate_virtual(plan: Plan, chain: CostChain, cluster: Cluster, *, optimize
     slowdowns = _slowdowns(cluster, compute_scale)
     members = _members(plan)
     index = {member: i for i, member in enumerate(members)}
-    costs = _chunk_costs(plan, chain, cluster, slowdowns, weight_fraction if schedule.split_backward else None, index)
+    comms = plan_sharding_comms(plan, chain, cluster)
+    costs = _chunk_costs(plan, chain, cluster, slowdowns, weight_fraction if schedule.split_backward else None, index,
+                         comms)
     message_s = [cluster.message_overhead_s * slowdowns[_device_of(plan, member)] for member in members]
+    # sharded chunks' step all-gathers (ZeRO-1/2) before the group starts its list, one after another
+    start_s = [sum(comms[c].start_s for c in plan.chunks_of_group(group)) for group, _ in members]
     programs: list[ChunkProgram] = [encode_chunk_program(actions) for actions in lower(schedule)]
-    run = run_chunk_devices([ChunkDevice(c, s) for c, s in zip(costs, message_s, strict=True)],
+    run = run_chunk_devices([ChunkDevice(c, s, t) for c, s, t in zip(costs, message_s, start_s, strict=True)],
                             [programs[group] for group, _ in members], timeline)
     readies = [max(run.ready_s[index[g, r]] for r in range(plan.stages[plan.chunks_of_group(g)[0]].replicas))
                for g in range(plan.num_groups)]
-    ends = _allreduces(plan, chain, cluster, readies)
+    ends = _allreduces(plan, chain, cluster, readies, comms)
     devices = plan.all_devices()
-    optimizer_s = max(cluster.optimizer_s_per_param_byte * max(slowdowns[d] for d in plan.stages[c[0]].devices)
-                      * sum(stage_param_bytes(chain, plan.stages[i].first_block, plan.stages[i].stop_block,
-                                              plan.stages[i].tensor_parallel) for i in c)
+    optimizer_s = max(sum(_optimizer_s(chain, cluster, plan.stages[i], slowdowns) for i in c)
                       for c in (plan.chunks_of_group(g) for g in range(plan.num_groups)))
     iteration_s = max(ends) + step_close_time(cluster, devices, max(slowdowns[d] for d in devices)) + optimizer_s
     busy = {device: plan.num_microbatches * sum(c.forward_s + c.backward_s + c.weight_s for c in costs[index[m]].values())

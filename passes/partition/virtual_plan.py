@@ -19,8 +19,8 @@ def plan_virtual(request: PlanRequest, virtual: VirtualRequest, plain: Plan, *, 
 
     ``virtual.virtual_stages`` None ("auto"): the fastest of ``plain`` and every priced virtual plan that fits;
     a number: the fastest virtual plan with that many chunks per group (InfeasiblePlanError when none fits).
-    Virtual plans are unsharded, T = 1, one gradient allreduce per group after its list (what
-    :func:`fxpipe.sim.virtual_simulate.simulate_virtual` models); plain plans keep every option. ``compare``:
+    Virtual plans sum gradients once per group after its list, their chunks unsharded unless the request forces a
+    level (what :func:`fxpipe.sim.virtual_simulate.simulate_virtual` models); plain plans keep every option. ``compare``:
     a chosen virtual plan lists the plain plan in ``baselines`` as :data:`PLAIN_BASELINE`.
     """
     best = best_virtual(request, virtual, plain, forced_layout)
@@ -47,8 +47,13 @@ def plan_virtual(request: PlanRequest, virtual: VirtualRequest, plain: Plan, *, 
     return chosen.with_updates(notes=(*plain.notes, f"virtual stages: {_describe(chosen)}, predicted "
                                       f"{best.time_s * 1e3:.3f} ms against {plain_s * 1e3:.3f} ms for the best plan "
                                       f"without ({plain.layout}, M={plain.num_microbatches}, {plain.schedule}); "
-                                      "chunks are unsharded and sum gradients once per group after its list"),
+                                      f"{_sharding_note(chosen)} and sum gradients once per group after its list"),
                                baselines=((PLAIN_BASELINE, baseline),) if compare else ())
+
+
+def _sharding_note(plan: Plan) -> str:
+    levels = sorted({stage.sharding for stage in plan.stages} - {"none"})
+    return f"chunks of replicated groups are sharded at {levels[0]!r}" if levels else "chunks are unsharded"
 
 
 def _describe(plan: Plan) -> str:

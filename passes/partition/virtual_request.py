@@ -69,10 +69,11 @@ def virtual_request(virtual_stages: object, schedule: str, *, planner: str, num_
         raise VirtualStagesError(f"schedule 'zbv' runs a V of exactly 2 chunks per device group, not "
                                  f"virtual_stages={virtual_stages}; use virtual_stages=2, or 'interleaved' for "
                                  f"{virtual_stages} chunks per group")
-    if isinstance(sharding, str) and sharding not in ("none", "auto") or not isinstance(sharding, str):
-        raise VirtualStagesError(f"sharding={sharding!r} with virtual_stages={virtual_stages!r}: sharded chunks are "
-                                 "not simulated yet (docs/virtual_stages.md); use sharding='none' or 'auto' (virtual "
-                                 "candidates then stay unsharded) or virtual_stages=1")
+    if not isinstance(sharding, str):  # one level per stage: chunks are not the plain plan's stages
+        raise VirtualStagesError(f"sharding={sharding!r} with virtual_stages={virtual_stages!r}: levels per stage do "
+                                 "not name chunks; give one level ('optimizer', 'gradients', 'parameters': every "
+                                 "chunk of a group with replicas), 'none' or 'auto' (virtual candidates then stay "
+                                 "unsharded), or virtual_stages=1")
     schedules = (name,) if chunked else VIRTUAL_COUNTERPART[name]
     plain = name if not chunked else PLAIN_COUNTERPART[name]
     fixed = None if virtual_stages == AUTO_VIRTUAL else int(str(virtual_stages))

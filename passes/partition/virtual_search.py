@@ -9,6 +9,7 @@ import numpy as np
 
 from fxpipe.core.plan import Plan, StagePlan
 from fxpipe.core.schedule import Schedule
+from fxpipe.core.sharding import force_sharding
 from fxpipe.passes.partition.block_partition import work_weights
 from fxpipe.passes.partition.candidates import CandidateCosts
 from fxpipe.passes.partition.plan_build import with_prediction
@@ -180,15 +181,15 @@ def price(request: PlanRequest, model: CandidateCosts, trial: Trial, bound_s: fl
     a split backward cannot rerun a checkpointed forward); ``"always"`` recomputes every chunk."""
     if request.recompute == "always" and trial.schedule == INTERLEAVED:
         trial = replace(trial, recompute=True)
-    plan = chunk_plan(model, trial, "dapple")
-    if lower_bound(plan) >= bound_s or _tie_conflict(model, plan):
+    plan = sharded_chunk_plan(request, model, trial)
+    if plan is None or lower_bound(plan) >= bound_s or _tie_conflict(model, plan):
         return None
     if peak_bytes(model, plan) > request.memory_limit_bytes:
         if trial.recompute or request.recompute != "auto" or trial.schedule != INTERLEAVED:
             return None
         trial = replace(trial, recompute=True)
-        plan = chunk_plan(model, trial, "dapple")
-        if peak_bytes(model, plan) > request.memory_limit_bytes:
+        plan = sharded_chunk_plan(request, model, trial)
+        if plan is None or peak_bytes(model, plan) > request.memory_limit_bytes:
             return None
     result = simulate_virtual(plan, request.chain, request.cluster, optimizer=request.optimizer,
                               schedule=_schedule_of(plan), timeline=False)
@@ -198,6 +199,18 @@ def price(request: PlanRequest, model: CandidateCosts, trial: Trial, bound_s: fl
     plan = with_prediction(plan.with_updates(stages=stages), result.iteration_time_s, result.bubble_fraction,
                            result.iteration_time_s, 0.0)
     return Priced(trial, plan, result.iteration_time_s, result.bubble_fraction)
+
+
+def sharded_chunk_plan(request: PlanRequest, model: CandidateCosts, trial: Trial) -> Plan | None:
+    """:func:`chunk_plan` with a forced ZeRO level (``sharding="optimizer"`` etc.) on every chunk of a group with
+    replicas, priced by the simulator as a sharded stage is; None for ZeRO-3 under a split backward, which the
+    runtime refuses (fxpipe.compile_plan.check_sharded_schedule). ``"auto"`` and ``"none"`` keep chunks unsharded."""
+    plan = chunk_plan(model, trial, "dapple")
+    if not isinstance(request.sharding, str) or request.sharding in ("none", "auto"):
+        return plan
+    if request.sharding == "parameters" and _schedule_of(plan).split_backward:
+        return None
+    return force_sharding(plan, request.sharding)
 
 
 def _with_memory(stage: StagePlan, peak: int, inflight: int, num_microbatches: int, model: CandidateCosts) -> StagePlan:

@@ -27,6 +27,7 @@ from fxpipe.runtime.faults.errors import PipelineSetupError
 from fxpipe.runtime.faults.failures import DEFAULT_STALL_TIMEOUT_S, FailureLog, NoLog
 from fxpipe.runtime.gradients.grad_sync import restore_stashed, stash_grads
 from fxpipe.runtime.gradients.virtual_grads import VirtualGroups, sum_gradients
+from fxpipe.runtime.parallel.tensor_parallel_driver import TensorParallelDriver
 from fxpipe.runtime.transport.batch_layout import batch_rows, infer_value_dtypes, make_layout
 from fxpipe.runtime.transport.comm import (
     DEFAULT_TIMEOUT_S,
@@ -63,8 +64,10 @@ class VirtualState:
     count_parts: list[torch.Tensor | float] = field(default_factory=list)
 
 
-class VirtualDriver:
-    """One rank's part of a virtual-stage pipeline: one StageRunner per chunk of its device group, and step()."""
+class VirtualDriver(TensorParallelDriver):
+    """One rank's part of a virtual-stage pipeline: one StageRunner per chunk of its device group, and step(); on a
+    T-way group each chunk runs this member's shard (fxpipe.compile_virtual_tensor_parallel), ``whole``/``part``
+    by original name as on one stage."""
 
     def __init__(self, program: SplitProgram, plan: Plan, loss_fn: LossFn | None, *, context: DistContext,
                  autocast_dtype: torch.dtype | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -101,22 +104,25 @@ class VirtualDriver:
         self.exchange.failures = self.failures = FailureLog.for_default_group(self, self.rank, context.world_size)
         self._doing: FailureLog | NoLog = self.failures or NoLog()
         self.groups = VirtualGroups.make(plan, program, self.group_index)
+        self._init_tensor_parallel(self.groups.tensor_parallel)  # shards: set by fxpipe.compile_virtual_tensor_parallel
+        self.partial_grads: frozenset[str] = frozenset()  # gradients partial over a T-way group: summed over all of it
         if self.failures is not None:  # the heartbeat thread names a silent peer while this rank waits
-            self.failures.watch_waits(stall_timeout_s, [self.groups.replicas, *(g for g, _ in self.groups.tied.values())])
+            self.failures.watch_waits(stall_timeout_s, [self.groups.replicas, self.groups.devices,
+                                                        self.tensor_parallel.group,
+                                                        *(g for g, _ in self.groups.tied.values())])
         # each parameter once: chunks of one rank may share a tied weight's Parameter (autograd then sums it locally)
         self.named = unique_params(item for c in self.chunks for item in self.runners[c].parameters())
         self._steps: dict[tuple[Any, ...], VirtualStep] = {}
         self.forward_only = False
         self.preempted = False
         self._failed_step: str | None = None  # why a step failed: later steps are refused
-        self.tp_params: dict[str, Any] = {}  # checkpoints ask for tensor-parallel shards: none (refused in compile_plan)
         self.sharding: ChunkSharding | None = None  # FSDP2 per sharded chunk (shard_chunks, fxpipe.runtime.execution.virtual_sharding)
         self.summed = self.named  # what sum_gradients reduces: all but what FSDP2 reduces
 
     def shard_chunks(self) -> None:
         """Shard the chunks the plan shards (fxpipe.runtime.execution.virtual_sharding), after the parameter sync;
         FSDP2 then reduces their untied parameters, so the driver's allreduce leaves them out."""
-        sharding = ChunkSharding(self.plan, self.runners, self.groups, self.context.device)
+        sharding = ChunkSharding(self.plan, self.runners, self.groups, self.context.device, self.partial_grads)
         if not sharding.stages:
             return
         self.sharding = sharding
@@ -184,7 +190,8 @@ class VirtualDriver:
         try:
             self.run_actions(state, state.shaped.actions, handlers)
             self.finish_transfers(state)
-            sum_gradients(self.summed, self.groups, self.exchange, f"device group {self.group_index}")
+            sum_gradients(self.summed, self.groups, self.exchange, f"device group {self.group_index}",
+                          self.partial_grads)
             loss = self.runner.batch_loss(*self.reduce_loss(state), [p for _, p in self.named])
         except BaseException as error:
             self.mark_failed(error)
@@ -371,6 +378,8 @@ class VirtualDriver:
         """The summed weighted losses and counts of the last chunk's replicas, on every rank (one allreduce that
         also carries the preemption vote and every rank's loss-probe verdict)."""
         loss_sum, count = read_local_loss(state.loss_parts, state.count_parts)
+        if self.tensor_parallel.member > 0:  # every member of a group computed the same loss: it counts once
+            loss_sum, count = 0.0, 0.0
         probe = self.runner.probe.fold_values()
         loss_sum, count, self.preempted, probe = sum_loss_and_votes(self.exchange, self.context, loss_sum, count, probe)
         for runner in self.runners.values():

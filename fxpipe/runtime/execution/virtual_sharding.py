@@ -30,9 +30,10 @@ class ChunkSharding:
     """The sharded chunks of one rank (none when the plan shards nothing or the group has one replica)."""
 
     def __init__(self, plan: Plan, runners: Mapping[int, StageRunner], groups: VirtualGroups,
-                 device: torch.device) -> None:
+                 device: torch.device, partial: frozenset[str] = frozenset()) -> None:
         self.stages: dict[int, ShardedStage] = {}
-        self.runners, self.tied = runners, set(groups.tied)
+        # tied weights and gradients partial over a T-way group keep the driver's sums (fxpipe.runtime.gradients.virtual_grads)
+        self.runners, self.tied = runners, set(groups.tied) | set(partial)
         for chunk, runner in runners.items():
             stage_plan = plan.stages[chunk]
             if stage_plan.sharding == "none" or groups.replicas is None:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from fxpipe.core.plan import Plan
+from fxpipe.runtime.parallel.tensor_parallel import TensorParallelGroups, _members, _tied_degree
 from fxpipe.runtime.transport.comm import PeerExchange, Pending, allreduce_async, new_groups, unflatten_into
 
 if TYPE_CHECKING:
@@ -26,37 +27,85 @@ def tied_rank_sets(plan: Plan, program: SplitProgram) -> list[tuple[str, tuple[i
 
 @dataclass
 class VirtualGroups:
-    """The process groups of a virtual-stage job: one per device group (its replicas: every chunk of the group
-    sums over it), then one per tied weight over the devices of every chunk holding it. Every rank creates every
-    group in the same order (torch.distributed requires it); None where this rank is not a member or alone."""
+    """The process groups of a virtual-stage job. Per device group: ``devices`` (all its ranks: the start-up sync,
+    gradients partial over a tensor-parallel group) and ``replicas`` (what every chunk of the group sums its
+    gradients over: its replicas, or on T-way groups member ``j`` of every replica); per tied weight ``tied`` (the
+    ranks of every chunk holding it, member-wise under T > 1: each shard sums with its own kind) and ``tied_all``
+    (all those ranks: the start-up sync); and ``tensor_parallel``, this rank's T-way group (degree 1 at T = 1).
+    Every rank creates every group in the same order (torch.distributed requires it); identical rank lists share one
+    group; None where this rank is not a member or alone."""
 
-    replicas: dist.ProcessGroup | None  # this rank's device group
+    replicas: dist.ProcessGroup | None  # this rank's device group (member-wise under T > 1)
     tied: dict[str, tuple[dist.ProcessGroup | None, tuple[int, ...]]]
+    devices: dist.ProcessGroup | None = None
+    tied_all: dict[str, tuple[dist.ProcessGroup | None, tuple[int, ...]]] = field(default_factory=dict)
+    tensor_parallel: TensorParallelGroups = TensorParallelGroups(1, 0, None, None, ())
 
     @classmethod
     def make(cls, plan: Plan, program: SplitProgram, group_index: int) -> VirtualGroups:
-        per_group = [list(plan.stages[plan.chunks_of_group(g)[0]].devices) for g in range(plan.num_groups)]
+        rank = dist.get_rank()
+        firsts = [plan.stages[plan.chunks_of_group(g)[0]] for g in range(plan.num_groups)]
         tied = tied_rank_sets(plan, program)
-        made = new_groups(per_group + [list(ranks) for _, ranks in tied])
-        return cls(made[group_index], {name: (made[plan.num_groups + i], ranks) for i, (name, ranks) in enumerate(tied)})
+        tied_chunks = dict(program.tie_groups)
+        mine = firsts[group_index]
+        degree, member = mine.tensor_parallel, mine.devices.index(rank) % mine.tensor_parallel
+        replica = mine.devices.index(rank) // degree
+        # per group: all devices, each replica's T members, member j of every replica; per tied weight: all its
+        # ranks, then member j of every replica of every chunk holding it (one T: _tied_degree refuses others)
+        lists = [list(s.devices) for s in firsts] + [list(ranks) for _, ranks in tied]
+        lists += [list(mine.replica_devices(replica)), _member_ranks(plan, (mine.stage_index,), member)]
+        lists += [_member_ranks(plan, tied_chunks[name], member % _tied_degree(plan, tied_chunks[name])) for name, _ in tied]
+        made = _distinct_groups(lists, plan, tied_chunks)
+        num_groups, num_tied = plan.num_groups, len(tied)
+        per_member = made[num_groups + num_tied:]
+        return cls(per_member[1], {name: (per_member[2 + i], tuple(lists[num_groups + num_tied + 2 + i]))
+                                   for i, (name, _) in enumerate(tied)},
+                   made[group_index], {name: (made[num_groups + i], ranks) for i, (name, ranks) in enumerate(tied)},
+                   TensorParallelGroups(degree, member, per_member[0], per_member[1], ()))
 
 
-def sum_gradients(named: Named, groups: VirtualGroups, exchange: PeerExchange, what: str) -> None:
+def _member_ranks(plan: Plan, chunks: Sequence[int], member: int) -> list[int]:
+    """Ranks of group member ``member`` over every replica of ``chunks`` (chunks of one group share their ranks)."""
+    return sorted(set(_members(plan, chunks, member)))
+
+
+def _distinct_groups(lists: Sequence[Sequence[int]], plan: Plan,
+                     tied: Mapping[str, Sequence[int]]) -> list[dist.ProcessGroup | None]:
+    """One group per rank list, identical lists sharing one. The lists differ per rank (its own replica and
+    member), so every rank creates, in one sorted order, every rank's lists: each device group's replica and
+    member lists and each tied weight's member lists; then it picks its own."""
+    every: set[tuple[int, ...]] = {tuple(sorted(ranks)) for ranks in lists}
+    for g in range(plan.num_groups):
+        first = plan.stages[plan.chunks_of_group(g)[0]]
+        every |= {tuple(sorted(first.replica_devices(r))) for r in range(first.replicas)}
+        every |= {tuple(_member_ranks(plan, (first.stage_index,), j)) for j in range(first.tensor_parallel)}
+    for chunks in tied.values():
+        every |= {tuple(_member_ranks(plan, chunks, j)) for j in range(_tied_degree(plan, chunks))}
+    ordered = sorted(every)
+    created = dict(zip(ordered, new_groups([list(ranks) for ranks in ordered]), strict=True))
+    return [created[tuple(sorted(ranks))] for ranks in lists]
+
+
+def sum_gradients(named: Named, groups: VirtualGroups, exchange: PeerExchange, what: str,
+                  partial: frozenset[str] = frozenset()) -> None:
     """Sum this step's gradients as one process would have them: each untied parameter over its group's replicas
-    (one allreduce), each tied weight first over its copies on this rank (a V holds the first and last chunk on
-    one group) and then over every rank holding one; every copy then holds the sum. A parameter without a
-    gradient counts as zeros (the flat buffers must match across ranks)."""
+    (one allreduce; a tensor-parallel shard with its own kind, a gradient ``partial`` over a tensor-parallel group
+    over all the group's devices), each tied weight first over its copies on this rank (a V holds the first and
+    last chunk on one group) and then over every rank holding one; every copy then holds the sum. A parameter
+    without a gradient counts as zeros (the flat buffers must match across ranks)."""
     tied: dict[str, list[torch.nn.Parameter]] = {}
     plain: list[torch.nn.Parameter] = []
+    summed_whole: list[torch.nn.Parameter] = []
     for name, param in named:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-        (tied.setdefault(name, []) if name in groups.tied else plain).append(param)
+        (tied.setdefault(name, []) if name in groups.tied else summed_whole if name in partial else plain).append(param)
     pending: list[tuple[Any, torch.Tensor, list[torch.Tensor], bool]] = []  # (work, flat, into, each copy whole)
-    if groups.replicas is not None and plain:
-        grads = [p.grad for p in plain if p.grad is not None]
-        work, flat = allreduce_async(grads, groups.replicas)
-        pending.append((work, flat, grads, False))
+    for group, params in ((groups.replicas, plain), (groups.devices, summed_whole)):
+        if group is not None and params:
+            grads = [p.grad for p in params if p.grad is not None]
+            work, flat = allreduce_async(grads, group)
+            pending.append((work, flat, grads, False))
     for name in sorted(tied):  # every member walks the tied weights in the same order
         copies = [p.grad for p in tied[name] if p.grad is not None]
         total = copies[0] if len(copies) == 1 else torch.stack(copies).sum(0)
@@ -79,18 +128,18 @@ def broadcast_state(named: Sequence[tuple[str, torch.Tensor]], groups: VirtualGr
     rank holding one (``sync_params="broadcast"``; all ranks call it)."""
     ranks = plan.stages[plan.chunks_of_group(group_index)[0]].devices
     with torch.no_grad():
-        plain = [tensor for name, tensor in named if name not in groups.tied]
-        if groups.replicas is not None and plain:
+        plain = [tensor for name, tensor in named if name not in groups.tied_all]
+        if groups.devices is not None and plain:
             flat = torch.cat([t.detach().reshape(-1).to(plain[0].dtype) for t in plain]) if _one_dtype(plain) else None
             if flat is None:
                 for tensor in plain:
-                    dist.broadcast(tensor.data, src=min(ranks), group=groups.replicas)
+                    dist.broadcast(tensor.data, src=min(ranks), group=groups.devices)
             else:
-                dist.broadcast(flat, src=min(ranks), group=groups.replicas)
+                dist.broadcast(flat, src=min(ranks), group=groups.devices)
                 unflatten_into(flat, [t.data for t in plain])
-        for name in sorted(groups.tied):
+        for name in sorted(groups.tied_all):
             copies = [tensor for n, tensor in named if n == name]
-            group, tied_ranks = groups.tied[name]
+            group, tied_ranks = groups.tied_all[name]
             if group is not None and copies:
                 dist.broadcast(copies[0].data, src=min(tied_ranks), group=group)
             for tensor in copies[1:]:

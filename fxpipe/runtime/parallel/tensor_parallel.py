@@ -191,17 +191,19 @@ def check_layout_options(plan: Plan, batch_norm: str) -> None:
                                  "yet; use batch_norm='microbatch'")
 
 
-def check_tied_alike(stage_index: int, params: Mapping[str, TensorParallelParam],
+def check_tied_alike(held: Sequence[tuple[int, Mapping[str, TensorParallelParam]]],
                      tie_groups: Sequence[tuple[str, Sequence[int]]]) -> None:
     """Weights tied across stages must be split alike on every owner (their gradients sum shard by shard): one
-    gather of every rank's (tied name -> split dim, parts); PipelineSetupError on every rank otherwise."""
+    gather of every rank's (stage, tied name -> split dim, parts) for each stage it ``held`` (a virtual-stage rank
+    holds several chunks); PipelineSetupError on every rank otherwise."""
     tied = {name for name, _ in tie_groups}
     if not tied:
         return
-    mine = {name: (param.dim, param.parts) for name, param in params.items() if name in tied}
+    mine = [(stage_index, {name: (param.dim, param.parts) for name, param in params.items() if name in tied})
+            for stage_index, params in held]
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (stage_index, mine))
-    differing = tied_split_differences(gathered, tie_groups)
+    dist.all_gather_object(gathered, mine)
+    differing = tied_split_differences([item for described in gathered for item in described], tie_groups)
     if differing:
         name, ways = differing[0]
         raise PipelineSetupError(
