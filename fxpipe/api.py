@@ -348,7 +348,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     from fxpipe.passes.batchdims import resolve_target_dim
     from fxpipe.passes.codegen import split_for_plan
     from fxpipe.passes.row_independence import check_rows_independent
-    from fxpipe.plan_checks import check_plan_matches, check_stages_hold_parameters
+    from fxpipe.plan_checks import check_model_holds_weights, check_plan_matches, check_stages_hold_parameters
     from fxpipe.runtime.autograd.recompute import check_recompute_batch_norm
     from fxpipe.runtime.compile.stage_compile import parse_torch_compile, with_compile_notes
     from fxpipe.runtime.compiled_stages import compile_stage, warm_compiled_stage
@@ -382,6 +382,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
             except ShardingError as error:
                 raise PipelineSetupError(str(error)) from None
             compile_settings = parse_torch_compile(options.torch_compile)
+            check_model_holds_weights(model, example_inputs)
             if not options.stall_timeout_s > 0:
                 raise PipelineSetupError(f"stall_timeout_s={options.stall_timeout_s!r}; pass a positive number of "
                                          "seconds (default 5.0: longer than any call that holds the GIL)")

@@ -172,6 +172,15 @@ def _error_cases(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
         return _outcome(lambda: fxpipe.compile(model, example_inputs, loss_fn=ENTRY.loss_fn, global_batch_size=BATCH,
                                                plan="auto", cluster="local:3"))
 
+    def compiled_twice() -> Any:
+        """A model object compiled with sharded stages (FSDP2 shards it in place) is refused by a second compile,
+        naming the parameter, instead of failing inside a forward."""
+        model, example_inputs = _mlp()
+        fxpipe.compile(model, example_inputs, loss_fn=ENTRY.loss_fn, global_batch_size=BATCH, plan=_plan((2,)),
+                       sharding="parameters")
+        return _outcome(lambda: fxpipe.compile(model, example_inputs, loss_fn=ENTRY.loss_fn,
+                                               global_batch_size=BATCH, plan=_plan((2,))))
+
     def unfrozen_after_compile() -> Any:
         """A layer frozen at compile and unfrozen later would train each replica alone: refused at the next step."""
         model, example_inputs = _mlp()
@@ -190,6 +199,7 @@ def _error_cases(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
     in_world("bad-batch", bad_batches)
     in_world("world-mismatch", lambda: _outcome(lambda: compile_mlp((1, 1, 1, 1))))
     in_world("autocast", autocast)
+    in_world("compiled-twice", compiled_twice)
     # before the cases that leave a rank's heartbeat running: a failure it records can break a later world's group
     in_world("unfrozen-after-compile", unfrozen_after_compile)
     in_world("dead-peer", dead_peer)
@@ -213,6 +223,9 @@ def test_errors_reach_every_rank_quickly(tmp_path: Any) -> None:
         assert too_big[0] == "PipelineSetupError" and too_big[2] < 10.0  # the same error on every rank
         mismatch = result["world-mismatch"]
         assert mismatch[0] == PipelineSetupError.__name__ and "2 ranks" in mismatch[1], (rank, mismatch)
+        twice = result["compiled-twice"]
+        assert twice[0] == PipelineSetupError.__name__ and "is an FSDP2 shard (DTensor)" in twice[1], (rank, twice)
+        assert "build the model again" in twice[1], (rank, twice)
         loss, expected, sent = result["autocast"]
         assert loss == pytest.approx(expected, rel=2e-2) and sent and set(sent) == {torch.bfloat16}
     assert results[1]["dead-peer"] == "left"

@@ -175,6 +175,7 @@ def _ranks_agree(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
         results["notes"] = pipe.plan.notes
         results["collective"] = measure_job_collective(torch.device("cpu"))
         pipe.step(inputs, targets)  # the measured plan trains
+        model = _mlp()[0]  # the measured plan may have sharded or split the first one's weights in place
         analytic = fxpipe.compile(model, example_inputs, loss_fn=_loss, global_batch_size=BATCH, plan="dp",
                                   costs="analytic")
         results["analytic"] = analytic.plan.predicted.cost_source if analytic.plan.predicted else None
