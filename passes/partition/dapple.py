@@ -76,9 +76,14 @@ def _refined(model: CandidateCosts, candidate: Candidate, stops: list[int]) -> C
     def rebuilt(cut_stops: list[int]) -> list[Span]:
         return spans_from_stops(cut_stops, devices, degrees)
 
+    scored: dict[tuple[int, ...], float] = {}  # refine_cuts tries a position again after each move next to it
+
     def score(cut_stops: list[int]) -> float:
-        trial = rebuilt(cut_stops)
-        return model.latency(trial, rows) if model.fits(trial, rows) else float("inf")
+        key = tuple(cut_stops)
+        if key not in scored:
+            trial = rebuilt(cut_stops)
+            scored[key] = model.latency(trial, rows) if model.fits(trial, rows) else float("inf")
+        return scored[key]
 
     best = refine_cuts([span.stop for span in spans], model.chain.num_blocks, score)
     return model.candidate(rebuilt(best), rows)
