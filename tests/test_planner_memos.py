@@ -7,16 +7,22 @@ import random
 import pytest
 
 from fxpipe.core.block_sums import block_sums
-from fxpipe.core.chain import Block, CostChain, block_units, merged_units
+from fxpipe.core.chain import Block, CostChain, SharedParam, block_units, merged_units
 from fxpipe.core.cluster import Cluster, DeviceSpec, LinkSpec
 from fxpipe.core.costgraph import Affine
 from fxpipe.core.recompute import choose_recompute
 from fxpipe.core.row_slices import shared_rows
 from fxpipe.passes.partition.candidates import CandidateCosts
+from fxpipe.passes.partition.cut_scores import cut_scorer
 from fxpipe.passes.partition.spans import StageChoice, spans_from_stops
 from fxpipe.sim.stagecost import largest_unit_bytes, num_units, stage_memory_bytes, transfer_time
 
 DEVICE = DeviceSpec("test", 2**30, (("float32", 1e12),), 1e11)
+TWO_HOSTS = Cluster("t", 2, 4, DEVICE, LinkSpec(1e11, 1e-6), LinkSpec(1e9, 2e-5))
+
+
+def random_stops(rng: random.Random, num_blocks: int, num_stages: int) -> list[int]:
+    return sorted(rng.sample(range(1, num_blocks), num_stages - 1)) + [num_blocks]
 
 
 def random_chain(seed: int, num_blocks: int = 24) -> CostChain:
@@ -126,14 +132,42 @@ def walked_choices(model: CandidateCosts, spans: list, rows: int, setting: objec
 def test_memoised_stage_choices_equal_the_walk(seed: int) -> None:
     rng = random.Random(seed)
     chain = random_chain(seed, num_blocks=12)
-    cluster = Cluster("t", 2, 4, DEVICE, LinkSpec(1e11, 1e-6), LinkSpec(1e9, 2e-5))
     num_stages = rng.randint(1, 4)
     setting = rng.choice(["auto", "never", "always", tuple(rng.choice([True, False]) for _ in range(num_stages))])
     limit = rng.choice([10**7, 10**8, 10**9])
-    model = CandidateCosts(chain, cluster, 64, "adam", limit, recompute=setting)
+    model = CandidateCosts(chain, TWO_HOSTS, 64, "adam", limit, recompute=setting)
     for _ in range(20):  # many candidates through one model: its memo is shared between them
-        stops = sorted(rng.sample(range(1, chain.num_blocks), num_stages - 1)) + [chain.num_blocks]
+        stops = random_stops(rng, chain.num_blocks, num_stages)
         devices = [tuple(range(s * 2, s * 2 + rng.randint(1, 2))) for s in range(num_stages)]
         spans = spans_from_stops(stops, devices)
         rows = rng.choice([2, 4, 8])
         assert model.stage_choices(spans, rows, "A") == walked_choices(model, spans, rows, setting)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_cut_scorer_equals_fits_then_latency(seed: int) -> None:
+    rng = random.Random(seed)
+    chain = random_chain(seed, num_blocks=16)
+    num_stages = rng.randint(2, 5)
+    setting = rng.choice(["auto", "never", "always", tuple(rng.choice([True, False]) for _ in range(num_stages)),
+                          (True,)])  # the last one names another stage count: "auto"
+    model = CandidateCosts(chain, TWO_HOSTS, 64, "adam", rng.choice([10**7, 10**8, 10**9]), recompute=setting,
+                           schedule=rng.choice(["early_backward", "zero_bubble", "gpipe"]),
+                           allreduce_bucket_bytes=rng.choice([0, 10**6]))
+    devices = [tuple(range(s * 8 // num_stages, (s + 1) * 8 // num_stages)) for s in range(num_stages)]
+    rows = rng.choice([4, 8])  # at least one row per replica (up to 4 devices a stage)
+    score = cut_scorer(model, spans_from_stops(random_stops(rng, chain.num_blocks, num_stages), devices), rows)
+    assert score is not None
+    for _ in range(30):  # trials in any order: kept figures of earlier ones serve later ones
+        stops = random_stops(rng, chain.num_blocks, num_stages)
+        spans = spans_from_stops(stops, devices)
+        assert score(stops) == (model.latency(spans, rows) if model.fits(spans, rows) else float("inf"))
+
+
+def test_cut_scorer_leaves_tied_weights_and_sharding_to_the_model() -> None:
+    chain = random_chain(0, num_blocks=6)
+    cluster = Cluster("t", 1, 4, DEVICE, LinkSpec(1e11, 1e-6), LinkSpec(1e9, 2e-5))
+    spans = spans_from_stops([3, 6], [(0, 1), (2, 3)])
+    assert cut_scorer(CandidateCosts(chain, cluster, 64, "adam", 10**9, sharding="auto"), spans, 4) is None
+    tied = CostChain(chain.blocks, chain.cut_bytes, shared_params=(SharedParam("w", 10, (0, 4)),))
+    assert cut_scorer(CandidateCosts(tied, cluster, 64, "adam", 10**9), spans, 4) is None

@@ -299,17 +299,27 @@ class CandidateCosts:
         as under ``"auto"``.
         """
         num_microbatches = self.global_batch_size // rows
-        setting = self.recompute
-        if isinstance(setting, tuple) and len(setting) != len(spans):
-            setting = "auto"
-        if (schedule or self.schedule) == "zero_bubble":  # split backward cannot rerun a checkpointed forward
-            setting = "never"
+        setting = self.resolved_recompute(len(spans), schedule)
         if self.sharding != "none":
             return self._sharded_choices(spans, rows, warmup_policy, schedule, setting)
         inflights = self.inflights(len(spans), num_microbatches, warmup_policy, schedule)
+        modes = self.stage_modes(setting, len(spans))
         return [self.stage_choice(span.first, span.stop, rows, span.replicas, span.tensor_parallel, inflights[index],
-                                  setting if isinstance(setting, str) else ("always" if setting[index] else "never"))
-                for index, span in enumerate(spans)]
+                                  modes[index]) for index, span in enumerate(spans)]
+
+    def resolved_recompute(self, num_stages: int, schedule: str | None = None) -> RecomputeSetting:
+        """The recompute setting for candidates of ``num_stages`` stages under ``schedule`` (default: the model's)."""
+        if (schedule or self.schedule) == "zero_bubble":  # split backward cannot rerun a checkpointed forward
+            return "never"
+        setting = self.recompute
+        return "auto" if isinstance(setting, tuple) and len(setting) != num_stages else setting
+
+    @staticmethod
+    def stage_modes(setting: RecomputeSetting, num_stages: int) -> tuple[str, ...]:
+        """Each stage's own recompute mode under a resolved ``setting`` (a per-stage one: "always" or "never")."""
+        if isinstance(setting, str):
+            return (setting,) * num_stages
+        return tuple("always" if recompute else "never" for recompute in setting)
 
     def _stage_choice(self, first: int, stop: int, rows: int, replicas: int, tensor_parallel: int, inflight: int,
                       setting: str) -> StageChoice:
