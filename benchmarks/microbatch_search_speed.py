@@ -66,7 +66,15 @@ def main() -> None:
             "case spent 77 of 172 s preparing 20 schedules (validation 44 s, lowering 25 s) and 54 s in 28 event "
             "simulations; after, 22 simulations. What is left is the event simulation of deep candidates (256-512 "
             "stages x 512 micro-batches, several seconds each, whose bound stays ~35% under their simulated time: "
-            "transfers and port queues are not in it) and the search with its cut refinement.", ""]
+            "transfers and port queues are not in it) and the search with its cut refinement.", "",
+            "Then (issue 34 item 4, plans unchanged: `planner_identity.py --check` 252 of 252 identical): each "
+            "unsharded stage's recompute choice and memory memoised per stage (CandidateCosts.stage_choice), the "
+            "largest FSDP unit and unit count of a block range as running figures per first block "
+            "(fxpipe/core/block_sums.py, instead of merging every block's units on each stage_cost call), transfer "
+            "times computed once per (host pair kind, rows), the cut refinement scoring a trial from each stage's "
+            "kept figures (passes/partition/cut_scores.py) and not twice the same cut positions. What is left: the "
+            "event simulation of the re-ranked candidates (about 40% of the time), the state search (about 25%) "
+            "and the stage costs of the block ranges the refinement tries.", ""]
     Path(args.out).write_text("\n".join(text))
 
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
+from fxpipe.core.chain import block_units
 from fxpipe.core.costgraph import Affine
 
 if TYPE_CHECKING:  # fxpipe.passes imports the planner, which imports this module
@@ -34,6 +35,10 @@ class BlockSums:
         self._resaved = [block.resaved for block in chain.blocks]
         # first -> running sums over stop of the re-saved bytes a stage [first, stop) counts
         self._resaved_runs: dict[int, list[Affine]] = {}
+        self._units = [block_units(block) for block in chain.blocks]
+        # unit totals only grow along a run when no entry is negative: then its largest and count are running figures
+        self._units_grow = all(num_bytes >= 0 for entries in self._units for _, num_bytes in entries)
+        self._unit_runs: dict[int, UnitRun] = {}
 
     def total(self, first: int, stop: int, field: str) -> Affine:
         """``Affine.total(getattr(b, field) for b in chain.blocks[first:stop])``, the same float operations."""
@@ -53,12 +58,26 @@ class BlockSums:
         stop = min(stop, len(self._resaved))
         if stop <= first:
             return Affine(0.0, 0.0)
-        run = self._resaved_runs.get(first)
-        if run is None:  # every stop at once: one pass over the blocks from ``first``
+        run = self._resaved_runs.get(first, [])
+        if len(run) < stop - first:  # grown by doubling, each sum continuing the last: the same additions
+            target = min(len(self._resaved), max(first + 2 * len(run), stop))
             totals = (Affine.total(num_bytes for saver, num_bytes in entries if saver < first)
-                      for entries in self._resaved[first:])
-            run = self._resaved_runs[first] = list(itertools.accumulate(totals))
+                      for entries in self._resaved[first + len(run):target])
+            run = self._resaved_runs[first] = run + list(itertools.accumulate(totals, initial=run[-1]))[1:] \
+                if run else list(itertools.accumulate(totals))
         return run[stop - first - 1]
+
+    def units(self, first: int, stop: int) -> tuple[int, int] | None:
+        """``(largest, count)`` of the positive FSDP unit totals over blocks ``[first, stop)``
+        (:func:`fxpipe.sim.stagecost.stage_unit_bytes`: ``max`` and ``len`` of its list, 0 for none); None when
+        some unit entry is negative (totals may then shrink: the caller walks the blocks)."""
+        assert 0 <= first < stop <= len(self._units), f"block range [{first}, {stop}) is not in the chain"
+        if not self._units_grow:
+            return None
+        run = self._unit_runs.get(first)
+        if run is None or len(run.largest) < stop - first:
+            run = self._unit_runs[first] = _grown_units(run or UnitRun({}, [], []), self._units[first:], stop - first)
+        return run.largest[stop - first - 1], run.counts[stop - first - 1]
 
     def _grown(self, field: str, first: int, stop: int) -> tuple[list[float], list[float]]:
         """A longer copy of the run from ``first`` (at least to ``stop``, doubling), published whole, so a
@@ -70,6 +89,30 @@ class BlockSums:
         fixed, per_sample = run
         self._runs[(field, first)] = (fixed, per_sample)
         return fixed, per_sample
+
+
+class UnitRun(NamedTuple):
+    """Unit totals over blocks ``[first, first + len(largest))`` and, per stop, the largest and how many are > 0."""
+
+    totals: dict[str, int]
+    largest: list[int]
+    counts: list[int]
+
+
+def _grown_units(run: UnitRun, entries: list[tuple[tuple[str, int], ...]], length: int) -> UnitRun:
+    """``run`` continued over ``entries`` (each block's units, from the run's first block) to at least ``length``
+    blocks (doubling), as a new run: a reader in another thread never sees one being filled."""
+    totals, largest, counts = dict(run.totals), list(run.largest), list(run.counts)
+    best, count = (largest[-1], counts[-1]) if largest else (0, 0)
+    for block_entries in entries[len(largest):min(len(entries), max(2 * len(largest), length))]:
+        for unit, num_bytes in block_entries:
+            before = totals.get(unit, 0)
+            totals[unit] = after = before + num_bytes
+            count += before <= 0 < after
+            best = max(best, after)
+        largest.append(best)
+        counts.append(count)
+    return UnitRun(totals, largest, counts)
 
 
 def _extended(sums: list[float], values: list[float]) -> list[float]:

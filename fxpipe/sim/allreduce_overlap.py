@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-from fxpipe.core.cluster import Cluster
+from fxpipe.core.cluster import Cluster, LinkSpec
 from fxpipe.sim.stagecost import gradient_allreduce_time, split_backward_times
 from fxpipe.sim.tensor_parallel_cost import member_param_bytes, tensor_parallel_times
 
@@ -142,16 +142,16 @@ def bucket_readiness(backward_s: Sequence[float], param_bytes: Sequence[float], 
 
 def stage_allreduce_offsets(chain: CostChain, cluster: Cluster, first: int, stop: int, devices: Sequence[int],
                             rows: int, own_bytes: float, bucket_bytes: int, window_share: float = 1.0,
-                            tensor_parallel: int = 1) -> tuple[float, float]:
+                            tensor_parallel: int = 1, link: LinkSpec | None = None) -> tuple[float, float]:
     """``(start, end)`` of :func:`stage_allreduce_overlap`: the tail ``end`` counts the pass's stretch."""
     overlap = stage_allreduce_overlap(chain, cluster, first, stop, devices, rows, own_bytes, bucket_bytes,
-                                      window_share, tensor_parallel)
+                                      window_share, tensor_parallel, link)
     return overlap.start, overlap.end
 
 
 def stage_allreduce_overlap(chain: CostChain, cluster: Cluster, first: int, stop: int, devices: Sequence[int],
                             rows: int, own_bytes: float, bucket_bytes: int, window_share: float = 1.0,
-                            tensor_parallel: int = 1) -> Overlap:
+                            tensor_parallel: int = 1, link: LinkSpec | None = None) -> Overlap:
     """:func:`overlap_offsets` of blocks ``[first, stop)`` on ``devices`` for a slice of ``rows`` rows,
     with the cluster's overlap slowdowns.
 
@@ -170,7 +170,7 @@ def stage_allreduce_overlap(chain: CostChain, cluster: Cluster, first: int, stop
         block_bytes = [float(block.param_bytes) for block in blocks]
     held = sum(block_bytes)
     scale = own_bytes / held if held > 0 else 0.0
-    link = cluster.collective_link(devices)  # once for every bucket size (the planner asks for many stages)
+    link = link or cluster.collective_link(devices)  # once for every bucket size (``link``: the caller has it)
     return overlap_offsets(backward, [num_bytes * scale for num_bytes in block_bytes], bucket_bytes,
                            lambda num_bytes: gradient_allreduce_time(cluster, num_bytes, devices, link),
                            cluster.overlap_compute_slowdown, cluster.overlap_comm_slowdown)

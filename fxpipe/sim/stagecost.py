@@ -148,13 +148,17 @@ def stage_unit_bytes(chain: CostChain, first: int, stop: int) -> list[int]:
 def largest_unit_bytes(chain: CostChain, first: int, stop: int) -> float:
     """The largest FSDP unit's bytes among blocks ``[first, stop)`` (0.0 for fewer than two units: the stage
     is one unit)."""
-    sizes = stage_unit_bytes(chain, first, stop)
-    return float(max(sizes)) if len(sizes) >= 2 else 0.0
+    figures = block_sums(chain).units(first, stop)
+    if figures is None:
+        sizes = stage_unit_bytes(chain, first, stop)
+        return float(max(sizes)) if len(sizes) >= 2 else 0.0
+    return float(figures[0]) if figures[1] >= 2 else 0.0
 
 
 def num_units(chain: CostChain, first: int, stop: int) -> int:
     """The FSDP units of a sharded stage over blocks ``[first, stop)`` (at least 1)."""
-    return max(1, len(stage_unit_bytes(chain, first, stop)))
+    figures = block_sums(chain).units(first, stop)
+    return max(1, len(stage_unit_bytes(chain, first, stop)) if figures is None else figures[1])
 
 
 def resaved_bytes(chain: CostChain, first: int, stop: int) -> Affine:
@@ -314,12 +318,21 @@ def transfer_time(
     Each sender hands each receiver the rows they share (:func:`shared_rows`). Transfers from one
     device run one after another; the slowest device (as sender or receiver) sets the time.
     """
+    devices = (*src_devices, *dst_devices)
+    if devices:  # every device in the cluster (host_of raises otherwise), then hosts by division: per pair it adds up
+        cluster.host_of(min(devices)), cluster.host_of(max(devices))
+    per_host = cluster.devices_per_host
     busy: dict[tuple[str, int], float] = {}
+    seconds_of: dict[tuple[bool, int], float] = {}  # (one host, rows) -> seconds: pairs repeat both
     for sender, receiver, start, stop in shared_rows(microbatch_rows, len(src_devices), len(dst_devices)):
         src, dst = src_devices[sender], dst_devices[receiver]
         if src == dst:
             continue
-        seconds = cluster.link(src, dst).transfer_time(bytes_per_row.at(stop - start))
+        key = (src // per_host == dst // per_host, stop - start)
+        seconds = seconds_of.get(key)
+        if seconds is None:
+            link = cluster.intra_host if key[0] else cluster.inter_host  # Cluster.link
+            seconds = seconds_of[key] = link.transfer_time(bytes_per_row.at(key[1]))
         busy[("send", src)] = busy.get(("send", src), 0.0) + seconds
         busy[("recv", dst)] = busy.get(("recv", dst), 0.0) + seconds
     return max(busy.values(), default=0.0)

@@ -68,6 +68,8 @@ class CandidateCosts:
         self.allreduce = lru_cache(maxsize=None)(self._allreduce)
         self.allreduce_tail = lru_cache(maxsize=None)(self._allreduce_tail)
         self.stage_step = lru_cache(maxsize=None)(self._stage_step)
+        self.inflights = lru_cache(maxsize=None)(self._inflights)  # K_s of every stage at once
+        self.stage_choice = lru_cache(maxsize=None)(self._stage_choice)
         self.comm = lru_cache(maxsize=None)(self._comm)
         self._sharded_choice = lru_cache(maxsize=None)(self._choose_sharded)
         # (spans, rows, warm-up policy, schedule, recompute setting) -> choices: the search asks twice per candidate
@@ -175,8 +177,9 @@ class CandidateCosts:
         per_host = self.cluster.devices_per_host
         devices = tuple(range(replicas)) if one_host else (per_host, *range(replicas - 1))
         slice_rows = self.cost(first, stop, rows, replicas).rows
+        link = self.cluster.collective_link(devices[:2])  # as of ``devices``: its first two share a host or not
         return min(stage_allreduce_offsets(self.chain, self.cluster, first, stop, devices, slice_rows, own_bytes,
-                                           self.overlap_bytes, share, tensor_parallel)[1]
+                                           self.overlap_bytes, share, tensor_parallel, link)[1]
                    for share in self.window_shares)
 
     def allreduce_tails(self, spans: Sequence[Span], rows: int, own_bytes: Sequence[int] | None = None) -> list[float]:
@@ -271,6 +274,11 @@ class CandidateCosts:
             return num_microbatches
         return warmup_forwards(stage_index, num_stages, num_microbatches, warmup_policy)
 
+    def _inflights(self, num_stages: int, num_microbatches: int, warmup_policy: str, schedule: str | None
+                   ) -> tuple[int, ...]:
+        return tuple(self.inflight(index, num_stages, num_microbatches, warmup_policy, schedule)
+                     for index in range(num_stages))
+
     def memory(self, spans: Sequence[Span], rows: int, warmup_policy: str, schedule: str | None = None) -> list[int]:
         """Peak bytes per device of every stage under ``schedule`` (default: the model's), recomputing where chosen."""
         return [choice.memory for choice in self.stage_choices(spans, rows, warmup_policy, schedule)]
@@ -291,23 +299,37 @@ class CandidateCosts:
         as under ``"auto"``.
         """
         num_microbatches = self.global_batch_size // rows
-        setting = self.recompute
-        if isinstance(setting, tuple) and len(setting) != len(spans):
-            setting = "auto"
-        if (schedule or self.schedule) == "zero_bubble":  # split backward cannot rerun a checkpointed forward
-            setting = "never"
+        setting = self.resolved_recompute(len(spans), schedule)
         if self.sharding != "none":
             return self._sharded_choices(spans, rows, warmup_policy, schedule, setting)
-        choices = []
-        for index, span in enumerate(spans):
-            cost = self.cost(span.first, span.stop, rows, span.replicas, span.tensor_parallel)
-            inflight = self.inflight(index, len(spans), num_microbatches, warmup_policy, schedule)
-            keep = stage_memory_bytes(cost, inflight, self.optimizer)
-            if choose_recompute(setting, index, len(spans), keep, self.memory_limit_bytes):
-                choices.append(StageChoice(True, stage_memory_bytes(cost, inflight, self.optimizer, recompute=True)))
-            else:
-                choices.append(StageChoice(False, keep))
-        return choices
+        inflights = self.inflights(len(spans), num_microbatches, warmup_policy, schedule)
+        modes = self.stage_modes(setting, len(spans))
+        return [self.stage_choice(span.first, span.stop, rows, span.replicas, span.tensor_parallel, inflights[index],
+                                  modes[index]) for index, span in enumerate(spans)]
+
+    def resolved_recompute(self, num_stages: int, schedule: str | None = None) -> RecomputeSetting:
+        """The recompute setting for candidates of ``num_stages`` stages under ``schedule`` (default: the model's)."""
+        if (schedule or self.schedule) == "zero_bubble":  # split backward cannot rerun a checkpointed forward
+            return "never"
+        setting = self.recompute
+        return "auto" if isinstance(setting, tuple) and len(setting) != num_stages else setting
+
+    @staticmethod
+    def stage_modes(setting: RecomputeSetting, num_stages: int) -> tuple[str, ...]:
+        """Each stage's own recompute mode under a resolved ``setting`` (a per-stage one: "always" or "never")."""
+        if isinstance(setting, str):
+            return (setting,) * num_stages
+        return tuple("always" if recompute else "never" for recompute in setting)
+
+    def _stage_choice(self, first: int, stop: int, rows: int, replicas: int, tensor_parallel: int, inflight: int,
+                      setting: str) -> StageChoice:
+        """One unsharded stage's :meth:`stage_choices` entry, which depends on nothing else (memoised; ``setting``:
+        the stage's own mode), so moving one cut re-derives only the two stages it bounds."""
+        cost = self.cost(first, stop, rows, replicas, tensor_parallel)
+        keep = stage_memory_bytes(cost, inflight, self.optimizer)
+        if choose_recompute(setting, 0, 1, keep, self.memory_limit_bytes):
+            return StageChoice(True, stage_memory_bytes(cost, inflight, self.optimizer, recompute=True))
+        return StageChoice(False, keep)
 
     def _sharded_choices(self, spans: Sequence[Span], rows: int, warmup_policy: str, schedule: str | None,
                          recompute: RecomputeSetting) -> list[StageChoice]:

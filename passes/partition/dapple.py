@@ -25,6 +25,7 @@ from fxpipe.passes.partition.block_partition import (
     work_weights,
 )
 from fxpipe.passes.partition.candidates import CandidateCosts
+from fxpipe.passes.partition.cut_scores import cut_scorer
 from fxpipe.passes.partition.every_device import plan_every_device
 from fxpipe.passes.partition.layout import (
     check_degrees,
@@ -76,9 +77,17 @@ def _refined(model: CandidateCosts, candidate: Candidate, stops: list[int]) -> C
     def rebuilt(cut_stops: list[int]) -> list[Span]:
         return spans_from_stops(cut_stops, devices, degrees)
 
+    scored: dict[tuple[int, ...], float] = {}  # refine_cuts tries a position again after each move next to it
+    kept = cut_scorer(model, spans, rows)  # the same figures, each stage's kept (None: tied weights, sharding...)
+
     def score(cut_stops: list[int]) -> float:
-        trial = rebuilt(cut_stops)
-        return model.latency(trial, rows) if model.fits(trial, rows) else float("inf")
+        key = tuple(cut_stops)
+        if key not in scored and kept is not None:
+            scored[key] = kept(cut_stops)
+        elif key not in scored:
+            trial = rebuilt(cut_stops)
+            scored[key] = model.latency(trial, rows) if model.fits(trial, rows) else float("inf")
+        return scored[key]
 
     best = refine_cuts([span.stop for span in spans], model.chain.num_blocks, score)
     return model.candidate(rebuilt(best), rows)
