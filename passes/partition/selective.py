@@ -11,7 +11,7 @@ from fxpipe.core.block_recompute import normalized_choices
 from fxpipe.core.plan import Plan
 from fxpipe.passes.partition.spans import Span, StageChoice
 from fxpipe.sim.recompute_cost import block_saving, selective_figures
-from fxpipe.sim.stagecost import stage_memory_bytes
+from fxpipe.sim.stagecost import StageCost, stage_memory_bytes
 
 if TYPE_CHECKING:
     from fxpipe.core.chain import CostChain
@@ -107,11 +107,13 @@ def selective_choice(model: CandidateCosts, span: Span, rows: int, inflight: int
     """A stage's choice with per-block recompute where the setting asks for it: under ``"auto"`` a stage the
     search recomputes whole gets the cheapest per-block choices that fit (:func:`pick_block_choices`); under
     ``"selective"`` every block with an attention core recomputes it. Returns the choice (recompute flag and
-    memory redone) and the per-block choices (``()``: the flag alone says)."""
+    memory redone) and the per-block choices (``()``: the flag alone says).
+
+    A sharded stage that recomputes does it per block under any setting (:func:`sharded_recompute_memory`): its
+    choices stay per block even when all are "block", so that each checkpoint sits inside its block's FSDP unit."""
     setting = model.recompute
-    if schedule == "zero_bubble" or setting not in ("auto", "selective") or (setting == "auto" and not choice.recompute):
-        return choice, ()
-    if choice.sharding != "none" or span.tensor_parallel > 1:  # the runtime runs per-block choices unsharded, T = 1
+    sharded = choice.sharding != "none" and span.replicas > 1
+    if schedule == "zero_bubble" or not (setting == "selective" or (choice.recompute and (setting == "auto" or sharded))):
         return choice, ()
     cost = model.cost(span.first, span.stop, rows, span.replicas, span.tensor_parallel)
     options = block_options(model.chain, span.first, span.stop, cost.rows, tensor_parallel=span.tensor_parallel)
@@ -122,17 +124,37 @@ def selective_choice(model: CandidateCosts, span: Span, rows: int, inflight: int
         return stage_memory_bytes(cost, inflight, model.optimizer, False, sharding=choice.sharding,
                                   replicas=span.replicas, num_microbatches=num_microbatches, selective=selective)
 
+    every_block = ("block",) * (span.stop - span.first)
     if setting == "selective":
         picked: tuple[str, ...] | None = tuple("attention" if any(name == "attention" for name, _, _ in block)
                                                else "keep" for block in options)
-    else:
+    elif setting == "auto":
         picked = pick_block_choices(options, inflight, memory(()) - model.memory_limit_bytes)
-    if picked is None:
+    else:  # "always" or this stage's own flag, on a sharded stage
+        picked = every_block
+    if picked is None and not sharded:
         return choice, ()
-    recompute, block_recompute = normalized_choices(picked)
-    if recompute:  # every block recomputed: the whole-stage checkpoint the search costed
+    recompute, block_recompute = normalized_choices(picked or every_block)
+    if recompute and not sharded:  # every block recomputed: the whole-stage checkpoint the search costed
         return choice, ()
+    block_recompute = every_block if recompute else block_recompute
     return StageChoice(False, memory(block_recompute), choice.sharding), block_recompute
+
+
+def sharded_recompute_memory(chain: CostChain, first: int, stop: int, cost: StageCost, inflight: int, optimizer: str,
+                             recompute: bool, sharding: str, replicas: int, num_microbatches: int,
+                             tensor_parallel: int = 1) -> int:
+    """:func:`fxpipe.sim.stagecost.stage_memory_bytes` as the search prices a stage: a sharded stage (a level other
+    than "none" over several replicas) that recomputes does it per block, every block "block" (as torchtitan
+    checkpoints each block, then shards each block: :func:`selective_choice` writes it so), so FSDP2 keeps its units
+    per block and each in-flight micro-batch keeps every block's input; any other stage as the flag says."""
+    if recompute and sharding != "none" and replicas > 1:
+        selective = selective_figures(chain, first, ("block",) * (stop - first), cost.rows,
+                                      tensor_parallel=tensor_parallel)
+        return stage_memory_bytes(cost, inflight, optimizer, False, sharding=sharding, replicas=replicas,
+                                  num_microbatches=num_microbatches, selective=selective)
+    return stage_memory_bytes(cost, inflight, optimizer, recompute, sharding=sharding, replicas=replicas,
+                              num_microbatches=num_microbatches)
 
 
 def with_block_node_counts(plan: Plan, chain: CostChain) -> Plan:
