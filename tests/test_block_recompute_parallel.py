@@ -5,18 +5,27 @@ planner's memory figures for per-block choices on sharded stages."""
 from __future__ import annotations
 
 import dataclasses
+import random
 from typing import Any
 
 import pytest
 import torch
 
 import fxpipe
-from fxpipe.core.cluster import parse_cluster
+from fxpipe.core.chain import Block, CostChain
+from fxpipe.core.cluster import Cluster, DeviceSpec, LinkSpec, parse_cluster
+from fxpipe.core.costgraph import Affine
 from fxpipe.core.plan import Plan
-from fxpipe.passes.partition.selective import with_block_node_counts
+from fxpipe.passes.partition.latency import stage_times
+from fxpipe.passes.partition.selective import sharded_recompute_memory, with_block_node_counts
 from fxpipe.planning import costed_model, plan_chain
+from fxpipe.sim.stagecost import stage_cost, stage_memory_bytes
+from fxpipe.sim.tensor_parallel_cost import splits
 from tests.exactness_oracle import LEARNING_RATE, mismatches, train_reference
 from tests.mp_utils import join_world, leave_world, run_ranks
+from tests.reference_sim import rerun_and_dropped, stage_peak_bytes
+from tests.test_oracle_simulate import assert_agrees
+from tests.test_tensor_parallel_plan import tp_setup
 from tests.test_tensor_parallel_runtime import TinyLM, _token_loss
 
 hf_examples = pytest.importorskip("fxpipe.hf_examples")
@@ -139,3 +148,80 @@ def test_per_block_recompute_on_zero3_and_tensor_parallel_stages_trains_as_one_p
         for name in ("zero3", "zero3 fx"):
             assert results[name]["units"] == [["fxpipe_recompute_0"], ["fxpipe_recompute_1", "fxpipe_recompute_2"]], (
                 rank, name, results[name]["units"])
+
+
+# ---------------------------------------------------------------- simulator, reference, pivot model and planner
+
+
+def _with_choices(seed: int) -> tuple[Plan, Any, Any, dict[str, Any]]:
+    """tests/test_tensor_parallel_plan.py's random R x T plans (ZeRO levels, split and whole blocks), blocks given
+    attention cores, and most stages per-block choices at random."""
+    plan, chain, net, options = tp_setup(seed)
+    rng = random.Random(seed + 7 * 10**6)
+    chain = dataclasses.replace(chain, blocks=tuple(dataclasses.replace(
+        block, attention_core_bytes=Affine(0, rng.uniform(0, 0.7) * block.saved_bytes.per_sample),
+        attention_core_s=Affine(0, rng.uniform(0, 0.1) * block.forward_s.per_sample)) for block in chain.blocks))
+    stages = tuple(dataclasses.replace(stage, recompute=False, block_recompute=tuple(
+        rng.choice(("keep", "block", "attention")) for _ in range(stage.stop_block - stage.first_block)))
+        if plan.schedule != "zero_bubble" and rng.random() < 0.8 else stage for stage in plan.stages)
+    return plan.with_updates(stages=stages), chain, net, options
+
+
+def test_simulator_matches_the_reference_with_per_block_recompute_on_sharded_and_tensor_parallel_stages() -> None:
+    seen: set[str] = set()
+    for seed in range(120):
+        plan, chain, net, options = _with_choices(seed)
+        described = [(s.tensor_parallel, s.sharding, s.block_recompute) for s in plan.stages]
+        assert_agrees(plan, chain, net, f"seed {seed}: {described}", **options)
+        for stage in (stage for stage in plan.stages if stage.block_recompute):
+            blocks = chain.blocks[stage.first_block:stage.stop_block]
+            if any(choice == "block" and splits(block, stage.tensor_parallel)
+                   for choice, block in zip(stage.block_recompute, blocks, strict=True)):
+                seen.add("split block rerun")
+            if stage.sharding != "none" and stage.replicas > 1:
+                seen.add(stage.sharding)
+    assert {"split block rerun", "optimizer", "gradients", "parameters"} <= seen, seen
+
+
+def test_pivot_model_charges_the_rerun_forward_with_its_collectives() -> None:
+    checked = 0
+    for seed in range(60):
+        plan, chain, net, _ = _with_choices(seed)
+        plain = plan.with_updates(stages=tuple(dataclasses.replace(s, block_recompute=()) for s in plan.stages))
+        selective, base = stage_times(plan, chain, net), stage_times(plain, chain, net)
+        for index, stage in enumerate(plan.stages):
+            rows = -(-plan.microbatch_size // stage.replicas)
+            compute, _, comm = rerun_and_dropped(chain, stage, rows, net)
+            step = selective.stage_index.index(index)
+            assert selective.backward[step] - base.backward[step] == pytest.approx(
+                compute * net.compute_slowdown + comm, rel=1e-9, abs=1e-15), (seed, index)
+            checked += comm > 0
+    assert checked > 5  # collectives rerun on split blocks were charged
+
+
+def _wide_chain(num_layers: int) -> Any:
+    """A transformer-like chain: per layer 64 MiB of weights, 256 MiB saved per row (a 16 MiB residual in between),
+    1 ms forward per row."""
+    block = Block("layer", (), Affine(0, 1e-3), Affine(0, 2e-3), 64 * 2**20, Affine(0, 256 * 2**20))
+    return CostChain(tuple(dataclasses.replace(block, name=f"layer{i}") for i in range(num_layers)),
+                     tuple(Affine(0, 16 * 2**20) for _ in range(num_layers - 1)), Affine(0, 2**20), Affine(0, 2**20))
+
+
+def test_planner_recomputes_a_zero3_stage_per_block_and_prices_it_per_unit() -> None:
+    """16 layers on 4 devices at 2 GiB, one row per replica: keeping activations (4 GiB a row) or a whole-stage
+    checkpoint (one FSDP unit of the whole stage, all 4 GiB rebuilt at once) does not fit; ZeRO-3 with units per
+    block and blocks recomputed does. The plan's peak is the reference's (tests/reference_sim.py, written out apart)."""
+    chain, limit = _wide_chain(16), 2 * 2**30
+    cluster = Cluster("1x4", 1, 4, DeviceSpec("dev", limit, (("float32", 1e13),), 1e12), LinkSpec(100e9, 5e-6),
+                      LinkSpec(10e9, 2e-5))
+    plan = plan_chain(chain, cluster, 4, layout="dp", num_microbatches=1, sharding="parameters")
+    stage = plan.stages[0]
+    assert (stage.sharding, stage.recompute) == ("parameters", False) and "block" in stage.block_recompute, stage
+    assert stage.peak_memory_bytes == stage_peak_bytes(plan, chain, 0, stage.inflight_microbatches) <= limit
+    cost = stage_cost(chain, 0, 16, 4, 4)
+    every_block = sharded_recompute_memory(chain, 0, 16, cost, 1, "adam", True, "parameters", 4, 1)
+    assert every_block == stage_peak_bytes(plan.with_updates(stages=(dataclasses.replace(
+        stage, block_recompute=("block",) * 16),)), chain, 0, 1) <= limit  # what the search priced
+    assert sharded_recompute_memory(chain, 0, 16, cost, 1, "adam", False, "parameters", 4, 1) > limit  # all kept
+    one_unit = stage_memory_bytes(cost, 1, "adam", True, sharding="parameters", replicas=4, num_microbatches=1)
+    assert one_unit > limit  # the whole-stage checkpoint: one FSDP unit, the whole stage rebuilt at once

@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING
 from fxpipe.core.block_recompute import normalized_choices
 from fxpipe.core.plan import Plan
 from fxpipe.passes.partition.spans import Span, StageChoice
-from fxpipe.sim.recompute_cost import block_saving, selective_figures
+from fxpipe.sim.recompute_cost import member_saving, selective_figures
 from fxpipe.sim.stagecost import StageCost, stage_memory_bytes
 
 if TYPE_CHECKING:
     from fxpipe.core.chain import CostChain
+    from fxpipe.core.cluster import Cluster
     from fxpipe.passes.partition.candidates import CandidateCosts
 
 # (choice, bytes saved per micro-batch slice, forward seconds added), per block; "keep" is (0, 0)
@@ -22,16 +23,17 @@ BlockOptions = Sequence[Sequence[tuple[str, float, float]]]
 
 
 def block_options(chain: CostChain, first: int, stop: int, rows: int, slowdown: float = 1.0,
-                  tensor_parallel: int = 1) -> list[list[tuple[str, float, float]]]:
-    """Each block's useful choices with their figures (:func:`fxpipe.sim.recompute_cost.block_saving`): "keep",
-    "attention" where the block has a core, "block" where it saves bytes."""
+                  tensor_parallel: int = 1, cluster: Cluster | None = None) -> list[list[tuple[str, float, float]]]:
+    """Each block's useful choices with one device's figures (:func:`fxpipe.sim.recompute_cost.member_saving`; a
+    T-way member reruns its collectives too): "keep", "attention" where the block has a core, "block" where it
+    saves bytes."""
     options = []
     for index in range(first, stop):
         found = [("keep", 0.0, 0.0)]
         for choice in ("attention", "block"):
-            num_bytes, seconds = block_saving(chain, index, choice, rows)
+            num_bytes, seconds = member_saving(chain, index, choice, rows, slowdown, tensor_parallel, cluster)
             if num_bytes > 0:
-                found.append((choice, num_bytes / tensor_parallel, seconds * slowdown / tensor_parallel))
+                found.append((choice, num_bytes, seconds))
         options.append(found)
     return options
 
@@ -116,7 +118,8 @@ def selective_choice(model: CandidateCosts, span: Span, rows: int, inflight: int
     if schedule == "zero_bubble" or not (setting == "selective" or (choice.recompute and (setting == "auto" or sharded))):
         return choice, ()
     cost = model.cost(span.first, span.stop, rows, span.replicas, span.tensor_parallel)
-    options = block_options(model.chain, span.first, span.stop, cost.rows, tensor_parallel=span.tensor_parallel)
+    options = block_options(model.chain, span.first, span.stop, cost.rows, model.cluster.compute_slowdown,
+                            span.tensor_parallel, model.cluster)
     num_microbatches = model.global_batch_size // rows
 
     def memory(choices: tuple[str, ...]) -> int:
