@@ -17,7 +17,7 @@ from fxpipe.core.cluster import Cluster, DeviceSpec, LinkSpec, parse_cluster
 from fxpipe.core.costgraph import Affine
 from fxpipe.core.plan import Plan
 from fxpipe.passes.partition.latency import stage_times
-from fxpipe.passes.partition.selective import sharded_recompute_memory, with_block_node_counts
+from fxpipe.passes.partition.selective import recompute_memory, with_block_node_counts
 from fxpipe.planning import costed_model, plan_chain
 from fxpipe.sim.stagecost import stage_cost, stage_memory_bytes
 from fxpipe.sim.tensor_parallel_cost import splits
@@ -219,9 +219,9 @@ def test_planner_recomputes_a_zero3_stage_per_block_and_prices_it_per_unit() -> 
     assert (stage.sharding, stage.recompute) == ("parameters", False) and "block" in stage.block_recompute, stage
     assert stage.peak_memory_bytes == stage_peak_bytes(plan, chain, 0, stage.inflight_microbatches) <= limit
     cost = stage_cost(chain, 0, 16, 4, 4)
-    every_block = sharded_recompute_memory(chain, 0, 16, cost, 1, "adam", True, "parameters", 4, 1)
+    every_block = recompute_memory(chain, 0, 16, cost, 1, "adam", True, "parameters", 4, 1)
     assert every_block == stage_peak_bytes(plan.with_updates(stages=(dataclasses.replace(
         stage, block_recompute=("block",) * 16),)), chain, 0, 1) <= limit  # what the search priced
-    assert sharded_recompute_memory(chain, 0, 16, cost, 1, "adam", False, "parameters", 4, 1) > limit  # all kept
+    assert recompute_memory(chain, 0, 16, cost, 1, "adam", False, "parameters", 4, 1) > limit  # all kept
     one_unit = stage_memory_bytes(cost, 1, "adam", True, sharding="parameters", replicas=4, num_microbatches=1)
     assert one_unit > limit  # the whole-stage checkpoint: one FSDP unit, the whole stage rebuilt at once

@@ -12,7 +12,7 @@ from fxpipe.core.recompute import RecomputeSetting, choose_recompute, parse_reco
 from fxpipe.core.schedule import SCHEDULES, warmup_forwards
 from fxpipe.core.sharding import SHARDING_LEVELS, ShardingRequest, check_request, schedule_levels
 from fxpipe.passes.partition.latency import PipelineSteps, pipeline_steps
-from fxpipe.passes.partition.selective import sharded_recompute_memory
+from fxpipe.passes.partition.selective import recompute_memory
 from fxpipe.passes.partition.spans import Candidate, Span, StageChoice
 from fxpipe.sim.allreduce_overlap import last_pass_share, stage_allreduce_offsets
 from fxpipe.sim.sharding_cost import NO_SHARDING, ShardingComm, sharding_comm
@@ -305,7 +305,8 @@ class CandidateCosts:
             inflight = self.inflight(index, len(spans), num_microbatches, warmup_policy, schedule)
             keep = stage_memory_bytes(cost, inflight, self.optimizer)
             if choose_recompute(setting, index, len(spans), keep, self.memory_limit_bytes):
-                choices.append(StageChoice(True, stage_memory_bytes(cost, inflight, self.optimizer, recompute=True)))
+                choices.append(StageChoice(True, recompute_memory(self.chain, span.first, span.stop, cost, inflight, self.optimizer,
+                                                                  True, "none", 1, 1, span.tensor_parallel, self.memory_limit_bytes)))
             else:
                 choices.append(StageChoice(False, keep))
         return choices
@@ -360,8 +361,8 @@ class CandidateCosts:
         least: StageChoice | None = None
         for level in levels:
             for recompute in recomputes:
-                memory = sharded_recompute_memory(self.chain, first, stop, cost, inflight, self.optimizer, recompute,
-                                                  level, len(devices), num_microbatches, tensor_parallel)
+                memory = recompute_memory(self.chain, first, stop, cost, inflight, self.optimizer, recompute, level,
+                                          len(devices), num_microbatches, tensor_parallel, self.memory_limit_bytes)
                 choice = StageChoice(recompute, memory, level)
                 if memory > self.memory_limit_bytes:
                     least = choice if least is None or memory < least.memory else least

@@ -111,16 +111,22 @@ def selective_choice(model: CandidateCosts, span: Span, rows: int, inflight: int
     ``"selective"`` every block with an attention core recomputes it. Returns the choice (recompute flag and
     memory redone) and the per-block choices (``()``: the flag alone says).
 
-    A sharded stage that recomputes does it per block under any setting (:func:`sharded_recompute_memory`): its
-    choices stay per block even when all are "block", so that each checkpoint sits inside its block's FSDP unit."""
+    A stage that recomputes every block keeps today's whole-stage checkpoint where that fits; else (and always on
+    a sharded stage, so that each checkpoint sits inside its block's FSDP unit) its choices stay per block, all
+    "block" (:func:`recompute_memory` priced it so)."""
     setting = model.recompute
-    sharded = choice.sharding != "none" and span.replicas > 1
-    if schedule == "zero_bubble" or not (setting == "selective" or (choice.recompute and (setting == "auto" or sharded))):
+    if schedule == "zero_bubble" or not (setting == "selective" or choice.recompute):
         return choice, ()
     cost = model.cost(span.first, span.stop, rows, span.replicas, span.tensor_parallel)
+    num_microbatches = model.global_batch_size // rows
+    sharded = choice.sharding != "none" and span.replicas > 1
+    whole_fits = not sharded and stage_memory_bytes(
+        cost, inflight, model.optimizer, True, sharding=choice.sharding, replicas=span.replicas,
+        num_microbatches=num_microbatches) <= model.memory_limit_bytes
+    if setting not in ("auto", "selective") and (whole_fits or not choice.recompute):
+        return choice, ()
     options = block_options(model.chain, span.first, span.stop, cost.rows, model.cluster.compute_slowdown,
                             span.tensor_parallel, model.cluster)
-    num_microbatches = model.global_batch_size // rows
 
     def memory(choices: tuple[str, ...]) -> int:
         selective = selective_figures(model.chain, span.first, choices, cost.rows, tensor_parallel=span.tensor_parallel)
@@ -128,36 +134,37 @@ def selective_choice(model: CandidateCosts, span: Span, rows: int, inflight: int
                                   replicas=span.replicas, num_microbatches=num_microbatches, selective=selective)
 
     every_block = ("block",) * (span.stop - span.first)
+    picked: tuple[str, ...] | None = every_block  # "always" or this stage's own flag
     if setting == "selective":
-        picked: tuple[str, ...] | None = tuple("attention" if any(name == "attention" for name, _, _ in block)
-                                               else "keep" for block in options)
+        picked = tuple("attention" if any(name == "attention" for name, _, _ in block) else "keep" for block in options)
     elif setting == "auto":
         picked = pick_block_choices(options, inflight, memory(()) - model.memory_limit_bytes)
-    else:  # "always" or this stage's own flag, on a sharded stage
-        picked = every_block
-    if picked is None and not sharded:
-        return choice, ()
+    if picked is None and (whole_fits or not sharded and memory(every_block) > model.memory_limit_bytes):
+        return choice, ()  # nothing per block fits better than the whole-stage checkpoint the search costed
     recompute, block_recompute = normalized_choices(picked or every_block)
-    if recompute and not sharded:  # every block recomputed: the whole-stage checkpoint the search costed
+    if recompute and whole_fits:  # every block recomputed: the whole-stage checkpoint the search costed
         return choice, ()
     block_recompute = every_block if recompute else block_recompute
     return StageChoice(False, memory(block_recompute), choice.sharding), block_recompute
 
 
-def sharded_recompute_memory(chain: CostChain, first: int, stop: int, cost: StageCost, inflight: int, optimizer: str,
-                             recompute: bool, sharding: str, replicas: int, num_microbatches: int,
-                             tensor_parallel: int = 1) -> int:
-    """:func:`fxpipe.sim.stagecost.stage_memory_bytes` as the search prices a stage: a sharded stage (a level other
-    than "none" over several replicas) that recomputes does it per block, every block "block" (as torchtitan
-    checkpoints each block, then shards each block: :func:`selective_choice` writes it so), so FSDP2 keeps its units
-    per block and each in-flight micro-batch keeps every block's input; any other stage as the flag says."""
-    if recompute and sharding != "none" and replicas > 1:
-        selective = selective_figures(chain, first, ("block",) * (stop - first), cost.rows,
-                                      tensor_parallel=tensor_parallel)
-        return stage_memory_bytes(cost, inflight, optimizer, False, sharding=sharding, replicas=replicas,
-                                  num_microbatches=num_microbatches, selective=selective)
-    return stage_memory_bytes(cost, inflight, optimizer, recompute, sharding=sharding, replicas=replicas,
-                              num_microbatches=num_microbatches)
+def recompute_memory(chain: CostChain, first: int, stop: int, cost: StageCost, inflight: int, optimizer: str,
+                     recompute: bool, sharding: str, replicas: int, num_microbatches: int, tensor_parallel: int = 1,
+                     limit_bytes: float = float("inf")) -> int:
+    """:func:`fxpipe.sim.stagecost.stage_memory_bytes` as the search prices a stage. One that recomputes does it per
+    block, every block "block", when it is sharded (a level other than "none" over several replicas: as torchtitan
+    checkpoints each block, then shards each block, so FSDP2 keeps its units per block) or when the whole-stage
+    checkpoint does not fit in ``limit_bytes`` and per block needs less (each in-flight micro-batch keeps every
+    block's input, one block is rebuilt at a time); :func:`selective_choice` then writes the choices per block."""
+    whole = stage_memory_bytes(cost, inflight, optimizer, recompute, sharding=sharding, replicas=replicas,
+                               num_microbatches=num_microbatches)
+    sharded = sharding != "none" and replicas > 1
+    if not recompute or (whole <= limit_bytes and not sharded):
+        return whole
+    selective = selective_figures(chain, first, ("block",) * (stop - first), cost.rows, tensor_parallel=tensor_parallel)
+    per_block = stage_memory_bytes(cost, inflight, optimizer, False, sharding=sharding, replicas=replicas,
+                                   num_microbatches=num_microbatches, selective=selective)
+    return per_block if sharded else min(whole, per_block)
 
 
 def with_block_node_counts(plan: Plan, chain: CostChain) -> Plan:
