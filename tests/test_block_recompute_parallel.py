@@ -225,3 +225,18 @@ def test_planner_recomputes_a_zero3_stage_per_block_and_prices_it_per_unit() -> 
     assert recompute_memory(chain, 0, 16, cost, 1, "adam", False, "parameters", 4, 1) > limit  # all kept
     one_unit = stage_memory_bytes(cost, 1, "adam", True, sharding="parameters", replicas=4, num_microbatches=1)
     assert one_unit > limit  # the whole-stage checkpoint: one FSDP unit, the whole stage rebuilt at once
+
+
+def test_planner_recomputes_per_block_where_only_that_fits_an_unsharded_stage() -> None:
+    """6 layers on one device at 2 GiB (1.5 GiB of weights and Adam state): the whole-stage checkpoint rebuilds 1.5 GiB
+    at once and does not fit; every block recomputed per block (one layer rebuilt at a time) does, and the plan says
+    so per block (the search priced only the whole-stage checkpoint before, and found no plan)."""
+    chain, limit = _wide_chain(6), 2 * 2**30
+    cluster = Cluster("1x1", 1, 1, DeviceSpec("dev", limit, (("float32", 1e13),), 1e12), LinkSpec(100e9, 5e-6),
+                      LinkSpec(10e9, 2e-5))
+    cost = stage_cost(chain, 0, 6, 1, 1)
+    assert stage_memory_bytes(cost, 1, "adam", True) > limit
+    plan = plan_chain(chain, cluster, 1, layout="1", num_microbatches=1)
+    stage = plan.stages[0]
+    assert not stage.recompute and stage.block_recompute.count("block") >= 5, stage.block_recompute
+    assert stage.peak_memory_bytes == stage_peak_bytes(plan, chain, 0, 1) <= limit
