@@ -64,11 +64,17 @@ def _batches(model: str) -> list[Any]:
     return [MODELS[model][2](GLOBAL_BATCH, 100 + step) for step in range(2)]
 
 
-def _choices(chain: Any) -> tuple[str, ...]:
-    """The first layer recomputes its attention core, the second every one of its blocks; the rest kept."""
+def _choices(chain: Any, model_name: str) -> tuple[str, ...]:
+    """The first layer recomputes its attention core, the second some of its blocks whole (Llama: its core's chain
+    block and the next; the small LM: all of them, so that no node of its FSDP unit is left outside a region); the
+    rest kept."""
     cores = [index for index, block in enumerate(chain.blocks) if block.attention_core_bytes.at(1) > 0]
     assert len(cores) == 2, [block.name for block in chain.blocks]
-    second = range(cores[1], cores[1] + 2)  # layer 1's attention block and its MLP block
+    second = range(cores[1], cores[1] + 2)  # layer 1's attention block and the next
+    if model_name == "tiny":
+        layer = [index for index, block in enumerate(chain.blocks)
+                 if any(name.startswith("blocks_1_") for name in block.node_names)]
+        second = range(layer[0], layer[-1] + 2)  # its first module call to its closing residual add
     return tuple("attention" if index == cores[0] else "block" if index in second else "keep"
                  for index in range(chain.num_blocks))
 
@@ -81,7 +87,7 @@ def _plan(model_name: str, layout: str, sharding: str) -> Plan:
     chain = costed_model(model, example, cluster, loss_fn=loss_fn, example_targets=batch(ROWS, 0)[1]).chain
     plan = plan_chain(chain, cluster, GLOBAL_BATCH, layout=layout, num_microbatches=NUM_MICROBATCHES,
                       recompute="never", sharding=sharding)
-    stages = tuple(dataclasses.replace(stage, block_recompute=_choices(chain)) for stage in plan.stages)
+    stages = tuple(dataclasses.replace(stage, block_recompute=_choices(chain, model_name)) for stage in plan.stages)
     return with_block_node_counts(plan.with_updates(stages=stages), chain)
 
 
@@ -142,12 +148,16 @@ def test_per_block_recompute_on_zero3_and_tensor_parallel_stages_trains_as_one_p
             # members' all-reduces), weights within 1e-4 after AdamW (tests/exactness_oracle.py)
             assert result["problems"] == [], (rank, name, result["problems"])
         # three regions: layer 0's core, layer 1's attention block and MLP block
-        assert [len(result["regions"]) for result in results.values()] == [3, 3, 3], (rank, results)
+        # Llama: layer 0's core, layer 1's core block and the next; the small LM: layer 0's core, layer 1 block by block
+        assert [len(result["regions"]) for result in results.values()] == [3, 21, 3], (rank, results)
         # ZeRO-3: each layer its own FSDP unit holding its regions, so the unit's hooks wrap the checkpoint (the
-        # export front end's regions read weights as arguments, the fx one's call the block's layers)
-        for name in ("zero3", "zero3 fx"):
-            assert results[name]["units"] == [["fxpipe_recompute_0"], ["fxpipe_recompute_1", "fxpipe_recompute_2"]], (
-                rank, name, results[name]["units"])
+        # export front end's regions read weights as arguments; the fx one's call the block's layers, and the small
+        # LM's layer 1 is all regions: its unit is found through what they call). The small LM's closing residual
+        # add (its last region) calls no module and follows the layer's last call: the root unit runs it
+        for name, outside in (("zero3", set()), ("zero3 fx", {"fxpipe_recompute_20"})):
+            units, regions = results[name]["units"], results[name]["regions"]
+            assert len(units) == 2 and units[0] == ["fxpipe_recompute_0"], (rank, name, units)
+            assert sorted(units[1]) == sorted(set(regions) - {"fxpipe_recompute_0"} - outside), (rank, name, units)
 
 
 # ---------------------------------------------------------------- simulator, reference, pivot model and planner
