@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -11,6 +12,7 @@ import torch
 from fxpipe.compile_parallel_loss import output_value, parallel_loss_for
 from fxpipe.compile_sequence_boundary import sequence_boundary
 from fxpipe.core import meta
+from fxpipe.passes.recompute_regions import tensor_parallel_regions
 from fxpipe.passes.tensor_parallel_ops import register_group
 from fxpipe.passes.tp_shard import TensorParallelStage, shard_stage
 from fxpipe.runtime.faults.guard import release_group, setup_group, setup_phase
@@ -89,6 +91,9 @@ def apply_tensor_parallel(driver: PipelineDriver, sequence_parallel: bool = Fals
                     if sequence_parallel else (frozenset(), {})
                 sharded, params = shard_for_member(module, driver.stage, driver.program, groups.degree, groups.member,
                                                    key, sequence_parallel, driver.is_last, names)
+                # per-block recompute on the shard: its regions rerun the member's collectives in backward
+                sharded = dataclasses.replace(sharded, module=tensor_parallel_regions(
+                    sharded.module, driver.plan.stages[driver.stage_index]))
                 driver.apply_tensor_parallel(sharded.module, params, split)
                 driver.tp_notes = sharded.notes + use_parallel_loss(driver, sharded, module, key)
                 release_unsharded(driver.stage, [stage.module for stage in driver.program.stages], traced)

@@ -26,6 +26,8 @@ class CheckpointedRegion(torch.nn.Module):
     """Runs ``region`` keeping only its inputs for backward, which runs it again first (non-reentrant
     checkpointing: random draws and autocast state as in the first run, so gradients are exact)."""
 
+    is_checkpointed_region = True  # how a sharded stage's FSDP units find regions (fxpipe.runtime.parallel.fsdp_units)
+
     def __init__(self, region: fx.GraphModule) -> None:
         super().__init__()
         # hidden from the module tree: the region's layers are the stage's own (same objects, one set of parameters
@@ -99,9 +101,13 @@ def _rebuilt_bytes(region: fx.GraphModule, args: Sequence[Any], excluded: set[in
     return sum(sizes.values())
 
 
-def stage_regions(gm: fx.GraphModule, stage: StagePlan) -> list[tuple[str, ...]]:
+def stage_regions(gm: fx.GraphModule, stage: StagePlan, *, positional: bool = False) -> list[tuple[str, ...]]:
     """Node names of every region the stage recomputes: a "block" block's nodes, an "attention" block's cores,
-    in graph order; block boundaries come from ``stage.block_node_counts`` (a stage all "attention" needs none)."""
+    in graph order; block boundaries come from ``stage.block_node_counts`` (a stage all "attention" needs none).
+
+    ``positional``: ``gm`` is a tensor-parallel member's shard of the stage (fxpipe.passes.tp_shard), whose split
+    linears and collectives carry new names; a block is then the stretch of the graph from its first node still
+    named as planned up to the next block's (:func:`_stretches`), the new nodes going with the block before them."""
     names = {node.name for node in gm.graph.nodes if node.op not in ("placeholder", "output")}
     choices = stage.block_recompute
     if not choices:
@@ -113,17 +119,42 @@ def stage_regions(gm: fx.GraphModule, stage: StagePlan) -> list[tuple[str, ...]]
                 "block_node_counts to find its blocks' nodes; plan it with fxpipe (fxpipe.plan / fxpipe plan) or use "
                 "recompute='selective', 'always' or 'never'")
         return [core for core in _cores(gm) if set(core) <= names]
+    blocks = _stretches(gm, stage) if positional else _planned_blocks(stage, names)
     regions: list[tuple[str, ...]] = []
-    start = 0
     cores = _cores(gm)
-    for choice, count in zip(choices, stage.block_node_counts, strict=True):
-        block = tuple(name for name in stage.node_names[start:start + count] if name in names)
-        start += count
+    for choice, block in zip(choices, blocks, strict=True):
         if choice == "block" and block:
             regions.append(block)
         elif choice == "attention":
             regions.extend(core for core in cores if set(core) <= set(block))
     return regions
+
+
+def _planned_blocks(stage: StagePlan, names: set[str]) -> list[tuple[str, ...]]:
+    """Each block's node names, as the plan lists them, that the stage's graph holds."""
+    blocks, start = [], 0
+    for count in stage.block_node_counts:
+        blocks.append(tuple(name for name in stage.node_names[start:start + count] if name in names))
+        start += count
+    return blocks
+
+
+def _stretches(gm: fx.GraphModule, stage: StagePlan) -> list[tuple[str, ...]]:
+    """Each block's nodes on a rewritten stage graph: a node named as planned belongs to its block, any other node
+    to the block of the last planned node before it (get_attr nodes aside: a region reads them as arguments)."""
+    block_of, start = {}, 0
+    for index, count in enumerate(stage.block_node_counts):
+        block_of.update((name, index) for name in stage.node_names[start:start + count])
+        start += count
+    blocks: list[list[str]] = [[] for _ in stage.block_node_counts]
+    current: int | None = None
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        current = max(block_of.get(node.name, -1), current if current is not None else -1)
+        if current >= 0:  # nodes before the first planned one (a rewrite's entry collectives) stay outside
+            blocks[current].append(node.name)
+    return [tuple(block) for block in blocks]
 
 
 def _cores(gm: fx.GraphModule) -> list[tuple[str, ...]]:
@@ -197,11 +228,13 @@ def _region_graph(inside: Sequence[fx.Node], inputs: Sequence[fx.Node], outputs:
 
 
 def with_recompute_regions(program: SplitProgram, plan: Plan) -> SplitProgram:
-    """``program`` whose stages recompute the plan's per-block choices (:func:`checkpoint_regions`)."""
+    """``program`` whose stages recompute the plan's per-block choices (:func:`checkpoint_regions`). A
+    tensor-parallel stage gets its regions on each member's shard instead (:func:`tensor_parallel_regions`): the
+    sharding pass rewrites the graph the regions would hide. Its regions are checked here all the same."""
     stages = []
     for stage_program, stage in zip(program.stages, plan.stages, strict=True):
         regions = stage_regions(stage_program.module, stage)
-        if regions:
+        if regions and stage.tensor_parallel == 1:
             stage_program = replace(stage_program, module=_kept_meta(
                 checkpoint_regions(stage_program.module, regions), stage_program.module.meta))
         stages.append(stage_program)
@@ -211,3 +244,11 @@ def with_recompute_regions(program: SplitProgram, plan: Plan) -> SplitProgram:
 def _kept_meta(gm: fx.GraphModule, meta: Mapping[str, Any]) -> fx.GraphModule:
     gm.meta.update(meta)
     return gm
+
+
+def tensor_parallel_regions(sharded: fx.GraphModule, stage: StagePlan) -> fx.GraphModule:
+    """A tensor-parallel member's shard of ``stage`` recomputing the plan's per-block choices (``sharded`` itself
+    when there are none). Each region reruns its collectives in the backward, in the same order on every member
+    (the same graph; non-reentrant checkpointing stops a recompute after the region's last saved tensor alike)."""
+    regions = stage_regions(sharded, stage, positional=True)
+    return _kept_meta(checkpoint_regions(sharded, regions), sharded.meta) if regions else sharded

@@ -220,7 +220,8 @@ def stage_seconds(plan: Plan, chain: CostChain, net: Cluster, stage_index: int, 
     backward = sum(b for _, b in times)
     if stage.recompute:
         backward += forward
-    backward += rerun_and_dropped(chain, plan.stages[stage_index], rows)[0] * stretch(net)
+    rerun, _, rerun_comm = rerun_and_dropped(chain, plan.stages[stage_index], rows, net)
+    backward += rerun * stretch(net) + rerun_comm
     comm = sharded_collectives(plan, chain, net, stage_index)  # on the critical path, never split
     action = net.action_overhead_s * stretch(net)
     if not split:
@@ -233,24 +234,34 @@ def stage_seconds(plan: Plan, chain: CostChain, net: Cluster, stage_index: int, 
             "W": total * weight_share + comm["B"]}
 
 
-def rerun_and_dropped(chain: CostChain, stage, rows: int) -> tuple[float, list[float]]:  # type: ignore[no-untyped-def]
-    """Selective recompute written out: the forward seconds a stage's per-block choices rerun in one backward
-    (unstretched) and, per block, the bytes it stops keeping; a T-way group member does 1/T of both."""
-    seconds, dropped = 0.0, []
+def rerun_and_dropped(chain: CostChain, stage, rows: int, net: Cluster | None = None  # type: ignore[no-untyped-def]
+                      ) -> tuple[float, list[float], float]:
+    """Selective recompute written out: the forward compute seconds a stage's per-block choices rerun in one backward
+    (unstretched), per block the bytes it stops keeping, and the collective seconds the rerun forwards run again
+    (``net`` given). On a T-way group member a split block's core is 1/T; a recomputed split block saves the
+    member's share of its activations less what it reads (whole), for its member forward and its collectives."""
+    seconds, dropped, comm = 0.0, [], 0.0
+    degree = stage.tensor_parallel
     for offset, choice in enumerate(stage.block_recompute):
         index = stage.first_block + offset
         block = chain.blocks[index]
+        split = splits_over(block, degree)
         if choice == "attention":
-            seconds += at(block.attention_core_s, rows)
-            dropped.append(at(block.attention_core_bytes, rows))
+            seconds += at(block.attention_core_s, rows) / (degree if split else 1)
+            dropped.append(at(block.attention_core_bytes, rows) / (degree if split else 1))
         elif choice == "block":  # keeps what it reads and, last block, the loss's saved tensors
             reads = at(chain.input_bytes if index == 0 else chain.cut_bytes[index - 1], rows)
             loss = at(chain.loss_saved_bytes, rows) if index == chain.num_blocks - 1 else 0.0
-            seconds += at(block.forward_s, rows)
-            dropped.append(max(0.0, at(block.saved_bytes, rows) - reads - loss))
+            share = (1 - block.tp.saved_share + block.tp.saved_share / degree) if split else 1.0
+            dropped.append(max(0.0, at(block.saved_bytes, rows) * share - reads - loss))
+            keep = (1 - block.tp.time_share + block.tp.time_share / degree) if split else 1.0
+            if split and net is not None:  # the member's forward waits for its peers, then its collectives run
+                keep *= 1 + (degree - 1) * net.lockstep_wait_fraction
+                comm += block_member_seconds(net, block, rows, degree)[0] - at(block.forward_s, rows) * stretch(net) * keep
+            seconds += at(block.forward_s, rows) * keep
         else:
             dropped.append(0.0)
-    return seconds / stage.tensor_parallel, [num_bytes / stage.tensor_parallel for num_bytes in dropped]
+    return seconds, dropped, comm
 
 
 def build_replicas(plan: Plan, chain: CostChain, net: Cluster, split: bool, weight_share: float) -> dict[Key, Replica]:

@@ -77,7 +77,7 @@ def compute_times(chain: CostChain, first: int, stop: int, rows: int, slowdown: 
     (:mod:`fxpipe.sim.tensor_parallel_cost`). Per-block ``block_recompute`` choices add the forward they rerun
     (:func:`fxpipe.sim.recompute_cost.selective_figures`).
     """
-    extra_s = selective_seconds(chain, first, block_recompute, rows, slowdown, tensor_parallel)
+    extra_s = selective_seconds(chain, first, block_recompute, rows, slowdown, tensor_parallel, cluster)
     if tensor_parallel > 1:
         assert cluster is not None, "a tensor-parallel stage's collectives need the cluster's links"
         forward_s, backward_s = tensor_parallel_times(chain, cluster, first, stop, rows, tensor_parallel, slowdown)

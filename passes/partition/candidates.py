@@ -12,6 +12,7 @@ from fxpipe.core.recompute import RecomputeSetting, choose_recompute, parse_reco
 from fxpipe.core.schedule import SCHEDULES, warmup_forwards
 from fxpipe.core.sharding import SHARDING_LEVELS, ShardingRequest, check_request, schedule_levels
 from fxpipe.passes.partition.latency import PipelineSteps, pipeline_steps
+from fxpipe.passes.partition.selective import recompute_memory
 from fxpipe.passes.partition.spans import Candidate, Span, StageChoice
 from fxpipe.sim.allreduce_overlap import last_pass_share, stage_allreduce_offsets
 from fxpipe.sim.sharding_cost import NO_SHARDING, ShardingComm, sharding_comm
@@ -328,7 +329,8 @@ class CandidateCosts:
         cost = self.cost(first, stop, rows, replicas, tensor_parallel)
         keep = stage_memory_bytes(cost, inflight, self.optimizer)
         if choose_recompute(setting, 0, 1, keep, self.memory_limit_bytes):
-            return StageChoice(True, stage_memory_bytes(cost, inflight, self.optimizer, recompute=True))
+            return StageChoice(True, recompute_memory(self.chain, first, stop, cost, inflight, self.optimizer, True,
+                                                      "none", 1, 1, tensor_parallel, self.memory_limit_bytes))
         return StageChoice(False, keep)
 
     def _sharded_choices(self, spans: Sequence[Span], rows: int, warmup_policy: str, schedule: str | None,
@@ -381,8 +383,8 @@ class CandidateCosts:
         least: StageChoice | None = None
         for level in levels:
             for recompute in recomputes:
-                memory = stage_memory_bytes(cost, inflight, self.optimizer, recompute, sharding=level,
-                                            replicas=len(devices), num_microbatches=num_microbatches)
+                memory = recompute_memory(self.chain, first, stop, cost, inflight, self.optimizer, recompute, level,
+                                          len(devices), num_microbatches, tensor_parallel, self.memory_limit_bytes)
                 choice = StageChoice(recompute, memory, level)
                 if memory > self.memory_limit_bytes:
                     least = choice if least is None or memory < least.memory else least

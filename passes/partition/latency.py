@@ -235,7 +235,8 @@ def stage_times(plan: Plan, chain: CostChain, cluster: Cluster) -> PipelineSteps
                           cluster.compute_slowdown, tensor_parallel=stage.tensor_parallel, cluster=cluster)
         message_s = message_seconds(cluster, plan.microbatch_size, replicas, stage.stage_index)
         backward_s = backward_seconds(cost.forward_s, cost.backward_s, stage.recompute) + selective_seconds(
-            chain, stage.first_block, stage.block_recompute, cost.rows, cluster.compute_slowdown, stage.tensor_parallel)
+            chain, stage.first_block, stage.block_recompute, cost.rows, cluster.compute_slowdown, stage.tensor_parallel,
+            cluster)
         _, tail = stage_allreduce_offsets(chain, cluster, stage.first_block, stage.stop_block, leads[stage.stage_index],
                                           cost.rows, own_bytes[stage.stage_index], plan.allreduce_bucket_bytes,
                                           last_pass_share(stage.stage_index, plan.schedule == "zero_bubble",

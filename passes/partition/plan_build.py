@@ -41,7 +41,8 @@ def build_plan(model: CandidateCosts, candidate: Candidate, *, schedule: str, wa
             inflight_microbatches=inflight[index],
             activation_peak_bytes=activation_peak_bytes(
                 cost, inflight[index], num_microbatches, choices[index].recompute,
-                selective_figures(chain, span.first, block_recompute, cost.rows, tensor_parallel=span.tensor_parallel)),
+                selective_figures(chain, span.first, block_recompute, cost.rows, tensor_parallel=span.tensor_parallel,
+                                  cluster=model.cluster)),
             tensor_parallel=span.tensor_parallel, block_recompute=block_recompute,
         ))
     return Plan(

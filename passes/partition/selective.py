@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING
 from fxpipe.core.block_recompute import normalized_choices
 from fxpipe.core.plan import Plan
 from fxpipe.passes.partition.spans import Span, StageChoice
-from fxpipe.sim.recompute_cost import block_saving, selective_figures
-from fxpipe.sim.stagecost import stage_memory_bytes
+from fxpipe.sim.recompute_cost import member_saving, selective_figures
+from fxpipe.sim.stagecost import StageCost, stage_memory_bytes
 
 if TYPE_CHECKING:
     from fxpipe.core.chain import CostChain
+    from fxpipe.core.cluster import Cluster
     from fxpipe.passes.partition.candidates import CandidateCosts
 
 # (choice, bytes saved per micro-batch slice, forward seconds added), per block; "keep" is (0, 0)
@@ -22,16 +23,17 @@ BlockOptions = Sequence[Sequence[tuple[str, float, float]]]
 
 
 def block_options(chain: CostChain, first: int, stop: int, rows: int, slowdown: float = 1.0,
-                  tensor_parallel: int = 1) -> list[list[tuple[str, float, float]]]:
-    """Each block's useful choices with their figures (:func:`fxpipe.sim.recompute_cost.block_saving`): "keep",
-    "attention" where the block has a core, "block" where it saves bytes."""
+                  tensor_parallel: int = 1, cluster: Cluster | None = None) -> list[list[tuple[str, float, float]]]:
+    """Each block's useful choices with one device's figures (:func:`fxpipe.sim.recompute_cost.member_saving`; a
+    T-way member reruns its collectives too): "keep", "attention" where the block has a core, "block" where it
+    saves bytes."""
     options = []
     for index in range(first, stop):
         found = [("keep", 0.0, 0.0)]
         for choice in ("attention", "block"):
-            num_bytes, seconds = block_saving(chain, index, choice, rows)
+            num_bytes, seconds = member_saving(chain, index, choice, rows, slowdown, tensor_parallel, cluster)
             if num_bytes > 0:
-                found.append((choice, num_bytes / tensor_parallel, seconds * slowdown / tensor_parallel))
+                found.append((choice, num_bytes, seconds))
         options.append(found)
     return options
 
@@ -107,32 +109,62 @@ def selective_choice(model: CandidateCosts, span: Span, rows: int, inflight: int
     """A stage's choice with per-block recompute where the setting asks for it: under ``"auto"`` a stage the
     search recomputes whole gets the cheapest per-block choices that fit (:func:`pick_block_choices`); under
     ``"selective"`` every block with an attention core recomputes it. Returns the choice (recompute flag and
-    memory redone) and the per-block choices (``()``: the flag alone says)."""
+    memory redone) and the per-block choices (``()``: the flag alone says).
+
+    A stage that recomputes every block keeps today's whole-stage checkpoint where that fits; else (and always on
+    a sharded stage, so that each checkpoint sits inside its block's FSDP unit) its choices stay per block, all
+    "block" (:func:`recompute_memory` priced it so)."""
     setting = model.recompute
-    if schedule == "zero_bubble" or setting not in ("auto", "selective") or (setting == "auto" and not choice.recompute):
-        return choice, ()
-    if choice.sharding != "none" or span.tensor_parallel > 1:  # the runtime runs per-block choices unsharded, T = 1
+    if schedule == "zero_bubble" or not (setting == "selective" or choice.recompute):
         return choice, ()
     cost = model.cost(span.first, span.stop, rows, span.replicas, span.tensor_parallel)
-    options = block_options(model.chain, span.first, span.stop, cost.rows, tensor_parallel=span.tensor_parallel)
     num_microbatches = model.global_batch_size // rows
+    sharded = choice.sharding != "none" and span.replicas > 1
+    whole_fits = not sharded and stage_memory_bytes(
+        cost, inflight, model.optimizer, True, sharding=choice.sharding, replicas=span.replicas,
+        num_microbatches=num_microbatches) <= model.memory_limit_bytes
+    if setting not in ("auto", "selective") and (whole_fits or not choice.recompute):
+        return choice, ()
+    options = block_options(model.chain, span.first, span.stop, cost.rows, model.cluster.compute_slowdown,
+                            span.tensor_parallel, model.cluster)
 
     def memory(choices: tuple[str, ...]) -> int:
         selective = selective_figures(model.chain, span.first, choices, cost.rows, tensor_parallel=span.tensor_parallel)
         return stage_memory_bytes(cost, inflight, model.optimizer, False, sharding=choice.sharding,
                                   replicas=span.replicas, num_microbatches=num_microbatches, selective=selective)
 
+    every_block = ("block",) * (span.stop - span.first)
+    picked: tuple[str, ...] | None = every_block  # "always" or this stage's own flag
     if setting == "selective":
-        picked: tuple[str, ...] | None = tuple("attention" if any(name == "attention" for name, _, _ in block)
-                                               else "keep" for block in options)
-    else:
+        picked = tuple("attention" if any(name == "attention" for name, _, _ in block) else "keep" for block in options)
+    elif setting == "auto":
         picked = pick_block_choices(options, inflight, memory(()) - model.memory_limit_bytes)
-    if picked is None:
+    if picked is None and (whole_fits or not sharded and memory(every_block) > model.memory_limit_bytes):
+        return choice, ()  # nothing per block fits better than the whole-stage checkpoint the search costed
+    recompute, block_recompute = normalized_choices(picked or every_block)
+    if recompute and whole_fits:  # every block recomputed: the whole-stage checkpoint the search costed
         return choice, ()
-    recompute, block_recompute = normalized_choices(picked)
-    if recompute:  # every block recomputed: the whole-stage checkpoint the search costed
-        return choice, ()
+    block_recompute = every_block if recompute else block_recompute
     return StageChoice(False, memory(block_recompute), choice.sharding), block_recompute
+
+
+def recompute_memory(chain: CostChain, first: int, stop: int, cost: StageCost, inflight: int, optimizer: str,
+                     recompute: bool, sharding: str, replicas: int, num_microbatches: int, tensor_parallel: int = 1,
+                     limit_bytes: float = float("inf")) -> int:
+    """:func:`fxpipe.sim.stagecost.stage_memory_bytes` as the search prices a stage. One that recomputes does it per
+    block, every block "block", when it is sharded (a level other than "none" over several replicas: as torchtitan
+    checkpoints each block, then shards each block, so FSDP2 keeps its units per block) or when the whole-stage
+    checkpoint does not fit in ``limit_bytes`` and per block needs less (each in-flight micro-batch keeps every
+    block's input, one block is rebuilt at a time); :func:`selective_choice` then writes the choices per block."""
+    whole = stage_memory_bytes(cost, inflight, optimizer, recompute, sharding=sharding, replicas=replicas,
+                               num_microbatches=num_microbatches)
+    sharded = sharding != "none" and replicas > 1
+    if not recompute or (whole <= limit_bytes and not sharded):
+        return whole
+    selective = selective_figures(chain, first, ("block",) * (stop - first), cost.rows, tensor_parallel=tensor_parallel)
+    per_block = stage_memory_bytes(cost, inflight, optimizer, False, sharding=sharding, replicas=replicas,
+                                   num_microbatches=num_microbatches, selective=selective)
+    return per_block if sharded else min(whole, per_block)
 
 
 def with_block_node_counts(plan: Plan, chain: CostChain) -> Plan:

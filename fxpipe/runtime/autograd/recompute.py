@@ -58,8 +58,9 @@ def _buffers_restored(module: torch.nn.Module) -> Iterator[None]:
 
 def check_recompute_batch_norm(plan: Plan, stage_modules: Sequence[torch.nn.Module], batch_norm: str) -> None:
     """Deferred/synchronised batch norm (collectives and sums per forward) cannot run twice per micro-batch; nor can
-    zero-bubble's split backward rerun a checkpoint; per-block recompute runs on unsharded T = 1 stages without
-    batch norm in a whole recomputed block.
+    zero-bubble's split backward rerun a checkpoint; nor can a whole recomputed block hold batch norm. Per-block
+    recompute runs on sharded stages (each region inside its block's FSDP unit) and on tensor-parallel members (the
+    regions placed on each member's shard, rerunning its collectives).
 
     Decided from the plan and every stage's module, so every rank raises alike.
     """
@@ -69,12 +70,6 @@ def check_recompute_batch_norm(plan: Plan, stage_modules: Sequence[torch.nn.Modu
             f"stages {recomputing} recompute their activations, which zero-bubble's split backward (B, then W "
             "on the same autograd graph) cannot run; use schedule='early_backward' (or 'auto') with "
             "recomputation, or recompute='never' with zero_bubble")
-    selective = [stage.stage_index for stage in plan.stages if stage.block_recompute
-                 and (stage.sharding != "none" or stage.tensor_parallel > 1)]
-    if selective:
-        raise PipelineSetupError(
-            f"stages {selective} recompute per block (block_recompute) but are sharded or tensor-parallel, which "
-            "per-block recompute does not run yet; use recompute='always' or 'never' for them")
     for stage, module in zip(plan.stages, stage_modules, strict=True):
         names = [name for name, layer in module.named_modules() if isinstance(layer, _BatchNorm)]
         if "block" in stage.block_recompute and names:  # a checkpointed block would update their statistics twice

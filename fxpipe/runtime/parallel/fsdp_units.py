@@ -36,10 +36,45 @@ class UnitSpan:
     node_indexes: tuple[int, ...]
 
 
+# what a checkpointed region (fxpipe.passes.recompute_regions) reading several blocks' modules reads: no unit's path
+MIXED_BLOCKS = "<several blocks>"
+
+
 def _reads(node: fx.Node) -> str | None:
-    if node.op in ("call_module", "get_attr"):
+    """The block path whose modules or parameters ``node`` reads (None: none, a root module's or only functions).
+
+    A checkpointed region (per-block recompute) reads what its own graph reads: a region inside one block joins that
+    block's unit, so FSDP2's hooks sit outside the checkpoint (as torchtitan applies ``fully_shard`` after
+    activation checkpointing): the unit's pre-backward hook gathers its weights before the recompute runs on them."""
+    if node.op == "get_attr":
         return block_path(str(node.target))
-    return None
+    if node.op != "call_module":
+        return None
+    inner = region_of(node)
+    if inner is None:
+        return block_path(str(node.target))
+    paths = {_reads(each) for each in inner.graph.nodes} - {None}
+    return paths.pop() if len(paths) == 1 else MIXED_BLOCKS if paths else None
+
+
+def _inside_block(node: fx.Node, path: str) -> bool:
+    """Whether ``node`` may run inside block ``path``'s unit: it reads that block's modules, or nothing (a function,
+    or a checkpointed region calling only functions: an attention core of matmuls and a softmax)."""
+    if node.op not in ("call_module", "get_attr"):
+        return True
+    found = _reads(node)
+    return found == path or (found is None and region_of(node) is not None)
+
+
+def region_of(node: fx.Node) -> fx.GraphModule | None:
+    """The region graph a ``call_module`` node runs when its module is a checkpointed region, else None."""
+    owner = node.graph.owning_module
+    if owner is None or node.op != "call_module":
+        return None
+    module = owner.get_submodule(str(node.target))
+    # marked by fxpipe.passes.recompute_regions.CheckpointedRegion (the runtime does not import the passes)
+    region = module.__dict__.get("region") if getattr(module, "is_checkpointed_region", False) else None
+    return region if isinstance(region, fx.GraphModule) else None
 
 
 def unit_spans(gm: fx.GraphModule) -> list[UnitSpan]:
@@ -66,8 +101,7 @@ def unit_spans(gm: fx.GraphModule) -> list[UnitSpan]:
         inside = [index for index in range(low, high + 1)
                   if nodes[index].op not in ("get_attr", "placeholder", "output") or index in members[path]]
         inside += [index for index in members[path] if index < low]
-        if any(_reads(nodes[index]) != path for index in inside
-               if nodes[index].op in ("call_module", "get_attr")):
+        if not all(_inside_block(nodes[index], path) for index in inside):
             continue  # it calls a module of another block or of the root: not one stretch of this block
         units.append(UnitSpan(path, tuple(sorted(set(inside)))))
     return units
@@ -105,6 +139,7 @@ def _unit_module(gm: fx.GraphModule, span: UnitSpan, nodes: Sequence[fx.Node]) -
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     inputs: list[fx.Node] = []
+    regions: dict[str, torch.nn.Module] = {}
 
     def value_of(node: fx.Node) -> fx.Node:
         if node not in env:
@@ -117,13 +152,17 @@ def _unit_module(gm: fx.GraphModule, span: UnitSpan, nodes: Sequence[fx.Node]) -
             if arg not in inside_set:
                 value_of(arg)
         copied = graph.node_copy(node, lambda arg: env[arg])
-        if node.op in ("call_module", "get_attr"):
+        if region_of(node) is not None:  # a checkpointed region: the unit holds it under its own name
+            regions[str(node.target)] = gm.get_submodule(str(node.target))
+        elif node.op in ("call_module", "get_attr"):
             copied.target = "block" + str(node.target)[len(span.path):]
         env[node] = copied
     outputs = [node for node in inside if any(user not in inside_set for user in node.users)]
     graph.output(tuple(graph.call_function(unviewed, (env[node],)) for node in outputs))
     holder = torch.nn.Module()
     holder.block = gm.get_submodule(span.path)
+    for name, region in regions.items():
+        holder.add_module(name, region)
     module = UnitModule(holder, graph, class_name="UnitModule")
     module.block = holder.block  # GraphModule copied fresh parents of what the graph reads; use the block whole
     return module, inputs, outputs
