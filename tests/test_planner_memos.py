@@ -14,6 +14,7 @@ from fxpipe.core.recompute import choose_recompute
 from fxpipe.core.row_slices import shared_rows
 from fxpipe.passes.partition.candidates import CandidateCosts
 from fxpipe.passes.partition.cut_scores import cut_scorer
+from fxpipe.passes.partition.selective import recompute_memory
 from fxpipe.passes.partition.spans import StageChoice, spans_from_stops
 from fxpipe.sim.stagecost import largest_unit_bytes, num_units, stage_memory_bytes, transfer_time
 
@@ -116,15 +117,17 @@ def test_transfer_time_still_refuses_a_device_outside_the_cluster() -> None:
 
 
 def walked_choices(model: CandidateCosts, spans: list, rows: int, setting: object) -> list[StageChoice]:  # type: ignore[type-arg]
-    """Every stage's recompute choice and memory as stage_choices computed them before the per-stage memo."""
+    """Every stage's recompute choice and memory as stage_choices computed them before the per-stage memo (a
+    recomputing stage's memory: whole-stage or per block, whichever needs less: selective.recompute_memory)."""
     choices = []
     for index, span in enumerate(spans):
         cost = model.cost(span.first, span.stop, rows, span.replicas, span.tensor_parallel)
         inflight = model.inflight(index, len(spans), model.global_batch_size // rows, "A")
         keep = stage_memory_bytes(cost, inflight, model.optimizer)
         recompute = choose_recompute(setting, index, len(spans), keep, model.memory_limit_bytes)  # type: ignore[arg-type]
-        choices.append(StageChoice(recompute, stage_memory_bytes(cost, inflight, model.optimizer, recompute=recompute)
-                                   if recompute else keep))
+        recomputed = recompute_memory(model.chain, span.first, span.stop, cost, inflight, model.optimizer, True, "none",
+                                      1, 1, span.tensor_parallel, model.memory_limit_bytes) if recompute else keep
+        choices.append(StageChoice(recompute, recomputed))
     return choices
 
 
