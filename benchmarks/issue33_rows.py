@@ -1,10 +1,11 @@
 """Issue 33's own table re-planned: Llama-3 70B and 8B shapes on the meta device, bf16, analytic costs, sharding auto.
 
 Run: python benchmarks/issue33_rows.py --cache DIR   (traces two models: several minutes on a small machine;
-``--cache`` keeps their chains as benchmarks/scale_study.py does; the printed lines of one run are in
+``--cache`` keeps their cost graphs as benchmarks/scale_study.py does; the printed lines of one run are in
 issue33_rows.md). Each line: fxpipe's plan with one stage per group and with ``virtual_stages="auto"`` (v, schedule
 and the per-block recompute choices), the published layout forced at its published v, and the ratio of fxpipe's
-``virtual_stages="auto"`` plan over it. Megatron-Bridge's 70B recipe on 64 GPUs (TP4 PP8 VP5) is also forced at v=1.
+``virtual_stages="auto"`` plan over it. Megatron-Bridge's 70B recipe on 64 GPUs (TP4 PP8 VP5) is also forced at v=1,
+and planned again on a chain of one block per layer (80 + 2: 40 equal chunks need it; the default 64 cannot).
 """
 
 from __future__ import annotations
@@ -30,33 +31,36 @@ CASES = (
 )
 
 
+def print_row(case: study.Case, chain: study.CostChain, chain_s: float) -> None:
+    """One case planned three ways (study.study_case), and a published layout with virtual stages also at v=1."""
+    row = study.study_case(case, chain, chain_s)
+    published = study.compact(case.layout) + (f" v={case.virtual_stages}" if case.virtual_stages > 1 else "")
+    print(case.name, case.cluster, "GBS", case.global_batch_size, f"chain {len(chain.blocks)} blocks",
+          f"| fxpipe v=1: {study.describe(row.planned, row.why[0])}",
+          f"plan {row.planned_s:.1f} s ({row.planned_cpu_s:.1f} CPU)",
+          f"| fxpipe v=auto: {study.describe(row.virtual, row.why[2], show_v=True)}",
+          f"recompute [{study.recompute_choices(row.virtual)}]",
+          f"plan {row.virtual_s:.1f} s ({row.virtual_cpu_s:.1f} CPU)",
+          f"| forced {published}: {study.describe(row.forced, row.why[1])}",
+          f"recompute [{study.recompute_choices(row.forced)}]",
+          "| ratio", study.ratio(row), flush=True)
+    if case.virtual_stages > 1:  # the same layout without its virtual stages
+        flat, _, _, why = study._timed(partial(plan_chain, chain, row.cluster, case.global_batch_size,
+                                               layout=case.layout, precision=study.PRECISION,
+                                               sharding=study.SHARDING))
+        print("   forced", study.compact(case.layout), "v=1:", study.describe(flat, why),
+              f"recompute [{study.recompute_choices(flat)}]", flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--cache", type=Path, help="a folder to keep traced chains in and reuse them from")
     args = parser.parse_args(argv)
-    chains: dict[tuple[study.Shape, int], tuple[study.CostChain, float]] = {}
     for case in CASES:
-        key = (case.shape, case.seq_len)
-        if key not in chains:
-            chains[key] = study.cached_chain(case, args.cache)
-        chain, chain_s = chains[key]
-        row = study.study_case(case, chain, chain_s)
-        published = study.compact(case.layout) + (f" v={case.virtual_stages}" if case.virtual_stages > 1 else "")
-        print(case.name, case.cluster, "GBS", case.global_batch_size,
-              f"| fxpipe v=1: {study.describe(row.planned, row.why[0])}",
-              f"plan {row.planned_s:.1f} s ({row.planned_cpu_s:.1f} CPU)",
-              f"| fxpipe v=auto: {study.describe(row.virtual, row.why[2], show_v=True)}",
-              f"recompute [{study.recompute_choices(row.virtual)}]",
-              f"plan {row.virtual_s:.1f} s ({row.virtual_cpu_s:.1f} CPU)",
-              f"| forced {published}: {study.describe(row.forced, row.why[1])}",
-              f"recompute [{study.recompute_choices(row.forced)}]",
-              "| ratio", study.ratio(row), flush=True)
-        if case.virtual_stages > 1:  # the same layout without its virtual stages
-            flat, _, _, why = study._timed(partial(plan_chain, chain, row.cluster, case.global_batch_size,
-                                                   layout=case.layout, precision=study.PRECISION,
-                                                   sharding=study.SHARDING))
-            print("   forced", study.compact(case.layout), "v=1:", study.describe(flat, why),
-                  f"recompute [{study.recompute_choices(flat)}]", flush=True)
+        print_row(case, *study.cached_chain(case, args.cache))
+        if case.virtual_stages > 1:
+            # G x v equal chunks need a chain cut finely enough: about one block per layer (and the two ends)
+            print_row(case, *study.cached_chain(case, args.cache, max_blocks=case.shape.layers + 2))
 
 
 if __name__ == "__main__":

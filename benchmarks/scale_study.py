@@ -36,14 +36,14 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from tabulate import tabulate
 
 from fxpipe.core.block_recompute import BLOCK_CHOICES, effective_choices
-from fxpipe.core.chain import CostChain
+from fxpipe.core.chain import CostChain, build_chain
 from fxpipe.core.cluster import Cluster, parse_cluster
 from fxpipe.core.plan import Plan
 from fxpipe.core.utilization import model_flops_utilization, tokens_per_s_per_device
@@ -137,12 +137,7 @@ class Row:
 
 def chain_for(case: Case) -> CostChain:
     """The case's model on the meta device, traced and costed in bf16 on its cluster's devices."""
-    shape = case.shape
-    model, inputs = llama(num_layers=shape.layers, hidden=shape.hidden, heads=shape.heads, vocab_size=shape.vocab,
-                          seq_len=case.seq_len, batch_size=2, device="meta", intermediate=shape.intermediate,
-                          kv_heads=shape.kv_heads)
-    return costed_model(model, inputs, parse_cluster(case.cluster), costs="analytic", precision=PRECISION,
-                        max_blocks=MAX_BLOCKS).chain
+    return cached_chain(case, None)[0]
 
 
 def _timed(plan: Callable[[], Plan]) -> tuple[Plan | None, float, float, str]:
@@ -174,24 +169,34 @@ def study_case(case: Case, chain: CostChain | None = None, chain_s: float = 0.0)
                (planned_why, forced_why, virtual_why), virtual, virtual_s, virtual_cpu_s)
 
 
-def cached_chain(case: Case, cache: Path | None) -> tuple[CostChain, float]:
-    """The case's chain and the seconds it took to build, from ``cache`` (a folder of pickles) when it has it.
+def cached_chain(case: Case, cache: Path | None, max_blocks: int = MAX_BLOCKS) -> tuple[CostChain, float]:
+    """The case's chain of at most ``max_blocks`` blocks and the seconds tracing and costing took, from ``cache``
+    (a folder of pickles of the cost graph) when it has the model.
 
     Tracing and costing a 100-layer model takes minutes on a small machine, planning seconds: the cache lets the
-    planner be rerun alone. Delete it when the cost model or the tensor-parallel pass changes."""
-    name = f"{case.shape.layers}x{case.shape.hidden}-{case.seq_len}-{case.cluster}.pkl"
+    planner be rerun alone, and its cost graph is cut into a chain of any size again in under a second. Delete it
+    when the cost model or the tensor-parallel pass changes."""
+    name = f"{case.shape.layers}x{case.shape.hidden}-{case.seq_len}-{case.cluster}.graph.pkl"
     path = None if cache is None else cache / name
     if path is not None and path.exists():
         with path.open("rb") as file:
-            cached: tuple[CostChain, float] = pickle.load(file)  # our own files, written below
-        return cached
-    start = time.perf_counter()
-    built = (chain_for(case), time.perf_counter() - start)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("wb") as file:
-            pickle.dump(built, file)
-    return built
+            saved: dict[str, Any] = pickle.load(file)  # our own files, written below
+    else:
+        start = time.perf_counter()
+        shape = case.shape
+        model, inputs = llama(num_layers=shape.layers, hidden=shape.hidden, heads=shape.heads,
+                              vocab_size=shape.vocab, seq_len=case.seq_len, batch_size=2, device="meta",
+                              intermediate=shape.intermediate, kv_heads=shape.kv_heads)
+        costed = costed_model(model, inputs, parse_cluster(case.cluster), costs="analytic", precision=PRECISION)
+        saved = {"graph": costed.cost_graph, "model_flops_per_sample": costed.chain.model_flops_per_sample,
+                 "tokens_per_sample": costed.chain.tokens_per_sample, "seconds": time.perf_counter() - start}
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("wb") as file:
+                pickle.dump(saved, file)
+    chain = replace(build_chain(saved["graph"], max_blocks=max_blocks),  # as costed_model cuts it
+                    model_flops_per_sample=saved["model_flops_per_sample"], tokens_per_sample=saved["tokens_per_sample"])
+    return chain, saved["seconds"]
 
 
 def study(cases: Sequence[Case], progress: Callable[[str], None] = lambda _: None,
