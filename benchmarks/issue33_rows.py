@@ -56,11 +56,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--cache", type=Path, help="a folder to keep traced chains in and reuse them from")
     args = parser.parse_args(argv)
+    chains: dict[tuple[study.Shape, int, int], tuple[study.CostChain, float]] = {}  # the 70B rows share a model
     for case in CASES:
-        print_row(case, *study.cached_chain(case, args.cache))
-        if case.virtual_stages > 1:
-            # G x v equal chunks need a chain cut finely enough: about one block per layer (and the two ends)
-            print_row(case, *study.cached_chain(case, args.cache, max_blocks=case.shape.layers + 2))
+        # G x v equal chunks need a chain cut finely enough: about one block per layer (and the two ends)
+        for max_blocks in (study.MAX_BLOCKS, case.shape.layers + 2)[:1 + (case.virtual_stages > 1)]:
+            key = (case.shape, case.seq_len, max_blocks)
+            if key not in chains:
+                chains[key] = study.cached_chain(case, args.cache, max_blocks)
+            print_row(case, *chains[key])
 
 
 if __name__ == "__main__":

@@ -176,14 +176,15 @@ def cached_chain(case: Case, cache: Path | None, max_blocks: int = MAX_BLOCKS) -
     Tracing and costing a 100-layer model takes minutes on a small machine, planning seconds: the cache lets the
     planner be rerun alone, and its cost graph is cut into a chain of any size again in under a second. Delete it
     when the cost model or the tensor-parallel pass changes."""
-    name = f"{case.shape.layers}x{case.shape.hidden}-{case.seq_len}-{case.cluster}.graph.pkl"
+    shape, device = case.shape, case.cluster.rsplit(":", 1)[-1]  # costs depend on the device, not the node count
+    name = (f"{shape.layers}x{shape.hidden}-h{shape.heads}kv{shape.kv_heads}-i{shape.intermediate}-v{shape.vocab}-"
+            f"s{case.seq_len}-{device}.graph.pkl")
     path = None if cache is None else cache / name
     if path is not None and path.exists():
         with path.open("rb") as file:
             saved: dict[str, Any] = pickle.load(file)  # our own files, written below
     else:
         start = time.perf_counter()
-        shape = case.shape
         model, inputs = llama(num_layers=shape.layers, hidden=shape.hidden, heads=shape.heads,
                               vocab_size=shape.vocab, seq_len=case.seq_len, batch_size=2, device="meta",
                               intermediate=shape.intermediate, kv_heads=shape.kv_heads)
@@ -302,13 +303,14 @@ def summary(rows: Sequence[Row]) -> list[str]:
 
 
 LEFT_OUT = """What the predictions leave out, so that the forced published layouts predict well below their published
-MFU: (1) interleaved pipeline stages. The planner has no virtual stages next to tensor parallelism, so a forced
-PP16 with 24 micro-batches idles about (16 - 1) / (24 + 16 - 1) of the time (the \"bubble\" column); the Llama 3
-paper describes its own interleaved schedule, and Megatron-LM's pipeline runs usually interleave
-(--num-layers-per-virtual-pipeline-stage; the table does not say). (2) Overlap: each layer's tensor-parallel
-all-gather and reduce-scatter are added to its time (Megatron overlaps them with --tp-comm-overlap). (3) The
-analytic device model: matmuls at the H100's achievable 794.5 TFLOP/s, elementwise work by the roofline, no
-kernel fusion. The comparison between fxpipe's plan and the forced layout is made under the same model, so
+MFU: (1) interleaving in the published runs. Neither the Megatron-LM table nor the Llama 3 paper's Table 4 gives a
+virtual-stage count, so their layouts are forced at v=1, and a forced PP16 with 24 micro-batches idles about
+(16 - 1) / (24 + 16 - 1) of the time (the \"bubble\" column). fxpipe's own plans may take virtual stages
+(``virtual_stages="auto"``), but the planner prices chunks unsharded and without per-block recompute (a virtual
+trial that does not fit recomputes every block of every chunk), which at these sizes costs more than the bubble
+saves. (2) Overlap: each layer's tensor-parallel all-gather and reduce-scatter are added to its time (Megatron
+overlaps them with --tp-comm-overlap). (3) The analytic device model: matmuls at the H100's achievable 794.5
+TFLOP/s, elementwise work by the roofline, no kernel fusion. The comparison between fxpipe's plan and the forced layout is made under the same model, so
 these omissions weigh on both sides; the absolute MFU is the model's, not a measurement."""
 
 
@@ -352,11 +354,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"Source: benchmarks/scale_study.py.{cached}", "",
         (__doc__ or "").split("\n\n", 1)[1].strip(), "",
         "Columns: \"fxpipe plan\" is the planner's layout (stages of `R` or `RxT`; `S*n`: n stages S in a row), "
-        "its micro-batches and the sharding levels its stages use; \"iter s\" the predicted iteration, "
-        "\"bubble\" its idle share; MFU and tokens/s/GPU from it; \"published layout\" is the run's "
-        "configuration forced; \"fxpipe / published\" the ratio of the two predicted iterations (at most 1.00: "
-        "fxpipe's plan is no slower); \"plan s\" fxpipe's planning time (wall, and this process's CPU time: the "
-        "machine is shared); \"trace+cost s\" building, tracing and costing the model once.", "",
+        "its micro-batches and the sharding levels its stages use, with one stage per device group (v=1) and with "
+        "`virtual_stages=\"auto\"` (its v and schedule; v=1 unless a virtual plan is predicted faster); \"iter s\" "
+        "the predicted iteration, \"bubble\" its idle share; MFU and tokens/s/GPU from the v=auto plan; \"blocks: "
+        "recompute choice\" how many of its blocks (over all stages or chunks) keep their activations, recompute "
+        "the whole block, or only attention's core; \"published layout\" is the run's configuration forced (at its "
+        "published v where the source gives one); \"fxpipe / published\" the ratio of the v=auto plan's "
+        "predicted iteration over it (at most 1.00: fxpipe's plan is no slower); \"plan s\" each planning call's "
+        "time (wall, and this process's CPU time: the machine is shared); \"trace+cost s\" building, tracing and "
+        "costing the model once.", "",
         table(rows), "", "## Targets", "", *summary(rows), "", "## Reading", "", *reading(rows), ""])
     print(text)
     if args.write:
