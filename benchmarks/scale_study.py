@@ -201,13 +201,13 @@ def cached_chain(case: Case, cache: Path | None, max_blocks: int = MAX_BLOCKS) -
 
 
 def study(cases: Sequence[Case], progress: Callable[[str], None] = lambda _: None,
-          cache: Path | None = None) -> list[Row]:
+          cache: Path | None = None, max_blocks: int = MAX_BLOCKS) -> list[Row]:
     rows: list[Row] = []
     chains: dict[tuple[Shape, int], tuple[CostChain, float]] = {}  # both 405B rows share one chain
     for case in cases:
         key = (case.shape, case.seq_len)
         if key not in chains:
-            chains[key] = cached_chain(case, cache)
+            chains[key] = cached_chain(case, cache, max_blocks)
         row = study_case(case, *chains[key])
         rows.append(row)
         progress(f"{case.name} on {case.cluster}: chain {row.chain_s:.0f} s, plan {row.planned_s:.1f} s "
@@ -338,14 +338,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help=f"write {RESULTS.name}")
     parser.add_argument("--rows", default="", help="comma-separated row numbers (1-based) to run; default all")
     parser.add_argument("--cache", type=Path, help="a folder to keep traced chains in and reuse them from")
+    parser.add_argument("--max-blocks", type=int, default=MAX_BLOCKS, help="blocks of each model's chain")
     args = parser.parse_args(argv)
     wanted = [int(text) - 1 for text in args.rows.split(",") if text] or range(len(CASES))
     reused = args.cache is not None and any(args.cache.glob("*.pkl"))  # chains traced by an earlier run
     start = time.perf_counter()
     rows = study([CASES[index] for index in wanted], lambda line: print(line, file=sys.stderr, flush=True),
-                 args.cache)
+                 args.cache, args.max_blocks)
     elapsed = time.perf_counter() - start
-    flags = (f" --rows {args.rows}" if args.rows else "") + (f" --cache {args.cache}" if args.cache else "")
+    flags = ((f" --rows {args.rows}" if args.rows else "") + (f" --cache {args.cache}" if args.cache else "")
+             + (f" --max-blocks {args.max_blocks}" if args.max_blocks != MAX_BLOCKS else ""))
     cached = (" Chains came from --cache: traced and costed by an earlier run of this script at this commit (its "
               "\"trace+cost s\"); the wall time is planning." if reused else "")
     text = "\n".join([
