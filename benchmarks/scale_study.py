@@ -307,11 +307,12 @@ MFU: (1) interleaving in the published runs. Neither the Megatron-LM table nor t
 virtual-stage count, so their layouts are forced at v=1, and a forced PP16 with 24 micro-batches idles about
 (16 - 1) / (24 + 16 - 1) of the time (the \"bubble\" column). fxpipe's own plans may take virtual stages
 (``virtual_stages="auto"``), but the planner prices chunks unsharded and without per-block recompute (a virtual
-trial that does not fit recomputes every block of every chunk), which at these sizes costs more than the bubble
-saves. (2) Overlap: each layer's tensor-parallel all-gather and reduce-scatter are added to its time (Megatron
+trial that does not fit recomputes every block of every chunk), which on six of the seven rows costs more than
+the bubble saves. (2) Overlap: each layer's tensor-parallel all-gather and reduce-scatter are added to its time (Megatron
 overlaps them with --tp-comm-overlap). (3) The analytic device model: matmuls at the H100's achievable 794.5
-TFLOP/s, elementwise work by the roofline, no kernel fusion. The comparison between fxpipe's plan and the forced layout is made under the same model, so
-these omissions weigh on both sides; the absolute MFU is the model's, not a measurement."""
+TFLOP/s, elementwise work by the roofline, no kernel fusion. The comparison between fxpipe's plan and the
+forced layout is made under the same model, so these omissions weigh on both sides; the absolute MFU is the model's,
+not a measurement."""
 
 
 def reading(rows: Sequence[Row]) -> list[str]:
