@@ -6,10 +6,13 @@ second run only plans)
 
 Each model is a Hugging Face Llama-style config built on the meta device (rotary attention, RMSNorm, a gated
 MLP), costed once with the analytic device model in bf16 (``fxpipe.planning.costed_model``: autocast's dtypes,
-matmuls at the H100 preset's achievable 794.5 TFLOP/s, fp32 master weights and Adam state) and planned twice on
-the same H100 cluster (8 GPUs per node, NVLink inside, 400 Gb/s per GPU between nodes): by fxpipe's planner, and
-with the published configuration forced as a layout (``RxT`` per stage: R replicas of a T-way tensor-parallel
-group), each with ``sharding="auto"`` (Megatron's runs shard the optimizer state over data parallel ranks).
+matmuls at the H100 preset's achievable 794.5 TFLOP/s, fp32 master weights and Adam state) and planned three
+times on the same H100 cluster (8 GPUs per node, NVLink inside, 400 Gb/s per GPU between nodes): by fxpipe's
+planner with one stage per device group and with ``virtual_stages="auto"`` (interleaved chunks where predicted
+faster), and with the published configuration forced as a layout (``RxT`` per stage: R replicas of a T-way
+tensor-parallel group; at the published virtual-stage count where the source gives one), each with
+``sharding="auto"`` (Megatron's runs shard the optimizer state over data parallel ranks) and per-block recompute
+where activations do not fit.
 MFU is model FLOPs as Megatron counts them (3 x the forward matmul FLOPs: 6N + 12 L h s per token) over the
 devices x 989.5 TFLOP/s (docs/glossary.md); predictions come from the analytic model, not a measurement.
 
