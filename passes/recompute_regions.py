@@ -142,7 +142,8 @@ def _planned_blocks(stage: StagePlan, names: set[str]) -> list[tuple[str, ...]]:
 def _stretches(gm: fx.GraphModule, stage: StagePlan) -> list[tuple[str, ...]]:
     """Each block's nodes on a rewritten stage graph: a node named as planned belongs to its block, any other node
     to the block of the last planned node before it (get_attr nodes aside: a region reads them as arguments)."""
-    block_of, start = {}, 0
+    block_of: dict[str, int] = {}
+    start = 0
     for index, count in enumerate(stage.block_node_counts):
         block_of.update((name, index) for name in stage.node_names[start:start + count])
         start += count

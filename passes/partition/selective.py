@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from fxpipe.core.block_recompute import normalized_choices
 from fxpipe.core.plan import Plan
@@ -16,7 +16,7 @@ from fxpipe.sim.stagecost import StageCost, stage_memory_bytes
 if TYPE_CHECKING:
     from fxpipe.core.chain import CostChain
     from fxpipe.core.cluster import Cluster
-    from fxpipe.passes.partition.candidates import CandidateCosts
+    from fxpipe.core.recompute import RecomputeSetting
 
 # (choice, bytes saved per micro-batch slice, forward seconds added), per block; "keep" is (0, 0)
 BlockOptions = Sequence[Sequence[tuple[str, float, float]]]
@@ -104,7 +104,22 @@ def greedy_block_choices(options: BlockOptions, inflight: int, excess_bytes: flo
     return tuple(current(block)[0] for block in range(len(options)))
 
 
-def selective_choice(model: CandidateCosts, span: Span, rows: int, inflight: int, choice: StageChoice,
+class StageCosts(Protocol):
+    """What :func:`selective_choice` reads of the planner's cost model (passes/partition/candidates.CandidateCosts),
+    as a Protocol so that the two modules do not import each other."""
+
+    chain: CostChain
+    cluster: Cluster
+    optimizer: str
+    memory_limit_bytes: int
+    global_batch_size: int
+    recompute: RecomputeSetting
+
+    @property
+    def cost(self) -> Callable[..., StageCost]: ...  # (first, stop, rows, replicas, tensor_parallel), memoised there
+
+
+def selective_choice(model: StageCosts, span: Span, rows: int, inflight: int, choice: StageChoice,
                      schedule: str) -> tuple[StageChoice, tuple[str, ...]]:
     """A stage's choice with per-block recompute where the setting asks for it: under ``"auto"`` a stage the
     search recomputes whole gets the cheapest per-block choices that fit (:func:`pick_block_choices`); under
