@@ -229,7 +229,7 @@ def test_planner_recomputes_a_zero3_stage_per_block_and_prices_it_per_unit() -> 
     assert (stage.sharding, stage.recompute) == ("parameters", False) and "block" in stage.block_recompute, stage
     assert stage.peak_memory_bytes == stage_peak_bytes(plan, chain, 0, stage.inflight_microbatches) <= limit
     cost = stage_cost(chain, 0, 16, 4, 4)
-    every_block = recompute_memory(chain, 0, 16, cost, 1, "adam", True, "parameters", 4, 1)
+    every_block = recompute_memory(chain, 0, 16, cost, 1, "adam", True, "parameters", 4, 1, limit_bytes=limit)
     assert every_block == stage_peak_bytes(plan.with_updates(stages=(dataclasses.replace(
         stage, block_recompute=("block",) * 16),)), chain, 0, 1) <= limit  # what the search priced
     assert recompute_memory(chain, 0, 16, cost, 1, "adam", False, "parameters", 4, 1) > limit  # all kept

@@ -126,16 +126,14 @@ def selective_choice(model: StageCosts, span: Span, rows: int, inflight: int, ch
     ``"selective"`` every block with an attention core recomputes it. Returns the choice (recompute flag and
     memory redone) and the per-block choices (``()``: the flag alone says).
 
-    A stage that recomputes every block keeps today's whole-stage checkpoint where that fits; else (and always on
-    a sharded stage, so that each checkpoint sits inside its block's FSDP unit) its choices stay per block, all
-    "block" (:func:`recompute_memory` priced it so)."""
+    A stage that recomputes every block keeps today's whole-stage checkpoint where that fits; else its choices stay
+    per block, all "block" (:func:`recompute_memory` priced it so)."""
     setting = model.recompute
     if schedule == "zero_bubble" or not (setting == "selective" or choice.recompute):
         return choice, ()
     cost = model.cost(span.first, span.stop, rows, span.replicas, span.tensor_parallel)
     num_microbatches = model.global_batch_size // rows
-    sharded = choice.sharding != "none" and span.replicas > 1
-    whole_fits = not sharded and stage_memory_bytes(
+    whole_fits = stage_memory_bytes(
         cost, inflight, model.optimizer, True, sharding=choice.sharding, replicas=span.replicas,
         num_microbatches=num_microbatches) <= model.memory_limit_bytes
     if setting not in ("auto", "selective") and (whole_fits or not choice.recompute):
@@ -154,7 +152,7 @@ def selective_choice(model: StageCosts, span: Span, rows: int, inflight: int, ch
         picked = tuple("attention" if any(name == "attention" for name, _, _ in block) else "keep" for block in options)
     elif setting == "auto":
         picked = pick_block_choices(options, inflight, memory(()) - model.memory_limit_bytes)
-    if picked is None and (whole_fits or not sharded and memory(every_block) > model.memory_limit_bytes):
+    if picked is None and (whole_fits or memory(every_block) > model.memory_limit_bytes):
         return choice, ()  # nothing per block fits better than the whole-stage checkpoint the search costed
     recompute, block_recompute = normalized_choices(picked or every_block)
     if recompute and whole_fits:  # every block recomputed: the whole-stage checkpoint the search costed
@@ -166,20 +164,21 @@ def selective_choice(model: StageCosts, span: Span, rows: int, inflight: int, ch
 def recompute_memory(chain: CostChain, first: int, stop: int, cost: StageCost, inflight: int, optimizer: str,
                      recompute: bool, sharding: str, replicas: int, num_microbatches: int, tensor_parallel: int = 1,
                      limit_bytes: float = float("inf")) -> int:
-    """:func:`fxpipe.sim.stagecost.stage_memory_bytes` as the search prices a stage. One that recomputes does it per
-    block, every block "block", when it is sharded (a level other than "none" over several replicas: as torchtitan
-    checkpoints each block, then shards each block, so FSDP2 keeps its units per block) or when the whole-stage
-    checkpoint does not fit in ``limit_bytes`` and per block needs less (each in-flight micro-batch keeps every
-    block's input, one block is rebuilt at a time); :func:`selective_choice` then writes the choices per block."""
+    """:func:`fxpipe.sim.stagecost.stage_memory_bytes` as the search prices a stage. One that recomputes keeps the
+    whole-stage checkpoint where it fits in ``limit_bytes``; else it recomputes per block, every block "block",
+    where that needs less (each in-flight micro-batch keeps every block's input, one block is rebuilt at a time; on
+    a sharded stage each checkpoint sits inside its block's FSDP unit, as torchtitan checkpoints then shards each
+    block, so a ZeRO-3 stage gathers one block's weights at a time instead of the stage's);
+    :func:`selective_choice` then writes the choices per block. The same rule for every level: the ZeRO-1 stages of the
+    forced 16-stage 462B layout of benchmarks/scale_study.py fit recomputed whole and not per block."""
     whole = stage_memory_bytes(cost, inflight, optimizer, recompute, sharding=sharding, replicas=replicas,
                                num_microbatches=num_microbatches)
-    sharded = sharding != "none" and replicas > 1
-    if not recompute or (whole <= limit_bytes and not sharded):
+    if not recompute or whole <= limit_bytes:
         return whole
     selective = selective_figures(chain, first, ("block",) * (stop - first), cost.rows, tensor_parallel=tensor_parallel)
     per_block = stage_memory_bytes(cost, inflight, optimizer, False, sharding=sharding, replicas=replicas,
                                    num_microbatches=num_microbatches, selective=selective)
-    return per_block if sharded else min(whole, per_block)
+    return min(whole, per_block)
 
 
 def with_block_node_counts(plan: Plan, chain: CostChain) -> Plan:
