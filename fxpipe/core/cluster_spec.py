@@ -165,6 +165,13 @@ def sharding_links(figures: dict[str, float]) -> tuple[LinkSpec | None, LinkSpec
                  if f"{kind}_bandwidth" in figures else None for kind in ("reduce_scatter", "all_gather"))
 
 
+def lockstep_link(figures: dict[str, float]) -> LinkSpec | None:
+    """A tensor-parallel group's collectives between compute in lock-step, from calibrated link figures
+    (:mod:`fxpipe.runtime.calibration.calibrate_lockstep`); None where not measured (GPUs, older caches)."""
+    return LinkSpec(figures["lockstep_bandwidth"], figures["lockstep_latency"]) if "lockstep_bandwidth" in figures \
+        else None
+
+
 def existing_file(text: str) -> Path | None:
     """The file ``text`` names (``~`` expanded), or None when there is no such file."""
     try:
@@ -196,6 +203,6 @@ def cluster_fields_from_json(data: Any) -> dict[str, Any]:
         all_gather_collective=optional_link(data, "all_gather_collective"),
         action_overhead_s=optional_seconds(data, "action_overhead_s"),
         step_overhead_s=optional_seconds(data, "step_overhead_s"),
-        lockstep_wait_fraction=optional_seconds(data, "lockstep_wait_fraction"),
+        tensor_parallel_collective=optional_link(data, "tensor_parallel_collective"),
         fsdp_call_overhead_s=optional_seconds(data, "fsdp_call_overhead_s"),
     )

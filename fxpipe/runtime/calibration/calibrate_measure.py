@@ -40,7 +40,7 @@ DEVICE_KEYS = ("float32", "bfloat16", "float16", "memory_bandwidth", "kernel_lau
                "action_overhead", "step_overhead")
 LINK_KEYS = ("link_latency", "link_bandwidth", "allreduce_latency", "allreduce_bandwidth", "message_overhead",
              "overlap_compute_slowdown", "overlap_comm_slowdown", "reduce_scatter_latency", "reduce_scatter_bandwidth",
-             "all_gather_latency", "all_gather_bandwidth", "lockstep_wait_fraction",
+             "all_gather_latency", "all_gather_bandwidth", "lockstep_latency", "lockstep_bandwidth",
              "fsdp_call_overhead")
 
 
@@ -261,8 +261,8 @@ def measure_pair_link(rank: int, device: torch.device, group: dist.ProcessGroup 
     :meth:`fxpipe.core.cluster.Cluster.allreduce_time`'s ring formula needs to give the measured times), and
     the seconds each end spends on a message of its own time (``message_overhead``; 0 on CUDA, where
     copy engines move the data), what overlapping an allreduce with compute costs on CPU ranks
-    (:func:`fxpipe.runtime.calibration.calibrate_overlap.measure_overlap`), and how long ranks in lock-step wait
-    for each other (:func:`fxpipe.runtime.calibration.calibrate_lockstep.measure_lockstep`), and FSDP2's host time
+    (:func:`fxpipe.runtime.calibration.calibrate_overlap.measure_overlap`), a two-rank allreduce as it runs between
+    compute in lock-step (:func:`fxpipe.runtime.calibration.calibrate_lockstep.measure_lockstep`), and FSDP2's host time
     per collective (:func:`fxpipe.runtime.calibration.calibrate_fsdp.measure_fsdp_overhead`).
     """
     small = torch.zeros(PING_SMALL_BYTES // 4, dtype=torch.float32, device=device)
