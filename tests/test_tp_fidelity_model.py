@@ -20,7 +20,7 @@ from fxpipe.runtime.calibration.calibrate_lockstep import (
     LOCKSTEP_SMALL_BYTES,
     timed_after_compute,
 )
-from fxpipe.runtime.calibration.calibrate_measure import ring_fit
+from fxpipe.runtime.calibration.ring_fit import ring_fit
 from fxpipe.sim.simulate import simulate
 from fxpipe.sim.tensor_parallel_cost import (
     collective_seconds,

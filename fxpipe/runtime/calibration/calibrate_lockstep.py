@@ -7,7 +7,7 @@ of benchmarks/tp_fidelity_terms.md a 128 KiB all-reduce took 1.7-2.2 ms inside a
 transport threads wake from sleep after compute; peers that were descheduled arrive late). So both ranks (call on
 both; ``group`` holds just them) time ``LOCKSTEP_CALLS`` all-reduces each posted after about ``LOCKSTEP_GAP_S`` of
 matmuls, no barrier, of two sizes in alternating rounds; each rank's median per size, averaged over the two
-ranks, is fitted as a two-rank ring (:func:`fxpipe.runtime.calibration.calibrate_measure.ring_fit`).
+ranks, is fitted as a two-rank ring (:func:`fxpipe.runtime.calibration.ring_fit.ring_fit`).
 :func:`fxpipe.sim.tensor_parallel_cost.tensor_parallel_link` charges a group's collectives on that link.
 """
 
@@ -20,6 +20,8 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+from fxpipe.runtime.calibration.ring_fit import ring_fit
 
 # A tensor-parallel stage's compute between two collectives on these CPU ranks (gpt-mini 1x2: 38 collectives in
 # about 70 ms of compute per step, benchmarks/tp_fidelity_terms.md); small matmuls keep the gap close to it.
@@ -62,8 +64,6 @@ def measure_lockstep(device: torch.device, group: dist.ProcessGroup | None = Non
     kernels run apart from the host threads, and the allreduce link stands)."""
     if device.type != "cpu":
         return {}
-    from fxpipe.runtime.calibration.calibrate_measure import ring_fit
-
     square = torch.randn(LOCKSTEP_MATMUL_SIZE, LOCKSTEP_MATMUL_SIZE)
     count = lockstep_matmuls(square, group)
     buffers = {size: torch.zeros(max(1, size // 4)) for size in (LOCKSTEP_SMALL_BYTES, LOCKSTEP_LARGE_BYTES)}
