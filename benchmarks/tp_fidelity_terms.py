@@ -223,7 +223,8 @@ def one_round(rank: int, num_warmup: int, num_steps: int, log: CallLog, seen: di
             **{key: statistics.median(values) for key, values in steps.items() if key != "calls"},
             "num_calls": len(calls), "bare": bare, "between": between, "per_call": {k: statistics.median(v) for k, v in by_kind.items()},
             "calls_per_step": {k: len(v) // len(steps["calls"]) for k, v in by_kind.items()},
-            "bare_sum_s": sum(bare[call[1]] for call in calls), **_phases(both[0], both[1])}
+            "bare_sum_s": sum(bare[call[1]] for call in calls),
+            "between_sum_s": sum(between[call[1]] for call in calls), **_phases(both[0], both[1])}
 
 
 def terms_rank(rank: int, world_size: int, num_rounds: int, num_warmup: int, num_steps: int) -> list[dict[str, Any]]:
@@ -245,6 +246,7 @@ def report(rounds: list[dict[str, Any]], args: Any) -> str:
         ("  of which waiting for the peer to enter", None, med("peer_wait_s")),
         ("  of which after both entered", None, med("after_both_s")),
         ("  the same sizes, bare dist.all_reduce after a barrier", None, med("bare_sum_s")),
+        ("  the same sizes, each after ~1.5 ms of matmuls (as the link is calibrated)", None, med("between_sum_s")),
         ("the rest: real step - its collectives", med("predicted_s") - med("comm_s"), med("real") - med("real_comm")),
         ("gloo's (and other helper) threads' CPU, real step", None, med("real_helpers_cpu")),
         ("  the same, local step (no collective)", None, med("local_helpers_cpu")),
