@@ -14,7 +14,8 @@ compiled once per round with the default ``costs="auto"``; then, interleaved ste
 
 Each real step's collectives are split, on the host's monotonic clock both forked ranks share, into the time
 rank 0 waited for its peer to enter and the time after both had entered; each step's CPU time of every thread
-but the main one (gloo's worker and transport threads, the heartbeat) comes from /proc schedstat.
+but the main one (gloo's worker and transport threads, the heartbeat) comes from /proc schedstat; the calls of
+the largest size are also binned by the time since the previous call returned (the compute they followed).
 The model's side comes from the plan's own chain and cluster (fxpipe/sim/tensor_parallel_cost.py): compute
 t ((1 - s) + s / T) summed over the stage's blocks, forward and backward, times M; collectives
 ``collective_seconds`` of each block's bytes on the group's link, per direction, times M; the rest (fixed
@@ -23,6 +24,7 @@ costs, optimizer, the step-end sync) = predicted - both. Medians of rank 0's per
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -132,6 +134,22 @@ def _thread_cpu_s() -> dict[str, float]:
     return times
 
 
+GAP_BINS_S = (0.5e-3, 1.5e-3, 3e-3)  # upper edges of the bins of the compute before a call; the last bin is open
+
+
+def _by_gap(steps: list[list[Any]]) -> dict[int, list[float]]:
+    """Seconds of the real steps' calls of the largest size (each step's first left out) by the bin of the time
+    since the previous call returned: what the call followed, as calibrate_lockstep's ~1.5 ms of matmuls."""
+    bins: dict[int, list[float]] = {}
+    largest = max(call[1] for calls in steps for call in calls)
+    for calls in steps:
+        for before, call in itertools.pairwise(calls):
+            if call[1] == largest:
+                gap = call[3] - (before[3] + before[2])
+                bins.setdefault(sum(gap >= edge for edge in GAP_BINS_S), []).append(call[2])
+    return bins
+
+
 def _phases(mine: list[list[Any]], peers: list[list[Any]]) -> dict[str, float]:
     """Per real step, the seconds rank 0's collectives waited for the peer to enter (max(entries) - own entry)
     and spent after both had entered; medians over the steps."""
@@ -224,7 +242,8 @@ def one_round(rank: int, num_warmup: int, num_steps: int, log: CallLog, seen: di
             "num_calls": len(calls), "bare": bare, "between": between, "per_call": {k: statistics.median(v) for k, v in by_kind.items()},
             "calls_per_step": {k: len(v) // len(steps["calls"]) for k, v in by_kind.items()},
             "bare_sum_s": sum(bare[call[1]] for call in calls),
-            "between_sum_s": sum(between[call[1]] for call in calls), **_phases(both[0], both[1])}
+            "between_sum_s": sum(between[call[1]] for call in calls), "by_gap": _by_gap(steps["calls"]),
+            **_phases(both[0], both[1])}
 
 
 def terms_rank(rank: int, world_size: int, num_rounds: int, num_warmup: int, num_steps: int) -> list[dict[str, Any]]:
@@ -257,6 +276,11 @@ def report(rounds: list[dict[str, Any]], args: Any) -> str:
              for key in sorted(rounds[0]["per_call"])]
     bare = [[f"{size} B", f"{median([r['bare'][size] for r in rounds]) * 1e3:.3f}",
              f"{median([r['between'][size] for r in rounds]) * 1e3:.3f}"] for size in sorted(rounds[0]["bare"])]
+    edges = [0.0, *GAP_BINS_S]
+    gaps = [[f"{edges[b] * 1e3:g}-{edges[b + 1] * 1e3:g} ms" if b < len(GAP_BINS_S) else f">= {edges[b] * 1e3:g} ms",
+             sum(len(r["by_gap"].get(b, [])) for r in rounds),
+             f"{median([t for r in rounds for t in r['by_gap'].get(b, [])]) * 1e3:.3f}"]
+            for b in range(len(edges)) if any(r["by_gap"].get(b) for r in rounds)]
     return "\n".join([
         "# Tensor-parallel fidelity, term by term: gpt-mini b=8 `1x2` M=2 on 2 gloo ranks", "",
         f"Command: `{COMMAND} --rounds {args.rounds} --steps {args.steps} --warmup {args.warmup}`", "",
@@ -269,6 +293,8 @@ def report(rounds: list[dict[str, Any]], args: Any) -> str:
         tabulate(calls, ["communicator call (bytes in)", "per step", "median ms per call"], tablefmt="github"), "",
         tabulate(bare, ["dist.all_reduce of", "median ms, after a barrier",
                         "median ms, after ~1.5 ms of matmuls (no barrier)"], tablefmt="github"), "",
+        tabulate(gaps, ["in the real steps, a call of the largest size after (since the previous one returned)", "calls",
+                        "median ms per call"], tablefmt="github"), "",
         __doc__.split("\n\n", 2)[2].strip() if __doc__ else "", ""])
 
 
