@@ -79,6 +79,11 @@ def test_calibrated_lockstep_figures_make_the_clusters_link() -> None:
     figures = {"lockstep_latency": latency, "lockstep_bandwidth": bandwidth}
     assert lockstep_link(figures) == LinkSpec(bandwidth, latency)
     assert lockstep_link({}) is None  # GPUs and caches written before: the allreduce link stands
+    # never faster than the allreduce link timed back to back (here 1 GB/s, 0.2 ms): a noisy fit is bounded by it
+    bare = {"allreduce_bandwidth": 1e9, "allreduce_latency": 2e-4}
+    assert lockstep_link({**figures, **bare}) == LinkSpec(bandwidth, latency)  # 131 MB/s, 0.45 ms: slower already
+    noisy = {"lockstep_bandwidth": 1.3e14, "lockstep_latency": 1e-4, **bare}  # 128 KiB timed no slower than 8 B
+    assert lockstep_link(noisy) == LinkSpec(1e9, 2e-4)
     # the model's all-reduce of 128 KiB on two members (a reduce-scatter and an all-gather) gives the timed 1.9 ms
     net = replace(_one_host(), tensor_parallel_collective=LinkSpec(bandwidth, latency))
     assert collective_seconds(net, LOCKSTEP_LARGE_BYTES, 2) == pytest.approx(1.9e-3, rel=1e-12)

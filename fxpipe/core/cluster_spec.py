@@ -167,9 +167,17 @@ def sharding_links(figures: dict[str, float]) -> tuple[LinkSpec | None, LinkSpec
 
 def lockstep_link(figures: dict[str, float]) -> LinkSpec | None:
     """A tensor-parallel group's collectives between compute in lock-step, from calibrated link figures
-    (:mod:`fxpipe.runtime.calibration.calibrate_lockstep`); None where not measured (GPUs, older caches)."""
-    return LinkSpec(figures["lockstep_bandwidth"], figures["lockstep_latency"]) if "lockstep_bandwidth" in figures \
-        else None
+    (:mod:`fxpipe.runtime.calibration.calibrate_lockstep`); None where not measured (GPUs, older caches).
+
+    Never faster than the allreduce link timed back to back: the same bytes cross the same link (a noisy fit, the
+    large all-reduces timed no slower than the small ones, would otherwise give a near-infinite bandwidth)."""
+    if "lockstep_bandwidth" not in figures:
+        return None
+    bandwidth, latency = figures["lockstep_bandwidth"], figures["lockstep_latency"]
+    if "allreduce_bandwidth" in figures:
+        bandwidth = min(bandwidth, figures["allreduce_bandwidth"])
+        latency = max(latency, figures["allreduce_latency"])
+    return LinkSpec(bandwidth, latency)
 
 
 def existing_file(text: str) -> Path | None:
