@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from fxpipe.core.hardware import LOCAL_LINK_DEFAULT
+from fxpipe.core.cluster_spec import lockstep_link
+from fxpipe.core.hardware import LOCAL_LINK_DEFAULT, LinkSpec
 from tests import mp_utils
 from tests.mp_utils import join_world, leave_world, run_ranks
 
@@ -142,7 +143,7 @@ def test_ranks_calibrate_over_their_process_group_and_agree(tmp_path: Path) -> N
     (written,) = cache.glob("calibration-*-cpu.json")
     assert set(json.loads(written.read_text())["sections"]) == {"device", "link"}
     link_figures = json.loads(written.read_text())["sections"]["link"]["figures"]  # the last (refreshed) links
-    assert link_figures["lockstep_latency"] == first["failed"]["tensor_parallel_collective"]["latency_s"]
+    assert lockstep_link(link_figures) == LinkSpec(**first["failed"]["tensor_parallel_collective"])
     assert link_figures["fsdp_call_overhead"] == first["failed"]["fsdp_call_overhead_s"]
     assert first["failed"]["device"]["name"] == "CPU"  # defaults
     assert first["failed"]["description"].endswith("device defaults (measurement failed), links measured")
