@@ -3,8 +3,8 @@
 A tensor-parallel group (and a ZeRO-3 stage) meets its peers at every collective, a millisecond or so of compute
 apart. On CPU ranks such a collective costs far more than the same collective after a barrier: on the 2-core VM
 of benchmarks/tp_fidelity_terms.md a 128 KiB all-reduce took 1.7-2.2 ms inside a gpt-mini ``1x2`` step against
-0.24-0.53 ms back to back, and most of that time passed after both members had entered it (gloo's worker and
-transport threads wake from sleep after compute; peers that were descheduled arrive late). So both ranks (call on
+0.24-0.53 ms back to back, and most of that time passed after both members had entered it: inside gloo, which
+runs each collective on its worker and transport threads, more than in the peers' lateness. So both ranks (call on
 both; ``group`` holds just them) time ``LOCKSTEP_CALLS`` all-reduces each posted after about ``LOCKSTEP_GAP_S`` of
 matmuls, no barrier, of two sizes in alternating rounds; each rank's median per size, averaged over the two
 ranks, is fitted as a two-rank ring (:func:`fxpipe.runtime.calibration.ring_fit.ring_fit`).
@@ -74,7 +74,8 @@ def measure_lockstep(device: torch.device, group: dist.ProcessGroup | None = Non
 
     times: dict[int, list[float]] = {size: [] for size in buffers}
     dist.barrier(group=group)
-    timed_after_compute(compute, functools.partial(dist.all_reduce, buffers[LOCKSTEP_SMALL_BYTES], group=group), 3)
+    warm_up = functools.partial(dist.all_reduce, buffers[LOCKSTEP_SMALL_BYTES], group=group)
+    timed_after_compute(compute, warm_up, 3)  # connections, caches
     for _ in range(rounds):  # alternating: both sizes see the same moments of the host's load
         for size, buffer in buffers.items():
             times[size] += timed_after_compute(compute, functools.partial(dist.all_reduce, buffer, group=group),
