@@ -6,7 +6,7 @@ of benchmarks/tp_fidelity_terms.md a 128 KiB all-reduce took 1.7-2.2 ms inside a
 0.24-0.53 ms back to back, and most of that time passed after both members had entered it: inside gloo, which
 runs each collective on its worker and transport threads, more than in the peers' lateness. So both ranks (call on
 both; ``group`` holds just them) time ``LOCKSTEP_CALLS`` all-reduces each posted after about ``LOCKSTEP_GAP_S`` of
-matmuls, no barrier, of two sizes in alternating rounds; each rank's median per size, averaged over the two
+matmuls, no barrier, of two sizes in alternating rounds; each rank's mean per size, averaged over the two
 ranks, is fitted as a two-rank ring (:func:`fxpipe.runtime.calibration.ring_fit.ring_fit`).
 :func:`fxpipe.sim.tensor_parallel_cost.tensor_parallel_link` charges a group's collectives on that link.
 """
@@ -28,7 +28,7 @@ from fxpipe.runtime.calibration.ring_fit import ring_fit
 LOCKSTEP_GAP_S = 1.5e-3
 LOCKSTEP_MATMUL_SIZE = 128
 LOCKSTEP_CALLS = 20
-LOCKSTEP_ROUNDS = 3
+LOCKSTEP_ROUNDS = 6
 # The two sizes: the per-call latency, and a tensor-parallel activation's order of size (gpt-mini's micro-batch
 # of 4 x 64 tokens x 128 channels in float32 is 128 KiB).
 LOCKSTEP_SMALL_BYTES = 8
@@ -80,8 +80,10 @@ def measure_lockstep(device: torch.device, group: dist.ProcessGroup | None = Non
         for size, buffer in buffers.items():
             times[size] += timed_after_compute(compute, functools.partial(dist.all_reduce, buffer, group=group),
                                                LOCKSTEP_CALLS)
-    medians = torch.tensor([statistics.median(times[size]) for size in buffers], dtype=torch.float64)
-    dist.all_reduce(medians, group=group)
-    small_s, large_s = (float(value) / dist.get_world_size(group) for value in medians)
+    # means, not medians: a step pays the sum of its collectives, and on CPU ranks they switch between a fast and
+    # a slow regime for several calls at a time (0.6-4.8 ms for the same 128 KiB call, medians seconds apart)
+    means = torch.tensor([statistics.fmean(times[size]) for size in buffers], dtype=torch.float64)
+    dist.all_reduce(means, group=group)
+    small_s, large_s = (float(value) / dist.get_world_size(group) for value in means)
     latency, bandwidth = ring_fit(2, (LOCKSTEP_SMALL_BYTES, small_s), (LOCKSTEP_LARGE_BYTES, large_s), passes=2)
     return {"lockstep_latency": latency, "lockstep_bandwidth": bandwidth}
