@@ -144,17 +144,16 @@ def group_link(net: Cluster, own: LinkSpec | None) -> LinkSpec:
 
 
 def block_member_seconds(net: Cluster, block, rows: int, tensor_parallel: int) -> tuple[float, float]:  # type: ignore[no-untyped-def]
-    """Forward, backward seconds of one block on one group member: the split share divided by T and waiting for
-    T-1 peers, plus an all-gather and a reduce-scatter each way, each a ring of T-1 steps moving (T-1)/T of the bytes."""
+    """Forward, backward seconds of one block on one group member: the split share divided by T, plus an
+    all-gather and a reduce-scatter each way, each a ring of T-1 steps moving (T-1)/T of the bytes."""
     forward, backward = at(block.forward_s, rows) * stretch(net), at(block.backward_s, rows) * stretch(net)
     if not splits_over(block, tensor_parallel):
         return forward, backward
-    keep = (1 - block.tp.time_share + block.tp.time_share / tensor_parallel) * (
-        1 + (tensor_parallel - 1) * net.lockstep_wait_fraction)
+    keep = 1 - block.tp.time_share + block.tp.time_share / tensor_parallel
     moved = at(block.tp.comm_bytes, rows) * (tensor_parallel - 1) / tensor_parallel
     comm = 0.0
     if moved > 0:
-        link = group_link(net, None)  # plain collectives of activations: the host's allreduce figures
+        link = group_link(net, net.tensor_parallel_collective)  # lock-step figures, else the host's allreduce
         comm = 2 * ((tensor_parallel - 1) * link.latency_s + moved / link.bandwidth_bytes_per_s)
     return forward * keep + comm, backward * keep + comm
 

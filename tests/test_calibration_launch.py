@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from fxpipe.core.hardware import LOCAL_LINK_DEFAULT
+from fxpipe.core.cluster_spec import lockstep_link
+from fxpipe.core.hardware import LOCAL_LINK_DEFAULT, LinkSpec
 from tests import mp_utils
 from tests.mp_utils import join_world, leave_world, run_ranks
 
@@ -132,7 +133,8 @@ def test_ranks_calibrate_over_their_process_group_and_agree(tmp_path: Path) -> N
     assert 0 < measured["intra_host_collective"]["latency_s"] < 0.1 and measured["message_overhead_s"] > 0
     for kind in ("reduce_scatter_collective", "all_gather_collective"):  # a sharded stage's own links
         assert 0 <= measured[kind]["latency_s"] < 0.1 and measured[kind]["bandwidth_bytes_per_s"] > 1e6, kind
-    assert 0 <= measured["lockstep_wait_fraction"] < 50  # ranks in lock-step: the cluster file carries the wait
+    lockstep = measured["tensor_parallel_collective"]  # collectives between compute: the cluster file carries them
+    assert 0 <= lockstep["latency_s"] < 0.1 and lockstep["bandwidth_bytes_per_s"] > 1e5
     assert 0 <= measured["fsdp_call_overhead_s"] < 1  # and FSDP2's host time per collective
     assert measured["device"]["name"] == "CPU(calibrated)"
     cached = first["cached"]
@@ -141,7 +143,7 @@ def test_ranks_calibrate_over_their_process_group_and_agree(tmp_path: Path) -> N
     (written,) = cache.glob("calibration-*-cpu.json")
     assert set(json.loads(written.read_text())["sections"]) == {"device", "link"}
     link_figures = json.loads(written.read_text())["sections"]["link"]["figures"]  # the last (refreshed) links
-    assert link_figures["lockstep_wait_fraction"] == first["failed"]["lockstep_wait_fraction"]
+    assert lockstep_link(link_figures) == LinkSpec(**first["failed"]["tensor_parallel_collective"])
     assert link_figures["fsdp_call_overhead"] == first["failed"]["fsdp_call_overhead_s"]
     assert first["failed"]["device"]["name"] == "CPU"  # defaults
     assert first["failed"]["description"].endswith("device defaults (measurement failed), links measured")

@@ -221,7 +221,7 @@ DEVICE_FIGURES = {"float32": 2e10, "bfloat16": 1e9, "float16": 1.5e9, "memory_ba
 LINK_FIGURES = {"link_bandwidth": 3e9, "link_latency": 4e-5, "allreduce_bandwidth": 1.5e9, "allreduce_latency": 6e-5,
                 "message_overhead": 3e-4, "overlap_compute_slowdown": 0.25, "overlap_comm_slowdown": 1.5,
                 "reduce_scatter_bandwidth": 4e8, "reduce_scatter_latency": 3e-4, "all_gather_bandwidth": 9e8,
-                "all_gather_latency": 1e-4, "lockstep_wait_fraction": 0.35,
+                "all_gather_latency": 1e-4, "lockstep_latency": 7e-4, "lockstep_bandwidth": 2e8,
                 "fsdp_call_overhead": 2e-3}
 
 
@@ -259,7 +259,7 @@ def test_local_calibration_reads_its_cache(tmp_path: Path, monkeypatch: pytest.M
     cluster = local_cluster(2, calibrate=True)  # tests/conftest.py turns calibration off by default
     assert cluster.intra_host == LinkSpec(3e9, 4e-5)
     assert (cluster.overlap_compute_slowdown, cluster.overlap_comm_slowdown) == (0.25, 1.5)
-    assert (cluster.lockstep_wait_fraction, cluster.fsdp_call_overhead_s) == (0.35, 2e-3)
+    assert (cluster.tensor_parallel_collective, cluster.fsdp_call_overhead_s) == (LinkSpec(2e8, 7e-4), 2e-3)
     assert cluster.collective_link([0, 1]) == cluster.intra_host_collective == LinkSpec(1.5e9, 6e-5)
     assert cluster.allreduce_time(3e9, [0, 1]) == 2 * 6e-5 + 2.0  # ring: 2 latencies + W / bandwidth
     assert cluster.message_overhead_s == 3e-4

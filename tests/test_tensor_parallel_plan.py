@@ -120,8 +120,8 @@ def tp_setup(seed: int) -> tuple[Plan, CostChain, Cluster, dict[str, float | str
                   all_gather_collective=rng.choice([None, LinkSpec(8e9, 1e-5)]),
                   action_overhead_s=rng.choice([0.0, 5e-5]), optimizer_s_per_param_byte=rng.choice([0.0, 2e-11]),
                   split_backward_overhead=rng.choice([0.0, 0.3]), overlap_compute_slowdown=rng.choice([0.0, 0.19]),
-                  overlap_comm_slowdown=rng.choice([0.0, 0.1]), lockstep_wait_fraction=rng.choice([0.0, 0.4]),
-                  fsdp_call_overhead_s=rng.choice([0.0, 3e-3]))
+                  overlap_comm_slowdown=rng.choice([0.0, 0.1]), fsdp_call_overhead_s=rng.choice([0.0, 3e-3]),
+                  tensor_parallel_collective=rng.choice([None, LinkSpec(2e8, 7e-4)]))
     schedule, policy = rng.choice([("early_backward", "A"), ("early_backward", "B"), ("gpipe", "A"),
                                    ("zero_bubble", "A")])
     cut_points = sorted(rng.sample(range(1, chain.num_blocks), num_stages - 1))

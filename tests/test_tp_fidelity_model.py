@@ -1,6 +1,6 @@
-"""The tensor-parallel cost terms behind issue 33's fidelity: ring collectives of T - 1 steps, the lock-step wait a
-group's members pay for meeting their peers, its calibration formula, and the figure's way from the cluster file
-into the simulator."""
+"""The tensor-parallel cost terms behind issue 33's fidelity: ring collectives of T - 1 steps, the group's collectives
+charged on the link calibrated between compute in lock-step, its calibration's fit, and the link's way from the
+cluster file into the simulator."""
 
 from __future__ import annotations
 
@@ -12,10 +12,22 @@ from reference_sim import reference_run
 from test_tensor_parallel_plan import _hand_chain, _one_host
 
 from fxpipe.core.cluster import Cluster, LinkSpec
+from fxpipe.core.cluster_spec import lockstep_link
 from fxpipe.core.plan import Plan, StagePlan
-from fxpipe.runtime.calibration.calibrate_lockstep import lockstep_wait
+from fxpipe.runtime.calibration import calibrate_lockstep
+from fxpipe.runtime.calibration.calibrate_lockstep import (
+    LOCKSTEP_LARGE_BYTES,
+    LOCKSTEP_SMALL_BYTES,
+    timed_after_compute,
+)
+from fxpipe.runtime.calibration.ring_fit import ring_fit
 from fxpipe.sim.simulate import simulate
-from fxpipe.sim.tensor_parallel_cost import collective_seconds, ring_seconds, tensor_parallel_times
+from fxpipe.sim.tensor_parallel_cost import (
+    collective_seconds,
+    ring_seconds,
+    tensor_parallel_link,
+    tensor_parallel_times,
+)
 
 
 @pytest.mark.parametrize("degree", [2, 4, 8])
@@ -30,34 +42,70 @@ def test_a_ring_collective_pays_one_latency_per_step(degree: int) -> None:
     assert collective_seconds(net, 8000, degree) == pytest.approx(both, rel=1e-12)
 
 
-def test_split_blocks_wait_for_their_peers_and_whole_blocks_do_not() -> None:
-    chain, net = _hand_chain(), replace(_one_host(), lockstep_wait_fraction=0.5)
-    # 4 rows, T = 4: mm forward 4 ms x (0.2 + 0.8/4) x (1 + 3 x 0.5) = 4 ms, its rings 2 x (3 x 10 us + 3,000 B /
-    # 1 GB/s) = 66 us; norm (does not split) 4 ms whole; backward: mm 8 ms x 0.4 x 2.5 = 8 ms
+def test_split_blocks_charge_their_collectives_on_the_lockstep_link() -> None:
+    lockstep = LinkSpec(2e8, 7e-4)  # 0.7 ms per ring step, 200 MB/s: collectives between compute on CPU ranks
+    chain, net = _hand_chain(), replace(_one_host(), tensor_parallel_collective=lockstep)
+    # 4 rows, T = 4: mm forward 4 ms x (0.2 + 0.8/4) = 1.6 ms, its rings 2 x (3 x 0.7 ms + 3,000 B / 200 MB/s) =
+    # 4.23 ms; norm (does not split) 4 ms whole; backward: mm 8 ms x 0.4 = 3.2 ms and the same rings
     forward, backward = tensor_parallel_times(chain, net, 0, 2, 4, 4)
-    assert forward == pytest.approx(4e-3 + 66e-6 + 4e-3, rel=1e-12)
-    assert backward == pytest.approx(8e-3 + 66e-6 + 4e-3, rel=1e-12)
+    assert forward == pytest.approx(1.6e-3 + 4.23e-3 + 4e-3, rel=1e-12)
+    assert backward == pytest.approx(3.2e-3 + 4.23e-3 + 4e-3, rel=1e-12)
+    assert tensor_parallel_link(net, "all_gather") == lockstep
+    assert tensor_parallel_link(_one_host(), "all_gather") == _one_host().collective_link((0,))  # not measured
     alone = tensor_parallel_times(chain, net, 0, 2, 4, 1)  # T = 1 meets nobody
     assert alone == tensor_parallel_times(chain, _one_host(), 0, 2, 4, 1) == pytest.approx((8e-3, 12e-3))
 
 
-def test_the_wait_fraction_reaches_the_simulator_from_the_cluster_file() -> None:
+def test_the_lockstep_link_reaches_the_simulator_from_the_cluster_file() -> None:
     chain = _hand_chain()
     plan = Plan(4, 1, (StagePlan(0, 0, 2, 1, (0, 1), tensor_parallel=2),))
-    waiting = Cluster.from_json(json.loads(json.dumps(replace(_one_host(), lockstep_wait_fraction=0.25).to_json())))
-    assert waiting.lockstep_wait_fraction == 0.25
-    # the split share of mm (forward 4 ms, backward 8 ms, x 0.6 at T = 2) waits 0.25 of itself for the one peer
-    extra = (4e-3 + 8e-3) * 0.6 * 0.25
+    lockstep = LinkSpec(2e8, 7e-4)
+    calibrated = Cluster.from_json(json.loads(json.dumps(
+        replace(_one_host(), tensor_parallel_collective=lockstep).to_json())))
+    assert calibrated.tensor_parallel_collective == lockstep
+    # mm's rings at T = 2 (4 rows x 1,000 B, half moved in the one step), forward and backward, each an all-gather
+    # and a reduce-scatter: 4 x (0.7 ms + 2,000 B / 200 MB/s) on the lock-step link, against 4 x (10 us + 2 us)
+    extra = 4 * (7e-4 + 2000 / 2e8) - 4 * (1e-5 + 2000 / 1e9)
     base = simulate(plan, chain, _one_host()).iteration_time_s
-    assert simulate(plan, chain, waiting).iteration_time_s == pytest.approx(base + extra, rel=1e-12)
-    assert reference_run(plan, chain, waiting).iteration_time_s == pytest.approx(base + extra, rel=1e-12)
-    with pytest.raises(ValueError, match="lockstep_wait_fraction must be >= 0"):
-        replace(waiting, lockstep_wait_fraction=-0.1)
+    assert simulate(plan, chain, calibrated).iteration_time_s == pytest.approx(base + extra, rel=1e-12)
+    assert reference_run(plan, chain, calibrated).iteration_time_s == pytest.approx(base + extra, rel=1e-12)
 
 
-def test_lockstep_wait_is_the_loops_excess_over_its_parts() -> None:
-    # 30 rounds: 60 ms of matmuls, 9 ms of all-reduces back to back, 90 ms together: 21 ms waited, 0.35 of compute
-    assert lockstep_wait(0.090, 0.009, 0.060) == pytest.approx(0.35, rel=1e-12)
-    assert lockstep_wait(0.060, 0.009, 0.060) == 0.0  # noise below the parts: no negative wait
-    with pytest.raises(ValueError, match="compute alone must take some time"):
-        lockstep_wait(0.09, 0.009, 0.0)
+def test_calibrated_lockstep_figures_make_the_clusters_link() -> None:
+    # calibrate_lockstep's two-rank all-reduces after compute: 0.9 ms at 8 B, 1.9 ms at 128 KiB; a ring of 2 steps
+    latency, bandwidth = ring_fit(2, (LOCKSTEP_SMALL_BYTES, 0.9e-3), (LOCKSTEP_LARGE_BYTES, 1.9e-3), passes=2)
+    assert bandwidth == pytest.approx((LOCKSTEP_LARGE_BYTES - 8) / 1e-3, rel=1e-12)
+    assert 2 * latency + LOCKSTEP_LARGE_BYTES / bandwidth == pytest.approx(1.9e-3, rel=1e-12)
+    figures = {"lockstep_latency": latency, "lockstep_bandwidth": bandwidth}
+    assert lockstep_link(figures) == LinkSpec(bandwidth, latency)
+    assert lockstep_link({}) is None  # GPUs and caches written before: the allreduce link stands
+    # never faster than the allreduce link timed back to back (here 1 GB/s, 0.2 ms): a noisy fit is bounded by it
+    bare = {"allreduce_bandwidth": 1e9, "allreduce_latency": 2e-4}
+    assert lockstep_link({**figures, **bare}) == LinkSpec(bandwidth, latency)  # 131 MB/s, 0.45 ms: slower already
+    noisy = {"lockstep_bandwidth": 1.3e14, "lockstep_latency": 1e-4, **bare}  # 128 KiB timed no slower than 8 B
+    assert lockstep_link(noisy) == LinkSpec(1e9, 2e-4)
+    # the model's all-reduce of 128 KiB on two members (a reduce-scatter and an all-gather) gives the timed 1.9 ms
+    net = replace(_one_host(), tensor_parallel_collective=LinkSpec(bandwidth, latency))
+    assert collective_seconds(net, LOCKSTEP_LARGE_BYTES, 2) == pytest.approx(1.9e-3, rel=1e-12)
+
+
+def test_timed_after_compute_times_the_collective_and_not_the_compute() -> None:
+    clock = {"now": 0.0}
+    seen: list[str] = []
+
+    def compute() -> None:
+        seen.append("compute")
+        clock["now"] += 1.0  # a long compute, never timed
+
+    def collective() -> None:
+        seen.append("collective")
+        clock["now"] += 0.25
+
+    real = calibrate_lockstep.time.perf_counter
+    calibrate_lockstep.time.perf_counter = lambda: clock["now"]  # type: ignore[assignment]
+    try:
+        times = timed_after_compute(compute, collective, 3)
+    finally:
+        calibrate_lockstep.time.perf_counter = real  # type: ignore[assignment]
+    assert times == [0.25, 0.25, 0.25]
+    assert seen == ["compute", "collective"] * 3

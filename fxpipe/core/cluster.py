@@ -21,6 +21,7 @@ from fxpipe.core.cluster_spec import (
     did_you_mean,
     existing_file,
     json_field,
+    lockstep_link,
     measured_links,
     quantity,
     sharding_links,
@@ -98,9 +99,10 @@ class Cluster:
     long, the allreduce ``1 + comm`` times (:mod:`fxpipe.sim.allreduce_overlap`). Calibration measures
     them on CPU ranks (gloo's threads take cores); GPU presets carry a published estimate (docs/clusters.md).
 
-    ``reduce_scatter_collective``, ``all_gather_collective``: a sharded stage's collectives within a host, fitted
-    as one pass of a ring (calibrated on local ranks: gloo's reduce-scatter took 1.3-1.6x its allreduce of
-    the same buffer here, a ring 0.5x); None: the allreduce's link, half an allreduce each (:mod:`fxpipe.sim.sharding_cost`).
+    ``reduce_scatter_collective``, ``all_gather_collective``: a sharded stage's collectives within a host, fitted as one
+    pass of a ring (calibrated on local ranks: gloo's reduce-scatter took 1.3-1.6x its allreduce of the same buffer
+    here, a ring 0.5x); None: the allreduce's link, half an allreduce each (:mod:`fxpipe.sim.sharding_cost`).
+    ``tensor_parallel_collective``: a tensor-parallel group's, posted between compute (calibrated on CPU ranks).
 
     ``optimizer_s_per_param_byte`` is the time of one optimizer step per byte of parameters a device
     holds, at one-rank speed (stretched like compute): measured by ``fxpipe.compile`` with its block
@@ -130,15 +132,13 @@ class Cluster:
     all_gather_collective: LinkSpec | None = None
     action_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
-    lockstep_wait_fraction: float = 0.0  # ranks sharing cores wait for peers at collectives: tensor_parallel_cost
+    tensor_parallel_collective: LinkSpec | None = None  # collectives between compute in lock-step: tensor_parallel_cost
     fsdp_call_overhead_s: float = 0.0  # FSDP2's host time per collective beyond the collective: sharding_cost
 
     def __post_init__(self) -> None:
         if self.num_hosts < 1 or self.devices_per_host < 1:
-            raise ValueError(
-                f"cluster {self.name!r} needs at least 1 host and 1 device per host; "
-                f"got {self.num_hosts} hosts x {self.devices_per_host} devices"
-            )
+            raise ValueError(f"cluster {self.name!r} needs at least 1 host and 1 device per host; "
+                             f"got {self.num_hosts} hosts x {self.devices_per_host} devices")
         if self.cores_per_host < 0:
             raise ValueError(f"cluster {self.name!r}: cores_per_host must be >= 0 (0: devices do not share "
                              f"cores); got {self.cores_per_host}")
@@ -148,7 +148,7 @@ class Cluster:
         if not self.split_backward_overhead >= 0:
             raise ValueError(f"cluster {self.name!r}: split_backward_overhead must be >= 0 (a fraction of the "
                              f"fused backward); got {self.split_backward_overhead}")
-        for field_name in ("overlap_compute_slowdown", "overlap_comm_slowdown", "lockstep_wait_fraction"):
+        for field_name in ("overlap_compute_slowdown", "overlap_comm_slowdown"):
             if not getattr(self, field_name) >= 0:
                 raise ValueError(f"cluster {self.name!r}: {field_name} must be >= 0 (a fraction: the extra "
                                  f"time while overlapped); got {getattr(self, field_name)}")
@@ -342,7 +342,7 @@ def _local_cpu_cluster(name: str, ranks: int, measured: Calibration | None, coll
     return replace(_cpu_cluster(name, 1, ranks, cpu_device(memory, calibrated=measured.device), link,
                                 f"local CPU ranks, calibrated: {measured.source}", usable_cores(), collective_link,
                                 overhead, split, (overlap[0], overlap[1]), sharding_links(figures), (action, step)),
-                   lockstep_wait_fraction=figures.get("lockstep_wait_fraction", 0.0),
+                   tensor_parallel_collective=lockstep_link(figures),
                    fsdp_call_overhead_s=figures.get("fsdp_call_overhead", 0.0))
 
 

@@ -165,6 +165,21 @@ def sharding_links(figures: dict[str, float]) -> tuple[LinkSpec | None, LinkSpec
                  if f"{kind}_bandwidth" in figures else None for kind in ("reduce_scatter", "all_gather"))
 
 
+def lockstep_link(figures: dict[str, float]) -> LinkSpec | None:
+    """A tensor-parallel group's collectives between compute in lock-step, from calibrated link figures
+    (:mod:`fxpipe.runtime.calibration.calibrate_lockstep`); None where not measured (GPUs, older caches).
+
+    Never faster than the allreduce link timed back to back: the same bytes cross the same link (a noisy fit, the
+    large all-reduces timed no slower than the small ones, would otherwise give a near-infinite bandwidth)."""
+    if "lockstep_bandwidth" not in figures:
+        return None
+    bandwidth, latency = figures["lockstep_bandwidth"], figures["lockstep_latency"]
+    if "allreduce_bandwidth" in figures:
+        bandwidth = min(bandwidth, figures["allreduce_bandwidth"])
+        latency = max(latency, figures["allreduce_latency"])
+    return LinkSpec(bandwidth, latency)
+
+
 def existing_file(text: str) -> Path | None:
     """The file ``text`` names (``~`` expanded), or None when there is no such file."""
     try:
@@ -196,6 +211,6 @@ def cluster_fields_from_json(data: Any) -> dict[str, Any]:
         all_gather_collective=optional_link(data, "all_gather_collective"),
         action_overhead_s=optional_seconds(data, "action_overhead_s"),
         step_overhead_s=optional_seconds(data, "step_overhead_s"),
-        lockstep_wait_fraction=optional_seconds(data, "lockstep_wait_fraction"),
+        tensor_parallel_collective=optional_link(data, "tensor_parallel_collective"),
         fsdp_call_overhead_s=optional_seconds(data, "fsdp_call_overhead_s"),
     )

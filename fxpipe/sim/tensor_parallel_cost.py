@@ -3,18 +3,18 @@
 Legend: T the group size, for each block t its forward (or backward) seconds on the slice, s its
 ``tp.time_share``, P its parameter bytes, p its ``tp.param_bytes``, a its saved bytes, q its ``tp.saved_share``,
 c its ``tp.comm_bytes`` on the slice; L the node's link for that collective (:func:`tensor_parallel_link`), l its
-latency per ring step and bw its bandwidth; w the cluster's ``lockstep_wait_fraction``. A block splits when it has
-``tp`` and T divides ``tp.divisor``; any other block runs whole on every member (replicated: correct, slower):
+latency per ring step and bw its bandwidth. A block splits when it has ``tp`` and T divides ``tp.divisor``; any
+other block runs whole on every member (replicated: correct, slower):
 
-    time per direction      t ((1 - s) + s / T) (1 + (T-1) w) + AG + RS
+    time per direction      t ((1 - s) + s / T) + AG + RS
     AG = RS                 (T-1) l + c (T-1)/T / bw         (a ring: T-1 steps, each member moving c/T per step)
     weights (grads, state)  (P - p) + p / T
     saved activations       a ((1 - q) + q / T)
 
 Forward has one all-gather and one reduce-scatter of the block's collective bytes (sequence parallelism),
 backward the same two; without sequence parallelism each pair is one all-reduce, which a ring runs as exactly
-that reduce-scatter and all-gather. A split block's members meet at its collectives, so each waits for its T - 1
-peers' hold-ups (w: what one peer costs, calibrated on CPU ranks sharing cores; 0 on GPU presets). Received and
+that reduce-scatter and all-gather. A split block's members meet at its collectives a little compute apart: on CPU
+ranks calibration times the link as such collectives run (``Cluster.tensor_parallel_collective``). Received and
 sent activations stay whole (every member holds the full slice), and a stage's gradient allreduce runs over its
 replicas, once per group index, of one member's gradient bytes. Tied parameters (:attr:`CostChain.shared_params`)
 are counted whole.
@@ -42,13 +42,16 @@ def splits(block: Block, tensor_parallel: int) -> bool:
 
 
 def tensor_parallel_link(cluster: Cluster, kind: str) -> LinkSpec:
-    """The link a group's ``"all_gather"`` or ``"reduce_scatter"`` runs on: the node's allreduce figures (a group
-    never spans hosts). Not FSDP2's own measured all-gather / reduce-scatter links: those include FSDP2's copies
-    in and out, and a tensor-parallel group runs plain collectives of the activations (on gloo a reduce-scatter
-    is an all-reduce keeping one chunk): with FSDP2's figures a T=2 stage on two CPU ranks was predicted 2x
-    slower than it ran (benchmarks/tp_fidelity.md). ``kind`` stays for the day a host measures them apart."""
+    """The link a group's ``"all_gather"`` or ``"reduce_scatter"`` runs on (a group never spans hosts): its
+    collectives as calibrated between compute in lock-step (``Cluster.tensor_parallel_collective``, CPU ranks:
+    there a collective after a millisecond of compute took 3-5x one after a barrier, the peers included,
+    benchmarks/tp_fidelity_terms.md), else the node's allreduce figures. Not FSDP2's own measured all-gather /
+    reduce-scatter links: those include FSDP2's copies in and out, and a tensor-parallel group runs plain
+    collectives of the activations (on gloo a reduce-scatter is an all-reduce keeping one chunk): with FSDP2's
+    figures a T=2 stage on two CPU ranks was predicted 2x slower than it ran (benchmarks/tp_fidelity.md).
+    ``kind`` stays for the day a host measures them apart."""
     del kind
-    return cluster.collective_link((0,))
+    return cluster.tensor_parallel_collective or cluster.collective_link((0,))
 
 
 def ring_seconds(link: LinkSpec, comm_bytes: float, tensor_parallel: int) -> float:
@@ -65,11 +68,6 @@ def collective_seconds(cluster: Cluster, comm_bytes: float, tensor_parallel: int
             + ring_seconds(tensor_parallel_link(cluster, "reduce_scatter"), comm_bytes, tensor_parallel))
 
 
-def lockstep_stretch(cluster: Cluster, tensor_parallel: int) -> float:
-    """What a split block's compute takes on a group member for meeting its T - 1 peers: 1 + (T-1) w."""
-    return 1.0 + (tensor_parallel - 1) * cluster.lockstep_wait_fraction
-
-
 def tensor_parallel_times(chain: CostChain, cluster: Cluster, first: int, stop: int, rows: float, tensor_parallel: int,
                           slowdown: float = 1.0) -> tuple[float, float]:
     """Forward and backward seconds of one group member over blocks ``[first, stop)`` on ``rows`` rows (module
@@ -79,8 +77,7 @@ def tensor_parallel_times(chain: CostChain, cluster: Cluster, first: int, stop: 
         forward, backward = block.forward_s.at(rows) * slowdown, block.backward_s.at(rows) * slowdown
         if splits(block, tensor_parallel):
             assert block.tp is not None
-            kept = ((1.0 - block.tp.time_share) + block.tp.time_share / tensor_parallel) * lockstep_stretch(
-                cluster, tensor_parallel)
+            kept = (1.0 - block.tp.time_share) + block.tp.time_share / tensor_parallel
             comm = collective_seconds(cluster, block.tp.comm_bytes.at(rows), tensor_parallel)
             forward, backward = forward * kept + comm, backward * kept + comm
         forward_s += forward

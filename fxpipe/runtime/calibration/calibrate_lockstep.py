@@ -1,72 +1,89 @@
-"""How long ranks in lock-step wait for each other: compute between small all-reduces, against compute alone.
+"""A tensor-parallel group's collectives as they run between compute in lock-step: all-reduces timed after matmuls.
 
-A tensor-parallel group (and a ZeRO-3 stage) meets its peers at every collective, a few milliseconds of compute
-apart. Where ranks share cores with other work (CPU ranks on a busy host), each member is descheduled now and then;
-alone it loses that time once, in lock-step every peer waits for it too. Both ranks (call on both; ``group``
-holds just them) time ``LOCKSTEP_CALLS`` rounds of [matmuls for about ``LOCKSTEP_GAP_S``; an all-reduce of 8 bytes],
-the same all-reduces back to back, and the same matmuls without collectives (both ranks computing, so sharing
-cores counts in both). The wait fraction is what the lock-step loop takes beyond the other two, over the
-compute: (loop - all-reduces - compute) / compute, averaged over the two ranks, median of a few repeats, >= 0.
-:func:`fxpipe.sim.tensor_parallel_cost.tensor_parallel_times` charges a T-way group (T - 1) times it.
+A tensor-parallel group (and a ZeRO-3 stage) meets its peers at every collective, a millisecond or so of compute
+apart. On CPU ranks such a collective costs far more than the same collective after a barrier: on the 2-core VM
+of benchmarks/tp_fidelity_terms.md a 128 KiB all-reduce took 1.7-2.2 ms inside a gpt-mini ``1x2`` step against
+0.24-0.53 ms back to back, and most of that time passed after both members had entered it: inside gloo, which
+runs each collective on its worker and transport threads, more than in the peers' lateness. So both ranks (call on
+both; ``group`` holds just them) time ``LOCKSTEP_CALLS`` all-reduces each posted after about ``LOCKSTEP_GAP_S`` of
+matmuls, no barrier, of two sizes in alternating rounds; each rank's mean per size, averaged over the two
+ranks, is fitted as a two-rank ring (:func:`fxpipe.runtime.calibration.ring_fit.ring_fit`).
+:func:`fxpipe.sim.tensor_parallel_cost.tensor_parallel_link` charges a group's collectives on that link.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+from fxpipe.runtime.calibration.ring_fit import ring_fit
 
 # A tensor-parallel stage's compute between two collectives on these CPU ranks (gpt-mini 1x2: 38 collectives in
 # about 70 ms of compute per step, benchmarks/tp_fidelity_terms.md); small matmuls keep the gap close to it.
 LOCKSTEP_GAP_S = 1.5e-3
 LOCKSTEP_MATMUL_SIZE = 128
-LOCKSTEP_CALLS = 30
-LOCKSTEP_REPEATS = 3
+LOCKSTEP_CALLS = 20
+LOCKSTEP_ROUNDS = 6
+# The two sizes: the per-call latency, and a tensor-parallel activation's order of size (gpt-mini's micro-batch
+# of 4 x 64 tokens x 128 channels in float32 is 128 KiB).
+LOCKSTEP_SMALL_BYTES = 8
+LOCKSTEP_LARGE_BYTES = 2**17
 
 
-def _loop(square: torch.Tensor, count: int, tiny: torch.Tensor | None, group: dist.ProcessGroup | None) -> float:
-    """Seconds of LOCKSTEP_CALLS rounds of ``count`` matmuls, each followed by an all-reduce of ``tiny`` (None: none)."""
-    dist.barrier(group=group)
-    start = time.perf_counter()
-    for _ in range(LOCKSTEP_CALLS):
-        for _ in range(count):
-            torch.mm(square, square)
-        if tiny is not None:
-            dist.all_reduce(tiny, group=group)
-    return time.perf_counter() - start
+def timed_after_compute(compute: Callable[[], object], collective: Callable[[], object], calls: int) -> list[float]:
+    """Seconds of each of ``calls`` ``collective()`` calls, each right after ``compute()`` (not timed)."""
+    times = []
+    for _ in range(calls):
+        compute()
+        start = time.perf_counter()
+        collective()
+        times.append(time.perf_counter() - start)
+    return times
 
 
-def lockstep_wait(loop_s: float, allreduces_s: float, compute_s: float) -> float:
-    """The wait fraction of one repeat: (loop - all-reduces - compute) / compute, never negative."""
-    if compute_s <= 0:
-        raise ValueError(f"the compute alone must take some time; got {compute_s} s")
-    return max(0.0, (loop_s - allreduces_s - compute_s) / compute_s)
-
-
-def measure_lockstep(device: torch.device, group: dist.ProcessGroup | None = None,
-                     repeats: int = LOCKSTEP_REPEATS) -> dict[str, float]:
-    """``{"lockstep_wait_fraction": w}`` on this pair of CPU ranks (0 on GPUs: their kernels do not share cores)."""
-    if device.type != "cpu":
-        return {"lockstep_wait_fraction": 0.0}
-    square = torch.randn(LOCKSTEP_MATMUL_SIZE, LOCKSTEP_MATMUL_SIZE)
-    tiny = torch.zeros(2)
-    _loop(square, 5, tiny, group)  # warm-up: connections, caches
+def lockstep_matmuls(square: torch.Tensor, group: dist.ProcessGroup | None) -> int:
+    """Matmuls of ``square`` for about LOCKSTEP_GAP_S, the same number on both ranks (the larger estimate)."""
+    for _ in range(20):  # warm-up
+        torch.mm(square, square)
     start = time.perf_counter()
     for _ in range(50):
         torch.mm(square, square)
-    count = max(1, round(LOCKSTEP_GAP_S / ((time.perf_counter() - start) / 50)))
-    # one figure for both ranks: each must run the same number of matmuls, or the loops would not pair up
-    agreed = torch.tensor([count], dtype=torch.float64)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-    count = int(agreed.item())
-    waits = []
-    for _ in range(repeats):
-        loop_s = _loop(square, count, tiny, group)
-        allreduces_s = _loop(square, 0, tiny, group)
-        compute_s = _loop(square, count, None, group)
-        waits.append(lockstep_wait(loop_s, allreduces_s, compute_s))
-    mine = torch.tensor([statistics.median(waits)], dtype=torch.float64)
-    dist.all_reduce(mine, group=group)
-    return {"lockstep_wait_fraction": float(mine.item()) / dist.get_world_size(group)}
+    count = torch.tensor([max(1, round(LOCKSTEP_GAP_S / ((time.perf_counter() - start) / 50)))], dtype=torch.float64)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    return int(count.item())
+
+
+def measure_lockstep(device: torch.device, group: dist.ProcessGroup | None = None,
+                     rounds: int = LOCKSTEP_ROUNDS) -> dict[str, float]:
+    """``{"lockstep_latency": s, "lockstep_bandwidth": B/s}`` on this pair of CPU ranks; ``{}`` on GPUs (their
+    kernels run apart from the host threads, and the allreduce link stands)."""
+    if device.type != "cpu":
+        return {}
+    square = torch.randn(LOCKSTEP_MATMUL_SIZE, LOCKSTEP_MATMUL_SIZE)
+    count = lockstep_matmuls(square, group)
+    buffers = {size: torch.zeros(max(1, size // 4)) for size in (LOCKSTEP_SMALL_BYTES, LOCKSTEP_LARGE_BYTES)}
+
+    def compute() -> None:
+        for _ in range(count):
+            torch.mm(square, square)
+
+    times: dict[int, list[float]] = {size: [] for size in buffers}
+    dist.barrier(group=group)
+    warm_up = functools.partial(dist.all_reduce, buffers[LOCKSTEP_SMALL_BYTES], group=group)
+    timed_after_compute(compute, warm_up, 3)  # connections, caches
+    for _ in range(rounds):  # alternating: both sizes see the same moments of the host's load
+        for size, buffer in buffers.items():
+            times[size] += timed_after_compute(compute, functools.partial(dist.all_reduce, buffer, group=group),
+                                               LOCKSTEP_CALLS)
+    # means, not medians: a step pays the sum of its collectives, and on CPU ranks they switch between a fast and
+    # a slow regime for several calls at a time (0.6-4.8 ms for the same 128 KiB call, medians seconds apart)
+    means = torch.tensor([statistics.fmean(times[size]) for size in buffers], dtype=torch.float64)
+    dist.all_reduce(means, group=group)
+    small_s, large_s = (float(value) / dist.get_world_size(group) for value in means)
+    latency, bandwidth = ring_fit(2, (LOCKSTEP_SMALL_BYTES, small_s), (LOCKSTEP_LARGE_BYTES, large_s), passes=2)
+    return {"lockstep_latency": latency, "lockstep_bandwidth": bandwidth}

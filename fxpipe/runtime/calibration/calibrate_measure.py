@@ -15,6 +15,7 @@ from fxpipe.runtime.calibration.calibrate_fixed import measure_fixed_costs
 from fxpipe.runtime.calibration.calibrate_fsdp import measure_fsdp_overhead
 from fxpipe.runtime.calibration.calibrate_lockstep import measure_lockstep
 from fxpipe.runtime.calibration.calibrate_overlap import measure_overlap
+from fxpipe.runtime.calibration.ring_fit import ring_allreduce_fit, ring_fit
 
 # Bytes for the bandwidth ping: big enough that latency is small next to it, small enough to be quick.
 PING_LARGE_BYTES = 8 * 2**20
@@ -40,7 +41,7 @@ DEVICE_KEYS = ("float32", "bfloat16", "float16", "memory_bandwidth", "kernel_lau
                "action_overhead", "step_overhead")
 LINK_KEYS = ("link_latency", "link_bandwidth", "allreduce_latency", "allreduce_bandwidth", "message_overhead",
              "overlap_compute_slowdown", "overlap_comm_slowdown", "reduce_scatter_latency", "reduce_scatter_bandwidth",
-             "all_gather_latency", "all_gather_bandwidth", "lockstep_wait_fraction",
+             "all_gather_latency", "all_gather_bandwidth", "lockstep_latency", "lockstep_bandwidth",
              "fsdp_call_overhead")
 
 
@@ -261,8 +262,8 @@ def measure_pair_link(rank: int, device: torch.device, group: dist.ProcessGroup 
     :meth:`fxpipe.core.cluster.Cluster.allreduce_time`'s ring formula needs to give the measured times), and
     the seconds each end spends on a message of its own time (``message_overhead``; 0 on CUDA, where
     copy engines move the data), what overlapping an allreduce with compute costs on CPU ranks
-    (:func:`fxpipe.runtime.calibration.calibrate_overlap.measure_overlap`), and how long ranks in lock-step wait
-    for each other (:func:`fxpipe.runtime.calibration.calibrate_lockstep.measure_lockstep`), and FSDP2's host time
+    (:func:`fxpipe.runtime.calibration.calibrate_overlap.measure_overlap`), a two-rank allreduce as it runs between
+    compute in lock-step (:func:`fxpipe.runtime.calibration.calibrate_lockstep.measure_lockstep`), and FSDP2's host time
     per collective (:func:`fxpipe.runtime.calibration.calibrate_fsdp.measure_fsdp_overhead`).
     """
     small = torch.zeros(PING_SMALL_BYTES // 4, dtype=torch.float32, device=device)
@@ -289,33 +290,6 @@ def measure_pair_link(rank: int, device: torch.device, group: dist.ProcessGroup 
             "message_overhead": overhead, **measure_overlap(device, group),
             **sharding_collective_figures(device, group), **measure_lockstep(device, group),
             **measure_fsdp_overhead(device, group)}
-
-
-def ring_allreduce_fit(num_ranks: int, small: tuple[float, float], large: tuple[float, float]) -> tuple[float, float]:
-    """``(latency s, bandwidth B/s)`` that make :meth:`fxpipe.core.cluster.Cluster.allreduce_time`'s ring
-    formula, ``2 (R-1) latency + 2 (R-1) W / (R bandwidth)``, give the two measured ``(bytes, seconds)``."""
-    return ring_fit(num_ranks, small, large, passes=2)
-
-
-def ring_fit(num_ranks: int, small: tuple[float, float], large: tuple[float, float], *,
-             passes: int) -> tuple[float, float]:
-    """``(latency s, bandwidth B/s)`` that make a ring collective of ``passes`` trips around the ring,
-    ``passes (R-1) latency + passes (R-1) W / (R bandwidth)`` (an allreduce 2: reduce-scatter then
-    all-gather; a reduce-scatter or an all-gather 1), give the two measured ``(bytes, seconds)``.
-
-    A large collective no slower than the small one (noise) gives the bandwidth of 1 ns for the
-    difference; the latency is never negative.
-    """
-    if num_ranks < 2:
-        raise ValueError(f"a ring collective needs at least 2 ranks; got {num_ranks}")
-    (small_bytes, small_s), (large_bytes, large_s) = small, large
-    if large_bytes <= small_bytes:
-        raise ValueError(f"the large collective ({large_bytes} B) must carry more than the small one ({small_bytes} B)")
-    steps = passes * (num_ranks - 1)
-    share = steps / num_ranks
-    bandwidth = share * (large_bytes - small_bytes) / max(large_s - small_s, 1e-9)
-    latency = max(small_s - share * small_bytes / bandwidth, 0.0) / steps
-    return latency, bandwidth
 
 
 def measure_job_collective(device: torch.device, group: dist.ProcessGroup | None = None) -> tuple[float, float]:
