@@ -254,8 +254,7 @@ def rerun_and_dropped(chain: CostChain, stage, rows: int, net: Cluster | None = 
             share = (1 - block.tp.saved_share + block.tp.saved_share / degree) if split else 1.0
             dropped.append(max(0.0, at(block.saved_bytes, rows) * share - reads - loss))
             keep = (1 - block.tp.time_share + block.tp.time_share / degree) if split else 1.0
-            if split and net is not None:  # the member's forward waits for its peers, then its collectives run
-                keep *= 1 + (degree - 1) * net.lockstep_wait_fraction
+            if split and net is not None:  # the member's forward, then its collectives run again
                 comm += block_member_seconds(net, block, rows, degree)[0] - at(block.forward_s, rows) * stretch(net) * keep
             seconds += at(block.forward_s, rows) * keep
         else:
