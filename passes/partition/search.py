@@ -153,9 +153,7 @@ class _Search:
         per_host = self.model.cluster.devices_per_host
         near = frozenset(d // per_host for d in state.spans[-1].devices) if state.spans else frozenset()
         for replicas, degree in self.choices(state):
-            for counts in placements(state.usage, replicas * degree, near, degree):
-                if degree > 1 and any(count % degree for count in counts):
-                    continue  # a group would span hosts (take() fills each host from its lowest free device)
+            for counts in placements(state.usage, replicas * degree, near, degree):  # whole T-groups per host
                 usage, devices = state.usage.take(counts)
                 self.extend(state, usage, devices, buckets, degree)
 
