@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import warnings
 from pathlib import Path
 from typing import Any
@@ -54,15 +55,24 @@ def stage_choices(chain: CostChain, stage: StagePlan) -> tuple[str, ...]:
                  else "keep" for index in range(len(blocks)))
 
 
-def recomputing_plan(model_name: str, layout: str, sharding: str, world_size: int) -> Plan:
-    """The planner's cuts for ``layout`` on ``world_size`` CPU devices at ``sharding``, recomputing per block
-    (:func:`stage_choices`)."""
+@functools.cache
+def _chain(model_name: str, world_size: int) -> CostChain:
+    """The model's costed chain on ``world_size`` CPU devices (traced and costed once per file: seconds each)."""
     factory, loss_fn, batch, _ = MODELS[model_name]
     model, example = factory()
     cluster = parse_cluster(f"1x{world_size}:cpu")
-    chain = costed_model(model, example, cluster, loss_fn=loss_fn, example_targets=batch(ROWS, 0)[1]).chain
+    return costed_model(model, example, cluster, loss_fn=loss_fn, example_targets=batch(ROWS, 0)[1]).chain
+
+
+def recomputing_plan(model_name: str, layout: str, sharding: str, world_size: int, per_block: bool = True) -> Plan:
+    """The planner's cuts for ``layout`` on ``world_size`` CPU devices at ``sharding``, recomputing per block
+    (:func:`stage_choices`; ``per_block`` False: nothing recomputed)."""
+    cluster = parse_cluster(f"1x{world_size}:cpu")
+    chain = _chain(model_name, world_size)
     plan = plan_chain(chain, cluster, GLOBAL_BATCH, layout=layout, num_microbatches=NUM_MICROBATCHES,
                       recompute="never", sharding=sharding)
+    if not per_block:
+        return plan
     stages = tuple(dataclasses.replace(stage, block_recompute=stage_choices(chain, stage)) for stage in plan.stages)
     return with_block_node_counts(plan.with_updates(stages=stages), chain)
 
@@ -99,11 +109,13 @@ def regions_run(pipe: Any) -> int:
                if name.rsplit(".", 1)[-1].startswith(REGION_PREFIX))
 
 
-def _run(rank: int, world_size: int, store_dir: str, plans: dict[str, Plan]) -> dict[str, Any]:
+def run_cases(rank: int, world_size: int, store_dir: str, cases: tuple[tuple[str, str, str, str, bool, Any], ...],
+              plans: dict[str, Plan]) -> dict[str, Any]:
+    """Each case (``CASES``' shape) in a fresh process group of the world, trained against one process."""
     references = {model: train_reference(MODELS[model][0]()[0], MODELS[model][1], _batches(model),
-                                         adam_eps=MODELS[model][3]) for model in {case[1] for case in CASES}}
+                                         adam_eps=MODELS[model][3]) for model in {case[1] for case in cases}}
     results: dict[str, Any] = {}
-    for index, (name, model_name, _, _, sequence_parallel, torch_compile) in enumerate(CASES):
+    for index, (name, model_name, _, _, sequence_parallel, torch_compile) in enumerate(cases):
         join_world(store_dir, f"case-{index}", rank, world_size)
         try:
             model, example = MODELS[model_name][0]()
@@ -124,22 +136,18 @@ def _run(rank: int, world_size: int, store_dir: str, plans: dict[str, Plan]) -> 
     return results
 
 
-@pytest.mark.multiprocess
-def test_per_block_recompute_trains_as_one_process_on_zero12_tp_sharded_compiled_and_sequence_parallel_stages(
-        tmp_path: Path) -> None:
-    plans = {name: recomputing_plan(model, layout, sharding, WORLD_SIZE)
-             for name, model, layout, sharding, _, _ in CASES}
-    for name, _, layout, sharding, _, _ in CASES:  # the layouts and levels asked for, every stage recomputing
-        stages = plans[name].stages
-        assert ":".join(f"{s.replicas}x{s.tensor_parallel}" if s.tensor_parallel > 1 else str(s.replicas)
-                        for s in stages) == layout, (name, stages)
-        assert all(s.sharding == sharding and "block" in s.block_recompute for s in stages), name
-        assert "attention" in stages[0].block_recompute, name  # a later stage may hold no core (the planner's cut)
-    per_rank = run_ranks(_run, WORLD_SIZE, tmp_path, plans, timeout_s=300.0)
+def layout_of(plan: Plan) -> str:
+    return ":".join(f"{s.replicas}x{s.tensor_parallel}" if s.tensor_parallel > 1 else str(s.replicas)
+                    for s in plan.stages)
+
+
+def check_cases(cases: tuple[tuple[str, str, str, str, bool, Any], ...], plans: dict[str, Plan],
+                per_rank: list[dict[str, Any]]) -> None:
+    """Every rank of every case exact (:func:`compared`), and what each case is about did happen."""
     failures = [f"{name} rank {rank}: {problem}" for rank, results in enumerate(per_rank)
                 for name, record in results.items() for problem in record["problems"][:4]]
     assert not failures, "\n".join(failures)
-    for name, model_name, _, sharding, sequence_parallel, torch_compile in CASES:
+    for name, model_name, _, sharding, sequence_parallel, torch_compile in cases:
         records = [results[name] for results in per_rank]
         # every stage ran its regions, and every parameter was held (so compared) by some rank
         assert [record["regions"] for record in records] == [
@@ -147,10 +155,24 @@ def test_per_block_recompute_trains_as_one_process_on_zero12_tp_sharded_compiled
         held = {param for record in records for param in record["names"]}
         assert held == set(dict(MODELS[model_name][0]()[0].named_parameters())), name
         assert all(record["fsdp"] == (sharding != "none") for record in records), name
+        assert all(record["degree"] == plans[name].stages[record["stage"]].tensor_parallel for record in records), name
         if torch_compile:  # regions compile inside the stage's one graph (they broke it at each region before)
             assert all(record["frames"] == 1 for record in records), (name, [r["frames"] for r in records])
         if sequence_parallel and len(plans[name].stages) > 1:  # token shares crossed between the two SP stages
             assert all(record["split"] for record in records), (name, [r["split"] for r in records])
+
+
+@pytest.mark.multiprocess
+def test_per_block_recompute_trains_as_one_process_on_zero12_tp_sharded_compiled_and_sequence_parallel_stages(
+        tmp_path: Path) -> None:
+    plans = {name: recomputing_plan(model, layout, sharding, WORLD_SIZE)
+             for name, model, layout, sharding, _, _ in CASES}
+    for name, _, layout, sharding, _, _ in CASES:  # the layouts and levels asked for, every stage recomputing
+        stages = plans[name].stages
+        assert layout_of(plans[name]) == layout, (name, stages)
+        assert all(s.sharding == sharding and "block" in s.block_recompute for s in stages), name
+        assert "attention" in stages[0].block_recompute, name  # a later stage may hold no core (the planner's cut)
+    check_cases(CASES, plans, run_ranks(run_cases, WORLD_SIZE, tmp_path, CASES, plans, timeout_s=300.0))
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
