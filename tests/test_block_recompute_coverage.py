@@ -109,11 +109,18 @@ def regions_run(pipe: Any) -> int:
                if name.rsplit(".", 1)[-1].startswith(REGION_PREFIX))
 
 
+def references_for(cases: tuple[tuple[str, str, str, str, bool, Any], ...]) -> dict[str, dict[str, Any]]:
+    """One process's training of each model the cases use (computed once, in the parent, not on every rank)."""
+    references = {}
+    for model in sorted({case[1] for case in cases}):
+        trained = train_reference(MODELS[model][0]()[0], MODELS[model][1], _batches(model), adam_eps=MODELS[model][3])
+        references[model] = {key: value for key, value in trained.items() if key != "model"}
+    return references
+
+
 def run_cases(rank: int, world_size: int, store_dir: str, cases: tuple[tuple[str, str, str, str, bool, Any], ...],
-              plans: dict[str, Plan]) -> dict[str, Any]:
+              plans: dict[str, Plan], references: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Each case (``CASES``' shape) in a fresh process group of the world, trained against one process."""
-    references = {model: train_reference(MODELS[model][0]()[0], MODELS[model][1], _batches(model),
-                                         adam_eps=MODELS[model][3]) for model in {case[1] for case in cases}}
     results: dict[str, Any] = {}
     for index, (name, model_name, _, _, sequence_parallel, torch_compile) in enumerate(cases):
         join_world(store_dir, f"case-{index}", rank, world_size)
@@ -172,7 +179,8 @@ def test_per_block_recompute_trains_as_one_process_on_zero12_tp_sharded_compiled
         assert layout_of(plans[name]) == layout, (name, stages)
         assert all(s.sharding == sharding and "block" in s.block_recompute for s in stages), name
         assert "attention" in stages[0].block_recompute, name  # a later stage may hold no core (the planner's cut)
-    check_cases(CASES, plans, run_ranks(run_cases, WORLD_SIZE, tmp_path, CASES, plans, timeout_s=300.0))
+    check_cases(CASES, plans, run_ranks(run_cases, WORLD_SIZE, tmp_path, CASES, plans, references_for(CASES),
+                                             timeout_s=300.0))
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])

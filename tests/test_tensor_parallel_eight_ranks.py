@@ -11,7 +11,13 @@ from typing import Any
 import pytest
 
 from tests.mp_utils import run_ranks
-from tests.test_block_recompute_coverage import check_cases, layout_of, recomputing_plan, run_cases
+from tests.test_block_recompute_coverage import (
+    check_cases,
+    layout_of,
+    recomputing_plan,
+    references_for,
+    run_cases,
+)
 
 WORLD_SIZE = 8
 # (name, model, layout, sharding, sequence_parallel, torch_compile); names with "recompute" recompute per block
@@ -28,7 +34,8 @@ def test_two_tensor_parallel_stages_with_replicas_train_as_one_process_on_eight_
              for name, model, layout, sharding, _, _ in CASES}
     assert all(layout_of(plans[name]) == layout and {s.sharding for s in plans[name].stages} == {sharding}
                for name, _, layout, sharding, _, _ in CASES), plans
+    references = references_for(CASES)
     started = time.perf_counter()
-    per_rank = run_ranks(run_cases, WORLD_SIZE, tmp_path, CASES, plans, timeout_s=400.0)
+    per_rank = run_ranks(run_cases, WORLD_SIZE, tmp_path, CASES, plans, references, timeout_s=400.0)
     print(f"8 ranks, {len(CASES)} cases: {time.perf_counter() - started:.1f} s")
     check_cases(CASES, plans, per_rank)
