@@ -10,6 +10,7 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import checkpoint
 
+from fxpipe.core import meta
 from fxpipe.core.attention_core import attention_cores
 from fxpipe.core.costgraph import CostNode
 from fxpipe.core.plan import Plan, StagePlan
@@ -39,7 +40,9 @@ class CheckpointedRegion(torch.nn.Module):
         if not torch.is_grad_enabled():  # evaluation and predict: nothing is saved anyway
             return region(*args)
         outputs = checkpoint(region, *args, use_reentrant=False, preserve_rng_state=True)
-        meter = _active_meter()
+        # under torch.compile no meter measures (pipe.measure runs eager), and dynamo cannot trace the hook lookup:
+        # reading it broke the stage's graph at every region, each then compiled as a frame of its own
+        meter = None if torch.compiler.is_compiling() else _active_meter()
         return outputs if meter is None else _measured(region, args, outputs, meter)
 
 
@@ -106,8 +109,8 @@ def stage_regions(gm: fx.GraphModule, stage: StagePlan, *, positional: bool = Fa
     in graph order; block boundaries come from ``stage.block_node_counts`` (a stage all "attention" needs none).
 
     ``positional``: ``gm`` is a tensor-parallel member's shard of the stage (fxpipe.passes.tp_shard), whose split
-    linears and collectives carry new names; a block is then the stretch of the graph from its first node still
-    named as planned up to the next block's (:func:`_stretches`), the new nodes going with the block before them."""
+    linears and collectives carry new names; each node then goes with the block of the stage node it was rewritten
+    from (:func:`_stretches`)."""
     names = {node.name for node in gm.graph.nodes if node.op not in ("placeholder", "output")}
     choices = stage.block_recompute
     if not choices:
@@ -140,8 +143,10 @@ def _planned_blocks(stage: StagePlan, names: set[str]) -> list[tuple[str, ...]]:
 
 
 def _stretches(gm: fx.GraphModule, stage: StagePlan) -> list[tuple[str, ...]]:
-    """Each block's nodes on a rewritten stage graph: a node named as planned belongs to its block, any other node
-    to the block of the last planned node before it (get_attr nodes aside: a region reads them as arguments)."""
+    """Each block's nodes on a rewritten stage graph: a node belongs to the block of the planned node it was
+    rewritten from (:data:`meta.TP_ORIGIN`; a split linear renamed ``linear_3`` stays in its block: before, such a
+    block was found empty and silently kept), any other node to the block of the last planned node before it
+    (get_attr nodes aside: a region reads them as arguments)."""
     block_of: dict[str, int] = {}
     start = 0
     for index, count in enumerate(stage.block_node_counts):
@@ -152,7 +157,7 @@ def _stretches(gm: fx.GraphModule, stage: StagePlan) -> list[tuple[str, ...]]:
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
             continue
-        current = max(block_of.get(node.name, -1), current if current is not None else -1)
+        current = max(block_of.get(node.meta.get(meta.TP_ORIGIN, node.name), -1), current if current is not None else -1)
         if current >= 0:  # nodes before the first planned one (a rewrite's entry collectives) stay outside
             blocks[current].append(node.name)
     return [tuple(block) for block in blocks]

@@ -136,7 +136,6 @@ class _Rewriter:
     vocab_logits: tuple[str, int, int] | None = None
 
     def run(self) -> fx.GraphModule:
-        states = self.plan.states
         self.whole_grad, self.partial = whole_grad_region(self.gm, self.plan, self.shapes)
         self.grads = needs_grad(self.gm, self.shapes)
         whole_grad = self.whole_grad
@@ -149,25 +148,9 @@ class _Rewriter:
             self.seq_values |= taken
             self.boundary |= {node.name for node in taken}
         for node in self.gm.graph.nodes:
-            name = op_name(self.gm, node)
-            if node.op == "output" and self.sequence_boundary:
-                self.env[node] = self.graph.node_copy(node, self._leaving)
-            elif node.name in states.columns and node in states.states:
-                self.env[node] = self._column(node, states.columns[node.name])
-            elif node in states.rows:
-                self.env[node] = self._row(node, self._info(node, name))
-            elif node.name in self.vocab:
-                self.env[node] = self._vocab(node, name, self.vocab[node.name])
-            elif node in states.states:
-                self.env[node] = self._split_op(node, name)
-            elif node in whole_grad:
-                self.env[node] = self.graph.node_copy(node, lambda arg: self._entered(arg, whole_grad))
-            elif node in self.seq_values:
-                self.env[node] = self.graph.node_copy(node, functools.partial(self._token_share, node))
-            elif name in SIZE_READS and _size_dim(node) is not None and node.args[0] in self.seq_values:
-                self.env[node] = self._token_size(node)
-            else:
-                self.env[node] = self.graph.node_copy(node, self._full)
+            made_before = len(self.graph.nodes)
+            self._rewrite(node, whole_grad)
+            _mark_origin(self.graph, len(self.graph.nodes) - made_before, node.name)
         module = fx.GraphModule(self.gm, self.graph, class_name=type(self.gm).__name__)
         module.meta.update(copy.copy(self.gm.meta))
         for path, split in self.splits.items():
@@ -177,6 +160,28 @@ class _Rewriter:
                 self.shared[key] = self._shard(original, split)
             _set_parameter(module, path, self.shared[key])
         return module
+
+    def _rewrite(self, node: fx.Node, whole_grad: set[fx.Node]) -> None:
+        """``self.env[node]``: the member's node(s) for ``node``, appended to the member's graph."""
+        states, name = self.plan.states, op_name(self.gm, node)
+        if node.op == "output" and self.sequence_boundary:
+            self.env[node] = self.graph.node_copy(node, self._leaving)
+        elif node.name in states.columns and node in states.states:
+            self.env[node] = self._column(node, states.columns[node.name])
+        elif node in states.rows:
+            self.env[node] = self._row(node, self._info(node, name))
+        elif node.name in self.vocab:
+            self.env[node] = self._vocab(node, name, self.vocab[node.name])
+        elif node in states.states:
+            self.env[node] = self._split_op(node, name)
+        elif node in whole_grad:
+            self.env[node] = self.graph.node_copy(node, lambda arg: self._entered(arg, whole_grad))
+        elif node in self.seq_values:
+            self.env[node] = self.graph.node_copy(node, functools.partial(self._token_share, node))
+        elif name in SIZE_READS and _size_dim(node) is not None and node.args[0] in self.seq_values:
+            self.env[node] = self._token_size(node)
+        else:
+            self.env[node] = self.graph.node_copy(node, self._full)
 
     # -- values
     def _entered(self, arg: fx.Node, inside: set[fx.Node]) -> fx.Node:
@@ -338,3 +343,10 @@ def _set_parameter(module: nn.Module, path: str, value: nn.Parameter) -> None:
     owner_path, _, attribute = path.rpartition(".")
     owner = module.get_submodule(owner_path) if owner_path else module
     setattr(owner, attribute, value)
+
+
+def _mark_origin(graph: fx.Graph, count: int, name: str) -> None:
+    """Tag the last ``count`` nodes of ``graph`` (what the rewrite of stage node ``name`` appended) with it, so that
+    per-block recompute finds each block's nodes on the member's graph (fxpipe.passes.recompute_regions)."""
+    for node, _ in zip(reversed(graph.nodes), range(count), strict=False):
+        node.meta[meta.TP_ORIGIN] = name

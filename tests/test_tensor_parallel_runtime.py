@@ -111,7 +111,8 @@ CASES = (
     ("vocab 2:1x2", "vocab", ((2, 1), (1, 2)), "zero_bubble", "none", False),
     ("attention 2x2 ZeRO-2 SP", "attention", ((2, 2),), "early_backward", "gradients", False),
     ("vocab 2:1x2 compiled", "vocab", ((2, 1), (1, 2)), "early_backward", "none", {"backend": "aot_eager"}),
-    # split backward: the T = 2 stage runs W inside B (its split graphs gave wrong gradients: compiled_stages._split_stage)
+    # split backward: the T = 2 stage's compiled joint graph cut into F, B and W, its collectives traced as functional
+    # ones (they traced as c10d ops nothing waited on, and gave wrong gradients: runtime/parallel/traced_collectives)
     ("vocab 2:1x2 compiled zero_bubble", "vocab", ((2, 1), (1, 2)), "zero_bubble", "none", {"backend": "aot_eager"}),
 )
 
@@ -277,7 +278,9 @@ def _run(rank: int, world_size: int, store_dir: str, directory: str) -> dict[str
             problems = record["problems"] + _share_problems(pipe)
             problems += [] if compiled else _inference(pipe, model, references[model])  # new shapes would recompile
             problems += _exported_matches(pipe, references[model])  # rank 0: every stage unsharded, trained weights
-            if record["collectives"] != _implied_collectives(pipe):
+            split = compiled and schedule == "zero_bubble" and pipe.driver.tensor_parallel.degree > 1
+            # collectives inside the compiled F/B/W graphs run as graph ops: the communicator counts none of them
+            if record["collectives"] != _implied_collectives(pipe) and not split:
                 problems.append(f"collectives per step {record['collectives']}, the layers imply "
                                 f"{_implied_collectives(pipe)}")
             if index == 0:  # saved at T = 2 on stage 0, loaded below at T = 1 and back
@@ -286,6 +289,7 @@ def _run(rank: int, world_size: int, store_dir: str, directory: str) -> dict[str
                              "degree": pipe.driver.tensor_parallel.degree, "collectives": record["collectives"],
                              "partial": sorted(n for n, p in pipe.driver.tp_params.items() if p.partial),
                              "frames": pipe.compile_stats()[rank].num_frames if compiled else 0,
+                             "w_passes": pipe.compile_stats()[rank].num_weight_passes if compiled else 0,
                              "seconds": time.perf_counter() - started,
                              "sharded": sorted(n for n, p in pipe.driver.tp_params.items() if p.dim is not None)}
     trained = references["attention"]["params"]
@@ -318,6 +322,8 @@ def test_tensor_parallel_stages_train_like_one_process(tmp_path: Path) -> None:
         assert split and all(per_rank[rank][name]["sharded"] and per_rank[rank][name]["collectives"] for rank in split), (
             name, [(results[name]["sharded"][:3], results[name]["collectives"]) for results in per_rank])
     assert all(results["vocab 2:1x2 compiled"]["frames"] > 0 for results in per_rank)
+    # the compiled T = 2 stage ran its W passes apart from B (exact: no failures above)
+    assert all(results["vocab 2:1x2 compiled zero_bubble"]["w_passes"] > 0 for results in per_rank[2:]), per_rank[2:]
     for name in ("attention 2x2 ZeRO-2 SP", "llama 2x2 SP"):  # sequence-parallel norms: gradients partial over T
         assert all(results[name]["partial"] for results in per_rank), [results[name]["partial"] for results in per_rank]
     print({name: round(record.get("seconds", 0), 1) for name, record in per_rank[0].items()})

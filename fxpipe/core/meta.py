@@ -34,6 +34,9 @@ TARGET_SAVED_BYTES = "fxpipe.target_saved_bytes"  # gm: bytes of the targets the
 # node: a passes.tensor_parallel.NodeTensorParallel (role and plain-number figures under a T-way group);
 # written by annotate_costs through passes.tp_costs.annotate_tensor_parallel
 TENSOR_PARALLEL = "fxpipe.tensor_parallel"
+# node of a tensor-parallel member's stage (written by fxpipe.passes.tp_shard.shard_stage): the name of the stage node
+# it was rewritten from, on every node the rewrite of that node made (split linears, collectives, renamed ops)
+TP_ORIGIN = "fxpipe.tp_origin"
 AUTOCAST = "fxpipe.autocast"  # gm: (device type, dtype name) of the autocast the costs ran under, or None
 
 # --- written by codegen (fxpipe.passes.codegen), on each stage's GraphModule

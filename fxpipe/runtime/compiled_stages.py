@@ -51,8 +51,8 @@ def compile_stage(driver: PipelineDriver, settings: Mapping[str, Any] | None, ba
 
 def _split_stage(driver: PipelineDriver, compiled: CompiledStage) -> None:
     """Under a split-backward schedule: cut the stage's joint graph into F, B and W (compiled_split), unless
-    the stage recomputes, is sharded, is tensor parallel or runs under autocast, where it runs W inside B (warned, in
-    its stats)."""
+    the stage recomputes, is sharded or runs under autocast, where it runs W inside B (warned, in its stats). A
+    tensor-parallel stage splits too: its collectives trace as functional ones (runtime/parallel/traced_collectives)."""
     runner = driver.runner
     stage_plan = driver.plan.stages[driver.stage_index]
 
@@ -65,9 +65,6 @@ def _split_stage(driver: PipelineDriver, compiled: CompiledStage) -> None:
         fall_back("the stage recomputes its forward in backward; plan it without recompute to split it")
     elif stage_plan.sharding != "none" and driver.groups[driver.stage_index] is not None:
         fall_back(f"sharding={stage_plan.sharding!r}: FSDP2 runs the stage's backward; plan it unsharded to split it")
-    elif stage_plan.tensor_parallel > 1:  # its split graphs gave wrong gradients (tests/test_virtual_tensor_parallel.py)
-        fall_back(f"tensor_parallel={stage_plan.tensor_parallel}: the group's collectives are not cut into B and W "
-                  "correctly yet; plan it with T = 1 to split it")
     elif runner.autocast_dtype is not None:
         fall_back(f"autocast ({runner.autocast_dtype}) is not traced into the split graphs; train in float32 to "
                   "split it")

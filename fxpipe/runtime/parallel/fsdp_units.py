@@ -122,7 +122,10 @@ def unit_paths(gm: fx.GraphModule) -> list[str]:
 
 def unviewed(value: Any) -> Any:
     """``value``, copied when it is a view: FSDP2 hooks a unit's outputs for its backward (the gather, the
-    reduction), and an in-place op on a view output (a residual's ``x += y``) would drop that hook."""
+    reduction), and an in-place op on a view output (a residual's ``x += y``) would drop that hook. A checkpointed
+    region's outputs (a tuple, taken apart after the unit when the block's last node is the region) each alike."""
+    if isinstance(value, tuple):
+        return tuple(unviewed(each) for each in value)
     return value.clone() if isinstance(value, torch.Tensor) and value._is_view() else value
 
 

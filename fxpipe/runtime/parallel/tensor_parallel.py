@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from fxpipe.core.plan import Plan
 from fxpipe.runtime.faults.errors import PipelineSetupError
+from fxpipe.runtime.parallel.traced_collectives import is_fake, traced_all_gather, traced_all_reduce
 from fxpipe.runtime.transport.comm import PeerExchange, Pending, new_groups
 
 
@@ -112,6 +113,8 @@ class GroupCommunicator:
             self.exchange.wait([Pending(work, -1, f"tensor-parallel {kind} over ranks {ranks}", tensor)])
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.size > 1 and is_fake(tensor):
+            return traced_all_reduce(tensor, self.group)
         self._count("all_reduce")
         result = tensor.contiguous().clone()
         if self.size > 1:
@@ -120,18 +123,22 @@ class GroupCommunicator:
         return result
 
     def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        self._count("all_gather")
         if self.size == 1:
             return tensor.clone()
+        if is_fake(tensor):
+            return traced_all_gather(tensor, dim, self.group)
+        self._count("all_gather")
         parts = [torch.empty_like(tensor, memory_format=torch.contiguous_format) for _ in range(self.size)]
         self._wait(dist.all_gather(parts, tensor.contiguous(), group=self.group, async_op=self.exchange is not None),
                    "all_gather", parts[0])
         return torch.cat(parts, dim)
 
     def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        self._count("reduce_scatter")
         if self.size == 1:
             return tensor.clone()
+        if is_fake(tensor):
+            return traced_all_reduce(tensor, self.group).chunk(self.size, dim)[self.rank].contiguous()
+        self._count("reduce_scatter")
         if dist.get_backend(self.group) == "gloo":
             total = tensor.contiguous().clone()
             self._wait(dist.all_reduce(total, group=self.group, async_op=self.exchange is not None),
