@@ -23,6 +23,7 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_common import Workload, machine_notes, median, run_ranks  # noqa: E402
+from benchmarks.kept_notes import write_keeping_notes  # noqa: E402
 from benchmarks.small_fidelity import Case, _captured_planning, _one_case  # noqa: E402
 
 RESULTS = Path(__file__).with_suffix(".md")
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     text = report(run(num_rounds=args.rounds, num_warmup=args.warmup, num_steps=args.steps))
     print(text)
     if args.write:
-        RESULTS.write_text(text)
+        write_keeping_notes(RESULTS, text)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, Literal
 
+from fxpipe.core.fsdp_calls import FsdpCallCost, fsdp_calls_from_figures
 from fxpipe.core.hardware import Calibration, DeviceSpec, LinkSpec
 from fxpipe.core.jsonvalues import JSONValueError, read_field
 
@@ -180,6 +181,14 @@ def lockstep_link(figures: dict[str, float]) -> LinkSpec | None:
     return LinkSpec(bandwidth, latency)
 
 
+def calibrated_link_fields(figures: dict[str, float]) -> dict[str, Any]:
+    """The ``Cluster`` fields a local cluster takes from calibrated link figures beyond its links: the
+    tensor-parallel group's lock-step link and FSDP2's host time per call (flat, and the per-kind fit)."""
+    return {"tensor_parallel_collective": lockstep_link(figures),
+            "fsdp_call_overhead_s": figures.get("fsdp_call_overhead", 0.0),
+            "fsdp_calls": fsdp_calls_from_figures(figures)}
+
+
 def existing_file(text: str) -> Path | None:
     """The file ``text`` names (``~`` expanded), or None when there is no such file."""
     try:
@@ -213,4 +222,5 @@ def cluster_fields_from_json(data: Any) -> dict[str, Any]:
         step_overhead_s=optional_seconds(data, "step_overhead_s"),
         tensor_parallel_collective=optional_link(data, "tensor_parallel_collective"),
         fsdp_call_overhead_s=optional_seconds(data, "fsdp_call_overhead_s"),
+        fsdp_calls=FsdpCallCost.from_json(data["fsdp_calls"]) if data.get("fsdp_calls") is not None else None,
     )
