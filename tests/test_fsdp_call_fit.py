@@ -20,6 +20,7 @@ from fxpipe.core.fsdp_calls import (
     fsdp_calls_from_figures,
 )
 from fxpipe.core.plan import Plan, StagePlan
+from fxpipe.passes.partition.latency import analytic_iteration_time
 from fxpipe.runtime.calibration.calibrate_fsdp import per_call_excess, two_size_fit
 from fxpipe.sim.sharding_cost import sharding_comm, unit_collectives
 from fxpipe.sim.simulate import simulate
@@ -116,3 +117,6 @@ def test_both_simulators_charge_the_fit_per_unit(level: str) -> None:
     expected = simulate(plan, chain, NET).iteration_time_s + units * calls[level]
     assert simulate(plan, chain, fitted).iteration_time_s == pytest.approx(expected, rel=1e-9)
     assert reference_run(plan, chain, fitted).iteration_time_s == pytest.approx(expected, rel=1e-9)
+    # the pivot model adds the same seconds (one stage: its own figure, the charges on its critical path)
+    pivot = analytic_iteration_time(plan, chain, fitted) - analytic_iteration_time(plan, chain, NET)
+    assert pivot == pytest.approx(units * calls[level], rel=1e-9)
