@@ -357,7 +357,9 @@ def report(result: dict[str, Any], elapsed_s: float) -> str:
                      tablefmt="github")), "",
         "FSDP2's collectives in the step: `all_gather_single`/`reduce_scatter_single` timed inside `pipe.step` "
         "(wrapped in the ranks, each after an untimed barrier; per step the sum over its collectives, median "
-        "over steps, of the slower rank); errors against them.", "",
+        "over steps, of the slower rank); errors against them. The *flat* and *now* charges include FSDP2's host "
+        "time per call, which these timed collectives leave out, so they exceed them by construction: that time is "
+        "judged in (a).", "",
         "## Bare collectives (the stage's byte counts)", "",
         str(tabulate(bare_rows, headers=["collective", "measured ms", "measured / allreduce", *model_headers],
                      tablefmt="github")), "",
