@@ -11,11 +11,10 @@ from reference_sim import reference_run
 from test_tensor_parallel_plan import _hand_chain
 
 from fxpipe.core.cluster import Cluster, DeviceSpec, LinkSpec, parse_cluster
-from fxpipe.core.cluster_spec import calibrated_link_fields
+from fxpipe.core.cluster_spec import ClusterSpecError, calibrated_link_fields
 from fxpipe.core.fsdp_calls import (
     FIGURE_KEYS,
     FsdpCallCost,
-    FsdpCallCostError,
     call_seconds,
     fsdp_calls_from_figures,
 )
@@ -40,7 +39,7 @@ def test_a_call_costs_its_kinds_intercept_plus_slope_times_the_units_bytes() -> 
     assert call_seconds(None, 7e-3, "reduce_scatter", 1e9) == 7e-3  # no fit: the flat figure per call
     with pytest.raises(ValueError, match="kind must be one of"):
         FIT.seconds("all_reduce", 1.0)
-    with pytest.raises(FsdpCallCostError, match="reduce_scatter_s_per_byte must be a finite number >= 0"):
+    with pytest.raises(ValueError, match="reduce_scatter_s_per_byte must be a finite number >= 0"):
         FsdpCallCost(1e-3, 0.0, 0.0, -1e-9)
 
 
@@ -51,9 +50,13 @@ def test_the_fit_round_trips_through_the_cluster_file_and_presets_keep_their_byt
     preset = parse_cluster("dapple-a")
     assert preset.fsdp_calls is None and "fsdp_calls" not in preset.to_json()  # files written before are unchanged
     assert Cluster.from_json(preset.to_json()) == preset
-    broken = {**net.to_json(), "fsdp_calls": {"all_gather_s": 1e-3}}
-    with pytest.raises(FsdpCallCostError, match="needs exactly the keys"):
-        Cluster.from_json(broken)
+    fit = FIT.to_json()
+    for broken, message in (({k: v for k, v in fit.items() if k != "all_gather_s"}, "all_gather_s"),
+                            ({**fit, "reduce_scatter_s": -1e-3}, "fsdp_calls.reduce_scatter_s -0.001 must be non-negative"),
+                            ({**fit, "per_call": 1.0}, "unknown keys \\['per_call'\\]"),
+                            ([1e-3], "fsdp_calls")):
+        with pytest.raises(ClusterSpecError, match=message):
+            Cluster.from_json({**net.to_json(), "fsdp_calls": broken})
 
 
 def test_calibrated_figures_make_the_clusters_fit() -> None:

@@ -134,6 +134,20 @@ def optional_seconds(data: Any, key: str) -> float:
     return float(json_field(data, key, float, "", "non-negative")) if key in data else 0.0
 
 
+def optional_fsdp_calls(data: Any) -> FsdpCallCost | None:
+    """FSDP2's per-kind host time fit at ``fsdp_calls`` of a cluster's JSON (four non-negative seconds figures,
+    ClusterSpecError naming a missing or wrong one); None when the key is absent or null."""
+    if data.get("fsdp_calls") is None:
+        return None
+    fit = json_field(data, "fsdp_calls", dict)
+    extra = sorted(set(fit) - set(FsdpCallCost().to_json()))
+    if extra:
+        raise ClusterSpecError(f"cluster JSON: fsdp_calls has unknown keys {extra}; it holds "
+                               f"{sorted(FsdpCallCost().to_json())}")
+    return FsdpCallCost(**{name: float(json_field(fit, name, float, "fsdp_calls", "non-negative"))
+                           for name in FsdpCallCost().to_json()})
+
+
 def device_from_json(data: Any) -> DeviceSpec:
     """The device of a cluster JSON file, every field checked."""
     flops = json_field(data, "peak_flops", dict[str, float], "device")
@@ -222,5 +236,5 @@ def cluster_fields_from_json(data: Any) -> dict[str, Any]:
         step_overhead_s=optional_seconds(data, "step_overhead_s"),
         tensor_parallel_collective=optional_link(data, "tensor_parallel_collective"),
         fsdp_call_overhead_s=optional_seconds(data, "fsdp_call_overhead_s"),
-        fsdp_calls=FsdpCallCost.from_json(data["fsdp_calls"]) if data.get("fsdp_calls") is not None else None,
+        fsdp_calls=optional_fsdp_calls(data),
     )

@@ -18,13 +18,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
 
 KINDS = ("all_gather", "reduce_scatter")
-
-
-class FsdpCallCostError(ValueError):
-    """A figure of :class:`FsdpCallCost` is negative, not finite or missing."""
 
 
 @dataclass(frozen=True)
@@ -39,8 +34,8 @@ class FsdpCallCost:
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise FsdpCallCostError(f"FsdpCallCost.{name} must be a finite number >= 0 (seconds); got {value!r}: "
-                                        "calibrate again (`fxpipe calibrate`) or fix the cluster file")
+                raise ValueError(f"FsdpCallCost.{name} must be a finite number >= 0 (seconds); got {value!r}: "
+                                 "calibrate again (`fxpipe calibrate`) or fix the cluster file")
 
     def seconds(self, kind: str, unit_bytes: float) -> float:
         """FSDP2's host time around one ``kind`` call on a unit of ``unit_bytes`` whole bytes."""
@@ -49,19 +44,9 @@ class FsdpCallCost:
         return getattr(self, f"{kind}_s") + getattr(self, f"{kind}_s_per_byte") * max(0.0, unit_bytes)
 
     def to_json(self) -> dict[str, float]:
+        """The four figures by field name (``Cluster.to_json``'s ``fsdp_calls``; read by
+        :func:`fxpipe.core.cluster_spec.optional_fsdp_calls`)."""
         return asdict(self)
-
-    @staticmethod
-    def from_json(data: Any) -> FsdpCallCost:
-        """The figures of :meth:`to_json`; :class:`FsdpCallCostError` names a missing or wrong one."""
-        if not isinstance(data, dict):
-            raise FsdpCallCostError(f"cluster JSON: fsdp_calls must be an object of seconds; got {data!r}")
-        missing = [name for name in asdict(FsdpCallCost()) if name not in data]
-        if missing or set(data) - set(asdict(FsdpCallCost())):
-            raise FsdpCallCostError(f"cluster JSON: fsdp_calls needs exactly the keys {sorted(asdict(FsdpCallCost()))}; "
-                                    f"got {sorted(data)}")
-        return FsdpCallCost(**{name: float(value) if isinstance(value, int) and not isinstance(value, bool)
-                               else value for name, value in data.items()})
 
 
 # calibration's figure names (fxpipe.runtime.calibration.calibrate_fsdp), in FsdpCallCost's field order
