@@ -52,7 +52,7 @@ def test_the_fit_round_trips_through_the_cluster_file_and_presets_keep_their_byt
     assert Cluster.from_json(preset.to_json()) == preset
     fit = FIT.to_json()
     for broken, message in (({k: v for k, v in fit.items() if k != "all_gather_s"}, "all_gather_s"),
-                            ({**fit, "reduce_scatter_s": -1e-3}, "fsdp_calls.reduce_scatter_s -0.001 must be non-negative"),
+                            ({**fit, "reduce_scatter_s": -1e-3}, "reduce_scatter_s -0.001 must be non-negative"),
                             ({**fit, "per_call": 1.0}, "unknown keys \\['per_call'\\]"),
                             ([1e-3], "fsdp_calls")):
         with pytest.raises(ClusterSpecError, match=message):

@@ -100,8 +100,8 @@ class Cluster:
     long, the allreduce ``1 + comm`` times (:mod:`fxpipe.sim.allreduce_overlap`). Calibration measures
     them on CPU ranks (gloo's threads take cores); GPU presets carry a published estimate (docs/clusters.md).
 
-    ``reduce_scatter_collective``, ``all_gather_collective``: a sharded stage's collectives in a host, one ring pass
-    (gloo's reduce-scatter took 1.3-1.6x its allreduce here); None: half the allreduce's link (:mod:`.sharding_cost`).
+    ``reduce_scatter_collective``, ``all_gather_collective``: a sharded stage's collectives in a host, one ring
+    pass (gloo's reduce-scatter: 1.3-1.6x its allreduce); None: half the allreduce (:mod:`fxpipe.sim.sharding_cost`).
     ``tensor_parallel_collective``: a tensor-parallel group's, posted between compute (calibrated on CPU ranks).
 
     ``optimizer_s_per_param_byte`` is the time of one optimizer step per byte of parameters a device

@@ -1,4 +1,4 @@
-"""FSDP2's host time per collective call beyond the collective itself, per kind and by the unit's bytes (plain numbers).
+"""FSDP2's host time per collective call beyond the collective, per kind and by the unit's bytes (plain numbers).
 
 Around each all-gather FSDP2 allocates the unit's full buffer, copies the gathered shards out into the
 parameters and frees them again at reshard; around each reduce-scatter it copies the unit's gradients into a
