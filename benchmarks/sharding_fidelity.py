@@ -220,7 +220,7 @@ READING = (
     "unit's parameters or gradients into and out of flat buffers it allocates per call and runs its hooks in "
     "Python. That time is (a)'s measured extra less (b)'s FSDP2 collectives, divided by the calls the clock "
     "counts; the *now* models charge each call a + b x its unit's bytes, with a and b per kind fitted by "
-    "calibration through two unit sizes, 16.6 KB and 1.05 MB, less each unit's own bare collectives "
+    "calibration through two unit sizes, 16.6 KB and 2.36 MB, less each unit's own bare collectives "
     "(fxpipe/runtime/calibration/calibrate_fsdp.py). The structure of the charge, which collectives run and how "
     "many per step, is what FSDP2 runs: the clock counts 1/1, 1/M and 2M/M per FSDP unit (one per transformer "
     "block and the root: 5 here; the bare collectives move the stage's whole bytes once). On a loaded shared "

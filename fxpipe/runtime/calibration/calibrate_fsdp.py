@@ -26,9 +26,10 @@ import torch.distributed as dist
 
 from fxpipe.core.fsdp_calls import FIGURE_KEYS
 
-# Two unit sizes (a Linear of width x width, bias included): 16.6 KB and 1.05 MB, around gpt-mini's blocks
-# (0.8-3 MB per unit) and a tiny one, so the fit's per-call part is the intercept, not an extrapolation.
-FSDP_UNITS, FSDP_WIDTHS, FSDP_ROWS, FSDP_REPEATS = 4, (64, 512), 8, 7
+# Two unit sizes (a Linear of width x width, bias included): 16.6 KB, and 2.36 MB near gpt-mini's blocks (2.6 MB
+# per unit in benchmarks/sharding_fidelity.py), so such units are charged by interpolation: with 1.05 MB units the
+# slope's noise under load was extrapolated 2.5x (benchmarks/sharding_fidelity.md, 16:33).
+FSDP_UNITS, FSDP_WIDTHS, FSDP_ROWS, FSDP_REPEATS = 4, (64, 768), 8, 5
 # per unit and step under reshard-after-forward: an all-gather in forward, one in backward, a reduce-scatter
 CALLS_PER_UNIT = 3
 
