@@ -16,9 +16,10 @@ with the same batch and micro-batches. Each round forks 2 gloo ranks (1 thread e
    all-gather of its weight bytes W, as FSDP2 calls them (``reduce_scatter_single``/``all_gather_single``
    of one flat buffer); medians of the slower rank.
 
-Models, all on the figures the ranks just measured: "own RS/AG (before)", each of the reduce-scatter and the
-all-gather on its own calibrated link (docs/clusters.md), and "+ FSDP2 per call (now)", the same plus FSDP2's
-host time per collective call (``Cluster.fsdp_call_overhead_s``, calibrated by
+Models, all on the figures the ranks just measured: "own RS/AG", each of the reduce-scatter and the
+all-gather on its own calibrated link (docs/clusters.md), "+ FSDP2 flat per call", the same plus one figure of
+FSDP2's host time per collective call (``Cluster.fsdp_call_overhead_s``), and "+ FSDP2 per kind and bytes
+(now)", that time per kind and by each unit's bytes (``Cluster.fsdp_calls``, both calibrated by
 :mod:`fxpipe.runtime.calibration.calibrate_fsdp` in the same ``measure_pair_link``: its copies into and out of
 flat buffers, allocations and hooks, which the bare collectives do not make). Two comparisons per level, errors (measured - model) / measured:
 
@@ -53,6 +54,7 @@ from benchmarks.bench_common import (  # noqa: E402
     run_ranks,
     zero_grads,
 )
+from benchmarks.kept_notes import write_keeping_notes  # noqa: E402
 from benchmarks.overlap_fidelity import local_cluster_from  # noqa: E402
 from benchmarks.runtime_fidelity import measured_chain  # noqa: E402
 
@@ -161,6 +163,7 @@ def error(measured: float, model: float) -> float:
 def run(num_rounds: int, num_warmup: int, num_steps: int, workload: Workload = WORKLOAD) -> dict[str, Any]:
     import fxpipe.runtime.calibration.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
     from fxpipe.core.cluster import parse_cluster
+    from fxpipe.core.fsdp_calls import fsdp_calls_from_figures
     from fxpipe.core.sharding import force_sharding
     from fxpipe.passes.partition.dapple import partition
     from fxpipe.sim.sharding_cost import half_collective_time, plan_sharding_comms
@@ -186,9 +189,10 @@ def run(num_rounds: int, num_warmup: int, num_steps: int, workload: Workload = W
                  for level in LEVELS}
         bare = {name: max(r["collectives"][name] for r in ranks) for name in ranks[0]["collectives"]}
         in_loop = links_from_bare(calibrated, bare, weight_bytes, gradient_bytes, len(stage.devices))
-        call_s = ranks[0]["figures"]["fsdp_call_overhead"]  # FSDP2's host time per call, as calibration measured it
+        # FSDP2's host time per call as calibration measured it: one flat figure, and the fit per kind and bytes
+        call_s, fit = ranks[0]["figures"]["fsdp_call_overhead"], fsdp_calls_from_figures(ranks[0]["figures"])
         models = {"calibrated": calibrated, "calls": replace(calibrated, fsdp_call_overhead_s=call_s),
-                  "loop": in_loop, "calls_loop": replace(in_loop, fsdp_call_overhead_s=call_s)}
+                  "fit": replace(calibrated, fsdp_calls=fit), "fit_loop": replace(in_loop, fsdp_calls=fit)}
         modelled = {}
         for model_name, cluster in models.items():
             modelled[model_name] = {
@@ -215,14 +219,15 @@ READING = (
     "has its own calibrated link. Beyond its collectives FSDP2 spends host time at every call: it copies each "
     "unit's parameters or gradients into and out of flat buffers it allocates per call and runs its hooks in "
     "Python. That time is (a)'s measured extra less (b)'s FSDP2 collectives, divided by the calls the clock "
-    "counts; the *now* models charge it per call at the figure calibration measured on small units "
+    "counts; the *now* models charge each call a + b x its unit's bytes, with a and b per kind fitted by "
+    "calibration through two unit sizes, 16.6 KB and 2.36 MB, less each unit's own bare collectives "
     "(fxpipe/runtime/calibration/calibrate_fsdp.py). The structure of the charge, which collectives run and how "
     "many per step, is what FSDP2 runs: the clock counts 1/1, 1/M and 2M/M per FSDP unit (one per transformer "
     "block and the root: 5 here; the bare collectives move the stage's whole bytes once). On a loaded shared "
     "machine every calibrated figure is a snapshot of its moment's load: compare the start and in-loop columns."
 )
-MODEL_NAMES = {"calibrated": "before: own RS/AG, start", "calls": "now: + FSDP2 per call, start",
-               "loop": "before: own RS/AG, in loop", "calls_loop": "now: + FSDP2 per call, in loop"}
+MODEL_NAMES = {"calibrated": "own RS/AG, start", "calls": "+ FSDP2 flat per call, start",
+               "fit": "now: + FSDP2 per kind and bytes, start", "fit_loop": "now: + FSDP2 per kind and bytes, in loop"}
 
 
 def links_from_bare(cluster: Any, bare: dict[str, float], weight_bytes: int, gradient_bytes: int,
@@ -276,6 +281,12 @@ def level_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def fit_text(figures: dict[str, float]) -> str:
+    """Calibration's per-kind fit of FSDP2's host time, in ms per call + ms per MB of the unit."""
+    return "(" + ", ".join(f"{figures[f'fsdp_{kind}_call'] * 1e3:.2f} + {figures[f'fsdp_{kind}_per_byte'] * 1e9:.2f}"
+                           for kind in ("all_gather", "reduce_scatter")) + ")"
+
+
 def report(result: dict[str, Any], elapsed_s: float) -> str:
     def ms(seconds: float) -> str:
         return f"{1e3 * seconds:.1f}"
@@ -323,10 +334,13 @@ def report(result: dict[str, Any], elapsed_s: float) -> str:
         f"Machine: {machine_notes()}.", "",
         "Calibrated in the ranks, per round (`measure_pair_link`, bandwidth and latency of the ring fit): "
         f"allreduce {figures_of('allreduce')}; reduce-scatter {figures_of('reduce_scatter')}; all-gather "
-        f"{figures_of('all_gather')}; FSDP2's host time per call "
-        + ", ".join(f"{r['figures']['fsdp_call_overhead'] * 1e3:.2f} ms" for r in result["rounds"]) + ".", "",
-        "Models: *before* gives each collective its own calibrated link; *now* adds FSDP2's host time per call "
-        "(`Cluster.fsdp_call_overhead_s`), which (b)'s timed collectives and the bare ones leave out. *start*: the figures "
+        f"{figures_of('all_gather')}; FSDP2's host time per call, flat "
+        + ", ".join(f"{r['figures']['fsdp_call_overhead'] * 1e3:.2f} ms" for r in result["rounds"])
+        + "; per kind and unit bytes (all-gather, reduce-scatter: ms per call + ms per MB) "
+        + ", ".join(fit_text(r["figures"]) for r in result["rounds"]) + ".", "",
+        "Models: *own RS/AG* gives each collective its own calibrated link; *flat per call* adds FSDP2's host time "
+        "per call as one figure (`Cluster.fsdp_call_overhead_s`); *now* adds it per kind and by each unit's bytes "
+        "(`Cluster.fsdp_calls`), which (b)'s timed collectives and the bare ones leave out. *start*: the figures "
         "calibration measured at the round's start, as a planner gets them; *in loop*: the same latencies with "
         "each bandwidth re-fitted to the bare collectives timed between the steps (the same moments as the "
         "steps), which separates the calibration's drift from the model's structure.", "",
@@ -343,7 +357,9 @@ def report(result: dict[str, Any], elapsed_s: float) -> str:
                      tablefmt="github")), "",
         "FSDP2's collectives in the step: `all_gather_single`/`reduce_scatter_single` timed inside `pipe.step` "
         "(wrapped in the ranks, each after an untimed barrier; per step the sum over its collectives, median "
-        "over steps, of the slower rank); errors against them.", "",
+        "over steps, of the slower rank); errors against them. The *flat* and *now* charges include FSDP2's host "
+        "time per call, which these timed collectives leave out, so they exceed them by construction: that time is "
+        "judged in (a).", "",
         "## Bare collectives (the stage's byte counts)", "",
         str(tabulate(bare_rows, headers=["collective", "measured ms", "measured / allreduce", *model_headers],
                      tablefmt="github")), "",
@@ -369,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
     text = report(run(args.rounds, args.warmup, args.steps), time.perf_counter() - start)
     print(text)
     if args.write:
-        RESULTS.write_text(text)
+        write_keeping_notes(RESULTS, text)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A T=2 tensor-parallel stage on local CPU ranks: the planner's prediction vs measured iterations (issue 33 item 7).
 
-Run: python benchmarks/tp_fidelity.py [--rounds 3] [--steps 10] [--warmup 3] [--write]
+Run: python benchmarks/tp_fidelity.py [--rounds 3] [--steps 10] [--warmup 3] [--pin] [--write]
 
 The same measurement as benchmarks/small_fidelity.py (its ``_one_case``: ``fxpipe.compile(model, ..., plan=LAYOUT)``
 with the default ``costs="auto"``, then warm-up and timed ``pipe.step`` + ``AdamW.step`` iterations behind a
@@ -23,6 +23,8 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_common import Workload, machine_notes, median, run_ranks  # noqa: E402
+from benchmarks.kept_notes import write_keeping_notes  # noqa: E402
+from benchmarks.rank_pinning import pin_rank  # noqa: E402
 from benchmarks.small_fidelity import Case, _captured_planning, _one_case  # noqa: E402
 
 RESULTS = Path(__file__).with_suffix(".md")
@@ -32,14 +34,18 @@ GPT = Workload("gpt-mini", (), 8, 2)
 CASES = (Case(GPT, "1x2"), Case(GPT, "dp"))
 
 
-def tp_rank(rank: int, world_size: int, num_rounds: int, num_warmup: int, num_steps: int) -> list[list[dict[str, Any]]]:
-    """Rounds of every case in turn (interleaved: a burst of load spoils one round of each); rank 0's figures."""
+def tp_rank(rank: int, world_size: int, num_rounds: int, num_warmup: int, num_steps: int,
+            pin: bool = False) -> list[list[dict[str, Any]]]:
+    """Rounds of every case in turn (interleaved: a burst of load spoils one round of each); rank 0's figures.
+    ``pin``: every thread of this rank on a core of its own, before the calibration and the steps."""
+    if pin:
+        pin_rank(rank)
     seen = _captured_planning()
     return [[_one_case(rank, case, num_warmup, num_steps, seen) for case in CASES] for _ in range(num_rounds)]
 
 
-def run(*, num_rounds: int = 3, num_warmup: int = 3, num_steps: int = 10) -> dict[str, Any]:
-    rounds = run_ranks(tp_rank, 2, num_rounds, num_warmup, num_steps)[0]
+def run(*, num_rounds: int = 3, num_warmup: int = 3, num_steps: int = 10, pin: bool = False) -> dict[str, Any]:
+    rounds = run_ranks(tp_rank, 2, num_rounds, num_warmup, num_steps, pin)[0]
     rows = []
     for index, case in enumerate(CASES):
         per_round = [rounds[r][index] for r in range(num_rounds)]
@@ -47,7 +53,7 @@ def run(*, num_rounds: int = 3, num_warmup: int = 3, num_steps: int = 10) -> dic
         rows.append({"case": f"{case} local:2", "rounds": per_round, "errors": errors, "error": median(errors),
                      "plan": per_round[0]["plan"],
                      **{key: median([x[key] for x in per_round]) for key in ("predicted_s", "iteration_s")}})
-    return {"rows": rows, "num_rounds": num_rounds, "num_steps": num_steps, "num_warmup": num_warmup}
+    return {"rows": rows, "num_rounds": num_rounds, "num_steps": num_steps, "num_warmup": num_warmup, "pin": pin}
 
 
 def report(result: dict[str, Any]) -> str:
@@ -59,7 +65,9 @@ def report(result: dict[str, Any]) -> str:
     return "\n".join([
         "# Tensor-parallel fidelity: a T=2 stage's predicted vs measured iteration", "",
         f"Command: `{COMMAND} --rounds {result['num_rounds']} --steps {result['num_steps']} "
-        f"--warmup {result['num_warmup']}`", "",
+        f"--warmup {result['num_warmup']}{' --pin' if result['pin'] else ''}`", "",
+        "Ranks' threads: " + ("each rank's on a core of its own (`--pin`)." if result["pin"]
+                               else "placed by the OS scheduler (not pinned)."), "",
         f"Machine: {machine_notes()}.", "",
         tabulate(table, ["case", "plan", "predicted ms", "measured ms", "measured / predicted",
                          "error (meas - pred) / meas", "per-round errors %", f"within {TARGET_ERROR:.0%}",
@@ -75,15 +83,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed iterations per case and round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed iterations before them")
     parser.add_argument("--write", action="store_true", help=f"write {RESULTS.name}")
+    parser.add_argument("--pin", action="store_true",
+                        help="pin every thread of each rank (gloo's included) to a core of its own")
     parser.add_argument("--cached", action="store_true",
                         help="plan with the calibration cache as it is (default: calibrate afresh, as the steps run)")
     args = parser.parse_args(argv)
     if not args.cached:  # the figures of this moment's load, not of whenever the shared cache was written
         os.environ["FXPIPE_CACHE_DIR"] = tempfile.mkdtemp(prefix="fxpipe-calibration-")
-    text = report(run(num_rounds=args.rounds, num_warmup=args.warmup, num_steps=args.steps))
+    text = report(run(num_rounds=args.rounds, num_warmup=args.warmup, num_steps=args.steps, pin=args.pin))
     print(text)
     if args.write:
-        RESULTS.write_text(text)
+        write_keeping_notes(RESULTS, text)
 
 
 if __name__ == "__main__":

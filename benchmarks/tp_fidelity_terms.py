@@ -40,6 +40,8 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_common import Workload, machine_notes, median, run_ranks  # noqa: E402
+from benchmarks.kept_notes import write_keeping_notes  # noqa: E402
+from benchmarks.rank_pinning import pin_rank  # noqa: E402
 from benchmarks.small_fidelity import _captured_planning  # noqa: E402
 
 RESULTS = Path(__file__).with_suffix(".md")
@@ -246,8 +248,11 @@ def one_round(rank: int, num_warmup: int, num_steps: int, log: CallLog, seen: di
             **_phases(both[0], both[1])}
 
 
-def terms_rank(rank: int, world_size: int, num_rounds: int, num_warmup: int, num_steps: int) -> list[dict[str, Any]]:
+def terms_rank(rank: int, world_size: int, num_rounds: int, num_warmup: int, num_steps: int,
+               pin: bool = False) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
+    if pin:  # every thread of this rank on a core of its own (benchmarks/tp_fidelity.py --pin)
+        pin_rank(rank)
     log = CallLog()
     _instrument(log)
     seen = _captured_planning()
@@ -283,7 +288,8 @@ def report(rounds: list[dict[str, Any]], args: Any) -> str:
             for b in range(len(edges)) if any(r["by_gap"].get(b) for r in rounds)]
     return "\n".join([
         "# Tensor-parallel fidelity, term by term: gpt-mini b=8 `1x2` M=2 on 2 gloo ranks", "",
-        f"Command: `{COMMAND} --rounds {args.rounds} --steps {args.steps} --warmup {args.warmup}`", "",
+        f"Command: `{COMMAND} --rounds {args.rounds} --steps {args.steps} --warmup {args.warmup}"
+        f"{' --pin' if args.pin else ''}`", "",
         f"Machine: {machine_notes()}.", "",
         f"Model's link for the group's collectives (the lock-step link, calibrate_lockstep): latency "
         f"{med('link_latency_s') * 1e6:.0f} us, bandwidth {med('link_bandwidth') / 1e6:.0f} MB/s (the bare allreduce "
@@ -306,17 +312,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--write", action="store_true", help=f"write {RESULTS.name}")
+    parser.add_argument("--pin", action="store_true",
+                        help="pin every thread of each rank (gloo's included) to a core of its own")
     parser.add_argument("--cached", action="store_true",
                         help="plan with the calibration cache as it is (default: calibrate afresh, as the steps run)")
     args = parser.parse_args(argv)
     if not args.cached:  # the figures of this moment's load, not of whenever the shared cache was written
         os.environ["FXPIPE_CACHE_DIR"] = tempfile.mkdtemp(prefix="fxpipe-calibration-")
-    rounds = run_ranks(terms_rank, 2, args.rounds, args.warmup, args.steps)[0]
+    rounds = run_ranks(terms_rank, 2, args.rounds, args.warmup, args.steps, args.pin)[0]
     print(json.dumps(rounds, default=str))
     text = report(rounds, args)
     print(text)
     if args.write:
-        RESULTS.write_text(text)
+        write_keeping_notes(RESULTS, text)
 
 
 if __name__ == "__main__":

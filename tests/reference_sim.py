@@ -105,6 +105,14 @@ def ring_half_seconds(net: Cluster, num_bytes: float, devices: tuple[int, ...], 
         2 * num_bytes / net.device.memory_bandwidth_bytes_per_s)
 
 
+def fsdp_host_seconds(net: Cluster, kind: str, unit_bytes: float) -> float:
+    """FSDP2's host time around one call: a + b * unit bytes of the kind's fit, else the flat figure per call."""
+    if net.fsdp_calls is None:
+        return net.fsdp_call_overhead_s
+    fit = net.fsdp_calls.to_json()
+    return fit[f"{kind}_s"] + fit[f"{kind}_s_per_byte"] * unit_bytes
+
+
 def sharded_collectives(plan: Plan, chain: CostChain, net: Cluster, stage_index: int) -> dict[str, float]:
     """Seconds of a sharded stage's collectives: "start" (before its first forward), "F"/"B" (added to every
     forward/backward), "tail" (after its last backward). Weights gathered: all the stage holds; gradients
@@ -120,9 +128,11 @@ def sharded_collectives(plan: Plan, chain: CostChain, net: Cluster, stage_index:
     gathered = weights * (chain.param_copy_fraction or 1.0)  # bf16-params gathers bf16 copies
     # each call also costs FSDP2's own host time (its buffers and hooks)
     gather = sum(ring_half_seconds(net, gathered / units, leads(stage), net.all_gather_collective)
-                 + (net.fsdp_call_overhead_s if weights > 0 else 0.0) for _ in range(units))
+                 + (fsdp_host_seconds(net, "all_gather", gathered / units) if weights > 0 else 0.0)
+                 for _ in range(units))
     scatter = sum(ring_half_seconds(net, grads / units, leads(stage), net.reduce_scatter_collective)
-                  + (net.fsdp_call_overhead_s if grads > 0 else 0.0) for _ in range(units))
+                  + (fsdp_host_seconds(net, "reduce_scatter", grads / units) if grads > 0 else 0.0)
+                  for _ in range(units))
     if stage.sharding == "optimizer":  # ZeRO-1: gather updated weights once, scatter gradients once
         out["start"], out["tail"] = gather, scatter
     elif stage.sharding == "gradients":  # ZeRO-2: scatter after every micro-batch's backward

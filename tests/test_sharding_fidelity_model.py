@@ -12,7 +12,6 @@ from test_tensor_parallel_plan import _hand_chain
 
 from fxpipe.core.cluster import Cluster, DeviceSpec, LinkSpec
 from fxpipe.core.plan import Plan, StagePlan
-from fxpipe.runtime.calibration.calibrate_fsdp import fsdp_call_overhead
 from fxpipe.sim.sharding_cost import sharding_comm, unit_collectives
 from fxpipe.sim.simulate import simulate
 
@@ -47,11 +46,3 @@ def test_the_call_overhead_reaches_the_simulator_from_the_cluster_file() -> None
     assert reference_run(plan, chain, loaded).iteration_time_s == pytest.approx(expected, rel=1e-9)
     with pytest.raises(ValueError, match="fsdp_call_overhead_s must be >= 0"):
         replace(loaded, fsdp_call_overhead_s=-1e-3)
-
-
-def test_fsdp_call_overhead_is_the_sharded_steps_excess_per_call() -> None:
-    # 24 calls: sharded 60 ms, whole 4 ms, the 24 bare all-reduces 8 ms: 48 ms / 24 = 2 ms per call
-    assert fsdp_call_overhead(0.060, 0.004, 0.008, 24) == pytest.approx(2e-3, rel=1e-12)
-    assert fsdp_call_overhead(0.010, 0.004, 0.008, 24) == 0.0
-    with pytest.raises(ValueError, match="must make collectives"):
-        fsdp_call_overhead(0.06, 0.004, 0.008, 0)

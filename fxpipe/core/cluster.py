@@ -17,16 +17,17 @@ from fxpipe.core.cluster_spec import (
     COUNT_DIGITS,
     ClusterSpecError,
     base_suggestion,
+    calibrated_link_fields,
     cluster_fields_from_json,
     did_you_mean,
     existing_file,
     json_field,
-    lockstep_link,
     measured_links,
     quantity,
     sharding_links,
     spec_error,
 )
+from fxpipe.core.fsdp_calls import FsdpCallCost
 from fxpipe.core.hardware import (
     A100_80GB,
     CPU_OVERLAP_SLOWDOWNS,
@@ -99,9 +100,8 @@ class Cluster:
     long, the allreduce ``1 + comm`` times (:mod:`fxpipe.sim.allreduce_overlap`). Calibration measures
     them on CPU ranks (gloo's threads take cores); GPU presets carry a published estimate (docs/clusters.md).
 
-    ``reduce_scatter_collective``, ``all_gather_collective``: a sharded stage's collectives within a host, fitted as one
-    pass of a ring (calibrated on local ranks: gloo's reduce-scatter took 1.3-1.6x its allreduce of the same buffer
-    here, a ring 0.5x); None: the allreduce's link, half an allreduce each (:mod:`fxpipe.sim.sharding_cost`).
+    ``reduce_scatter_collective``, ``all_gather_collective``: a sharded stage's collectives in a host, one ring
+    pass (gloo's reduce-scatter: 1.3-1.6x its allreduce); None: half the allreduce (:mod:`fxpipe.sim.sharding_cost`).
     ``tensor_parallel_collective``: a tensor-parallel group's, posted between compute (calibrated on CPU ranks).
 
     ``optimizer_s_per_param_byte`` is the time of one optimizer step per byte of parameters a device
@@ -134,6 +134,7 @@ class Cluster:
     step_overhead_s: float = 0.0
     tensor_parallel_collective: LinkSpec | None = None  # collectives between compute in lock-step: tensor_parallel_cost
     fsdp_call_overhead_s: float = 0.0  # FSDP2's host time per collective beyond the collective: sharding_cost
+    fsdp_calls: FsdpCallCost | None = None  # the same per kind and by the unit's bytes, fitted (wins over the flat)
 
     def __post_init__(self) -> None:
         if self.num_hosts < 1 or self.devices_per_host < 1:
@@ -196,7 +197,7 @@ class Cluster:
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict; :meth:`from_json` reads it back to an equal Cluster."""
-        data = asdict(self)
+        data = {key: value for key, value in asdict(self).items() if key != "fsdp_calls" or value is not None}
         data["device"]["peak_flops"] = {dtype: flops for dtype, flops in self.device.peak_flops}
         if self.device.matmul_flops:  # absent = matmuls at the peak: files written before keep their bytes
             data["device"]["matmul_flops"] = {dtype: flops for dtype, flops in self.device.matmul_flops}
@@ -342,8 +343,7 @@ def _local_cpu_cluster(name: str, ranks: int, measured: Calibration | None, coll
     return replace(_cpu_cluster(name, 1, ranks, cpu_device(memory, calibrated=measured.device), link,
                                 f"local CPU ranks, calibrated: {measured.source}", usable_cores(), collective_link,
                                 overhead, split, (overlap[0], overlap[1]), sharding_links(figures), (action, step)),
-                   tensor_parallel_collective=lockstep_link(figures),
-                   fsdp_call_overhead_s=figures.get("fsdp_call_overhead", 0.0))
+                   **calibrated_link_fields(figures))
 
 
 def _local_gpu_cluster(name: str, ranks: int, model: str, memory: int, measured: Calibration | None) -> Cluster:

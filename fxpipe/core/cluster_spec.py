@@ -10,6 +10,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, Literal
 
+from fxpipe.core.fsdp_calls import FsdpCallCost, fsdp_calls_from_figures
 from fxpipe.core.hardware import Calibration, DeviceSpec, LinkSpec
 from fxpipe.core.jsonvalues import JSONValueError, read_field
 
@@ -133,6 +134,20 @@ def optional_seconds(data: Any, key: str) -> float:
     return float(json_field(data, key, float, "", "non-negative")) if key in data else 0.0
 
 
+def optional_fsdp_calls(data: Any) -> FsdpCallCost | None:
+    """FSDP2's per-kind host time fit at ``fsdp_calls`` of a cluster's JSON (four non-negative seconds figures,
+    ClusterSpecError naming a missing or wrong one); None when the key is absent or null."""
+    if data.get("fsdp_calls") is None:
+        return None
+    fit = json_field(data, "fsdp_calls", dict)
+    extra = sorted(set(fit) - set(FsdpCallCost().to_json()))
+    if extra:
+        raise ClusterSpecError(f"cluster JSON: fsdp_calls has unknown keys {extra}; it holds "
+                               f"{sorted(FsdpCallCost().to_json())}")
+    return FsdpCallCost(**{name: float(json_field(fit, name, float, "fsdp_calls", "non-negative"))
+                           for name in FsdpCallCost().to_json()})
+
+
 def device_from_json(data: Any) -> DeviceSpec:
     """The device of a cluster JSON file, every field checked."""
     flops = json_field(data, "peak_flops", dict[str, float], "device")
@@ -180,6 +195,14 @@ def lockstep_link(figures: dict[str, float]) -> LinkSpec | None:
     return LinkSpec(bandwidth, latency)
 
 
+def calibrated_link_fields(figures: dict[str, float]) -> dict[str, Any]:
+    """The ``Cluster`` fields a local cluster takes from calibrated link figures beyond its links: the
+    tensor-parallel group's lock-step link and FSDP2's host time per call (flat, and the per-kind fit)."""
+    return {"tensor_parallel_collective": lockstep_link(figures),
+            "fsdp_call_overhead_s": figures.get("fsdp_call_overhead", 0.0),
+            "fsdp_calls": fsdp_calls_from_figures(figures)}
+
+
 def existing_file(text: str) -> Path | None:
     """The file ``text`` names (``~`` expanded), or None when there is no such file."""
     try:
@@ -213,4 +236,5 @@ def cluster_fields_from_json(data: Any) -> dict[str, Any]:
         step_overhead_s=optional_seconds(data, "step_overhead_s"),
         tensor_parallel_collective=optional_link(data, "tensor_parallel_collective"),
         fsdp_call_overhead_s=optional_seconds(data, "fsdp_call_overhead_s"),
+        fsdp_calls=optional_fsdp_calls(data),
     )

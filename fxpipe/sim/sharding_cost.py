@@ -19,7 +19,8 @@ Under split backward (zero-bubble) "each backward" is each W, which the reduce-s
 
 Each of RS and AG moves (r-1)/r of the bytes per device, half a ring allreduce (:meth:`Cluster.allreduce_time`),
 with half its copies into and out of the flat buffer, plus FSDP2's own host time per call
-(:attr:`Cluster.fsdp_call_overhead_s`: its buffers and hooks, calibrated on CPU ranks, 0 on presets), on its own link: within a host, the figures calibration
+(:attr:`Cluster.fsdp_calls`: its buffers and hooks, per kind and by the unit's bytes, calibrated on CPU ranks;
+none on presets), on its own link: within a host, the figures calibration
 measured for that collective (:attr:`Cluster.reduce_scatter_collective`, :attr:`Cluster.all_gather_collective`;
 gloo's reduce-scatter takes longer than a whole allreduce), else the allreduce's, where RS(x) + AG(x) is
 exactly :func:`fxpipe.sim.stagecost.gradient_allreduce_time` of x. Nothing here overlaps compute: the
@@ -36,6 +37,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from fxpipe.core.cluster import Cluster, LinkSpec
+from fxpipe.core.fsdp_calls import call_seconds
 from fxpipe.core.plan import Plan
 from fxpipe.core.sharding import check_level
 from fxpipe.sim.stagecost import (
@@ -100,12 +102,14 @@ def sharding_comm(cluster: Cluster, sharding: str, devices: Sequence[int], weigh
 
 def unit_collectives(cluster: Cluster, num_bytes: float, devices: Sequence[int], num_units: int, kind: str) -> float:
     """One ``kind`` collective per FSDP unit over ``devices``, each of its share of ``num_bytes`` on the kind's
-    link, plus FSDP2's host time per call; 0 when nothing moves."""
+    link, plus FSDP2's host time around the call (:func:`fxpipe.core.fsdp_calls.call_seconds`: per kind and by
+    the unit's bytes where calibration fitted it, else the cluster's flat figure); 0 when nothing moves."""
     if num_bytes <= 0:
         return 0.0
     units = max(1, num_units)
     link = cluster.collective_link(devices, kind)
-    return units * (half_collective_time(cluster, num_bytes / units, devices, link) + cluster.fsdp_call_overhead_s)
+    host_s = call_seconds(cluster.fsdp_calls, cluster.fsdp_call_overhead_s, kind, num_bytes / units)
+    return units * (half_collective_time(cluster, num_bytes / units, devices, link) + host_s)
 
 
 def start_delay(step_start_s: Sequence[float], arrival_s: Sequence[float]) -> float:

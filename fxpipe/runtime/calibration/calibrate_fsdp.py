@@ -1,74 +1,142 @@
-"""FSDP2's own host time per collective: a model of small units run sharded and whole, less its bare collectives.
+"""FSDP2's own host time per collective: units run sharded and whole, less each unit's own bare collectives.
 
 Each FSDP2 unit of a ZeRO-3 step all-gathers its weights before its forward and again before its backward and
-reduce-scatters its gradients after it; around each call FSDP2 copies into and out of flat buffers, allocates
-and frees them and runs its hooks in Python. On CPU ranks that costs milliseconds per call, more than the
-collective itself (benchmarks/sharding_fidelity.md). Both ranks (call on both; ``group`` holds just them) time
-the forward and backward of ``FSDP_UNITS`` small linear layers, whole and each ``fully_shard``-ed, and the same
-number of back-to-back 8-byte all-reduces (the collectives' own latency, which the links already charge); the
-overhead per call is (sharded - whole - all-reduces) / calls, averaged over the two ranks, median of
-``FSDP_REPEATS``, >= 0. :func:`fxpipe.sim.sharding_cost.sharding_comm` adds it to every all-gather and
-reduce-scatter of a sharded stage.
+reduce-scatters its gradients after it; under ZeRO-2 (weights kept gathered) it only reduce-scatters. Around each
+call FSDP2 copies into and out of flat buffers, allocates and frees them and runs its hooks in Python: on CPU
+ranks milliseconds per call, growing with the unit's bytes (benchmarks/sharding_fidelity.md). Both ranks (call on
+both; ``group`` holds just them) time the forward and backward of ``FSDP_UNITS`` linear layers of each width in
+``FSDP_WIDTHS``: whole; each ``fully_shard``-ed keeping its weights gathered (ZeRO-2: one reduce-scatter per unit);
+resharding after forward (ZeRO-3: two all-gathers and a reduce-scatter per unit); and each unit's bare
+all-gather and reduce-scatter of its bytes as FSDP2 calls them. :func:`per_call_excess` gives each kind's host
+time per call at that unit size, :func:`two_size_fit` a per-call and a per-byte figure through the two sizes
+(:class:`fxpipe.core.fsdp_calls.FsdpCallCost`), which :func:`fxpipe.sim.sharding_cost.unit_collectives` charges
+per unit by its bytes. Medians of ``FSDP_REPEATS`` interleaved rounds, averaged over the two ranks.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-FSDP_UNITS, FSDP_WIDTH, FSDP_ROWS, FSDP_REPEATS = 8, 64, 8, 7
+from fxpipe.core.fsdp_calls import FIGURE_KEYS
+
+# Two unit sizes (a Linear of width x width, bias included): 16.6 KB, and 2.36 MB near gpt-mini's blocks (2.6 MB
+# per unit in benchmarks/sharding_fidelity.py), so such units are charged by interpolation: with 1.05 MB units the
+# slope's noise under load was extrapolated 2.5x (benchmarks/sharding_fidelity.md, 16:33).
+FSDP_UNITS, FSDP_WIDTHS, FSDP_ROWS, FSDP_REPEATS = 4, (64, 768), 8, 5
 # per unit and step under reshard-after-forward: an all-gather in forward, one in backward, a reduce-scatter
 CALLS_PER_UNIT = 3
 
 
-def fsdp_call_overhead(sharded_s: float, whole_s: float, collectives_s: float, num_calls: int) -> float:
-    """Seconds per call: (sharded - whole - collectives) / calls, never negative."""
-    if num_calls < 1:
-        raise ValueError(f"the sharded step must make collectives; got {num_calls} calls")
-    return max(0.0, (sharded_s - whole_s - collectives_s) / num_calls)
+def per_call_excess(whole_s: float, zero2_s: float, zero3_s: float, all_gather_s: float, reduce_scatter_s: float,
+                    num_units: int) -> tuple[float, float]:
+    """(all-gather, reduce-scatter) host seconds per call beyond the bare collective, each >= 0, from one forward
+    and backward of ``num_units`` units: whole, ZeRO-2 (one reduce-scatter per unit) and ZeRO-3 (two all-gathers
+    and one reduce-scatter per unit), with one bare all-gather and reduce-scatter of a unit's bytes.
+
+        rs = (zero2 - whole - n RS) / n
+        ag = ((zero3 - whole - n (2 AG + RS)) / n - rs) / 2"""
+    if num_units < 1:
+        raise ValueError(f"the sharded runs need at least one FSDP unit; got {num_units}")
+    scatter = max(0.0, (zero2_s - whole_s) / num_units - reduce_scatter_s)
+    gather = max(0.0, ((zero3_s - whole_s) / num_units - 2 * all_gather_s - reduce_scatter_s - scatter) / 2)
+    return gather, scatter
 
 
-def _median_s(call: Callable[[], object], group: dist.ProcessGroup | None) -> float:
-    times = []
+def two_size_fit(small: tuple[float, float], large: tuple[float, float]) -> tuple[float, float]:
+    """``(seconds per call, seconds per byte)`` of the line through ``(bytes, seconds)`` at two unit sizes, each
+    >= 0: a slope below 0 (the larger unit timed cheaper, noise) is 0 and the per-call part their mean; an
+    intercept below 0 is 0 and the slope goes through the larger point."""
+    (small_bytes, small_s), (large_bytes, large_s) = small, large
+    if not 0 <= small_bytes < large_bytes:
+        raise ValueError(f"two_size_fit needs 0 <= small bytes < large bytes; got {small_bytes} and {large_bytes}")
+    per_byte = (large_s - small_s) / (large_bytes - small_bytes)
+    if per_byte <= 0:
+        return (small_s + large_s) / 2, 0.0
+    call = small_s - per_byte * small_bytes
+    return (call, per_byte) if call >= 0 else (0.0, large_s / large_bytes)
+
+
+def interleaved_medians(calls: Sequence[Callable[[], object]], group: dist.ProcessGroup | None) -> list[float]:
+    """Median seconds of each of ``calls``, timed in turn round after round (each after a barrier), so that every
+    call sees the same moments of a shared host's load; the first two rounds are not counted (they allocate
+    FSDP2's buffers, and ZeRO-2 gathers its weights once)."""
+    times: list[list[float]] = [[] for _ in calls]
     for _ in range(FSDP_REPEATS + 2):
-        dist.barrier(group=group)
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[2:])  # the first calls allocate FSDP2's buffers
+        for call, timed in zip(calls, times, strict=True):
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            call()
+            timed.append(time.perf_counter() - start)
+    return [statistics.median(timed[2:]) for timed in times]
+
+
+def _sharded(width: int, mesh: Any, reshard_after_forward: bool) -> torch.nn.Module:
+    """FSDP_UNITS linears, each its own unit with the runtime's prefetch, under a parameter-free root."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(FSDP_UNITS)))
+    units: list[Any] = [fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward) for layer in model]
+    for before, after in zip(units, units[1:], strict=False):
+        before.set_modules_to_forward_prefetch([after])
+        after.set_modules_to_backward_prefetch([before])
+    root: Any = fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    if not reshard_after_forward:  # ZeRO-2: keep the gathered weights across steps, reduce-scatter each backward
+        root.set_reshard_after_backward(False)
+    return model
+
+
+def _unit_excess(width: int, mesh: Any, group: dist.ProcessGroup | None) -> tuple[float, float, float]:
+    """(unit bytes, all-gather s, reduce-scatter s) of host time per call on units of ``width``."""
+    torch.manual_seed(0)
+    whole = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(FSDP_UNITS)))
+    zero2, zero3 = _sharded(width, mesh, False), _sharded(width, mesh, True)
+    inputs = torch.randn(FSDP_ROWS, width)
+    unit_numel = width * width + width
+    num_ranks = dist.get_world_size(group)
+    shard = torch.zeros(-(-unit_numel // num_ranks))
+    flat = torch.zeros(shard.numel() * num_ranks)
+
+    def bare(name: str) -> None:
+        for _ in range(FSDP_UNITS):
+            if name == "all_gather":
+                dist.all_gather_single(flat, shard, group=group)  # type: ignore[attr-defined]
+            else:
+                dist.reduce_scatter_single(shard, flat, group=group)  # type: ignore[attr-defined]
+
+    def step(model: torch.nn.Module) -> Callable[[], None]:
+        return lambda: model(inputs).sum().backward()
+
+    times = interleaved_medians((step(whole), step(zero2), step(zero3), partial(bare, "all_gather"),
+                                 partial(bare, "reduce_scatter")), group)
+    whole_s, zero2_s, zero3_s, gathers_s, scatters_s = times
+    gather, scatter = per_call_excess(whole_s, zero2_s, zero3_s, gathers_s / FSDP_UNITS, scatters_s / FSDP_UNITS,
+                                      FSDP_UNITS)
+    return float(unit_numel * 4), gather, scatter
 
 
 def measure_fsdp_overhead(device: torch.device, group: dist.ProcessGroup | None = None) -> dict[str, float]:
-    """``{"fsdp_call_overhead": seconds}`` on this pair of ranks (0 off CPU: FSDP2's copies run on the GPU's
-    streams, beside its Python; not measured there)."""
+    """FSDP2's host time per call on this pair of ranks: ``fsdp_call_overhead`` (the mean of a ZeRO-3 unit's three
+    calls at the smaller size, the flat figure of caches written before the fit) and :data:`FIGURE_KEYS` (each
+    kind's per-call and per-byte fit); 0 off CPU: FSDP2's copies run on the GPU's streams, beside its Python."""
     if device.type != "cpu":
-        return {"fsdp_call_overhead": 0.0}
+        return {"fsdp_call_overhead": 0.0, **dict.fromkeys(FIGURE_KEYS, 0.0)}
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
 
-    def build() -> torch.nn.Sequential:
-        torch.manual_seed(0)
-        return torch.nn.Sequential(*(torch.nn.Linear(FSDP_WIDTH, FSDP_WIDTH) for _ in range(FSDP_UNITS)))
-
-    whole, sharded = build(), build()
     mesh = DeviceMesh.from_group(group if group is not None else dist.distributed_c10d._get_default_group(), "cpu")
-    for layer in sharded:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-    fully_shard(sharded, mesh=mesh)  # the root, as the runtime wraps a stage: no parameters of its own
-    inputs, tiny = torch.randn(FSDP_ROWS, FSDP_WIDTH), torch.zeros(2)
-    num_calls = CALLS_PER_UNIT * FSDP_UNITS
-
-    def allreduces() -> None:
-        for _ in range(num_calls):
-            dist.all_reduce(tiny, group=group)
-
-    overhead = fsdp_call_overhead(_median_s(lambda: sharded(inputs).sum().backward(), group),
-                                  _median_s(lambda: whole(inputs).sum().backward(), group),
-                                  _median_s(allreduces, group), num_calls)
-    mine = torch.tensor([overhead], dtype=torch.float64)
-    dist.all_reduce(mine, group=group)
-    return {"fsdp_call_overhead": float(mine.item()) / dist.get_world_size(group)}
+    sizes = [_unit_excess(width, mesh, group) for width in FSDP_WIDTHS]
+    mine = torch.tensor([value for _, gather, scatter in sizes for value in (gather, scatter)], dtype=torch.float64)
+    dist.all_reduce(mine, group=group)  # the two ranks' mean: the model charges one figure on both
+    (small_gather, small_scatter, large_gather, large_scatter) = (float(v) / dist.get_world_size(group) for v in mine)
+    (small_bytes, _, _), (large_bytes, _, _) = sizes
+    gather_fit = two_size_fit((small_bytes, small_gather), (large_bytes, large_gather))
+    scatter_fit = two_size_fit((small_bytes, small_scatter), (large_bytes, large_scatter))
+    return {"fsdp_call_overhead": (2 * small_gather + small_scatter) / CALLS_PER_UNIT,
+            **dict(zip(FIGURE_KEYS, (*gather_fit, *scatter_fit), strict=True))}

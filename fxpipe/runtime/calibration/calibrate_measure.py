@@ -11,6 +11,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from fxpipe.core.fsdp_calls import FIGURE_KEYS
 from fxpipe.runtime.calibration.calibrate_fixed import measure_fixed_costs
 from fxpipe.runtime.calibration.calibrate_fsdp import measure_fsdp_overhead
 from fxpipe.runtime.calibration.calibrate_lockstep import measure_lockstep
@@ -42,7 +43,7 @@ DEVICE_KEYS = ("float32", "bfloat16", "float16", "memory_bandwidth", "kernel_lau
 LINK_KEYS = ("link_latency", "link_bandwidth", "allreduce_latency", "allreduce_bandwidth", "message_overhead",
              "overlap_compute_slowdown", "overlap_comm_slowdown", "reduce_scatter_latency", "reduce_scatter_bandwidth",
              "all_gather_latency", "all_gather_bandwidth", "lockstep_latency", "lockstep_bandwidth",
-             "fsdp_call_overhead")
+             "fsdp_call_overhead", *FIGURE_KEYS)
 
 
 def synchronizer(device: torch.device) -> Callable[[], None]:
