@@ -83,20 +83,6 @@ class PipelinedModule(PipeLifecycle):
 
     __call__ = predict
 
-    def _collective(self, run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        from fxpipe.runtime.numerics.caller_autocast import honour_caller_autocast
-
-        driver = self.driver
-        try:  # a torch.autocast region around the call is honoured as autocast_dtype is (docs/training_loop.md)
-            with honour_caller_autocast(driver.context.device, driver.compiled_autocast,
-                                        compiled_stages=driver.runner.compiled is not None,
-                                        use_autocast=driver.use_autocast):
-                return run(*args, **kwargs)
-        except Exception as error:  # the job's root cause when this rank failed first (docs/faults.md)
-            if self.driver.failures is not None:
-                self.driver.failures.note_error(error)
-            raise
-
     def input_rows(self) -> tuple[tuple[int, int], ...] | None:
         """Global-batch row ranges ``[start, stop)`` whose inputs this rank reads (None: it reads none)."""
         from fxpipe.runtime.transport.rows import input_rows
@@ -134,25 +120,6 @@ class PipelinedModule(PipeLifecycle):
         from fxpipe.runtime.clipping import clip_grad_norm
 
         return clip_grad_norm(self.driver, list(self.named_parameters()), max_norm, norm_type, error_if_nonfinite)
-
-    def grad_scaler(self, *, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                    growth_interval: int = 2000, enabled: bool = True) -> torch.amp.GradScaler:
-        """A ``torch.amp.GradScaler`` (torch's arguments and meaning) for fp16 training, made once per pipe.
-
-        From now on ``step`` scales each slice's loss by the scaler's scale and still returns the unscaled
-        loss; ``scaler.unscale_(opt)`` (or ``scaler.step(opt)``) agrees on overflow over every rank of the
-        job, so every rank skips the same steps and ``update()`` keeps the same scale everywhere. Every rank
-        calls it with the same arguments; ``save``/``load`` keep its state. See docs/training_loop.md.
-        """
-        from fxpipe.runtime.grad_scaler import make_grad_scaler
-
-        return make_grad_scaler(self.driver, init_scale=init_scale, growth_factor=growth_factor,
-                                backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=enabled)
-
-    @property
-    def scaler(self) -> torch.amp.GradScaler | None:
-        """The scaler ``grad_scaler()`` made (``step`` scales the loss by it), or None."""
-        return self.driver.runner.scaler
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers of this rank's stage under their original names (detached), whole tensors.

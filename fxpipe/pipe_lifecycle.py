@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -16,6 +16,43 @@ class PipeLifecycle:
     subclass is a :class:`fxpipe.core.checkpoint.CheckpointablePipe`."""
 
     driver: Any
+
+    def _collective(self, run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``run(*args, **kwargs)``, a collective call (step, evaluate, predict) of every rank."""
+        from fxpipe.runtime.numerics.caller_autocast import honour_caller_autocast
+
+        driver = self.driver
+        try:  # a torch.autocast region around the call is honoured as autocast_dtype is (docs/training_loop.md)
+            with honour_caller_autocast(driver.context.device, driver.compiled_autocast,
+                                        compiled_stages=self._compiled_stages(), use_autocast=driver.use_autocast):
+                return run(*args, **kwargs)
+        except Exception as error:  # the job's root cause when this rank failed first (docs/faults.md)
+            if driver.failures is not None:
+                driver.failures.note_error(error)
+            raise
+
+    def _compiled_stages(self) -> bool:
+        """Whether this rank's stage runs compiled with torch.compile (traced without autocast)."""
+        return self.driver.runner.compiled is not None
+
+    def grad_scaler(self, *, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                    growth_interval: int = 2000, enabled: bool = True) -> torch.amp.GradScaler:
+        """A ``torch.amp.GradScaler`` (torch's arguments and meaning) for fp16 training, made once per pipe.
+
+        From now on ``step`` scales each slice's loss by the scaler's scale and still returns the unscaled
+        loss; ``scaler.unscale_(opt)`` (or ``scaler.step(opt)``) agrees on overflow over every rank of the
+        job, so every rank skips the same steps and ``update()`` keeps the same scale everywhere. Every rank
+        calls it with the same arguments; ``save``/``load`` keep its state. See docs/training_loop.md.
+        """
+        from fxpipe.runtime.grad_scaler import make_grad_scaler
+
+        return make_grad_scaler(self.driver, init_scale=init_scale, growth_factor=growth_factor,
+                                backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=enabled)
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The scaler ``grad_scaler()`` made (``step`` scales the loss by it), or None."""
+        return self.driver.runner.scaler
 
     def save(self, directory: str | Path, *, optimizer: torch.optim.Optimizer | None = None, step: int = 0,
              extra: Mapping[str, Any] | None = None) -> Path:

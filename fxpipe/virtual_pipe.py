@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,7 +36,6 @@ class VirtualPipelinedModule(PipeLifecycle):
     stage_index = property(lambda self: self.driver.stage_index, doc="The first chunk this rank runs.")
     replica_index = property(lambda self: self.driver.replica_index, doc="Which replica of its device group.")
     chunks = property(lambda self: self.driver.chunks, doc="The chunks (plan stages) this rank runs.")
-    scaler = None  # no grad scaler on virtual stages yet (checkpoints ask)
 
     def step(self, inputs: Any, targets: Any, *, partial: bool = False) -> float:
         """Forward and backward of the global batch; gradients land in ``parameters()``; returns the loss."""
@@ -59,13 +58,8 @@ class VirtualPipelinedModule(PipeLifecycle):
     def _positional(self, inputs: Any) -> tuple[Any, ...]:
         return positional_inputs(self.driver.program.model_inputs, inputs)
 
-    def _collective(self, run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        try:
-            return run(*args, **kwargs)
-        except Exception as error:  # the job's root cause when this rank failed first (docs/faults.md)
-            if self.driver.failures is not None:
-                self.driver.failures.note_error(error)
-            raise
+    def _compiled_stages(self) -> bool:
+        return any(runner.compiled is not None for runner in self.driver.runners.values())
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         yield from self.driver.named
@@ -106,9 +100,6 @@ class VirtualPipelinedModule(PipeLifecycle):
 
         return clip_virtual_grad_norm(self.driver, max_norm, norm_type, error_if_nonfinite)
 
-    def grad_scaler(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._unsupported("grad_scaler")
-
     def export(self, *args: Any, **kwargs: Any) -> Any:
         raise self._unsupported("export")
 
@@ -142,9 +133,8 @@ def build_virtual_pipe(program: SplitProgram, plan: Any, options: CompileOptions
     """The setup ``fxpipe.compile`` runs for a virtual-stage plan after code generation (every rank)."""
     from fxpipe.compile_virtual_tensor_parallel import shard_virtual_chunks
     from fxpipe.runtime.execution.virtual_driver import VirtualDriver
-    from fxpipe.runtime.gradients.virtual_grads import broadcast_state
-    from fxpipe.runtime.sync import check_sync_mode
     from fxpipe.runtime.virtual_compile import compile_chunks
+    from fxpipe.runtime.virtual_sync import synchronize_chunks
 
     if options.batch_norm != "microbatch":
         raise PipelineSetupError(f"batch_norm={options.batch_norm!r} is not supported with virtual stages yet; "
@@ -152,16 +142,11 @@ def build_virtual_pipe(program: SplitProgram, plan: Any, options: CompileOptions
     driver = VirtualDriver(program, plan, options.loss_fn, context=context, autocast_dtype=options.autocast_dtype,
                            timeout_s=options.timeout_s, loss_reduction=options.loss_reduction,
                            target_batch_dim=target_dim, stall_timeout_s=options.stall_timeout_s)
-    mode = check_sync_mode(options.sync_params)
-    if mode == "verify":
-        raise PipelineSetupError("sync_params='verify' is not supported with virtual stages yet; use 'broadcast' "
-                                 "(the default) or 'off'")
-    if mode == "broadcast":
-        broadcast_state(chunk_tensors(driver), driver.groups, plan, driver.group_index)
+    synchronize_chunks(chunk_tensors(driver), driver.groups, plan, driver.group_index, options.sync_params)
     shard_virtual_chunks(driver, graph_module, options.sequence_parallel)
     if compile_settings is not None:
         compile_chunks(driver, compile_settings)  # on the tensor-parallel shards
-    driver.shard_chunks()  # on whole, synced tensors (FSDP2 cuts each replica's rows from its own copy)
+    driver.shard_chunks(options.param_dtype)  # on whole, synced tensors (FSDP2 cuts each replica's rows from its own copy)
     if context.rank == 0:
         from fxpipe.report import print_plan
 

@@ -93,5 +93,7 @@ def make_grad_scaler(driver: PipelineDriver, **kwargs: Any) -> PipelineGradScale
             f"this pipe already has a grad scaler (scale {existing.get_scale()}, enabled={existing.is_enabled()}); "
             "pipe.step scales the loss by that one, and a second would unscale by another scale: use pipe.scaler")
     scaler = PipelineGradScaler(driver, **kwargs)
-    driver.runner.scaler = scaler
+    # a virtual-stage rank: every chunk's runner (the last chunk's scales its loss; checkpoints read driver.runner)
+    for runner in getattr(driver, "runners", {0: driver.runner}).values():
+        runner.scaler = scaler
     return scaler

@@ -14,7 +14,8 @@ from fxpipe.core.plan import Plan
 from fxpipe.runtime.execution.loss_allreduce import sum_loss_and_votes
 from fxpipe.runtime.execution.receives import Inbox
 from fxpipe.runtime.execution.stage import LossFn, StageRunner, read_local_loss, unique_params
-from fxpipe.runtime.execution.stage_routes import MAX_CACHED_SHAPES, check_outgoing
+from fxpipe.runtime.execution.stage_routes import check_outgoing
+from fxpipe.runtime.execution.virtual_layouts import VirtualLayouts
 from fxpipe.runtime.execution.virtual_routes import (
     Link,
     VirtualStep,
@@ -27,8 +28,8 @@ from fxpipe.runtime.faults.errors import PipelineSetupError
 from fxpipe.runtime.faults.failures import DEFAULT_STALL_TIMEOUT_S, FailureLog, NoLog
 from fxpipe.runtime.gradients.grad_sync import restore_stashed, stash_grads
 from fxpipe.runtime.gradients.virtual_grads import VirtualGroups, sum_gradients
+from fxpipe.runtime.parallel.param_precision import unsharded_call
 from fxpipe.runtime.parallel.tensor_parallel_driver import TensorParallelDriver
-from fxpipe.runtime.transport.batch_layout import batch_rows, infer_value_dtypes, make_layout
 from fxpipe.runtime.transport.comm import (
     DEFAULT_TIMEOUT_S,
     DistContext,
@@ -39,7 +40,6 @@ from fxpipe.runtime.transport.comm import (
     pack,
     take_rows,
 )
-from fxpipe.runtime.transport.shape_templates import ShapeTemplates
 
 if TYPE_CHECKING:
     from fxpipe.core.program import SplitProgram
@@ -78,9 +78,6 @@ class VirtualDriver(TensorParallelDriver):
                                      f"{plan.all_devices()} but the process group has {context.world_size} ranks and "
                                      f"the program {len(program.stages)} stages; launch with "
                                      f"--nproc-per-node={plan.world_size} and split the program from this plan")
-        if autocast_dtype is not None:
-            raise PipelineSetupError(f"autocast_dtype={autocast_dtype} is not supported with virtual stages yet "
-                                     f"(virtual_stages={plan.virtual_stages}); train in float32 (autocast_dtype=None)")
         self.program, self.plan, self.context, self.rank = program, plan, context, context.rank
         self.target_batch_dim = target_batch_dim
         self.group_index = plan.group_of_chunk(plan.stage_of_device(self.rank)[0])
@@ -96,9 +93,10 @@ class VirtualDriver(TensorParallelDriver):
         self.links = {c: chunk_links(program, plan, c) for c in self.chunks}
         self.split_backward = any(a.op is Op.WEIGHT for a in group_actions(
             plan.schedule, plan.num_stages, plan.num_microbatches, plan.virtual_stages, self.group_index))
-        # value dtypes and shape formulas, without autocast (refused above)
-        self._dtypes = infer_value_dtypes(program, context.device, None)
-        self._templates = ShapeTemplates(program, context.device, None)
+        # value dtypes and layouts per autocast dtype a call runs under (compile's, or a caller's torch.autocast)
+        self.compiled_autocast = autocast_dtype
+        self.layouts = VirtualLayouts(program, plan, self.group_index, self.rank, context.device, target_batch_dim,
+                                      autocast_dtype)
         self.value_index = {name: i for i, name in enumerate(sorted(program.values))}
         self.exchange = PeerExchange(self.rank, context.device, timeout_s)
         self.exchange.failures = self.failures = FailureLog.for_default_group(self, self.rank, context.world_size)
@@ -112,17 +110,21 @@ class VirtualDriver(TensorParallelDriver):
                                                         *(g for g, _ in self.groups.tied.values())])
         # each parameter once: chunks of one rank may share a tied weight's Parameter (autograd then sums it locally)
         self.named = unique_params(item for c in self.chunks for item in self.runners[c].parameters())
-        self._steps: dict[tuple[Any, ...], VirtualStep] = {}
         self.forward_only = False
         self.preempted = False
         self._failed_step: str | None = None  # why a step failed: later steps are refused
         self.sharding: ChunkSharding | None = None  # FSDP2 per sharded chunk (shard_chunks, fxpipe.runtime.execution.virtual_sharding)
         self.summed = self.named  # what sum_gradients reduces: all but what FSDP2 reduces
 
-    def shard_chunks(self) -> None:
+    def shard_chunks(self, param_dtype: torch.dtype | None = None) -> None:
         """Shard the chunks the plan shards (fxpipe.runtime.execution.virtual_sharding), after the parameter sync;
-        FSDP2 then reduces their untied parameters, so the driver's allreduce leaves them out."""
-        sharding = ChunkSharding(self.plan, self.runners, self.groups, self.context.device, self.partial_grads)
+        FSDP2 then reduces their untied parameters, so the driver's allreduce leaves them out. ``param_dtype``
+        (bf16-params): every chunk computes with bf16 copies of its fp32 masters, as one stage does."""
+        sharding = ChunkSharding(self.plan, self.runners, self.groups, self.context.device, self.partial_grads,
+                                 param_dtype)
+        for chunk, runner in self.runners.items():
+            if chunk not in sharding.stages:
+                runner.call = unsharded_call(runner.module, param_dtype, self.plan.stages[chunk].recompute)
         if not sharding.stages:
             return
         self.sharding = sharding
@@ -132,19 +134,14 @@ class VirtualDriver(TensorParallelDriver):
 
     # ---- layout ----------------------------------------------------------------------------------
 
+    def use_autocast(self, dtype: torch.dtype | None) -> None:
+        """Run the next calls' forwards under autocast of ``dtype`` (None: none), with its value dtypes and layouts."""
+        self.layouts.use(dtype)
+        for runner in self.runners.values():
+            runner.autocast_dtype = dtype
+
     def shaped(self, inputs: Sequence[Any], targets: Any) -> VirtualStep:
-        """The VirtualStep of this batch's shapes (made on first sight; the batch checked against the program
-        every time, locally: every rank sees the same batch and raises alike)."""
-        program, plan = self.program, self.plan
-        num_rows = batch_rows(program, plan, inputs, targets, target_batch_dim=self.target_batch_dim)
-        signature = (num_rows, *((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v) for v in inputs))
-        if signature not in self._steps:
-            layout = make_layout(program, plan, inputs, num_rows, self.context.device, None, self._dtypes,
-                                 self._templates)
-            self._steps[signature] = VirtualStep.of(program, plan, self.group_index, self.rank, layout)
-            if len(self._steps) > MAX_CACHED_SHAPES:  # a loop over ever-new lengths: forget the oldest
-                del self._steps[next(iter(self._steps))]
-        return self._steps[signature]
+        return self.layouts.shaped(inputs, targets)
 
     def start(self, inputs: tuple[Any, ...], targets: Any, *, forward_only: bool) -> VirtualState:
         """The step's state, with one inbox per (chunk pair, kind) this rank receives, first receives posted."""

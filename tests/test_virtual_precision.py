@@ -1,0 +1,255 @@
+"""Virtual stages under reduced precision, on 3 gloo ranks (one world) against one process under the same policy.
+
+gpt-mini (4 blocks, its embedding tied to the head) runs as ``2:1`` with two chunks per device group, under
+interleaved 1F1B (the tied weight on both groups) and ZB-V (both its uses on group 0's chunks 0 and 3):
+- ``bf16``: autocast over fp32 weights (``autocast_dtype=torch.bfloat16``), and the same policy from the caller's own
+  ``torch.autocast`` region around ``step`` (the values between chunks are bf16 both ways);
+- ``bf16-params``: every chunk computes with bf16 copies of its fp32 masters (``param_dtype=torch.bfloat16``).
+
+Each rank checks that its masters and gradients stay fp32 and which weight dtype its layers compute with (every
+F.linear / F.embedding call of the first step). Against one process under the same policy that slices each weight's
+batch as the plan does (group 0's chunks 6 slices of 2 rows, group 1's 3 of 4: tests/test_mixed_precision_params.py's
+reference):
+- the first step's gradients within GRAD_TOLERANCE of each tensor's largest magnitude: the pipeline computes the same
+  slices with the same bf16 roundings and adds their fp32 gradients in another order (replicas, micro-batches, the
+  tied weight's two uses), which moves a sum by fp32 roundings (measured: 8e-8 on the tied weight, 0 elsewhere);
+- the weights after NUM_STEPS SGD steps within TOLERANCE_FACTOR x the spread the same one-process run shows when only
+  the slicing changes (every slice halved; measured 5e-3 to 1.3e-2): from the second step on, the fp32-rounding
+  differences in the weights flip low-precision roundings in the forward (measured under fp16: 8e-8 in one step's
+  gradients became 3e-4 in the next), which re-slicing does too. Measured 6.7e-8 (bf16) and 0 (bf16-params).
+
+fp16 loss scaling (``pipe.grad_scaler()``) runs ``1:1:1`` (every chunk 3 slices of 4 rows, as a plain eager loop
+slices them) under fp16 autocast with a first scale that overflows: every rank must skip that step, back off alike,
+and then train as torch's own GradScaler over the same eager loop. ``sync_params="verify"`` passes on equal replicas
+and names a differing tied weight on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import pytest
+import torch
+
+import fxpipe
+from fxpipe import models as zoo
+from fxpipe.core.plan import Plan
+from fxpipe.runtime.sync import ReplicaMismatchError
+from tests.mp_utils import run_ranks
+from tests.test_mixed_precision_params import (
+    BF16,
+    GLOBAL_BATCH,
+    GRAD_TOLERANCE,
+    MODEL,
+    NUM_MICROBATCHES,
+    NUM_STEPS,
+    OVERRIDES,
+    _batches,
+    _largest_difference,
+    _world,
+    plan_slicing,
+    reference,
+)
+from tests.test_tensor_parallel_precision import _WeightDtypes
+from tests.test_virtual_runtime import virtual_plan
+
+WORLD_SIZE = 3
+GROUPS = ((0, 1), (2,))  # 2:1: group 0 has two replicas
+LEARNING_RATE = 0.1  # SGD: the weights move by the summed gradients, so they compare the gradients linearly
+TOLERANCE_FACTOR = 4.0  # as tests/test_tensor_parallel_precision.py's weights
+# (case, schedule, param_dtype, the caller's own autocast region instead of autocast_dtype)
+CASES = (("bf16 interleaved", "interleaved", None, False), ("bf16 caller autocast zbv", "zbv", None, True),
+         ("bf16-params interleaved", "interleaved", BF16, False), ("bf16-params zbv", "zbv", BF16, False))
+FP16 = torch.float16
+OVERFLOW_SCALE, BACKOFF = 2.0**40, 2.0**-30  # the first step overflows in fp16 on every loss; then 2**10 does not
+
+
+def _sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LEARNING_RATE)
+
+
+def _plan(schedule: str, groups: tuple[tuple[int, ...], ...] = GROUPS) -> Plan:
+    return virtual_plan(MODEL, schedule, NUM_MICROBATCHES, 2, groups, overrides=OVERRIDES)
+
+
+def _compile(plan: Plan, **options: Any) -> Any:
+    model, example_inputs = zoo.build(MODEL, **OVERRIDES)
+    return fxpipe.compile(model, example_inputs, loss_fn=zoo.get(MODEL).loss_fn, global_batch_size=GLOBAL_BATCH,
+                          plan=plan, **options)
+
+
+def _train(schedule: str, param_dtype: torch.dtype | None, caller: bool) -> dict[str, Any]:
+    pipe = _compile(_plan(schedule), autocast_dtype=None if caller else BF16, param_dtype=param_dtype)
+    optimizer = _sgd(pipe.parameters())
+    weights = _WeightDtypes()
+    masters: set[str] = set()
+    losses = []
+    for step, (inputs, targets) in enumerate(_batches()):
+        with torch.autocast("cpu", dtype=BF16, enabled=caller), weights if step == 0 else contextlib.nullcontext():
+            losses.append(pipe.step(inputs, targets))
+        masters |= {f"{p.dtype}/{p.grad.dtype}" for p in pipe.parameters()}
+        if step == 0:
+            first = {name: p.grad.numpy().copy() for name, p in pipe.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+    names = {name for name, _ in pipe.named_parameters()}
+    state = pipe.state_dict()
+    return {"params": {name: state[name].float().numpy() for name in names}, "masters": sorted(masters),
+            "computed": sorted(weights.seen), "losses": losses, "group": pipe.driver.group_index, "grads": first}
+
+
+def _scaled(rank: int) -> dict[str, Any]:
+    """1:1:1 under fp16 autocast with pipe.grad_scaler(): the first step overflows and is skipped on every rank."""
+    pipe = _compile(_plan("interleaved", ((0,), (1,), (2,))), autocast_dtype=FP16)
+    optimizer = _sgd(pipe.parameters())
+    scaler = pipe.grad_scaler(init_scale=OVERFLOW_SCALE, backoff_factor=BACKOFF)
+    before = {name: p.detach().clone() for name, p in pipe.named_parameters()}
+    scales, losses, unchanged = [], [], None
+    for step, (inputs, targets) in enumerate(_batches()):
+        losses.append(pipe.step(inputs, targets))
+        scaler.unscale_(optimizer)
+        if step == 1:  # the first step applied
+            grads = {name: p.grad.numpy().copy() for name, p in pipe.named_parameters()}
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        optimizer.zero_grad()
+        if unchanged is None:
+            unchanged = all(torch.equal(p, before[name]) for name, p in pipe.named_parameters())
+    state = pipe.state_dict()
+    return {"params": {name: state[name].float().numpy() for name, _ in pipe.named_parameters()}, "scales": scales,
+            "losses": losses, "first_skipped": unchanged, "has_scaler": pipe.scaler is scaler, "grads": grads}
+
+
+def _verify(rank: int) -> dict[str, str]:
+    """sync_params='verify': equal replicas pass; rank 1's tied embedding changed fails on every rank."""
+    _compile(_plan("interleaved"), sync_params="verify")
+    model, example_inputs = zoo.build(MODEL, **OVERRIDES)
+    if rank == 1:
+        with torch.no_grad():
+            model.wte.weight.add_(1.0)
+    try:
+        fxpipe.compile(model, example_inputs, loss_fn=zoo.get(MODEL).loss_fn, global_batch_size=GLOBAL_BATCH,
+                       plan=_plan("interleaved"), sync_params="verify")
+        return {"differing": "no error"}
+    except ReplicaMismatchError as error:
+        return {"differing": str(error)}
+
+
+def _in_world(store_dir: str, name: str, rank: int, run: Any) -> Any:
+    with _world(store_dir, name, rank, WORLD_SIZE):
+        return run()
+
+
+def _run(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    results: dict[str, Any] = {}
+    for index, (name, schedule, param_dtype, caller) in enumerate(CASES):
+        results[name] = _in_world(store_dir, f"precision-{index}", rank,
+                                  lambda case=(schedule, param_dtype, caller): _train(*case))
+    results["scaled"] = _in_world(store_dir, "scaled", rank, lambda: _scaled(rank))
+    results["verify"] = _in_world(store_dir, "verify", rank, lambda: _verify(rank))
+    return results
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_ranks(_run, WORLD_SIZE, tmp_path_factory.mktemp("virtual_precision"))
+
+
+def _slicing(ranks: list[dict[str, Any]], case: str) -> dict[str, int]:
+    """Each use path's slices as the plan cuts them: group 0's parameters 6 slices, group 1's 3."""
+    by_group: dict[int, set[str]] = {}
+    for results in ranks:
+        by_group.setdefault(results[case]["group"], set()).update(results[case]["params"])
+    return plan_slicing(by_group)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", [case for case, *_ in CASES])
+def test_virtual_chunks_train_as_one_process_under_bf16(ranks: list[dict[str, Any]], case: str) -> None:
+    param_dtype = next(dtype for name, _, dtype, _ in CASES if name == case)
+    slicing = _slicing(ranks, case)
+    expected = reference(slicing, param_dtype, _sgd)
+    resliced = reference({path: 2 * n for path, n in slicing.items()}, param_dtype, _sgd)
+    spread = _largest_difference(resliced["params"], expected["params"])
+    want = ["torch.bfloat16"] if param_dtype is not None else ["torch.float32"]
+    params: dict[str, torch.Tensor] = {}
+    grads: dict[str, torch.Tensor] = {}
+    for rank, results in enumerate(ranks):
+        record = results[case]
+        assert record["masters"] == ["torch.float32/torch.float32"], f"rank {rank}: {record['masters']}"
+        assert record["computed"] == want, f"rank {rank}: layers computed with {record['computed']} weights"
+        assert record["losses"] == pytest.approx(expected["losses"], rel=2.0**-8), f"rank {rank}"
+        params.update({name: torch.from_numpy(value) for name, value in record["params"].items()})
+        grads.update({name: torch.from_numpy(value) for name, value in record["grads"].items()})
+    _assert_close(case, (grads, params), expected, spread)
+
+
+def _assert_close(case: str, found: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],
+                  expected: dict[str, Any], spread: float) -> None:
+    """A step's gradients within GRAD_TOLERANCE of one process's, the last weights within TOLERANCE_FACTOR x the
+    re-slicing ``spread`` (the module docstring says why)."""
+    grads, params = found
+    assert set(params) == set(expected["params"]) == set(grads)
+    grad_difference = _largest_difference(grads, expected["grads"])
+    difference = _largest_difference(params, expected["params"])
+    print(f"{case}: gradients {grad_difference:.3g}, weights {difference:.3g}, re-slicing spread {spread:.3g}")
+    assert grad_difference <= GRAD_TOLERANCE, f"{case}: gradients differ from one process by {grad_difference:.3g}"
+    assert difference <= TOLERANCE_FACTOR * spread, f"{case}: weights differ from one process by {difference:.3g}"
+
+
+def _eager_scaled(num_slices: int) -> dict[str, Any]:
+    """One process: fp16 autocast, each step's batch in ``num_slices`` slices (loss weighted by rows), torch's
+    GradScaler with the same arguments, SGD."""
+    torch.manual_seed(0)
+    model = zoo.build(MODEL, **OVERRIDES)[0]
+    loss_fn = zoo.get(MODEL).loss_fn
+    optimizer = _sgd(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=OVERFLOW_SCALE, backoff_factor=BACKOFF)
+    scales, losses = [], []
+    rows = GLOBAL_BATCH // num_slices
+    for step, (inputs, targets) in enumerate(_batches()):
+        total = 0.0
+        for start in range(0, GLOBAL_BATCH, rows):
+            with torch.autocast("cpu", dtype=FP16):
+                loss = loss_fn(model(*(x[start:start + rows] for x in inputs)), targets[start:start + rows])
+                loss = loss.float() * (rows / GLOBAL_BATCH)
+            scaler.scale(loss).backward()
+            total += float(loss.detach())
+        scaler.unscale_(optimizer)
+        if step == 1:
+            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        losses.append(total)
+        optimizer.zero_grad()
+    return {"params": {name: p.detach().clone() for name, p in model.named_parameters()}, "scales": scales,
+            "losses": losses, "grads": grads}
+
+
+@pytest.mark.multiprocess
+def test_virtual_grad_scaler_skips_overflow_on_every_rank_and_trains_as_one_process(
+        ranks: list[dict[str, Any]]) -> None:
+    expected, resliced = _eager_scaled(NUM_MICROBATCHES), _eager_scaled(2 * NUM_MICROBATCHES)
+    assert expected["scales"] == [OVERFLOW_SCALE * BACKOFF] * NUM_STEPS  # the reference did overflow once
+    spread = _largest_difference(resliced["params"], expected["params"])
+    params: dict[str, torch.Tensor] = {}
+    grads: dict[str, torch.Tensor] = {}
+    for rank, results in enumerate(ranks):
+        record = results["scaled"]
+        assert record["has_scaler"] and record["first_skipped"], f"rank {rank}: {record}"
+        assert record["scales"] == expected["scales"], f"rank {rank}"
+        assert record["losses"] == pytest.approx(expected["losses"], rel=2.0**-8), f"rank {rank}"
+        params.update({name: torch.from_numpy(value) for name, value in record["params"].items()})
+        grads.update({name: torch.from_numpy(value) for name, value in record["grads"].items()})
+    _assert_close("fp16 scaled", (grads, params), expected, spread)
+
+
+@pytest.mark.multiprocess
+def test_virtual_sync_verify_names_a_differing_tied_weight_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+    for rank, results in enumerate(ranks):
+        message = results["verify"]["differing"]
+        assert "'wte.weight'" in message and "ranks [1]" in message, f"rank {rank}: {message}"
