@@ -38,8 +38,14 @@ class VirtualPipelinedModule(PipeLifecycle):
     chunks = property(lambda self: self.driver.chunks, doc="The chunks (plan stages) this rank runs.")
 
     def step(self, inputs: Any, targets: Any, *, partial: bool = False) -> float:
-        """Forward and backward of the global batch; gradients land in ``parameters()``; returns the loss."""
-        return self._collective(self.driver.step, self._positional(inputs), targets, partial=partial)
+        """Forward and backward of the global batch; gradients land in ``parameters()``; returns the loss.
+
+        ``partial=True``: each rank passes only the rows it reads (``input_rows()``, ``target_rows()``; None where
+        it reads none), as on ``fxpipe.api.PipelinedModule``."""
+        if partial and inputs is None:
+            inputs = {name: None for name in self.driver.program.model_inputs}
+        positional = positional_inputs(self.driver.program.model_inputs, inputs, partial)
+        return self._collective(self.driver.step, positional, targets, partial=partial)
 
     def evaluate(self, inputs: Any, targets: Any) -> float:
         """The loss of the global batch, forward only, gradients untouched (collective)."""
@@ -103,11 +109,24 @@ class VirtualPipelinedModule(PipeLifecycle):
     def export(self, *args: Any, **kwargs: Any) -> Any:
         raise self._unsupported("export")
 
-    def input_rows(self) -> Any:
-        raise self._unsupported("input_rows")
+    def input_rows(self) -> tuple[tuple[int, int], ...] | None:
+        """Global-batch row ranges ``[start, stop)`` whose inputs this rank's chunks read (None: they read none);
+        every chunk of a device group reads the same rows."""
+        from fxpipe.runtime.transport.rows import input_rows
 
-    def target_rows(self) -> Any:
-        raise self._unsupported("target_rows")
+        ranges = (input_rows(self.driver.program, chunk, self._rows()) for chunk in self.chunks)
+        return next((found for found in ranges if found is not None), None)
+
+    def target_rows(self) -> tuple[tuple[int, int], ...] | None:
+        """Global-batch row ranges whose targets this rank reads: the last chunk's replicas only, else None."""
+        from fxpipe.runtime.transport.rows import target_rows
+
+        return target_rows(self.driver.program, self.chunks[-1], self._rows())
+
+    def _rows(self) -> Any:
+        from fxpipe.runtime.transport.rows import RowMap
+
+        return RowMap.of(self.plan, self.replica_index, self.plan.stages[self.chunks[0]].replicas)
 
     def _unsupported(self, name: str) -> PipelineSetupError:
         return PipelineSetupError(f"pipe.{name} is not supported with virtual stages yet (virtual_stages="

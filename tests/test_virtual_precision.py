@@ -4,7 +4,8 @@ gpt-mini (4 blocks, its embedding tied to the head) runs as ``2:1`` with two chu
 interleaved 1F1B (the tied weight on both groups) and ZB-V (both its uses on group 0's chunks 0 and 3):
 - ``bf16``: autocast over fp32 weights (``autocast_dtype=torch.bfloat16``), and the same policy from the caller's own
   ``torch.autocast`` region around ``step`` (the values between chunks are bf16 both ways);
-- ``bf16-params``: every chunk computes with bf16 copies of its fp32 masters (``param_dtype=torch.bfloat16``).
+- ``bf16-params``: every chunk computes with bf16 copies of its fp32 masters (``param_dtype=torch.bfloat16``), also
+  with group 0's chunks sharded (ZeRO-3: FSDP2's MixedPrecisionPolicy; the tied embedding stays whole, on copies).
 
 Each rank checks that its masters and gradients stay fp32 and which weight dtype its layers compute with (every
 F.linear / F.embedding call of the first step). Against one process under the same policy that slices each weight's
@@ -21,12 +22,14 @@ reference):
 fp16 loss scaling (``pipe.grad_scaler()``) runs ``1:1:1`` (every chunk 3 slices of 4 rows, as a plain eager loop
 slices them) under fp16 autocast with a first scale that overflows: every rank must skip that step, back off alike,
 and then train as torch's own GradScaler over the same eager loop. ``sync_params="verify"`` passes on equal replicas
-and names a differing tied weight on every rank.
+and names a differing tied weight on every rank. ``step(partial=True)``, each rank passing only the rows
+``input_rows()``/``target_rows()`` name, gives the whole-batch step's loss and gradients bit for bit.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -35,6 +38,7 @@ import torch
 import fxpipe
 from fxpipe import models as zoo
 from fxpipe.core.plan import Plan
+from fxpipe.runtime.parallel.sharded_stage import full_value
 from fxpipe.runtime.sync import ReplicaMismatchError
 from tests.mp_utils import run_ranks
 from tests.test_mixed_precision_params import (
@@ -58,10 +62,19 @@ WORLD_SIZE = 3
 GROUPS = ((0, 1), (2,))  # 2:1: group 0 has two replicas
 LEARNING_RATE = 0.1  # SGD: the weights move by the summed gradients, so they compare the gradients linearly
 TOLERANCE_FACTOR = 4.0  # as tests/test_tensor_parallel_precision.py's weights
-# (case, schedule, param_dtype, the caller's own autocast region instead of autocast_dtype)
-CASES = (("bf16 interleaved", "interleaved", None, False), ("bf16 caller autocast zbv", "zbv", None, True),
-         ("bf16-params interleaved", "interleaved", BF16, False), ("bf16-params zbv", "zbv", BF16, False))
+# (case, schedule, param_dtype, the caller's own autocast region instead of autocast_dtype, group 0's ZeRO level:
+# FSDP2's MixedPrecisionPolicy on its chunks, the tied embedding left whole on the runtime's copies)
+CASES = (("bf16 interleaved", "interleaved", None, False, "none"),
+         ("bf16 caller autocast zbv", "zbv", None, True, "none"),
+         ("bf16-params interleaved", "interleaved", BF16, False, "none"),
+         ("bf16-params zbv", "zbv", BF16, False, "none"),
+         ("bf16-params ZeRO-3 interleaved", "interleaved", BF16, False, "parameters"))
 FP16 = torch.float16
+# step(partial=True), fp32: rows each rank reads on 2:1 with M = 3 (12 rows: 4 per micro-batch, 2 per replica of group
+# 0); interleaved puts the last chunk (the targets) on group 1, ZB-V on group 0, both read the inputs on group 0
+HALVES = ((0, 2), (4, 6), (8, 10)), ((2, 4), (6, 8), (10, 12))
+PARTIAL = {"interleaved": [(HALVES[0], None), (HALVES[1], None), (None, ((0, 12),))],
+           "zbv": [(HALVES[0], HALVES[0]), (HALVES[1], HALVES[1]), (None, None)]}
 OVERFLOW_SCALE, BACKOFF = 2.0**40, 2.0**-30  # the first step overflows in fp16 on every loss; then 2**10 does not
 
 
@@ -79,8 +92,11 @@ def _compile(plan: Plan, **options: Any) -> Any:
                           plan=plan, **options)
 
 
-def _train(schedule: str, param_dtype: torch.dtype | None, caller: bool) -> dict[str, Any]:
-    pipe = _compile(_plan(schedule), autocast_dtype=None if caller else BF16, param_dtype=param_dtype)
+def _train(schedule: str, param_dtype: torch.dtype | None, caller: bool, sharding: str) -> dict[str, Any]:
+    plan = _plan(schedule)
+    plan = plan.with_updates(stages=tuple(replace(stage, sharding=sharding if stage.replicas > 1 else "none")
+                                          for stage in plan.stages))
+    pipe = _compile(plan, autocast_dtype=None if caller else BF16, param_dtype=param_dtype)
     optimizer = _sgd(pipe.parameters())
     weights = _WeightDtypes()
     masters: set[str] = set()
@@ -90,7 +106,7 @@ def _train(schedule: str, param_dtype: torch.dtype | None, caller: bool) -> dict
             losses.append(pipe.step(inputs, targets))
         masters |= {f"{p.dtype}/{p.grad.dtype}" for p in pipe.parameters()}
         if step == 0:
-            first = {name: p.grad.numpy().copy() for name, p in pipe.named_parameters()}
+            first = {name: full_value(p.grad).numpy().copy() for name, p in pipe.named_parameters()}
         optimizer.step()
         optimizer.zero_grad()
     names = {name for name, _ in pipe.named_parameters()}
@@ -137,6 +153,22 @@ def _verify(rank: int) -> dict[str, str]:
         return {"differing": str(error)}
 
 
+def _partial(schedule: str) -> dict[str, Any]:
+    """One step on the global batch, then the same step with each rank passing only its rows (fp32)."""
+    from fxpipe.runtime.transport.rows import gather_rows
+
+    pipe = _compile(_plan(schedule))
+    (inputs, targets), = _batches()[:1]
+    whole = pipe.step(inputs, targets)
+    expected = {name: p.grad.clone() for name, p in pipe.named_parameters()}
+    for param in pipe.parameters():
+        param.grad = None
+    rows, target_rows = pipe.input_rows(), pipe.target_rows()
+    loss = pipe.step(tuple(gather_rows(x, rows) for x in inputs), gather_rows(targets, target_rows), partial=True)
+    same = all(torch.equal(p.grad, expected[name]) for name, p in pipe.named_parameters())
+    return {"rows": (rows, target_rows), "losses": (whole, loss), "same_grads": same}
+
+
 def _in_world(store_dir: str, name: str, rank: int, run: Any) -> Any:
     with _world(store_dir, name, rank, WORLD_SIZE):
         return run()
@@ -145,11 +177,13 @@ def _in_world(store_dir: str, name: str, rank: int, run: Any) -> Any:
 def _run(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     results: dict[str, Any] = {}
-    for index, (name, schedule, param_dtype, caller) in enumerate(CASES):
-        results[name] = _in_world(store_dir, f"precision-{index}", rank,
-                                  lambda case=(schedule, param_dtype, caller): _train(*case))
+    for index, (name, *case) in enumerate(CASES):
+        results[name] = _in_world(store_dir, f"precision-{index}", rank, lambda case=case: _train(*case))
     results["scaled"] = _in_world(store_dir, "scaled", rank, lambda: _scaled(rank))
     results["verify"] = _in_world(store_dir, "verify", rank, lambda: _verify(rank))
+    for schedule in PARTIAL:
+        results[f"partial {schedule}"] = _in_world(store_dir, f"partial-{schedule}", rank,
+                                                   lambda schedule=schedule: _partial(schedule))
     return results
 
 
@@ -169,7 +203,7 @@ def _slicing(ranks: list[dict[str, Any]], case: str) -> dict[str, int]:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", [case for case, *_ in CASES])
 def test_virtual_chunks_train_as_one_process_under_bf16(ranks: list[dict[str, Any]], case: str) -> None:
-    param_dtype = next(dtype for name, _, dtype, _ in CASES if name == case)
+    param_dtype = next(dtype for name, _, dtype, *_ in CASES if name == case)
     slicing = _slicing(ranks, case)
     expected = reference(slicing, param_dtype, _sgd)
     resliced = reference({path: 2 * n for path, n in slicing.items()}, param_dtype, _sgd)
@@ -253,3 +287,14 @@ def test_virtual_sync_verify_names_a_differing_tied_weight_on_every_rank(ranks: 
     for rank, results in enumerate(ranks):
         message = results["verify"]["differing"]
         assert "'wte.weight'" in message and "ranks [1]" in message, f"rank {rank}: {message}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule", list(PARTIAL))
+def test_virtual_partial_step_gives_the_whole_batch_step(ranks: list[dict[str, Any]], schedule: str) -> None:
+    """Each rank passing only input_rows()/target_rows() gives the same loss and bit-identical gradients."""
+    for rank, results in enumerate(ranks):
+        record = results[f"partial {schedule}"]
+        assert record["rows"] == PARTIAL[schedule][rank], f"rank {rank}"
+        whole, partial = record["losses"]
+        assert whole == partial and record["same_grads"], f"rank {rank}: {record}"

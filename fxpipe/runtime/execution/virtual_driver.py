@@ -56,6 +56,7 @@ class VirtualState:
     targets: Any
     shaped: VirtualStep
     inboxes: dict[tuple[Link, MessageKind], Inbox]
+    partial: bool = False  # inputs/targets hold only this replica's rows (RowMap.local), not the global batch
     received: dict[Key, dict[str, Any]] = field(default_factory=dict)  # remote inputs (zeros for unused gradients)
     outputs: dict[Key, dict[str, Any]] = field(default_factory=dict)
     input_grads: dict[Key, dict[str, Any]] = field(default_factory=dict)
@@ -143,12 +144,13 @@ class VirtualDriver(TensorParallelDriver):
     def shaped(self, inputs: Sequence[Any], targets: Any) -> VirtualStep:
         return self.layouts.shaped(inputs, targets)
 
-    def start(self, inputs: tuple[Any, ...], targets: Any, *, forward_only: bool) -> VirtualState:
-        """The step's state, with one inbox per (chunk pair, kind) this rank receives, first receives posted."""
+    def start(self, inputs: tuple[Any, ...], targets: Any, *, forward_only: bool, partial: bool = False) -> VirtualState:
+        """The step's state, with one inbox per (chunk pair, kind) this rank receives, first receives posted;
+        ``partial``: ``inputs``/``targets`` hold only this rank's rows (``input_rows()``/``target_rows()``)."""
         if self._failed_step is not None:  # its receives may still be posted: they would take this step's messages
             raise PipelineSetupError(f"rank {self.rank}: an earlier step failed ({self._failed_step}); build the "
                                      "pipeline again (fxpipe.compile) to go on")
-        shaped = self.shaped(inputs, targets)
+        shaped = self.layouts.plan_step(inputs, targets) if partial else self.shaped(inputs, targets)
         inboxes = {}
         try:
             for (link, kind), messages in shaped.messages.items():
@@ -162,7 +164,7 @@ class VirtualDriver(TensorParallelDriver):
         except BaseException as error:  # receives posted before the failure would take a later step's messages
             self.mark_failed(error)
             raise
-        return VirtualState(inputs, targets, shaped, inboxes)
+        return VirtualState(inputs, targets, shaped, inboxes, partial)
 
     def _tagger(self, link: Link) -> Callable[[MessageKind, int, str], int]:
         def tag(kind: MessageKind, m: int, value: str) -> int:
@@ -173,12 +175,9 @@ class VirtualDriver(TensorParallelDriver):
 
     def step(self, inputs: tuple[Any, ...], targets: Any, *, partial: bool = False) -> float:
         """One iteration over the global batch; returns the batch loss (the same float on every rank)."""
-        if partial:
-            raise PipelineSetupError("step(partial=True) is not supported with virtual stages yet; pass the whole "
-                                     "global batch on every rank")
         if self.failures is not None:
             self.failures.step_index += 1
-        state = self.start(inputs, targets, forward_only=False)
+        state = self.start(inputs, targets, forward_only=False, partial=partial)
         stash = stash_grads(self.named)
         handlers: dict[Op, Callable[[VirtualState, int, int], None]] = {
             Op.FORWARD: self.forward, Op.BACKWARD: self._backward, Op.WEIGHT: self._weight}
@@ -226,7 +225,7 @@ class VirtualDriver(TensorParallelDriver):
     def chunk_inputs(self, state: VirtualState, chunk: int, m: int) -> tuple[dict[str, Any], Any, int]:
         """Micro-batch ``m``'s inputs of ``chunk``: model inputs sliced, local chunks' outputs, remote pieces."""
         program, rows = self.program, state.shaped.rows
-        start, stop = rows.per_microbatch[m]
+        start, stop = rows.local(m) if state.partial else rows.per_microbatch[m]
         values: dict[str, Any] = {}
         for index, name in enumerate(program.model_inputs):
             if name in program.stages[chunk].input_values:

@@ -10,6 +10,7 @@ import torch
 from fxpipe.runtime.execution.stage_routes import MAX_CACHED_SHAPES
 from fxpipe.runtime.execution.virtual_routes import VirtualStep
 from fxpipe.runtime.transport.batch_layout import batch_rows, infer_value_dtypes, make_layout
+from fxpipe.runtime.transport.batchcheck import check_shapes
 from fxpipe.runtime.transport.shape_templates import ShapeTemplates
 
 if TYPE_CHECKING:
@@ -24,6 +25,7 @@ class _Precision:
         self.dtypes = infer_value_dtypes(program, device, dtype)
         self.templates = ShapeTemplates(program, device, dtype)
         self.steps: dict[tuple[Any, ...], VirtualStep] = {}
+        self.plan_step: VirtualStep | None = None  # the plan's batch (partial data), made on first use
 
 
 class VirtualLayouts:
@@ -61,3 +63,19 @@ class VirtualLayouts:
             if len(steps) > MAX_CACHED_SHAPES:  # a loop over ever-new lengths: forget the oldest
                 del steps[next(iter(steps))]
         return steps[signature]
+
+    def plan_step(self, inputs: Sequence[Any], targets: Any) -> VirtualStep:
+        """Partial data (``step(partial=True)``): the plan's batch, of which this rank passes only its rows (every
+        chunk of a group reads the same rows), checked where a chunk of this rank reads them."""
+        precision = self._precisions[self.autocast_dtype]
+        if precision.plan_step is None:
+            example = [torch.empty(spec.shape, dtype=spec.dtype, device="meta") if spec.is_tensor else None
+                       for spec in (self.program.values[name] for name in self.program.model_inputs)]
+            layout = make_layout(self.program, self.plan, example, self.plan.global_batch_size, self.device,
+                                 self.autocast_dtype, precision.dtypes, precision.templates)
+            precision.plan_step = VirtualStep.of(self.program, self.plan, self.group_index, self.rank, layout)
+        chunks = self.plan.chunks_of_group(self.group_index)
+        check_shapes(self.program, tuple(inputs), targets, num_rows=precision.plan_step.rows.num_rows,
+                     reads={name for c in chunks for name in self.program.stages[c].input_values},
+                     reads_targets=self.plan.num_stages - 1 in chunks, target_batch_dim=self.target_batch_dim)
+        return precision.plan_step
