@@ -374,6 +374,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     finally:
         release_group(group)
     warn_batch_norm(model, resolved, options.batch_norm)
+    check_layers_kept(model, [stage.module for stage in program.stages], options.batch_norm)
     if resolved.chunk_groups:  # virtual stages: a rank runs several chunks (fxpipe.virtual_pipe)
         from fxpipe.virtual_pipe import build_virtual_pipe
 
@@ -383,7 +384,6 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
                             autocast_dtype=options.autocast_dtype, timeout_s=options.timeout_s,
                             loss_reduction=options.loss_reduction, check_batch=options.check_batch,
                             target_batch_dim=target_dim, stall_timeout_s=options.stall_timeout_s)
-    check_layers_kept(model, [stage.module for stage in program.stages], options.batch_norm)
     if options.batch_norm != "microbatch":
         from fxpipe.runtime.numerics.batchnorm import DeferredCommit, install_deferred
 

@@ -146,6 +146,19 @@ def chunk_tensors(driver: VirtualDriver) -> list[tuple[str, torch.Tensor]]:
     return [item for runner in driver.runners.values() for item in stage_state(runner.module, runner.stage.param_names)]
 
 
+def deferred_chunk_batch_norm(driver: VirtualDriver, mode: str) -> Any:
+    """``batch_norm`` "deferred" or "sync" on every chunk of this rank, as on one stage (fxpipe.runtime.numerics.
+    batchnorm): running statistics summed over every micro-batch and replica of the device group, committed once
+    per step; "sync" also normalises each micro-batch over the group's replicas (they run the same list, so the
+    collectives pair up). None when the chunks hold no batch norm."""
+    from fxpipe.runtime.numerics.batchnorm import DeferredCommit, install_deferred
+
+    modules = [runner.module for runner in driver.runners.values()]
+    group = driver.groups.replicas
+    layers = [layer for module in modules for layer in install_deferred(module, group if mode == "sync" else None)]
+    return DeferredCommit(layers, group) if layers else None
+
+
 def build_virtual_pipe(program: SplitProgram, plan: Any, options: CompileOptions, context: DistContext,
                        target_dim: int, compile_settings: Mapping[str, Any] | None,
                        graph_module: torch.fx.GraphModule) -> VirtualPipelinedModule:
@@ -155,16 +168,15 @@ def build_virtual_pipe(program: SplitProgram, plan: Any, options: CompileOptions
     from fxpipe.runtime.virtual_compile import compile_chunks
     from fxpipe.runtime.virtual_sync import synchronize_chunks
 
-    if options.batch_norm != "microbatch":
-        raise PipelineSetupError(f"batch_norm={options.batch_norm!r} is not supported with virtual stages yet; "
-                                 "use batch_norm='microbatch' (the default)")
     driver = VirtualDriver(program, plan, options.loss_fn, context=context, autocast_dtype=options.autocast_dtype,
                            timeout_s=options.timeout_s, loss_reduction=options.loss_reduction,
                            target_batch_dim=target_dim, stall_timeout_s=options.stall_timeout_s)
     synchronize_chunks(chunk_tensors(driver), driver.groups, plan, driver.group_index, options.sync_params)
     shard_virtual_chunks(driver, graph_module, options.sequence_parallel)
+    if options.batch_norm != "microbatch":
+        driver.batch_norm = deferred_chunk_batch_norm(driver, options.batch_norm)
     if compile_settings is not None:
-        compile_chunks(driver, compile_settings)  # on the tensor-parallel shards
+        compile_chunks(driver, compile_settings, options.batch_norm)  # on the tensor-parallel shards
     driver.shard_chunks(options.param_dtype)  # on whole, synced tensors (FSDP2 cuts each replica's rows from its own copy)
     if context.rank == 0:
         from fxpipe.report import print_plan

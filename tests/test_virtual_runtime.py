@@ -51,12 +51,14 @@ def _batches(model: str, num_steps: int = 2, seed: int = 500) -> list[Any]:
     return [entry.make_batch(GLOBAL_BATCH, seed + step, **_overrides(model)) for step in range(num_steps)]
 
 
-def virtual_plan(model: str, schedule: str, num_microbatches: int, virtual_stages: int = 2,
-                 group_devices: tuple[tuple[int, ...], ...] = GROUP_DEVICES,
+def virtual_plan(model: str | tuple[torch.nn.Module, Any], schedule: str, num_microbatches: int,
+                 virtual_stages: int = 2, group_devices: tuple[tuple[int, ...], ...] = GROUP_DEVICES,
                  tensor_parallel: tuple[int, ...] | None = None, overrides: dict[str, Any] | None = None) -> Plan:
     """Chunks cut at equal node counts, on the device groups (2:1:1 unless given; ``tensor_parallel``: each
-    group's T) as a loop (a V for zbv); ``overrides``: the model's config (the zoo's tiny one unless given)."""
-    built, example_inputs = zoo.build(model, **(_overrides(model) if overrides is None else overrides))
+    group's T) as a loop (a V for zbv); ``model``: a zoo name (``overrides``: its config, the zoo's tiny one
+    unless given) or a model and its example inputs."""
+    built, example_inputs = model if isinstance(model, tuple) else \
+        zoo.build(model, **(_overrides(model) if overrides is None else overrides))
     graph = trace(built, example_inputs if isinstance(example_inputs, tuple | dict) else (example_inputs,))
     names = compute_nodes(graph)
     num_groups = len(group_devices)

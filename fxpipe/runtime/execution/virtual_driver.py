@@ -43,6 +43,7 @@ from fxpipe.runtime.transport.comm import (
 
 if TYPE_CHECKING:
     from fxpipe.core.program import SplitProgram
+    from fxpipe.runtime.numerics.batchnorm import DeferredCommit
 
 Op = schedules.Op
 Key = tuple[int, int]  # (chunk, micro-batch)
@@ -116,6 +117,7 @@ class VirtualDriver(TensorParallelDriver):
         self._failed_step: str | None = None  # why a step failed: later steps are refused
         self.sharding: ChunkSharding | None = None  # FSDP2 per sharded chunk (shard_chunks, fxpipe.runtime.execution.virtual_sharding)
         self.summed = self.named  # what sum_gradients reduces: all but what FSDP2 reduces
+        self.batch_norm: DeferredCommit | None = None  # batch_norm "deferred"/"sync" (fxpipe.virtual_pipe)
 
     def shard_chunks(self, param_dtype: torch.dtype | None = None) -> None:
         """Shard the chunks the plan shards (fxpipe.runtime.execution.virtual_sharding), after the parameter sync;
@@ -178,6 +180,8 @@ class VirtualDriver(TensorParallelDriver):
         if self.failures is not None:
             self.failures.step_index += 1
         state = self.start(inputs, targets, forward_only=False, partial=partial)
+        if self.batch_norm is not None:  # drop sums a failed step left behind
+            self.batch_norm.reset()
         stash = stash_grads(self.named)
         handlers: dict[Op, Callable[[VirtualState, int, int], None]] = {
             Op.FORWARD: self.forward, Op.BACKWARD: self._backward, Op.WEIGHT: self._weight}
@@ -188,6 +192,8 @@ class VirtualDriver(TensorParallelDriver):
             self.finish_transfers(state)
             sum_gradients(self.summed, self.groups, self.exchange, f"device group {self.group_index}",
                           self.partial_grads)
+            if self.batch_norm is not None:  # running statistics of the whole batch, once per step
+                self.batch_norm()
             loss = self.runner.batch_loss(*self.reduce_loss(state), [p for _, p in self.named])
         except BaseException as error:
             self.mark_failed(error)

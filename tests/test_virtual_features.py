@@ -23,24 +23,29 @@ fp16 loss scaling (``pipe.grad_scaler()``) runs ``1:1:1`` (every chunk 3 slices 
 slices them) under fp16 autocast with a first scale that overflows: every rank must skip that step, back off alike,
 and then train as torch's own GradScaler over the same eager loop. ``sync_params="verify"`` passes on equal replicas
 and names a differing tied weight on every rank. ``step(partial=True)``, each rank passing only the rows
-``input_rows()``/``target_rows()`` name, gives the whole-batch step's loss and gradients bit for bit.
+``input_rows()``/``target_rows()`` name, gives the whole-batch step's loss and gradients bit for bit. Batch norm
+``"deferred"`` and ``"sync"`` (one micro-batch) give one process's running statistics (and training, for sync).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import fxpipe
 from fxpipe import models as zoo
 from fxpipe.core.plan import Plan
 from fxpipe.runtime.parallel.sharded_stage import full_value
 from fxpipe.runtime.sync import ReplicaMismatchError
+from tests.exactness_oracle import mismatches, train_and_compare, train_reference
 from tests.mp_utils import run_ranks
+from tests.test_exactness_training import SmallCNN, _cnn_batches, deferred_statistics_problems
 from tests.test_mixed_precision_params import (
     BF16,
     GLOBAL_BATCH,
@@ -70,6 +75,7 @@ CASES = (("bf16 interleaved", "interleaved", None, False, "none"),
          ("bf16-params zbv", "zbv", BF16, False, "none"),
          ("bf16-params ZeRO-3 interleaved", "interleaved", BF16, False, "parameters"))
 FP16 = torch.float16
+BN_GROUPS = ((0,), (1, 2))  # 1:2: group 1's two replicas run norm1 (both schedules) and norm2 (zbv)
 # step(partial=True), fp32: rows each rank reads on 2:1 with M = 3 (12 rows: 4 per micro-batch, 2 per replica of group
 # 0); interleaved puts the last chunk (the targets) on group 1, ZB-V on group 0, both read the inputs on group 0
 HALVES = ((0, 2), (4, 6), (8, 10)), ((2, 4), (6, 8), (10, 12))
@@ -169,6 +175,33 @@ def _partial(schedule: str) -> dict[str, Any]:
     return {"rows": (rows, target_rows), "losses": (whole, loss), "same_grads": same}
 
 
+def _batch_norm(mode: str) -> dict[str, Any]:
+    """SmallCNN (two batch norms, neither fed by the other) on 1:2 with two chunks per group (norm1 on group 1's two
+    replicas; under interleaved norm2 on group 0, under zbv on group 1 too).
+
+    "deferred" (interleaved, M = 2): train-mode steps feed the running statistics only, committed once per step over
+    every slice: they equal one process's whole-batch statistics, and so does an eval-mode step's loss and gradients.
+    "sync" (zbv, M = 1): each batch norm normalises over both replicas' rows, the whole batch, so training is exact.
+    """
+    torch.manual_seed(3)
+    model = SmallCNN()
+    reference_model = copy.deepcopy(model)
+    example = (torch.randn(GLOBAL_BATCH, 3, 6, 6),)
+    schedule, num_microbatches = ("interleaved", 2) if mode == "deferred" else ("zbv", 1)
+    plan = virtual_plan((copy.deepcopy(model), example), schedule, num_microbatches, 2, BN_GROUPS)
+    pipe = fxpipe.compile(model, example, loss_fn=F.cross_entropy, global_batch_size=GLOBAL_BATCH, plan=plan,
+                          batch_norm=mode)
+    batches = _cnn_batches(11)
+    buffers = {name for name, _ in reference_model.named_buffers()}
+    if mode == "sync":
+        reference = train_reference(reference_model, F.cross_entropy, batches)
+        record = train_and_compare(pipe, batches, reference)
+        record["problems"] += mismatches("buffer", {n: v for n, v in pipe.state_dict().items() if n in buffers},
+                                         dict(reference["model"].named_buffers()), rtol=1e-5, atol=1e-6)
+        return {"problems": record["problems"]}
+    return {"problems": deferred_statistics_problems(pipe, reference_model, batches)}
+
+
 def _in_world(store_dir: str, name: str, rank: int, run: Any) -> Any:
     with _world(store_dir, name, rank, WORLD_SIZE):
         return run()
@@ -181,6 +214,8 @@ def _run(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
         results[name] = _in_world(store_dir, f"precision-{index}", rank, lambda case=case: _train(*case))
     results["scaled"] = _in_world(store_dir, "scaled", rank, lambda: _scaled(rank))
     results["verify"] = _in_world(store_dir, "verify", rank, lambda: _verify(rank))
+    for mode in ("deferred", "sync"):
+        results[f"batch norm {mode}"] = _in_world(store_dir, f"bn-{mode}", rank, lambda mode=mode: _batch_norm(mode))
     for schedule in PARTIAL:
         results[f"partial {schedule}"] = _in_world(store_dir, f"partial-{schedule}", rank,
                                                    lambda schedule=schedule: _partial(schedule))
@@ -298,3 +333,11 @@ def test_virtual_partial_step_gives_the_whole_batch_step(ranks: list[dict[str, A
         assert record["rows"] == PARTIAL[schedule][rank], f"rank {rank}"
         whole, partial = record["losses"]
         assert whole == partial and record["same_grads"], f"rank {rank}: {record}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["deferred", "sync"])
+def test_virtual_batch_norm_statistics_as_one_process(ranks: list[dict[str, Any]], mode: str) -> None:
+    problems = [f"rank {rank}: {problem}" for rank, results in enumerate(ranks)
+                for problem in results[f"batch norm {mode}"]["problems"]]
+    assert not problems, "\n".join(problems)
