@@ -160,21 +160,6 @@ class PipelinedModule(PipeLifecycle):
     def eval(self) -> PipelinedModule:
         return self.train(False)
 
-    def export(self, directory: str | Path) -> None:
-        """Write every stage as a torch.export program with its trained weights, plus a manifest.
-
-        ``directory`` gets ``stage_<i>.pt2`` per stage and ``program.json`` (codegen_io ``export_program``);
-        each stage loads with torch alone (``torch.export.load``), see docs/export.md. Collective: every
-        rank calls it; each stage's first replica sends its tensors and train/eval flag to rank 0, which
-        writes the files.
-        """
-        from fxpipe.passes.codegen_io import export_program
-        from fxpipe.runtime.export import gathered_program
-
-        program = gathered_program(self.driver)
-        if program is not None:  # rank 0
-            export_program(program, directory)
-
     @property
     def measure(self) -> MeasureSetting:
         """True: each step records a timeline and the exact saved-activation peak (``step_stats``).

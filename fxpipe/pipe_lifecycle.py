@@ -54,6 +54,22 @@ class PipeLifecycle:
         """The scaler ``grad_scaler()`` made (``step`` scales the loss by it), or None."""
         return self.driver.runner.scaler
 
+    def export(self, directory: str | Path) -> None:
+        """Write every stage (every chunk under virtual stages) as a torch.export program with its trained weights,
+        plus a manifest.
+
+        ``directory`` gets ``stage_<i>.pt2`` per stage and ``program.json`` (codegen_io ``export_program``);
+        each stage loads with torch alone (``torch.export.load``), see docs/export.md. Collective: every
+        rank calls it; each stage's first replica sends its tensors and train/eval flag to rank 0, which
+        writes the files.
+        """
+        from fxpipe.passes.codegen_io import export_program
+        from fxpipe.runtime.export import gathered_program
+
+        program = gathered_program(self.driver)
+        if program is not None:  # rank 0
+            export_program(program, directory)
+
     def save(self, directory: str | Path, *, optimizer: torch.optim.Optimizer | None = None, step: int = 0,
              extra: Mapping[str, Any] | None = None) -> Path:
         """Atomic sharded checkpoint under original names (every rank calls it); see fxpipe.core.checkpoint."""

@@ -9,7 +9,6 @@ import torch
 
 from fxpipe.pipe_inputs import positional_inputs
 from fxpipe.pipe_lifecycle import PipeLifecycle
-from fxpipe.runtime.faults.errors import PipelineSetupError
 
 if TYPE_CHECKING:
     from fxpipe.compile_options import CompileOptions
@@ -106,9 +105,6 @@ class VirtualPipelinedModule(PipeLifecycle):
 
         return clip_virtual_grad_norm(self.driver, max_norm, norm_type, error_if_nonfinite)
 
-    def export(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._unsupported("export")
-
     def input_rows(self) -> tuple[tuple[int, int], ...] | None:
         """Global-batch row ranges ``[start, stop)`` whose inputs this rank's chunks read (None: they read none);
         every chunk of a device group reads the same rows."""
@@ -127,11 +123,6 @@ class VirtualPipelinedModule(PipeLifecycle):
         from fxpipe.runtime.transport.rows import RowMap
 
         return RowMap.of(self.plan, self.replica_index, self.plan.stages[self.chunks[0]].replicas)
-
-    def _unsupported(self, name: str) -> PipelineSetupError:
-        return PipelineSetupError(f"pipe.{name} is not supported with virtual stages yet (virtual_stages="
-                                  f"{self.plan.virtual_stages}); use a plan without virtual stages for it "
-                                  "(docs/virtual_stages.md, Runtime)")
 
     def __repr__(self) -> str:
         return (f"VirtualPipelinedModule(layout={self.plan.layout!r}, virtual_stages={self.plan.virtual_stages}, "

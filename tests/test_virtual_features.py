@@ -25,6 +25,7 @@ and then train as torch's own GradScaler over the same eager loop. ``sync_params
 and names a differing tied weight on every rank. ``step(partial=True)``, each rank passing only the rows
 ``input_rows()``/``target_rows()`` name, gives the whole-batch step's loss and gradients bit for bit. Batch norm
 ``"deferred"`` and ``"sync"`` (one micro-batch) give one process's running statistics (and training, for sync).
+``pipe.export`` writes every chunk (ZeRO-3 ones gathered) with its trained weights.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from fxpipe.runtime.sync import ReplicaMismatchError
 from tests.exactness_oracle import mismatches, train_and_compare, train_reference
 from tests.mp_utils import run_ranks
 from tests.test_exactness_training import SmallCNN, _cnn_batches, deferred_statistics_problems
+from tests.test_export_pt2 import _train_and_export
 from tests.test_mixed_precision_params import (
     BF16,
     GLOBAL_BATCH,
@@ -75,6 +77,7 @@ CASES = (("bf16 interleaved", "interleaved", None, False, "none"),
          ("bf16-params zbv", "zbv", BF16, False, "none"),
          ("bf16-params ZeRO-3 interleaved", "interleaved", BF16, False, "parameters"))
 FP16 = torch.float16
+EXPORTED = "tied-lm"  # as tests/test_export_pt2.py exports
 BN_GROUPS = ((0,), (1, 2))  # 1:2: group 1's two replicas run norm1 (both schedules) and norm2 (zbv)
 # step(partial=True), fp32: rows each rank reads on 2:1 with M = 3 (12 rows: 4 per micro-batch, 2 per replica of group
 # 0); interleaved puts the last chunk (the targets) on group 1, ZB-V on group 0, both read the inputs on group 0
@@ -202,6 +205,20 @@ def _batch_norm(mode: str) -> dict[str, Any]:
     return {"problems": deferred_statistics_problems(pipe, reference_model, batches)}
 
 
+def _export(store_dir: str) -> dict[str, Any] | None:
+    """tied-lm, 2 SGD steps on 2:1 interleaved (group 0's chunks ZeRO-3, the tied weight on both groups), then
+    ``pipe.export``: rank 0 loads the chunks' .pt2 files, chains them and compares with the trained model."""
+    entry = zoo.get(EXPORTED)
+    plan = virtual_plan(EXPORTED, "interleaved", NUM_MICROBATCHES, 2, GROUPS)
+    plan = plan.with_updates(stages=tuple(replace(stage, sharding="parameters" if stage.replicas > 1 else "none")
+                                          for stage in plan.stages))
+    model, example_inputs = zoo.build(EXPORTED, seed=0, **entry.tiny_overrides)
+    pipe = fxpipe.compile(model, example_inputs, loss_fn=entry.loss_fn, global_batch_size=GLOBAL_BATCH, plan=plan)
+    inputs, targets = entry.make_batch(GLOBAL_BATCH, 3, **entry.tiny_overrides)
+    return _train_and_export(pipe, tuple(inputs), targets,
+                             lambda: zoo.build(EXPORTED, seed=0, **entry.tiny_overrides)[0], store_dir, "exported")
+
+
 def _in_world(store_dir: str, name: str, rank: int, run: Any) -> Any:
     with _world(store_dir, name, rank, WORLD_SIZE):
         return run()
@@ -214,6 +231,7 @@ def _run(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
         results[name] = _in_world(store_dir, f"precision-{index}", rank, lambda case=case: _train(*case))
     results["scaled"] = _in_world(store_dir, "scaled", rank, lambda: _scaled(rank))
     results["verify"] = _in_world(store_dir, "verify", rank, lambda: _verify(rank))
+    results["export"] = _in_world(store_dir, "export", rank, lambda: _export(store_dir))
     for mode in ("deferred", "sync"):
         results[f"batch norm {mode}"] = _in_world(store_dir, f"bn-{mode}", rank, lambda mode=mode: _batch_norm(mode))
     for schedule in PARTIAL:
@@ -341,3 +359,13 @@ def test_virtual_batch_norm_statistics_as_one_process(ranks: list[dict[str, Any]
     problems = [f"rank {rank}: {problem}" for rank, results in enumerate(ranks)
                 for problem in results[f"batch norm {mode}"]["problems"]]
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.multiprocess
+def test_virtual_export_writes_every_chunk_with_its_trained_weights(ranks: list[dict[str, Any]]) -> None:
+    """Rank 0's chained .pt2 chunks against the trained model on another batch (as tests/test_export_pt2.py)."""
+    assert all(results["export"] is None for results in ranks[1:])
+    check = ranks[0]["export"]
+    assert check["trained_moved"], "the export holds the initial weights"
+    assert check["exported"]["num_stages"] == 4  # two chunks per group
+    assert check["exported"]["output_diff"] < 1e-5, check

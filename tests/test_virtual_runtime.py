@@ -114,8 +114,6 @@ def _exact(name: str, model: str, schedule: str, num_microbatches: int, referenc
                                after_backward=lambda pipe: float(pipe.clip_grad_norm_(MAX_NORM)))
     record["reference_norms"] = references[model]["after_backward"]
     record["chunks"] = list(pipe.driver.chunks)
-    with pytest.raises(PipelineSetupError, match=r"pipe.export is not supported with virtual stages"):
-        pipe.export("unused")  # local: refused on every rank alike, before any collective
     record["reference_losses"] = references[model]["losses"]
     if name == "lm interleaved":  # forward only, with the trained weights: against the trained reference
         record.update(_inference(pipe, references[model]["model"], model))
