@@ -168,6 +168,8 @@ def _compiled(rank: int, store_dir: str) -> dict[str, Any]:
                         torch_compile={"backend": "aot_eager"})
         record = train_and_compare(pipe, _batches(model), reference)
         record["compiled"] = all(r.compiled is not None for r in pipe.driver.runners.values())
+        record["compile_stats"] = [(stats.stage_index, stats.num_frames > 0, stats.num_split_shapes > 0)
+                                   for stats in pipe.compile_stats()]
         return record
     return _in_world(store_dir, "compiled", rank, run)
 
@@ -261,6 +263,9 @@ def test_compiled_chunks_train_exactly(per_rank: list[dict[str, Any]]) -> None:
     for rank, results in enumerate(per_rank):
         record = results["compiled"]
         assert record["compiled"], rank
+        # pipe.compile_stats(): one per chunk of every rank (groups 0, 0, 1, 2 hold chunks 0 and 3, 1 and 4, 2 and
+        # 5), each compiled and cut into F, B and W
+        assert record["compile_stats"] == [(chunk, True, True) for chunk in (0, 3, 0, 3, 1, 4, 2, 5)], rank
         assert not record["problems"], (rank, record["problems"][:3])
 
 
