@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from fxpipe.runtime.compile.compiled_split import SplitCompiledStage
 from fxpipe.runtime.compile.stage_compile import CompiledStage, CompileStats
+from fxpipe.runtime.execution.stage import rank_runners
 from fxpipe.runtime.faults.guard import release_group, setup_group, setup_phase
 from fxpipe.runtime.numerics.batchnorm import DeferredBatchNorm
 
@@ -79,7 +80,7 @@ def gather_compile_stats(driver: PipelineDriver) -> list[CompileStats]:
     """Every rank's CompileStats (an eager stage's with its reason), by rank (under virtual stages one per chunk of
     each rank, in chunk order); a collective."""
     own = []
-    for index, runner in (getattr(driver, "runners", None) or {driver.stage_index: driver.runner}).items():
+    for index, runner in rank_runners(driver).items():
         if runner.split is not None and runner.compiled is not None:
             runner.compiled.stats.num_split_shapes = runner.split.num_shapes
             runner.compiled.stats.num_weight_passes = runner.split.num_weight_passes

@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from fxpipe.runtime.execution.stage import rank_runners
 from fxpipe.runtime.numerics.batchnorm import original_layers
 from fxpipe.runtime.parallel.sharded_stage import plain_copy
 
@@ -39,7 +41,7 @@ def gathered_program(driver: PipelineDriver) -> SplitProgram | None:
     replica of every stage sends its state to rank 0 (a rank-0-only export wrote the other stages' initial weights
     and flags, silently).
     """
-    runners = getattr(driver, "runners", None) or {driver.stage_index: driver.runner}  # a VirtualDriver's chunks
+    runners = rank_runners(driver)  # a VirtualDriver's chunks, or the one stage
     with contextlib.ExitStack() as stack:
         mine: list[StageState] = []
         for index, runner in runners.items():
@@ -61,7 +63,7 @@ def gathered_program(driver: PipelineDriver) -> SplitProgram | None:
         return _with_states(driver.program, own, [state for states in gathered for state in states or []])
 
 
-def _with_states(program: SplitProgram, own: dict[int, torch.nn.Module], gathered: list[StageState]) -> SplitProgram:
+def _with_states(program: SplitProgram, own: Mapping[int, torch.nn.Module], gathered: list[StageState]) -> SplitProgram:
     """A copy of ``program`` whose stage modules hold each stage's gathered tensors and training flag (``own``: this
     rank's stage modules by index, copied rather than the program's)."""
     states = {state[0]: state for state in gathered}
