@@ -22,8 +22,6 @@ from fxpipe.pipe_lifecycle import PipeLifecycle
 from fxpipe.runtime.faults.errors import PipelineSetupError
 
 if TYPE_CHECKING:
-    from fxpipe.runtime.autograd.measure import MeasureSetting, StepStats
-    from fxpipe.runtime.compile.stage_compile import CompileStats
     from fxpipe.runtime.execution.driver import PipelineDriver
 
 
@@ -159,40 +157,6 @@ class PipelinedModule(PipeLifecycle):
 
     def eval(self) -> PipelinedModule:
         return self.train(False)
-
-    @property
-    def measure(self) -> MeasureSetting:
-        """True: each step records a timeline and the exact saved-activation peak (``step_stats``).
-
-        ``"timeline"`` records the timeline only: counting saved tensors hooks every one of them,
-        which slows a CPU step by up to ~20%, so time-sensitive measurements leave it out.
-        """
-        return self.driver.measure.value
-
-    @measure.setter
-    def measure(self, setting: MeasureSetting) -> None:
-        from fxpipe.runtime.autograd.measure import MeasureMode
-
-        mode = MeasureMode.of(setting)
-        sharded = [stage.stage_index for stage in self.plan.stages if stage.sharding != "none"]
-        if mode is MeasureMode.FULL and sharded:  # decided from the plan: every rank raises alike
-            raise PipelineSetupError(
-                f"pipe.measure=True counts saved activations apart from the weights, but stages {sharded} are sharded "
-                "and FSDP2's gathered weights cannot be told apart from activations; use pipe.measure='timeline' "
-                "(timeline only) or compile with sharding='none'")
-        self.driver.measure = mode
-
-    def compile_stats(self) -> list[CompileStats]:
-        """Every rank's torch.compile frames, backward graphs and seconds so far (a collective; docs/compile.md)."""
-        from fxpipe.runtime.compiled_stages import gather_compile_stats
-
-        return gather_compile_stats(self.driver)
-
-    def step_stats(self) -> list[StepStats]:
-        """All ranks' StepStats of the last measured step (a collective: call on every rank)."""
-        from fxpipe.runtime.execution.measured_step import gather_step_stats
-
-        return gather_step_stats(self.driver)
 
     def __repr__(self) -> str:
         return (f"PipelinedModule(layout={self.plan.layout!r}, rank={self.rank}, stage={self.stage_index}, "

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from fxpipe.core.checkpoint import CheckpointablePipe
+from fxpipe.runtime.faults.errors import PipelineSetupError
+
+if TYPE_CHECKING:
+    from fxpipe.runtime.autograd.measure import MeasureSetting, StepStats
+    from fxpipe.runtime.compile.stage_compile import CompileStats
 
 
 class PipeLifecycle:
@@ -69,6 +74,41 @@ class PipeLifecycle:
         program = gathered_program(self.driver)
         if program is not None:  # rank 0
             export_program(program, directory)
+
+    @property
+    def measure(self) -> MeasureSetting:
+        """True: each step records a timeline and the exact saved-activation peak (``step_stats``; under virtual
+        stages every chunk's actions, each event under its chunk, and the peak of all the rank's chunks together).
+
+        ``"timeline"`` records the timeline only: counting saved tensors hooks every one of them,
+        which slows a CPU step by up to ~20%, so time-sensitive measurements leave it out.
+        """
+        return self.driver.measure.value
+
+    @measure.setter
+    def measure(self, setting: MeasureSetting) -> None:
+        from fxpipe.runtime.autograd.measure import MeasureMode
+
+        mode = MeasureMode.of(setting)
+        sharded = [stage.stage_index for stage in self.driver.plan.stages if stage.sharding != "none"]
+        if mode is MeasureMode.FULL and sharded:  # decided from the plan: every rank raises alike
+            raise PipelineSetupError(
+                f"pipe.measure=True counts saved activations apart from the weights, but stages {sharded} are sharded "
+                "and FSDP2's gathered weights cannot be told apart from activations; use pipe.measure='timeline' "
+                "(timeline only) or compile with sharding='none'")
+        self.driver.measure = mode
+
+    def compile_stats(self) -> list[CompileStats]:
+        """Every rank's torch.compile frames, backward graphs and seconds so far (a collective; docs/compile.md)."""
+        from fxpipe.runtime.compiled_stages import gather_compile_stats
+
+        return gather_compile_stats(self.driver)  # one per stage, or per chunk of each rank
+
+    def step_stats(self) -> list[StepStats]:
+        """All ranks' StepStats of the last measured step (a collective: call on every rank)."""
+        from fxpipe.runtime.execution.measured_step import gather_step_stats
+
+        return gather_step_stats(self.driver)
 
     def save(self, directory: str | Path, *, optimizer: torch.optim.Optimizer | None = None, step: int = 0,
              extra: Mapping[str, Any] | None = None) -> Path:

@@ -124,13 +124,6 @@ class VirtualPipelinedModule(PipeLifecycle):
 
         return RowMap.of(self.plan, self.replica_index, self.plan.stages[self.chunks[0]].replicas)
 
-    def compile_stats(self) -> list[Any]:
-        """Every rank's torch.compile frames, backward graphs and seconds so far, one CompileStats per chunk of each
-        rank (a collective; docs/compile.md)."""
-        from fxpipe.runtime.compiled_stages import gather_compile_stats
-
-        return gather_compile_stats(self.driver)  # type: ignore[arg-type]  # reads runners, context, stage_index
-
     def __repr__(self) -> str:
         return (f"VirtualPipelinedModule(layout={self.plan.layout!r}, virtual_stages={self.plan.virtual_stages}, "
                 f"rank={self.rank}, chunks={list(self.driver.chunks)}, schedule={self.plan.schedule!r})")

@@ -25,7 +25,8 @@ and then train as torch's own GradScaler over the same eager loop. ``sync_params
 and names a differing tied weight on every rank. ``step(partial=True)``, each rank passing only the rows
 ``input_rows()``/``target_rows()`` name, gives the whole-batch step's loss and gradients bit for bit. Batch norm
 ``"deferred"`` and ``"sync"`` (one micro-batch) give one process's running statistics (and training, for sync).
-``pipe.export`` writes every chunk (ZeRO-3 ones gathered) with its trained weights.
+``pipe.export`` writes every chunk (ZeRO-3 ones gathered) with its trained weights; ``pipe.measure`` records
+every chunk's actions.
 """
 
 from __future__ import annotations
@@ -219,6 +220,18 @@ def _export(store_dir: str) -> dict[str, Any] | None:
                              lambda: zoo.build(EXPORTED, seed=0, **entry.tiny_overrides)[0], store_dir, "exported")
 
 
+def _measured(rank: int) -> dict[str, Any]:
+    """pipe.measure = True on 2:1 interleaved (fp32): every rank's StepStats, each compute action under its chunk."""
+    pipe = _compile(_plan("interleaved"))
+    pipe.measure = True
+    (inputs, targets), = _batches()[:1]
+    pipe.step(inputs, targets)
+    stats = pipe.step_stats()
+    return {"ranks": [s.rank for s in stats], "peaks": [s.peak_activation_bytes for s in stats],
+            "events": sorted((e.stage_index, e.op, e.microbatch_index) for e in stats[rank].events),
+            "chunks": list(pipe.chunks), "measure": pipe.measure}
+
+
 def _in_world(store_dir: str, name: str, rank: int, run: Any) -> Any:
     with _world(store_dir, name, rank, WORLD_SIZE):
         return run()
@@ -231,6 +244,7 @@ def _run(rank: int, world_size: int, store_dir: str) -> dict[str, Any]:
         results[name] = _in_world(store_dir, f"precision-{index}", rank, lambda case=case: _train(*case))
     results["scaled"] = _in_world(store_dir, "scaled", rank, lambda: _scaled(rank))
     results["verify"] = _in_world(store_dir, "verify", rank, lambda: _verify(rank))
+    results["measured"] = _in_world(store_dir, "measured", rank, lambda: _measured(rank))
     results["export"] = _in_world(store_dir, "export", rank, lambda: _export(store_dir))
     for mode in ("deferred", "sync"):
         results[f"batch norm {mode}"] = _in_world(store_dir, f"bn-{mode}", rank, lambda mode=mode: _batch_norm(mode))
@@ -369,3 +383,16 @@ def test_virtual_export_writes_every_chunk_with_its_trained_weights(ranks: list[
     assert check["trained_moved"], "the export holds the initial weights"
     assert check["exported"]["num_stages"] == 4  # two chunks per group
     assert check["exported"]["output_diff"] < 1e-5, check
+
+
+@pytest.mark.multiprocess
+def test_virtual_measure_records_every_chunk_action(ranks: list[dict[str, Any]]) -> None:
+    """Each rank's timeline holds F and B of every micro-batch of each of its chunks, under the chunk's index, and a
+    positive saved-activation peak (measure=True)."""
+    for rank, results in enumerate(ranks):
+        record = results["measured"]
+        assert record["measure"] is True and record["ranks"] == list(range(WORLD_SIZE)), f"rank {rank}: {record}"
+        assert all(peak is not None and peak > 0 for peak in record["peaks"]), f"rank {rank}: {record['peaks']}"
+        expected = sorted((chunk, op, m) for chunk in record["chunks"] for op in ("F", "B")
+                          for m in range(NUM_MICROBATCHES))
+        assert record["events"] == expected, f"rank {rank}"

@@ -11,11 +11,13 @@ from torch.utils._pytree import tree_map
 
 from fxpipe.core import schedule as schedules
 from fxpipe.core.plan import Plan
+from fxpipe.runtime.autograd.measure import ActionTimer, MeasureMode, SavedActivationMeter, StepStats
 from fxpipe.runtime.execution.loss_allreduce import sum_loss_and_votes
 from fxpipe.runtime.execution.receives import Inbox
 from fxpipe.runtime.execution.stage import LossFn, StageRunner, read_local_loss, unique_params
 from fxpipe.runtime.execution.stage_routes import check_outgoing
 from fxpipe.runtime.execution.virtual_layouts import VirtualLayouts
+from fxpipe.runtime.execution.virtual_measure import measured_actions
 from fxpipe.runtime.execution.virtual_routes import (
     Link,
     VirtualStep,
@@ -118,6 +120,9 @@ class VirtualDriver(TensorParallelDriver):
         self.sharding: ChunkSharding | None = None  # FSDP2 per sharded chunk (shard_chunks, fxpipe.runtime.execution.virtual_sharding)
         self.summed = self.named  # what sum_gradients reduces: all but what FSDP2 reduces
         self.batch_norm: DeferredCommit | None = None  # batch_norm "deferred"/"sync" (fxpipe.virtual_pipe)
+        self.measure = MeasureMode.OFF  # pipe.measure (fxpipe.runtime.execution.virtual_measure)
+        self.last_stats: StepStats | None = None
+        self.saved_meter: SavedActivationMeter | None = None
 
     def shard_chunks(self, param_dtype: torch.dtype | None = None) -> None:
         """Shard the chunks the plan shards (fxpipe.runtime.execution.virtual_sharding), after the parameter sync;
@@ -188,7 +193,8 @@ class VirtualDriver(TensorParallelDriver):
         if self.sharding is not None:
             self.sharding.start_step(state.shaped.actions, self.split_backward)
         try:
-            self.run_actions(state, state.shaped.actions, handlers)
+            with measured_actions(self) as timer:
+                self.run_actions(state, state.shaped.actions, handlers, timer)
             self.finish_transfers(state)
             sum_gradients(self.summed, self.groups, self.exchange, f"device group {self.group_index}",
                           self.partial_grads)
@@ -212,15 +218,20 @@ class VirtualDriver(TensorParallelDriver):
         self._failed_step = f"{type(error).__name__}: {str(error)[:200]}"
 
     def run_actions(self, state: VirtualState, actions: Sequence[schedules.Action],
-                    handlers: Mapping[Op, Callable[[VirtualState, int, int], None]]) -> None:
+                    handlers: Mapping[Op, Callable[[VirtualState, int, int], None]],
+                    timer: ActionTimer | None = None) -> None:
         """Each compute action through its handler; transfers happen inside them (sends as soon as a value is made,
-        receives where it is read), so RA/SA/RG/SG and the allreduce (after the list) have nothing left to do."""
+        receives where it is read), so RA/SA/RG/SG and the allreduce (after the list) have nothing left to do.
+        ``timer`` (``pipe.measure``) records each compute action under its chunk."""
         doing = self._doing
         for action in actions:
             doing.action = action
             handler = handlers.get(action.op)
             if handler is not None:
+                started = timer.start() if timer is not None else 0.0
                 handler(state, action.chunk_index, action.microbatch_index)
+                if timer is not None:
+                    timer.stop(action, started, action.chunk_index)
         doing.action = None
 
     def finish_transfers(self, state: VirtualState) -> None:
