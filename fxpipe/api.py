@@ -22,8 +22,6 @@ from fxpipe.pipe_lifecycle import PipeLifecycle
 from fxpipe.runtime.faults.errors import PipelineSetupError
 
 if TYPE_CHECKING:
-    from fxpipe.runtime.autograd.measure import MeasureSetting, StepStats
-    from fxpipe.runtime.compile.stage_compile import CompileStats
     from fxpipe.runtime.execution.driver import PipelineDriver
 
 
@@ -83,20 +81,6 @@ class PipelinedModule(PipeLifecycle):
 
     __call__ = predict
 
-    def _collective(self, run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        from fxpipe.runtime.numerics.caller_autocast import honour_caller_autocast
-
-        driver = self.driver
-        try:  # a torch.autocast region around the call is honoured as autocast_dtype is (docs/training_loop.md)
-            with honour_caller_autocast(driver.context.device, driver.compiled_autocast,
-                                        compiled_stages=driver.runner.compiled is not None,
-                                        use_autocast=driver.use_autocast):
-                return run(*args, **kwargs)
-        except Exception as error:  # the job's root cause when this rank failed first (docs/faults.md)
-            if self.driver.failures is not None:
-                self.driver.failures.note_error(error)
-            raise
-
     def input_rows(self) -> tuple[tuple[int, int], ...] | None:
         """Global-batch row ranges ``[start, stop)`` whose inputs this rank reads (None: it reads none)."""
         from fxpipe.runtime.transport.rows import input_rows
@@ -134,25 +118,6 @@ class PipelinedModule(PipeLifecycle):
         from fxpipe.runtime.clipping import clip_grad_norm
 
         return clip_grad_norm(self.driver, list(self.named_parameters()), max_norm, norm_type, error_if_nonfinite)
-
-    def grad_scaler(self, *, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                    growth_interval: int = 2000, enabled: bool = True) -> torch.amp.GradScaler:
-        """A ``torch.amp.GradScaler`` (torch's arguments and meaning) for fp16 training, made once per pipe.
-
-        From now on ``step`` scales each slice's loss by the scaler's scale and still returns the unscaled
-        loss; ``scaler.unscale_(opt)`` (or ``scaler.step(opt)``) agrees on overflow over every rank of the
-        job, so every rank skips the same steps and ``update()`` keeps the same scale everywhere. Every rank
-        calls it with the same arguments; ``save``/``load`` keep its state. See docs/training_loop.md.
-        """
-        from fxpipe.runtime.grad_scaler import make_grad_scaler
-
-        return make_grad_scaler(self.driver, init_scale=init_scale, growth_factor=growth_factor,
-                                backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=enabled)
-
-    @property
-    def scaler(self) -> torch.amp.GradScaler | None:
-        """The scaler ``grad_scaler()`` made (``step`` scales the loss by it), or None."""
-        return self.driver.runner.scaler
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers of this rank's stage under their original names (detached), whole tensors.
@@ -192,55 +157,6 @@ class PipelinedModule(PipeLifecycle):
 
     def eval(self) -> PipelinedModule:
         return self.train(False)
-
-    def export(self, directory: str | Path) -> None:
-        """Write every stage as a torch.export program with its trained weights, plus a manifest.
-
-        ``directory`` gets ``stage_<i>.pt2`` per stage and ``program.json`` (codegen_io ``export_program``);
-        each stage loads with torch alone (``torch.export.load``), see docs/export.md. Collective: every
-        rank calls it; each stage's first replica sends its tensors and train/eval flag to rank 0, which
-        writes the files.
-        """
-        from fxpipe.passes.codegen_io import export_program
-        from fxpipe.runtime.export import gathered_program
-
-        program = gathered_program(self.driver)
-        if program is not None:  # rank 0
-            export_program(program, directory)
-
-    @property
-    def measure(self) -> MeasureSetting:
-        """True: each step records a timeline and the exact saved-activation peak (``step_stats``).
-
-        ``"timeline"`` records the timeline only: counting saved tensors hooks every one of them,
-        which slows a CPU step by up to ~20%, so time-sensitive measurements leave it out.
-        """
-        return self.driver.measure.value
-
-    @measure.setter
-    def measure(self, setting: MeasureSetting) -> None:
-        from fxpipe.runtime.autograd.measure import MeasureMode
-
-        mode = MeasureMode.of(setting)
-        sharded = [stage.stage_index for stage in self.plan.stages if stage.sharding != "none"]
-        if mode is MeasureMode.FULL and sharded:  # decided from the plan: every rank raises alike
-            raise PipelineSetupError(
-                f"pipe.measure=True counts saved activations apart from the weights, but stages {sharded} are sharded "
-                "and FSDP2's gathered weights cannot be told apart from activations; use pipe.measure='timeline' "
-                "(timeline only) or compile with sharding='none'")
-        self.driver.measure = mode
-
-    def compile_stats(self) -> list[CompileStats]:
-        """Every rank's torch.compile frames, backward graphs and seconds so far (a collective; docs/compile.md)."""
-        from fxpipe.runtime.compiled_stages import gather_compile_stats
-
-        return gather_compile_stats(self.driver)
-
-    def step_stats(self) -> list[StepStats]:
-        """All ranks' StepStats of the last measured step (a collective: call on every rank)."""
-        from fxpipe.runtime.execution.measured_step import gather_step_stats
-
-        return gather_step_stats(self.driver)
 
     def __repr__(self) -> str:
         return (f"PipelinedModule(layout={self.plan.layout!r}, rank={self.rank}, stage={self.stage_index}, "
@@ -407,6 +323,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
     finally:
         release_group(group)
     warn_batch_norm(model, resolved, options.batch_norm)
+    check_layers_kept(model, [stage.module for stage in program.stages], options.batch_norm)
     if resolved.chunk_groups:  # virtual stages: a rank runs several chunks (fxpipe.virtual_pipe)
         from fxpipe.virtual_pipe import build_virtual_pipe
 
@@ -416,7 +333,6 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
                             autocast_dtype=options.autocast_dtype, timeout_s=options.timeout_s,
                             loss_reduction=options.loss_reduction, check_batch=options.check_batch,
                             target_batch_dim=target_dim, stall_timeout_s=options.stall_timeout_s)
-    check_layers_kept(model, [stage.module for stage in program.stages], options.batch_norm)
     if options.batch_norm != "microbatch":
         from fxpipe.runtime.numerics.batchnorm import DeferredCommit, install_deferred
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fxpipe.pipe_inputs import positional_inputs
 from fxpipe.pipe_lifecycle import PipeLifecycle
-from fxpipe.runtime.faults.errors import PipelineSetupError
 
 if TYPE_CHECKING:
     from fxpipe.compile_options import CompileOptions
@@ -36,11 +35,16 @@ class VirtualPipelinedModule(PipeLifecycle):
     stage_index = property(lambda self: self.driver.stage_index, doc="The first chunk this rank runs.")
     replica_index = property(lambda self: self.driver.replica_index, doc="Which replica of its device group.")
     chunks = property(lambda self: self.driver.chunks, doc="The chunks (plan stages) this rank runs.")
-    scaler = None  # no grad scaler on virtual stages yet (checkpoints ask)
 
     def step(self, inputs: Any, targets: Any, *, partial: bool = False) -> float:
-        """Forward and backward of the global batch; gradients land in ``parameters()``; returns the loss."""
-        return self._collective(self.driver.step, self._positional(inputs), targets, partial=partial)
+        """Forward and backward of the global batch; gradients land in ``parameters()``; returns the loss.
+
+        ``partial=True``: each rank passes only the rows it reads (``input_rows()``, ``target_rows()``; None where
+        it reads none), as on ``fxpipe.api.PipelinedModule``."""
+        if partial and inputs is None:
+            inputs = {name: None for name in self.driver.program.model_inputs}
+        positional = positional_inputs(self.driver.program.model_inputs, inputs, partial)
+        return self._collective(self.driver.step, positional, targets, partial=partial)
 
     def evaluate(self, inputs: Any, targets: Any) -> float:
         """The loss of the global batch, forward only, gradients untouched (collective)."""
@@ -59,13 +63,8 @@ class VirtualPipelinedModule(PipeLifecycle):
     def _positional(self, inputs: Any) -> tuple[Any, ...]:
         return positional_inputs(self.driver.program.model_inputs, inputs)
 
-    def _collective(self, run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        try:
-            return run(*args, **kwargs)
-        except Exception as error:  # the job's root cause when this rank failed first (docs/faults.md)
-            if self.driver.failures is not None:
-                self.driver.failures.note_error(error)
-            raise
+    def _compiled_stages(self) -> bool:
+        return any(runner.compiled is not None for runner in self.driver.runners.values())
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         yield from self.driver.named
@@ -106,22 +105,24 @@ class VirtualPipelinedModule(PipeLifecycle):
 
         return clip_virtual_grad_norm(self.driver, max_norm, norm_type, error_if_nonfinite)
 
-    def grad_scaler(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._unsupported("grad_scaler")
+    def input_rows(self) -> tuple[tuple[int, int], ...] | None:
+        """Global-batch row ranges ``[start, stop)`` whose inputs this rank's chunks read (None: they read none);
+        every chunk of a device group reads the same rows."""
+        from fxpipe.runtime.transport.rows import input_rows
 
-    def export(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._unsupported("export")
+        ranges = (input_rows(self.driver.program, chunk, self._rows()) for chunk in self.chunks)
+        return next((found for found in ranges if found is not None), None)
 
-    def input_rows(self) -> Any:
-        raise self._unsupported("input_rows")
+    def target_rows(self) -> tuple[tuple[int, int], ...] | None:
+        """Global-batch row ranges whose targets this rank reads: the last chunk's replicas only, else None."""
+        from fxpipe.runtime.transport.rows import target_rows
 
-    def target_rows(self) -> Any:
-        raise self._unsupported("target_rows")
+        return target_rows(self.driver.program, self.chunks[-1], self._rows())
 
-    def _unsupported(self, name: str) -> PipelineSetupError:
-        return PipelineSetupError(f"pipe.{name} is not supported with virtual stages yet (virtual_stages="
-                                  f"{self.plan.virtual_stages}); use a plan without virtual stages for it "
-                                  "(docs/virtual_stages.md, Runtime)")
+    def _rows(self) -> Any:
+        from fxpipe.runtime.transport.rows import RowMap
+
+        return RowMap.of(self.plan, self.replica_index, self.plan.stages[self.chunks[0]].replicas)
 
     def __repr__(self) -> str:
         return (f"VirtualPipelinedModule(layout={self.plan.layout!r}, virtual_stages={self.plan.virtual_stages}, "
@@ -136,32 +137,38 @@ def chunk_tensors(driver: VirtualDriver) -> list[tuple[str, torch.Tensor]]:
     return [item for runner in driver.runners.values() for item in stage_state(runner.module, runner.stage.param_names)]
 
 
+def deferred_chunk_batch_norm(driver: VirtualDriver, mode: str) -> Any:
+    """``batch_norm`` "deferred" or "sync" on every chunk of this rank, as on one stage (fxpipe.runtime.numerics.
+    batchnorm): running statistics summed over every micro-batch and replica of the device group, committed once
+    per step; "sync" also normalises each micro-batch over the group's replicas (they run the same list, so the
+    collectives pair up). None when the chunks hold no batch norm."""
+    from fxpipe.runtime.numerics.batchnorm import DeferredCommit, install_deferred
+
+    modules = [runner.module for runner in driver.runners.values()]
+    group = driver.groups.replicas
+    layers = [layer for module in modules for layer in install_deferred(module, group if mode == "sync" else None)]
+    return DeferredCommit(layers, group) if layers else None
+
+
 def build_virtual_pipe(program: SplitProgram, plan: Any, options: CompileOptions, context: DistContext,
                        target_dim: int, compile_settings: Mapping[str, Any] | None,
                        graph_module: torch.fx.GraphModule) -> VirtualPipelinedModule:
     """The setup ``fxpipe.compile`` runs for a virtual-stage plan after code generation (every rank)."""
     from fxpipe.compile_virtual_tensor_parallel import shard_virtual_chunks
     from fxpipe.runtime.execution.virtual_driver import VirtualDriver
-    from fxpipe.runtime.gradients.virtual_grads import broadcast_state
-    from fxpipe.runtime.sync import check_sync_mode
     from fxpipe.runtime.virtual_compile import compile_chunks
+    from fxpipe.runtime.virtual_sync import synchronize_chunks
 
-    if options.batch_norm != "microbatch":
-        raise PipelineSetupError(f"batch_norm={options.batch_norm!r} is not supported with virtual stages yet; "
-                                 "use batch_norm='microbatch' (the default)")
     driver = VirtualDriver(program, plan, options.loss_fn, context=context, autocast_dtype=options.autocast_dtype,
                            timeout_s=options.timeout_s, loss_reduction=options.loss_reduction,
                            target_batch_dim=target_dim, stall_timeout_s=options.stall_timeout_s)
-    mode = check_sync_mode(options.sync_params)
-    if mode == "verify":
-        raise PipelineSetupError("sync_params='verify' is not supported with virtual stages yet; use 'broadcast' "
-                                 "(the default) or 'off'")
-    if mode == "broadcast":
-        broadcast_state(chunk_tensors(driver), driver.groups, plan, driver.group_index)
+    synchronize_chunks(chunk_tensors(driver), driver.groups, plan, driver.group_index, options.sync_params)
     shard_virtual_chunks(driver, graph_module, options.sequence_parallel)
+    if options.batch_norm != "microbatch":
+        driver.batch_norm = deferred_chunk_batch_norm(driver, options.batch_norm)
     if compile_settings is not None:
-        compile_chunks(driver, compile_settings)  # on the tensor-parallel shards
-    driver.shard_chunks()  # on whole, synced tensors (FSDP2 cuts each replica's rows from its own copy)
+        compile_chunks(driver, compile_settings, options.batch_norm)  # on the tensor-parallel shards
+    driver.shard_chunks(options.param_dtype)  # on whole, synced tensors (FSDP2 cuts each replica's rows from its own copy)
     if context.rank == 0:
         from fxpipe.report import print_plan
 

@@ -174,6 +174,29 @@ def _partial_scenario(rank: int, replicas: tuple[int, ...]) -> dict[str, Any]:
     return {**record, "rows": (input_rows, target_rows)}
 
 
+def deferred_statistics_problems(pipe: Any, reference_model: nn.Module, batches: list[Any]) -> list[str]:
+    """Train-mode steps (no optimizer step) feed the running statistics; then one eval-mode step: its loss, gradients
+    and this rank's tensors against one process that ran the whole batches (``batch_norm="deferred"``)."""
+    for inputs, targets in batches:
+        pipe.step(inputs, targets)
+        reference_model(*inputs)
+    for param in pipe.parameters():
+        param.grad = None  # the train-mode steps only fed the running statistics
+    pipe.eval()
+    reference_model.eval()
+    inputs, targets = batches[0]
+    loss = pipe.step(inputs, targets)
+    reference_loss = F.cross_entropy(reference_model(*inputs), targets)
+    reference_loss.backward()
+    grads = {name: p.grad for name, p in reference_model.named_parameters()}
+    own_grads = {n: p.grad for n, p in pipe.named_parameters()}
+    problems = mismatches("eval grad", own_grads, grads, rtol=1e-4, atol=1e-6)
+    problems += mismatches("buffer", dict(pipe.state_dict()), reference_model.state_dict(), rtol=1e-5, atol=1e-6)
+    if abs(loss - reference_loss.item()) > 1e-5 * abs(reference_loss.item()):
+        problems.append(f"eval loss {loss} != reference {reference_loss.item()}")
+    return problems
+
+
 def _batch_norm_scenario(rank: int) -> dict[str, Any]:
     """Train-mode steps (no optimizer step) with deferred statistics, then an eval-mode step: equal to one process."""
     torch.manual_seed(3)
@@ -188,24 +211,7 @@ def _batch_norm_scenario(rank: int) -> dict[str, Any]:
                                                                                                          before[key])]
     if sum(isinstance(w.message, BatchNormWarning) for w in caught) != 1:
         problems.append(f"expected one BatchNormWarning, got {[str(w.message) for w in caught]}")
-    batches = _cnn_batches(11)
-    for inputs, targets in batches:
-        pipe.step(inputs, targets)
-        reference_model(*inputs)
-    for param in pipe.parameters():
-        param.grad = None  # the train-mode steps only fed the running statistics
-    pipe.eval()
-    reference_model.eval()
-    inputs, targets = batches[0]
-    loss = pipe.step(inputs, targets)
-    reference_loss = F.cross_entropy(reference_model(*inputs), targets)
-    reference_loss.backward()
-    grads = {name: p.grad for name, p in reference_model.named_parameters()}
-    own_grads = {n: p.grad for n, p in pipe.named_parameters()}
-    problems += mismatches("eval grad", own_grads, grads, rtol=1e-4, atol=1e-6)
-    problems += mismatches("buffer", dict(pipe.state_dict()), reference_model.state_dict(), rtol=1e-5, atol=1e-6)
-    if abs(loss - reference_loss.item()) > 1e-5 * abs(reference_loss.item()):
-        problems.append(f"eval loss {loss} != reference {reference_loss.item()}")
+    problems += deferred_statistics_problems(pipe, reference_model, _cnn_batches(11))
     return {"problems": problems}
 
 

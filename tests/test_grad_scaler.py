@@ -303,7 +303,7 @@ def test_scaler_state_round_trips_through_checkpoints(ranks: list[dict[str, Any]
 def _one_rank_driver() -> Any:
     """What PipelineGradScaler reads of a driver, for a world of one (no allreduce)."""
     context = SimpleNamespace(device=torch.device("cpu"), world_size=1)
-    return SimpleNamespace(context=context, runner=SimpleNamespace(scaler=None))
+    return SimpleNamespace(context=context, stage_index=0, runner=SimpleNamespace(scaler=None))
 
 
 def test_a_rank_without_gradients_still_decides() -> None:

@@ -51,12 +51,14 @@ def _batches(model: str, num_steps: int = 2, seed: int = 500) -> list[Any]:
     return [entry.make_batch(GLOBAL_BATCH, seed + step, **_overrides(model)) for step in range(num_steps)]
 
 
-def virtual_plan(model: str, schedule: str, num_microbatches: int, virtual_stages: int = 2,
-                 group_devices: tuple[tuple[int, ...], ...] = GROUP_DEVICES,
-                 tensor_parallel: tuple[int, ...] | None = None) -> Plan:
+def virtual_plan(model: str | tuple[torch.nn.Module, Any], schedule: str, num_microbatches: int,
+                 virtual_stages: int = 2, group_devices: tuple[tuple[int, ...], ...] = GROUP_DEVICES,
+                 tensor_parallel: tuple[int, ...] | None = None, overrides: dict[str, Any] | None = None) -> Plan:
     """Chunks cut at equal node counts, on the device groups (2:1:1 unless given; ``tensor_parallel``: each
-    group's T) as a loop (a V for zbv)."""
-    built, example_inputs = _build(model)
+    group's T) as a loop (a V for zbv); ``model``: a zoo name (``overrides``: its config, the zoo's tiny one
+    unless given) or a model and its example inputs."""
+    built, example_inputs = model if isinstance(model, tuple) else \
+        zoo.build(model, **(_overrides(model) if overrides is None else overrides))
     graph = trace(built, example_inputs if isinstance(example_inputs, tuple | dict) else (example_inputs,))
     names = compute_nodes(graph)
     num_groups = len(group_devices)
@@ -112,8 +114,6 @@ def _exact(name: str, model: str, schedule: str, num_microbatches: int, referenc
                                after_backward=lambda pipe: float(pipe.clip_grad_norm_(MAX_NORM)))
     record["reference_norms"] = references[model]["after_backward"]
     record["chunks"] = list(pipe.driver.chunks)
-    with pytest.raises(PipelineSetupError, match=r"pipe.export is not supported with virtual stages"):
-        pipe.export("unused")  # local: refused on every rank alike, before any collective
     record["reference_losses"] = references[model]["losses"]
     if name == "lm interleaved":  # forward only, with the trained weights: against the trained reference
         record.update(_inference(pipe, references[model]["model"], model))
@@ -168,6 +168,8 @@ def _compiled(rank: int, store_dir: str) -> dict[str, Any]:
                         torch_compile={"backend": "aot_eager"})
         record = train_and_compare(pipe, _batches(model), reference)
         record["compiled"] = all(r.compiled is not None for r in pipe.driver.runners.values())
+        record["compile_stats"] = [(stats.stage_index, stats.num_frames > 0, stats.num_split_shapes > 0)
+                                   for stats in pipe.compile_stats()]
         return record
     return _in_world(store_dir, "compiled", rank, run)
 
@@ -261,6 +263,9 @@ def test_compiled_chunks_train_exactly(per_rank: list[dict[str, Any]]) -> None:
     for rank, results in enumerate(per_rank):
         record = results["compiled"]
         assert record["compiled"], rank
+        # pipe.compile_stats(): one per chunk of every rank (groups 0, 0, 1, 2 hold chunks 0 and 3, 1 and 4, 2 and
+        # 5), each compiled and cut into F, B and W
+        assert record["compile_stats"] == [(chunk, True, True) for chunk in (0, 3, 0, 3, 1, 4, 2, 5)], rank
         assert not record["problems"], (rank, record["problems"][:3])
 
 

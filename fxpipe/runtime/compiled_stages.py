@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from fxpipe.runtime.compile.compiled_split import SplitCompiledStage
 from fxpipe.runtime.compile.stage_compile import CompiledStage, CompileStats
+from fxpipe.runtime.execution.stage import rank_runners
 from fxpipe.runtime.faults.guard import release_group, setup_group, setup_phase
 from fxpipe.runtime.numerics.batchnorm import DeferredBatchNorm
 
@@ -73,16 +74,18 @@ def _split_stage(driver: PipelineDriver, compiled: CompiledStage) -> None:
 
 
 def gather_compile_stats(driver: PipelineDriver) -> list[CompileStats]:
-    """Every rank's CompileStats (an eager stage's with its reason), by rank; a collective."""
-    runner = driver.runner
-    if runner.split is not None and runner.compiled is not None:
-        runner.compiled.stats.num_split_shapes = runner.split.num_shapes
-        runner.compiled.stats.num_weight_passes = runner.split.num_weight_passes
-    own = runner.compiled.stats if runner.compiled is not None else CompileStats(driver.stage_index,
-                                                                                 eager_reason=runner.eager_reason)
-    gathered: list[CompileStats | None] = [None] * driver.context.world_size
+    """Every rank's CompileStats (an eager stage's with its reason), by rank (under virtual stages one per chunk of
+    each rank, in chunk order); a collective."""
+    own = []
+    for index, runner in rank_runners(driver).items():
+        if runner.split is not None and runner.compiled is not None:
+            runner.compiled.stats.num_split_shapes = runner.split.num_shapes
+            runner.compiled.stats.num_weight_passes = runner.split.num_weight_passes
+        own.append(runner.compiled.stats if runner.compiled is not None
+                   else CompileStats(index, eager_reason=runner.eager_reason))
+    gathered: list[list[CompileStats] | None] = [None] * driver.context.world_size
     dist.all_gather_object(gathered, own)
-    return [stats for stats in gathered if stats is not None]
+    return [stats for part in gathered for stats in part or []]
 
 
 def warm_compiled_stage(driver: PipelineDriver) -> None:

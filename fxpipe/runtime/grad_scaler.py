@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from fxpipe.runtime.execution.stage import rank_runners
 from fxpipe.runtime.faults.errors import PipelineSetupError
 from fxpipe.runtime.parallel.sharded_stage import local_part
 from fxpipe.runtime.transport.comm import Pending
@@ -93,5 +94,7 @@ def make_grad_scaler(driver: PipelineDriver, **kwargs: Any) -> PipelineGradScale
             f"this pipe already has a grad scaler (scale {existing.get_scale()}, enabled={existing.is_enabled()}); "
             "pipe.step scales the loss by that one, and a second would unscale by another scale: use pipe.scaler")
     scaler = PipelineGradScaler(driver, **kwargs)
-    driver.runner.scaler = scaler
+    # a virtual-stage rank: every chunk's runner (the last chunk's scales its loss; checkpoints read driver.runner)
+    for runner in rank_runners(driver).values():
+        runner.scaler = scaler
     return scaler

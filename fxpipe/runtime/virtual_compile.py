@@ -28,10 +28,10 @@ class ChunkView:
     groups: Mapping[int, Any]
 
 
-def compile_chunks(driver: VirtualDriver, settings: Mapping[str, Any]) -> None:
+def compile_chunks(driver: VirtualDriver, settings: Mapping[str, Any], batch_norm: str = "microbatch") -> None:
     """Compile every chunk of this rank (a split-backward schedule cuts each chunk's joint graph into F, B and W).
     No warm-up collective: each chunk compiles in the first step, so the first step takes longer."""
     for chunk in driver.chunks:
         view = ChunkView(driver.runners[chunk], driver.program.stages[chunk], chunk, driver.program, driver.plan,
                          driver.split_backward, {chunk: driver.groups.replicas})
-        compile_stage(view, settings, "microbatch")  # type: ignore[arg-type]  # reads only ChunkView's fields
+        compile_stage(view, settings, batch_norm)  # type: ignore[arg-type]  # reads only ChunkView's fields

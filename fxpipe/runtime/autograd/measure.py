@@ -135,6 +135,7 @@ class ActionTimer:
     def start(self) -> float:
         return self._now()
 
-    def stop(self, action: Action, started: float) -> None:
-        self.events.append(TimelineEvent(self.rank, self.stage_index, action.op.value, action.microbatch_index,
-                                         started, self._now()))
+    def stop(self, action: Action, started: float, stage_index: int | None = None) -> None:
+        """``stage_index``: the chunk the action ran (virtual stages; else the timer's stage)."""
+        self.events.append(TimelineEvent(self.rank, self.stage_index if stage_index is None else stage_index,
+                                         action.op.value, action.microbatch_index, started, self._now()))

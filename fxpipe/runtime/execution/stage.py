@@ -402,6 +402,11 @@ def read_local_loss(loss_parts: list[torch.Tensor], count_parts: list[Any]) -> t
     return loss_sum, count
 
 
+def rank_runners(driver: Any) -> dict[int, StageRunner]:
+    """This rank's runners by stage index: a VirtualDriver's chunks, or a PipelineDriver's one stage."""
+    return getattr(driver, "runners", None) or {driver.stage_index: driver.runner}
+
+
 def unique_params(named: Any) -> list[tuple[str, torch.nn.Parameter]]:
     """Each trainable parameter once (tied ones appear under several names), with its first name."""
     seen: set[int] = set()

@@ -11,10 +11,13 @@ from torch.utils._pytree import tree_map
 
 from fxpipe.core import schedule as schedules
 from fxpipe.core.plan import Plan
+from fxpipe.runtime.autograd.measure import ActionTimer, MeasureMode, SavedActivationMeter, StepStats
 from fxpipe.runtime.execution.loss_allreduce import sum_loss_and_votes
 from fxpipe.runtime.execution.receives import Inbox
 from fxpipe.runtime.execution.stage import LossFn, StageRunner, read_local_loss, unique_params
-from fxpipe.runtime.execution.stage_routes import MAX_CACHED_SHAPES, check_outgoing
+from fxpipe.runtime.execution.stage_routes import check_outgoing
+from fxpipe.runtime.execution.virtual_layouts import VirtualLayouts
+from fxpipe.runtime.execution.virtual_measure import measured_actions
 from fxpipe.runtime.execution.virtual_routes import (
     Link,
     VirtualStep,
@@ -27,8 +30,8 @@ from fxpipe.runtime.faults.errors import PipelineSetupError
 from fxpipe.runtime.faults.failures import DEFAULT_STALL_TIMEOUT_S, FailureLog, NoLog
 from fxpipe.runtime.gradients.grad_sync import restore_stashed, stash_grads
 from fxpipe.runtime.gradients.virtual_grads import VirtualGroups, sum_gradients
+from fxpipe.runtime.parallel.param_precision import unsharded_call
 from fxpipe.runtime.parallel.tensor_parallel_driver import TensorParallelDriver
-from fxpipe.runtime.transport.batch_layout import batch_rows, infer_value_dtypes, make_layout
 from fxpipe.runtime.transport.comm import (
     DEFAULT_TIMEOUT_S,
     DistContext,
@@ -39,10 +42,10 @@ from fxpipe.runtime.transport.comm import (
     pack,
     take_rows,
 )
-from fxpipe.runtime.transport.shape_templates import ShapeTemplates
 
 if TYPE_CHECKING:
     from fxpipe.core.program import SplitProgram
+    from fxpipe.runtime.numerics.batchnorm import DeferredCommit
 
 Op = schedules.Op
 Key = tuple[int, int]  # (chunk, micro-batch)
@@ -56,6 +59,7 @@ class VirtualState:
     targets: Any
     shaped: VirtualStep
     inboxes: dict[tuple[Link, MessageKind], Inbox]
+    partial: bool = False  # inputs/targets hold only this replica's rows (RowMap.local), not the global batch
     received: dict[Key, dict[str, Any]] = field(default_factory=dict)  # remote inputs (zeros for unused gradients)
     outputs: dict[Key, dict[str, Any]] = field(default_factory=dict)
     input_grads: dict[Key, dict[str, Any]] = field(default_factory=dict)
@@ -78,9 +82,6 @@ class VirtualDriver(TensorParallelDriver):
                                      f"{plan.all_devices()} but the process group has {context.world_size} ranks and "
                                      f"the program {len(program.stages)} stages; launch with "
                                      f"--nproc-per-node={plan.world_size} and split the program from this plan")
-        if autocast_dtype is not None:
-            raise PipelineSetupError(f"autocast_dtype={autocast_dtype} is not supported with virtual stages yet "
-                                     f"(virtual_stages={plan.virtual_stages}); train in float32 (autocast_dtype=None)")
         self.program, self.plan, self.context, self.rank = program, plan, context, context.rank
         self.target_batch_dim = target_batch_dim
         self.group_index = plan.group_of_chunk(plan.stage_of_device(self.rank)[0])
@@ -96,9 +97,10 @@ class VirtualDriver(TensorParallelDriver):
         self.links = {c: chunk_links(program, plan, c) for c in self.chunks}
         self.split_backward = any(a.op is Op.WEIGHT for a in group_actions(
             plan.schedule, plan.num_stages, plan.num_microbatches, plan.virtual_stages, self.group_index))
-        # value dtypes and shape formulas, without autocast (refused above)
-        self._dtypes = infer_value_dtypes(program, context.device, None)
-        self._templates = ShapeTemplates(program, context.device, None)
+        # value dtypes and layouts per autocast dtype a call runs under (compile's, or a caller's torch.autocast)
+        self.compiled_autocast = autocast_dtype
+        self.layouts = VirtualLayouts(program, plan, self.group_index, self.rank, context.device, target_batch_dim,
+                                      autocast_dtype)
         self.value_index = {name: i for i, name in enumerate(sorted(program.values))}
         self.exchange = PeerExchange(self.rank, context.device, timeout_s)
         self.exchange.failures = self.failures = FailureLog.for_default_group(self, self.rank, context.world_size)
@@ -112,17 +114,25 @@ class VirtualDriver(TensorParallelDriver):
                                                         *(g for g, _ in self.groups.tied.values())])
         # each parameter once: chunks of one rank may share a tied weight's Parameter (autograd then sums it locally)
         self.named = unique_params(item for c in self.chunks for item in self.runners[c].parameters())
-        self._steps: dict[tuple[Any, ...], VirtualStep] = {}
         self.forward_only = False
         self.preempted = False
         self._failed_step: str | None = None  # why a step failed: later steps are refused
         self.sharding: ChunkSharding | None = None  # FSDP2 per sharded chunk (shard_chunks, fxpipe.runtime.execution.virtual_sharding)
         self.summed = self.named  # what sum_gradients reduces: all but what FSDP2 reduces
+        self.batch_norm: DeferredCommit | None = None  # batch_norm "deferred"/"sync" (fxpipe.virtual_pipe)
+        self.measure = MeasureMode.OFF  # pipe.measure (fxpipe.runtime.execution.virtual_measure)
+        self.last_stats: StepStats | None = None
+        self.saved_meter: SavedActivationMeter | None = None
 
-    def shard_chunks(self) -> None:
+    def shard_chunks(self, param_dtype: torch.dtype | None = None) -> None:
         """Shard the chunks the plan shards (fxpipe.runtime.execution.virtual_sharding), after the parameter sync;
-        FSDP2 then reduces their untied parameters, so the driver's allreduce leaves them out."""
-        sharding = ChunkSharding(self.plan, self.runners, self.groups, self.context.device, self.partial_grads)
+        FSDP2 then reduces their untied parameters, so the driver's allreduce leaves them out. ``param_dtype``
+        (bf16-params): every chunk computes with bf16 copies of its fp32 masters, as one stage does."""
+        sharding = ChunkSharding(self.plan, self.runners, self.groups, self.context.device, self.partial_grads,
+                                 param_dtype)
+        for chunk, runner in self.runners.items():
+            if chunk not in sharding.stages:
+                runner.call = unsharded_call(runner.module, param_dtype, self.plan.stages[chunk].recompute)
         if not sharding.stages:
             return
         self.sharding = sharding
@@ -132,26 +142,22 @@ class VirtualDriver(TensorParallelDriver):
 
     # ---- layout ----------------------------------------------------------------------------------
 
-    def shaped(self, inputs: Sequence[Any], targets: Any) -> VirtualStep:
-        """The VirtualStep of this batch's shapes (made on first sight; the batch checked against the program
-        every time, locally: every rank sees the same batch and raises alike)."""
-        program, plan = self.program, self.plan
-        num_rows = batch_rows(program, plan, inputs, targets, target_batch_dim=self.target_batch_dim)
-        signature = (num_rows, *((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v) for v in inputs))
-        if signature not in self._steps:
-            layout = make_layout(program, plan, inputs, num_rows, self.context.device, None, self._dtypes,
-                                 self._templates)
-            self._steps[signature] = VirtualStep.of(program, plan, self.group_index, self.rank, layout)
-            if len(self._steps) > MAX_CACHED_SHAPES:  # a loop over ever-new lengths: forget the oldest
-                del self._steps[next(iter(self._steps))]
-        return self._steps[signature]
+    def use_autocast(self, dtype: torch.dtype | None) -> None:
+        """Run the next calls' forwards under autocast of ``dtype`` (None: none), with its value dtypes and layouts."""
+        self.layouts.use(dtype)
+        for runner in self.runners.values():
+            runner.autocast_dtype = dtype
 
-    def start(self, inputs: tuple[Any, ...], targets: Any, *, forward_only: bool) -> VirtualState:
-        """The step's state, with one inbox per (chunk pair, kind) this rank receives, first receives posted."""
+    def shaped(self, inputs: Sequence[Any], targets: Any) -> VirtualStep:
+        return self.layouts.shaped(inputs, targets)
+
+    def start(self, inputs: tuple[Any, ...], targets: Any, *, forward_only: bool, partial: bool = False) -> VirtualState:
+        """The step's state, with one inbox per (chunk pair, kind) this rank receives, first receives posted;
+        ``partial``: ``inputs``/``targets`` hold only this rank's rows (``input_rows()``/``target_rows()``)."""
         if self._failed_step is not None:  # its receives may still be posted: they would take this step's messages
             raise PipelineSetupError(f"rank {self.rank}: an earlier step failed ({self._failed_step}); build the "
                                      "pipeline again (fxpipe.compile) to go on")
-        shaped = self.shaped(inputs, targets)
+        shaped = self.layouts.plan_step(inputs, targets) if partial else self.shaped(inputs, targets)
         inboxes = {}
         try:
             for (link, kind), messages in shaped.messages.items():
@@ -165,7 +171,7 @@ class VirtualDriver(TensorParallelDriver):
         except BaseException as error:  # receives posted before the failure would take a later step's messages
             self.mark_failed(error)
             raise
-        return VirtualState(inputs, targets, shaped, inboxes)
+        return VirtualState(inputs, targets, shaped, inboxes, partial)
 
     def _tagger(self, link: Link) -> Callable[[MessageKind, int, str], int]:
         def tag(kind: MessageKind, m: int, value: str) -> int:
@@ -176,22 +182,24 @@ class VirtualDriver(TensorParallelDriver):
 
     def step(self, inputs: tuple[Any, ...], targets: Any, *, partial: bool = False) -> float:
         """One iteration over the global batch; returns the batch loss (the same float on every rank)."""
-        if partial:
-            raise PipelineSetupError("step(partial=True) is not supported with virtual stages yet; pass the whole "
-                                     "global batch on every rank")
         if self.failures is not None:
             self.failures.step_index += 1
-        state = self.start(inputs, targets, forward_only=False)
+        state = self.start(inputs, targets, forward_only=False, partial=partial)
+        if self.batch_norm is not None:  # drop sums a failed step left behind
+            self.batch_norm.reset()
         stash = stash_grads(self.named)
         handlers: dict[Op, Callable[[VirtualState, int, int], None]] = {
             Op.FORWARD: self.forward, Op.BACKWARD: self._backward, Op.WEIGHT: self._weight}
         if self.sharding is not None:
             self.sharding.start_step(state.shaped.actions, self.split_backward)
         try:
-            self.run_actions(state, state.shaped.actions, handlers)
+            with measured_actions(self) as timer:
+                self.run_actions(state, state.shaped.actions, handlers, timer)
             self.finish_transfers(state)
             sum_gradients(self.summed, self.groups, self.exchange, f"device group {self.group_index}",
                           self.partial_grads)
+            if self.batch_norm is not None:  # running statistics of the whole batch, once per step
+                self.batch_norm()
             loss = self.runner.batch_loss(*self.reduce_loss(state), [p for _, p in self.named])
         except BaseException as error:
             self.mark_failed(error)
@@ -210,15 +218,20 @@ class VirtualDriver(TensorParallelDriver):
         self._failed_step = f"{type(error).__name__}: {str(error)[:200]}"
 
     def run_actions(self, state: VirtualState, actions: Sequence[schedules.Action],
-                    handlers: Mapping[Op, Callable[[VirtualState, int, int], None]]) -> None:
+                    handlers: Mapping[Op, Callable[[VirtualState, int, int], None]],
+                    timer: ActionTimer | None = None) -> None:
         """Each compute action through its handler; transfers happen inside them (sends as soon as a value is made,
-        receives where it is read), so RA/SA/RG/SG and the allreduce (after the list) have nothing left to do."""
+        receives where it is read), so RA/SA/RG/SG and the allreduce (after the list) have nothing left to do.
+        ``timer`` (``pipe.measure``) records each compute action under its chunk."""
         doing = self._doing
         for action in actions:
             doing.action = action
             handler = handlers.get(action.op)
             if handler is not None:
+                started = timer.start() if timer is not None else 0.0
                 handler(state, action.chunk_index, action.microbatch_index)
+                if timer is not None:
+                    timer.stop(action, started, action.chunk_index)
         doing.action = None
 
     def finish_transfers(self, state: VirtualState) -> None:
@@ -229,7 +242,7 @@ class VirtualDriver(TensorParallelDriver):
     def chunk_inputs(self, state: VirtualState, chunk: int, m: int) -> tuple[dict[str, Any], Any, int]:
         """Micro-batch ``m``'s inputs of ``chunk``: model inputs sliced, local chunks' outputs, remote pieces."""
         program, rows = self.program, state.shaped.rows
-        start, stop = rows.per_microbatch[m]
+        start, stop = rows.local(m) if state.partial else rows.per_microbatch[m]
         values: dict[str, Any] = {}
         for index, name in enumerate(program.model_inputs):
             if name in program.stages[chunk].input_values:

@@ -30,7 +30,8 @@ class ChunkSharding:
     """The sharded chunks of one rank (none when the plan shards nothing or the group has one replica)."""
 
     def __init__(self, plan: Plan, runners: Mapping[int, StageRunner], groups: VirtualGroups,
-                 device: torch.device, partial: frozenset[str] = frozenset()) -> None:
+                 device: torch.device, partial: frozenset[str] = frozenset(),
+                 param_dtype: torch.dtype | None = None) -> None:
         self.stages: dict[int, ShardedStage] = {}
         # tied weights and gradients partial over a T-way group keep the driver's sums (fxpipe.runtime.gradients.virtual_grads)
         self.runners, self.tied = runners, set(groups.tied) | set(partial)
@@ -40,7 +41,8 @@ class ChunkSharding:
                 continue
             ignored = [param for name, param in runner.parameters() if name in self.tied]
             sharded = ShardedStage(runner.module, stage_plan.sharding, groups.replicas, device,
-                                   stage_plan.recompute, ignored, runner.compiled, stage_plan.reshard_after_forward)
+                                   stage_plan.recompute, ignored, runner.compiled, stage_plan.reshard_after_forward,
+                                   param_dtype)
             runner.call = sharded
             self.stages[chunk] = sharded
         self._last: dict[int, int] = {}  # chunk -> micro-batch of its last gradient-writing action this step

@@ -120,31 +120,3 @@ def sum_gradients(named: Named, groups: VirtualGroups, exchange: PeerExchange, w
         exchange.wait([Pending(work, -1, f"gradient allreduce of {what}", flat)])
         for tensors in ([[t] for t in into] if whole else [into]):
             unflatten_into(flat, tensors)
-
-
-def broadcast_state(named: Sequence[tuple[str, torch.Tensor]], groups: VirtualGroups, plan: Plan,
-                    group_index: int) -> None:
-    """Start every replica from its group's first device's values, and every copy of a tied weight from the lowest
-    rank holding one (``sync_params="broadcast"``; all ranks call it)."""
-    ranks = plan.stages[plan.chunks_of_group(group_index)[0]].devices
-    with torch.no_grad():
-        plain = [tensor for name, tensor in named if name not in groups.tied_all]
-        if groups.devices is not None and plain:
-            flat = torch.cat([t.detach().reshape(-1).to(plain[0].dtype) for t in plain]) if _one_dtype(plain) else None
-            if flat is None:
-                for tensor in plain:
-                    dist.broadcast(tensor.data, src=min(ranks), group=groups.devices)
-            else:
-                dist.broadcast(flat, src=min(ranks), group=groups.devices)
-                unflatten_into(flat, [t.data for t in plain])
-        for name in sorted(groups.tied_all):
-            copies = [tensor for n, tensor in named if n == name]
-            group, tied_ranks = groups.tied_all[name]
-            if group is not None and copies:
-                dist.broadcast(copies[0].data, src=min(tied_ranks), group=group)
-            for tensor in copies[1:]:
-                tensor.data.copy_(copies[0].data)
-
-
-def _one_dtype(tensors: Sequence[torch.Tensor]) -> bool:
-    return len({t.dtype for t in tensors}) == 1
