@@ -434,3 +434,8 @@ def _check_virtual(plan: Plan) -> None:
     problems = chunk_group_problems(plan.chunk_groups, plan.virtual_stages, len(plan.stages)) or schedule_fit_problems(
         plan.schedule, plan.chunk_groups, plan.virtual_stages, len(plan.stages), plan.num_microbatches)
     _check(not problems, "; ".join(problems))
+    # the virtual runtime sums each group's gradients once after its list: a bucketed plan would run unbucketed
+    _check(plan.virtual_stages == 1 or not plan.allreduce_bucket_bytes,
+           f"allreduce_bucket_bytes={plan.allreduce_bucket_bytes} with virtual_stages={plan.virtual_stages}: gradient "
+           "buckets are not supported with virtual stages yet; set allreduce_bucket_bytes to 0 "
+           "(docs/virtual_stages.md)")
