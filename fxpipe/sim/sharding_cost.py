@@ -32,11 +32,14 @@ by the last step's shards) delays the stage's first forward.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from fxpipe.core.cluster import Cluster, LinkSpec
+from fxpipe.core.interleaved_schedules import INTERLEAVED_ZERO_BUBBLE, ZBV
 from fxpipe.core.plan import Plan
+from fxpipe.core.row_slices import split_rows
 from fxpipe.core.sharding import check_level
 from fxpipe.sim.stagecost import (
     gradient_allreduce_time,
@@ -45,9 +48,12 @@ from fxpipe.sim.stagecost import (
     replica_leads,
     stage_param_bytes,
 )
+from fxpipe.sim.unit_overlap import UnitCompute, exposed_backward, exposed_forward, unit_compute
 
 if TYPE_CHECKING:  # fxpipe.passes imports the planner, which imports this module
     from fxpipe.core.chain import CostChain
+
+SPLIT_BACKWARD_SCHEDULES = ("zero_bubble", INTERLEAVED_ZERO_BUBBLE, ZBV)  # B then W: gradients land in W
 
 
 class ShardingComm(NamedTuple):
@@ -76,13 +82,15 @@ def half_collective_time(cluster: Cluster, num_bytes: float, devices: Sequence[i
 
 def sharding_comm(cluster: Cluster, sharding: str, devices: Sequence[int], weight_bytes: float,
                   gradient_bytes: float, num_units: int = 1, reshard_after_forward: bool | None = None,
-                  param_copy_fraction: float = 0.0) -> ShardingComm:
+                  param_copy_fraction: float = 0.0, compute: UnitCompute | None = None) -> ShardingComm:
     """The module docstring's table for one stage; :data:`NO_SHARDING` for ``"none"`` (its allreduce is
     :mod:`fxpipe.sim.allreduce_overlap`'s) and for one device. ``num_units``: the stage's FSDP units, each
     gathered and reduced by its own collective of its share of the bytes (taken as equal shares: the bytes
     move once either way, and each collective pays its own latency). A ZeRO-3 stage whose plan keeps the
     weights from forward to backward (``reshard_after_forward`` false) gathers them in the forward only.
-    ``param_copy_fraction``: bf16-params gathers bf16 copies, that fraction of the fp32 ``weight_bytes``."""
+    ``param_copy_fraction``: bf16-params gathers bf16 copies, that fraction of the fp32 ``weight_bytes``.
+    ``compute``: a micro-batch's compute per unit, to overlap the per-micro-batch collectives with
+    (:mod:`fxpipe.sim.unit_overlap`: what they leave exposed); None charges them whole."""
     check_level(sharding)
     if sharding == "none" or len(devices) <= 1:
         return NO_SHARDING
@@ -92,10 +100,13 @@ def sharding_comm(cluster: Cluster, sharding: str, devices: Sequence[int], weigh
     if sharding == "optimizer":
         return ShardingComm(start_s=gather, tail_s=scatter)
     if sharding == "gradients":
-        return ShardingComm(start_s=gather, backward_s=scatter)
-    if reshard_after_forward is False:
-        return ShardingComm(forward_s=gather, backward_s=scatter)
-    return ShardingComm(forward_s=gather, backward_s=gather + scatter)
+        return ShardingComm(start_s=gather, backward_s=scatter if compute is None else
+                            exposed_backward(0.0, scatter, compute, cluster))
+    again = 0.0 if reshard_after_forward is False else gather  # ZeRO-3 gathers again for backward unless kept
+    if compute is None:
+        return ShardingComm(forward_s=gather, backward_s=again + scatter)
+    return ShardingComm(forward_s=exposed_forward(gather, compute, cluster),
+                        backward_s=exposed_backward(again, scatter, compute, cluster))
 
 
 def unit_collectives(cluster: Cluster, num_bytes: float, devices: Sequence[int], num_units: int, kind: str) -> float:
@@ -126,5 +137,19 @@ def plan_sharding_comms(plan: Plan, chain: CostChain, cluster: Cluster) -> list[
     own = own_allreduce_bytes(chain, bounds, tensor_parallel=degrees)
     return [sharding_comm(cluster, stage.sharding, replica_leads(stage.devices, stage.tensor_parallel),
                           stage_param_bytes(chain, first, stop, stage.tensor_parallel), own_bytes,
-                          num_units(chain, first, stop), stage.reshard_after_forward, chain.param_copy_fraction)
+                          num_units(chain, first, stop), stage.reshard_after_forward, chain.param_copy_fraction,
+                          stage_compute(chain, cluster, first, stop, stage.sharding, plan.schedule, plan.microbatch_size,
+                                        stage.replicas, stage.tensor_parallel))
             for stage, (first, stop), own_bytes in zip(plan.stages, bounds, own, strict=True)]
+
+
+def stage_compute(chain: CostChain, cluster: Cluster, first: int, stop: int, sharding: str, schedule: str,
+                  rows: float | None, replicas: int, tensor_parallel: int = 1) -> UnitCompute | None:
+    """:func:`fxpipe.sim.unit_overlap.unit_compute` of a stage at ``sharding`` under ``schedule`` on the largest of its
+    ``replicas`` slices of a micro-batch of ``rows`` rows (``float("inf")``: unbounded compute, the least exposed
+    time; None: no compute given, the collectives whole): None where nothing overlaps per micro-batch (ZeRO-0/1, and
+    ZeRO-2 under a split backward, whose reduce-scatter follows W whole at runtime)."""
+    if sharding in ("none", "optimizer") or (sharding == "gradients" and schedule in SPLIT_BACKWARD_SCHEDULES):
+        return None
+    largest = rows if rows is None or math.isinf(rows) else max(split_rows(int(rows), replicas))
+    return unit_compute(chain, cluster, first, stop, largest, tensor_parallel)
