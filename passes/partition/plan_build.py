@@ -7,6 +7,7 @@ from fxpipe.core.recompute import check_stage_count
 from fxpipe.core.sharding import stage_levels
 from fxpipe.passes.partition.candidates import CandidateCosts
 from fxpipe.passes.partition.refined_choices import refined_choices
+from fxpipe.passes.partition.reshard_choice import keeps_weights
 from fxpipe.passes.partition.selective import selective_choice
 from fxpipe.passes.partition.spans import Candidate, Span
 from fxpipe.sim.recompute_cost import selective_figures
@@ -28,6 +29,8 @@ def build_plan(model: CandidateCosts, candidate: Candidate, *, schedule: str, wa
     stages = []
     for index, span in enumerate(candidate.spans):
         choices[index], block_recompute = selective_choice(model, span, rows, inflight[index], choices[index], schedule)
+        reshard, memory = keeps_weights(model, span, rows, inflight[index], choices[index],
+                                      any(choice != "keep" for choice in block_recompute))
         cost = model.cost(span.first, span.stop, rows, span.replicas, span.tensor_parallel)
         node_names = tuple(name for block in chain.blocks[span.first:span.stop] for name in block.node_names)
         stages.append(StagePlan(
@@ -36,8 +39,8 @@ def build_plan(model: CandidateCosts, candidate: Candidate, *, schedule: str, wa
             forward_s=cost.forward_s, backward_s=cost.backward_s,
             allreduce_s=_gradient_sync_seconds(model, span, choices[index].sharding, num_microbatches),
             param_bytes=cost.param_bytes, activation_bytes=int(cost.activation_bytes),
-            peak_memory_bytes=choices[index].memory, recompute=choices[index].recompute,
-            sharding=choices[index].sharding,
+            peak_memory_bytes=memory, recompute=choices[index].recompute,
+            sharding=choices[index].sharding, reshard_after_forward=reshard,
             inflight_microbatches=inflight[index],
             activation_peak_bytes=activation_peak_bytes(
                 cost, inflight[index], num_microbatches, choices[index].recompute,
