@@ -22,12 +22,11 @@ with half its copies into and out of the flat buffer, plus FSDP2's own host time
 (:attr:`Cluster.fsdp_call_overhead_s`: its buffers and hooks, calibrated on CPU ranks, 0 on presets), on its own link: within a host, the figures calibration
 measured for that collective (:attr:`Cluster.reduce_scatter_collective`, :attr:`Cluster.all_gather_collective`;
 gloo's reduce-scatter takes longer than a whole allreduce), else the allreduce's, where RS(x) + AG(x) is
-exactly :func:`fxpipe.sim.stagecost.gradient_allreduce_time` of x. Nothing here overlaps compute: the
-per-micro-batch collectives of ``gradients``/``parameters`` sit on the stage's critical path (FSDP2
-prefetches the next unit's all-gather, but a stage's first unit waits for it and the reduce-scatter
-of its last unit ends the backward; charging them whole is the conservative bound, see
-docs/sharding.md). The step's all-gather of ``optimizer``/``gradients`` (the weights updated
-by the last step's shards) delays the stage's first forward.
+exactly :func:`fxpipe.sim.stagecost.gradient_allreduce_time` of x. The per-micro-batch collectives of
+``gradients``/``parameters`` are charged as what FSDP2's prefetch leaves exposed beside each unit's compute
+(:mod:`fxpipe.sim.unit_overlap`) where the cluster's devices overlap them (GPUs), whole on CPU ranks (FSDP2 blocks
+on gloo). The step's all-gather of ``optimizer``/``gradients`` (the weights updated by the last step's shards)
+delays the stage's first forward.
 """
 
 from __future__ import annotations
