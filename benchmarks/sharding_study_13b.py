@@ -1,6 +1,7 @@
 """gpt3-13b on one 8-GPU H100 node (dgx-h100:1): the best unsharded plan against sharding="auto" over sequence
 length and global batch, and the one-stage (pure FSDP) plan's memory and speed, which say why sharding buys little
-here. Recompute is chosen per block on every stage, sharded and tensor-parallel ones included.
+here. Recompute is chosen per block on every stage, sharded and tensor-parallel ones included; ZeRO-2/3's per-unit
+collectives overlap compute (fxpipe.sim.unit_overlap): the pure FSDP plan's collectives are listed exposed and whole.
 
 Run: python benchmarks/sharding_study_13b.py --write   (writes benchmarks/sharding_study_13b.md; costing each
 sequence length on the meta device takes about a minute, each pair of plans 10-60 s on a loaded 2-core machine)
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from sharding_study import MAX_BLOCKS, GiB, describe, ratio
@@ -22,6 +24,8 @@ from fxpipe.core.cluster import parse_cluster
 from fxpipe.passes.partition.dapple import partition
 from fxpipe.passes.partition.request import PlanningError
 from fxpipe.planning import costed_model, model_loss, plan_chain
+from fxpipe.sim.sharding_cost import plan_sharding_comms
+from fxpipe.sim.sharding_memory import chain_in_precision
 
 RESULTS = Path(__file__).with_suffix(".md")
 COMMAND = "python benchmarks/sharding_study_13b.py --write"
@@ -48,14 +52,23 @@ def fsdp_peak_gib(chain: CostChain, batch: int, recompute: str) -> float:
     return max(stage.peak_memory_bytes for stage in plan.stages) / GiB
 
 
-def fsdp_speed(chain: CostChain, batch: int, precision: str) -> str:
-    """samples/s of the one-stage plan on all 8 GPUs, ZeRO-3, within the devices' memory (recompute as it chooses)."""
+def fsdp_speed(chain: CostChain, batch: int, precision: str) -> list[str]:
+    """samples/s of the one-stage plan on all 8 GPUs, ZeRO-3, within the devices' memory (recompute as it chooses),
+    its reshard_after_forward, and its collectives per step: left exposed beside compute, and whole (the charge on
+    devices whose collectives block, as the model charged every cluster before)."""
+    cluster = parse_cluster(CLUSTER)
     try:
-        plan = plan_chain(chain, parse_cluster(CLUSTER), batch, precision=precision, layout="dp", sharding="parameters")
+        plan = plan_chain(chain, cluster, batch, precision=precision, layout="dp", sharding="parameters")
     except PlanningError:
-        return "infeasible"
+        return ["infeasible", "-", "-"]
     assert plan.predicted is not None
-    return f"{plan.predicted.throughput_samples_per_s:.2f} (M={plan.num_microbatches})"
+    blocking = replace(cluster, device=replace(cluster.device, name="CPU"))  # unit_overlap.prefetch_overlaps: none
+    costed = chain_in_precision(chain, plan.precision)
+    exposed, whole = (plan_sharding_comms(plan, costed, net)[0].step_seconds(plan.num_microbatches)
+                      for net in (cluster, blocking))
+    kept = {True: "freed", False: "kept", None: "-"}[plan.stages[0].reshard_after_forward]
+    return [f"{plan.predicted.throughput_samples_per_s:.2f} (M={plan.num_microbatches}, {kept})",
+            f"{exposed:.3f}", f"{whole:.3f}"]
 
 
 def best(chain: CostChain, batch: int, sharding: str, precision: str):  # type: ignore[no-untyped-def]
@@ -77,7 +90,7 @@ def main() -> None:
         saved = sum(block.saved_bytes.per_sample for block in chain.blocks) / GiB
         state = 4 * sum(block.param_bytes for block in chain.blocks) / GiB
         facts.append([precision, seq, f"{state:.0f}", f"{saved:.1f}", f"{fsdp_peak_gib(chain, 8, 'never'):.0f}",
-                      f"{fsdp_peak_gib(chain, 8, 'always'):.0f}", fsdp_speed(chain, 32, precision),
+                      f"{fsdp_peak_gib(chain, 8, 'always'):.0f}", *fsdp_speed(chain, 32, precision),
                       round(time.perf_counter() - start, 1)])
         print(facts[-1], flush=True)
         for batch in batches:
@@ -100,7 +113,7 @@ def main() -> None:
             "recomputed, each inside its FSDP unit); and the same plan's speed at batch 32 within 80 GB.", "",
             tabulate(facts, headers=["precision", "seq", "Adam state GiB (16 B/param)", "saved activations GiB per row",
                                      "FSDP peak GiB, keep", "FSDP peak GiB, recompute", "FSDP samples/s, batch 32",
-                                     "cost+plan s"], tablefmt="github"), ""]
+                                     "its ZeRO-3 collectives s/step, exposed", "whole", "cost+plan s"], tablefmt="github"), ""]
     if args.write:
         RESULTS.write_text("\n".join(text))
     print("\n".join(text))
