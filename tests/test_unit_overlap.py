@@ -132,3 +132,13 @@ def test_the_planner_keeps_the_weights_where_they_fit_and_frees_them_where_memor
     assert Plan.from_json(roomy.to_json()).stages[0].reshard_after_forward is False
     assert "parameters (kept after fwd)" in stage_table(roomy, chain, net)
     assert "parameters (reshard after fwd)" in stage_table(freed, chain, net)
+
+
+def test_forcing_another_level_on_a_kept_plan_drops_the_zero3_choice() -> None:
+    from fxpipe.core.sharding import force_sharding
+
+    roomy = _forced_zero3(int(2.6 * 4e8))
+    forced = force_sharding(roomy, "optimizer")
+    assert [(s.sharding, s.reshard_after_forward) for s in forced.stages] == [("optimizer", None)]
+    assert Plan.from_json(forced.to_json()) == forced  # a valid plan: the field belongs to ZeRO-3 stages only
+    assert force_sharding(roomy, "parameters").stages[0].reshard_after_forward is False
