@@ -134,12 +134,23 @@ def plan_sharding_comms(plan: Plan, chain: CostChain, cluster: Cluster) -> list[
     bounds = [(stage.first_block, stage.stop_block) for stage in plan.stages]
     degrees = [stage.tensor_parallel for stage in plan.stages]
     own = own_allreduce_bytes(chain, bounds, tensor_parallel=degrees)
-    return [sharding_comm(cluster, stage.sharding, replica_leads(stage.devices, stage.tensor_parallel),
-                          stage_param_bytes(chain, first, stop, stage.tensor_parallel), own_bytes,
-                          num_units(chain, first, stop), stage.reshard_after_forward, chain.param_copy_fraction,
-                          stage_compute(chain, cluster, first, stop, stage.sharding, plan.schedule, plan.microbatch_size,
-                                        stage.replicas, stage.tensor_parallel))
+    return [span_sharding_comm(chain, cluster, first, stop, stage.sharding,
+                               replica_leads(stage.devices, stage.tensor_parallel), own_bytes, plan.schedule,
+                               plan.microbatch_size, stage.tensor_parallel, stage.reshard_after_forward)
             for stage, (first, stop), own_bytes in zip(plan.stages, bounds, own, strict=True)]
+
+
+def span_sharding_comm(chain: CostChain, cluster: Cluster, first: int, stop: int, sharding: str, devices: Sequence[int],
+                       gradient_bytes: float, schedule: str, rows: float | None, tensor_parallel: int = 1,
+                       reshard_after_forward: bool | None = None, weight_bytes: float | None = None) -> ShardingComm:
+    """:func:`sharding_comm` of a stage over blocks ``[first, stop)`` on ``devices`` (one per replica) under
+    ``schedule``, on micro-batches of ``rows`` rows (:func:`stage_compute`), its units' collectives overlapping
+    their compute; ``weight_bytes`` default: what the stage holds (:func:`stage_param_bytes`)."""
+    weights = stage_param_bytes(chain, first, stop, tensor_parallel) if weight_bytes is None else weight_bytes
+    return sharding_comm(cluster, sharding, devices, weights, gradient_bytes, num_units(chain, first, stop),
+                         reshard_after_forward, chain.param_copy_fraction,
+                         stage_compute(chain, cluster, first, stop, sharding, schedule, rows, len(devices),
+                                       tensor_parallel))
 
 
 def stage_compute(chain: CostChain, cluster: Cluster, first: int, stop: int, sharding: str, schedule: str,

@@ -15,7 +15,7 @@ from fxpipe.passes.partition.latency import PipelineSteps, pipeline_steps
 from fxpipe.passes.partition.selective import recompute_memory
 from fxpipe.passes.partition.spans import Candidate, Span, StageChoice
 from fxpipe.sim.allreduce_overlap import last_pass_share, stage_allreduce_offsets
-from fxpipe.sim.sharding_cost import NO_SHARDING, ShardingComm, sharding_comm, stage_compute
+from fxpipe.sim.sharding_cost import NO_SHARDING, ShardingComm, span_sharding_comm
 from fxpipe.sim.sharding_memory import model_state_bytes
 from fxpipe.sim.stagecost import (
     WEIGHT_GRAD_FRACTION,
@@ -25,7 +25,6 @@ from fxpipe.sim.stagecost import (
     backward_seconds,
     gradient_allreduce_time,
     message_seconds,
-    num_units,
     optimizer_factor,
     own_allreduce_bytes,
     stage_cost,
@@ -134,7 +133,8 @@ class CandidateCosts:
         gradient_bytes = max(0, self.cost(span.first, span.stop, 1, 1, span.tensor_parallel).param_bytes
                              - sum(shared.num_bytes for shared in self.chain.shared_params))
         return min((self.stage_comm(span.first, span.stop, span.leads, level, gradient_bytes, span.tensor_parallel,
-                                    float("inf")).step_seconds(num_microbatches) for level in levels if level != "none"), default=float("inf"))
+                                    float("inf")).step_seconds(num_microbatches) for level in levels if level != "none"),
+                   default=float("inf"))  # unbounded compute: the least exposed collectives
 
     def least_state_bytes(self, first: int, stop: int, replicas: int, unsharded_bytes: float,
                           num_microbatches: int, tensor_parallel: int = 1) -> float:
@@ -163,10 +163,8 @@ class CandidateCosts:
               tensor_parallel: int = 1, rows: float | None = None) -> ShardingComm:
         per_host = self.cluster.devices_per_host
         devices = tuple(range(replicas)) if one_host else (per_host, *range(replicas - 1))
-        return sharding_comm(self.cluster, sharding, devices, self.cost(first, stop, 1, 1, tensor_parallel).param_bytes,
-                             gradient_bytes, num_units(self.chain, first, stop), None, self.chain.param_copy_fraction,
-                             stage_compute(self.chain, self.cluster, first, stop, sharding, self.schedule, rows, replicas,
-                                           tensor_parallel))
+        return span_sharding_comm(self.chain, self.cluster, first, stop, sharding, devices, gradient_bytes, self.schedule,
+                                  rows, tensor_parallel, None, self.cost(first, stop, 1, 1, tensor_parallel).param_bytes)
 
     def _allreduce(self, first: int, stop: int, devices: tuple[int, ...], tensor_parallel: int = 1) -> float:
         """A stage's gradient allreduce over ``devices``, one per replica, of one group member's bytes."""

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from fxpipe.passes.partition.candidates import CandidateCosts
 from fxpipe.passes.partition.spans import Span, StageChoice
-from fxpipe.sim.sharding_cost import sharding_comm, stage_compute
-from fxpipe.sim.stagecost import num_units, stage_memory_bytes
+from fxpipe.sim.sharding_cost import span_sharding_comm
+from fxpipe.sim.stagecost import stage_memory_bytes
 
 
 def keeps_weights(model: CandidateCosts, span: Span, rows: int, inflight: int, choice: StageChoice,
@@ -38,9 +38,6 @@ def keeps_weights(model: CandidateCosts, span: Span, rows: int, inflight: int, c
 
 def _stage_seconds(model: CandidateCosts, span: Span, rows: int, param_bytes: int, reshard: bool) -> float:
     """One micro-batch's ZeRO-3 collectives left exposed beside its compute (forward + backward)."""
-    chain, cluster = model.chain, model.cluster
-    compute = stage_compute(chain, cluster, span.first, span.stop, "parameters", model.schedule, rows, span.replicas,
-                            span.tensor_parallel)
-    comm = sharding_comm(cluster, "parameters", span.leads, param_bytes, param_bytes,
-                         num_units(chain, span.first, span.stop), reshard, chain.param_copy_fraction, compute)
+    comm = span_sharding_comm(model.chain, model.cluster, span.first, span.stop, "parameters", span.leads, param_bytes,
+                              model.schedule, rows, span.tensor_parallel, reshard, param_bytes)
     return comm.forward_s + comm.backward_s
