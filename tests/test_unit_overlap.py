@@ -124,6 +124,9 @@ def test_the_planner_keeps_the_weights_where_they_fit_and_frees_them_where_memor
     assert freed.stages[0].reshard_after_forward is True
     assert freed.stages[0].peak_memory_bytes <= 2.4 * 4e8
     assert roomy.predicted.iteration_time_s < freed.predicted.iteration_time_s  # type: ignore[union-attr]
+    # the step's collectives, whole: M all-gathers and M reduce-scatters kept, 2M and M freed (4 units each)
+    gather = sharding_comm(_net(), "parameters", (0, 1, 2, 3), 4e8, 4e8, num_units=4).forward_s
+    assert freed.stages[0].allreduce_s - roomy.stages[0].allreduce_s == pytest.approx(4 * gather)
     chain, net = _layers(4, 10**8, 1e-3), _net(memory_bytes=int(2.6 * 4e8))
     assert simulate(roomy, chain, net).iteration_time_s == pytest.approx(roomy.predicted.iteration_time_s)  # type: ignore[union-attr]
     assert simulate(roomy, chain, net).peak_memory_bytes == (roomy.stages[0].peak_memory_bytes,)
