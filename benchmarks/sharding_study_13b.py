@@ -1,6 +1,7 @@
 """gpt3-13b on one 8-GPU H100 node (dgx-h100:1): the best unsharded plan against sharding="auto" over sequence
 length and global batch, and the one-stage (pure FSDP) plan's memory and speed, which say why sharding buys little
-here. Recompute is chosen per block on every stage, sharded and tensor-parallel ones included.
+here. Recompute is chosen per block on every stage, sharded and tensor-parallel ones included; ZeRO-2/3's per-unit
+collectives overlap compute (fxpipe.sim.unit_overlap): the pure FSDP plan's collectives are listed exposed and whole.
 
 Run: python benchmarks/sharding_study_13b.py --write   (writes benchmarks/sharding_study_13b.md; costing each
 sequence length on the meta device takes about a minute, each pair of plans 10-60 s on a loaded 2-core machine)
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from sharding_study import MAX_BLOCKS, GiB, describe, ratio
@@ -22,6 +24,9 @@ from fxpipe.core.cluster import parse_cluster
 from fxpipe.passes.partition.dapple import partition
 from fxpipe.passes.partition.request import PlanningError
 from fxpipe.planning import costed_model, model_loss, plan_chain
+from fxpipe.sim.sharding_cost import plan_sharding_comms
+from fxpipe.sim.sharding_memory import chain_in_precision
+from fxpipe.sim.simulate import simulate
 
 RESULTS = Path(__file__).with_suffix(".md")
 COMMAND = "python benchmarks/sharding_study_13b.py --write"
@@ -39,23 +44,40 @@ def chain_for(seq: int, precision: str) -> CostChain:
                         precision=precision, **model_loss("gpt3-13b", example_inputs)).chain
 
 
-def fsdp_peak_gib(chain: CostChain, batch: int, recompute: str) -> float:
-    """Peak GiB per device of the one-stage plan on all 8 GPUs, ZeRO-3 (per-block units), one row per GPU per
-    micro-batch, with no memory limit: what pure FSDP would need under the planner's memory model."""
+def fsdp_peak_gib(chain: CostChain, batch: int, recompute: str) -> str:
+    """Peak GiB per device of the one-stage plan on all 8 GPUs, ZeRO-3 (per-block units, resharding after forward),
+    one row per GPU per micro-batch: what pure FSDP needs under the planner's memory model. ``"never"``: no memory
+    limit (the planner would keep the weights gathered there: the figure is the resharding stage's, simulated);
+    ``"always"``: within the device, where a whole-stage checkpoint does not fit, so every block is recomputed
+    inside its own unit."""
     cluster = parse_cluster(CLUSTER)
-    plan = partition(chain, cluster, batch, layout="dp", sharding="parameters", recompute=recompute,
-                     memory_limit_bytes=2**60, num_microbatches=batch // cluster.num_devices)
-    return max(stage.peak_memory_bytes for stage in plan.stages) / GiB
-
-
-def fsdp_speed(chain: CostChain, batch: int, precision: str) -> str:
-    """samples/s of the one-stage plan on all 8 GPUs, ZeRO-3, within the devices' memory (recompute as it chooses)."""
+    limit = 2**60 if recompute == "never" else cluster.device.memory_bytes
     try:
-        plan = plan_chain(chain, parse_cluster(CLUSTER), batch, precision=precision, layout="dp", sharding="parameters")
+        plan = partition(chain, cluster, batch, layout="dp", sharding="parameters", recompute=recompute,
+                         memory_limit_bytes=limit, num_microbatches=batch // cluster.num_devices)
     except PlanningError:
-        return "infeasible"
+        return "does not fit"
+    freed = plan.with_updates(stages=tuple(replace(stage, reshard_after_forward=None) for stage in plan.stages))
+    return f"{max(simulate(freed, chain, cluster).peak_memory_bytes) / GiB:.0f}"
+
+
+def fsdp_speed(chain: CostChain, batch: int, precision: str) -> list[str]:
+    """samples/s of the one-stage plan on all 8 GPUs, ZeRO-3, within the devices' memory (recompute as it chooses),
+    its reshard_after_forward, and its collectives per step: left exposed beside compute, and whole (the charge on
+    devices whose collectives block, as the model charged every cluster before)."""
+    cluster = parse_cluster(CLUSTER)
+    try:
+        plan = plan_chain(chain, cluster, batch, precision=precision, layout="dp", sharding="parameters")
+    except PlanningError:
+        return ["infeasible", "-", "-"]
     assert plan.predicted is not None
-    return f"{plan.predicted.throughput_samples_per_s:.2f} (M={plan.num_microbatches})"
+    blocking = replace(cluster, device=replace(cluster.device, name="CPU"))  # unit_overlap.prefetch_overlaps: none
+    costed = chain_in_precision(chain, plan.precision)
+    exposed, whole = (plan_sharding_comms(plan, costed, net)[0].step_seconds(plan.num_microbatches)
+                      for net in (cluster, blocking))
+    kept = {True: "freed", False: "kept", None: "-"}[plan.stages[0].reshard_after_forward]
+    return [f"{plan.predicted.throughput_samples_per_s:.2f} (M={plan.num_microbatches}, {kept})",
+            f"{exposed:.3f}", f"{whole:.3f}"]
 
 
 def best(chain: CostChain, batch: int, sharding: str, precision: str):  # type: ignore[no-untyped-def]
@@ -76,8 +98,8 @@ def main() -> None:
         chain = chain_for(seq, precision)
         saved = sum(block.saved_bytes.per_sample for block in chain.blocks) / GiB
         state = 4 * sum(block.param_bytes for block in chain.blocks) / GiB
-        facts.append([precision, seq, f"{state:.0f}", f"{saved:.1f}", f"{fsdp_peak_gib(chain, 8, 'never'):.0f}",
-                      f"{fsdp_peak_gib(chain, 8, 'always'):.0f}", fsdp_speed(chain, 32, precision),
+        facts.append([precision, seq, f"{state:.0f}", f"{saved:.1f}", fsdp_peak_gib(chain, 8, "never"),
+                      fsdp_peak_gib(chain, 8, "always"), *fsdp_speed(chain, 32, precision),
                       round(time.perf_counter() - start, 1)])
         print(facts[-1], flush=True)
         for batch in batches:
@@ -95,12 +117,14 @@ def main() -> None:
             tabulate(rows, headers=["precision", "seq", "batch", "unsharded plan", "levels", "samples/s", "peak GiB", "auto plan",
                                     "levels", "samples/s", "peak GiB", "auto vs unsharded", "plan s", "load"],
                      tablefmt="github"), "",
-            "One-stage plan on all 8 GPUs, ZeRO-3 with per-block units, batch 8 (one row per GPU per micro-batch), "
-            "no memory limit: what pure FSDP needs under the planner's memory model (recompute: every block "
-            "recomputed, each inside its FSDP unit); and the same plan's speed at batch 32 within 80 GB.", "",
+            "One-stage plan on all 8 GPUs, ZeRO-3 with per-block units resharding after forward, batch 8 (one row per "
+            "GPU per micro-batch): what pure FSDP needs under the planner's memory model (keep: no memory limit; "
+            "recompute: within 80 GB, every block recomputed inside its FSDP unit); and the same plan's speed at batch "
+            "32 within 80 GB, whether it keeps its weights from forward to backward, and its ZeRO-3 collectives per "
+            "step, left exposed beside compute (now) and whole (as charged before).", "",
             tabulate(facts, headers=["precision", "seq", "Adam state GiB (16 B/param)", "saved activations GiB per row",
                                      "FSDP peak GiB, keep", "FSDP peak GiB, recompute", "FSDP samples/s, batch 32",
-                                     "cost+plan s"], tablefmt="github"), ""]
+                                     "its ZeRO-3 collectives s/step, exposed", "whole", "cost+plan s"], tablefmt="github"), ""]
     if args.write:
         RESULTS.write_text("\n".join(text))
     print("\n".join(text))

@@ -9,7 +9,7 @@ from tabulate import tabulate
 
 from fxpipe.core.chain import CostChain
 from fxpipe.core.cluster import Cluster
-from fxpipe.core.plan import Plan
+from fxpipe.core.plan import Plan, StagePlan
 from fxpipe.core.utilization import utilization_text
 from fxpipe.sim.stagecost import backward_seconds
 
@@ -69,11 +69,18 @@ def stage_table(plan: Plan, chain: CostChain | None = None, cluster: Cluster | N
             _device_ranges(stage.devices),
             f"{stage.forward_s * 1e3:.2f}", f"{backward_s * 1e3:.2f}", f"{stage.allreduce_s * 1e3:.2f}",
             format_bytes(stage.param_bytes), format_bytes(stage.activation_bytes),
-            "recompute" if stage.recompute else _per_block(stage.block_recompute), stage.sharding, memory,
+            "recompute" if stage.recompute else _per_block(stage.block_recompute), _level(stage), memory,
         ])
     headers = ["stage", "blocks", "replicas", *(["T"] if grouped else []), "devices", "fwd ms", "bwd ms", "allreduce ms",
                "params", "act/micro-batch", "activations", "sharding", "memory/device"]
     return str(tabulate(rows, headers=headers, tablefmt="simple"))
+
+
+def _level(stage: StagePlan) -> str:
+    """The sharding column: a ZeRO-3 stage says whether it frees its weights after forward or keeps them."""
+    if stage.sharding != "parameters" or stage.reshard_after_forward is None:
+        return stage.sharding
+    return f"parameters ({'reshard' if stage.reshard_after_forward else 'kept'} after fwd)"
 
 
 def summary_lines(plan: Plan) -> list[str]:

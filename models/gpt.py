@@ -19,6 +19,7 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 128
     bias: bool = True
+    tie_embeddings: bool = True  # False: an LM head of its own (Llama 3, Qwen2), e.g. for a large vocabulary
 
 
 class CausalSelfAttention(nn.Module):
@@ -88,7 +89,8 @@ class GPT(nn.Module):
         self.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied: one Parameter used by the first and last layer
+        if config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight  # tied: one Parameter used by the first and last layer
         self.apply(self._init_weights)
         for name, param in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2 scaled init of residual projections

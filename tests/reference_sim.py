@@ -231,7 +231,7 @@ def stage_seconds(plan: Plan, chain: CostChain, net: Cluster, stage_index: int, 
         backward += forward
     rerun, _, rerun_comm = rerun_and_dropped(chain, plan.stages[stage_index], rows, net)
     backward += rerun * stretch(net) + rerun_comm
-    comm = sharded_collectives(plan, chain, net, stage_index)  # on the critical path, never split
+    comm = unit_overlapped(plan, chain, net, stage_index, split)  # never split: ZeRO-2's scatter follows W whole
     action = net.action_overhead_s * stretch(net)
     if not split:
         return {"F": forward + comm["F"] + action, "B": backward + comm["B"] + action, "W": 0.0}
@@ -420,6 +420,44 @@ def bucket_window(plan: Plan, chain: CostChain, net: Cluster, stage_index: int, 
     degree = stage.tensor_parallel  # a group member's backward and bytes of each block
     held = [b.param_bytes - (b.tp.param_bytes if splits_over(b, degree) else 0) * (1 - 1 / degree) for b in blocks]
     return [block_member_seconds(net, b, rows, degree)[1] * share for b in blocks], [float(h) for h in held]
+
+
+def unit_overlapped(plan: Plan, chain: CostChain, net: Cluster, stage_index: int, split: bool) -> dict[str, float]:
+    """:func:`sharded_collectives` with ZeRO-2/3's per-micro-batch ones beside compute where the devices run them on
+    streams of their own (not CPU ranks: FSDP2 blocks on gloo). One segment per block holding parameters (blocks
+    without join the one before), on the largest slice; the collectives in equal shares. Forward: segment u computes
+    while unit u+1 gathers. Backward, last unit first: segment k computes while unit k-1's scatter (just finished)
+    and then unit k+1's gather (ZeRO-3 resharding) run; the first gather waits, the last scatter ends it."""
+    comm = sharded_collectives(plan, chain, net, stage_index)
+    stage = plan.stages[stage_index]
+    if (net.device.name.upper().startswith("CPU") or stage.replicas < 2 or stage.sharding not in ("gradients", "parameters")
+            or (stage.sharding == "gradients" and split)):
+        return comm
+    rows = max(stop - start for start, stop in slice_bounds(plan.microbatch_size, stage.replicas))
+    segments: list[list[float]] = []
+    for block in chain.blocks[stage.first_block:stage.stop_block]:
+        forward, backward = block_member_seconds(net, block, rows, stage.tensor_parallel)
+        if block.param_bytes > 0:
+            segments.append([forward, backward])
+        elif segments:
+            segments[-1][0] += forward
+            segments[-1][1] += backward
+    count = len(segments)
+    if count < 2:
+        return comm
+    gather = comm["F"] / count if stage.sharding == "parameters" else 0.0
+    again = gather if stage.sharding == "parameters" and stage.reshard_after_forward is not False else 0.0
+    scatter = (comm["B"] - again * count) / count
+
+    def late(seconds: float, flights: list[float]) -> float:  # wall beyond the compute alone
+        pass_end, comm_end = rate_loop([(0.0, x) for x in flights if x > 0], seconds, net)
+        return max(pass_end, comm_end) - seconds
+
+    forward_s = (gather + sum(late(f, [gather]) for f, _ in segments[:-1])) if gather else 0.0
+    backward_s = again + scatter
+    for k, (_, b) in enumerate(reversed(segments)):
+        backward_s += late(b, ([scatter] if k else []) + ([again] if k < count - 1 else []))
+    return {**comm, "F": forward_s if stage.sharding == "parameters" else comm["F"], "B": backward_s}
 
 
 def rate_loop(buckets: list[tuple[float, float]], pass_s: float, net: Cluster) -> tuple[float, float]:

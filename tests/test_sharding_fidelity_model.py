@@ -15,8 +15,9 @@ from fxpipe.core.plan import Plan, StagePlan
 from fxpipe.sim.sharding_cost import sharding_comm, unit_collectives
 from fxpipe.sim.simulate import simulate
 
-# memory at 1e12 B/s: the flat-buffer copies (2 bytes moved per byte) stay exact but small
-NET = Cluster("1x2", 1, 2, DeviceSpec("dev", 2**40, (("float32", 1e13),), 1e12), LinkSpec(1e9, 1e-5),
+# memory at 1e12 B/s: the flat-buffer copies (2 bytes moved per byte) stay exact but small; CPU ranks, whose
+# collectives block (FSDP2 on gloo), so each call's time adds whole (fxpipe.sim.unit_overlap)
+NET = Cluster("1x2", 1, 2, DeviceSpec("CPU", 2**40, (("float32", 1e13),), 1e12), LinkSpec(1e9, 1e-5),
               LinkSpec(1e9, 1e-5))
 
 

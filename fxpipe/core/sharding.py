@@ -121,5 +121,7 @@ def force_sharding(plan: PlanT, request: ShardingRequest) -> PlanT:
     levels = stage_levels(request, [stage.replicas for stage in plan.stages])
     if levels == tuple(stage.sharding for stage in plan.stages):
         return plan
-    stages = tuple(replace(stage, sharding=level) for stage, level in zip(plan.stages, levels, strict=True))
+    # reshard_after_forward is ZeRO-3's alone (a planned kept stage forced to another level drops it)
+    stages = tuple(replace(stage, sharding=level, reshard_after_forward=stage.reshard_after_forward
+                           if level == "parameters" else None) for stage, level in zip(plan.stages, levels, strict=True))
     return cast(PlanT, plan.with_updates(stages=stages))

@@ -23,22 +23,24 @@ with half its copies into and out of the flat buffer, plus FSDP2's own host time
 none on presets), on its own link: within a host, the figures calibration
 measured for that collective (:attr:`Cluster.reduce_scatter_collective`, :attr:`Cluster.all_gather_collective`;
 gloo's reduce-scatter takes longer than a whole allreduce), else the allreduce's, where RS(x) + AG(x) is
-exactly :func:`fxpipe.sim.stagecost.gradient_allreduce_time` of x. Nothing here overlaps compute: the
-per-micro-batch collectives of ``gradients``/``parameters`` sit on the stage's critical path (FSDP2
-prefetches the next unit's all-gather, but a stage's first unit waits for it and the reduce-scatter
-of its last unit ends the backward; charging them whole is the conservative bound, see
-docs/sharding.md). The step's all-gather of ``optimizer``/``gradients`` (the weights updated
-by the last step's shards) delays the stage's first forward.
+exactly :func:`fxpipe.sim.stagecost.gradient_allreduce_time` of x. The per-micro-batch collectives of
+``gradients``/``parameters`` are charged as what FSDP2's prefetch leaves exposed beside each unit's compute
+(:mod:`fxpipe.sim.unit_overlap`) where the cluster's devices overlap them (GPUs), whole on CPU ranks (FSDP2 blocks
+on gloo). The step's all-gather of ``optimizer``/``gradients`` (the weights updated by the last step's shards)
+delays the stage's first forward.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from fxpipe.core.cluster import Cluster, LinkSpec
 from fxpipe.core.fsdp_calls import call_seconds
+from fxpipe.core.interleaved_schedules import INTERLEAVED_ZERO_BUBBLE, ZBV
 from fxpipe.core.plan import Plan
+from fxpipe.core.row_slices import split_rows
 from fxpipe.core.sharding import check_level
 from fxpipe.sim.stagecost import (
     gradient_allreduce_time,
@@ -47,9 +49,12 @@ from fxpipe.sim.stagecost import (
     replica_leads,
     stage_param_bytes,
 )
+from fxpipe.sim.unit_overlap import UnitCompute, exposed_backward, exposed_forward, unit_compute
 
 if TYPE_CHECKING:  # fxpipe.passes imports the planner, which imports this module
     from fxpipe.core.chain import CostChain
+
+SPLIT_BACKWARD_SCHEDULES = ("zero_bubble", INTERLEAVED_ZERO_BUBBLE, ZBV)  # B then W: gradients land in W
 
 
 class ShardingComm(NamedTuple):
@@ -78,13 +83,15 @@ def half_collective_time(cluster: Cluster, num_bytes: float, devices: Sequence[i
 
 def sharding_comm(cluster: Cluster, sharding: str, devices: Sequence[int], weight_bytes: float,
                   gradient_bytes: float, num_units: int = 1, reshard_after_forward: bool | None = None,
-                  param_copy_fraction: float = 0.0) -> ShardingComm:
+                  param_copy_fraction: float = 0.0, compute: UnitCompute | None = None) -> ShardingComm:
     """The module docstring's table for one stage; :data:`NO_SHARDING` for ``"none"`` (its allreduce is
     :mod:`fxpipe.sim.allreduce_overlap`'s) and for one device. ``num_units``: the stage's FSDP units, each
     gathered and reduced by its own collective of its share of the bytes (taken as equal shares: the bytes
     move once either way, and each collective pays its own latency). A ZeRO-3 stage whose plan keeps the
     weights from forward to backward (``reshard_after_forward`` false) gathers them in the forward only.
-    ``param_copy_fraction``: bf16-params gathers bf16 copies, that fraction of the fp32 ``weight_bytes``."""
+    ``param_copy_fraction``: bf16-params gathers bf16 copies, that fraction of the fp32 ``weight_bytes``.
+    ``compute``: a micro-batch's compute per unit, to overlap the per-micro-batch collectives with
+    (:mod:`fxpipe.sim.unit_overlap`: what they leave exposed); None charges them whole."""
     check_level(sharding)
     if sharding == "none" or len(devices) <= 1:
         return NO_SHARDING
@@ -94,10 +101,13 @@ def sharding_comm(cluster: Cluster, sharding: str, devices: Sequence[int], weigh
     if sharding == "optimizer":
         return ShardingComm(start_s=gather, tail_s=scatter)
     if sharding == "gradients":
-        return ShardingComm(start_s=gather, backward_s=scatter)
-    if reshard_after_forward is False:
-        return ShardingComm(forward_s=gather, backward_s=scatter)
-    return ShardingComm(forward_s=gather, backward_s=gather + scatter)
+        return ShardingComm(start_s=gather, backward_s=scatter if compute is None else
+                            exposed_backward(0.0, scatter, compute, cluster))
+    again = 0.0 if reshard_after_forward is False else gather  # ZeRO-3 gathers again for backward unless kept
+    if compute is None:
+        return ShardingComm(forward_s=gather, backward_s=again + scatter)
+    return ShardingComm(forward_s=exposed_forward(gather, compute, cluster),
+                        backward_s=exposed_backward(again, scatter, compute, cluster))
 
 
 def unit_collectives(cluster: Cluster, num_bytes: float, devices: Sequence[int], num_units: int, kind: str) -> float:
@@ -128,7 +138,32 @@ def plan_sharding_comms(plan: Plan, chain: CostChain, cluster: Cluster) -> list[
     bounds = [(stage.first_block, stage.stop_block) for stage in plan.stages]
     degrees = [stage.tensor_parallel for stage in plan.stages]
     own = own_allreduce_bytes(chain, bounds, tensor_parallel=degrees)
-    return [sharding_comm(cluster, stage.sharding, replica_leads(stage.devices, stage.tensor_parallel),
-                          stage_param_bytes(chain, first, stop, stage.tensor_parallel), own_bytes,
-                          num_units(chain, first, stop), stage.reshard_after_forward, chain.param_copy_fraction)
+    return [span_sharding_comm(chain, cluster, first, stop, stage.sharding,
+                               replica_leads(stage.devices, stage.tensor_parallel), own_bytes, plan.schedule,
+                               plan.microbatch_size, stage.tensor_parallel, stage.reshard_after_forward)
             for stage, (first, stop), own_bytes in zip(plan.stages, bounds, own, strict=True)]
+
+
+def span_sharding_comm(chain: CostChain, cluster: Cluster, first: int, stop: int, sharding: str, devices: Sequence[int],
+                       gradient_bytes: float, schedule: str, rows: float | None, tensor_parallel: int = 1,
+                       reshard_after_forward: bool | None = None, weight_bytes: float | None = None) -> ShardingComm:
+    """:func:`sharding_comm` of a stage over blocks ``[first, stop)`` on ``devices`` (one per replica) under
+    ``schedule``, on micro-batches of ``rows`` rows (:func:`stage_compute`), its units' collectives overlapping
+    their compute; ``weight_bytes`` default: what the stage holds (:func:`stage_param_bytes`)."""
+    weights = stage_param_bytes(chain, first, stop, tensor_parallel) if weight_bytes is None else weight_bytes
+    return sharding_comm(cluster, sharding, devices, weights, gradient_bytes, num_units(chain, first, stop),
+                         reshard_after_forward, chain.param_copy_fraction,
+                         stage_compute(chain, cluster, first, stop, sharding, schedule, rows, len(devices),
+                                       tensor_parallel))
+
+
+def stage_compute(chain: CostChain, cluster: Cluster, first: int, stop: int, sharding: str, schedule: str,
+                  rows: float | None, replicas: int, tensor_parallel: int = 1) -> UnitCompute | None:
+    """:func:`fxpipe.sim.unit_overlap.unit_compute` of a stage at ``sharding`` under ``schedule`` on the largest of its
+    ``replicas`` slices of a micro-batch of ``rows`` rows (``float("inf")``: unbounded compute, the least exposed
+    time; None: no compute given, the collectives whole): None where nothing overlaps per micro-batch (ZeRO-0/1, and
+    ZeRO-2 under a split backward, whose reduce-scatter follows W whole at runtime)."""
+    if sharding in ("none", "optimizer") or (sharding == "gradients" and schedule in SPLIT_BACKWARD_SCHEDULES):
+        return None
+    largest = rows if rows is None or math.isinf(rows) else max(split_rows(int(rows), replicas))
+    return unit_compute(chain, cluster, first, stop, largest, tensor_parallel)

@@ -15,7 +15,7 @@ from fxpipe.passes.partition.latency import PipelineSteps, pipeline_steps
 from fxpipe.passes.partition.selective import recompute_memory
 from fxpipe.passes.partition.spans import Candidate, Span, StageChoice
 from fxpipe.sim.allreduce_overlap import last_pass_share, stage_allreduce_offsets
-from fxpipe.sim.sharding_cost import NO_SHARDING, ShardingComm, sharding_comm
+from fxpipe.sim.sharding_cost import NO_SHARDING, ShardingComm, span_sharding_comm
 from fxpipe.sim.sharding_memory import model_state_bytes
 from fxpipe.sim.stagecost import (
     WEIGHT_GRAD_FRACTION,
@@ -25,7 +25,6 @@ from fxpipe.sim.stagecost import (
     backward_seconds,
     gradient_allreduce_time,
     message_seconds,
-    num_units,
     optimizer_factor,
     own_allreduce_bytes,
     stage_cost,
@@ -113,7 +112,7 @@ class CandidateCosts:
         one per replica (:attr:`Span.leads`), each a ``tensor_parallel``-way group."""
         cost = self.cost(first, stop, rows, len(devices), tensor_parallel)
         if sharding != "none" and len(devices) > 1:
-            comm = self.stage_comm(first, stop, devices, sharding, cost.param_bytes, tensor_parallel)
+            comm = self.stage_comm(first, stop, devices, sharding, cost.param_bytes, tensor_parallel, rows)
             return (cost.forward_s + comm.forward_s,
                     backward_seconds(cost.forward_s, cost.backward_s, recompute) + comm.backward_s, comm.tail_s)
         if self.overlap_bytes:
@@ -133,8 +132,9 @@ class CandidateCosts:
         # tied parameters may be summed by their tie allreduce instead: count none of them (a lower bound)
         gradient_bytes = max(0, self.cost(span.first, span.stop, 1, 1, span.tensor_parallel).param_bytes
                              - sum(shared.num_bytes for shared in self.chain.shared_params))
-        return min((self.stage_comm(span.first, span.stop, span.leads, level, gradient_bytes, span.tensor_parallel)
-                    .step_seconds(num_microbatches) for level in levels if level != "none"), default=float("inf"))
+        return min((self.stage_comm(span.first, span.stop, span.leads, level, gradient_bytes, span.tensor_parallel,
+                                    float("inf")).step_seconds(num_microbatches) for level in levels if level != "none"),
+                   default=float("inf"))  # unbounded compute: the least exposed collectives
 
     def least_state_bytes(self, first: int, stop: int, replicas: int, unsharded_bytes: float,
                           num_microbatches: int, tensor_parallel: int = 1) -> float:
@@ -150,21 +150,21 @@ class CandidateCosts:
                    for level in levels for unit in (0.0, cost.unit_bytes))  # one unit when recomputing
 
     def stage_comm(self, first: int, stop: int, devices: Sequence[int], sharding: str, gradient_bytes: int,
-                   tensor_parallel: int = 1) -> ShardingComm:
+                   tensor_parallel: int = 1, rows: float | None = None) -> ShardingComm:
         """:func:`sharding_comm` of a stage, cached for any devices on one host or not (as allreduce tails);
-        ``devices`` one per replica (:attr:`Span.leads`)."""
+        ``devices`` one per replica (:attr:`Span.leads`); ``rows`` a micro-batch's (:func:`stage_compute`)."""
         if sharding == "none" or len(devices) <= 1:
             return NO_SHARDING
         per_host = self.cluster.devices_per_host
         return self.comm(first, stop, len(devices), len({d // per_host for d in devices}) == 1, sharding,
-                         gradient_bytes, tensor_parallel)
+                         gradient_bytes, tensor_parallel, rows)
 
     def _comm(self, first: int, stop: int, replicas: int, one_host: bool, sharding: str, gradient_bytes: int,
-              tensor_parallel: int = 1) -> ShardingComm:
+              tensor_parallel: int = 1, rows: float | None = None) -> ShardingComm:
         per_host = self.cluster.devices_per_host
         devices = tuple(range(replicas)) if one_host else (per_host, *range(replicas - 1))
-        return sharding_comm(self.cluster, sharding, devices, self.cost(first, stop, 1, 1, tensor_parallel).param_bytes,
-                             gradient_bytes, num_units(self.chain, first, stop), None, self.chain.param_copy_fraction)
+        return span_sharding_comm(self.chain, self.cluster, first, stop, sharding, devices, gradient_bytes, self.schedule,
+                                  rows, tensor_parallel, None, self.cost(first, stop, 1, 1, tensor_parallel).param_bytes)
 
     def _allreduce(self, first: int, stop: int, devices: tuple[int, ...], tensor_parallel: int = 1) -> float:
         """A stage's gradient allreduce over ``devices``, one per replica, of one group member's bytes."""
@@ -221,7 +221,7 @@ class CandidateCosts:
             choices = choices or self.stage_choices(spans, rows, "A")
             comms = [self.stage_comm(span.first, span.stop, span.leads, choice.sharding,
                                      self.cost(span.first, span.stop, 1, 1, span.tensor_parallel).param_bytes,
-                                     span.tensor_parallel)
+                                     span.tensor_parallel, rows)
                      for span, choice in zip(spans, choices, strict=True)]
             return pipeline_steps([self.stage_step(span.first, span.stop, rows, span.leads, choice.recompute,
                                                    choice.sharding, span.tensor_parallel)
@@ -251,7 +251,7 @@ class CandidateCosts:
                          + action_seconds(self.cluster, self.cluster.compute_slowdown))
             backward_s = backward_seconds(cost.forward_s, cost.backward_s, choices[index].recompute)
             comm = self.stage_comm(span.first, span.stop, span.leads, choices[index].sharding, own_bytes[index],
-                                   span.tensor_parallel)
+                                   span.tensor_parallel, rows)
             tail = comm.tail_s if choices[index].sharding != "none" and span.replicas > 1 else own[index]
             stages.append((cost.forward_s + message_s + comm.forward_s, backward_s + message_s + comm.backward_s,
                            tail))
