@@ -26,7 +26,8 @@ from fxpipe.sim.simulate import simulate
 from fxpipe.sim.stagecost import num_units, stage_param_bytes
 
 # memory at 1e12 B/s: the flat-buffer copies stay exact but small
-NET = Cluster("1x2", 1, 2, DeviceSpec("dev", 2**40, (("float32", 1e13),), 1e12), LinkSpec(1e9, 1e-5),
+# a CPU device: FSDP2 blocks on gloo, so every sharding charge stays on the critical path (fxpipe.sim.unit_overlap)
+NET = Cluster("1x2", 1, 2, DeviceSpec("CPU", 2**40, (("float32", 1e13),), 1e12), LinkSpec(1e9, 1e-5),
               LinkSpec(1e9, 1e-5))
 # all-gather 1 ms + 2 ns/B, reduce-scatter 0.5 ms + 1 ns/B
 FIT = FsdpCallCost(1e-3, 2e-9, 5e-4, 1e-9)
