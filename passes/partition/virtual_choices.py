@@ -13,7 +13,7 @@ from fxpipe.core.schedule import Op, Schedule
 from fxpipe.core.sharding import SHARDING_LEVELS
 from fxpipe.passes.partition.candidates import CandidateCosts
 from fxpipe.passes.partition.request import PlanRequest
-from fxpipe.passes.partition.selective import block_options, with_block_node_counts
+from fxpipe.passes.partition.selective import block_options
 from fxpipe.passes.partition.virtual_request import INTERLEAVED
 from fxpipe.sim.sharding_cost import plan_sharding_comms
 from fxpipe.sim.stagecost import (
@@ -182,7 +182,7 @@ def _group_options(request: PlanRequest, model: CandidateCosts, plan: Plan, sche
 
 def fit_groups(request: PlanRequest, model: CandidateCosts, plan: Plan, schedule: Schedule) -> Plan | None:
     """``plan`` with every group's fastest setting that fits (:func:`_group_options`, least seconds, then the lower
-    level), per-block choices written with their blocks' node counts; None when some group has none. A group's
+    level); None when some group has none. A group's
     memory is its own chunks' alone, so groups are decided one by one."""
     stages = list(plan.stages)
     for group in range(plan.num_groups):
@@ -193,5 +193,5 @@ def fit_groups(request: PlanRequest, model: CandidateCosts, plan: Plan, schedule
         for chunk, choices in zip(plan.chunks_of_group(group), best.block_recompute, strict=True):
             stages[chunk] = replace(stages[chunk], sharding=best.level, recompute=best.recompute,
                                     block_recompute=choices)
-    return with_block_node_counts(plan.with_updates(stages=tuple(stages)), model.chain)
+    return plan.with_updates(stages=tuple(stages))  # node counts per block: dapple.partition, on the fine chain
 
