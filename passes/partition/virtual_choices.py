@@ -15,7 +15,7 @@ from fxpipe.passes.partition.candidates import CandidateCosts
 from fxpipe.passes.partition.request import PlanRequest
 from fxpipe.passes.partition.selective import block_options
 from fxpipe.passes.partition.virtual_request import INTERLEAVED
-from fxpipe.sim.sharding_cost import plan_sharding_comms
+from fxpipe.sim.sharding_cost import ShardingComm, plan_sharding_comms
 from fxpipe.sim.stagecost import (
     gradient_allreduce_time,
     own_allreduce_bytes,
@@ -135,24 +135,34 @@ def group_levels(request: PlanRequest, plan: Plan, group: int, schedule: Schedul
     return tuple(level for level in levels if not (level == "parameters" and schedule.split_backward))
 
 
-def _level_seconds(model: CandidateCosts, plan: Plan, group: int, level: str) -> float:
-    """A group's gradient collectives in one step at ``level``: its chunks' ZeRO collectives, or unsharded the
-    allreduce of its own gradients over its replicas (ties summed apart are the same at every level)."""
-    chunks = plan.chunks_of_group(group)
-    if level != "none":
-        leveled = plan.with_updates(stages=tuple(replace(s, sharding=level) if s.stage_index in chunks else s
-                                                 for s in plan.stages))
-        comms = plan_sharding_comms(leveled, model.chain, model.cluster)
-        return sum(comms[c].step_seconds(plan.num_microbatches) for c in chunks)
-    bounds = [(s.first_block, s.stop_block) for s in plan.stages]
-    own = own_allreduce_bytes(model.chain, bounds, tie_groups(model.chain, bounds), [s.tensor_parallel for s in plan.stages])
-    first = plan.stages[chunks[0]]
-    return gradient_allreduce_time(model.cluster, sum(own[c] for c in chunks),
-                                   replica_leads(first.devices, first.tensor_parallel))
+class LevelSeconds:
+    """A plan's groups' gradient collectives in one step per level: the chunks' ZeRO collectives, or unsharded the
+    allreduce of the group's own gradients over its replicas (ties summed apart are the same at every level); each
+    level's collectives computed once for the whole plan (a chunk's depend on its own blocks and devices alone)."""
+
+    def __init__(self, model: CandidateCosts, plan: Plan) -> None:
+        self.model, self.plan = model, plan
+        self._comms: dict[str, list[ShardingComm]] = {}
+        bounds = [(s.first_block, s.stop_block) for s in plan.stages]
+        self._own = own_allreduce_bytes(model.chain, bounds, tie_groups(model.chain, bounds),
+                                        [s.tensor_parallel for s in plan.stages])
+
+    def __call__(self, group: int, level: str) -> float:
+        plan = self.plan
+        chunks = plan.chunks_of_group(group)
+        if level != "none":
+            if level not in self._comms:
+                leveled = plan.with_updates(stages=tuple(replace(s, sharding=level) if s.replicas > 1 else s
+                                                          for s in plan.stages))
+                self._comms[level] = plan_sharding_comms(leveled, self.model.chain, self.model.cluster)
+            return sum(self._comms[level][c].step_seconds(plan.num_microbatches) for c in chunks)
+        first = plan.stages[chunks[0]]
+        return gradient_allreduce_time(self.model.cluster, sum(self._own[c] for c in chunks),
+                                       replica_leads(first.devices, first.tensor_parallel))
 
 
-def _group_options(request: PlanRequest, model: CandidateCosts, plan: Plan, schedule: Schedule,
-                   group: int) -> list[GroupChoice]:
+def _group_options(request: PlanRequest, model: CandidateCosts, plan: Plan, schedule: Schedule, group: int,
+                   level_seconds: LevelSeconds) -> list[GroupChoice]:
     """Every setting of a group that fits: per level, all kept; else (``recompute="auto"``, interleaved 1F1B: a
     split backward cannot rerun a checkpoint) per-block choices, or every chunk checkpointed whole."""
     chunks = plan.chunks_of_group(group)
@@ -161,7 +171,7 @@ def _group_options(request: PlanRequest, model: CandidateCosts, plan: Plan, sche
     found = []
     recomputes = plan.schedule == INTERLEAVED and request.recompute in ("auto", "always")
     for level in group_levels(request, plan, group, schedule):
-        comm_s = _level_seconds(model, plan, group, level)
+        comm_s = level_seconds(group, level)
         kept = sum(a + b * held[:, i] for i, (a, b) in enumerate(_affine(model, plan, c, level, False) for c in chunks))
         if float(np.max(kept)) <= limit and not (recomputes and request.recompute == "always"):
             found.append(GroupChoice(level, ((),) * len(chunks), False, comm_s))
@@ -185,8 +195,9 @@ def fit_groups(request: PlanRequest, model: CandidateCosts, plan: Plan, schedule
     level); None when some group has none. A group's
     memory is its own chunks' alone, so groups are decided one by one."""
     stages = list(plan.stages)
+    level_seconds = LevelSeconds(model, plan)
     for group in range(plan.num_groups):
-        options = _group_options(request, model, plan, schedule, group)
+        options = _group_options(request, model, plan, schedule, group, level_seconds)
         if not options:
             return None
         best = min(options, key=lambda o: (o.seconds, SHARDING_LEVELS.index(o.level)))
