@@ -12,7 +12,8 @@ from fxpipe.core.chain import Block, CostChain
 from fxpipe.core.costgraph import Affine
 from fxpipe.core.plan import Plan, validate_plan
 from fxpipe.passes.partition.dapple import partition
-from fxpipe.passes.partition.request import InfeasiblePlanError
+from fxpipe.passes.partition.request import InfeasiblePlanError, PlanRequest
+from fxpipe.passes.partition.virtual_choices import group_levels
 from fxpipe.sim.virtual_simulate import group_peak_bytes, simulate_virtual, virtual_schedule
 
 
@@ -122,3 +123,16 @@ def test_sharding_auto_shards_the_groups_that_do_not_fit_unsharded() -> None:
     assert simulate_virtual(plan, chain, net).iteration_time_s == pytest.approx(plan.predicted.iteration_time_s)
     # the lowest level that fits: ZeRO-1 here, as cheap in collectives as the allreduce and enough for the memory
     assert set(levels) == {"optimizer"}
+
+
+def test_sharding_auto_offers_zero3_only_without_a_split_backward() -> None:
+    chain = weight_chain()
+    plan = replicated(chain, 2**40, "none")
+    request = PlanRequest(chain=chain, cluster=fast_cluster(), global_batch_size=8, sharding="auto")
+    for name, split in (("interleaved", False), ("interleaved_zero_bubble", True)):
+        schedule = virtual_schedule(name, len(plan.stages), plan.num_microbatches, plan.virtual_stages)
+        assert schedule.split_backward is split
+        assert group_levels(request, plan, 0, schedule) == (
+            ("none", "optimizer", "gradients") if split else ("none", "optimizer", "gradients", "parameters"))
+        assert group_levels(replace(request, sharding="gradients"), plan, 0, schedule) == ("gradients",)
+        assert group_levels(replace(request, sharding="none"), plan, 0, schedule) == ("none",)
