@@ -73,7 +73,8 @@ def pick_chunk_choices(model: CandidateCosts, plan: Plan, group: int, level: str
     """Per chunk of ``group`` per-block choices that bring the group's peak under ``limit_bytes`` at the least added
     forward time, and that time per micro-batch; None when recomputing every block does not. Greedy as
     :func:`fxpipe.passes.partition.selective.greedy_block_choices` is for a stage, on the group's peak over its list:
-    take the upgrade with the most peak bytes off per added second until it fits, then undo upgrades it fits without."""
+    take the upgrade with the most bytes off per added second (bytes over the limit, summed over the points of the list
+    where it overflows) until it fits, then undo upgrades it fits without."""
     chunks = plan.chunks_of_group(group)
     held = held_vectors(plan, group)
     bases = [_affine(model, plan, c, level, False) for c in chunks]
@@ -96,9 +97,13 @@ def pick_chunk_choices(model: CandidateCosts, plan: Plan, group: int, level: str
     def peak(trial_drops: Sequence[np.ndarray]) -> float:
         return float(np.max(base_totals - sum(trial_drops)))
 
+    def excess(trial_drops: Sequence[np.ndarray]) -> float:  # over the limit, summed over the list's points: an
+        # upgrade that lowers one of several equal peaks counts
+        return float(np.sum(np.maximum(base_totals - sum(trial_drops) - limit_bytes, 0.0)))
+
     while peak(drops) > limit_bytes:
         best: tuple[float, int, int, int, np.ndarray] | None = None
-        now = peak(drops)
+        now = excess(drops)
         for i, chunk_options in enumerate(options):
             for b, block in enumerate(chunk_options):
                 have = block[state[i][b]]
@@ -106,7 +111,7 @@ def pick_chunk_choices(model: CandidateCosts, plan: Plan, group: int, level: str
                     if num_bytes <= have[1]:
                         continue
                     drop = chunk_drop(i, [*state[i][:b], k, *state[i][b + 1:]])
-                    gain = now - peak([*drops[:i], drop, *drops[i + 1:]])
+                    gain = now - excess([*drops[:i], drop, *drops[i + 1:]])
                     ratio = gain / max(seconds - have[2], 1e-30)
                     if gain > 0 and (best is None or ratio > best[0]):
                         best = (ratio, i, b, k, drop)
