@@ -3,6 +3,7 @@ a group does not fit, the ZeRO level of each group under sharding="auto", both p
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import pytest
@@ -11,9 +12,11 @@ from test_virtual_planner import fast_cluster
 from fxpipe.core.chain import Block, CostChain
 from fxpipe.core.costgraph import Affine
 from fxpipe.core.plan import Plan, validate_plan
+from fxpipe.passes.partition.candidates import CandidateCosts
 from fxpipe.passes.partition.dapple import partition
 from fxpipe.passes.partition.request import InfeasiblePlanError, PlanRequest
-from fxpipe.passes.partition.virtual_choices import group_levels
+from fxpipe.passes.partition.virtual_choices import group_levels, pick_chunk_choices
+from fxpipe.passes.partition.virtual_search import Trial, chunk_plan
 from fxpipe.sim.virtual_simulate import group_peak_bytes, simulate_virtual, virtual_schedule
 
 
@@ -136,3 +139,36 @@ def test_sharding_auto_offers_zero3_only_without_a_split_backward() -> None:
             ("none", "optimizer", "gradients") if split else ("none", "optimizer", "gradients", "parameters"))
         assert group_levels(replace(request, sharding="gradients"), plan, 0, schedule) == ("gradients",)
         assert group_levels(replace(request, sharding="none"), plan, 0, schedule) == ("none",)
+
+
+def test_per_block_choices_fit_wherever_recomputing_every_block_does() -> None:
+    """Random chains and loops: for a limit between what recomputing every block and keeping everything need, the
+    greedy finds choices, and the virtual simulator's memory of them fits (up to a byte per chunk: ceilings)."""
+    for seed in range(40):
+        rng = random.Random(seed)
+        num_groups, virtual_stages = rng.choice([2, 3]), rng.choice([2, 3])
+        num_blocks = num_groups * virtual_stages * 2
+        blocks = tuple(Block(f"b{i}", (), Affine(0, rng.uniform(1e-4, 1e-3)), Affine(0, 2e-3), rng.choice([10**5, 10**7]),
+                             Affine(0, rng.uniform(1e5, 4e6)), attention_core_bytes=Affine(0, rng.choice([0.0, 5e5])),
+                             attention_core_s=Affine(0, 1e-4)) for i in range(num_blocks))
+        chain = CostChain(blocks, tuple(Affine(0, rng.uniform(1e2, 1e4)) for _ in range(num_blocks - 1)),
+                          Affine(0, 1e3), Affine(0, 1e2))
+        net = fast_cluster(num_groups, bandwidth=1e15)
+        num_microbatches = rng.choice([num_groups, num_groups + 1, 2 * num_groups])
+        model = CandidateCosts(chain, net, num_microbatches, "adam", 2**40)
+        groups = tuple(((g,), 1) for g in range(num_groups))
+        trial = Trial(groups, virtual_stages, "interleaved", 1, tuple(range(2, num_blocks + 1, 2)))
+        plan = chunk_plan(model, trial, "dapple")
+        schedule = virtual_schedule(plan.schedule, len(plan.stages), plan.num_microbatches, plan.virtual_stages)
+        for group in range(num_groups):
+            chunks = plan.chunks_of_group(group)
+            every = plan.with_updates(stages=tuple(replace(s, block_recompute=("block", "block"))
+                                                   if s.stage_index in chunks else s for s in plan.stages))
+            low = group_peak_bytes(every, chain, schedule, group, "adam")
+            high = group_peak_bytes(plan, chain, schedule, group, "adam")
+            limit = low + rng.random() * (high - low)
+            picked = pick_chunk_choices(model, plan, group, "none", limit + len(chunks))
+            assert picked is not None, (seed, group)
+            chosen = plan.with_updates(stages=tuple(replace(s, block_recompute=picked[0][chunks.index(s.stage_index)])
+                                                    if s.stage_index in chunks else s for s in plan.stages))
+            assert group_peak_bytes(chosen, chain, schedule, group, "adam") <= limit + 2 * len(chunks), (seed, group)

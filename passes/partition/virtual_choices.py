@@ -115,8 +115,14 @@ def pick_chunk_choices(model: CandidateCosts, plan: Plan, group: int, level: str
                     ratio = gain / max(seconds - have[2], 1e-30)
                     if gain > 0 and (best is None or ratio > best[0]):
                         best = (ratio, i, b, k, drop)
-        if best is None:
-            return None
+        if best is None:  # stuck (a chunk's first recomputed block adds its rebuilt part even where it holds none):
+            # every block its most saving choice, then the undo below
+            state = [[max(range(len(block)), key=lambda k: block[k][1]) for block in chunk_options]
+                     for chunk_options in options]
+            drops = [chunk_drop(i, s) for i, s in enumerate(state)]
+            if peak(drops) > limit_bytes:
+                return None
+            break
         _, i, b, k, drop = best
         state[i][b], drops[i] = k, drop
     upgraded = [(i, b) for i, chunk_options in enumerate(options) for b in range(len(chunk_options))]
