@@ -68,6 +68,63 @@ def _affine(model: CandidateCosts, plan: Plan, chunk: int, level: str, recompute
     return float(at[0]), float(at[1] - at[0])
 
 
+class _GroupBlocks:
+    """A group's per-block options and memory along its list, for :func:`pick_chunk_choices`: ``state[i][b]`` indexes
+    block b of chunk i's options; ``drop`` is what a chunk's choices take off at each point of the list."""
+
+    def __init__(self, model: CandidateCosts, plan: Plan, group: int, level: str, limit_bytes: float) -> None:
+        chunks = plan.chunks_of_group(group)
+        self.held = held_vectors(plan, group)
+        self.base = sum(a + b * self.held[:, i] for i, (a, b) in enumerate(
+            _affine(model, plan, c, level, False) for c in chunks))
+        self.limit = limit_bytes
+        self.options = []
+        for c in chunks:
+            stage = plan.stages[c]
+            rows = model.cost(stage.first_block, stage.stop_block, plan.microbatch_size, stage.replicas,
+                              stage.tensor_parallel).rows
+            self.options.append(block_options(model.chain, stage.first_block, stage.stop_block, rows,
+                                              model.cluster.compute_slowdown, stage.tensor_parallel, model.cluster))
+
+    def drop(self, i: int, picked: Sequence[int]) -> np.ndarray:
+        saved = [self.options[i][b][k][1] for b, k in enumerate(picked)]
+        return self.held[:, i] * sum(saved) - max(saved, default=0.0)
+
+    def peak(self, drops: Sequence[np.ndarray]) -> float:
+        return float(np.max(self.base - sum(drops)))
+
+    def excess(self, drops: Sequence[np.ndarray]) -> float:
+        """Bytes over the limit summed over the list's points: an upgrade that lowers one of several equal peaks counts."""
+        return float(np.sum(np.maximum(self.base - sum(drops) - self.limit, 0.0)))
+
+    def best_upgrade(self, state: list[list[int]], drops: list[np.ndarray]) -> tuple[int, int, int, np.ndarray] | None:
+        """The upgrade taking the most overflow off per added second (None: none takes any off)."""
+        best: tuple[float, int, int, int, np.ndarray] | None = None
+        now = self.excess(drops)
+        for i, chunk_options in enumerate(self.options):
+            for b, block in enumerate(chunk_options):
+                have = block[state[i][b]]
+                for k, (_, num_bytes, seconds) in enumerate(block):
+                    if num_bytes <= have[1]:
+                        continue
+                    drop = self.drop(i, [*state[i][:b], k, *state[i][b + 1:]])
+                    gain = now - self.excess([*drops[:i], drop, *drops[i + 1:]])
+                    ratio = gain / max(seconds - have[2], 1e-30)
+                    if gain > 0 and (best is None or ratio > best[0]):
+                        best = (ratio, i, b, k, drop)
+        return None if best is None else best[1:]
+
+    def undo(self, state: list[list[int]], drops: list[np.ndarray]) -> None:
+        """Each block (costliest choice first) back to the cheapest choice the group still fits with."""
+        blocks = [(i, b) for i, chunk_options in enumerate(self.options) for b in range(len(chunk_options))]
+        for i, b in sorted(blocks, key=lambda ib: -self.options[ib[0]][ib[1]][state[ib[0]][ib[1]]][2]):
+            for k in range(state[i][b]):
+                drop = self.drop(i, [*state[i][:b], k, *state[i][b + 1:]])
+                if self.peak([*drops[:i], drop, *drops[i + 1:]]) <= self.limit:
+                    state[i][b], drops[i] = k, drop
+                    break
+
+
 def pick_chunk_choices(model: CandidateCosts, plan: Plan, group: int, level: str,
                        limit_bytes: float) -> tuple[tuple[tuple[str, ...], ...], float] | None:
     """Per chunk of ``group`` per-block choices that bring the group's peak under ``limit_bytes`` at the least added
@@ -75,63 +132,23 @@ def pick_chunk_choices(model: CandidateCosts, plan: Plan, group: int, level: str
     :func:`fxpipe.passes.partition.selective.greedy_block_choices` is for a stage, on the group's peak over its list:
     take the upgrade with the most bytes off per added second (bytes over the limit, summed over the points of the list
     where it overflows) until it fits, then undo upgrades it fits without."""
-    chunks = plan.chunks_of_group(group)
-    held = held_vectors(plan, group)
-    bases = [_affine(model, plan, c, level, False) for c in chunks]
-    base_totals = sum(a + b * held[:, i] for i, (a, b) in enumerate(bases))
-    options = []
-    for c in chunks:
-        stage = plan.stages[c]
-        rows = model.cost(stage.first_block, stage.stop_block, plan.microbatch_size, stage.replicas,
-                          stage.tensor_parallel).rows
-        options.append(block_options(model.chain, stage.first_block, stage.stop_block, rows,
-                                     model.cluster.compute_slowdown, stage.tensor_parallel, model.cluster))
+    group_blocks = _GroupBlocks(model, plan, group, level, limit_bytes)
+    options = group_blocks.options
     state = [[0] * len(chunk_options) for chunk_options in options]
-
-    def chunk_drop(i: int, picked: Sequence[int]) -> np.ndarray:  # bytes chunk i's choices take off at each row
-        saved = [options[i][b][k][1] for b, k in enumerate(picked)]
-        return held[:, i] * sum(saved) - max(saved, default=0.0)
-
-    drops = [chunk_drop(i, s) for i, s in enumerate(state)]
-
-    def peak(trial_drops: Sequence[np.ndarray]) -> float:
-        return float(np.max(base_totals - sum(trial_drops)))
-
-    def excess(trial_drops: Sequence[np.ndarray]) -> float:  # over the limit, summed over the list's points: an
-        # upgrade that lowers one of several equal peaks counts
-        return float(np.sum(np.maximum(base_totals - sum(trial_drops) - limit_bytes, 0.0)))
-
-    while peak(drops) > limit_bytes:
-        best: tuple[float, int, int, int, np.ndarray] | None = None
-        now = excess(drops)
-        for i, chunk_options in enumerate(options):
-            for b, block in enumerate(chunk_options):
-                have = block[state[i][b]]
-                for k, (_, num_bytes, seconds) in enumerate(block):
-                    if num_bytes <= have[1]:
-                        continue
-                    drop = chunk_drop(i, [*state[i][:b], k, *state[i][b + 1:]])
-                    gain = now - excess([*drops[:i], drop, *drops[i + 1:]])
-                    ratio = gain / max(seconds - have[2], 1e-30)
-                    if gain > 0 and (best is None or ratio > best[0]):
-                        best = (ratio, i, b, k, drop)
-        if best is None:  # stuck (a chunk's first recomputed block adds its rebuilt part even where it holds none):
+    drops = [group_blocks.drop(i, s) for i, s in enumerate(state)]
+    while group_blocks.peak(drops) > limit_bytes:
+        upgrade = group_blocks.best_upgrade(state, drops)
+        if upgrade is None:  # stuck (a chunk's first recomputed block adds its rebuilt part even where it holds none):
             # every block its most saving choice, then the undo below
             state = [[max(range(len(block)), key=lambda k: block[k][1]) for block in chunk_options]
                      for chunk_options in options]
-            drops = [chunk_drop(i, s) for i, s in enumerate(state)]
-            if peak(drops) > limit_bytes:
+            drops = [group_blocks.drop(i, s) for i, s in enumerate(state)]
+            if group_blocks.peak(drops) > limit_bytes:
                 return None
             break
-        _, i, b, k, drop = best
+        i, b, k, drop = upgrade
         state[i][b], drops[i] = k, drop
-    upgraded = [(i, b) for i, chunk_options in enumerate(options) for b in range(len(chunk_options))]
-    for i, b in sorted(upgraded, key=lambda ib: -options[ib[0]][ib[1]][state[ib[0]][ib[1]]][2]):
-        for k in range(state[i][b]):  # cheaper options of this block first
-            drop = chunk_drop(i, [*state[i][:b], k, *state[i][b + 1:]])
-            if peak([*drops[:i], drop, *drops[i + 1:]]) <= limit_bytes:
-                state[i][b], drops[i] = k, drop
-                break
+    group_blocks.undo(state, drops)
     choices = tuple(tuple(options[i][b][k][0] for b, k in enumerate(s)) for i, s in enumerate(state))
     seconds = sum(options[i][b][k][2] for i, s in enumerate(state) for b, k in enumerate(s))
     return tuple(() if set(c) == {"keep"} else c for c in choices), seconds
