@@ -309,9 +309,9 @@ LEFT_OUT = """What the predictions leave out, so that the forced published layou
 MFU: (1) interleaving in the published runs. Neither the Megatron-LM table nor the Llama 3 paper's Table 4 gives a
 virtual-stage count, so their layouts are forced at v=1, and a forced PP16 with 24 micro-batches idles about
 (16 - 1) / (24 + 16 - 1) of the time (the \"bubble\" column). fxpipe's own plans may take virtual stages
-(``virtual_stages="auto"``), but the planner prices chunks unsharded and without per-block recompute (a virtual
-trial that does not fit recomputes every block of every chunk), which on six of the seven rows costs more than
-the bubble saves. (2) Overlap: each layer's tensor-parallel all-gather and reduce-scatter are added to its time (Megatron
+(``virtual_stages="auto"``, each device group at its own ZeRO level with per-block recompute on its chunks where
+they do not fit); interleaving holds more micro-batches in flight per group, so a virtual plan recomputes more
+blocks than the same groups at v=1, and on the rows where that costs more than the bubble saves it keeps v=1. (2) Overlap: each layer's tensor-parallel all-gather and reduce-scatter are added to its time (Megatron
 overlaps them with --tp-comm-overlap). (3) The analytic device model: matmuls at the H100's achievable 794.5
 TFLOP/s, elementwise work by the roofline, no kernel fusion. The comparison between fxpipe's plan and the
 forced layout is made under the same model, so these omissions weigh on both sides; the absolute MFU is the model's,

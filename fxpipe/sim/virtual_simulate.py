@@ -20,6 +20,7 @@ from fxpipe.core.schedule import (
 )
 from fxpipe.core.timeline import TimelineEvent, TransferEvent
 from fxpipe.sim.events import CODE_OPS
+from fxpipe.sim.recompute_cost import selective_figures
 from fxpipe.sim.sharding_cost import ShardingComm, plan_sharding_comms
 from fxpipe.sim.simulate import SimulationResult, _optimizer_s, _slowdowns
 from fxpipe.sim.stagecost import (
@@ -111,7 +112,7 @@ def _chunk_costs(plan: Plan, chain: CostChain, cluster: Cluster, slowdowns: Sequ
             slowdown = max(slowdowns[d] for d in stage.replica_devices(replica))
             forward_s, backward_s = compute_times(chain, stage.first_block, stage.stop_block, rows, slowdown,
                                                   recompute=stage.recompute, tensor_parallel=stage.tensor_parallel,
-                                                  cluster=cluster)
+                                                  cluster=cluster, block_recompute=stage.block_recompute)
             weight_s = 0.0
             if weight_fraction is not None:
                 backward_s, weight_s = split_backward_times(backward_s, stage.stage_index, weight_fraction,
@@ -131,7 +132,8 @@ def _chunk_costs(plan: Plan, chain: CostChain, cluster: Cluster, slowdowns: Sequ
 def group_peak_bytes(plan: Plan, chain: CostChain, schedule: Schedule, group: int, optimizer: str,
                      cluster: Cluster | None = None) -> int:
     """Peak bytes per device of a group: the most, over its list, of what its chunks hold together, each chunk
-    its weights, buffers and the micro-batches it holds at that point (F done, B, or W when split, not yet); a
+    its weights, buffers and the micro-batches it holds at that point (F done, B, or W when split, not yet), less
+    what its per-block recompute choices drop (as :func:`fxpipe.sim.simulate.simulate` charges a stage's); a
     T-way group member holds its share (``cluster``: needed when T > 1), a sharded chunk its level's split over the
     group's replicas (as :func:`fxpipe.sim.simulate.simulate` charges a sharded stage)."""
     chunks = plan.chunks_of_group(group)
@@ -140,12 +142,15 @@ def group_peak_bytes(plan: Plan, chain: CostChain, schedule: Schedule, group: in
              for c in chunks}
     release = Op.WEIGHT if schedule.split_backward else Op.BACKWARD
     held = dict.fromkeys(chunks, 0)
+    selective = {c: selective_figures(chain, plan.stages[c].first_block, plan.stages[c].block_recompute, costs[c].rows,
+                                      tensor_parallel=plan.stages[c].tensor_parallel) for c in chunks}
 
     def total() -> int:
         return sum(stage_memory_bytes(costs[c], held[c], optimizer, plan.stages[c].recompute,
                                       sharding=plan.stages[c].sharding, replicas=plan.stages[c].replicas,
                                       num_microbatches=plan.num_microbatches,
-                                      reshard_after_forward=plan.stages[c].reshard_after_forward) for c in chunks)
+                                      reshard_after_forward=plan.stages[c].reshard_after_forward,
+                                      selective=selective[c]) for c in chunks)
 
     peak = total()
     for action in schedule.per_stage[group]:

@@ -19,8 +19,9 @@ def plan_virtual(request: PlanRequest, virtual: VirtualRequest, plain: Plan, *, 
 
     ``virtual.virtual_stages`` None ("auto"): the fastest of ``plain`` and every priced virtual plan that fits;
     a number: the fastest virtual plan with that many chunks per group (InfeasiblePlanError when none fits).
-    Virtual plans sum gradients once per group after its list, their chunks unsharded unless the request forces a
-    level (what :func:`fxpipe.sim.virtual_simulate.simulate_virtual` models); plain plans keep every option. ``compare``:
+    Virtual plans sum gradients once per group after its list, each group at its own ZeRO level under
+    ``sharding="auto"`` (or the forced one) with per-block recompute where it does not fit
+    (:mod:`fxpipe.passes.partition.virtual_choices`; what :func:`fxpipe.sim.virtual_simulate.simulate_virtual` models). ``compare``:
     a chosen virtual plan lists the plain plan in ``baselines`` as :data:`PLAIN_BASELINE`.
     """
     best = best_virtual(request, virtual, plain, forced_layout)
@@ -52,8 +53,9 @@ def plan_virtual(request: PlanRequest, virtual: VirtualRequest, plain: Plan, *, 
 
 
 def _sharding_note(plan: Plan) -> str:
-    levels = sorted({stage.sharding for stage in plan.stages} - {"none"})
-    return f"chunks of replicated groups are sharded at {levels[0]!r}" if levels else "chunks are unsharded"
+    levels = [plan.stages[plan.chunks_of_group(g)[0]].sharding for g in range(plan.num_groups)]
+    sharded = [f"group {g}'s chunks sharded at {level!r}" for g, level in enumerate(levels) if level != "none"]
+    return ", ".join(sharded) if sharded else "chunks are unsharded"
 
 
 def _describe(plan: Plan) -> str:

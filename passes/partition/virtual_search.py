@@ -9,12 +9,13 @@ import numpy as np
 
 from fxpipe.core.plan import Plan, StagePlan
 from fxpipe.core.schedule import Schedule
-from fxpipe.core.sharding import force_sharding
 from fxpipe.passes.partition.block_partition import work_weights
 from fxpipe.passes.partition.candidates import CandidateCosts
 from fxpipe.passes.partition.plan_build import with_prediction
 from fxpipe.passes.partition.request import PlanRequest, microbatch_grid
-from fxpipe.passes.partition.virtual_request import INTERLEAVED, ZBV, VirtualRequest
+from fxpipe.passes.partition.virtual_choices import fit_groups
+from fxpipe.passes.partition.virtual_request import ZBV, VirtualRequest
+from fxpipe.sim.recompute_cost import selective_figures
 from fxpipe.sim.stagecost import activation_peak_bytes
 from fxpipe.sim.tensor_parallel_cost import tied_degree_conflict
 from fxpipe.sim.virtual_simulate import group_peak_bytes, simulate_virtual, virtual_schedule
@@ -42,7 +43,6 @@ class Trial:
     schedule: str
     rows: int
     stops: tuple[int, ...]
-    recompute: bool = False  # every chunk keeps only its inputs and runs its forward again in backward
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ def chunk_plan(model: CandidateCosts, trial: Trial, planner: str) -> Plan:
             tensor_parallel=degree,
             node_names=tuple(name for block in chain.blocks[first:stop] for name in block.node_names),
             forward_s=cost.forward_s, backward_s=cost.backward_s, allreduce_s=model.allreduce(first, stop, devices[::degree], degree),
-            param_bytes=cost.param_bytes, activation_bytes=int(cost.activation_bytes), recompute=trial.recompute))
+            param_bytes=cost.param_bytes, activation_bytes=int(cost.activation_bytes)))
     return Plan(global_batch_size=model.global_batch_size, num_microbatches=model.global_batch_size // rows,
                 stages=tuple(stages), schedule=trial.schedule, warmup_policy="A", planner=planner,
                 cluster=model.cluster.name, num_devices=model.cluster.num_devices, num_blocks=chain.num_blocks,
@@ -176,23 +176,23 @@ def lower_bound(plan: Plan) -> float:
 
 
 def price(request: PlanRequest, model: CandidateCosts, trial: Trial, bound_s: float = float("inf")) -> Priced | None:
-    """The trial simulated exactly, or None when it does not fit in memory or cannot beat ``bound_s``. Under
-    ``recompute="auto"`` a trial that does not fit is tried with every chunk recomputing (interleaved 1F1B only:
-    a split backward cannot rerun a checkpointed forward); ``"always"`` recomputes every chunk."""
-    if request.recompute == "always" and trial.schedule == INTERLEAVED:
-        trial = replace(trial, recompute=True)
-    plan = sharded_chunk_plan(request, model, trial)
-    if plan is None or lower_bound(plan) >= bound_s or _tie_conflict(model, plan):
+    """The trial simulated exactly, or None when it does not fit in memory or cannot beat ``bound_s``. Each group
+    takes its fastest setting that fits (:func:`fxpipe.passes.partition.virtual_choices.fit_groups`): its ZeRO level
+    under ``sharding="auto"`` (or the forced one), and under ``recompute="auto"`` per-block recompute on its chunks
+    or every chunk checkpointed whole (interleaved 1F1B only: a split backward cannot rerun a checkpointed forward);
+    ``"always"`` checkpoints every chunk whole."""
+    plan = chunk_plan(model, trial, "dapple")
+    schedule = _schedule_of(plan)
+    if request.sharding == "parameters" and schedule.split_backward:
+        return None  # the runtime refuses ZeRO-3 under a split backward (fxpipe.compile_plan.check_sharded_schedule)
+    if lower_bound(plan) >= bound_s or _tie_conflict(model, plan):
         return None
-    if peak_bytes(model, plan) > request.memory_limit_bytes:
-        if trial.recompute or request.recompute != "auto" or trial.schedule != INTERLEAVED:
-            return None
-        trial = replace(trial, recompute=True)
-        plan = sharded_chunk_plan(request, model, trial)
-        if plan is None or peak_bytes(model, plan) > request.memory_limit_bytes:
-            return None
+    fitted = fit_groups(request, model, plan, schedule)
+    if fitted is None or peak_bytes(model, fitted) > request.memory_limit_bytes:
+        return None
+    plan = fitted
     result = simulate_virtual(plan, request.chain, request.cluster, optimizer=request.optimizer,
-                              schedule=_schedule_of(plan), timeline=False)
+                              schedule=schedule, timeline=False)
     stages = tuple(_with_memory(stage, peak, inflight, plan.num_microbatches, model)
                    for stage, peak, inflight in zip(plan.stages, result.peak_memory_bytes,
                                                     result.inflight_microbatches, strict=True))
@@ -201,23 +201,13 @@ def price(request: PlanRequest, model: CandidateCosts, trial: Trial, bound_s: fl
     return Priced(trial, plan, result.iteration_time_s, result.bubble_fraction)
 
 
-def sharded_chunk_plan(request: PlanRequest, model: CandidateCosts, trial: Trial) -> Plan | None:
-    """:func:`chunk_plan` with a forced ZeRO level (``sharding="optimizer"`` etc.) on every chunk of a group with
-    replicas, priced by the simulator as a sharded stage is; None for ZeRO-3 under a split backward, which the
-    runtime refuses (fxpipe.compile_plan.check_sharded_schedule). ``"auto"`` and ``"none"`` keep chunks unsharded."""
-    plan = chunk_plan(model, trial, "dapple")
-    if not isinstance(request.sharding, str) or request.sharding in ("none", "auto"):
-        return plan
-    if request.sharding == "parameters" and _schedule_of(plan).split_backward:
-        return None
-    return force_sharding(plan, request.sharding)
-
-
 def _with_memory(stage: StagePlan, peak: int, inflight: int, num_microbatches: int, model: CandidateCosts) -> StagePlan:
     cost = model.cost(stage.first_block, stage.stop_block, model.global_batch_size // num_microbatches, stage.replicas,
                       stage.tensor_parallel)
     return replace(stage, peak_memory_bytes=peak, inflight_microbatches=inflight,
-                   activation_peak_bytes=activation_peak_bytes(cost, inflight, num_microbatches, stage.recompute))
+                   activation_peak_bytes=activation_peak_bytes(cost, inflight, num_microbatches, stage.recompute, selective_figures(
+                       model.chain, stage.first_block, stage.block_recompute, cost.rows,
+                       tensor_parallel=stage.tensor_parallel)))
 
 
 def _tie_conflict(model: CandidateCosts, plan: Plan) -> bool:
