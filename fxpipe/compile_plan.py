@@ -10,6 +10,7 @@ import torch
 
 from fxpipe.compile_options import CompileOptions
 from fxpipe.core.cluster import Cluster
+from fxpipe.core.interleaved_schedules import SPLIT_BACKWARD_SCHEDULES
 from fxpipe.core.plan import Plan, plan_argument_kind
 from fxpipe.core.precision import PrecisionError, precision_of_dtype
 from fxpipe.core.recompute import force_recompute
@@ -66,7 +67,6 @@ def apply_overrides(plan: Plan, options: CompileOptions) -> Plan:
     return plan
 
 
-SPLIT_BACKWARD_SCHEDULES = ("zero_bubble", "interleaved_zero_bubble", "zbv")  # W runs apart from B
 WITHOUT_SPLIT_BACKWARD = ("schedule='dapple' or 'gpipe'", "schedule='interleaved'")  # one stage, virtual stages
 
 

@@ -219,9 +219,17 @@ def test_zero_bubble_and_recomputation_are_refused_together_not_run() -> None:
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     gm = trace(model, (torch.randn(8, 4),))
     plan = force_recompute(plan_from_cuts(gm, (1, 1), 8, 4, schedule="zero_bubble"), "always")
-    with pytest.raises(PipelineSetupError, match="zero-bubble's split backward"):
+    with pytest.raises(PipelineSetupError, match="zero_bubble's split backward"):
         check_recompute_batch_norm(plan, [model, model], "microbatch")
     check_recompute_batch_norm(force_recompute(plan, "never"), [model, model], "microbatch")  # either alone is fine
+    from tests.test_virtual_simulate import uniform_plan
+
+    for name in ("interleaved_zero_bubble", "zbv"):  # the virtual split-backward schedules alike; interleaved runs it
+        chunked = force_recompute(uniform_plan(name, 2, 2, 4)[0], "always")
+        with pytest.raises(PipelineSetupError, match=f"{name}'s split backward.*schedule='interleaved'"):
+            check_recompute_batch_norm(chunked, [model] * 4, "microbatch")
+    check_recompute_batch_norm(force_recompute(uniform_plan("interleaved", 2, 2, 4)[0], "always"), [model] * 4,
+                               "microbatch")
     from fxpipe.passes.partition.dapple import partition
     from tests.planner_cases import chain as planner_chain
     from tests.planner_cases import cluster as planner_cluster

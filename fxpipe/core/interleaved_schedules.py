@@ -10,6 +10,8 @@ from fxpipe.core.virtual import loop_chunk_groups, v_chunk_groups
 INTERLEAVED = "interleaved"
 INTERLEAVED_ZERO_BUBBLE = "interleaved_zero_bubble"
 ZBV = "zbv"
+# schedules whose backward runs as B then W apart (the one-stage zero_bubble and two virtual ones)
+SPLIT_BACKWARD_SCHEDULES = ("zero_bubble", INTERLEAVED_ZERO_BUBBLE, ZBV)
 
 
 def _check_sizes(name: str, num_groups: int, virtual_stages: int, num_microbatches: int) -> None:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from fxpipe.core.cluster import Cluster, LinkSpec
 from fxpipe.core.fsdp_calls import call_seconds
-from fxpipe.core.interleaved_schedules import INTERLEAVED_ZERO_BUBBLE, ZBV
+from fxpipe.core.interleaved_schedules import SPLIT_BACKWARD_SCHEDULES
 from fxpipe.core.plan import Plan
 from fxpipe.core.row_slices import split_rows
 from fxpipe.core.sharding import check_level
@@ -54,7 +54,6 @@ from fxpipe.sim.unit_overlap import UnitCompute, exposed_backward, exposed_forwa
 if TYPE_CHECKING:  # fxpipe.passes imports the planner, which imports this module
     from fxpipe.core.chain import CostChain
 
-SPLIT_BACKWARD_SCHEDULES = ("zero_bubble", INTERLEAVED_ZERO_BUBBLE, ZBV)  # B then W: gradients land in W
 
 
 class ShardingComm(NamedTuple):

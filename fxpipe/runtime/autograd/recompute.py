@@ -10,6 +10,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
+from fxpipe.core.interleaved_schedules import SPLIT_BACKWARD_SCHEDULES
 from fxpipe.core.plan import Plan
 from fxpipe.runtime.faults.errors import PipelineSetupError
 
@@ -58,18 +59,19 @@ def _buffers_restored(module: torch.nn.Module) -> Iterator[None]:
 
 def check_recompute_batch_norm(plan: Plan, stage_modules: Sequence[torch.nn.Module], batch_norm: str) -> None:
     """Deferred/synchronised batch norm (collectives and sums per forward) cannot run twice per micro-batch; nor can
-    zero-bubble's split backward rerun a checkpoint; nor can a whole recomputed block hold batch norm. Per-block
+    a split backward (zero_bubble, interleaved_zero_bubble, zbv) rerun a checkpoint; nor can a whole recomputed block hold batch norm. Per-block
     recompute runs on sharded stages (each region inside its block's FSDP unit) and on tensor-parallel members (the
     regions placed on each member's shard, rerunning its collectives).
 
     Decided from the plan and every stage's module, so every rank raises alike.
     """
     recomputing = [stage.stage_index for stage in plan.stages if stage.recompute or set(stage.block_recompute) - {"keep"}]
-    if recomputing and plan.schedule == "zero_bubble":
+    if recomputing and plan.schedule in SPLIT_BACKWARD_SCHEDULES:
+        fix = "'early_backward' (or 'auto')" if plan.virtual_stages == 1 else "'interleaved'"
         raise PipelineSetupError(
-            f"stages {recomputing} recompute their activations, which zero-bubble's split backward (B, then W "
-            "on the same autograd graph) cannot run; use schedule='early_backward' (or 'auto') with "
-            "recomputation, or recompute='never' with zero_bubble")
+            f"stages {recomputing} recompute their activations, which {plan.schedule}'s split backward (B, then W "
+            f"on the same autograd graph) cannot run; use schedule={fix} with recomputation, or "
+            f"recompute='never' with {plan.schedule}")
     for stage, module in zip(plan.stages, stage_modules, strict=True):
         names = [name for name, layer in module.named_modules() if isinstance(layer, _BatchNorm)]
         if "block" in stage.block_recompute and names:  # a checkpointed block would update their statistics twice
