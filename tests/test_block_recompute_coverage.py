@@ -25,9 +25,9 @@ from fxpipe.passes.partition.selective import with_block_node_counts
 from fxpipe.passes.recompute_regions import REGION_PREFIX, stage_regions
 from fxpipe.passes.tp_shard import shard_stage
 from fxpipe.planning import costed_model, plan_chain
-from tests.exactness_oracle import LEARNING_RATE, mismatches, train_reference
+from tests.exactness_oracle import train_reference
 from tests.mp_utils import join_world, leave_world, run_ranks
-from tests.test_block_recompute_parallel import MODELS, ROWS, _batches
+from tests.test_block_recompute_parallel import MODELS, ROWS, _batches, compared_steps
 
 WORLD_SIZE = 4
 GLOBAL_BATCH, NUM_MICROBATCHES = 4, 2  # tests/test_block_recompute_parallel.py's batches: rows of 16 tokens
@@ -86,21 +86,7 @@ def compared(pipe: Any, model_name: str, reference: dict[str, Any]) -> list[str]
     """AdamW steps: each step's loss (rtol 1e-5) and every whole gradient (gathered over the replicas' shards and
     the group's members; rtol 1e-4 at step 0, 1e-3 later where Adam amplifies the rounding:
     tests/exactness_oracle.py), then the whole weights (1e-4), against the one-process reference."""
-    adam_eps = MODELS[model_name][3]
-    optimizer = torch.optim.AdamW(pipe.parameters(), lr=LEARNING_RATE, eps=adam_eps)
-    problems: list[str] = []
-    for step, (inputs, targets) in enumerate(_batches(model_name)):
-        loss = pipe.step(inputs, targets)
-        if abs(loss - reference["losses"][step]) > 1e-5 * abs(reference["losses"][step]):
-            problems.append(f"step {step} loss {loss} vs {reference['losses'][step]}")
-        grads = {name: pipe.driver.whole(name, param.grad) for name, param in pipe.named_parameters()}
-        tolerance = {"rtol": 1e-4, "atol": 1e-6} if step == 0 else {"rtol": 1e-3, "atol": 1e-6, "atol_of_largest": 1e-3}
-        problems += mismatches(f"step {step} grad", grads, reference["grads_per_step"][step], **tolerance)
-        optimizer.step()
-        optimizer.zero_grad()
-    names = {name for name, _ in pipe.named_parameters()}
-    weights = {name: value for name, value in pipe.state_dict().items() if name in names}
-    return problems + mismatches("param", weights, reference["params"], rtol=0.0, atol=1e-4)
+    return compared_steps(pipe, reference, _batches(model_name), MODELS[model_name][3], check_losses=True)
 
 
 def regions_run(pipe: Any) -> int:

@@ -103,20 +103,25 @@ def _train(rank: int, store_dir: str, name: str, model_name: str, plan: Plan, re
         units = [sorted(name for name, _ in unit.named_children() if name.startswith("fxpipe_recompute_"))
                  for unit in (sharded.units if sharded is not None else ())]
         regions = sorted(name for name, _ in driver.runner.module.named_children() if name.startswith("fxpipe_recompute_"))
-        return {"problems": _compared(pipe, reference, _batches(model_name), adam_eps), "units": units,
+        return {"problems": compared_steps(pipe, reference, _batches(model_name), adam_eps), "units": units,
                 "regions": regions}
     finally:
         leave_world()
 
 
-def _compared(pipe: Any, reference: dict[str, Any], batches: list[Any], adam_eps: float) -> list[str]:
+def compared_steps(pipe: Any, reference: dict[str, Any], batches: list[Any], adam_eps: float,
+                   check_losses: bool = False) -> list[str]:
     """AdamW steps; each step's whole gradients (gathered over the replicas' shards or the group's members) within
     rtol 1e-4 at step 0 (float sums in another order: the replicas' reduce-scatter, the members' all-reduces) and
-    1e-3 later (Adam amplifies the rounding: tests/exactness_oracle.py); the whole weights within 1e-4 at the end."""
+    1e-3 later (Adam amplifies the rounding: tests/exactness_oracle.py); the whole weights within 1e-4 at the end;
+    with ``check_losses`` each step's loss within rtol 1e-5 too."""
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=LEARNING_RATE, eps=adam_eps)
     problems: list[str] = []
     for step, (inputs, targets) in enumerate(batches):
-        pipe.step(inputs, targets)
+        loss = pipe.step(inputs, targets)
+        expected = reference["losses"][step] if check_losses else loss
+        if abs(loss - expected) > 1e-5 * abs(expected):
+            problems.append(f"step {step} loss {loss} vs {expected}")
         grads = {name: pipe.driver.whole(name, param.grad) for name, param in pipe.named_parameters()}
         tolerance = {"rtol": 1e-4, "atol": 1e-6} if step == 0 else {"rtol": 1e-3, "atol": 1e-6, "atol_of_largest": 1e-3}
         problems += mismatches(f"step {step} grad", grads, reference["grads_per_step"][step], **tolerance)
