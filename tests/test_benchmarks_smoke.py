@@ -218,8 +218,10 @@ def test_small_fidelity_smoke(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(small_fidelity, "CASES", {2: ((small_fidelity.MLP, "1:1", 2),)})
     result = small_fidelity.run((2,), num_rounds=1, num_warmup=0, num_steps=1)
     (row,) = result["rows"]
-    # the suite runs uncalibrated (tests/conftest.py): no fixed-cost figures, so both predictions agree
-    assert row["predicted_s"] == row["without_s"] > 0 and row["action_s"] == 0 and row["iteration_s"] > 0
+    # the suite runs uncalibrated (tests/conftest.py): no fixed-cost figures, so both predictions agree (to the last
+    # bits: the planner's simulation and this re-simulation may sum the same terms in another order)
+    assert row["predicted_s"] == pytest.approx(row["without_s"], rel=1e-12) and row["without_s"] > 0
+    assert row["action_s"] == 0 and row["iteration_s"] > 0
     assert "mlp b=8 1:1 M=2 local:2" in small_fidelity.report(result)
 
 
