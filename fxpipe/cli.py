@@ -344,7 +344,18 @@ def _run_show(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    """Run one command; a torchrun worker (a rank of ``calibrate``, ``train`` or ``demo``) then ends at once with
+    the command's status (:func:`fxpipe.user_errors.exit_now`): its work is done and flushed, and interpreter
+    teardown is where gloo's threads now and then aborted a finished rank."""
+    status = _run_command(_build_parser().parse_args(argv))
+    from fxpipe.user_errors import exit_now, torchrun_worker
+
+    if torchrun_worker():
+        exit_now(status)
+    return status
+
+
+def _run_command(args: argparse.Namespace) -> int:
     # MODEL may be module:factory in the current folder; `python -m fxpipe` finds it there, so the
     # console script does too.
     if "" not in sys.path and os.getcwd() not in sys.path:

@@ -33,16 +33,24 @@ def report_user_error(command: str, error: BaseException) -> int:
         print(f"fxpipe {command}: rank {rank}: {text}", file=sys.stderr, end="", flush=True)
     if rank == 0:
         print(f"fxpipe {command}: error: {error}", file=sys.stderr, flush=True)
-    if os.environ.get("TORCHELASTIC_RUN_ID"):  # a torchrun worker (torchrun sets it)
+    if torchrun_worker():
         _record_for_torchrun(command, error, rank)
-        _exit_now(USER_ERROR_STATUS)
+        exit_now(USER_ERROR_STATUS)
     return USER_ERROR_STATUS
 
 
-def _exit_now(status: int) -> None:
+def torchrun_worker() -> bool:
+    """Whether this process is a torchrun worker (torchrun sets ``TORCHELASTIC_RUN_ID``)."""
+    return bool(os.environ.get("TORCHELASTIC_RUN_ID"))
+
+
+def exit_now(status: int) -> None:
     """Run the exit handlers (the process group is destroyed, the heartbeat stopped), then end the process at
-    once: a torchrun worker's interpreter teardown after a failed compile took ~5 s here, long enough for
-    torchrun to see another rank's exit first, SIGTERM this one and log that it did."""
+    once, skipping the interpreter's teardown. Two reasons, both seen on torchrun workers here: after a failed
+    compile that teardown took ~5 s, long enough for torchrun to see another rank's exit first, SIGTERM this one
+    and log that it did; and after a finished ``fxpipe calibrate`` a worker now and then aborted in it
+    ("terminate called without an active exception": a gloo group still referenced from Python, e.g. by a
+    DeviceMesh, destroyed with its threads during finalization; CI of 2357cdf), failing a run whose work was done."""
     import atexit
 
     sys.stdout.flush()

@@ -9,6 +9,8 @@ import io
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -191,3 +193,28 @@ def test_demo_trains_on_local_ranks(capfd: pytest.CaptureFixture[str], monkeypat
     assert match is not None, out[-3000:]
     demo_args = ["gpt-mini", "--global-batch", "32", "--steps", "2", "--data", "stdlib"]
     assert [float(match[2]), float(match[3])] == pytest.approx(_reference_losses(demo_args), abs=1.5e-3)
+
+
+def test_a_torchrun_worker_ends_right_after_its_command_skipping_interpreter_teardown(tmp_path: Path) -> None:
+    """Under torchrun (TORCHELASTIC_RUN_ID set) `fxpipe` runs the exit handlers, then ends at once with the
+    command's status: interpreter teardown, where gloo's threads now and then aborted a finished calibrate
+    rank (SIGABRT, "terminate called without an active exception"), never runs. Outside torchrun, main returns."""
+    script = ("import atexit, sys\n"
+              "from fxpipe.cli import main\n"
+              "class Teardown:\n"
+              "    def __del__(self):\n"
+              "        print('teardown ran', flush=True)\n"
+              "keep = Teardown()\n"
+              "atexit.register(print, 'handlers ran', flush=True)\n"
+              f"status = main(['plan', *{GPT!r}, '--json', {str(tmp_path / 'plan.json')!r}, '--no-run-info'])\n"
+              "print('main returned', status, flush=True)\n")
+    env = {key: value for key, value in os.environ.items() if key != "TORCHELASTIC_RUN_ID"}
+    outside = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert outside.returncode == 0, outside.stderr[-2000:]
+    assert ["main returned 0", "handlers ran", "teardown ran"] == \
+        [line for line in outside.stdout.splitlines() if line.startswith(("main returned", "handlers", "teardown"))]
+    worker = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env={**env, "TORCHELASTIC_RUN_ID": "test"}, timeout=120)
+    assert worker.returncode == 0, worker.stderr[-2000:]
+    assert "handlers ran" in worker.stdout and "main returned" not in worker.stdout
+    assert "teardown ran" not in worker.stdout
