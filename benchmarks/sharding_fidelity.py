@@ -282,9 +282,10 @@ def level_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def fit_text(figures: dict[str, float]) -> str:
-    """Calibration's per-kind fit of FSDP2's host time, in ms per call + ms per MB of the unit."""
+    """Calibration's per-kind fit of FSDP2's host time (all-gather, reduce-scatter, the collective-free pass), in ms
+    per call + ms per MB of the unit."""
     return "(" + ", ".join(f"{figures[f'fsdp_{kind}_call'] * 1e3:.2f} + {figures[f'fsdp_{kind}_per_byte'] * 1e9:.2f}"
-                           for kind in ("all_gather", "reduce_scatter")) + ")"
+                           for kind in ("all_gather", "reduce_scatter", "pass")) + ")"
 
 
 def report(result: dict[str, Any], elapsed_s: float) -> str:
@@ -336,7 +337,7 @@ def report(result: dict[str, Any], elapsed_s: float) -> str:
         f"allreduce {figures_of('allreduce')}; reduce-scatter {figures_of('reduce_scatter')}; all-gather "
         f"{figures_of('all_gather')}; FSDP2's host time per call, flat "
         + ", ".join(f"{r['figures']['fsdp_call_overhead'] * 1e3:.2f} ms" for r in result["rounds"])
-        + "; per kind and unit bytes (all-gather, reduce-scatter: ms per call + ms per MB) "
+        + "; per kind and unit bytes (all-gather, reduce-scatter, the pass without a collective: ms per call + ms per MB) "
         + ", ".join(fit_text(r["figures"]) for r in result["rounds"]) + ".", "",
         "Models: *own RS/AG* gives each collective its own calibrated link; *flat per call* adds FSDP2's host time "
         "per call as one figure (`Cluster.fsdp_call_overhead_s`); *now* adds it per kind and by each unit's bytes "

@@ -134,7 +134,12 @@ def sharded_collectives(plan: Plan, chain: CostChain, net: Cluster, stage_index:
                   + (fsdp_host_seconds(net, "reduce_scatter", grads / units) if grads > 0 else 0.0)
                   for _ in range(units))
     if stage.sharding == "optimizer":  # ZeRO-1: gather updated weights once, scatter gradients once
-        out["start"], out["tail"] = gather, scatter
+        # FSDP2's hooks run every micro-batch's backward without a collective; the reduce-scatter's figure
+        # already holds the last micro-batch's
+        fit = net.fsdp_calls.to_json() if net.fsdp_calls is not None else {}
+        hooks = sum(fit.get("pass_s", 0.0) + fit.get("pass_s_per_byte", 0.0) * grads / units
+                    for _ in range(units)) if grads > 0 else 0.0
+        out["start"], out["B"], out["tail"] = gather, hooks, max(0.0, scatter - hooks)
     elif stage.sharding == "gradients":  # ZeRO-2: scatter after every micro-batch's backward
         out["start"], out["B"] = gather, scatter
     elif stage.reshard_after_forward is False:  # ZeRO-3 keeping the forward's weights for its backward

@@ -224,7 +224,8 @@ LINK_FIGURES = {"link_bandwidth": 3e9, "link_latency": 4e-5, "allreduce_bandwidt
                 "reduce_scatter_bandwidth": 4e8, "reduce_scatter_latency": 3e-4, "all_gather_bandwidth": 9e8,
                 "all_gather_latency": 1e-4, "lockstep_latency": 7e-4, "lockstep_bandwidth": 2e8,
                 "fsdp_call_overhead": 2e-3, "fsdp_all_gather_call": 1e-3, "fsdp_all_gather_per_byte": 2e-9,
-                "fsdp_reduce_scatter_call": 5e-4, "fsdp_reduce_scatter_per_byte": 1e-9}
+                "fsdp_reduce_scatter_call": 5e-4, "fsdp_reduce_scatter_per_byte": 1e-9, "fsdp_pass_call": 4e-4,
+                "fsdp_pass_per_byte": 5e-10}
 
 
 def _no_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -262,7 +263,7 @@ def test_local_calibration_reads_its_cache(tmp_path: Path, monkeypatch: pytest.M
     assert cluster.intra_host == LinkSpec(3e9, 4e-5)
     assert (cluster.overlap_compute_slowdown, cluster.overlap_comm_slowdown) == (0.25, 1.5)
     assert (cluster.tensor_parallel_collective, cluster.fsdp_call_overhead_s) == (LinkSpec(2e8, 7e-4), 2e-3)
-    assert cluster.fsdp_calls == FsdpCallCost(1e-3, 2e-9, 5e-4, 1e-9)
+    assert cluster.fsdp_calls == FsdpCallCost(1e-3, 2e-9, 5e-4, 1e-9, 4e-4, 5e-10)
     assert cluster.collective_link([0, 1]) == cluster.intra_host_collective == LinkSpec(1.5e9, 6e-5)
     assert cluster.allreduce_time(3e9, [0, 1]) == 2 * 6e-5 + 2.0  # ring: 2 latencies + W / bandwidth
     assert cluster.message_overhead_s == 3e-4

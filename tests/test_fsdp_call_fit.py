@@ -52,6 +52,9 @@ def test_the_fit_round_trips_through_the_cluster_file_and_presets_keep_their_byt
     assert preset.fsdp_calls is None and "fsdp_calls" not in preset.to_json()  # files written before are unchanged
     assert Cluster.from_json(preset.to_json()) == preset
     fit = FIT.to_json()
+    # a file written before the pass was measured loads with pass figures of 0
+    older = {key: value for key, value in fit.items() if not key.startswith("pass_")}
+    assert Cluster.from_json({**net.to_json(), "fsdp_calls": older}).fsdp_calls == FIT
     for broken, message in (({k: v for k, v in fit.items() if k != "all_gather_s"}, "all_gather_s"),
                             ({**fit, "reduce_scatter_s": -1e-3}, "reduce_scatter_s -0.001 must be non-negative"),
                             ({**fit, "per_call": 1.0}, "unknown keys \\['per_call'\\]"),
@@ -61,8 +64,9 @@ def test_the_fit_round_trips_through_the_cluster_file_and_presets_keep_their_byt
 
 
 def test_calibrated_figures_make_the_clusters_fit() -> None:
-    figures = dict(zip(FIGURE_KEYS, (1e-3, 2e-9, 5e-4, 1e-9), strict=True))
+    figures = dict(zip(FIGURE_KEYS, (1e-3, 2e-9, 5e-4, 1e-9, 0.0, 0.0), strict=True))
     assert fsdp_calls_from_figures(figures) == FIT
+    assert fsdp_calls_from_figures({key: value for key, value in figures.items() if key != "fsdp_pass_call"}) is None
     assert fsdp_calls_from_figures({"fsdp_call_overhead": 2e-3}) is None  # a cache written before the fit
     fields = calibrated_link_fields({**figures, "fsdp_call_overhead": 2e-3})
     assert (fields["fsdp_calls"], fields["fsdp_call_overhead_s"]) == (FIT, 2e-3)
@@ -124,3 +128,36 @@ def test_both_simulators_charge_the_fit_per_unit(level: str) -> None:
     # the pivot model adds the same seconds (one stage: its own figure, the charges on its critical path)
     pivot = analytic_iteration_time(plan, chain, fitted) - analytic_iteration_time(plan, chain, NET)
     assert pivot == pytest.approx(units * calls[level], rel=1e-9)
+
+
+def test_zero1_is_charged_each_micro_batchs_hooks_and_the_reduce_scatter_beyond_the_last() -> None:
+    """ZeRO-1 makes one all-gather and one reduce-scatter per step, yet FSDP2 runs every unit's hooks (and
+    accumulates its unsynced gradients) in every micro-batch: M - 1 passes beyond the reduce-scatter's own figure,
+    which holds the last micro-batch's. Simulator, pivot model and reference simulator charge the same."""
+    passes = replace(FIT, pass_s=2e-4, pass_s_per_byte=1e-10)  # below the reduce-scatter's figure, as measured
+    assert passes.pass_seconds(1e6) == pytest.approx(2e-4 + 1e-4, rel=1e-12)
+    without = sharding_comm(replace(NET, fsdp_calls=FIT), "optimizer", (0, 1), 4e6, 4e6, num_units=4)
+    with_passes = sharding_comm(replace(NET, fsdp_calls=passes), "optimizer", (0, 1), 4e6, 4e6, num_units=4)
+    hooks = 4 * passes.pass_seconds(1e6)
+    assert (with_passes.backward_s, with_passes.start_s) == (pytest.approx(hooks, rel=1e-12), without.start_s)
+    assert with_passes.tail_s == pytest.approx(without.tail_s - hooks, rel=1e-12)
+    for num_microbatches in (1, 2, 4):
+        assert with_passes.step_seconds(num_microbatches) - without.step_seconds(num_microbatches) == \
+            pytest.approx((num_microbatches - 1) * hooks, rel=1e-9)
+    # a pass timed above the reduce-scatter's whole figure (noise) leaves the tail at 0, never below
+    noisy = sharding_comm(replace(NET, fsdp_calls=replace(FIT, pass_s=1e-2)), "optimizer", (0, 1), 4e6, 4e6, num_units=4)
+    assert noisy.tail_s == 0.0 and noisy.backward_s == pytest.approx(4e-2, rel=1e-12)
+    # no fit (a flat figure per call, or a preset): no pass charge
+    assert sharding_comm(NET, "optimizer", (0, 1), 4e6, 4e6, num_units=4).backward_s == 0.0
+    chain = _hand_chain()
+    plan = Plan(4, 2, (StagePlan(0, 0, 2, 2, (0, 1), sharding="optimizer"),))
+    units = num_units(chain, 0, 2)
+    unit_bytes = stage_param_bytes(chain, 0, 2) / units
+    fitted, hooked = replace(NET, fsdp_calls=FIT), replace(NET, fsdp_calls=passes)
+    extra = (plan.num_microbatches - 1) * units * passes.pass_seconds(unit_bytes)  # M = 2
+    assert simulate(plan, chain, hooked).iteration_time_s - simulate(plan, chain, fitted).iteration_time_s == \
+        pytest.approx(extra, rel=1e-9)
+    assert reference_run(plan, chain, hooked).iteration_time_s - reference_run(plan, chain, fitted).iteration_time_s == \
+        pytest.approx(extra, rel=1e-9)
+    pivot = analytic_iteration_time(plan, chain, hooked) - analytic_iteration_time(plan, chain, fitted)
+    assert pivot == pytest.approx(extra, rel=1e-9)

@@ -10,7 +10,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, Literal
 
-from fxpipe.core.fsdp_calls import FsdpCallCost, fsdp_calls_from_figures
+from fxpipe.core.fsdp_calls import OPTIONAL_FIELDS, FsdpCallCost, fsdp_calls_from_figures
 from fxpipe.core.hardware import Calibration, DeviceSpec, LinkSpec
 from fxpipe.core.jsonvalues import JSONValueError, read_field
 
@@ -135,8 +135,9 @@ def optional_seconds(data: Any, key: str) -> float:
 
 
 def optional_fsdp_calls(data: Any) -> FsdpCallCost | None:
-    """FSDP2's per-kind host time fit at ``fsdp_calls`` of a cluster's JSON (four non-negative seconds figures,
-    ClusterSpecError naming a missing or wrong one); None when the key is absent or null."""
+    """FSDP2's per-kind host time fit at ``fsdp_calls`` of a cluster's JSON (non-negative seconds figures,
+    ClusterSpecError naming a missing or wrong one; the pass figures, newer, may be absent: 0); None when the key
+    is absent or null."""
     if data.get("fsdp_calls") is None:
         return None
     fit = json_field(data, "fsdp_calls", dict)
@@ -145,7 +146,7 @@ def optional_fsdp_calls(data: Any) -> FsdpCallCost | None:
         raise ClusterSpecError(f"cluster JSON: fsdp_calls has unknown keys {extra}; it holds "
                                f"{sorted(FsdpCallCost().to_json())}")
     return FsdpCallCost(**{name: float(json_field(fit, name, float, "fsdp_calls", "non-negative"))
-                           for name in FsdpCallCost().to_json()})
+                           for name in FsdpCallCost().to_json() if name in fit or name not in OPTIONAL_FIELDS})
 
 
 def device_from_json(data: Any) -> DeviceSpec:

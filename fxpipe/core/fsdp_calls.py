@@ -8,6 +8,13 @@ units, 5-10 ms at 1 MB), so one figure per call under- or over-charges depending
 Legend: for a call of ``kind`` on a unit of ``b`` whole bytes (gathered weights, or gradients reduced)
 
     seconds(kind, b) = call_s[kind] + per_byte_s[kind] * b
+    pass(b)          = pass_s + pass_s_per_byte * b
+
+``pass`` is a unit's forward and backward that makes no collective: ZeRO-1's micro-batches before the step's last
+(weights kept gathered, gradients accumulated unsynced). FSDP2 still runs its hooks and accumulates the unit's
+unsharded gradients; on CPU ranks about a millisecond per unit (gpt-mini, 2 ranks: ZeRO-1's step minus the
+unsharded one grew 31, 40, 55 ms of CPU at 1, 2, 4 micro-batches, 5 units). The reduce-scatter's figure holds one
+micro-batch's hooks already (it is timed on units that sync every backward), so ZeRO-1 is charged ``M - 1`` passes.
 
 fitted through two unit sizes by :mod:`fxpipe.runtime.calibration.calibrate_fsdp` and charged per unit by
 :func:`fxpipe.sim.sharding_cost.unit_collectives`. A ZeRO-2 reduce-scatter (weights stay gathered: no unshard, no
@@ -30,6 +37,8 @@ class FsdpCallCost:
     all_gather_s_per_byte: float = 0.0
     reduce_scatter_s: float = 0.0
     reduce_scatter_s_per_byte: float = 0.0
+    pass_s: float = 0.0
+    pass_s_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -43,6 +52,10 @@ class FsdpCallCost:
             raise ValueError(f"FSDP2 collective kind must be one of {KINDS}; got {kind!r}")
         return getattr(self, f"{kind}_s") + getattr(self, f"{kind}_s_per_byte") * max(0.0, unit_bytes)
 
+    def pass_seconds(self, unit_bytes: float) -> float:
+        """FSDP2's host time of one unit's forward and backward without a collective (module docstring: ``pass``)."""
+        return self.pass_s + self.pass_s_per_byte * max(0.0, unit_bytes)
+
     def to_json(self) -> dict[str, float]:
         """The four figures by field name (``Cluster.to_json``'s ``fsdp_calls``; read by
         :func:`fxpipe.core.cluster_spec.optional_fsdp_calls`)."""
@@ -51,7 +64,9 @@ class FsdpCallCost:
 
 # calibration's figure names (fxpipe.runtime.calibration.calibrate_fsdp), in FsdpCallCost's field order
 FIGURE_KEYS = ("fsdp_all_gather_call", "fsdp_all_gather_per_byte", "fsdp_reduce_scatter_call",
-               "fsdp_reduce_scatter_per_byte")
+               "fsdp_reduce_scatter_per_byte", "fsdp_pass_call", "fsdp_pass_per_byte")
+# the fields a cluster file may leave out (written before the pass was measured): 0
+OPTIONAL_FIELDS = ("pass_s", "pass_s_per_byte")
 
 
 def fsdp_calls_from_figures(figures: dict[str, float]) -> FsdpCallCost | None:
@@ -59,6 +74,12 @@ def fsdp_calls_from_figures(figures: dict[str, float]) -> FsdpCallCost | None:
     if not all(key in figures for key in FIGURE_KEYS):
         return None
     return FsdpCallCost(*(max(0.0, figures[key]) for key in FIGURE_KEYS))
+
+
+def zero1_pass_seconds(calls: FsdpCallCost | None, unit_bytes: float, num_units: int) -> float:
+    """What one micro-batch's passes cost a ZeRO-1 stage of ``num_units`` units of ``unit_bytes`` gradient bytes
+    each (0 without a fit: flat per-call figures and presets charge calls only)."""
+    return 0.0 if calls is None or unit_bytes <= 0 else max(1, num_units) * calls.pass_seconds(unit_bytes)
 
 
 def call_seconds(calls: FsdpCallCost | None, flat_s: float, kind: str, unit_bytes: float) -> float:

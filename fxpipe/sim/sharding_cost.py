@@ -10,11 +10,14 @@ M micro-batches:
     level        before first forward   each forward   each backward     after last backward
     none         -                      -              -                 AR(G), bucketed (allreduce_overlap)
     (each of AG and RS runs once per FSDP unit, on its share of the bytes: one unit per chain block holding parameters)
-    optimizer    AG(W)                  -              -                 RS(G)
+    optimizer    AG(W)                  -              P                 RS(G) - P
     gradients    AG(W)                  -              RS(G)             -
     parameters   -                      AG(W)          AG(W) + RS(G)     -
 
-Under split backward (zero-bubble) "each backward" is each W, which the reduce-scatter follows at runtime
+P is FSDP2's host time of every unit's forward and backward without a collective (``FsdpCallCost.pass_seconds``,
+calibrated on CPU ranks, 0 elsewhere): ZeRO-1 runs its hooks and accumulates unsynced gradients every micro-batch,
+and the last one's are already in the reduce-scatter's per-call figure. Under split backward (zero-bubble) "each
+backward" is each W, which the reduce-scatter follows at runtime
 (:meth:`fxpipe.runtime.parallel.sharded_stage.ShardedStage.after_weights`); ZeRO-3 never runs split.
 
 Each of RS and AG moves (r-1)/r of the bytes per device, half a ring allreduce (:meth:`Cluster.allreduce_time`),
@@ -37,7 +40,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from fxpipe.core.cluster import Cluster, LinkSpec
-from fxpipe.core.fsdp_calls import call_seconds
+from fxpipe.core.fsdp_calls import call_seconds, zero1_pass_seconds
 from fxpipe.core.interleaved_schedules import SPLIT_BACKWARD_SCHEDULES
 from fxpipe.core.plan import Plan
 from fxpipe.core.row_slices import split_rows
@@ -97,8 +100,9 @@ def sharding_comm(cluster: Cluster, sharding: str, devices: Sequence[int], weigh
     gathered = weight_bytes * (param_copy_fraction or 1.0)  # bf16-params gathers bf16 copies
     gather = unit_collectives(cluster, gathered, devices, num_units, "all_gather")
     scatter = unit_collectives(cluster, gradient_bytes, devices, num_units, "reduce_scatter")
-    if sharding == "optimizer":
-        return ShardingComm(start_s=gather, tail_s=scatter)
+    if sharding == "optimizer":  # each micro-batch's hooks; the last one's are in the reduce-scatter's figure
+        passes = zero1_pass_seconds(cluster.fsdp_calls, gradient_bytes / max(1, num_units), num_units)
+        return ShardingComm(start_s=gather, backward_s=passes, tail_s=max(0.0, scatter - passes))
     if sharding == "gradients":
         return ShardingComm(start_s=gather, backward_s=scatter if compute is None else
                             exposed_backward(0.0, scatter, compute, cluster))

@@ -6,9 +6,11 @@ call FSDP2 copies into and out of flat buffers, allocates and frees them and run
 ranks milliseconds per call, growing with the unit's bytes (benchmarks/sharding_fidelity.md). Both ranks (call on
 both; ``group`` holds just them) time the forward and backward of ``FSDP_UNITS`` linear layers of each width in
 ``FSDP_WIDTHS``: whole; each ``fully_shard``-ed keeping its weights gathered (ZeRO-2: one reduce-scatter per unit);
-resharding after forward (ZeRO-3: two all-gathers and a reduce-scatter per unit); and each unit's bare
-all-gather and reduce-scatter of its bytes as FSDP2 calls them. :func:`per_call_excess` gives each kind's host
-time per call at that unit size, :func:`two_size_fit` a per-call and a per-byte figure through the two sizes
+resharding after forward (ZeRO-3: two all-gathers and a reduce-scatter per unit); kept gathered with gradient sync
+off (ZeRO-1's micro-batches before the last: no collective, FSDP2's hooks and unsynced accumulation only); and each
+unit's bare all-gather and reduce-scatter of its bytes as FSDP2 calls them. :func:`per_call_excess` gives each
+kind's host time per call at that unit size (and the pass's per unit), :func:`two_size_fit` a per-call and a
+per-byte figure through the two sizes
 (:class:`fxpipe.core.fsdp_calls.FsdpCallCost`), which :func:`fxpipe.sim.sharding_cost.unit_collectives` charges
 per unit by its bytes. Medians of ``FSDP_REPEATS`` interleaved rounds, averaged over the two ranks.
 """
@@ -93,11 +95,23 @@ def _sharded(width: int, mesh: Any, reshard_after_forward: bool) -> torch.nn.Mod
     return model
 
 
-def _unit_excess(width: int, mesh: Any, group: dist.ProcessGroup | None) -> tuple[float, float, float]:
-    """(unit bytes, all-gather s, reduce-scatter s) of host time per call on units of ``width``."""
+def _unsynced(width: int, mesh: Any) -> torch.nn.Module:
+    """ZeRO-1's micro-batches before the step's last, as the runtime sets them
+    (:meth:`fxpipe.runtime.parallel.sharded_stage.ShardedStage.before_backward`): weights kept gathered, gradients
+    accumulated without a reduce-scatter, not the step's last backward."""
+    model: Any = _sharded(width, mesh, False)
+    model.set_is_last_backward(False)
+    model.set_requires_gradient_sync(False)
+    model.set_reshard_after_backward(False)
+    return model
+
+
+def _unit_excess(width: int, mesh: Any, group: dist.ProcessGroup | None) -> tuple[float, float, float, float]:
+    """(unit bytes, all-gather s, reduce-scatter s, pass s) of host time per call (per unit for the pass) on units
+    of ``width``."""
     torch.manual_seed(0)
     whole = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(FSDP_UNITS)))
-    zero2, zero3 = _sharded(width, mesh, False), _sharded(width, mesh, True)
+    zero2, zero3, unsynced = _sharded(width, mesh, False), _sharded(width, mesh, True), _unsynced(width, mesh)
     inputs = torch.randn(FSDP_ROWS, width)
     unit_numel = width * width + width
     num_ranks = dist.get_world_size(group)
@@ -114,12 +128,12 @@ def _unit_excess(width: int, mesh: Any, group: dist.ProcessGroup | None) -> tupl
     def step(model: torch.nn.Module) -> Callable[[], None]:
         return lambda: model(inputs).sum().backward()
 
-    times = interleaved_medians((step(whole), step(zero2), step(zero3), partial(bare, "all_gather"),
+    times = interleaved_medians((step(whole), step(zero2), step(zero3), step(unsynced), partial(bare, "all_gather"),
                                  partial(bare, "reduce_scatter")), group)
-    whole_s, zero2_s, zero3_s, gathers_s, scatters_s = times
+    whole_s, zero2_s, zero3_s, unsynced_s, gathers_s, scatters_s = times
     gather, scatter = per_call_excess(whole_s, zero2_s, zero3_s, gathers_s / FSDP_UNITS, scatters_s / FSDP_UNITS,
                                       FSDP_UNITS)
-    return float(unit_numel * 4), gather, scatter
+    return float(unit_numel * 4), gather, scatter, max(0.0, (unsynced_s - whole_s) / FSDP_UNITS)
 
 
 def measure_fsdp_overhead(device: torch.device, group: dist.ProcessGroup | None = None) -> dict[str, float]:
@@ -132,11 +146,13 @@ def measure_fsdp_overhead(device: torch.device, group: dist.ProcessGroup | None 
 
     mesh = DeviceMesh.from_group(group if group is not None else dist.distributed_c10d._get_default_group(), "cpu")
     sizes = [_unit_excess(width, mesh, group) for width in FSDP_WIDTHS]
-    mine = torch.tensor([value for _, gather, scatter in sizes for value in (gather, scatter)], dtype=torch.float64)
+    mine = torch.tensor([value for _, *figures in sizes for value in figures], dtype=torch.float64)
     dist.all_reduce(mine, group=group)  # the two ranks' mean: the model charges one figure on both
-    (small_gather, small_scatter, large_gather, large_scatter) = (float(v) / dist.get_world_size(group) for v in mine)
-    (small_bytes, _, _), (large_bytes, _, _) = sizes
+    means = [float(value) / dist.get_world_size(group) for value in mine]
+    small_gather, small_scatter, small_pass, large_gather, large_scatter, large_pass = means
+    (small_bytes, *_), (large_bytes, *_) = sizes
     gather_fit = two_size_fit((small_bytes, small_gather), (large_bytes, large_gather))
     scatter_fit = two_size_fit((small_bytes, small_scatter), (large_bytes, large_scatter))
+    pass_fit = two_size_fit((small_bytes, small_pass), (large_bytes, large_pass))
     return {"fsdp_call_overhead": (2 * small_gather + small_scatter) / CALLS_PER_UNIT,
-            **dict(zip(FIGURE_KEYS, (*gather_fit, *scatter_fit), strict=True))}
+            **dict(zip(FIGURE_KEYS, (*gather_fit, *scatter_fit, *pass_fit), strict=True))}
