@@ -32,28 +32,48 @@ COMMAND = "python benchmarks/tp_fidelity.py --write"
 TARGET_ERROR = 0.20
 GPT = Workload("gpt-mini", (), 8, 2)
 CASES = (Case(GPT, "1x2"), Case(GPT, "dp"))
+DEFAULT_WIDTH = 128  # gpt-mini's n_embd
+
+
+def cases_for(widths: tuple[int, ...]) -> tuple[Case, ...]:
+    """The T=2 stage and its data-parallel control for gpt-mini at each width (n_embd; one head per 32 channels
+    beyond the default): wider blocks carry more compute per collective byte (rows x h^2 against rows x h)."""
+    chosen: list[Case] = []
+    for width in widths:
+        overrides = () if width == DEFAULT_WIDTH else (("n_embd", width), ("n_head", width // 32))
+        workload = Workload(GPT.model, overrides, GPT.global_batch_size, GPT.num_microbatches)
+        chosen += [Case(workload, "1x2"), Case(workload, "dp")]
+    return tuple(chosen)
+
+
+def case_label(case: Case) -> str:
+    width = dict(case.workload.overrides).get("n_embd", DEFAULT_WIDTH)
+    return f"{case}{'' if width == DEFAULT_WIDTH else f' n_embd={width}'} local:2"
 
 
 def tp_rank(rank: int, world_size: int, num_rounds: int, num_warmup: int, num_steps: int,
-            pin: bool = False) -> list[list[dict[str, Any]]]:
+            pin: bool = False, cases: tuple[Case, ...] = CASES) -> list[list[dict[str, Any]]]:
     """Rounds of every case in turn (interleaved: a burst of load spoils one round of each); rank 0's figures.
     ``pin``: every thread of this rank on a core of its own, before the calibration and the steps."""
     if pin:
         pin_rank(rank)
     seen = _captured_planning()
-    return [[_one_case(rank, case, num_warmup, num_steps, seen) for case in CASES] for _ in range(num_rounds)]
+    return [[_one_case(rank, case, num_warmup, num_steps, seen) for case in cases] for _ in range(num_rounds)]
 
 
-def run(*, num_rounds: int = 3, num_warmup: int = 3, num_steps: int = 10, pin: bool = False) -> dict[str, Any]:
-    rounds = run_ranks(tp_rank, 2, num_rounds, num_warmup, num_steps, pin)[0]
+def run(*, num_rounds: int = 3, num_warmup: int = 3, num_steps: int = 10, pin: bool = False,
+        widths: tuple[int, ...] = (DEFAULT_WIDTH,)) -> dict[str, Any]:
+    cases = cases_for(widths)
+    rounds = run_ranks(tp_rank, 2, num_rounds, num_warmup, num_steps, pin, cases)[0]
     rows = []
-    for index, case in enumerate(CASES):
+    for index, case in enumerate(cases):
         per_round = [rounds[r][index] for r in range(num_rounds)]
         errors = [(x["iteration_s"] - x["predicted_s"]) / x["iteration_s"] for x in per_round]
-        rows.append({"case": f"{case} local:2", "rounds": per_round, "errors": errors, "error": median(errors),
+        rows.append({"case": case_label(case), "rounds": per_round, "errors": errors, "error": median(errors),
                      "plan": per_round[0]["plan"],
                      **{key: median([x[key] for x in per_round]) for key in ("predicted_s", "iteration_s")}})
-    return {"rows": rows, "num_rounds": num_rounds, "num_steps": num_steps, "num_warmup": num_warmup, "pin": pin}
+    return {"rows": rows, "num_rounds": num_rounds, "num_steps": num_steps, "num_warmup": num_warmup, "pin": pin,
+            "widths": widths}
 
 
 def report(result: dict[str, Any]) -> str:
@@ -65,7 +85,8 @@ def report(result: dict[str, Any]) -> str:
     return "\n".join([
         "# Tensor-parallel fidelity: a T=2 stage's predicted vs measured iteration", "",
         f"Command: `{COMMAND} --rounds {result['num_rounds']} --steps {result['num_steps']} "
-        f"--warmup {result['num_warmup']}{' --pin' if result['pin'] else ''}`", "",
+        f"--warmup {result['num_warmup']}{' --pin' if result['pin'] else ''}"
+        f"{'' if result['widths'] == (DEFAULT_WIDTH,) else ' --widths ' + ','.join(map(str, result['widths']))}`", "",
         "Ranks' threads: " + ("each rank's on a core of its own (`--pin`)." if result["pin"]
                                else "placed by the OS scheduler (not pinned)."), "",
         f"Machine: {machine_notes()}.", "",
@@ -85,12 +106,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--write", action="store_true", help=f"write {RESULTS.name}")
     parser.add_argument("--pin", action="store_true",
                         help="pin every thread of each rank (gloo's included) to a core of its own")
+    parser.add_argument("--widths", default=str(DEFAULT_WIDTH),
+                        help="gpt-mini widths (n_embd) to run the T=2 stage and its control at, comma-separated")
     parser.add_argument("--cached", action="store_true",
                         help="plan with the calibration cache as it is (default: calibrate afresh, as the steps run)")
     args = parser.parse_args(argv)
     if not args.cached:  # the figures of this moment's load, not of whenever the shared cache was written
         os.environ["FXPIPE_CACHE_DIR"] = tempfile.mkdtemp(prefix="fxpipe-calibration-")
-    text = report(run(num_rounds=args.rounds, num_warmup=args.warmup, num_steps=args.steps, pin=args.pin))
+    text = report(run(num_rounds=args.rounds, num_warmup=args.warmup, num_steps=args.steps, pin=args.pin,
+                      widths=tuple(int(width) for width in args.widths.split(","))))
     print(text)
     if args.write:
         write_keeping_notes(RESULTS, text)
