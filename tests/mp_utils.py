@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import multiprocessing
 import os
 import pickle
+import pkgutil
 import queue
 import socket
 import traceback
@@ -26,14 +28,37 @@ from fxpipe.core.plan import Plan, StagePlan
 torch.set_num_threads(1)  # forked ranks inherit this; 2 shared cores
 
 
+# torch.compile's backend and partitioner modules, which a rank running a compiled stage imports on first use (py-spy
+# on tests/test_sharded_stages.py's 4 ranks: ~2 s of CPU each under load; importing them here took ~1 s, once)
+TORCH_COMPILE_MODULES = ("torch._dynamo.backends.common", "torch._dynamo.backends.debugging",
+                         "torch._inductor.pattern_matcher", "torch._inductor.debug",
+                         "torch.distributed.tensor.experimental")
+# fxpipe imports its runtime lazily (inside compile and the pipe's methods); every module but these
+SKIPPED_FXPIPE_MODULES = ("fxpipe.hf_examples", "fxpipe.__main__")  # transformers (seconds); the CLI entry point
+
+
 @functools.cache
 def warm_up_parent() -> None:
-    """Pay one-time import costs (the first optimizer step imports torch._dynamo, ~10 s) before forking."""
+    """Pay one-time import costs (the first optimizer step imports torch._dynamo, ~10 s) before forking.
+
+    Forked ranks inherit this process's modules: fxpipe's lazily imported ones and torch.compile's are imported
+    here once instead of in every rank of every world (fxpipe's: ~0.3 s of CPU per rank in py-spy's samples of
+    tests/test_hf_models.py's ranks; 0.4 s here, once).
+    """
     parameter = torch.nn.Parameter(torch.zeros(2))
     parameter.grad = torch.ones(2)
     torch.optim.AdamW([parameter]).step()
     with FakeTensorMode(allow_non_fake_inputs=True):  # codegen's shape runs import fake-tensor machinery
         torch.nn.functional.linear(torch.empty(2, 2), parameter.detach().expand(2, 2)).sum()
+    import fxpipe
+    import fxpipe.passes
+
+    for package in (fxpipe, fxpipe.passes):
+        for module in pkgutil.walk_packages(package.__path__, f"{package.__name__}."):
+            if not module.name.startswith(SKIPPED_FXPIPE_MODULES):
+                importlib.import_module(module.name)
+    for name in TORCH_COMPILE_MODULES:
+        importlib.import_module(name)
 
 
 def start_method() -> str:

@@ -73,10 +73,19 @@ def _plans(name: str) -> list[Plan]:
             for layout in LAYOUTS[name]]
 
 
-def _train_all_layouts(rank: int, world_size: int, store_dir: str, name: str,
-                       plans: list[Plan]) -> list[dict[str, Any] | None]:
+HF_NAMES = ("gpt2", "bert-mlm", "llama", "vit")
+
+
+def _train_all_models(rank: int, world_size: int, store_dir: str,
+                      work: dict[str, tuple[list[Plan], dict[str, Any]]]) -> dict[str, list[dict[str, Any] | None]]:
+    """Every model's layouts, one fresh group each, in this one world of ranks; records by model."""
+    return {name: _train_all_layouts(rank, store_dir, name, plans, reference)
+            for name, (plans, reference) in work.items()}
+
+
+def _train_all_layouts(rank: int, store_dir: str, name: str, plans: list[Plan],
+                       reference: dict[str, Any]) -> list[dict[str, Any] | None]:
     batches = _batches(name)
-    reference = _reference(name, batches)
     records: list[dict[str, Any] | None] = []
     for index, plan in enumerate(plans):
         if rank >= plan.world_size:
@@ -91,24 +100,38 @@ def _train_all_layouts(rank: int, world_size: int, store_dir: str, name: str,
     return records
 
 
+@pytest.fixture(scope="module")
+def per_rank(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], dict[str, list[Plan]]]:
+    """One world of WORLD_SIZE ranks trains every model under every layout: records by rank, and the plans.
+
+    Plans and references are made once, here (the reference without its model: the ranks need only its numbers).
+    """
+    plans = {name: _plans(name) for name in HF_NAMES}
+    references = {name: {key: value for key, value in _reference(name, _batches(name)).items() if key != "model"}
+                  for name in HF_NAMES}
+    work = {name: (plans[name], references[name]) for name in HF_NAMES}
+    return run_ranks(_train_all_models, WORLD_SIZE, tmp_path_factory.mktemp("hf"), work, timeout_s=1200.0), plans
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["gpt2", "bert-mlm", "llama", "vit"])
-def test_hf_model_trains_like_one_process_on_hybrid_layouts(name: str, tmp_path: Any) -> None:
-    plans = _plans(name)
-    assert [plan.layout for plan in plans[:-1]] == list(LAYOUTS[name][:-1])
-    per_rank = run_ranks(_train_all_layouts, WORLD_SIZE, tmp_path, name, plans, timeout_s=300.0)
+@pytest.mark.parametrize("name", HF_NAMES)
+def test_hf_model_trains_like_one_process_on_hybrid_layouts(
+        name: str, per_rank: tuple[list[dict[str, Any]], dict[str, list[Plan]]]) -> None:
+    all_records, plans = per_rank
+    assert [plan.layout for plan in plans[name][:-1]] == list(LAYOUTS[name][:-1])
     failures = []
     for index, layout in enumerate(LAYOUTS[name]):
-        records = [records[index] for records in per_rank if records[index] is not None]
+        records = [by_model[name][index] for by_model in all_records if by_model[name][index] is not None]
         problems = [p for r in records for p in r["problems"]]
         if problems:
-            failures.append(f"{layout}: {problems[:4]}")
+            failures.append(f"{name} {layout}: {problems[:4]}")
         if len({tuple(r["losses"]) for r in records}) != 1:
-            failures.append(f"{layout}: ranks report different losses")
+            failures.append(f"{name} {layout}: ranks report different losses")
         if not torch.allclose(torch.tensor(records[0]["losses"]), torch.tensor(records[0]["reference_losses"]),
                               rtol=1e-5, atol=1e-6):
-            failures.append(f"{layout}: losses {records[0]['losses']} != {records[0]['reference_losses']}")
-        failures += [f"{layout}: {p}" for p in coverage_problems([r["names"] for r in records], records[0]["all_names"])]
+            failures.append(f"{name} {layout}: losses {records[0]['losses']} != {records[0]['reference_losses']}")
+        failures += [f"{name} {layout}: {p}"
+                     for p in coverage_problems([r["names"] for r in records], records[0]["all_names"])]
     assert not failures, "\n".join(failures)
 
 

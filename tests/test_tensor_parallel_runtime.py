@@ -265,15 +265,28 @@ def _implied_collectives(pipe: Any) -> dict[str, int]:
     return implied
 
 
-def _run(rank: int, world_size: int, store_dir: str, directory: str) -> dict[str, Any]:
+# load T=2's checkpoint at T = 1, save, load at T = 2
+LOAD_LAYOUTS: tuple[tuple[tuple[int, int], ...], ...] = (((2, 1), (2, 1)), ((2, 2),))
+
+
+def _plans() -> dict[str, Plan]:
+    """Every CASE's plan and the load layouts' (``load <layout>``), made once in the parent: the same on every rank."""
+    plans = {name: _plan(model, layout, schedule) for name, model, layout, schedule, *_ in CASES}
+    return {**plans, **{f"load {layout}": _plan("attention", layout) for layout in LOAD_LAYOUTS}}
+
+
+def _references() -> dict[str, dict[str, Any]]:
+    """One process's clipped training of each model the cases use (its trained model too: :func:`_inference`)."""
+    return {model: _reference(model) for model in sorted({case[1] for case in CASES})}
+
+
+def _run(rank: int, world_size: int, store_dir: str, directory: str, plans: dict[str, Plan],
+         references: dict[str, dict[str, Any]]) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    started = time.perf_counter()
-    references = {model: _reference(model) for model in {case[1] for case in CASES}}
-    results["reference seconds"] = {"problems": [], "seconds": time.perf_counter() - started}
-    for index, (name, model, layout, schedule, sharding, compiled) in enumerate(CASES):
+    for index, (name, model, _, schedule, sharding, compiled) in enumerate(CASES):
         started = time.perf_counter()
         with _world(store_dir, f"case-{index}", rank, world_size):
-            pipe = _compile(model, _plan(model, layout, schedule), sharding, compiled, name.endswith(" SP"))
+            pipe = _compile(model, plans[name], sharding, compiled, name.endswith(" SP"))
             record = _train(pipe, model, references[model])
             problems = record["problems"] + _share_problems(pipe)
             problems += [] if compiled else _inference(pipe, model, references[model])  # new shapes would recompile
@@ -293,9 +306,9 @@ def _run(rank: int, world_size: int, store_dir: str, directory: str) -> dict[str
                              "seconds": time.perf_counter() - started,
                              "sharded": sorted(n for n, p in pipe.driver.tp_params.items() if p.dim is not None)}
     trained = references["attention"]["params"]
-    for index, layout in enumerate((((2, 1), (2, 1)), ((2, 2),))):  # load T=2's checkpoint at T = 1, save, load at T = 2
+    for index, layout in enumerate(LOAD_LAYOUTS):
         with _world(store_dir, f"load-{index}", rank, world_size):
-            pipe = _compile("attention", _plan("attention", layout))
+            pipe = _compile("attention", plans[f"load {layout}"])
             optimizer = torch.optim.AdamW(pipe.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
             pipe.load(directory, optimizer=optimizer)
             problems = mismatches(f"loaded {layout}", _whole_weights(pipe), trained, rtol=0.0, atol=1e-4)
@@ -307,7 +320,8 @@ def _run(rank: int, world_size: int, store_dir: str, directory: str) -> dict[str
 
 @pytest.mark.multiprocess
 def test_tensor_parallel_stages_train_like_one_process(tmp_path: Path) -> None:
-    per_rank = run_ranks(_run, WORLD_SIZE, tmp_path, str(tmp_path / "checkpoint"), timeout_s=300.0)
+    per_rank = run_ranks(_run, WORLD_SIZE, tmp_path, str(tmp_path / "checkpoint"), _plans(), _references(),
+                         timeout_s=300.0)
     failures = []
     for rank, results in enumerate(per_rank):
         for name, record in results.items():
