@@ -47,6 +47,7 @@ MEMORY_GIB = (80.0, 79.0)  # the preset's nominal 80 GiB; 79 GiB is a little und
 # fraction of its peak (hardware.H100_MATMUL_FLOPS): the headline case is also planned with the PCIe card at it.
 SXM_MATMUL_FRACTION = dict(H100_MATMUL_FLOPS)["bfloat16"] / H100_80GB.flops_per_s("bfloat16")
 SHARDINGS = ("none", "auto")
+DEEP_PIPELINE = "1:1:1:1:1:1:1:1"  # the unsharded plan without tensor parallelism, shown in the terms table
 Plans = dict[tuple[str, str], Plan | None]  # (precision, "none" or "auto") -> the best plan, None when none fits
 
 
@@ -188,6 +189,8 @@ def pcie_report(command: str) -> str:
     plans = pcie_plans(chains[seq], cluster, batch)
     names = {key: f"{key[0]} {'unsharded' if key[1] == 'none' else 'auto'}" for key in plans}
     terms = [terms_row(names[key], plan, chains[seq][key[0]], cluster) for key, plan in plans.items()]
+    deep = plan_chain(chains[seq]["bf16"], cluster, batch, precision="bf16", sharding="none", layout=DEEP_PIPELINE)
+    terms.append(terms_row(f"bf16 unsharded, layout {DEEP_PIPELINE} forced", deep, chains[seq]["bf16"], cluster))
     sensitivity = sensitivity_rows(chains[seq])
     return "\n".join([
         f"# {MODEL} on one 8-GPU H100 PCIe node (no NVLink): sharding at fine-tuning batches", "",
