@@ -1,5 +1,6 @@
-"""gpt3-13b on one 8-GPU H100 PCIe server (no NVLink): the best unsharded plan against sharding="auto" at fine-tuning
-batches and long sequences, the terms that decide the headline case, and how it moves with the link and the memory.
+"""13B-class models on one 8-GPU H100 PCIe server (no NVLink): the best unsharded plan against sharding="auto" at
+fine-tuning batches and long sequences, the terms that decide the headline cases, and how they move with the link,
+the memory and the matmul rate.
 
 Run: python benchmarks/sharding_study_13b.py --write --pcie   (writes benchmarks/sharding_study_13b_pcie.md)
 """
@@ -21,6 +22,7 @@ from fxpipe.core.chain import CostChain
 from fxpipe.core.cluster import Cluster, _local_gpu_cluster
 from fxpipe.core.hardware import H100_80GB, H100_MATMUL_FLOPS, H100_PCIE_80GB
 from fxpipe.core.plan import Plan
+from fxpipe.hf_examples import llama
 from fxpipe.passes.partition.request import PlanningError
 from fxpipe.planning import autocast_dtype, costed_model, model_loss, plan_chain
 from fxpipe.sim.sharding_cost import plan_sharding_comms
@@ -30,23 +32,29 @@ from fxpipe.sim.tensor_parallel_cost import collective_seconds, splits
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.sharding_study import MAX_BLOCKS, GiB, describe, ratio  # noqa: E402
 
-MODEL = "gpt3-13b"
+# The models, each with the sequence lengths it is planned at. gpt3-13b: the zoo's GPT-3 13B, whose attention is
+# unfused (it materialises the T x T probabilities, memory-bound at long sequences). llama2-13b: Llama 2 13B's shape
+# (40 layers, 5120 wide, 40 heads, MLP 13824, 32000 tokens: meta-llama/Llama-2-13b-hf's config.json) as Hugging Face's
+# LlamaForCausalLM with its default SDPA attention (fxpipe.hf_examples.llama); 16384 tokens is Code Llama's long-context
+# fine-tuning length (Roziere et al. 2023, "Code Llama: Open Foundation Models for Code", section 2.4).
+SEQUENCES = {"gpt3-13b": (4096, 8192), "llama2-13b": (4096, 8192, 16384)}
 # What `local:8` plans for on an 8x "NVIDIA H100 PCIe" server without calibration (fxpipe.core.cluster's
 # _local_gpu_cluster, called here rather than copied): the H100 PCIe datasheet preset (hardware.H100_PCIE_80GB;
 # its matmuls at the datasheet peak, no published achievable figure) and hardware.PCIE_GPU_P2P between GPUs (20 GB/s
 # effective, the PCIe 4.0 x16 figure; the H100 PCIe card is PCIe 5.0, hence the link sensitivity below).
 GPU_NAME = "NVIDIA H100 PCIe"
-SEQUENCES = (4096, 8192)
 BATCHES = (8, 16, 32, 64)  # fine-tuning batches, in sequences
 # fp32 master weights either way: bf16 autocast over them, or FSDP2's bf16 compute copies (docs/sharding.md)
 PRECISIONS = ("bf16", "bf16-params")
-HEADLINE = (8192, 8)  # (sequence, global batch) of the case the terms table and the sensitivity look at
+# (model, sequence, global batch) of the cases the terms and sensitivity tables look at; the first is the test's
+HEADLINES = (("llama2-13b", 16384, 16), ("gpt3-13b", 8192, 8))
 LINKS_GB_PER_S = (10.0, 20.0, 40.0)  # half, the preset's and twice its GPU-to-GPU figure
-MEMORY_GIB = (80.0, 79.0)  # the preset's nominal 80 GiB; 79 GiB is a little under what the card reports
+MEMORY_GIB = (80.0, 79.25, 79.0)  # the preset's nominal 80 GiB, and a little less (torch reports under 80 GiB)
 # The preset runs the PCIe card's matmuls at its datasheet peak; the H100 SXM's published achievable bf16 rate is this
 # fraction of its peak (hardware.H100_MATMUL_FLOPS): the headline case is also planned with the PCIe card at it.
 SXM_MATMUL_FRACTION = dict(H100_MATMUL_FLOPS)["bfloat16"] / H100_80GB.flops_per_s("bfloat16")
 SHARDINGS = ("none", "auto")
+LEVEL_NAMES = {"none": "unsharded", "auto": "auto"}
 DEEP_PIPELINE = "1:1:1:1:1:1:1:1"  # the unsharded plan without tensor parallelism, shown in the terms table
 Plans = dict[tuple[str, str], Plan | None]  # (precision, "none" or "auto") -> the best plan, None when none fits
 
@@ -67,13 +75,20 @@ def pcie_cluster(link_gb_per_s: float | None = None, memory_gib: float | None = 
     return cluster
 
 
-def pcie_chains(seq: int, cluster: Cluster) -> dict[str, CostChain]:
-    """The model's cost chain per precision at ``seq`` tokens (analytic costs on the meta device), costed once:
-    costed_model reads a precision's autocast dtype only, bf16 for both (plan_chain adds bf16-params' copies)."""
+def pcie_chains(name: str, seq: int, cluster: Cluster) -> dict[str, CostChain]:
+    """Model ``name``'s cost chain per precision at ``seq`` tokens (analytic costs on the meta device), costed once:
+    costed_model reads a precision's autocast dtype only, bf16 for both (plan_chain adds bf16-params' copies). The
+    Llama's loss is the documented estimate (fxpipe.passes.losscost), as in benchmarks/scale_study.py."""
     assert len({autocast_dtype(precision) for precision in PRECISIONS}) == 1, PRECISIONS
-    model, example_inputs = models.build(MODEL, device="meta", block_size=seq)
+    if name == "llama2-13b":
+        model, example_inputs = llama(num_layers=40, hidden=5120, heads=40, vocab_size=32000, seq_len=seq,
+                                      batch_size=2, device="meta", intermediate=13824, kv_heads=40)
+        loss = {}
+    else:
+        model, example_inputs = models.build(name, device="meta", block_size=seq)
+        loss = model_loss(name, example_inputs)
     chain = costed_model(model, example_inputs, cluster, costs="analytic", max_blocks=MAX_BLOCKS,
-                         precision=PRECISIONS[0], **model_loss(MODEL, example_inputs)).chain
+                         precision=PRECISIONS[0], **loss).chain
     return dict.fromkeys(PRECISIONS, chain)
 
 
@@ -148,35 +163,51 @@ def verdict(plans: Plans) -> str:
     return "now feasible" if fastest(plans, "auto") is not None else "infeasible"
 
 
-def grid_rows(sequences: Sequence[int], batches: Sequence[int]) -> tuple[list[list[object]], dict[int, dict[str, CostChain]]]:
-    """One row per (sequence, batch): each precision's unsharded and auto plans, and the best-against-best ratio."""
+Chains = dict[tuple[str, int], dict[str, CostChain]]  # (model, sequence) -> precision -> chain
+
+
+def grid_rows(sequences: dict[str, Sequence[int]], batches: Sequence[int]) -> tuple[list[list[object]], Chains]:
+    """One row per (model, sequence, batch): each precision's unsharded and auto plans, and the best-against-best
+    ratio."""
     cluster, rows, chains = pcie_cluster(), [], {}
-    for seq in sequences:
-        chains[seq] = pcie_chains(seq, cluster)
+    for name, seq in ((name, seq) for name, lengths in sequences.items() for seq in lengths):
+        chains[name, seq] = pcie_chains(name, seq, cluster)
         for batch in batches:
             start = time.perf_counter()
-            plans = pcie_plans(chains[seq], cluster, batch)
+            plans = pcie_plans(chains[name, seq], cluster, batch)
             same = ratio(plans["bf16-params", "none"], plans["bf16-params", "auto"])
-            rows.append([seq, batch, *(cell(plans[key]) for key in plans), verdict(plans),
+            rows.append([name, seq, batch, *(cell(plans[key]) for key in plans), verdict(plans),
                          f"{same:.3f}x" if same else "-", round(time.perf_counter() - start, 1),
                          round(os.getloadavg()[0], 1)])
             print(rows[-1], flush=True)
     return rows, chains
 
 
-def sensitivity_rows(chains: dict[str, CostChain]) -> list[list[object]]:
-    """The headline case with the GPU-to-GPU link and the device memory moved (the same chains: analytic block times
+def sensitivity_rows(name: str, seq: int, batch: int, chains: dict[str, CostChain]) -> list[list[object]]:
+    """A headline case with the GPU-to-GPU link and the device memory moved (the same chains: analytic block times
     depend on the device's rates only), then with the matmul rate lowered (costed again)."""
     rows: list[list[object]] = []
     settings = [(link, memory, None) for link in LINKS_GB_PER_S for memory in MEMORY_GIB]
     for link, memory, fraction in [*settings, (None, None, SXM_MATMUL_FRACTION)]:
         cluster = pcie_cluster(link, memory, fraction)
-        costed = chains if fraction is None else pcie_chains(HEADLINE[0], cluster)
-        plans = pcie_plans(costed, cluster, HEADLINE[1])
-        rows.append([cluster.intra_host.bandwidth_bytes_per_s / 1e9, cluster.device.memory_bytes / GiB,
+        costed = chains if fraction is None else pcie_chains(name, seq, cluster)
+        plans = pcie_plans(costed, cluster, batch)
+        rows.append([name, seq, batch, cluster.intra_host.bandwidth_bytes_per_s / 1e9, cluster.device.memory_bytes / GiB,
                      f"{fraction:.3f}" if fraction else "1 (peak)", cell(fastest(plans, "none")),
                      cell(fastest(plans, "auto")), verdict(plans)])
         print(rows[-1], flush=True)
+    return rows
+
+
+def terms_rows(name: str, seq: int, batch: int, chains: dict[str, CostChain]) -> list[list[object]]:
+    """A headline case's plans, and the unsharded one without tensor parallelism (an 8-stage pipeline, forced)."""
+    cluster = pcie_cluster()
+    plans = pcie_plans(chains, cluster, batch)
+    rows = [[name, seq, batch, *terms_row(f"{key[0]} {LEVEL_NAMES[key[1]]}", plan, chains[key[0]], cluster)]
+            for key, plan in plans.items()]
+    deep = plan_chain(chains["bf16"], cluster, batch, precision="bf16", sharding="none", layout=DEEP_PIPELINE)
+    rows.append([name, seq, batch, *terms_row(f"bf16 unsharded, layout {DEEP_PIPELINE} forced", deep,
+                                              chains["bf16"], cluster)])
     return rows
 
 
@@ -184,32 +215,30 @@ def pcie_report(command: str) -> str:
     """The whole study as markdown (prints progress as it goes)."""
     start = time.perf_counter()
     rows, chains = grid_rows(SEQUENCES, BATCHES)
-    seq, batch = HEADLINE
-    cluster = pcie_cluster()
-    plans = pcie_plans(chains[seq], cluster, batch)
-    names = {key: f"{key[0]} {'unsharded' if key[1] == 'none' else 'auto'}" for key in plans}
-    terms = [terms_row(names[key], plan, chains[seq][key[0]], cluster) for key, plan in plans.items()]
-    deep = plan_chain(chains[seq]["bf16"], cluster, batch, precision="bf16", sharding="none", layout=DEEP_PIPELINE)
-    terms.append(terms_row(f"bf16 unsharded, layout {DEEP_PIPELINE} forced", deep, chains[seq]["bf16"], cluster))
-    sensitivity = sensitivity_rows(chains[seq])
+    terms = [row for name, seq, batch in HEADLINES for row in terms_rows(name, seq, batch, chains[name, seq])]
+    sensitivity = [row for name, seq, batch in HEADLINES
+                   for row in sensitivity_rows(name, seq, batch, chains[name, seq])]
+    case = ["model", "seq", "batch"]
+    columns = [f"{precision} {LEVEL_NAMES[level]}" for precision in PRECISIONS for level in SHARDINGS]
     return "\n".join([
-        f"# {MODEL} on one 8-GPU H100 PCIe node (no NVLink): sharding at fine-tuning batches", "",
+        "# 13B-class models on one 8-GPU H100 PCIe node (no NVLink): sharding at fine-tuning batches", "",
         f"Command: `{command}` (analytic costs, chains of {MAX_BLOCKS} blocks, {time.perf_counter() - start:.0f} s "
         "wall on a 2-core machine shared with other jobs; plan s is wall time, load the 1-minute load average). "
-        "Source: benchmarks/sharding_pcie.py. Cluster: what `local:8` plans for on 8 \"NVIDIA H100 PCIe\" "
-        "GPUs uncalibrated (the H100 PCIe datasheet preset, 20 GB/s GPU to GPU: fxpipe/core/hardware.py).", "",
-        "Each cell: the planner's best plan (layout, micro-batches; levels per stage: - unsharded, Z1/Z2/Z3), its "
-        "predicted samples/s and peak GiB per device. \"best auto vs best unsharded\" takes the faster precision on "
-        "each side; the next column compares within bf16-params.", "",
-        tabulate(rows, headers=["seq", "batch", *names.values(), "best auto vs best unsharded", "bf16-params auto vs unsharded",
+        "Source: benchmarks/sharding_pcie.py (its comments say what the models are). Cluster: what `local:8` plans "
+        "for on 8 \"NVIDIA H100 PCIe\" GPUs uncalibrated (the H100 PCIe datasheet preset, 20 GB/s GPU to GPU: "
+        "fxpipe/core/hardware.py).", "",
+        "Each cell: the planner's best plan (layout, micro-batches; levels per stage: - unsharded, Z1/Z2/Z3, +rc "
+        "whole-stage recompute), its predicted samples/s and peak GiB per device. \"best auto vs best unsharded\" "
+        "takes the faster precision on each side; the next column compares within bf16-params.", "",
+        tabulate(rows, headers=[*case, *columns, "best auto vs best unsharded", "bf16-params auto vs unsharded",
                                 "plan s", "load"], tablefmt="github"), "",
-        f"Seq {seq}, batch {batch}: what each plan's step is made of, per device on its busiest stage (s per step; "
+        "The headline cases: what each plan's step is made of, per device on its busiest stage (s per step; "
         "tensor-parallel collectives of forward and backward, a recomputed block's second forward not counted; ZeRO "
-        "collectives left exposed beside compute, as the planner charges them, and whole; block recompute choices: "
-        "keep, block, attention).", "",
-        tabulate(terms, headers=["precision, sharding", "plan", "iteration s", "bubble", "TP collectives s",
+        "collectives left exposed beside compute, as the planner charges them, and whole; per-block recompute "
+        "choices: keep, block, attention).", "",
+        tabulate(terms, headers=[*case, "precision, sharding", "plan", "iteration s", "bubble", "TP collectives s",
                                  "ZeRO exposed s", "ZeRO whole s", "blocks", "peak GiB"], tablefmt="github"), "",
-        f"Seq {seq}, batch {batch} with the GPU-to-GPU link, the device memory or the matmul rate moved (best over "
-        "both precisions; the last row: the card's matmuls at the H100 SXM's achievable fraction of its peak).", "",
-        tabulate(sensitivity, headers=["link GB/s", "memory GiB", "matmul rate / peak", "best unsharded", "best auto",
-                                           "best auto vs best unsharded"], tablefmt="github"), ""])
+        "The headline cases with the GPU-to-GPU link, the device memory or the matmul rate moved (best over both "
+        "precisions; the last row of each: the card's matmuls at the H100 SXM's achievable fraction of its peak).", "",
+        tabulate(sensitivity, headers=[*case, "link GB/s", "memory GiB", "matmul rate / peak", "best unsharded",
+                                       "best auto", "best auto vs best unsharded"], tablefmt="github"), ""])
