@@ -5,17 +5,20 @@ collectives overlap compute (fxpipe.sim.unit_overlap): the pure FSDP plan's coll
 
 Run: python benchmarks/sharding_study_13b.py --write   (writes benchmarks/sharding_study_13b.md; costing each
 sequence length on the meta device takes about a minute, each pair of plans 10-60 s on a loaded 2-core machine)
+
+With ``--pcie`` (writes benchmarks/sharding_study_13b_pcie.md instead; a few minutes): the same model on one 8-GPU
+H100 PCIe server without NVLink, at fine-tuning batches and long sequences (benchmarks/sharding_pcie.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from sharding_study import MAX_BLOCKS, GiB, describe, ratio
 from tabulate import tabulate
 
 from fxpipe import models
@@ -24,9 +27,11 @@ from fxpipe.core.cluster import parse_cluster
 from fxpipe.passes.partition.dapple import partition
 from fxpipe.passes.partition.request import PlanningError
 from fxpipe.planning import costed_model, model_loss, plan_chain
-from fxpipe.sim.sharding_cost import plan_sharding_comms
-from fxpipe.sim.sharding_memory import chain_in_precision
 from fxpipe.sim.simulate import simulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.sharding_pcie import pcie_report, zero_collectives  # noqa: E402
+from benchmarks.sharding_study import MAX_BLOCKS, GiB, describe, ratio  # noqa: E402
 
 RESULTS = Path(__file__).with_suffix(".md")
 COMMAND = "python benchmarks/sharding_study_13b.py --write"
@@ -71,10 +76,7 @@ def fsdp_speed(chain: CostChain, batch: int, precision: str) -> list[str]:
     except PlanningError:
         return ["infeasible", "-", "-"]
     assert plan.predicted is not None
-    blocking = replace(cluster, device=replace(cluster.device, name="CPU"))  # unit_overlap.prefetch_overlaps: none
-    costed = chain_in_precision(chain, plan.precision)
-    exposed, whole = (plan_sharding_comms(plan, costed, net)[0].step_seconds(plan.num_microbatches)
-                      for net in (cluster, blocking))
+    exposed, whole = zero_collectives(plan, chain, cluster)
     kept = {True: "freed", False: "kept", None: "-"}[plan.stages[0].reshard_after_forward]
     return [f"{plan.predicted.throughput_samples_per_s:.2f} (M={plan.num_microbatches}, {kept})",
             f"{exposed:.3f}", f"{whole:.3f}"]
@@ -90,7 +92,14 @@ def best(chain: CostChain, batch: int, sharding: str, precision: str):  # type: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--write", action="store_true")
+    parser.add_argument("--pcie", action="store_true", help="the H100 PCIe node study instead (benchmarks/sharding_pcie.py)")
     args = parser.parse_args()
+    if args.pcie:
+        text = pcie_report(f"{COMMAND} --pcie")
+        if args.write:
+            RESULTS.with_name("sharding_study_13b_pcie.md").write_text(text)
+        print(text)
+        return
     rows, facts = [], []
     grid = [(p, q, BATCHES) for p in PRECISIONS for q in SEQUENCES] + list(EXTRA)
     for precision, seq, batches in grid:
