@@ -357,6 +357,8 @@ ROWS: list[Any] = [
      r"layout '3-1' is malformed: use replica counts separated by ':'"),
     ("planner-layout-too-many-devices", lambda _: _plan_tiny(layout="3:3"), LayoutError,
      r"layout '3:3' needs 6 devices but the cluster has 4"),
+    ("planner-layout-not-a-string", lambda _: _plan_tiny(layout=(3, 1)), LayoutError,
+     r"layout must be a string such as '3:1' .* got \(3, 1\) \(tuple\): pass layout='3:1'"),
     ("planner-layout-unicode-digit", lambda _: _plan_tiny(layout="1:\u00b2"), LayoutError,
      r"layout '1:\u00b2' is malformed"),
     ("planner-infeasible-memory", lambda _: _plan_tiny(param_bytes=10**11), InfeasiblePlanError,

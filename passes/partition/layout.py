@@ -25,6 +25,10 @@ def parse_stage_layout(layout: str, num_devices: int, num_blocks: int, devices_p
     ``num_blocks`` is the number of cuttable blocks (:func:`parameter_groups`): no stage may be empty;
     ``devices_per_host`` (default: no limit) bounds T, as a group stays inside one host.
     """
+    if not isinstance(layout, str):
+        written = ":".join(map(str, layout)) if isinstance(layout, (list, tuple)) else "3:1"
+        raise LayoutError(f"layout must be a string such as '3:1' or '48x8:48x8'; got {layout!r} "
+                          f"({type(layout).__name__}): pass layout={written!r}")
     text = layout.strip().lower()
     if text == "dp":
         return (num_devices,), (1,)
