@@ -11,6 +11,8 @@ import sympy
 import torch
 from torch.utils._pytree import tree_map
 
+from fxpipe.passes import meta_kernels  # noqa: F401  (Meta kernels for ops torch has none for)
+
 
 @dataclass(frozen=True)
 class SymbolicCost:

@@ -186,14 +186,23 @@ def _running_modules(model: nn.Module) -> Iterator[list[str]]:
             handle.remove()
 
 
+_ASSERT_TENSOR_METADATA = torch.ops.aten._assert_tensor_metadata.default
+
+
 def _plain_graph(source: fx.Graph, input_names: set[str], out_spec: TreeSpec | None) -> fx.Graph:
-    """A copy of `source` with the default codegen, no guard call, no constant inputs, plain outputs."""
+    """A copy of `source` with the default codegen, no guard call, no metadata assertion, no constant inputs, plain
+    outputs."""
     value_map: dict[fx.Node, fx.Node] = {}
     graph = fx.Graph()
     # Placeholders first (export lists the parameter reads before them), then the rest in order.
     ordered = sorted(source.nodes, key=lambda n: n.op != "placeholder")
     for node in ordered:
         if node.op == "call_module" and node.target == _GUARDS_TARGET:
+            continue
+        if node.op == "call_function" and node.target is _ASSERT_TENSOR_METADATA:
+            # export's guard on a value's traced dtype, device and layout before a .to() that was a no-op when traced
+            # (HF Mixtral's router: router_logits.float()); fxpipe runs the graph under autocast and on other devices
+            # than it traced on, where these differ on purpose (bf16 logits), and the .to() after it still converts
             continue
         if node.op == "placeholder" and node.target not in input_names:
             # A bound non-tensor argument (e.g. use_cache=False): export specialised on it.

@@ -10,6 +10,7 @@ import torch
 from torch import fx, nn
 
 from fxpipe.core import meta
+from fxpipe.passes import meta_kernels  # noqa: F401  (Meta kernels the traced graphs' fake runs need)
 from fxpipe.passes.batchdims import (
     BatchDimError,
     BatchDims,
