@@ -190,8 +190,8 @@ _ASSERT_TENSOR_METADATA = torch.ops.aten._assert_tensor_metadata.default
 
 
 def _plain_graph(source: fx.Graph, input_names: set[str], out_spec: TreeSpec | None) -> fx.Graph:
-    """A copy of `source` with the default codegen, no guard call, no metadata assertion, no constant inputs, plain
-    outputs."""
+    """A copy of `source` with the default codegen, no guard call, metadata assertions that assert nothing, no
+    constant inputs, plain outputs."""
     value_map: dict[fx.Node, fx.Node] = {}
     graph = fx.Graph()
     # Placeholders first (export lists the parameter reads before them), then the rest in order.
@@ -202,7 +202,10 @@ def _plain_graph(source: fx.Graph, input_names: set[str], out_spec: TreeSpec | N
         if node.op == "call_function" and node.target is _ASSERT_TENSOR_METADATA:
             # export's guard on a value's traced dtype, device and layout before a .to() that was a no-op when traced
             # (HF Mixtral's router: router_logits.float()); fxpipe runs the graph under autocast and on other devices
-            # than it traced on, where these differ on purpose (bf16 logits), and the .to() after it still converts
+            # than it traced on, where these differ on purpose (bf16 logits), and the .to() after it still converts.
+            # The node stays, asserting nothing: node-count cuts and node names stay as they were.
+            value_map[node] = graph.node_copy(node, lambda n: value_map[n])
+            value_map[node].args, value_map[node].kwargs = value_map[node].args[:1], {}
             continue
         if node.op == "placeholder" and node.target not in input_names:
             # A bound non-tensor argument (e.g. use_cache=False): export specialised on it.

@@ -3,7 +3,8 @@
 Two things stopped it. On the meta device transformers' expert dispatch takes its GPU branch, an int32
 ``torch.histc``, which torch's Meta kernel refuses on fxpipe's CPU fakes (fxpipe/passes/meta_kernels.py). Under
 autocast, torch.export's ``_assert_tensor_metadata`` guard on the router's logits (float32 when traced, bfloat16 under
-autocast, before a ``.float()``) failed; the export front end drops those guards and keeps the conversions.
+autocast, before a ``.float()``) failed; the export front end keeps those guards asserting nothing, and the
+conversions.
 """
 
 from __future__ import annotations
@@ -54,9 +55,10 @@ def test_the_traced_graph_runs_under_autocast_as_the_model_does() -> None:
     computes under it (it raised an AssertionError at the router before)."""
     model, inputs = _mixtral("cpu")
     graph_module = passes.trace(model, inputs)
-    targets = {str(node.target) for node in graph_module.graph.nodes if node.op == "call_function"}
-    assert not any("_assert_tensor_metadata" in target for target in targets)
-    assert any(target.startswith("aten.to") for target in targets)
+    calls = [node for node in graph_module.graph.nodes if node.op == "call_function"]
+    guards = [node for node in calls if "_assert_tensor_metadata" in str(node.target)]
+    assert guards and all(not node.kwargs and len(node.args) == 1 for node in guards)  # kept, asserting nothing
+    assert any(str(node.target).startswith("aten.to") for node in calls)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         expected = model(**inputs).logits
         output = graph_module(**inputs)
