@@ -57,7 +57,7 @@ class FsdpCallCost:
         return self.pass_s + self.pass_s_per_byte * max(0.0, unit_bytes)
 
     def to_json(self) -> dict[str, float]:
-        """The four figures by field name (``Cluster.to_json``'s ``fsdp_calls``; read by
+        """The figures by field name (``Cluster.to_json``'s ``fsdp_calls``; read by
         :func:`fxpipe.core.cluster_spec.optional_fsdp_calls`)."""
         return asdict(self)
 
@@ -74,12 +74,6 @@ def fsdp_calls_from_figures(figures: dict[str, float]) -> FsdpCallCost | None:
     if not all(key in figures for key in FIGURE_KEYS):
         return None
     return FsdpCallCost(*(max(0.0, figures[key]) for key in FIGURE_KEYS))
-
-
-def zero1_pass_seconds(calls: FsdpCallCost | None, unit_bytes: float, num_units: int) -> float:
-    """What one micro-batch's passes cost a ZeRO-1 stage of ``num_units`` units of ``unit_bytes`` gradient bytes
-    each (0 without a fit: flat per-call figures and presets charge calls only)."""
-    return 0.0 if calls is None or unit_bytes <= 0 else max(1, num_units) * calls.pass_seconds(unit_bytes)
 
 
 def call_seconds(calls: FsdpCallCost | None, flat_s: float, kind: str, unit_bytes: float) -> float:

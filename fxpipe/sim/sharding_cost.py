@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from fxpipe.core.cluster import Cluster, LinkSpec
-from fxpipe.core.fsdp_calls import call_seconds, zero1_pass_seconds
+from fxpipe.core.fsdp_calls import call_seconds
 from fxpipe.core.interleaved_schedules import SPLIT_BACKWARD_SCHEDULES
 from fxpipe.core.plan import Plan
 from fxpipe.core.row_slices import split_rows
@@ -101,7 +101,7 @@ def sharding_comm(cluster: Cluster, sharding: str, devices: Sequence[int], weigh
     gather = unit_collectives(cluster, gathered, devices, num_units, "all_gather")
     scatter = unit_collectives(cluster, gradient_bytes, devices, num_units, "reduce_scatter")
     if sharding == "optimizer":  # each micro-batch's hooks; the last one's are in the reduce-scatter's figure
-        passes = zero1_pass_seconds(cluster.fsdp_calls, gradient_bytes / max(1, num_units), num_units)
+        passes = unit_passes(cluster, gradient_bytes, num_units)
         return ShardingComm(start_s=gather, backward_s=passes, tail_s=max(0.0, scatter - passes))
     if sharding == "gradients":
         return ShardingComm(start_s=gather, backward_s=scatter if compute is None else
@@ -123,6 +123,16 @@ def unit_collectives(cluster: Cluster, num_bytes: float, devices: Sequence[int],
     link = cluster.collective_link(devices, kind)
     host_s = call_seconds(cluster.fsdp_calls, cluster.fsdp_call_overhead_s, kind, num_bytes / units)
     return units * (half_collective_time(cluster, num_bytes / units, devices, link) + host_s)
+
+
+def unit_passes(cluster: Cluster, num_bytes: float, num_units: int) -> float:
+    """FSDP2's host time of one micro-batch's forward and backward without a collective, over the units sharing
+    ``num_bytes`` (:meth:`fxpipe.core.fsdp_calls.FsdpCallCost.pass_seconds` per unit); 0 without a fit (flat per-call
+    figures and presets charge calls only) or bytes."""
+    if num_bytes <= 0 or cluster.fsdp_calls is None:
+        return 0.0
+    units = max(1, num_units)
+    return units * cluster.fsdp_calls.pass_seconds(num_bytes / units)
 
 
 def start_delay(step_start_s: Sequence[float], arrival_s: Sequence[float]) -> float:
