@@ -44,7 +44,7 @@ from fxpipe.passes.partition.request import (
     check_request,
     microbatch_grid,
 )
-from fxpipe.passes.partition.scoring import best_dp, finish, score_candidates
+from fxpipe.passes.partition.scoring import Scored, best_dp, finish, score_candidates
 from fxpipe.passes.partition.search import search
 from fxpipe.passes.partition.selective import with_block_node_counts
 from fxpipe.passes.partition.spans import Candidate, Span, spans_from_stops
@@ -60,6 +60,7 @@ __all__ = ["PLANNERS", "InfeasiblePlanError", "LayoutError", "PlanningError", "o
 MAX_SEARCH_BLOCKS = 32
 MAX_SEARCH_BLOCKS_LARGE = 16  # on host-aligned (large) clusters
 MAX_REPLICATED_STAGES = 8
+DEEP_RERANK = 2  # deep pipelines past a coarsened search (_deep_pipelines): simulated apart, after the search's best
 
 
 def _fine_spans(spans: Iterable[Span], stops: list[int]) -> list[Span]:
@@ -126,9 +127,40 @@ def _even_pipelines(model: CandidateCosts, rows: int) -> list[Candidate]:
     return found
 
 
+def _deep_pipelines(model: CandidateCosts, rows: int, shallowest: int) -> list[Candidate]:
+    """Pipelines deeper than ``shallowest`` stages at ``rows`` rows a micro-batch, each stage on the same number of
+    contiguous devices: for every replica count w = 1, 2, 4, ... up to ``rows``, the deepest such pipeline (S = the
+    fewest of the chain's blocks, N // w and the micro-batches), its cuts balanced by work and by weights.
+
+    What a model whose blocks each need a device of their own fits as (an MoE layer: its fused experts are neither
+    cut nor split by tensor parallelism), such as 56 stages of 2 replicas on 112 devices. The search of a coarsened
+    chain cannot reach them (its stages are whole groups of blocks), nor :func:`_even_pipelines`' powers of two."""
+    chain, num_devices = model.chain, model.cluster.num_devices
+    depths: dict[int, int] = {}  # S -> the widest w giving it
+    width = 1
+    while width <= min(rows, num_devices):
+        num_stages = min(chain.num_blocks, num_devices // width, model.global_batch_size // rows)
+        if num_stages <= shallowest:
+            break
+        depths[num_stages] = width
+        width *= 2
+    found: dict[tuple[object, ...], Candidate] = {}
+    balances = (work_weights(chain), param_weights(chain)) if depths else ()
+    for num_stages, width in depths.items():
+        devices = [tuple(range(s * width, (s + 1) * width)) for s in range(num_stages)]
+        for weights in balances:
+            spans = spans_from_stops(balanced_cuts(weights, num_stages), devices)
+            if model.fits(spans, rows):
+                candidate = model.candidate(spans, rows)
+                found.setdefault(candidate.identity(), candidate)
+    return list(found.values())
+
+
 def _search_all(request: PlanRequest, model: CandidateCosts, grid: list[int],
-                bound_s: float) -> tuple[list[Candidate], Candidate | None]:
-    """Run the state search for every micro-batch size; returns the candidates and the closest miss."""
+                bound_s: float) -> tuple[list[Candidate], Candidate | None, list[Candidate]]:
+    """Run the state search for every micro-batch size; returns the candidates, the closest miss and, where the
+    search ran on a coarsened chain, the pipelines deeper than its groups (:func:`_deep_pipelines`), kept apart so
+    that they add to the simulated pool instead of crowding the search's best out of it."""
     chain = request.chain
     stops = list(range(1, chain.num_blocks + 1))
     search_model = model
@@ -153,11 +185,15 @@ def _search_all(request: PlanRequest, model: CandidateCosts, grid: list[int],
         if result.closest_ratio < closest_ratio:
             closest, closest_ratio = result.closest_miss, result.closest_ratio
         bound_s = min([bound_s, *(c.latency_s for c in result.candidates)])
+    deep: list[Candidate] = []
     if search_model is not model:
         found = [_refined(model, c, stops) for c in sorted(found)[: 2 * request.rerank]]
         if closest is not None:
             closest = model.candidate(_fine_spans(closest.spans, stops), closest.microbatch_rows)
-    return found, closest
+            if model.fits(closest.spans, closest.microbatch_rows) and request.allows(closest):
+                found.append(closest)  # a coarse miss that fits once its groups are the fine chain's blocks
+        deep = [c for rows in grid for c in _deep_pipelines(model, rows, max_blocks) if request.allows(c)]
+    return found, closest, deep
 
 
 def _grid_seeds(request: PlanRequest, model: CandidateCosts) -> list[Candidate]:
@@ -210,6 +246,14 @@ def _plan_runs_tied(chain: CostChain, plan: Plan) -> bool:
                                             for stage in plan.stages])
 
 
+def _polished(request: PlanRequest, model: CandidateCosts, best: Scored | None, grid: list[int]) -> Scored | None:
+    """``best`` after :func:`polish` (kept as it is where the polished plan's tied weights could not run)."""
+    if best is None:
+        return None
+    polished = polish(request, model, best, grid, "dapple")
+    return polished if _plan_runs_tied(model.chain, polished.plan) else best
+
+
 def plan_dapple(request: PlanRequest) -> Plan:
     """DAPPLE: state search by the pivot model, whole-pipeline replication, simulator re-ranking, DP floor."""
     model = request.candidate_costs()
@@ -220,15 +264,17 @@ def plan_dapple(request: PlanRequest) -> Plan:
     bound = dp.plan.predicted.analytic_iteration_time_s if dp and dp.plan.predicted else float("inf")
     grids = _grid_seeds(request, model)
     bound = min([bound, *(c.latency_s for c in grids)])
-    found, closest = _search_all(request, model, grid, bound)
+    found, closest, deep = _search_all(request, model, grid, bound)
     found.extend(grids)
     if request.layout is None:
         found.extend(c for c in _replicated_pipelines(model, grid) if request.allows(c))
     found = [candidate for candidate in found if _runs_tied(model.chain, candidate)]
-    best = score_candidates(request, model, _top(found, request.rerank), "dapple")
-    if best is not None:
-        polished = polish(request, model, best, grid, "dapple")
-        best = polished if _plan_runs_tied(model.chain, polished.plan) else best
+    best = _polished(request, model, score_candidates(request, model, _top(found, request.rerank), "dapple"), grid)
+    deep = [candidate for candidate in deep if _runs_tied(model.chain, candidate)]
+    deep_best = score_candidates(request, model, _top(deep, DEEP_RERANK), "dapple",
+                                 best.time_s if best is not None else float("inf"))
+    if deep_best is not None and (best is None or deep_best.time_s < best.time_s):
+        best = _polished(request, model, deep_best, grid)
     if dp is not None and (best is None or dp.time_s <= best.time_s):
         best = dp.__class__(dp.time_s, dp.plan.with_updates(planner="dapple"))
     if best is None and closest is None and grid:

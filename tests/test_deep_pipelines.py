@@ -1,0 +1,45 @@
+"""On large (host-aligned) clusters the planner searches a coarsened chain of a few blocks, which cannot make a
+pipeline deeper than that. A model whose blocks each need a device of their own (an MoE layer: its fused experts
+neither cut nor split by tensor parallelism) must still get its deep pipeline, on every cluster with enough
+devices, not only where a uniform grid happens to use all of them. And an infeasible-plan error never shows a
+"closest attempt" that fits."""
+
+from __future__ import annotations
+
+import pytest
+from planner_cases import GiB, chain, cluster
+
+from fxpipe.passes.partition.dapple import partition
+from fxpipe.passes.partition.request import InfeasiblePlanError
+
+BLOCK_PARAM_BYTES = int(2.5 * GiB)  # x4 with Adam: 10 GiB a block, two do not fit in 16 GiB
+
+
+def _heavy_chain(num_blocks: int):  # type: ignore[no-untyped-def]
+    return chain([1.0] * num_blocks, [BLOCK_PARAM_BYTES] * num_blocks)
+
+
+@pytest.mark.parametrize("hosts", [7, 8, 12])
+def test_blocks_that_each_need_a_device_get_one_stage_each_on_any_large_cluster(hosts: int) -> None:
+    """56 such blocks: 7, 8 and 12 hosts of 8 devices all have enough devices (56 on 7 hosts, exactly)."""
+    plan = partition(_heavy_chain(56), cluster(hosts, 8), 512)
+    assert len(plan.stages) == 56
+    assert all(stage.stop_block - stage.first_block == 1 for stage in plan.stages)
+    limit = 16 * GiB
+    assert all(stage.peak_memory_bytes <= limit for stage in plan.stages)
+
+
+def test_the_deep_pipeline_is_replicated_where_the_devices_allow() -> None:
+    """On 14 hosts (112 devices) each of the 56 one-block stages gets two replicas, faster than one each."""
+    plan = partition(_heavy_chain(56), cluster(14, 8), 512)
+    assert [len(stage.devices) for stage in plan.stages] == [2] * 56
+    single = partition(_heavy_chain(56), cluster(14, 8), 512, layout=":".join(["1"] * 56))
+    assert plan.predicted is not None and single.predicted is not None
+    assert plan.predicted.iteration_time_s < single.predicted.iteration_time_s
+
+
+def test_too_few_devices_is_infeasible_and_the_closest_attempt_does_not_fit() -> None:
+    """56 blocks on 6 hosts (48 devices): some device must hold two blocks; the error's table shows it."""
+    with pytest.raises(InfeasiblePlanError) as caught:
+        partition(_heavy_chain(56), cluster(6, 8), 512)
+    assert "OVER" in str(caught.value)
