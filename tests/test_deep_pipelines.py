@@ -43,3 +43,12 @@ def test_too_few_devices_is_infeasible_and_the_closest_attempt_does_not_fit() ->
     with pytest.raises(InfeasiblePlanError) as caught:
         partition(_heavy_chain(56), cluster(6, 8), 512)
     assert "OVER" in str(caught.value)
+
+
+def test_every_device_gets_a_role_when_asked() -> None:
+    """``all_devices`` (what fxpipe.compile asks) on 8 hosts: 56 stages on all 64 devices, the 8 left over as second
+    replicas, with the note that 56 ranks would be faster."""
+    plan = partition(_heavy_chain(56), cluster(8, 8), 512, all_devices=True)
+    assert len(plan.stages) == 56 and plan.world_size == 64
+    assert sorted(len(stage.devices) for stage in plan.stages) == [1] * 48 + [2] * 8
+    assert any("a plan on 56 of the 64 devices" in note for note in plan.notes)

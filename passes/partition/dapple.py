@@ -128,13 +128,16 @@ def _even_pipelines(model: CandidateCosts, rows: int) -> list[Candidate]:
 
 
 def _deep_pipelines(model: CandidateCosts, rows: int, shallowest: int) -> list[Candidate]:
-    """Pipelines deeper than ``shallowest`` stages at ``rows`` rows a micro-batch, each stage on the same number of
-    contiguous devices: for every replica count w = 1, 2, 4, ... up to ``rows``, the deepest such pipeline (S = the
-    fewest of the chain's blocks, N // w and the micro-batches), its cuts balanced by work and by weights.
+    """Pipelines deeper than ``shallowest`` stages at ``rows`` rows a micro-batch: for every replica count
+    w = 1, 2, 4, ... up to ``rows``, the deepest pipeline of w-replica stages (S = the fewest of the chain's blocks,
+    N // w and the micro-batches), its cuts balanced by work and by weights, on contiguous devices; and the same
+    stages with the devices left over spread as extra replicas over the busiest stages, so that every device
+    has a role (what ``fxpipe.compile`` asks).
 
     What a model whose blocks each need a device of their own fits as (an MoE layer: its fused experts are neither
-    cut nor split by tensor parallelism), such as 56 stages of 2 replicas on 112 devices. The search of a coarsened
-    chain cannot reach them (its stages are whole groups of blocks), nor :func:`_even_pipelines`' powers of two."""
+    cut nor split by tensor parallelism), such as 56 stages of 2 replicas on 112 devices, or on 64 devices 48 of
+    one and 8 of two. The search of a coarsened chain cannot reach them (its stages are whole groups of blocks),
+    nor :func:`_even_pipelines`' powers of two."""
     chain, num_devices = model.chain, model.cluster.num_devices
     depths: dict[int, int] = {}  # S -> the widest w giving it
     width = 1
@@ -147,13 +150,29 @@ def _deep_pipelines(model: CandidateCosts, rows: int, shallowest: int) -> list[C
     found: dict[tuple[object, ...], Candidate] = {}
     balances = (work_weights(chain), param_weights(chain)) if depths else ()
     for num_stages, width in depths.items():
-        devices = [tuple(range(s * width, (s + 1) * width)) for s in range(num_stages)]
         for weights in balances:
-            spans = spans_from_stops(balanced_cuts(weights, num_stages), devices)
-            if model.fits(spans, rows):
-                candidate = model.candidate(spans, rows)
-                found.setdefault(candidate.identity(), candidate)
+            stops = balanced_cuts(weights, num_stages)
+            work = [sum(weights[first:stop]) for first, stop in zip([0, *stops[:-1]], stops, strict=True)]
+            spread = _every_device(work, width, num_devices, rows)
+            for counts in [(width,) * num_stages, *([spread] if spread and spread != (width,) * num_stages else [])]:
+                starts = [sum(counts[:s]) for s in range(num_stages)]
+                spans = spans_from_stops(stops, [tuple(range(a, a + c)) for a, c in zip(starts, counts, strict=True)])
+                if model.fits(spans, rows):
+                    candidate = model.candidate(spans, rows)
+                    found.setdefault(candidate.identity(), candidate)
     return list(found.values())
+
+
+def _every_device(work: list[float], width: int, num_devices: int, rows: int) -> tuple[int, ...] | None:
+    """Replica counts of ``len(work)`` stages of ``width`` replicas with the devices left over given out one at a
+    time to the stages with the most work per replica; None when that would give a stage more replicas than rows."""
+    counts = [width] * len(work)
+    for _ in range(num_devices - width * len(work)):
+        busiest = max(range(len(work)), key=lambda s: (work[s] / counts[s], -s))
+        if counts[busiest] >= rows:
+            return None
+        counts[busiest] += 1
+    return tuple(counts)
 
 
 def _search_all(request: PlanRequest, model: CandidateCosts, grid: list[int],
