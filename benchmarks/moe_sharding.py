@@ -76,12 +76,15 @@ def rows(max_blocks: int) -> list[list[str]]:
 
 
 def _short(layout: str) -> str:
-    """A long uniform layout as its stage count: ``64 x 1 M=512``."""
+    """A long layout as its stage count and replica counts: ``64 x 1 M=512``, ``64 stages: 36 x 1, 28 x 2 M=256``."""
     head, _, rest = layout.partition(" ")
     parts = head.split(":")
-    if len(parts) > 4 and len(set(parts)) == 1:
+    if len(parts) <= 4:
+        return layout
+    if len(set(parts)) == 1:
         return f"{len(parts)} x {parts[0]} {rest}"
-    return layout
+    counts = ", ".join(f"{parts.count(width)} x {width}" for width in sorted(set(parts), key=int))
+    return f"{len(parts)} stages: {counts} {rest}"
 
 
 def main() -> None:
