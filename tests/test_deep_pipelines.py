@@ -52,3 +52,12 @@ def test_every_device_gets_a_role_when_asked() -> None:
     assert len(plan.stages) == 56 and plan.world_size == 64
     assert sorted(len(stage.devices) for stage in plan.stages) == [1] * 48 + [2] * 8
     assert any("a plan on 56 of the 64 devices" in note for note in plan.notes)
+
+
+def test_virtual_stages_lay_a_block_a_chunk_on_groups_that_need_not_divide_the_devices() -> None:
+    """v = 2 on 32 devices of 24 GiB, where a device holds two blocks but not three: 28 groups of one device, a block a
+    chunk (4 devices idle). Groups of 2, 4, ... dividing 32 give chunks of two blocks or more (32 x 2 chunks > 56)."""
+    plan = partition(_heavy_chain(56), cluster(4, 8, memory_gib=24), 512, virtual_stages=2, schedule="interleaved")
+    assert plan.virtual_stages == 2 and plan.num_groups == 28 and len(plan.stages) == 56
+    assert all(stage.stop_block - stage.first_block == 1 for stage in plan.stages)
+    assert all(stage.peak_memory_bytes <= 24 * GiB for stage in plan.stages)

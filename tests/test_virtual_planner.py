@@ -173,7 +173,8 @@ def test_search_stays_bounded() -> None:
     assert virtual is not None
     found = list(virtual_search.trials(request, virtual, plain, forced=False))
     per_structure = 3 * 3 * (2 * virtual_search.MICROBATCH_NEIGHBOURS + 1)  # v in 2, 4, 8; three schedules
-    assert 0 < len(found) <= len(virtual_search.group_structures(plain, 4, False)) * per_structure
+    depths = [chain.num_blocks // v for v in virtual_search.AUTO_VIRTUAL_STAGES]
+    assert 0 < len(found) <= len(virtual_search.group_structures(plain, 4, False, depths)) * per_structure
 
 
 def test_cli_plans_virtual_stages_and_compare_shows_v(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

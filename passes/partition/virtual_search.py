@@ -25,6 +25,7 @@ Groups = tuple[tuple[tuple[int, ...], int], ...]
 
 # v tried under virtual_stages="auto": 2, 4, ... up to this many chunks per group (each chunk keeps a block).
 MAX_AUTO_VIRTUAL_STAGES = 8
+AUTO_VIRTUAL_STAGES = tuple(v for v in (2, 4, 8) if v <= MAX_AUTO_VIRTUAL_STAGES)  # what virtual_stages="auto" tries
 # Micro-batch counts tried per group structure: the plain plan's M and this many grid neighbours each side.
 MICROBATCH_NEIGHBOURS = 1
 # The best virtual plan's cuts are moved one block at a time under the simulator while it has at most this many
@@ -86,10 +87,13 @@ def chunk_groups_of(schedule: str, num_groups: int, virtual_stages: int) -> tupl
     return tuple(chunk % num_groups for chunk in range(num_groups * virtual_stages))
 
 
-def group_structures(plain: Plan, num_devices: int, forced: bool) -> list[Groups]:
+def group_structures(plain: Plan, num_devices: int, forced: bool, depths: Sequence[int] = ()) -> list[Groups]:
     """Device groups to lay chunks on: the plain plan's stages (two or more; their devices and T), and unless the
     layout is forced, G even groups of contiguous devices for G = 2, 4, ... dividing the devices, at T = 1 and at
-    the plain plan's T where all its stages share one (a T-way group stays inside a host: T divides the width)."""
+    the plain plan's T where all its stages share one (a T-way group stays inside a host: T divides the width).
+    Unless forced, also G groups of N // G contiguous devices at T = 1 for each G of ``depths`` (the deepest loop of
+    each v tried: blocks // v groups, a block a chunk), which need not divide N nor be a power of two (56 blocks at
+    v = 2 on 32 devices: 28 groups of one, 4 devices idle): what blocks that each need a device of their own fit as."""
     found: list[Groups] = [tuple((stage.devices, stage.tensor_parallel) for stage in plain.stages)
                            ] if len(plain.stages) > 1 else []
     degrees = sorted({1, plain.stages[0].tensor_parallel} if len({s.tensor_parallel for s in plain.stages}) == 1
@@ -101,6 +105,11 @@ def group_structures(plain: Plan, num_devices: int, forced: bool) -> list[Groups
             if width % degree == 0:
                 found.append(tuple((tuple(range(g * width, (g + 1) * width)), degree) for g in range(num_groups)))
         num_groups *= 2
+    for depth in depths if not forced else ():
+        num_groups = min(num_devices, depth)
+        if num_groups >= 2:
+            width = num_devices // num_groups
+            found.append(tuple((tuple(range(g * width, (g + 1) * width)), 1) for g in range(num_groups)))
     return list(dict.fromkeys(found))
 
 
@@ -119,11 +128,11 @@ def trials(request: PlanRequest, virtual: VirtualRequest, plain: Plan, forced: b
     """Every trial: group structure x v x schedule x micro-batch size, chunks cut balanced for the structure."""
     weights = work_weights(request.chain)
     num_blocks = request.chain.num_blocks
-    for groups in group_structures(plain, request.cluster.num_devices, forced):
+    counts = [virtual.virtual_stages] if virtual.virtual_stages else list(AUTO_VIRTUAL_STAGES)
+    depths = [num_blocks // v for v in counts]
+    for groups in group_structures(plain, request.cluster.num_devices, forced, depths):
         if request.all_devices and sum(len(g) for g in groups) != request.cluster.num_devices:
             continue
-        counts = [virtual.virtual_stages] if virtual.virtual_stages else [
-            v for v in (2, 4, 8) if v <= MAX_AUTO_VIRTUAL_STAGES]
         for v in counts:
             if len(groups) * v > num_blocks:
                 continue
