@@ -61,3 +61,13 @@ def test_virtual_stages_lay_a_block_a_chunk_on_groups_that_need_not_divide_the_d
     assert plan.virtual_stages == 2 and plan.num_groups == 28 and len(plan.stages) == 56
     assert all(stage.stop_block - stage.first_block == 1 for stage in plan.stages)
     assert all(stage.peak_memory_bytes <= 24 * GiB for stage in plan.stages)
+
+
+@pytest.mark.parametrize(("layout", "replicas"), [("48", ["48"]), ("8:8:8:8:8:8", ["8"] * 6)])
+def test_the_closest_attempt_of_a_forced_layout_has_its_stages(layout: str, replicas: list[str]) -> None:
+    """A forced layout that fits nowhere: the error's table shows the stages asked for, not another layout's."""
+    with pytest.raises(InfeasiblePlanError) as caught:
+        partition(_heavy_chain(56), cluster(6, 8), 512, layout=layout, sharding="parameters")
+    rows = [line.split() for line in str(caught.value).splitlines() if line.strip().endswith(("OVER", "ok"))]
+    assert [row[2] for row in rows] == replicas
+    assert all(row[-1] == "OVER" for row in rows)

@@ -224,11 +224,20 @@ def _grid_seeds(request: PlanRequest, model: CandidateCosts) -> list[Candidate]:
             if request.allows(c) and model.fits(c.spans, c.microbatch_rows)]
 
 
-def _least_memory(model: CandidateCosts, grid: list[int]) -> Candidate | None:
+def _least_memory(request: PlanRequest, model: CandidateCosts, grid: list[int]) -> Candidate | None:
     """For error messages: the plan with the least memory per device (deepest param-balanced pipeline,
-    smallest micro-batch), so the table shows how far even the best attempt is from fitting."""
+    smallest micro-batch), so the table shows how far even the best attempt is from fitting. Under a forced
+    layout, that layout's stages (their replicas and T, on contiguous devices) with param-balanced cuts: the
+    table then shows the stages the user asked for."""
     chain, num_devices = model.chain, model.cluster.num_devices
     rows = grid[0]
+    if request.layout is not None:
+        degrees = request.tensor_parallel or (1,) * len(request.layout)
+        sizes = [replicas * degree for replicas, degree in zip(request.layout, degrees, strict=True)]
+        starts = [sum(sizes[:s]) for s in range(len(sizes))]
+        return model.candidate(spans_from_stops(balanced_cuts(param_weights(chain), len(sizes)),
+                                                [tuple(range(a, a + n)) for a, n in zip(starts, sizes, strict=True)],
+                                                list(degrees)), rows)
     num_stages = min(chain.num_blocks, num_devices, model.global_batch_size // rows)
     width = num_devices // num_stages
     spans = spans_from_stops(balanced_cuts(param_weights(chain), num_stages),
@@ -297,7 +306,7 @@ def plan_dapple(request: PlanRequest) -> Plan:
     if dp is not None and (best is None or dp.time_s <= best.time_s):
         best = dp.__class__(dp.time_s, dp.plan.with_updates(planner="dapple"))
     if best is None and closest is None and grid:
-        closest = _least_memory(model, grid)
+        closest = _least_memory(request, model, grid)
     return finish(request, best, dp, closest, model)
 
 
