@@ -14,15 +14,12 @@ from fxpipe.core.cluster import Cluster
 from fxpipe.core.plan import BaselineResult, Plan
 from fxpipe.core.recompute import RecomputeError, RecomputeSetting, parse_recompute
 from fxpipe.core.sharding import ShardingRequest
-from fxpipe.passes.partition import baselines
+from fxpipe.passes.partition import baselines, seeds
 from fxpipe.passes.partition.block_partition import (
-    balanced_cuts,
     coarse_boundaries,
     coarsen_chain,
-    param_weights,
     parameter_groups,
     refine_cuts,
-    work_weights,
 )
 from fxpipe.passes.partition.candidates import CandidateCosts
 from fxpipe.passes.partition.cut_scores import cut_scorer
@@ -59,8 +56,7 @@ __all__ = ["PLANNERS", "InfeasiblePlanError", "LayoutError", "PlanningError", "o
 # Chains longer than this are searched on merged groups of blocks, then the cuts are refined.
 MAX_SEARCH_BLOCKS = 32
 MAX_SEARCH_BLOCKS_LARGE = 16  # on host-aligned (large) clusters
-MAX_REPLICATED_STAGES = 8
-DEEP_RERANK = 2  # deep pipelines past a coarsened search (_deep_pipelines): simulated apart, after the search's best
+DEEP_RERANK = 2  # fine-chain seeds past a coarsened search (_search_all) refined and simulated apart
 
 
 def _fine_spans(spans: Iterable[Span], stops: list[int]) -> list[Span]:
@@ -94,92 +90,13 @@ def _refined(model: CandidateCosts, candidate: Candidate, stops: list[int]) -> C
     return model.candidate(rebuilt(best), rows)
 
 
-def _replicated_pipelines(model: CandidateCosts, grid: list[int]) -> list[Candidate]:
-    """Straight pipelines of S balanced stages, replicated whole: stage s on devices s, s+S, s+2S, ..."""
-    chain, num_devices = model.chain, model.cluster.num_devices
-    work = work_weights(chain)
-    found = []
-    for num_stages in range(2, min(chain.num_blocks, num_devices) + 1):
-        if num_stages > MAX_REPLICATED_STAGES and num_devices % num_stages:
-            continue  # on large clusters only stage counts that use every device
-        num_copies = num_devices // num_stages
-        spans = spans_from_stops(balanced_cuts(work, num_stages),
-                                 [tuple(c * num_stages + s for c in range(num_copies)) for s in range(num_stages)])
-        for rows in grid:
-            if rows >= num_copies and model.global_batch_size // rows >= num_stages and model.fits(spans, rows):
-                found.append(model.candidate(spans, rows))
-    return found
-
-
-def _even_pipelines(model: CandidateCosts, rows: int) -> list[Candidate]:
-    """Seeds for the search bound: S = 1, 2, 4, ... balanced stages of N/S contiguous devices each."""
-    chain, num_devices = model.chain, model.cluster.num_devices
-    work = work_weights(chain)
-    found = []
-    num_stages = 1
-    while num_stages <= min(chain.num_blocks, num_devices, model.global_batch_size // rows):
-        width = min(num_devices // num_stages, rows)
-        spans = spans_from_stops(balanced_cuts(work, num_stages),
-                                 [tuple(range(s * width, (s + 1) * width)) for s in range(num_stages)])
-        if model.fits(spans, rows):
-            found.append(model.candidate(spans, rows))
-        num_stages *= 2
-    return found
-
-
-def _deep_pipelines(model: CandidateCosts, rows: int, shallowest: int) -> list[Candidate]:
-    """Pipelines deeper than ``shallowest`` stages at ``rows`` rows a micro-batch: for every replica count
-    w = 1, 2, 4, ... up to ``rows``, the deepest pipeline of w-replica stages (S = the fewest of the chain's blocks,
-    N // w and the micro-batches), its cuts balanced by work and by weights, on contiguous devices; and the same
-    stages with the devices left over spread as extra replicas over the busiest stages, so that every device
-    has a role (what ``fxpipe.compile`` asks).
-
-    What a model whose blocks each need a device of their own fits as (an MoE layer: its fused experts are neither
-    cut nor split by tensor parallelism), such as 56 stages of 2 replicas on 112 devices, or on 64 devices 48 of
-    one and 8 of two. The search of a coarsened chain cannot reach them (its stages are whole groups of blocks),
-    nor :func:`_even_pipelines`' powers of two."""
-    chain, num_devices = model.chain, model.cluster.num_devices
-    depths: dict[int, int] = {}  # S -> the widest w giving it
-    width = 1
-    while width <= min(rows, num_devices):
-        num_stages = min(chain.num_blocks, num_devices // width, model.global_batch_size // rows)
-        if num_stages <= shallowest:
-            break
-        depths[num_stages] = width
-        width *= 2
-    found: dict[tuple[object, ...], Candidate] = {}
-    balances = (work_weights(chain), param_weights(chain)) if depths else ()
-    for num_stages, width in depths.items():
-        for weights in balances:
-            stops = balanced_cuts(weights, num_stages)
-            work = [sum(weights[first:stop]) for first, stop in zip([0, *stops[:-1]], stops, strict=True)]
-            spread = _every_device(work, width, num_devices, rows)
-            for counts in [(width,) * num_stages, *([spread] if spread and spread != (width,) * num_stages else [])]:
-                starts = [sum(counts[:s]) for s in range(num_stages)]
-                spans = spans_from_stops(stops, [tuple(range(a, a + c)) for a, c in zip(starts, counts, strict=True)])
-                if model.fits(spans, rows):
-                    candidate = model.candidate(spans, rows)
-                    found.setdefault(candidate.identity(), candidate)
-    return list(found.values())
-
-
-def _every_device(work: list[float], width: int, num_devices: int, rows: int) -> tuple[int, ...] | None:
-    """Replica counts of ``len(work)`` stages of ``width`` replicas with the devices left over given out one at a
-    time to the stages with the most work per replica; None when that would give a stage more replicas than rows."""
-    counts = [width] * len(work)
-    for _ in range(num_devices - width * len(work)):
-        busiest = max(range(len(work)), key=lambda s: (work[s] / counts[s], -s))
-        if counts[busiest] >= rows:
-            return None
-        counts[busiest] += 1
-    return tuple(counts)
-
-
 def _search_all(request: PlanRequest, model: CandidateCosts, grid: list[int],
                 bound_s: float) -> tuple[list[Candidate], Candidate | None, list[Candidate]]:
     """Run the state search for every micro-batch size; returns the candidates, the closest miss and, where the
-    search ran on a coarsened chain, the pipelines deeper than its groups (:func:`_deep_pipelines`), kept apart so
-    that they add to the simulated pool instead of crowding the search's best out of it."""
+    search ran on a coarsened chain, seeds on the fine chain that it can miss: pipelines deeper than its groups
+    and uniform contiguous layouts (:mod:`fxpipe.passes.partition.seeds`). The seeds are kept apart:
+    :func:`plan_dapple` refines, simulates and polishes the best of them after the search's own best, and takes
+    them only where the simulator predicts them faster, so they never crowd the search's best out of its pool."""
     chain = request.chain
     stops = list(range(1, chain.num_blocks + 1))
     search_model = model
@@ -195,9 +112,9 @@ def _search_all(request: PlanRequest, model: CandidateCosts, grid: list[int],
     closest: Candidate | None = None
     closest_ratio = float("inf")
     for rows in tqdm(grid, desc="dapple: micro-batch sizes", disable=not request.progress):
-        seeds = [c for c in _even_pipelines(search_model, rows) if request.allows(c)]
-        found.extend(seeds)
-        bound_s = min([bound_s, *(c.latency_s for c in seeds)])
+        evens = [c for c in seeds.even_pipelines(search_model, rows) if request.allows(c)]
+        found.extend(evens)
+        bound_s = min([bound_s, *(c.latency_s for c in evens)])
         result = search(search_model, rows, layout=request.layout, bound_s=bound_s, pool_size=request.rerank,
                         num_stages=request.num_stages, accept=request.allows, degrees=request.tensor_parallel)
         found.extend(result.candidates)
@@ -211,7 +128,9 @@ def _search_all(request: PlanRequest, model: CandidateCosts, grid: list[int],
             closest = model.candidate(_fine_spans(closest.spans, stops), closest.microbatch_rows)
             if model.fits(closest.spans, closest.microbatch_rows) and request.allows(closest):
                 found.append(closest)  # a coarse miss that fits once its groups are the fine chain's blocks
-        deep = [c for rows in grid for c in _deep_pipelines(model, rows, max_blocks) if request.allows(c)]
+        deep = [c for rows in grid
+                for c in (*seeds.deep_pipelines(model, rows, max_blocks), *seeds.uniform_pipelines(model, rows))
+                if request.allows(c)]
     return found, closest, deep
 
 
@@ -222,27 +141,6 @@ def _grid_seeds(request: PlanRequest, model: CandidateCosts) -> list[Candidate]:
         return []
     return [c for c in baselines.megatron_candidates(request, model)
             if request.allows(c) and model.fits(c.spans, c.microbatch_rows)]
-
-
-def _least_memory(request: PlanRequest, model: CandidateCosts, grid: list[int]) -> Candidate | None:
-    """For error messages: the plan with the least memory per device (deepest param-balanced pipeline,
-    smallest micro-batch), so the table shows how far even the best attempt is from fitting. Under a forced
-    layout, that layout's stages (their replicas and T, on contiguous devices) with param-balanced cuts: the
-    table then shows the stages the user asked for."""
-    chain, num_devices = model.chain, model.cluster.num_devices
-    rows = grid[0]
-    if request.layout is not None:
-        degrees = request.tensor_parallel or (1,) * len(request.layout)
-        sizes = [replicas * degree for replicas, degree in zip(request.layout, degrees, strict=True)]
-        starts = [sum(sizes[:s]) for s in range(len(sizes))]
-        return model.candidate(spans_from_stops(balanced_cuts(param_weights(chain), len(sizes)),
-                                                [tuple(range(a, a + n)) for a, n in zip(starts, sizes, strict=True)],
-                                                list(degrees)), rows)
-    num_stages = min(chain.num_blocks, num_devices, model.global_batch_size // rows)
-    width = num_devices // num_stages
-    spans = spans_from_stops(balanced_cuts(param_weights(chain), num_stages),
-                             [tuple(range(s * width, s * width + min(width, rows))) for s in range(num_stages)])
-    return model.candidate(spans, rows)
 
 
 def _top(candidates: Iterable[Candidate], count: int) -> list[Candidate]:
@@ -295,18 +193,19 @@ def plan_dapple(request: PlanRequest) -> Plan:
     found, closest, deep = _search_all(request, model, grid, bound)
     found.extend(grids)
     if request.layout is None:
-        found.extend(c for c in _replicated_pipelines(model, grid) if request.allows(c))
+        found.extend(c for c in seeds.replicated_pipelines(model, grid) if request.allows(c))
     found = [candidate for candidate in found if _runs_tied(model.chain, candidate)]
     best = _polished(request, model, score_candidates(request, model, _top(found, request.rerank), "dapple"), grid)
     deep = [candidate for candidate in deep if _runs_tied(model.chain, candidate)]
-    deep_best = score_candidates(request, model, _top(deep, DEEP_RERANK), "dapple",
-                                 best.time_s if best is not None else float("inf"))
+    fine = list(range(1, model.chain.num_blocks + 1))  # the seeds are on the fine chain: refine their cuts in place
+    refined = [c for c in (_refined(model, seed, fine) for seed in _top(deep, DEEP_RERANK)) if _runs_tied(model.chain, c)]
+    deep_best = _polished(request, model, score_candidates(request, model, refined, "dapple"), grid)
     if deep_best is not None and (best is None or deep_best.time_s < best.time_s):
-        best = _polished(request, model, deep_best, grid)
+        best = deep_best
     if dp is not None and (best is None or dp.time_s <= best.time_s):
         best = dp.__class__(dp.time_s, dp.plan.with_updates(planner="dapple"))
     if best is None and closest is None and grid:
-        closest = _least_memory(request, model, grid)
+        closest = seeds.least_memory(request, model, grid)
     return finish(request, best, dp, closest, model)
 
 
