@@ -49,3 +49,19 @@ def random_case(seed: int, max_blocks: int = 8, max_devices: int = 8) -> tuple[C
                      LinkSpec(rng.choice([1e9, 3e9, 12.5e9]), 2e-5))
     batch = rng.choice([16, 32, 64])
     return CostChain(blocks, cuts, Affine(0, 1e4), Affine(0, 1e3), f"random:{seed}"), result, batch
+
+
+def mixed_case(seed: int) -> tuple[CostChain, Cluster, int]:
+    """A chain of 24-96 blocks of mixed compute, weights (0.05-1 GiB) and activations on 3-12 hosts of 8 devices
+    (8-32 GiB each; a 1 or 12.5 GB/s link between hosts) and a global batch: the large-cluster cases
+    benchmarks/uniform_layout_hunt.py plans."""
+    rng = random.Random(seed)
+    num_blocks = rng.choice([24, 40, 64, 96])
+    memory_gib = rng.choice([8, 16, 32])
+    blocks = tuple(Block(f"b{i}", (f"n{i}",), Affine(rng.choice([0, 1e-4]), rng.uniform(0.5, 1.5) * 1e-3),
+                         Affine(0, rng.uniform(1, 3) * 1e-3), int(rng.uniform(0.05, 1.0) * GiB),
+                         Affine(0, rng.uniform(1e6, 3e8))) for i in range(num_blocks))
+    cuts = tuple(Affine(0, rng.uniform(1e4, 1e7)) for _ in range(num_blocks - 1))
+    hosts = rng.choice([3, 4, 8, 12])
+    result = cluster(hosts, 8, memory_gib=memory_gib, inter=rng.choice([1e9, 12.5e9]))
+    return CostChain(blocks, cuts, Affine(0, 1e4), Affine(0, 1e3), f"mixed:{seed}"), result, rng.choice([64, 256, 1024])

@@ -6,13 +6,9 @@ devices, not only where a uniform grid happens to use all of them. And an infeas
 
 from __future__ import annotations
 
-import random
-
 import pytest
-from planner_cases import GiB, chain, cluster
+from planner_cases import GiB, chain, cluster, mixed_case
 
-from fxpipe.core.chain import Block, CostChain
-from fxpipe.core.costgraph import Affine
 from fxpipe.passes.partition.dapple import partition
 from fxpipe.passes.partition.request import InfeasiblePlanError
 
@@ -77,23 +73,11 @@ def test_the_closest_attempt_of_a_forced_layout_has_its_stages(layout: str, repl
     assert all(row[-1] == "OVER" for row in rows)
 
 
-def _mixed_chain(seed: int) -> CostChain:
-    """Blocks of mixed compute, weights (0.05-1 GiB) and activations, as the uniform-layout hunt drew them."""
-    rng = random.Random(seed)
-    num_blocks = rng.choice([24, 40, 64, 96])
-    rng.choice([8, 16, 32])  # the hunt's memory draw, kept so that the chain is the one it found
-    blocks = tuple(Block(f"b{i}", (f"n{i}",), Affine(rng.choice([0, 1e-4]), rng.uniform(0.5, 1.5) * 1e-3),
-                         Affine(0, rng.uniform(1, 3) * 1e-3), int(rng.uniform(0.05, 1.0) * GiB),
-                         Affine(0, rng.uniform(1e6, 3e8))) for i in range(num_blocks))
-    cuts = tuple(Affine(0, rng.uniform(1e4, 1e7)) for _ in range(num_blocks - 1))
-    return CostChain(blocks, cuts, Affine(0, 1e4), Affine(0, 1e3), f"mixed:{seed}")
-
-
 def test_the_free_plan_is_no_slower_than_a_uniform_layout_a_user_could_force() -> None:
     """40 mixed blocks on 3 x 8 devices, batch 64: the free plan was predicted at 1.16x the time of 12 stages of 2
     replicas, forced, when the search of the coarsened chain pruned that layout (0.715 s against 0.616 s)."""
-    chain_, devices = _mixed_chain(4), cluster(3, 8, memory_gib=16, inter=1e9)
-    free = partition(chain_, devices, 64)
-    forced = partition(chain_, devices, 64, layout=":".join(["2"] * 12))
+    chain_, devices, batch = mixed_case(4)  # 40 blocks, 3 x 8 devices of 16 GiB, 1 GB/s between hosts, batch 64
+    free = partition(chain_, devices, batch)
+    forced = partition(chain_, devices, batch, layout=":".join(["2"] * 12))
     assert free.predicted is not None and forced.predicted is not None
     assert free.predicted.iteration_time_s <= forced.predicted.iteration_time_s * (1 + 1e-9)
