@@ -251,3 +251,17 @@ def bench_main(argv: list[str] | None, doc: str | None, results: Path,
     print(text)
     if args.write:
         results.write_text(text)
+
+
+def short_layout(layout: str) -> str:
+    """A layout of many stages by its stage and replica counts, anything after a space kept:
+    ``"2:2:...:2 M=256"`` (64 stages) -> ``"64 x 2 M=256"``, mixed ones ``"64 stages: 32 x 1, 32 x 2 M=256"``."""
+    head, _, rest = layout.partition(" ")
+    parts = head.split(":")
+    if len(parts) <= 4:
+        return layout
+    if len(set(parts)) == 1:
+        text = f"{len(parts)} x {parts[0]}"
+    else:
+        text = f"{len(parts)} stages: " + ", ".join(f"{parts.count(w)} x {w}" for w in sorted(set(parts), key=int))
+    return f"{text} {rest}".rstrip()

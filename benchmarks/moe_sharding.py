@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -25,6 +26,9 @@ from sharding_study import describe, ratio
 from fxpipe.core.cluster import parse_cluster
 from fxpipe.passes.partition.request import PlanningError
 from fxpipe.planning import costed_model, plan_chain
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.bench_common import short_layout  # noqa: E402
 
 RESULTS = Path(__file__).with_name("moe_sharding.md")
 PRECISION = "bf16-params"
@@ -68,23 +72,11 @@ def rows(max_blocks: int) -> list[list[str]]:
             value = ratio(plans[0], plans[1])
             verdict = f"{value:.2f}x" if value else ("now feasible" if plans[1] and not plans[0] else "infeasible")
             unsharded, sharded = describe(plans[0]), describe(plans[1])
-            found.append([str(chain.num_blocks), cluster.name, str(batch), _short(unsharded[0]), unsharded[2],
-                          unsharded[3], _short(sharded[0]), sharded[1].split(",")[0], sharded[2], sharded[3],
+            found.append([str(chain.num_blocks), cluster.name, str(batch), short_layout(unsharded[0]), unsharded[2],
+                          unsharded[3], short_layout(sharded[0]), sharded[1].split(",")[0], sharded[2], sharded[3],
                           verdict, f"{seconds:.1f}", f"{os.getloadavg()[0]:.1f}"])
             print(" | ".join(found[-1]), flush=True)
     return found
-
-
-def _short(layout: str) -> str:
-    """A long layout as its stage count and replica counts: ``64 x 1 M=512``, ``64 stages: 36 x 1, 28 x 2 M=256``."""
-    head, _, rest = layout.partition(" ")
-    parts = head.split(":")
-    if len(parts) <= 4:
-        return layout
-    if len(set(parts)) == 1:
-        return f"{len(parts)} x {parts[0]} {rest}"
-    counts = ", ".join(f"{parts.count(width)} x {width}" for width in sorted(set(parts), key=int))
-    return f"{len(parts)} stages: {counts} {rest}"
 
 
 def main() -> None:

@@ -20,8 +20,11 @@ from pathlib import Path
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from planner_cases import mixed_case  # noqa: E402
 
+from benchmarks.bench_common import short_layout  # noqa: E402
+from benchmarks.kept_notes import write_keeping_notes  # noqa: E402
 from fxpipe.passes.partition.dapple import partition  # noqa: E402
 from fxpipe.passes.partition.request import PlanningError  # noqa: E402
 
@@ -53,15 +56,10 @@ def hunt(seed: int) -> tuple[list[str], bool]:
     miss = best is not None and (free_s is None or free_s > best[0] * (1 + MARGIN))
     row = [str(seed), f"{chain.num_blocks} blocks, {cluster.name}, "
            f"{cluster.device.memory_bytes / 2**30:.0f} GiB, batch {batch}",
-           _short(free.layout) if free else "infeasible", f"{free_s:.4f}" if free_s else "-",
+           short_layout(free.layout) if free else "infeasible", f"{free_s:.4f}" if free_s else "-",
            best[1] if best else "none fits", f"{best[0]:.4f}" if best else "-",
            f"{free_s / best[0]:.3f}" if free_s and best else "-", f"{planning_s:.2f}"]
     return row, miss
-
-
-def _short(layout: str) -> str:
-    parts = layout.split(":")
-    return layout if len(parts) <= 4 else f"{len(parts)} stages ({parts[0]}:{parts[1]}:...)"
 
 
 def main() -> None:
@@ -88,7 +86,7 @@ def main() -> None:
         tabulate(rows, headers=headers, tablefmt="github"), ""])
     print(text)
     if args.write:
-        RESULTS.write_text(text)
+        write_keeping_notes(RESULTS, text)
 
 
 if __name__ == "__main__":

@@ -65,9 +65,11 @@ def _fine_spans(spans: Iterable[Span], stops: list[int]) -> list[Span]:
 
 def _refined(model: CandidateCosts, candidate: Candidate, stops: list[int]) -> Candidate:
     """Map a coarse candidate to the fine chain and move its cuts where the pivot model prefers."""
-    spans = _fine_spans(candidate.spans, stops)
-    rows = candidate.microbatch_rows
+    return _with_refined_cuts(model, _fine_spans(candidate.spans, stops), candidate.microbatch_rows)
 
+
+def _with_refined_cuts(model: CandidateCosts, spans: list[Span], rows: int) -> Candidate:
+    """The candidate of ``spans`` (on ``model``'s chain) with its cuts moved where the pivot model prefers."""
     devices = [span.devices for span in spans]
     degrees = [span.tensor_parallel for span in spans]
 
@@ -197,8 +199,8 @@ def plan_dapple(request: PlanRequest) -> Plan:
     found = [candidate for candidate in found if _runs_tied(model.chain, candidate)]
     best = _polished(request, model, score_candidates(request, model, _top(found, request.rerank), "dapple"), grid)
     deep = [candidate for candidate in deep if _runs_tied(model.chain, candidate)]
-    fine = list(range(1, model.chain.num_blocks + 1))  # the seeds are on the fine chain: refine their cuts in place
-    refined = [c for c in (_refined(model, seed, fine) for seed in _top(deep, DEEP_RERANK)) if _runs_tied(model.chain, c)]
+    refined = [c for c in (_with_refined_cuts(model, list(seed.spans), seed.microbatch_rows)
+                           for seed in _top(deep, DEEP_RERANK)) if _runs_tied(model.chain, c)]
     deep_best = _polished(request, model, score_candidates(request, model, refined, "dapple"), grid)
     if deep_best is not None and (best is None or deep_best.time_s < best.time_s):
         best = deep_best

@@ -40,15 +40,18 @@ def replicated_pipelines(model: CandidateCosts, grid: list[int]) -> list[Candida
 def even_pipelines(model: CandidateCosts, rows: int) -> list[Candidate]:
     """Seeds for the search bound: S = 1, 2, 4, ... balanced stages of N/S contiguous devices each."""
     chain, num_devices = model.chain, model.cluster.num_devices
-    work = work_weights(chain)
     found = []
     num_stages = 1
     while num_stages <= min(chain.num_blocks, num_devices, model.global_batch_size // rows):
-        spans = contiguous(balanced_cuts(work, num_stages), [min(num_devices // num_stages, rows)] * num_stages)
-        if model.fits(spans, rows):
-            found.append(model.candidate(spans, rows))
+        found += _balanced(model, rows, num_stages, min(num_devices // num_stages, rows))
         num_stages *= 2
     return found
+
+
+def _balanced(model: CandidateCosts, rows: int, num_stages: int, width: int) -> list[Candidate]:
+    """``num_stages`` stages of ``width`` contiguous devices each, cuts balanced by work, if it fits."""
+    spans = contiguous(balanced_cuts(work_weights(model.chain), num_stages), [width] * num_stages)
+    return [model.candidate(spans, rows)] if model.fits(spans, rows) else []
 
 
 def deep_pipelines(model: CandidateCosts, rows: int, shallowest: int) -> list[Candidate]:
@@ -72,12 +75,13 @@ def deep_pipelines(model: CandidateCosts, rows: int, shallowest: int) -> list[Ca
         depths[num_stages] = width
         width *= 2
     found: dict[tuple[object, ...], Candidate] = {}
-    balances = (work_weights(chain), param_weights(chain)) if depths else ()
+    work = work_weights(chain)
+    balances = (work, param_weights(chain)) if depths else ()
     for num_stages, width in depths.items():
         for weights in balances:
             stops = balanced_cuts(weights, num_stages)
-            work = [sum(weights[first:stop]) for first, stop in zip([0, *stops[:-1]], stops, strict=True)]
-            spread = every_device_widths(work, width, num_devices, rows)
+            stage_work = [sum(work[first:stop]) for first, stop in zip([0, *stops[:-1]], stops, strict=True)]
+            spread = every_device_widths(stage_work, width, num_devices, rows)
             for counts in [(width,) * num_stages, *([spread] if spread and spread != (width,) * num_stages else [])]:
                 spans = contiguous(stops, counts)
                 if model.fits(spans, rows):
@@ -91,16 +95,10 @@ def uniform_pipelines(model: CandidateCosts, rows: int) -> list[Candidate]:
     for every S dividing the N devices, cuts balanced by work: the uniform layouts people try by hand, which the
     search of a coarsened chain can prune (12 stages of 2 on 3 x 8 devices, where its pick took 1.16x as long)."""
     chain, num_devices = model.chain, model.cluster.num_devices
-    work = work_weights(chain)
-    found = []
-    for num_stages in range(2, min(chain.num_blocks, num_devices, model.global_batch_size // rows) + 1):
-        width = num_devices // num_stages
-        if num_devices % num_stages or width > rows:
-            continue
-        spans = contiguous(balanced_cuts(work, num_stages), [width] * num_stages)
-        if model.fits(spans, rows):
-            found.append(model.candidate(spans, rows))
-    return found
+    return [candidate
+            for num_stages in range(2, min(chain.num_blocks, num_devices, model.global_batch_size // rows) + 1)
+            if num_devices % num_stages == 0 and num_devices // num_stages <= rows
+            for candidate in _balanced(model, rows, num_stages, num_devices // num_stages)]
 
 
 def every_device_widths(work: list[float], width: int, num_devices: int, rows: int) -> tuple[int, ...] | None:

@@ -103,14 +103,18 @@ def group_structures(plain: Plan, num_devices: int, forced: bool, depths: Sequen
         width = num_devices // num_groups
         for degree in degrees if num_devices % num_groups == 0 else ():
             if width % degree == 0:
-                found.append(tuple((tuple(range(g * width, (g + 1) * width)), degree) for g in range(num_groups)))
+                found.append(_even_groups(num_groups, width, degree))
         num_groups *= 2
     for depth in depths if not forced else ():
         num_groups = min(num_devices, depth)
         if num_groups >= 2:
-            width = num_devices // num_groups
-            found.append(tuple((tuple(range(g * width, (g + 1) * width)), 1) for g in range(num_groups)))
+            found.append(_even_groups(num_groups, num_devices // num_groups, 1))
     return list(dict.fromkeys(found))
+
+
+def _even_groups(num_groups: int, width: int, degree: int) -> Groups:
+    """``num_groups`` groups of ``width`` contiguous devices from device 0, each of T = ``degree``."""
+    return tuple((tuple(range(g * width, (g + 1) * width)), degree) for g in range(num_groups))
 
 
 def _microbatch_rows(request: PlanRequest, plain: Plan, groups: Groups) -> list[int]:
