@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
+from benchmarks.kept_notes import write_keeping_notes
 from fxpipe.core import meta
 from fxpipe.core.plan import Plan, StagePlan
 from fxpipe.runtime.autograd.measure import SavedActivationMeter
@@ -250,7 +251,7 @@ def bench_main(argv: list[str] | None, doc: str | None, results: Path,
     text = run_and_report(args.warmup, args.steps)
     print(text)
     if args.write:
-        results.write_text(text)
+        write_keeping_notes(results, text)
 
 
 def short_layout(layout: str) -> str:

@@ -107,8 +107,9 @@ DEFAULT_CASES = (PlanCase(2, "1:1", 4), PlanCase(2, "1:1", 8), PlanCase(2, "1:1"
                  PlanCase(4, "2:2", 4))
 
 
-def measured_chain(workload: Workload) -> Any:
-    """The workload's cost chain with block times measured here, on one thread."""
+def measured_chain(workload: Workload, max_blocks: int | None = 64) -> Any:
+    """The workload's cost chain with block times measured here, on one thread (``max_blocks``: as in
+    :func:`fxpipe.core.chain.build_chain`; None keeps every block the graph allows)."""
     from fxpipe import passes
     from fxpipe.core.chain import build_chain
 
@@ -118,7 +119,7 @@ def measured_chain(workload: Workload) -> Any:
         model, example_inputs = workload.build()
         annotated = passes.annotate_costs(passes.trace(model, example_inputs))
         measured = passes.measure_costs(annotated, annotated.meta[meta.EXAMPLE_INPUTS])
-        return build_chain(passes.to_cost_graph(annotated, measured=measured))
+        return build_chain(passes.to_cost_graph(annotated, measured=measured), max_blocks=max_blocks)
     finally:
         torch.set_num_threads(previous)
 

@@ -133,6 +133,26 @@ def test_virtual_schedules_smoke_computes_torchs_gradients() -> None:
     assert all(gap < 1e-5 for r in per_rank for gap in r["gradient_gaps"].values())
 
 
+def test_virtual_schedules_simulates_each_schedule_on_the_chunks_it_runs() -> None:
+    """The model's gains come from the same cuts the ranks run: chunk block ranges tile the chain, 1F1B's stages are
+    each rank's chunks, and a chain cut coarser than the chunks is refused rather than simulated on other cuts."""
+    from benchmarks.runtime_fidelity import measured_chain
+
+    workload = Workload("gpt-mini", (("n_layer", 8), *TINY[1:]), 8, 2)
+    chain = measured_chain(workload, max_blocks=None)
+    chunks = virtual_schedules.chunk_cuts(workload, 4)
+    ranges = virtual_schedules.chunk_blocks(chain, chunks)
+    assert ranges[0][0] == 0 and ranges[-1][1] == chain.num_blocks
+    assert all(stop == first for (_, stop), (first, _) in zip(ranges, ranges[1:], strict=False))
+    for (first, stop), names in zip(ranges, chunks, strict=True):
+        held = {name for block in chain.blocks[first:stop] for name in block.node_names}
+        assert set(names) <= held
+    with pytest.raises(ValueError, match="coarser than the chunks"):
+        virtual_schedules.chunk_blocks(measured_chain(workload, max_blocks=2), chunks)
+    times = virtual_schedules.predicted_times(workload, 2, 2)
+    assert set(times) == {"1F1B", "interleaved", "zbv"} and all(t > 0 for t in times.values())
+
+
 def test_the_torch_benchmarks_share_code_without_importing_each_other() -> None:
     import ast
     from pathlib import Path
