@@ -47,7 +47,7 @@ def print_row(case: study.Case, chain: study.CostChain, chain_s: float) -> None:
     if case.virtual_stages > 1:  # the same layout without its virtual stages
         flat, _, _, why = study._timed(partial(plan_chain, chain, row.cluster, case.global_batch_size,
                                                layout=case.layout, precision=study.PRECISION,
-                                               sharding=study.SHARDING))
+                                               sharding=study.SHARDING, sequence_parallel=study.SEQUENCE_PARALLEL))
         print("   forced", study.compact(case.layout), "v=1:", study.describe(flat, why),
               f"recompute [{study.recompute_choices(flat)}]", flush=True)
 

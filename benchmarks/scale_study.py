@@ -12,7 +12,8 @@ planner with one stage per device group and with ``virtual_stages="auto"`` (inte
 faster), and with the published configuration forced as a layout (``RxT`` per stage: R replicas of a T-way
 tensor-parallel group; at the published virtual-stage count where the source gives one), each with
 ``sharding="auto"`` (Megatron's runs shard the optimizer state over data parallel ranks) and per-block recompute
-where activations do not fit.
+where activations do not fit, and with sequence parallelism on tensor-parallel stages (``sequence_parallel=True``,
+as the published runs use it and as ``fxpipe.compile(..., sequence_parallel=True)`` would run these plans).
 MFU is model FLOPs as Megatron counts them (3 x the forward matmul FLOPs: 6N + 12 L h s per token) over the
 devices x 989.5 TFLOP/s (docs/glossary.md); predictions come from the analytic model, not a measurement.
 
@@ -58,6 +59,7 @@ RESULTS = Path(__file__).with_suffix(".md")
 COMMAND = "python benchmarks/scale_study.py --write"
 PRECISION = "bf16"
 SHARDING = "auto"
+SEQUENCE_PARALLEL = True  # Megatron's and Llama 3's runs shard norms and adds over the tokens too
 MAX_BLOCKS = 64  # the default chain: at most 64 blocks, enough for 16 pipeline stages
 
 
@@ -161,7 +163,7 @@ def study_case(case: Case, chain: CostChain | None = None, chain_s: float = 0.0)
         start = time.perf_counter()
         chain = chain_for(case)
         chain_s = time.perf_counter() - start
-    options: dict[str, Any] = {"precision": PRECISION, "sharding": SHARDING}
+    options: dict[str, Any] = {"precision": PRECISION, "sharding": SHARDING, "sequence_parallel": SEQUENCE_PARALLEL}
     planned, planned_s, planned_cpu_s, planned_why = _timed(
         lambda: plan_chain(chain, cluster, case.global_batch_size, **options))
     virtual, virtual_s, virtual_cpu_s, virtual_why = _timed(

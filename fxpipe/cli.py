@@ -80,6 +80,10 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="model chunks per device group (docs/virtual_stages.md): 1 (default), N, or auto (the "
                            "planner chooses, 1 included); with --schedule interleaved, interleaved_zero_bubble, zbv "
                            "(early_backward, zero_bubble and auto map to them)")
+    plan.add_argument("--sequence-parallel", action="store_true",
+                      help="cost tensor-parallel stages (RxT) running their norms and adds on token shards, as "
+                           "`fxpipe train --sequence-parallel` runs them (default: whole on every group member, as "
+                           "train runs them without the flag); recorded in the plan (docs/tensor_parallel.md)")
     _add_planning_options(plan)
 
     simulate = commands.add_parser("simulate", help="simulate a plan file's iteration")
@@ -169,6 +173,7 @@ def _cost_source(args: argparse.Namespace, cluster: Cluster) -> str:
 
 def _run_plan(args: argparse.Namespace) -> int:
     import fxpipe.runtime.calibration.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
+    from fxpipe.core.chain import without_sequence_parallel
     from fxpipe.core.cluster import parse_cluster
     from fxpipe.core.planfile import save_plan_file
     from fxpipe.planning import REMEASURED_NOTE, labelled, plan_chain
@@ -181,13 +186,14 @@ def _run_plan(args: argparse.Namespace) -> int:
     options = {"num_microbatches": args.num_microbatches, "schedule": args.schedule, "optimizer": args.optimizer,
                "recompute": args.recompute, "allreduce_bucket_bytes": _bucket_bytes(args.allreduce_bucket_mb),
                "compare": args.compare, "progress": sys.stderr.isatty(), "sharding": _sharding(args.sharding),
-               "virtual_stages": args.virtual_stages}
+               "virtual_stages": args.virtual_stages, "sequence_parallel": args.sequence_parallel}
     if "markers" in (args.layout, args.planner):
         plan, chain = _marker_plan(args, cluster, options)
     else:
         chain = _chain_for(args, cluster)
         plan = plan_chain(chain, cluster, args.global_batch, planner=args.planner, layout=args.layout,
                           precision=args.precision, **options)
+    chain = chain if args.sequence_parallel else without_sequence_parallel(chain)  # the chain the plan was costed on
     plan = labelled(plan.with_updates(model=args.model or f"profile:{Path(args.profile).name}"), args.costs)
     if args.cost_note:
         plan = plan.with_updates(notes=(*plan.notes, args.cost_note))

@@ -39,6 +39,7 @@ def resolve_plan(options: CompileOptions, model: torch.nn.Module, example_inputs
         with setup_phase("loading the plan", group):
             plan = options.plan if isinstance(options.plan, Plan) else Plan.load(options.plan)
             _check_precision(plan, options)
+            _check_sequence_parallel(plan, options)
             return apply_overrides(plan, options)
     plan = _planned(options, model, example_inputs, context, group, markers=kind == "markers")
     with setup_phase("applying plan overrides", group):
@@ -103,6 +104,21 @@ def _check_precision(plan: Plan, options: CompileOptions) -> None:
                       f"{precision!r} (autocast_dtype={options.autocast_dtype}); its predictions are for the "
                       f"former: re-plan with precision {precision!r} (`fxpipe plan --precision {precision}`)",
                       RuntimeWarning, stacklevel=3)
+
+
+def _check_sequence_parallel(plan: Plan, options: CompileOptions) -> None:
+    """A given plan of tensor-parallel stages costed with another ``sequence_parallel`` than the job runs still runs
+    exactly, with a warning: its predicted times and memory are for the other way (without sequence parallelism a
+    member runs its stage's norms, dropout and residual adds whole, and keeps their saved bytes whole)."""
+    if plan.predicted is None or plan.sequence_parallel == options.sequence_parallel:
+        return
+    if all(stage.tensor_parallel == 1 for stage in plan.stages):
+        return
+    costed, runs = (("with", "without") if plan.sequence_parallel else ("without", "with"))
+    warnings.warn(f"fxpipe: the plan's tensor-parallel stages were costed {costed} sequence parallelism but the job "
+                  f"runs {runs} it (sequence_parallel={options.sequence_parallel}); its predicted times and memory are "
+                  f"for the former: re-plan with sequence_parallel={options.sequence_parallel} (`fxpipe plan"
+                  f"{' --sequence-parallel' if options.sequence_parallel else ''}`)", RuntimeWarning, stacklevel=3)
 
 
 def _schedule_name(schedule: str) -> str:
@@ -200,7 +216,7 @@ def _run_planner(options: CompileOptions, model: torch.nn.Module, example_inputs
                       schedule=_schedule_name(options.schedule or "dapple"),
                       warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True,
                       recompute=options.recompute, precision=precision, sharding=options.sharding or "none",
-                      virtual_stages=options.virtual_stages)
+                      virtual_stages=options.virtual_stages, sequence_parallel=options.sequence_parallel)
     return placed_plan(plan, topology, cluster)
 
 
@@ -218,5 +234,5 @@ def _run_marker_planner(options: CompileOptions, model: torch.nn.Module, example
                            warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True,
                            batch_dims=options.batch_dims, recompute=options.recompute, loss_fn=options.loss_fn,
                            precision=training_precision(options), sharding=options.sharding or "none",
-                           virtual_stages=options.virtual_stages)
+                           virtual_stages=options.virtual_stages, sequence_parallel=options.sequence_parallel)
     return placed_plan(plan, topology, cluster)

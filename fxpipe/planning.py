@@ -267,22 +267,28 @@ def affordable_costs(analytic_chain: CostChain, *, on_meta: bool = False) -> tup
 
 def plan_chain(chain: CostChain, cluster: Cluster, global_batch_size: int, *,
                precision: str = DEFAULT_PRECISION, sharding: ShardingRequest = DEFAULT_SHARDING,
-               **options: Any) -> Plan:
+               sequence_parallel: bool = False, **options: Any) -> Plan:
     """Run a planner (``planner=`` name, default DAPPLE) over a chain costed for ``precision`` (recorded in the plan).
 
     ``sharding``: ``"none"``, ``"auto"``, one level or one per stage (:mod:`fxpipe.core.sharding`); the
     plan records each stage's level (``stages[*].sharding``; docs/sharding.md). A plan whose prediction leaves
     out fixed costs that would dominate it says so in its notes (:func:`fxpipe.sim.fixed_costs.fixed_cost_note`).
+    ``sequence_parallel``: tensor-parallel stages are costed as they run with ``fxpipe.compile``'s option of that
+    name: without it (the default) their norms, dropout and residual adds run whole on every group member
+    (:func:`fxpipe.core.chain.without_sequence_parallel`); the plan records it (``Plan.sequence_parallel``).
     """
+    from fxpipe.core.chain import without_sequence_parallel
     from fxpipe.passes.partition.dapple import partition
     from fxpipe.sim.fixed_costs import fixed_cost_note
     from fxpipe.sim.sharding_memory import chain_in_precision
 
     chain = chain_in_precision(chain, precision)  # bf16-params: compute copies in memory, bf16 all-gathers
+    chain = chain if sequence_parallel else without_sequence_parallel(chain)
     plan = partition(chain, cluster, global_batch_size, sharding=sharding, **options)
     note = fixed_cost_note(plan, chain, cluster)  # a lower bound when uncounted fixed costs would dominate
     plan = plan.with_updates(notes=(*plan.notes, note)) if note else plan
     plan = with_model_flops(plan, chain, cluster, precision)
+    plan = plan.with_updates(sequence_parallel=True) if sequence_parallel else plan
     return plan if precision == DEFAULT_PRECISION else plan.with_updates(precision=precision)
 
 
@@ -317,7 +323,8 @@ def plan_model(
 
     ``costs="auto"``: block times measured here for a local cluster, the analytic model otherwise
     (:func:`default_costs`); the plan says which in ``predicted.cost_source``. ``precision``: what the
-    job trains in (``"fp32"``, ``"bf16"``, ``"fp16"``), recorded in the plan.
+    job trains in (``"fp32"``, ``"bf16"``, ``"fp16"``), recorded in the plan. Other ``options`` go to
+    :func:`plan_chain` (``sequence_parallel=True`` when the job will compile with it).
     """
     import fxpipe.runtime.calibration.calibrate  # noqa: F401  (registers how the `local` cluster measures this machine)
     from fxpipe.core.cluster import parse_cluster
@@ -356,19 +363,22 @@ def plan_markers(
     Returns the plan and the cost chain it is stated in. Every marked stage must hold parameters
     (otherwise the README's ``torch.optim.AdamW(pipe.parameters())`` fails on its ranks): a
     MarkerError names the stage to merge. ``batch_dims=`` among ``options`` goes to ``trace``,
-    ``precision`` to :func:`costed_model`.
+    ``precision`` to :func:`costed_model`, ``sequence_parallel`` as in :func:`plan_chain`.
     """
     from fxpipe import passes
+    from fxpipe.core.chain import without_sequence_parallel
     from fxpipe.passes.markers import MarkerError, marker_stages, marker_stops
     from fxpipe.passes.partition.block_partition import coarsen_chain, holds_parameters
     from fxpipe.passes.partition.dapple import on_fine_chain, partition
 
     batch_dims: BatchDims = options.pop("batch_dims", None)  # trace's, not the planner's
     loss_fn: LossFn | None = options.pop("loss_fn", None)  # the cost pass's
+    sequence_parallel: bool = options.pop("sequence_parallel", False)
     graph_module = passes.trace(model, example_inputs, batch_dims=batch_dims)
     groups = marker_stages(model, example_inputs, graph_module)
     chain = costed_model(model, example_inputs, cluster, costs=costs, max_blocks=None, batch_dims=batch_dims,
                          measured=measured, loss_fn=loss_fn, precision=precision).chain
+    chain = chain if sequence_parallel else without_sequence_parallel(chain)
     stops = marker_stops(chain, groups)
     marked = coarsen_chain(chain, stops)
     empty = [index for index, holds in enumerate(holds_parameters(marked)) if not holds]
@@ -376,6 +386,7 @@ def plan_markers(
         raise MarkerError(f"pipe_split() markers give stage(s) {empty} no parameters, so their ranks would have "
                           "nothing to optimise; remove the marker before or after each such stage")
     plan = partition(marked, cluster, global_batch_size, num_stages=len(stops), sharding=sharding, **options)
-    plan = on_fine_chain(plan, chain, stops).with_updates(planner="markers", precision=precision)
+    plan = on_fine_chain(plan, chain, stops).with_updates(planner="markers", precision=precision,
+                                                          sequence_parallel=sequence_parallel)
     plan = with_model_flops(plan, chain, cluster, precision)
     return labelled(plan, cost_source_of(costs, cluster)), chain

@@ -126,7 +126,8 @@ def tensor_parallel_fields(node: fx.Node, param_bytes: int, output_bytes: Affine
     elif figure.comm == "input":
         comm = input_bytes(node.all_input_nodes[0 if node.op == "call_module" else _activation_index(node)])
     return {"tp_time_share": figure.time_share, "tp_param_bytes": min(figure.param_bytes, param_bytes),
-            "tp_saved_share": figure.saved_share, "tp_comm_bytes": comm, "tp_divisor": figure.divisor}
+            "tp_saved_share": figure.saved_share, "tp_comm_bytes": comm, "tp_divisor": figure.divisor,
+            "tp_sequence": figure.role == "sequence"}
 
 
 def _activation_index(node: fx.Node) -> int:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from fxpipe.core.attention_core import cores_within_blocks, cuts_inside_cores
 from fxpipe.core.costgraph import ZERO, Affine, CostGraph, CostNode
@@ -55,6 +55,9 @@ class BlockTensorParallel:
     one in forward (sequence parallelism), the same two in backward; a group member moves ``(T-1)/T`` of it.
     ``divisor``: T must divide it (the gcd of the sharded head counts, channels and vocabulary); 0: no condition
     (a block of sequence-parallel norms and adds only).
+    ``sequence_time_share`` and ``sequence_saved_share``: the parts of ``time_share`` and ``saved_share`` that come
+    from token-row nodes between pairs (norms, dropout, residual adds), which split only under sequence
+    parallelism; :func:`without_sequence_parallel` takes them out for stages that run without it.
     """
 
     time_share: float
@@ -62,6 +65,8 @@ class BlockTensorParallel:
     saved_share: float
     comm_bytes: Affine
     divisor: int
+    sequence_time_share: float = 0.0
+    sequence_saved_share: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -299,7 +304,10 @@ def block_tensor_parallel(nodes: Iterable[CostNode]) -> BlockTensorParallel | No
         return None
     return _weighted_tp([(node.forward_s + node.backward_s, node.saved_bytes,
                           BlockTensorParallel(node.tp_time_share, node.tp_param_bytes, node.tp_saved_share,
-                                              node.tp_comm_bytes, node.tp_divisor)) for node in nodes])
+                                              node.tp_comm_bytes, node.tp_divisor,
+                                              node.tp_time_share if node.tp_sequence else 0.0,
+                                              node.tp_saved_share if node.tp_sequence else 0.0))
+                         for node in nodes])
 
 
 def merged_tensor_parallel(blocks: Sequence[Block]) -> BlockTensorParallel | None:
@@ -313,20 +321,51 @@ def merged_tensor_parallel(blocks: Sequence[Block]) -> BlockTensorParallel | Non
 _WHOLE = BlockTensorParallel(0.0, 0, 0.0, ZERO, 0)
 
 
+def without_sequence_parallel(chain: CostChain) -> CostChain:
+    """``chain`` as tensor-parallel stages run it without sequence parallelism (``fxpipe.compile``'s default): each
+    block's norms, dropout and residual adds between pairs run whole on every group member, in time and in saved
+    bytes (its ``sequence_*`` shares come out of its split shares); a block with nothing else to split no longer
+    splits. The chain itself when no block has such a share."""
+    if not any(block.tp is not None and (block.tp.sequence_time_share > 0 or block.tp.sequence_saved_share > 0)
+               for block in chain.blocks):
+        return chain
+    return replace(chain, blocks=tuple(replace(block, tp=_without_sequence(block.tp)) for block in chain.blocks))
+
+
+def _without_sequence(tp: BlockTensorParallel | None) -> BlockTensorParallel | None:
+    if tp is None or (tp.sequence_time_share <= 0 and tp.sequence_saved_share <= 0):
+        return tp
+    kept = replace(tp, time_share=max(0.0, tp.time_share - tp.sequence_time_share),
+                   saved_share=max(0.0, tp.saved_share - tp.sequence_saved_share),
+                   sequence_time_share=0.0, sequence_saved_share=0.0)
+    splits_nothing = (kept.time_share <= 1e-12 and kept.saved_share <= 1e-12 and kept.param_bytes == 0
+                      and kept.divisor == 0 and kept.comm_bytes == ZERO)
+    return None if splits_nothing else kept
+
+
 def _weighted_tp(parts: list[tuple[Affine, Affine, BlockTensorParallel]]) -> BlockTensorParallel:
     """Shares weighted by time and saved bytes at one row; bytes summed; the gcd of the divisors (0: none)."""
     times = [time.at(1.0) for time, _, _ in parts]
     saved = [num_bytes.at(1.0) for _, num_bytes, _ in parts]
     total_time, total_saved = sum(times), sum(saved)
     divisors = [tp.divisor for _, _, tp in parts if tp.divisor > 0]
+
+    def by_time(share: Callable[[BlockTensorParallel], float]) -> float:
+        return sum(t * share(tp) for t, (_, _, tp) in zip(times, parts, strict=True)) / total_time \
+            if total_time > 0 else 0.0
+
+    def by_saved(share: Callable[[BlockTensorParallel], float]) -> float:
+        return sum(b * share(tp) for b, (_, _, tp) in zip(saved, parts, strict=True)) / total_saved \
+            if total_saved > 0 else 0.0
+
     return BlockTensorParallel(
-        time_share=sum(t * tp.time_share for t, (_, _, tp) in zip(times, parts, strict=True)) / total_time
-        if total_time > 0 else 0.0,
+        time_share=by_time(lambda tp: tp.time_share),
         param_bytes=sum(tp.param_bytes for _, _, tp in parts),
-        saved_share=sum(b * tp.saved_share for b, (_, _, tp) in zip(saved, parts, strict=True)) / total_saved
-        if total_saved > 0 else 0.0,
+        saved_share=by_saved(lambda tp: tp.saved_share),
         comm_bytes=Affine.total(tp.comm_bytes for _, _, tp in parts),
         divisor=math.gcd(*divisors) if divisors else 0,
+        sequence_time_share=by_time(lambda tp: tp.sequence_time_share),
+        sequence_saved_share=by_saved(lambda tp: tp.sequence_saved_share),
     )
 
 

@@ -92,6 +92,8 @@ class CostNode:
     tp_saved_share: float = 0.0  # the share of saved_bytes split T ways
     tp_comm_bytes: Affine = ZERO  # full activation bytes at this node's collective point (per forward)
     tp_divisor: int = 0  # T must divide it (0: no condition)
+    # a token-row node between pairs (norm, dropout, residual add): it splits only under sequence parallelism
+    tp_sequence: bool = False
 
 
 class CostGraphError(ValueError):

@@ -158,6 +158,9 @@ class Plan:
     # Chunks of one group list the same devices. 1 and () (plans written before): one stage per group.
     virtual_stages: int = 1
     chunk_groups: tuple[int, ...] = ()
+    # whether tensor-parallel stages were costed running sequence parallelism (norms, dropout and residual adds on
+    # token shards: compile's ``sequence_parallel``, which must match); False (absent: plans written before) without
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         validate_plan(self)
@@ -231,6 +234,8 @@ class Plan:
                     del stage[key]
         if self.virtual_stages == 1:  # absent = one stage per group: plans without virtual stages keep their bytes
             del data["virtual_stages"], data["chunk_groups"]
+        if not self.sequence_parallel:  # absent = False: plans costed without it keep their bytes
+            del data["sequence_parallel"]
         data["layout"] = self.layout
         data["baselines"] = {name: asdict(result) for name, result in self.baselines}
         if self.predicted is not None:

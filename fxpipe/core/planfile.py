@@ -48,8 +48,10 @@ def _tp_to_json(block: Block) -> dict[str, Any]:
     tp = block.tp
     if tp is None:
         return {}
+    sequence = {"sequence_time_share": tp.sequence_time_share, "sequence_saved_share": tp.sequence_saved_share} \
+        if tp.sequence_time_share or tp.sequence_saved_share else {}  # older files keep their bytes
     return {"tp": {"time_share": tp.time_share, "param_bytes": tp.param_bytes, "saved_share": tp.saved_share,
-                   "comm_bytes": tp.comm_bytes.to_json(), "divisor": tp.divisor}}
+                   "comm_bytes": tp.comm_bytes.to_json(), "divisor": tp.divisor, **sequence}}
 
 
 def _attention_core_to_json(block: Block) -> dict[str, Any]:
@@ -68,7 +70,9 @@ def _tp_from_json(item: Any, where: str) -> BlockTensorParallel | None:
                                param_bytes=read_field(data, "param_bytes", int, at),
                                saved_share=read_field(data, "saved_share", float, at),
                                comm_bytes=Affine.from_json(data["comm_bytes"]),
-                               divisor=read_field(data, "divisor", int, at))
+                               divisor=read_field(data, "divisor", int, at),
+                               **{key: read_field(data, key, float, at)
+                                  for key in ("sequence_time_share", "sequence_saved_share") if key in data})
 
 
 def _shared_from_json(item: Any, where: str) -> SharedParam:
