@@ -44,14 +44,18 @@ class Case:
     global_batch_size: int = 32
     num_microbatches: int = 8
     schedule: str = "early_backward"
+    sequence_parallel: bool = False  # tensor-parallel stages (RxT): planned and compiled with it
 
     @property
     def num_ranks(self) -> int:
-        return sum(int(part) for part in self.layout.split(":"))
+        """Devices of the layout: R per stage, R x T for a stage of T-way tensor-parallel groups."""
+        return sum(int(replicas) * int(degree or 1) for replicas, _, degree in
+                   (part.partition("x") for part in self.layout.split(":")))
 
     def describe(self) -> str:
         sizes = ", ".join(f"{key}={value}" for key, value in self.overrides)
-        return f"{self.model} ({sizes})" if sizes else self.model
+        name = f"{self.model} ({sizes})" if sizes else self.model
+        return f"{name}, sequence-parallel" if self.sequence_parallel else name
 
 
 CASES = (
@@ -63,6 +67,10 @@ CASES = (
     Case("vgg-19", SMALL_VGG, "1:1:1:1"),
     Case("vgg-19", SMALL_VGG, "2:2"),
     Case("mlp", (), "1:3"),
+    # tensor-parallel members: column linears keep their whole inputs, row linears their channels, the loss one
+    # shard of the logits; norms and adds split only under sequence parallelism
+    Case("gpt-mini", VOCAB_LM, "1x2:1x2"),
+    Case("gpt-mini", VOCAB_LM, "1x2:1x2", sequence_parallel=True),
 )
 
 
@@ -80,7 +88,8 @@ def plan_case(case: Case) -> Any:
     costed = costed_model(model, example_inputs, cluster, costs="analytic", loss_fn=entry.loss_fn,
                           example_targets=targets)
     return plan_chain(costed.chain, cluster, case.global_batch_size, layout=case.layout,
-                      num_microbatches=case.num_microbatches, schedule=case.schedule, recompute="never")
+                      num_microbatches=case.num_microbatches, schedule=case.schedule, recompute="never",
+                      sequence_parallel=case.sequence_parallel)
 
 
 def _measure_rank(rank: int, world_size: int, store_dir: str, cases: tuple[Case, ...],
@@ -100,7 +109,8 @@ def _measure_rank(rank: int, world_size: int, store_dir: str, cases: tuple[Case,
             model, example_inputs = zoo.build(case.model, batch_size=plan.microbatch_size, **overrides)
             entry = zoo.get(case.model)
             pipe = fxpipe.compile(model, example_inputs, loss_fn=entry.loss_fn,
-                                  global_batch_size=case.global_batch_size, plan=plan)
+                                  global_batch_size=case.global_batch_size, plan=plan,
+                                  sequence_parallel=case.sequence_parallel)
             inputs, targets = entry.make_batch(case.global_batch_size, 1, **overrides)
             pipe.step(inputs, targets)  # warm-up outside the hooks
             pipe.measure = True

@@ -221,7 +221,9 @@ def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, key: str, voca
     sum_exp = reduce_from_group(shifted.exp().sum(dim=-1), key)
     local = labels - vocab_start
     held = (local >= 0) & (local < flat.shape[-1])
-    picked = shifted.gather(-1, local.clamp(0, flat.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+    # indexing, not gather: gather's backward keeps its whole input (this member's logits again) where indexing
+    # keeps only the indices, so the loss saves one shard of the logits (exp's output), as F.cross_entropy saves one
+    picked = shifted[torch.arange(flat.shape[0], device=flat.device), local.clamp(0, flat.shape[-1] - 1)]
     target_logit = reduce_from_group(picked.masked_fill(~held, 0.0), key)
     valid = labels != ignore_index
     losses = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)

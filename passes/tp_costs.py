@@ -75,8 +75,10 @@ def annotate_tensor_parallel(gm: fx.GraphModule, example_inputs: Any = None) -> 
             split_params[info.weight] = (_parameter_bytes(gm, info.weight), divisor)
             if is_column and info.bias is not None:
                 split_params[info.bias] = (bias, divisor)
+            # a linear saves its input for backward: whole on every member into a column-parallel one (the
+            # gathered input under sequence parallelism too), this member's channels into a row-parallel one
             figures[name] = NodeTensorParallel("column" if is_column else "row", 1.0,
-                                               _parameter_bytes(gm, info.weight) + bias, 1.0,
+                                               _parameter_bytes(gm, info.weight) + bias, 0.0 if is_column else 1.0,
                                                "" if is_column else "output", divisor)
         for name in region.nodes:
             if name not in whole:
@@ -87,7 +89,8 @@ def annotate_tensor_parallel(gm: fx.GraphModule, example_inputs: Any = None) -> 
             path = _vocab_weight_path(gm, nodes[vocab.node])
             split_params[path] = (_parameter_bytes(gm, path), vocab.vocab_size)
             comm = "output" if vocab.kind == "embedding" else "input"
-            figures[vocab.node] = NodeTensorParallel(f"vocab-{vocab.kind}", 1.0, split_params[path][0], 1.0, comm,
+            # the embedding saves the token ids, the head its whole input: neither splits
+            figures[vocab.node] = NodeTensorParallel(f"vocab-{vocab.kind}", 1.0, split_params[path][0], 0.0, comm,
                                                      vocab.vocab_size)
     if figures:
         for name in analysis.sequence_nodes:

@@ -20,6 +20,10 @@ CASES = (
 # A CNN whose cut falls between a ReLU and a convolution that both save the crossing value: the later stage
 # saves its received copy again (fxpipe.core.chain.Block.resaved)
 CNN_CASES = (Case("vgg-19", SMALL_VGG, "2:2"),)
+# Tensor-parallel members, without and with sequence parallelism: a column linear saves its whole input, the
+# vocabulary-parallel loss one shard of the logits (its target logit is indexed, not gathered: gather's backward
+# would keep the shard twice), norms and adds split only with sequence parallelism
+TP_CASES = (Case("gpt-mini", VOCAB_LM, "1x2:1x2"), Case("gpt-mini", VOCAB_LM, "1x2:1x2", sequence_parallel=True))
 
 
 def test_predicted_activation_peaks_match_measured_steps(tmp_path: Path) -> None:
@@ -30,9 +34,13 @@ def test_cnn_activation_peaks_match_measured_steps(tmp_path: Path) -> None:
     _check_within_bounds(run(CNN_CASES, str(tmp_path)), CNN_CASES)
 
 
+def test_tensor_parallel_members_activation_peaks_match_measured_steps(tmp_path: Path) -> None:
+    _check_within_bounds(run(TP_CASES, str(tmp_path)), TP_CASES)
+
+
 def _check_within_bounds(rows: list[dict[str, Any]], cases: tuple[Case, ...] = CASES) -> None:
-    assert {(row["case"].model, row["case"].layout) for row in rows} == {(c.model, c.layout) for c in cases}
-    outside = [(row["case"].model, row["case"].layout, row["stage"], row["predicted"], row["measured"])
+    assert {row["case"] for row in rows} == set(cases)
+    outside = [(row["case"].describe(), row["case"].layout, row["stage"], row["predicted"], row["measured"])
                for row in rows if not LOWEST <= ratio(row) <= HIGHEST]
     assert not outside, f"(model, layout, stage, predicted, measured) outside [{LOWEST}, {HIGHEST}]: {outside}"
     last = [row for row in rows if row["case"].model == "gpt-mini" and row["stage"] == 2 and row["case"].layout == "2:1:1"]
