@@ -38,6 +38,16 @@ def test_tensor_parallel_members_activation_peaks_match_measured_steps(tmp_path:
     _check_within_bounds(run(TP_CASES, str(tmp_path)), TP_CASES)
 
 
+def test_a_received_value_saved_for_backward_keeps_only_its_own_bytes(tmp_path: Path) -> None:
+    """tied-lm's stage 1 receives two values in one message (its first norm's output, which its first linear saves,
+    and the residual) and is predicted exactly: each received piece is its own storage, so the saved one does not
+    keep the message's other piece and header alive (before: one value too many per micro-batch in flight)."""
+    rows = run((Case("tied-lm", (), "1:1:1:1"),), str(tmp_path))
+    stage = next(row for row in rows if row["stage"] == 1)
+    assert stage["inflight"] > 1 and stage["predicted"] > 0
+    assert abs(ratio(stage) - 1.0) < 0.01, (stage["predicted"], stage["measured"])
+
+
 def _check_within_bounds(rows: list[dict[str, Any]], cases: tuple[Case, ...] = CASES) -> None:
     assert {row["case"] for row in rows} == set(cases)
     outside = [(row["case"].describe(), row["case"].layout, row["stage"], row["predicted"], row["measured"])

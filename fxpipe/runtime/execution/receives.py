@@ -117,7 +117,10 @@ class Inbox:
                 self._check(header, message, source)
             else:
                 self.unchecked.append((header.clone(), message, source))
-            pieces.update(zip(message.keys, unpack(item.tensor, message.layouts), strict=True))
+            received = unpack(item.tensor, message.layouts)
+            if len(received) > 1:  # each piece its own storage: a piece this stage saves for backward would keep
+                received = [piece.clone() for piece in received]  # the whole message alive (header, other pieces)
+            pieces.update(zip(message.keys, received, strict=True))
         return pieces
 
     def verify(self) -> None:
