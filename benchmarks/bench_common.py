@@ -26,6 +26,13 @@ from fxpipe.runtime.autograd.measure import SavedActivationMeter
 from tests.mp_utils import run_ranks as run_forked
 
 BENCH_MODEL = "gpt-mini"
+GPT_MINI_WIDTH = 128  # gpt-mini's n_embd
+
+
+def gpt_mini_width(width: int) -> tuple[tuple[str, int], ...]:
+    """gpt-mini overrides for ``width`` channels, one head per 32 beyond the default (none at the default): wider
+    blocks carry more compute per message or collective byte (rows x h^2 against rows x h)."""
+    return () if width == GPT_MINI_WIDTH else (("n_embd", width), ("n_head", width // 32))
 
 
 # ---- ranks -----------------------------------------------------------------------------------------

@@ -49,8 +49,10 @@ class Case:
     @property
     def num_ranks(self) -> int:
         """Devices of the layout: R per stage, R x T for a stage of T-way tensor-parallel groups."""
-        return sum(int(replicas) * int(degree or 1) for replicas, _, degree in
-                   (part.partition("x") for part in self.layout.split(":")))
+        from fxpipe.passes.partition.layout import parse_stage_layout
+
+        replicas, degrees = parse_stage_layout(self.layout, num_devices=2**31, num_blocks=2**31)
+        return sum(r * t for r, t in zip(replicas, degrees, strict=True))
 
     def describe(self) -> str:
         sizes = ", ".join(f"{key}={value}" for key, value in self.overrides)

@@ -22,7 +22,14 @@ from typing import Any
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.bench_common import Workload, machine_notes, median, run_ranks  # noqa: E402
+from benchmarks.bench_common import (  # noqa: E402
+    GPT_MINI_WIDTH,
+    Workload,
+    gpt_mini_width,
+    machine_notes,
+    median,
+    run_ranks,
+)
 from benchmarks.kept_notes import write_keeping_notes  # noqa: E402
 from benchmarks.rank_pinning import pin_rank  # noqa: E402
 from benchmarks.small_fidelity import Case, _captured_planning, _one_case  # noqa: E402
@@ -32,7 +39,7 @@ COMMAND = "python benchmarks/tp_fidelity.py --write"
 TARGET_ERROR = 0.20
 GPT = Workload("gpt-mini", (), 8, 2)
 CASES = (Case(GPT, "1x2"), Case(GPT, "dp"))
-DEFAULT_WIDTH = 128  # gpt-mini's n_embd
+DEFAULT_WIDTH = GPT_MINI_WIDTH
 
 
 def cases_for(widths: tuple[int, ...]) -> tuple[Case, ...]:
@@ -40,8 +47,7 @@ def cases_for(widths: tuple[int, ...]) -> tuple[Case, ...]:
     beyond the default): wider blocks carry more compute per collective byte (rows x h^2 against rows x h)."""
     chosen: list[Case] = []
     for width in widths:
-        overrides = () if width == DEFAULT_WIDTH else (("n_embd", width), ("n_head", width // 32))
-        workload = Workload(GPT.model, overrides, GPT.global_batch_size, GPT.num_microbatches)
+        workload = Workload(GPT.model, gpt_mini_width(width), GPT.global_batch_size, GPT.num_microbatches)
         chosen += [Case(workload, "1x2"), Case(workload, "dp")]
     return tuple(chosen)
 

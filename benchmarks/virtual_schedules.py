@@ -29,9 +29,11 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_common import (  # noqa: E402
+    GPT_MINI_WIDTH,
     Workload,
     bench_main,
     compile_fxpipe,
+    gpt_mini_width,
     interleaved,
     layer_cut_stages,
     machine_notes,
@@ -47,14 +49,13 @@ VIRTUAL_STAGES = 2
 NUM_BLOCKS = 8
 
 
-DEFAULT_WIDTH = 128
+DEFAULT_WIDTH = GPT_MINI_WIDTH
 
 
 def workload_for(num_ranks: int, width: int = DEFAULT_WIDTH) -> Workload:
-    """gpt-mini of 8 blocks, global batch 16, as many micro-batches as ranks (M = G); ``width`` channels (one head
-    per 32 beyond the default): wider blocks carry more compute per message (rows x h^2 against rows x h)."""
-    heads = () if width == DEFAULT_WIDTH else (("n_head", width // 32),)
-    return Workload("gpt-mini", (("n_layer", NUM_BLOCKS), ("n_embd", width), *heads, ("block_size", 64)), 16,
+    """gpt-mini of 8 blocks, global batch 16, as many micro-batches as ranks (M = G), at ``width`` channels
+    (:func:`benchmarks.bench_common.gpt_mini_width`)."""
+    return Workload("gpt-mini", (("n_layer", NUM_BLOCKS), *gpt_mini_width(width), ("block_size", 64)), 16,
                     num_ranks)
 
 
