@@ -27,7 +27,7 @@ from fxpipe.passes.partition.request import PlanningError
 from fxpipe.planning import autocast_dtype, costed_model, model_loss, plan_chain
 from fxpipe.sim.sharding_cost import plan_sharding_comms
 from fxpipe.sim.sharding_memory import chain_in_precision
-from fxpipe.sim.tensor_parallel_cost import collective_seconds, splits
+from fxpipe.sim.tensor_parallel_cost import block_collective_seconds, splits
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.sharding_study import MAX_BLOCKS, GiB, describe, ratio  # noqa: E402
@@ -134,7 +134,7 @@ def tensor_parallel_seconds(plan: Plan, chain: CostChain, cluster: Cluster) -> f
         rows = plan.global_batch_size / plan.num_microbatches / stage.replicas
         blocks = chain.blocks[stage.first_block:stage.stop_block]
         per_stage.append(plan.num_microbatches * sum(
-            2 * collective_seconds(cluster, block.tp.comm_bytes.at(rows), stage.tensor_parallel)
+            sum(block_collective_seconds(block, cluster, rows, stage.tensor_parallel))
             for block in blocks if block.tp is not None and splits(block, stage.tensor_parallel)))
     return max(per_stage)
 

@@ -15,6 +15,9 @@ Every function below takes the group key (a string constant in the generated cod
     gather_sequence(x, key, dim)           forward all-gather,      backward reduce-scatter (sequence parallelism)
     reduce_scatter_sequence(x, key, dim)   forward reduce-scatter,  backward all-gather
     split_sequence(x, key, dim)            forward own chunk,       backward all-gather
+    sequence_columns(x, key, dim, biases, *params)   column linears on token-split x: forward all-gather, each
+                                           linear; only x's token share is saved; backward all-gather again,
+                                           reduce-scatter the summed input gradient (Megatron-LM's sequence parallelism)
     vocab_embedding(ids, weight, key, vocab_start)       a vocabulary-split table lookup, summed over the group
     vocab_parallel_cross_entropy(logits, targets, key, vocab_start, ignore_index=-100)   mean token cross-entropy
                                            of vocabulary-split logits (the same value on every member)
@@ -31,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["Communicator", "add_bias", "copy_to_group", "gather_for_inference", "gather_from_group", "gather_sequence", "group", "reduce_from_group",
-           "reduce_scatter_sequence", "register_group", "split_sequence", "unregister_group", "vocab_embedding",
+           "reduce_scatter_sequence", "register_group", "sequence_columns", "split_sequence", "unregister_group", "vocab_embedding",
            "vocab_parallel_cross_entropy"]
 
 
@@ -154,6 +157,77 @@ class _SplitSequence(_GatherInBackward):
         return _own_chunk(x, comm, dim)
 
 
+class _SequenceColumns(torch.autograd.Function):
+    """Column linears ``F.linear(gathered, weight_i, bias_i)`` reading one input split over the tokens, as Megatron-LM
+    runs a sequence-parallel column linear: the gathered input is not kept for backward (T times the token share,
+    per member, per layer), only the share is, in the dtype the linears compute in; backward gathers it again for
+    the weight gradients. Autocast is applied as ``F.linear`` applies it (each floating input but float64 cast to
+    the autocast dtype), so outputs and gradients are those of the linears on the gathered input."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, key: str, dim: int, biases: tuple[bool, ...],  # type: ignore[override]
+                *params: Tensor) -> tuple[Tensor, ...]:
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        share = _compute_cast(x, dtype)
+        full = group(key).all_gather(share.contiguous(), dim)
+        with torch.autocast(device, enabled=False):
+            outputs = tuple(F.linear(full, _compute_cast(weight, dtype), None if bias is None else
+                                     _compute_cast(bias, dtype)) for weight, bias in _pairs(biases, params))
+        pairs = _pairs(biases, params)
+        ctx.save_for_backward(share, *(weight for weight, _ in pairs))  # a bias gradient needs no saved value
+        ctx.key, ctx.dim, ctx.dtype, ctx.input_dtype = key, dim, dtype, x.dtype
+        ctx.bias_dtypes = tuple(None if bias is None else bias.dtype for _, bias in pairs)
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        share, *weights = ctx.saved_tensors
+        with torch.autocast(share.device.type, enabled=False):  # the forward's casts, whatever the caller's state
+            return _SequenceColumns._gradients(ctx, share, weights, grads)
+
+    @staticmethod
+    def _gradients(ctx: Any, share: Tensor, weights: list[Tensor], grads: tuple[Tensor | None, ...],
+                   ) -> tuple[Tensor | None, ...]:
+        comm = group(ctx.key)
+        full = comm.all_gather(share.contiguous(), ctx.dim)
+        rows = full.reshape(-1, full.shape[-1])
+        input_grad: Tensor | None = None
+        param_grads: list[Tensor | None] = []
+        needs = iter(ctx.needs_input_grad[4:])
+        for weight, bias_dtype, grad in zip(weights, ctx.bias_dtypes, grads, strict=True):
+            needs_weight, needs_bias = next(needs), bias_dtype is not None and next(needs)
+            if grad is None:
+                param_grads += [None] * (1 if bias_dtype is None else 2)
+                continue
+            grad_rows = grad.reshape(-1, grad.shape[-1])
+            if ctx.needs_input_grad[0]:  # each linear's input cast back to the input's dtype, then summed
+                part = grad.matmul(_compute_cast(weight, ctx.dtype)).to(ctx.input_dtype)
+                input_grad = part if input_grad is None else input_grad + part
+            param_grads.append(grad_rows.t().mm(rows).to(weight.dtype) if needs_weight else None)
+            if bias_dtype is not None:
+                param_grads.append(grad_rows.sum(0).to(bias_dtype) if needs_bias else None)
+        if input_grad is not None:
+            input_grad = comm.reduce_scatter(input_grad.contiguous(), ctx.dim)
+        return (input_grad, None, None, None, *param_grads)
+
+
+def _compute_cast(tensor: Tensor, dtype: torch.dtype | None) -> Tensor:
+    """``tensor`` as autocast hands it to a lower-precision op (``dtype``; None: autocast off)."""
+    if dtype is None or not tensor.is_floating_point() or tensor.dtype in (dtype, torch.float64):
+        return tensor
+    return tensor.to(dtype)
+
+
+def _pairs(biases: tuple[bool, ...], params: tuple[Tensor, ...] | list[Tensor]) -> list[tuple[Tensor, Tensor | None]]:
+    """``(weight, bias or None)`` per linear from the flat ``params`` (a weight, then its bias where it has one)."""
+    pairs, position = [], 0
+    for has_bias in biases:
+        pairs.append((params[position], params[position + 1] if has_bias else None))
+        position += 2 if has_bias else 1
+    return pairs
+
+
 def add_bias(out: Tensor, bias: Tensor) -> Tensor:
     """``out + bias`` in ``out``'s dtype. The unsplit layer (F.linear, or addmm for GPT-2's Conv1D) casts its bias
     to the compute dtype under autocast and returns bf16; a plain add of the fp32 bias would promote the split
@@ -182,6 +256,13 @@ def gather_for_inference(x: Tensor, key: str, dim: int) -> Tensor:
 
 def gather_sequence(x: Tensor, key: str, dim: int) -> Tensor:
     return _GatherSequence.apply(x, key, dim)  # type: ignore[no-any-return]
+
+
+def sequence_columns(x: Tensor, key: str, dim: int, biases: tuple[bool, ...], *params: Tensor) -> tuple[Tensor, ...]:
+    """``tuple(F.linear(gather_sequence(x, key, dim), weight_i, bias_i))`` for the linears whose ``params`` are
+    listed (a weight, then its bias where ``biases[i]``), keeping only ``x``'s token share for backward
+    (:class:`_SequenceColumns`)."""
+    return _SequenceColumns.apply(x, key, dim, biases, *params)  # type: ignore[no-any-return]
 
 
 def reduce_scatter_sequence(x: Tensor, key: str, dim: int) -> Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import fx
@@ -17,7 +17,7 @@ from fxpipe.passes.tensor_parallel import (
     TensorParallelAnalysis,
     find_tensor_parallel,
 )
-from fxpipe.passes.tp_rules import linear_info, op_name
+from fxpipe.passes.tp_rules import SIZE_READS, linear_info, op_name
 
 __all__ = ["NodeTensorParallel", "annotate_tensor_parallel", "chosen_divisor", "loss_fields", "tensor_parallel_fields"]
 
@@ -27,7 +27,9 @@ class NodeTensorParallel:
     """What a T-way group does with one node: ``role`` (``column``, ``row``, ``split``, ``parameter``,
     ``vocab-embedding``, ``vocab-head``, ``sequence``), the share of its time and saved bytes that divides by T,
     the bytes of the split parameters it reads, where its collective point lies (``"input"`` / ``"output"`` / ``""``)
-    and the number T must divide (0: none)."""
+    and the number T must divide (0: none). ``sequence_saved_share``: the part of ``saved_share`` that divides only
+    under sequence parallelism (a column linear saving its input's token share); ``regather``: the node's input is
+    gathered again in backward then (the first column reading it carries it)."""
 
     role: str
     time_share: float = 0.0
@@ -35,6 +37,8 @@ class NodeTensorParallel:
     saved_share: float = 0.0
     comm: str = ""
     divisor: int = 0
+    sequence_saved_share: float = 0.0
+    regather: bool = False
 
 
 def chosen_divisor(region: ParallelRegion) -> tuple[int, bool]:
@@ -95,6 +99,7 @@ def annotate_tensor_parallel(gm: fx.GraphModule, example_inputs: Any = None) -> 
     if figures:
         for name in analysis.sequence_nodes:
             figures.setdefault(name, NodeTensorParallel("sequence", 1.0, 0, 1.0))
+        _token_share_inputs(gm, figures, set(analysis.sequence_nodes))
     for node in gm.graph.nodes:
         if node.op == "get_attr" and str(node.target) in split_params:
             num_bytes, divisor = split_params[str(node.target)]
@@ -102,6 +107,27 @@ def annotate_tensor_parallel(gm: fx.GraphModule, example_inputs: Any = None) -> 
         if node.name in figures:
             node.meta[meta.TENSOR_PARALLEL] = figures[node.name]
     return analysis
+
+
+def _token_share_inputs(gm: fx.GraphModule, figures: dict[str, NodeTensorParallel], sequence: set[str]) -> None:
+    """Under sequence parallelism a token-row input read only by split column linears (and the vocabulary head)
+    is saved as each member's token share and gathered again in backward (fxpipe.passes.tp_sequence_columns):
+    those linears' saved bytes divide by T then, and the first of them carries the input's second gather."""
+    readers = ("column", "vocab-head")
+    order = {node: index for index, node in enumerate(gm.graph.nodes)}
+    for node in gm.graph.nodes:
+        users = [user for user in node.users if op_name(gm, user) not in SIZE_READS]  # shape reads read the share
+        if node.name not in sequence or not users or not all(
+                getattr(figures.get(user.name), "role", "") in readers and _activation(user) is node for user in users):
+            continue
+        first = min(users, key=order.__getitem__)
+        for user in users:
+            figures[user.name] = replace(figures[user.name], saved_share=1.0, sequence_saved_share=1.0,
+                                         regather=user is first)
+
+
+def _activation(node: fx.Node) -> fx.Node:
+    return node.all_input_nodes[0 if node.op == "call_module" else _activation_index(node)]
 
 
 def _vocab_weight_path(gm: fx.GraphModule, node: fx.Node) -> str:
@@ -127,10 +153,11 @@ def tensor_parallel_fields(node: fx.Node, param_bytes: int, output_bytes: Affine
     if figure.comm == "output":
         comm = output_bytes
     elif figure.comm == "input":
-        comm = input_bytes(node.all_input_nodes[0 if node.op == "call_module" else _activation_index(node)])
+        comm = input_bytes(_activation(node))
     return {"tp_time_share": figure.time_share, "tp_param_bytes": min(figure.param_bytes, param_bytes),
             "tp_saved_share": figure.saved_share, "tp_comm_bytes": comm, "tp_divisor": figure.divisor,
-            "tp_sequence": figure.role == "sequence"}
+            "tp_sequence": figure.role == "sequence", "tp_sequence_saved_share": figure.sequence_saved_share,
+            "tp_regather_bytes": input_bytes(_activation(node)) if figure.regather else ZERO}
 
 
 def _activation_index(node: fx.Node) -> int:

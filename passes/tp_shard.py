@@ -18,6 +18,7 @@ from fxpipe.passes.tensor_parallel import VocabParallel, embedding_ids, vocab_pa
 from fxpipe.passes.tp_plan import StagePlanTP, plan_stage_split
 from fxpipe.passes.tp_rules import SIZE_READS, LinearInfo, input_of, linear_info, op_name
 from fxpipe.passes.tp_sequence import SEQUENCE_DIM, SequenceSplit, boundary_inputs, sequence_split
+from fxpipe.passes.tp_sequence_columns import keep_token_shares
 from fxpipe.passes.tp_shapes import NodeShapes, node_shapes
 from fxpipe.passes.tp_sizes import local_args, needs_grad, parameters_read, whole_grad_region
 
@@ -99,6 +100,9 @@ def shard_stage(gm: fx.GraphModule, degree: int, rank: int, *, group_key: str = 
              f"{len(plan.states.rows)} row linears, vocabulary-parallel {sorted(vocab) or 'none'}", *plan.notes]
     notes += [f"linear {name} whole: {why}" for name, why in sorted(plan.states.replicated.items())
               if name not in vocab]
+    if rewriter.token_share_inputs:
+        notes.append(f"sequence parallel: {rewriter.token_share_inputs} column inputs saved as token shares and "
+                     "gathered again in backward")
     return TensorParallelStage(module, degree, rank, group_key, rewriter.parameters(module), tuple(notes),
                                rewriter.vocab_logits, frozenset(rewriter.boundary))
 
@@ -134,6 +138,7 @@ class _Rewriter:
     grads: set[fx.Node] = field(default_factory=set)
     shared: dict[tuple[int, int, tuple[int, ...] | None], nn.Parameter] = field(default_factory=dict)
     vocab_logits: tuple[str, int, int] | None = None
+    token_share_inputs: int = 0  # column inputs saved as token shares (fxpipe.passes.tp_sequence_columns)
 
     def run(self) -> fx.GraphModule:
         self.whole_grad, self.partial = whole_grad_region(self.gm, self.plan, self.shapes)
@@ -151,6 +156,7 @@ class _Rewriter:
             made_before = len(self.graph.nodes)
             self._rewrite(node, whole_grad)
             _mark_origin(self.graph, len(self.graph.nodes) - made_before, node.name)
+        self.token_share_inputs = keep_token_shares(self.graph) if self.sequence.tokens else 0
         module = fx.GraphModule(self.gm, self.graph, class_name=type(self.gm).__name__)
         module.meta.update(copy.copy(self.gm.meta))
         for path, split in self.splits.items():

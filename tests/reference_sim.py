@@ -160,17 +160,18 @@ def group_link(net: Cluster, own: LinkSpec | None) -> LinkSpec:
 
 def block_member_seconds(net: Cluster, block, rows: int, tensor_parallel: int) -> tuple[float, float]:  # type: ignore[no-untyped-def]
     """Forward, backward seconds of one block on one group member: the split share divided by T, plus an
-    all-gather and a reduce-scatter each way, each a ring of T-1 steps moving (T-1)/T of the bytes."""
+    all-gather and a reduce-scatter each way, each a ring of T-1 steps moving (T-1)/T of the bytes, and in
+    backward one more all-gather of the column inputs kept as token shares (``tp.regather_bytes``)."""
     forward, backward = at(block.forward_s, rows) * stretch(net), at(block.backward_s, rows) * stretch(net)
     if not splits_over(block, tensor_parallel):
         return forward, backward
     keep = 1 - block.tp.time_share + block.tp.time_share / tensor_parallel
     moved = at(block.tp.comm_bytes, rows) * (tensor_parallel - 1) / tensor_parallel
-    comm = 0.0
-    if moved > 0:
-        link = group_link(net, net.tensor_parallel_collective)  # lock-step figures, else the host's allreduce
-        comm = 2 * ((tensor_parallel - 1) * link.latency_s + moved / link.bandwidth_bytes_per_s)
-    return forward * keep + comm, backward * keep + comm
+    regathered = at(block.tp.regather_bytes, rows) * (tensor_parallel - 1) / tensor_parallel
+    link = group_link(net, net.tensor_parallel_collective)  # lock-step figures, else the host's allreduce
+    comm = 2 * ((tensor_parallel - 1) * link.latency_s + moved / link.bandwidth_bytes_per_s) if moved > 0 else 0.0
+    again = (tensor_parallel - 1) * link.latency_s + regathered / link.bandwidth_bytes_per_s if regathered > 0 else 0.0
+    return forward * keep + comm, backward * keep + comm + again
 
 
 def leads(stage) -> tuple[int, ...]:  # type: ignore[no-untyped-def]

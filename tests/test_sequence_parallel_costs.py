@@ -18,11 +18,12 @@ from fxpipe.compile_options import CompileOptions
 from fxpipe.compile_plan import _check_sequence_parallel
 from fxpipe.core.chain import build_chain, without_sequence_parallel
 from fxpipe.core.cluster import parse_cluster
+from fxpipe.core.costgraph import ZERO
 from fxpipe.core.hardware import LinkSpec
 from fxpipe.core.plan import Plan
 from fxpipe.core.planfile import load_plan_file
 from fxpipe.planning import costed_model, load_model, plan_chain
-from fxpipe.sim.tensor_parallel_cost import splits, tensor_parallel_saved, tensor_parallel_times
+from fxpipe.sim.tensor_parallel_cost import ring_seconds, splits, tensor_parallel_saved, tensor_parallel_times
 
 CLUSTER = "1x4:h100"
 FREE_LINK = LinkSpec(1e30, 0.0)  # the group's collectives cost nothing: compute alone
@@ -42,6 +43,8 @@ def _member_oracle(graph: object, degree: int, sequence_parallel: bool) -> tuple
     for node in [*graph.nodes, *loss]:  # type: ignore[attr-defined]
         time_share = node.tp_time_share if sequence_parallel or not node.tp_sequence else 0.0
         saved_share = node.tp_saved_share if sequence_parallel or not node.tp_sequence else 0.0
+        if not sequence_parallel:  # column linears keep their whole input then
+            saved_share -= node.tp_sequence_saved_share
         seconds += (node.forward_s.at(1.0) + node.backward_s.at(1.0)) * (1 - time_share + time_share / degree)
         saved += node.saved_bytes.at(1.0) * (1 - saved_share + saved_share / degree)
     return seconds, saved
@@ -92,7 +95,30 @@ def test_without_sequence_parallel_takes_out_only_the_token_row_shares(costed: o
         assert (after.tp.param_bytes, after.tp.comm_bytes, after.tp.divisor) == \
             (before.tp.param_bytes, before.tp.comm_bytes, before.tp.divisor)
         assert after.tp.sequence_time_share == after.tp.sequence_saved_share == 0
+        assert after.tp.regather_bytes == ZERO
     assert changed > 0
+
+
+@pytest.mark.parametrize("degree", [2, 4])
+def test_column_inputs_gathered_again_are_charged_in_backward_only(costed: object, degree: int) -> None:
+    """Under sequence parallelism each column linear's input is gathered once more in backward (its linears keep
+    only the token share): backward's collectives exceed forward's by exactly those all-gathers."""
+    graph = costed.cost_graph  # type: ignore[attr-defined]
+    chain = build_chain(graph, max_blocks=None)
+    regathered = [node for node in graph.nodes if node.tp_regather_bytes != ZERO]
+    # gpt-mini's 4 layers: the attention's and the MLP's inputs, and the vocabulary head's
+    assert len(regathered) == 9 and all(node.tp_sequence_saved_share == 1.0 for node in regathered)
+    link = LinkSpec(1e9, 1e-5)
+    slow, free = (replace(parse_cluster(CLUSTER), tensor_parallel_collective=spec) for spec in (link, FREE_LINK))
+    for sequence_parallel in (True, False):
+        costed_chain = chain if sequence_parallel else without_sequence_parallel(chain)
+        (forward, backward), (forward_free, backward_free) = (
+            tensor_parallel_times(costed_chain, cluster, 0, chain.num_blocks, 1.0, degree) for cluster in (slow, free))
+        extra = sum(ring_seconds(link, node.tp_regather_bytes.at(1.0), degree) for node in regathered) \
+            if sequence_parallel else 0.0
+        assert extra >= 0 and (backward - backward_free) - (forward - forward_free) == pytest.approx(extra, rel=1e-9)
+    assert sum((block.tp.regather_bytes for block in chain.blocks if block.tp is not None), ZERO) == \
+        sum((node.tp_regather_bytes for node in regathered), ZERO)
 
 
 def test_the_plan_is_costed_and_marked_as_compile_will_run_it(costed: object) -> None:
@@ -141,8 +167,11 @@ def test_fxpipe_plan_takes_the_option_and_writes_it_with_the_chain_it_costed(tmp
         assert [block.tp.sequence_time_share for block in chain.blocks if block.tp is not None] == [
             block["tp"].get("sequence_time_share", 0.0) for block in written[bool(flag)]["cost_chain"]["blocks"]
             if "tp" in block]
+        assert any(block.tp.regather_bytes != ZERO for block in chain.blocks if block.tp is not None) is bool(flag)
     assert "sequence_parallel" not in written[False] and written[True]["sequence_parallel"] is True
-    assert written[False]["predicted"]["iteration_time_s"] > written[True]["predicted"]["iteration_time_s"]
+    # sequence parallelism saves memory (its time can go either way: it gathers column inputs again in backward)
+    assert written[False]["stages"][0]["activation_bytes"] > written[True]["stages"][0]["activation_bytes"]
+    assert written[False]["predicted"]["iteration_time_s"] != written[True]["predicted"]["iteration_time_s"]
     # the file's chain is the one each plan was costed on: token-row shares only where they split
     for sequence_parallel, data in written.items():
         shares = [block["tp"].get("sequence_time_share", 0.0) for block in data["cost_chain"]["blocks"] if "tp" in block]

@@ -79,6 +79,9 @@ def _tp_chain(rng: random.Random, num_blocks: int) -> CostChain:
         tp = None if rng.random() < 0.25 else BlockTensorParallel(
             rng.uniform(0.3, 0.95), rng.randint(0, 10**6), rng.uniform(0.0, 1.0),
             Affine(rng.choice([0.0, 1e3]), 10 ** rng.uniform(3, 5)), rng.choice([2, 4, 6, 8, 12]))
+        if tp is not None and index % 2:  # odd blocks gather column inputs again in backward (sequence parallel);
+            # derived, not drawn, so the plans drawn stay those that cover every feature below
+            tp = replace(tp, regather_bytes=Affine(0.0, 0.5 * tp.comm_bytes.per_sample))
         param_bytes = int(10 ** rng.uniform(6, 7.5))
         blocks.append(Block(f"b{index}", (), Affine(rng.choice([0.0, 1e-4]), rng.uniform(1e-5, 1e-3)),
                             Affine(rng.choice([0.0, 2e-4]), rng.uniform(2e-5, 2e-3)), param_bytes,

@@ -114,6 +114,10 @@ CASES = (
     # split backward: the T = 2 stage's compiled joint graph cut into F, B and W, its collectives traced as functional
     # ones (they traced as c10d ops nothing waited on, and gave wrong gradients: runtime/parallel/traced_collectives)
     ("vocab 2:1x2 compiled zero_bubble", "vocab", ((2, 1), (1, 2)), "zero_bubble", "none", {"backend": "aot_eager"}),
+    # sequence parallelism's column linears (one autograd function gathering their input again in backward) traced
+    # into the compiled F/B/W graphs
+    ("attention 1x2:1x2 compiled zero_bubble SP", "attention", ((1, 2), (1, 2)), "zero_bubble", "none",
+     {"backend": "aot_eager"}),
 )
 
 
@@ -230,6 +234,8 @@ NODE_COLLECTIVES = {
     tensor_parallel_ops.gather_sequence: ({"all_gather": 1}, {"reduce_scatter": 1}),
     tensor_parallel_ops.reduce_scatter_sequence: ({"reduce_scatter": 1}, {"all_gather": 1}),
     tensor_parallel_ops.split_sequence: ({}, {"all_gather": 1}),
+    # column linears keeping their input's token share: gathered again in backward
+    tensor_parallel_ops.sequence_columns: ({"all_gather": 1}, {"all_gather": 1, "reduce_scatter": 1}),
 }
 
 

@@ -122,8 +122,10 @@ def test_hand_written_attention_block(degree: int, sequence_parallel: bool) -> N
     partial = {p.name for p in stages[0].parameters if p.partial_grad}
     if sequence_parallel:
         # forward: 2 all-gathers into the pairs, 2 reduce-scatters out, 1 all-gather of the output; backward:
-        # 2 reduce-scatters, 2 all-gathers (the output's gather keeps a share; the input needs no gradient)
-        assert group.counts == [9] * degree
+        # 2 all-gathers of the pairs' inputs again (only their token shares are saved), 2 reduce-scatters,
+        # 2 all-gathers (the output's gather keeps a share; the input needs no gradient)
+        assert group.counts == [11] * degree
+        assert any("2 column inputs saved as token shares" in note for note in stages[0].notes)
         assert partial == {"norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias", "out.bias", "down.bias"}
     else:  # one all-reduce per pair forward (row sums) and one backward (column inputs)
         assert group.counts == [4] * degree and partial == set()

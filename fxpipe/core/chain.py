@@ -56,8 +56,12 @@ class BlockTensorParallel:
     ``divisor``: T must divide it (the gcd of the sharded head counts, channels and vocabulary); 0: no condition
     (a block of sequence-parallel norms and adds only).
     ``sequence_time_share`` and ``sequence_saved_share``: the parts of ``time_share`` and ``saved_share`` that come
-    from token-row nodes between pairs (norms, dropout, residual adds), which split only under sequence
-    parallelism; :func:`without_sequence_parallel` takes them out for stages that run without it.
+    from token-row nodes between pairs (norms, dropout, residual adds) and from column linears' saved inputs, which
+    split only under sequence parallelism; :func:`without_sequence_parallel` takes them out for stages that run
+    without it.
+    ``regather_bytes``: per micro-batch slice, the bytes of the column linears' inputs gathered over the tokens again
+    in backward (sequence parallelism saves only a member's token share of them, as Megatron-LM does,
+    :mod:`fxpipe.passes.tp_sequence_columns`); a group member moves ``(T-1)/T`` of it.
     """
 
     time_share: float
@@ -67,6 +71,7 @@ class BlockTensorParallel:
     divisor: int
     sequence_time_share: float = 0.0
     sequence_saved_share: float = 0.0
+    regather_bytes: Affine = ZERO
 
 
 @dataclass(frozen=True)
@@ -306,7 +311,8 @@ def block_tensor_parallel(nodes: Iterable[CostNode]) -> BlockTensorParallel | No
                           BlockTensorParallel(node.tp_time_share, node.tp_param_bytes, node.tp_saved_share,
                                               node.tp_comm_bytes, node.tp_divisor,
                                               node.tp_time_share if node.tp_sequence else 0.0,
-                                              node.tp_saved_share if node.tp_sequence else 0.0))
+                                              node.tp_saved_share if node.tp_sequence
+                                              else node.tp_sequence_saved_share, node.tp_regather_bytes))
                          for node in nodes])
 
 
@@ -324,20 +330,25 @@ _WHOLE = BlockTensorParallel(0.0, 0, 0.0, ZERO, 0)
 def without_sequence_parallel(chain: CostChain) -> CostChain:
     """``chain`` as tensor-parallel stages run it without sequence parallelism (``fxpipe.compile``'s default): each
     block's norms, dropout and residual adds between pairs run whole on every group member, in time and in saved
-    bytes (its ``sequence_*`` shares come out of its split shares); a block with nothing else to split no longer
+    bytes, and its column linears save their whole inputs, gathering nothing again in backward (its ``sequence_*``
+    shares come out of its split shares, its ``regather_bytes`` go); a block with nothing else to split no longer
     splits. The chain itself when no block has such a share."""
-    if not any(block.tp is not None and (block.tp.sequence_time_share > 0 or block.tp.sequence_saved_share > 0)
-               for block in chain.blocks):
+    if not any(_sequence_only(block.tp) for block in chain.blocks):
         return chain
     return replace(chain, blocks=tuple(replace(block, tp=_without_sequence(block.tp)) for block in chain.blocks))
 
 
+def _sequence_only(tp: BlockTensorParallel | None) -> bool:
+    """Whether ``tp`` has figures that hold only under sequence parallelism."""
+    return tp is not None and (tp.sequence_time_share > 0 or tp.sequence_saved_share > 0 or tp.regather_bytes != ZERO)
+
+
 def _without_sequence(tp: BlockTensorParallel | None) -> BlockTensorParallel | None:
-    if tp is None or (tp.sequence_time_share <= 0 and tp.sequence_saved_share <= 0):
+    if tp is None or not _sequence_only(tp):
         return tp
     kept = replace(tp, time_share=max(0.0, tp.time_share - tp.sequence_time_share),
                    saved_share=max(0.0, tp.saved_share - tp.sequence_saved_share),
-                   sequence_time_share=0.0, sequence_saved_share=0.0)
+                   sequence_time_share=0.0, sequence_saved_share=0.0, regather_bytes=ZERO)
     splits_nothing = (kept.time_share <= 1e-12 and kept.saved_share <= 1e-12 and kept.param_bytes == 0
                       and kept.divisor == 0 and kept.comm_bytes == ZERO)
     return None if splits_nothing else kept
@@ -366,6 +377,7 @@ def _weighted_tp(parts: list[tuple[Affine, Affine, BlockTensorParallel]]) -> Blo
         divisor=math.gcd(*divisors) if divisors else 0,
         sequence_time_share=by_time(lambda tp: tp.sequence_time_share),
         sequence_saved_share=by_saved(lambda tp: tp.sequence_saved_share),
+        regather_bytes=Affine.total(tp.regather_bytes for _, _, tp in parts),
     )
 
 

@@ -94,6 +94,10 @@ class CostNode:
     tp_divisor: int = 0  # T must divide it (0: no condition)
     # a token-row node between pairs (norm, dropout, residual add): it splits only under sequence parallelism
     tp_sequence: bool = False
+    # the part of tp_saved_share that splits only under sequence parallelism (a column linear saving its input's
+    # token share), and the bytes gathered again in backward for it (per forward; fxpipe.passes.tp_sequence_columns)
+    tp_sequence_saved_share: float = 0.0
+    tp_regather_bytes: Affine = ZERO
 
 
 class CostGraphError(ValueError):

@@ -48,8 +48,10 @@ def _tp_to_json(block: Block) -> dict[str, Any]:
     tp = block.tp
     if tp is None:
         return {}
-    sequence = {"sequence_time_share": tp.sequence_time_share, "sequence_saved_share": tp.sequence_saved_share} \
+    sequence: dict[str, Any] = {"sequence_time_share": tp.sequence_time_share, "sequence_saved_share": tp.sequence_saved_share} \
         if tp.sequence_time_share or tp.sequence_saved_share else {}  # older files keep their bytes
+    if tp.regather_bytes != ZERO:
+        sequence["regather_bytes"] = tp.regather_bytes.to_json()
     return {"tp": {"time_share": tp.time_share, "param_bytes": tp.param_bytes, "saved_share": tp.saved_share,
                    "comm_bytes": tp.comm_bytes.to_json(), "divisor": tp.divisor, **sequence}}
 
@@ -71,8 +73,12 @@ def _tp_from_json(item: Any, where: str) -> BlockTensorParallel | None:
                                saved_share=read_field(data, "saved_share", float, at),
                                comm_bytes=Affine.from_json(data["comm_bytes"]),
                                divisor=read_field(data, "divisor", int, at),
-                               **{key: read_field(data, key, float, at)
-                                  for key in ("sequence_time_share", "sequence_saved_share") if key in data})
+                               sequence_time_share=read_field(data, "sequence_time_share", float, at)
+                               if "sequence_time_share" in data else 0.0,
+                               sequence_saved_share=read_field(data, "sequence_saved_share", float, at)
+                               if "sequence_saved_share" in data else 0.0,
+                               regather_bytes=Affine.from_json(data["regather_bytes"]) if "regather_bytes" in data
+                               else ZERO)
 
 
 def _shared_from_json(item: Any, where: str) -> SharedParam:

@@ -2,18 +2,20 @@
 
 Legend: T the group size, for each block t its forward (or backward) seconds on the slice, s its
 ``tp.time_share``, P its parameter bytes, p its ``tp.param_bytes``, a its saved bytes, q its ``tp.saved_share``,
-c its ``tp.comm_bytes`` on the slice; L the node's link for that collective (:func:`tensor_parallel_link`), l its
+c its ``tp.comm_bytes`` and g its ``tp.regather_bytes`` on the slice; L the node's link for that collective (:func:`tensor_parallel_link`), l its
 latency per ring step and bw its bandwidth. A block splits when it has ``tp`` and T divides ``tp.divisor``; any
 other block runs whole on every member (replicated: correct, slower):
 
-    time per direction      t ((1 - s) + s / T) + AG + RS
+    time per direction      t ((1 - s) + s / T) + AG + RS    (backward: + AG' as well)
     AG = RS                 (T-1) l + c (T-1)/T / bw         (a ring: T-1 steps, each member moving c/T per step)
+    AG'                     (T-1) l + g (T-1)/T / bw         (column inputs gathered again, sequence parallelism)
     weights (grads, state)  (P - p) + p / T
     saved activations       a ((1 - q) + q / T)
 
 Forward has one all-gather and one reduce-scatter of the block's collective bytes (sequence parallelism),
-backward the same two; without sequence parallelism each pair is one all-reduce, which a ring runs as exactly
-that reduce-scatter and all-gather. A split block's members meet at its collectives a little compute apart: on CPU
+backward the same two and the column inputs' all-gather again (their linears keep only the token share, as in
+Megatron-LM); without sequence parallelism each pair is one all-reduce, which a ring runs as exactly that
+reduce-scatter and all-gather, and g is 0. A split block's members meet at its collectives a little compute apart: on CPU
 ranks calibration times the link as such collectives run (``Cluster.tensor_parallel_collective``). Received and
 sent activations stay whole (every member holds the full slice), and a stage's gradient allreduce runs over its
 replicas, once per group index, of one member's gradient bytes. Tied parameters (:attr:`CostChain.shared_params`)
@@ -68,6 +70,16 @@ def collective_seconds(cluster: Cluster, comm_bytes: float, tensor_parallel: int
             + ring_seconds(tensor_parallel_link(cluster, "reduce_scatter"), comm_bytes, tensor_parallel))
 
 
+def block_collective_seconds(block: Block, cluster: Cluster, rows: float, tensor_parallel: int) -> tuple[float, float]:
+    """Forward and backward seconds of a splitting block's collectives on one group member (module docstring: AG +
+    RS each way, and AG' in backward)."""
+    assert block.tp is not None
+    comm = collective_seconds(cluster, block.tp.comm_bytes.at(rows), tensor_parallel)
+    regather = ring_seconds(tensor_parallel_link(cluster, "all_gather"), block.tp.regather_bytes.at(rows),
+                            tensor_parallel)
+    return comm, comm + regather
+
+
 def tensor_parallel_times(chain: CostChain, cluster: Cluster, first: int, stop: int, rows: float, tensor_parallel: int,
                           slowdown: float = 1.0) -> tuple[float, float]:
     """Forward and backward seconds of one group member over blocks ``[first, stop)`` on ``rows`` rows (module
@@ -78,8 +90,8 @@ def tensor_parallel_times(chain: CostChain, cluster: Cluster, first: int, stop: 
         if splits(block, tensor_parallel):
             assert block.tp is not None
             kept = (1.0 - block.tp.time_share) + block.tp.time_share / tensor_parallel
-            comm = collective_seconds(cluster, block.tp.comm_bytes.at(rows), tensor_parallel)
-            forward, backward = forward * kept + comm, backward * kept + comm
+            forward_comm, backward_comm = block_collective_seconds(block, cluster, rows, tensor_parallel)
+            forward, backward = forward * kept + forward_comm, backward * kept + backward_comm
         forward_s += forward
         backward_s += backward
     return forward_s, backward_s

@@ -1,0 +1,196 @@
+"""Sequence-parallel column linears keep only their input's token share for backward (passes/tp_sequence_columns):
+the same outputs and gradients as the linears on the gathered input (fp32 and under bf16 autocast), the share is
+all they save, and a sequence-parallel member's saved bytes drop by the gathered inputs' (T-1)/T."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_tensor_parallel_shard import AttentionBlock, _members, _weighted_sum
+from torch import Tensor
+from tp_threads import ThreadGroup, run_members
+
+from fxpipe import passes
+from fxpipe.core import meta
+from fxpipe.passes import tensor_parallel_ops as ops
+from fxpipe.passes.tp_sequence_columns import keep_token_shares
+
+
+@contextmanager
+def _saved_bytes(found: list[int]) -> Iterator[None]:
+    """Append the bytes of every distinct storage autograd saves inside the block to ``found``."""
+    seen: set[int] = set()
+
+    def pack(tensor: Tensor) -> Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            found.append(storage.nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield
+
+
+def _linears(width: int = 16, outs: tuple[int, ...] = (24, 8), bias: tuple[bool, ...] = (True, False),
+             ) -> list[tuple[Tensor, Tensor | None]]:
+    torch.manual_seed(0)
+    return [(torch.randn(out, width, requires_grad=True), torch.randn(out, requires_grad=True) if has else None)
+            for out, has in zip(outs, bias, strict=True)]
+
+
+def _weights_for(out: Tensor) -> Tensor:
+    return torch.linspace(-1.0, 1.0, out.numel()).reshape(out.shape)
+
+
+@pytest.mark.parametrize(("degree", "autocast"), [(2, False), (4, False), (2, True)])
+def test_op_matches_linears_on_the_gathered_input(degree: int, autocast: bool) -> None:
+    """Member j holds rows j of each weight (a column-parallel split) and tokens j of the input."""
+    linears = _linears()
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        expected = [F.linear(x, weight, bias) for weight, bias in linears]
+    sum((out.float() * _weights_for(out)).sum() for out in expected).backward()
+    group = ThreadGroup(degree)
+
+    def shard(tensor: Tensor | None, rank: int) -> Tensor | None:
+        return None if tensor is None else tensor.detach().chunk(degree, 0)[rank].clone().requires_grad_()
+
+    def work(rank: int) -> tuple[list[Tensor], Tensor, list[Tensor], list[int]]:
+        key = f"test-seq-columns-{degree}-{autocast}-{rank}"
+        ops.register_group(key, group.member(rank))
+        share = x.detach().chunk(degree, 1)[rank].clone().requires_grad_()
+        params = [p for weight, bias in linears for p in (shard(weight, rank), shard(bias, rank)) if p is not None]
+        saved: list[int] = []
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), _saved_bytes(saved):
+            outs = ops.sequence_columns(share, key, 1, tuple(b is not None for _, b in linears), *params)
+        sum((out.float() * _weights_for(full).chunk(degree, -1)[rank]).sum()
+            for out, full in zip(outs, expected, strict=True)).backward()
+        assert share.grad is not None
+        return [out.detach() for out in outs], share.grad, [p.grad for p in params], saved
+
+    results = run_members(degree, work)
+    tolerance = {"rtol": 2e-2, "atol": 2e-2} if autocast else {"rtol": 1e-5, "atol": 1e-5}
+    for rank, (outs, _, grads, saved) in enumerate(results):
+        for out, reference in zip(outs, expected, strict=True):
+            assert out.dtype == reference.dtype
+            torch.testing.assert_close(out, reference.detach().chunk(degree, -1)[rank], **tolerance)
+        references = [p.grad.chunk(degree, 0)[rank] for pair in linears for p in pair if p is not None]
+        for grad, reference in zip(grads, references, strict=True):
+            assert grad is not None and grad.dtype == reference.dtype
+            torch.testing.assert_close(grad, reference, **tolerance)
+        # saved: the token share in the compute dtype and the weights as they are, not the gathered input
+        share_bytes = x.numel() // degree * (2 if autocast else 4)
+        assert sorted(saved) == sorted([share_bytes, *(4 * w.numel() // degree for w, _ in linears)])
+    input_grad = torch.cat([grad for _, grad, _, _ in results], 1)  # member j holds its tokens' gradient
+    torch.testing.assert_close(input_grad, x.grad, **tolerance)
+    assert group.counts == [3] * degree  # forward all-gather; backward all-gather and reduce-scatter
+
+
+def test_frozen_weight_gets_no_gradient() -> None:
+    (weight, bias), = _linears(outs=(8,), bias=(True,))
+    weight.requires_grad_(False)
+    group = ThreadGroup(2)
+
+    def work(rank: int) -> tuple[Tensor | None, Tensor | None]:
+        key = f"test-seq-columns-frozen-{rank}"
+        ops.register_group(key, group.member(rank))
+        b = bias.detach().clone().requires_grad_()
+        (out,) = ops.sequence_columns(torch.randn(2, 4, 16), key, 1, (True,), weight, b)
+        out.sum().backward()
+        return weight.grad, b.grad
+
+    for weight_grad, bias_grad in run_members(2, work):
+        assert weight_grad is None and bias_grad is not None
+
+
+def test_rewrite_leaves_gathers_with_other_readers() -> None:
+    """Only gathers read as nothing but linear inputs are rewritten; the others keep their graph."""
+    gm = passes.trace(AttentionBlock(), torch.randn(2, 8, 32))
+    (member, _), _ = _members(gm, 2, sequence_parallel=True)[0], None
+    targets = [node.target for node in member.module.graph.nodes]
+    assert targets.count(ops.sequence_columns) == 2 and ops.gather_sequence not in targets
+    assert F.linear in targets  # the row linears (out, down) stay
+    graph = copy.deepcopy(member.module.graph)
+    assert keep_token_shares(graph) == 0  # nothing left to rewrite
+    for node in member.module.graph.nodes:
+        if node.target is ops.sequence_columns:
+            assert node.meta[meta.TP_ORIGIN] in ("q", "gate")
+
+
+def _member_saved_bytes(degree: int, keep_shares: bool) -> int:
+    """Bytes member 0 of a sequence-parallel AttentionBlock saves for backward (threads, every member running)."""
+    gm = passes.trace(AttentionBlock(), torch.randn(2, 8, 32))
+    stages, _ = _members(gm, degree, sequence_parallel=True)
+    if not keep_shares:  # the members as they were before: each column linear reading the gathered input
+        for stage in stages:
+            _undo(stage.module)
+    x = gm.meta[meta.EXAMPLE_INPUTS][0]
+
+    def work(rank: int) -> int:
+        torch.set_num_threads(1)
+        saved: list[int] = []
+        with _saved_bytes(saved):
+            out = stages[rank].module(x)
+        _weighted_sum(out).backward()
+        return sum(saved)
+
+    return int(run_members(degree, work)[0])
+
+
+def _undo(module: Any) -> None:
+    graph = module.graph
+    for node in list(graph.nodes):
+        if node.target is not ops.sequence_columns:
+            continue
+        x, key, dim, biases, *params = node.args
+        with graph.inserting_before(node):
+            gathered = graph.call_function(ops.gather_sequence, (x, key, dim))
+            position = 0
+            for index, has_bias in enumerate(biases):
+                args = (gathered, *params[position:position + 1 + has_bias])
+                position += 1 + has_bias
+                linear = graph.call_function(F.linear, args)
+                (user,) = [u for u in node.users if u.args[1] == index]
+                user.replace_all_uses_with(linear)
+                graph.erase_node(user)
+        graph.erase_node(node)
+    module.recompile()
+
+
+@pytest.mark.parametrize("degree", [2, 4])
+def test_member_saves_the_gathered_inputs_once_less(degree: int) -> None:
+    """The drop is the two gathered inputs (q, k, v's and gate and up's), less the token share each now saves."""
+    before, after = _member_saved_bytes(degree, False), _member_saved_bytes(degree, True)
+    gathered = 2 * 8 * 32 * 4
+    assert before - after == 2 * gathered - 2 * gathered // degree
+
+
+@pytest.mark.parametrize("model_name", ["gpt-mini", "attention"])
+def test_costs_mark_the_columns_the_rewrite_fuses(model_name: str) -> None:
+    """The cost graph's token-share columns (fxpipe.passes.tp_costs) are the linears the member's rewrite fuses,
+    and the regather falls on the first of each fused group."""
+    import fxpipe
+    from fxpipe.passes.tp_costs import annotate_tensor_parallel
+
+    if model_name == "gpt-mini":
+        model, inputs = fxpipe.models.build("gpt-mini", n_layer=2)
+        gm = passes.trace(model, inputs[0])
+    else:
+        gm = passes.trace(AttentionBlock(), torch.randn(2, 8, 32))
+    annotated = copy.deepcopy(gm)
+    annotate_tensor_parallel(annotated, gm.meta[meta.EXAMPLE_INPUTS])
+    figures = {node.name: node.meta.get(meta.TENSOR_PARALLEL) for node in annotated.graph.nodes}
+    shares = {name for name, figure in figures.items() if figure is not None and figure.sequence_saved_share}
+    regathers = {name for name, figure in figures.items() if figure is not None and figure.regather}
+    stages, _ = _members(gm, 2, sequence_parallel=True)
+    fused = [node for node in stages[0].module.graph.nodes if node.target is ops.sequence_columns]
+    assert {node.meta[meta.TP_ORIGIN] for node in fused} == regathers and len(fused) == len(regathers) > 0
+    read = {user.meta[meta.TP_ORIGIN] for node in fused for user in node.users}
+    assert read == shares
