@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fxpipe.core.backward_phase import current_backward_phase
+
 __all__ = ["Communicator", "add_bias", "copy_to_group", "gather_for_inference", "gather_from_group", "gather_sequence", "group", "reduce_from_group",
            "reduce_scatter_sequence", "register_group", "sequence_columns", "split_sequence", "unregister_group", "vocab_embedding",
            "vocab_parallel_cross_entropy"]
@@ -190,21 +192,26 @@ class _SequenceColumns(torch.autograd.Function):
     def _gradients(ctx: Any, share: Tensor, weights: list[Tensor], grads: tuple[Tensor | None, ...],
                    ) -> tuple[Tensor | None, ...]:
         comm = group(ctx.key)
-        full = comm.all_gather(share.contiguous(), ctx.dim)
-        rows = full.reshape(-1, full.shape[-1])
+        # a split backward's B (input gradients) skips the weight gradients and so the gathered input; its W skips the
+        # input gradient and its reduce-scatter (fxpipe.core.backward_phase); bias gradients are cheap: always
+        phase = current_backward_phase()
+        needs_input = ctx.needs_input_grad[0] and phase != "weights"
+        needs_params = iter(ctx.needs_input_grad[4:])
+        flags = [(next(needs_params) and phase != "inputs", bias_dtype is not None and next(needs_params))
+                 for bias_dtype in ctx.bias_dtypes]
+        rows = comm.all_gather(share.contiguous(), ctx.dim).flatten(0, -2) if any(w for w, _ in flags) else None
         input_grad: Tensor | None = None
         param_grads: list[Tensor | None] = []
-        needs = iter(ctx.needs_input_grad[4:])
-        for weight, bias_dtype, grad in zip(weights, ctx.bias_dtypes, grads, strict=True):
-            needs_weight, needs_bias = next(needs), bias_dtype is not None and next(needs)
+        for weight, bias_dtype, (needs_weight, needs_bias), grad in zip(weights, ctx.bias_dtypes, flags, grads,
+                                                                       strict=True):
             if grad is None:
                 param_grads += [None] * (1 if bias_dtype is None else 2)
                 continue
             grad_rows = grad.reshape(-1, grad.shape[-1])
-            if ctx.needs_input_grad[0]:  # each linear's input cast back to the input's dtype, then summed
+            if needs_input:  # each linear's input cast back to the input's dtype, then summed
                 part = grad.matmul(_compute_cast(weight, ctx.dtype)).to(ctx.input_dtype)
                 input_grad = part if input_grad is None else input_grad + part
-            param_grads.append(grad_rows.t().mm(rows).to(weight.dtype) if needs_weight else None)
+            param_grads.append(grad_rows.t().mm(rows).to(weight.dtype) if needs_weight and rows is not None else None)
             if bias_dtype is not None:
                 param_grads.append(grad_rows.sum(0).to(bias_dtype) if needs_bias else None)
         if input_grad is not None:

@@ -194,3 +194,79 @@ def test_costs_mark_the_columns_the_rewrite_fuses(model_name: str) -> None:
     assert {node.meta[meta.TP_ORIGIN] for node in fused} == regathers and len(fused) == len(regathers) > 0
     read = {user.meta[meta.TP_ORIGIN] for node in fused for user in node.users}
     assert read == shares
+
+
+def _split_run(order: list[str], split: bool, degree: int = 2) -> tuple[list[dict[str, Tensor]], list[int], list[int]]:
+    """Member graphs of a sequence-parallel AttentionBlock run in threads through ``order`` ("F0", "B0", "W0", ...:
+    forward, input-gradient and weight-gradient passes of two micro-batches, as zero-bubble orders them; with
+    ``split`` False, "B" is the whole backward and "W" nothing). Returns each member's parameter gradients and the
+    collectives member 0 ran in the B and in the W passes."""
+    from fxpipe.runtime.autograd.split_backward import backward_inputs, backward_weights
+
+    torch.manual_seed(0)
+    gm = passes.trace(AttentionBlock(), torch.randn(2, 8, 32))
+    inputs = [torch.randn(2, 8, 32) for _ in range(2)]
+    stages, group = _members(gm, degree, sequence_parallel=True)
+    calls = {"B": 0, "W": 0}
+
+    def work(rank: int) -> dict[str, Tensor]:
+        torch.set_num_threads(1)
+        module = stages[rank].module
+        params = list(module.parameters())
+        held: dict[int, Any] = {}
+        for step in order:
+            kind, index = step[0], int(step[1])
+            before = group.counts[rank]
+            if kind == "F":
+                x = inputs[index].clone().requires_grad_()
+                held[index] = (x, _weighted_sum(module(x)))
+            elif kind == "B" and split:
+                x, loss = held[index]
+                _, held[index] = backward_inputs([loss], [None], [x], params)
+            elif kind == "B":
+                held[index][1].backward()
+            elif split:
+                backward_weights(held.pop(index))
+            if rank == 0 and kind in calls:
+                calls[kind] += group.counts[rank] - before
+        return {name: param.grad for name, param in module.named_parameters()}
+
+    grads = run_members(degree, work)
+    return grads, [calls["B"]], [calls["W"]]
+
+
+@pytest.mark.parametrize("order", [["F0", "F1", "B0", "B1", "W0", "W1"], ["F0", "B0", "F1", "W0", "B1", "W1"]])
+def test_split_backward_is_exact_and_gathers_only_for_weights(order: list[str]) -> None:
+    """Zero-bubble's split backward over the fused columns: the same gradients as one backward; B runs no gather
+    of the column inputs (their weight gradients wait for W), W only those gathers (one per fused input per
+    micro-batch), never the input gradient's reduce-scatter. Before, W re-ran the whole fused backward, collectives
+    included, in an order that could differ between members (parameter groups iterated from a set): silently
+    wrong weight gradients."""
+    expected, whole_b, _ = _split_run(order, split=False)
+    for _ in range(3):  # the old order differed between processes (id-hashed sets); threads share one heap
+        got, split_b, split_w = _split_run(order, split=True)
+        for member_got, member_expected in zip(got, expected, strict=True):
+            for name, grad in member_expected.items():
+                torch.testing.assert_close(member_got[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert split_w == [2 * 2]  # two fused inputs (attention's, the MLP's), two micro-batches: one all-gather each
+    assert split_b[0] == whole_b[0] - split_w[0]
+
+
+def test_parameter_groups_come_in_parameter_order() -> None:
+    """W runs B's parameter groups in order; every member must run them in the same one. They follow the
+    parameters' order, for every order the parameters come in (a set of autograd nodes, as before, iterates by
+    their ids: the same order for every permutation, and a different one in each process)."""
+    import itertools
+
+    from fxpipe.runtime.autograd.split_backward import backward_inputs
+
+    x = torch.randn(4, 3, requires_grad=True)
+    weights = [torch.randn(3, 3, requires_grad=True) for _ in range(4)]
+    for ordered in itertools.permutations(weights):
+        out = x
+        for weight in weights:
+            out = out @ weight
+        _, work = backward_inputs([out.sum()], [None], [x], list(ordered))
+        assert work is not None
+        held = [work.params_by_node[next(iter(group["params"]))] for group in work.param_groups]
+        assert [id(weight) for weight in held] == [id(weight) for weight in ordered]

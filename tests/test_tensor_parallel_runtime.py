@@ -116,6 +116,8 @@ CASES = (
     ("vocab 2:1x2 compiled zero_bubble", "vocab", ((2, 1), (1, 2)), "zero_bubble", "none", {"backend": "aot_eager"}),
     # sequence parallelism's column linears (one autograd function gathering their input again in backward) traced
     # into the compiled F/B/W graphs
+    ("attention 2x2 ZeRO-3 SP", "attention", ((2, 2),), "early_backward", "parameters", False),
+    ("attention 1x2:1x2 zero_bubble SP", "attention", ((1, 2), (1, 2)), "zero_bubble", "none", False),
     ("attention 1x2:1x2 compiled zero_bubble SP", "attention", ((1, 2), (1, 2)), "zero_bubble", "none",
      {"backend": "aot_eager"}),
 )

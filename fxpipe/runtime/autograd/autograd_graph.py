@@ -76,7 +76,9 @@ def param_groups(input_nodes: Sequence[Node], param_nodes: Sequence[Node], edges
 
     Each group is ``{"params": set of accumulator nodes, "intermediates": set of join nodes}``: the
     gradient arriving at the joins (captured in B) is all W needs to compute the group's parameter
-    gradients. Parameters whose paths meet at a join land in one group.
+    gradients. Parameters whose paths meet at a join land in one group. The groups come in the order of their
+    first parameter in ``param_nodes`` (the same on every process given the same parameters), whatever order the
+    walks meet the joins in.
     """
     inputs_path, _ = _closure(input_nodes, set(), edges)
     by_join: dict[Node, dict[str, Any]] = {}
@@ -94,7 +96,8 @@ def param_groups(input_nodes: Sequence[Node], param_nodes: Sequence[Node], edges
     unique: dict[int, dict[str, Any]] = {}
     for group in by_join.values():
         unique.setdefault(id(group), group)
-    return list(unique.values())
+    position = {node: index for index, node in enumerate(param_nodes)}
+    return sorted(unique.values(), key=lambda group: min(position[node] for node in group["params"]))
 
 
 def weight_gradients(group: dict[str, Any]) -> list[tuple[Node, torch.Tensor]]:

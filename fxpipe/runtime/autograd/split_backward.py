@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from fxpipe.core.backward_phase import backward_phase
 from fxpipe.runtime.autograd.autograd_graph import grad_node, param_groups, reverse_edges, weight_gradients
 
 
@@ -49,7 +50,11 @@ def backward_inputs(outputs: Sequence[torch.Tensor], output_grads: Sequence[torc
     input_nodes = [grad_node(leaf) for leaf in input_leaves]
     param_nodes = [(node, param) for param in params if (node := grad_node(param)) is not None]
     weight_nodes = {node for node, _ in param_nodes}
-    groups = param_groups([n for n in input_nodes if n is not None], list(weight_nodes), edges)
+    # in the parameters' order (not a set's, which differs between processes): W runs the groups in this order, and
+    # a join whose backward runs a collective (a sequence-parallel column linear gathers its input again) must meet
+    # its peers' in the same order on every member of a tensor-parallel group
+    groups = param_groups([n for n in input_nodes if n is not None], list(dict.fromkeys(n for n, _ in param_nodes)),
+                          edges)
     reached = {node for node in weight_nodes if node in edges}
     covered = set().union(*(group["params"] for group in groups)) if groups else set()
     if reached - covered:  # a parameter's gradient would not come from the captured values: no split
@@ -59,8 +64,9 @@ def backward_inputs(outputs: Sequence[torch.Tensor], output_grads: Sequence[torc
     handles = [_capture(group, index, node) for group in groups
                for index, node in enumerate(group.setdefault("intermediates_list", list(group["intermediates"])))]
     try:
-        results = torch.autograd.grad(list(outputs), [*input_leaves, *now], grads, retain_graph=True,
-                                      allow_unused=True)
+        with backward_phase("inputs"):
+            results = torch.autograd.grad(list(outputs), [*input_leaves, *now], grads, retain_graph=True,
+                                          allow_unused=True)
     finally:
         for handle in handles:
             handle.remove()
@@ -129,7 +135,8 @@ def backward_weights(work: WeightWork | None,
     assert all(grads is not None for group in work.param_groups for grads in group["grads"]), \
         "split backward: B did not reach every join of the parameter paths"
     for group in work.param_groups:
-        gradients = weight_gradients(group)
+        with backward_phase("weights"):
+            gradients = weight_gradients(group)
         params = [work.params_by_node[node] for node, _ in gradients]
         accumulate(params, [grad for _, grad in gradients])
         if on_gradient is not None:
