@@ -204,6 +204,14 @@ def plan_dapple(request: PlanRequest) -> Plan:
     deep_best = _polished(request, model, score_candidates(request, model, refined, "dapple"), grid)
     if deep_best is not None and (best is None or deep_best.time_s < best.time_s):
         best = deep_best
+    # every grid point simulated, not only those the pivot model ranks in the pool: it charges a stage that does
+    # not fit a whole recomputation, where the plan recomputes a few blocks, and so ranked Megatron-Bridge's TP4
+    # PP8 layout for 70B on 64 GPUs 25% slow (benchmarks/issue33_rows.md); a few dozen points, a second or so
+    grid_best = _polished(request, model, score_candidates(request, model, [c for c in sorted(grids)
+                                                                            if _runs_tied(model.chain, c)], "dapple"),
+                          grid)
+    if grid_best is not None and (best is None or grid_best.time_s < best.time_s):
+        best = grid_best
     if dp is not None and (best is None or dp.time_s <= best.time_s):
         best = dp.__class__(dp.time_s, dp.plan.with_updates(planner="dapple"))
     if best is None and closest is None and grid:
