@@ -118,6 +118,8 @@ CASES = (
     # into the compiled F/B/W graphs
     ("attention 2x2 ZeRO-3 SP", "attention", ((2, 2),), "early_backward", "parameters", False),
     ("attention 1x2:1x2 zero_bubble SP", "attention", ((1, 2), (1, 2)), "zero_bubble", "none", False),
+    ("attention 1x2:1x2 compiled SP", "attention", ((1, 2), (1, 2)), "early_backward", "none",
+     {"backend": "aot_eager"}),
     ("attention 1x2:1x2 compiled zero_bubble SP", "attention", ((1, 2), (1, 2)), "zero_bubble", "none",
      {"backend": "aot_eager"}),
 )
