@@ -186,6 +186,9 @@ class _Rewriter:
             self.env[node] = self.graph.node_copy(node, functools.partial(self._token_share, node))
         elif name in SIZE_READS and _size_dim(node) is not None and node.args[0] in self.seq_values:
             self.env[node] = self._token_size(node)
+        elif name == "_assert_tensor_metadata":  # asserts nothing (trace_export strips its dtype and device): the
+            # value as the member holds it, not gathered (an all-gather per assertion, per layer, for nothing)
+            self.env[node] = self.graph.node_copy(node, lambda arg: self.env[arg])
         else:
             self.env[node] = self.graph.node_copy(node, self._full)
 

@@ -270,3 +270,18 @@ def test_parameter_groups_come_in_parameter_order() -> None:
         assert work is not None
         held = [work.params_by_node[next(iter(group["params"]))] for group in work.param_groups]
         assert [id(weight) for weight in held] == [id(weight) for weight in ordered]
+
+
+def test_export_metadata_assertions_read_the_token_share() -> None:
+    """HF Llama through torch.export: the ``_assert_tensor_metadata`` nodes on token rows (they assert nothing once
+    traced) read the member's share; before, each gathered its tokens: two all-gathers per layer in forward that
+    nothing used and the cost model did not charge."""
+    from fxpipe import hf_examples
+
+    model, inputs = hf_examples.llama(kv_heads=2)
+    stages, _ = _members(passes.trace(model, inputs), 2, sequence_parallel=True)
+    graph = stages[0].module.graph
+    asserts = [node for node in graph.nodes if "_assert_tensor_metadata" in str(node.target)]
+    assert asserts and not any(arg.target in (ops.gather_from_group, ops.gather_sequence)
+                               for node in asserts for arg in node.all_input_nodes)
+    assert sum(node.target is ops.sequence_columns for node in graph.nodes) == 4  # 2 layers: attention and MLP
