@@ -173,10 +173,10 @@ class _SequenceColumns(torch.autograd.Function):
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         share = _compute_cast(x, dtype)
         full = group(key).all_gather(share.contiguous(), dim)
+        pairs = _pairs(biases, params)
         with torch.autocast(device, enabled=False):
             outputs = tuple(F.linear(full, _compute_cast(weight, dtype), None if bias is None else
-                                     _compute_cast(bias, dtype)) for weight, bias in _pairs(biases, params))
-        pairs = _pairs(biases, params)
+                                     _compute_cast(bias, dtype)) for weight, bias in pairs)
         ctx.save_for_backward(share, *(weight for weight, _ in pairs))  # a bias gradient needs no saved value
         ctx.key, ctx.dim, ctx.dtype, ctx.input_dtype = key, dim, dtype, x.dtype
         ctx.bias_dtypes = tuple(None if bias is None else bias.dtype for _, bias in pairs)

@@ -116,8 +116,10 @@ def _token_share_inputs(gm: fx.GraphModule, figures: dict[str, NodeTensorParalle
     readers = ("column", "vocab-head")
     order = {node: index for index, node in enumerate(gm.graph.nodes)}
     for node in gm.graph.nodes:
+        if node.name not in sequence:
+            continue
         users = [user for user in node.users if op_name(gm, user) not in SIZE_READS]  # shape reads read the share
-        if node.name not in sequence or not users or not all(
+        if not users or not all(
                 getattr(figures.get(user.name), "role", "") in readers and _activation(user) is node for user in users):
             continue
         first = min(users, key=order.__getitem__)

@@ -66,6 +66,7 @@ RESHAPES = frozenset({"view", "reshape", "_unsafe_view", "unflatten", "flatten",
 SPLITS = frozenset({"split", "chunk", "split_with_sizes", "tensor_split"})
 NON_TENSOR_READS = frozenset({"size", "sym_size", "dim", "_assert_tensor_metadata", "_assert_scalar"})
 SIZE_READS = frozenset({"size", "sym_size"})
+SHAPE_FREE_READS = NON_TENSOR_READS - SIZE_READS  # read neither values nor extents: the same on a token share
 
 
 def op_name(gm: fx.GraphModule, node: fx.Node) -> str:

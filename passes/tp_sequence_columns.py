@@ -10,7 +10,6 @@ then the linears), only the share saved, and one more all-gather in backward to 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
 
 import torch.nn.functional as F
 from torch import fx
@@ -26,8 +25,9 @@ def keep_token_shares(graph: fx.Graph) -> int:
     ``F.linear`` calls becomes one ``sequence_columns`` call at the first linear, whose outputs replace the
     linears'. Returns how many gathers were rewritten; a gather with any other reader is left as it is."""
     rewritten = 0
+    order = {node: index for index, node in enumerate(graph.nodes)}  # nodes added below are read by nothing here
     for gather in [node for node in graph.nodes if node.op == "call_function" and node.target is ops.gather_sequence]:
-        linears = sorted(gather.users, key=_position(graph))
+        linears = sorted(gather.users, key=order.__getitem__)
         if not linears or not all(_reads_as_input(linear, gather) for linear in linears):
             continue
         x, key, dim = gather.args
@@ -62,9 +62,8 @@ def _reads_as_input(node: fx.Node, gather: fx.Node) -> bool:
     parameters read with get_attr)."""
     if node.op != "call_function" or node.target is not F.linear or node.kwargs or not 2 <= len(node.args) <= 3:
         return False
-    weight, bias = _weight_and_bias(node)
-    return node.args[0] is gather and isinstance(weight, fx.Node) and weight.op == "get_attr" and \
-        (bias is None or isinstance(bias, fx.Node) and bias.op == "get_attr")
+    return node.args[0] is gather and all(isinstance(param, fx.Node) and param.op == "get_attr"
+                                          for param in node.args[1:] if param is not None)
 
 
 def _weight_and_bias(node: fx.Node) -> tuple[fx.Node, fx.Node | None]:
@@ -72,8 +71,3 @@ def _weight_and_bias(node: fx.Node) -> tuple[fx.Node, fx.Node | None]:
     bias = node.args[2] if len(node.args) > 2 else None
     assert isinstance(weight, fx.Node) and (bias is None or isinstance(bias, fx.Node)), node.format_node()
     return weight, bias
-
-
-def _position(graph: fx.Graph) -> Callable[[fx.Node], int]:
-    order = {node: index for index, node in enumerate(graph.nodes)}
-    return order.__getitem__

@@ -16,7 +16,7 @@ from fxpipe.core import meta
 from fxpipe.passes import tensor_parallel_ops as ops
 from fxpipe.passes.tensor_parallel import VocabParallel, embedding_ids, vocab_parallel_ends
 from fxpipe.passes.tp_plan import StagePlanTP, plan_stage_split
-from fxpipe.passes.tp_rules import SIZE_READS, LinearInfo, input_of, linear_info, op_name
+from fxpipe.passes.tp_rules import SHAPE_FREE_READS, SIZE_READS, LinearInfo, input_of, linear_info, op_name
 from fxpipe.passes.tp_sequence import SEQUENCE_DIM, SequenceSplit, boundary_inputs, sequence_split
 from fxpipe.passes.tp_sequence_columns import keep_token_shares
 from fxpipe.passes.tp_shapes import NodeShapes, node_shapes
@@ -186,8 +186,8 @@ class _Rewriter:
             self.env[node] = self.graph.node_copy(node, functools.partial(self._token_share, node))
         elif name in SIZE_READS and _size_dim(node) is not None and node.args[0] in self.seq_values:
             self.env[node] = self._token_size(node)
-        elif name == "_assert_tensor_metadata":  # asserts nothing (trace_export strips its dtype and device): the
-            # value as the member holds it, not gathered (an all-gather per assertion, per layer, for nothing)
+        elif name in SHAPE_FREE_READS:  # ndim, export's metadata assertions (trace_export strips what they assert):
+            # the value as the member holds it, not gathered (an all-gather per read, per layer, for nothing)
             self.env[node] = self.graph.node_copy(node, lambda arg: self.env[arg])
         else:
             self.env[node] = self.graph.node_copy(node, self._full)

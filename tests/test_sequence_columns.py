@@ -113,7 +113,7 @@ def test_frozen_weight_gets_no_gradient() -> None:
 def test_rewrite_leaves_gathers_with_other_readers() -> None:
     """Only gathers read as nothing but linear inputs are rewritten; the others keep their graph."""
     gm = passes.trace(AttentionBlock(), torch.randn(2, 8, 32))
-    (member, _), _ = _members(gm, 2, sequence_parallel=True)[0], None
+    member = _members(gm, 2, sequence_parallel=True)[0][0]
     targets = [node.target for node in member.module.graph.nodes]
     assert targets.count(ops.sequence_columns) == 2 and ops.gather_sequence not in targets
     assert F.linear in targets  # the row linears (out, down) stay

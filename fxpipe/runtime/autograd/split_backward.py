@@ -134,11 +134,11 @@ def backward_weights(work: WeightWork | None,
     # every join lies on the inputs' path, so B reached it (internal invariant)
     assert all(grads is not None for group in work.param_groups for grads in group["grads"]), \
         "split backward: B did not reach every join of the parameter paths"
-    for group in work.param_groups:
-        with backward_phase("weights"):
+    with backward_phase("weights"):
+        for group in work.param_groups:
             gradients = weight_gradients(group)
-        params = [work.params_by_node[node] for node, _ in gradients]
-        accumulate(params, [grad for _, grad in gradients])
-        if on_gradient is not None:
-            for param in params:
-                on_gradient(param)
+            params = [work.params_by_node[node] for node, _ in gradients]
+            accumulate(params, [grad for _, grad in gradients])
+            if on_gradient is not None:
+                for param in params:
+                    on_gradient(param)
