@@ -14,6 +14,8 @@ not do: FakeTensorMode caches the results of ops it has run).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 __all__ = ["OVERRIDDEN", "histc_meta"]
@@ -24,6 +26,20 @@ def histc_meta(input: torch.Tensor, bins: int = 100, min: float = 0, max: float 
     return input.new_empty((bins,))
 
 
+def _override(library: torch.library.Library, op_name: str, kernel: object, dispatch_key: str) -> None:
+    """Register ``kernel`` over any Python kernel torch itself registered for the op and key.
+
+    torch 2.11 registers its own ``histc`` Meta kernel from Python (``torch._meta_registrations``), and there
+    ``Library.impl`` refuses a second one unless ``allow_override=True`` is passed (torch 2.13 allows it by
+    default); torch releases without the flag keep the guard in the module-level set ``torch.library._impls``.
+    """
+    if "allow_override" in inspect.signature(library.impl).parameters:
+        library.impl(op_name, kernel, dispatch_key, allow_override=True)
+        return
+    torch.library._impls.discard(f"{library.ns}/{op_name}/{dispatch_key}")
+    library.impl(op_name, kernel, dispatch_key)
+
+
 _LIBRARY = torch.library.Library("aten", "IMPL")  # kept alive for the process: its kernels stay registered
-_LIBRARY.impl("histc", histc_meta, "Meta")
+_override(_LIBRARY, "histc", histc_meta, "Meta")
 OVERRIDDEN = ("histc",)
