@@ -332,9 +332,14 @@ def run_counted(call: Callable[..., Any], args: Any, kwargs: Any, grad_inputs: l
     backward) and the tensors autograd saved, each storage counted once per run (``state.saved_keys``);
     storages an earlier node saved are the cost's ``resaved`` (:meth:`RunState.note_saved`, by ``saver``)."""
     saved: list[torch.Tensor] = []
-    with torch.autograd.graph.saved_tensors_hooks(_pack_into(saved), lambda tensor: tensor):
-        with count_ops() as forward:
-            output = call(*args, **kwargs)
+    grad_enabled = torch.is_grad_enabled()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(_pack_into(saved), lambda tensor: tensor):
+            with count_ops() as forward:
+                output = call(*args, **kwargs)
+    finally:  # a node that raises leaves the process's grad mode as it found it: torch 2.11's
+        # wrap_with_set_grad_enabled (torch.export's no_grad regions) turned it off for good when its body raised
+        torch.set_grad_enabled(grad_enabled)
     backward = _run_backward(output, grad_inputs)
     state.keep_alive.extend(saved)
     cost = _value_cost(output, state, param_bytes=param_bytes, forward=forward, backward=backward)

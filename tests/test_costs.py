@@ -245,3 +245,23 @@ def test_shared_parameters_reach_the_chain_with_their_blocks() -> None:
     assert readers[0] < readers[-1]
     assert build_chain(graph, max_blocks=1).shared_params == ()  # one block: nothing to share across
     assert to_cost_graph(annotate_costs(_trace(*zoo.build("mlp", **zoo.get("mlp").tiny_overrides)))).shared_params == ()
+
+
+@fx.wrap
+def _grad_off_then_fail(x: torch.Tensor) -> torch.Tensor:
+    torch.set_grad_enabled(False)  # what torch 2.11's wrap_with_set_grad_enabled did when its body raised
+    raise RuntimeError("this op fails on fakes")
+
+
+class _GradLeakingNode(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _grad_off_then_fail(torch.relu(x))
+
+
+def test_a_node_that_raises_leaves_grad_mode_as_it_found_it() -> None:
+    """A failed fake run must not switch autograd off for the rest of the process (one did, on a GPU machine's
+    torch 2.11, and 22 later tests in that process failed with 'element 0 of tensors does not require grad')."""
+    gm = _trace(_GradLeakingNode(), (torch.randn(2, 4),))
+    with pytest.raises(CostAnnotationError, match="this op fails on fakes"):
+        annotate_costs(gm)
+    assert torch.is_grad_enabled()
