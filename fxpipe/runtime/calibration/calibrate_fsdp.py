@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.core.fsdp_calls import FIGURE_KEYS
+from fxpipe.runtime.transport.comm import all_gather_flat, reduce_scatter_flat
 
 # Two unit sizes (a Linear of width x width, bias included): 16.6 KB, and 2.36 MB near gpt-mini's blocks (2.6 MB
 # per unit in benchmarks/sharding_fidelity.py), so such units are charged by interpolation: with 1.05 MB units the
@@ -121,9 +122,9 @@ def _unit_excess(width: int, mesh: Any, group: dist.ProcessGroup | None) -> tupl
     def bare(name: str) -> None:
         for _ in range(FSDP_UNITS):
             if name == "all_gather":
-                dist.all_gather_single(flat, shard, group=group)  # type: ignore[attr-defined]
+                all_gather_flat(flat, shard, group=group)
             else:
-                dist.reduce_scatter_single(shard, flat, group=group)  # type: ignore[attr-defined]
+                reduce_scatter_flat(shard, flat, group=group)
 
     def step(model: torch.nn.Module) -> Callable[[], None]:
         return lambda: model(inputs).sum().backward()

@@ -17,6 +17,7 @@ from fxpipe.runtime.calibration.calibrate_fsdp import measure_fsdp_overhead
 from fxpipe.runtime.calibration.calibrate_lockstep import measure_lockstep
 from fxpipe.runtime.calibration.calibrate_overlap import measure_overlap
 from fxpipe.runtime.calibration.ring_fit import ring_allreduce_fit, ring_fit
+from fxpipe.runtime.transport.comm import all_gather_flat, reduce_scatter_flat
 
 # Bytes for the bandwidth ping: big enough that latency is small next to it, small enough to be quick.
 PING_LARGE_BYTES = 8 * 2**20
@@ -222,8 +223,8 @@ def sharding_collective_figures(device: torch.device, group: dist.ProcessGroup |
             whole = torch.zeros(num_bytes // 4, dtype=torch.float32, device=device)
             shard = torch.zeros(whole.numel() // num_ranks, dtype=torch.float32, device=device)
             whole = whole[:shard.numel() * num_ranks]
-            call = (partial(dist.reduce_scatter_single, shard, whole, group=group) if name == "reduce_scatter"
-                    else partial(dist.all_gather_single, whole, shard, group=group))
+            call = (partial(reduce_scatter_flat, shard, whole, group=group) if name == "reduce_scatter"
+                    else partial(all_gather_flat, whole, shard, group=group))
             medians.append(statistics.median(_collective_s(call, device, repeats + 1, group)[1:]))
         figures[f"{name}_latency"], figures[f"{name}_bandwidth"] = ring_fit(
             num_ranks, (PING_SMALL_BYTES, medians[0]), (PING_LARGE_BYTES, medians[1]), passes=1)

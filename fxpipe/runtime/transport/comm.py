@@ -431,3 +431,20 @@ def broadcast_text(text: str | None, source_rank: int = 0) -> str:
 def current_rank() -> int:
     """This process's rank in the default group (0 when there is none)."""
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def reduce_scatter_flat(shard: torch.Tensor, whole: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """Sum ``whole`` over ``group`` and keep this rank's ``shard`` of it (one flat buffer, as FSDP2 calls it).
+
+    torch 2.13 names the call ``reduce_scatter_single`` and deprecates ``reduce_scatter_tensor``; torch 2.11 and
+    earlier have only the latter (the same collective).
+    """
+    call = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    call(shard, whole, group=group)
+
+
+def all_gather_flat(whole: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """Every rank's ``shard`` of ``group`` into ``whole``, in rank order (``all_gather_single`` on torch 2.13,
+    ``all_gather_into_tensor`` before it)."""
+    call = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    call(whole, shard, group=group)
