@@ -67,14 +67,18 @@ def start_method() -> str:
     A forked child cannot use CUDA after its parent initialised it ("CUDA error: initialization error",
     e.g. inside ``optimizer.step``); a spawned child starts a fresh interpreter (~3 s to import torch),
     with CUDA hidden. Any optimizer step initialises CUDA where a GPU is visible (its graph-capture
-    check asks torch.accelerator for the current stream), so CUDA machines spawn and CPU-only ones fork.
+    check asks torch.accelerator for the current stream; on torch 2.11 without ``torch.cuda.is_initialized()``
+    saying so), and any backward starts autograd's device threads, after which a forked child's autograd
+    refuses to run ("Unable to handle autograd's threading in combination with fork-based multiprocessing"):
+    so machines with a visible GPU spawn (the first device run of issue 36 failed 22 tests on both), CPU-only
+    ones fork.
     """
     forced = os.environ.get("FXPIPE_TEST_START_METHOD", "")  # "spawn": try a CUDA machine's path on a CPU one
     if forced:
         if forced not in ("fork", "spawn"):
             raise ValueError(f"FXPIPE_TEST_START_METHOD={forced!r}; use 'fork' or 'spawn'")
         return forced
-    return "spawn" if torch.cuda.is_initialized() else "fork"
+    return "spawn" if torch.cuda.is_initialized() or torch.cuda.is_available() else "fork"
 
 
 def rank_context() -> Any:
