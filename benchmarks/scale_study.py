@@ -6,7 +6,7 @@ second run only plans)
 
 Each model is a Hugging Face Llama-style config built on the meta device (rotary attention, RMSNorm, a gated
 MLP), costed once with the analytic device model in bf16 (``fxpipe.planning.costed_model``: autocast's dtypes,
-matmuls at the H100 preset's achievable 794.5 TFLOP/s, fp32 master weights and Adam state) and planned three
+matmuls at the H100 preset's achievable bf16 rate, fxpipe.core.hardware.H100_MATMUL_FLOPS, fp32 master weights and Adam state) and planned three
 times on the same H100 cluster (8 GPUs per node, NVLink inside, 400 Gb/s per GPU between nodes): by fxpipe's
 planner with one stage per device group and with ``virtual_stages="auto"`` (interleaved chunks where predicted
 faster), and with the published configuration forced as a layout (``RxT`` per stage: R replicas of a T-way
@@ -49,6 +49,7 @@ from tabulate import tabulate
 from fxpipe.core.block_recompute import BLOCK_CHOICES, effective_choices
 from fxpipe.core.chain import CostChain, build_chain
 from fxpipe.core.cluster import Cluster, parse_cluster
+from fxpipe.core.hardware import H100_MATMUL_FLOPS
 from fxpipe.core.plan import Plan
 from fxpipe.core.utilization import model_flops_utilization, tokens_per_s_per_device
 from fxpipe.hf_examples import llama
@@ -314,7 +315,7 @@ virtual-stage count, so their layouts are forced at v=1, and a forced PP16 with 
 (``virtual_stages="auto"``, each device group at its own ZeRO level with per-block recompute on its chunks where
 they do not fit); interleaving holds more micro-batches in flight per group, so a virtual plan recomputes more
 blocks than the same groups at v=1, and on the rows where that costs more than the bubble saves it keeps v=1. (2) Overlap: each layer's tensor-parallel all-gather and reduce-scatter are added to its time (Megatron
-overlaps them with --tp-comm-overlap). (3) The analytic device model: matmuls at the H100's achievable 794.5
+overlaps them with --tp-comm-overlap). (3) The analytic device model: matmuls at the H100's achievable {matmul_tflops}
 TFLOP/s, elementwise work by the roofline, no kernel fusion. The comparison between fxpipe's plan and the
 forced layout is made under the same model, so these omissions weigh on both sides; the absolute MFU is the model's,
 not a measurement."""
@@ -336,7 +337,8 @@ def reading(rows: Sequence[Row]) -> list[str]:
     if known:
         lines.append(f"The published layouts predict {min(known):.0%}-{max(known):.0%} MFU under fxpipe's cost model, "
                      "against 41-48% published.")
-    return [" ".join(lines), "", LEFT_OUT]
+    matmul_tflops = f"{dict(H100_MATMUL_FLOPS)['bfloat16'] / 1e12:g}"
+    return [" ".join(lines), "", LEFT_OUT.format(matmul_tflops=matmul_tflops)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -62,14 +62,16 @@ class LinkSpec:
 # nvidia-smi reports, within ~2%). Kernel launch ~5 us is the usual CUDA launch overhead.
 #
 # Achievable dense matmul rates (DeviceSpec.matmul_flops; docs/clusters.md, "Calibrated matmul rates"): no
-# GEMM reaches the datasheet peak. BF16/FP16: the "Maximum Achievable Matmul FLOPS" (MAMF) table of S. Bekman's
-# Machine Learning Engineering open book (github.com/stas00/ml-engineering, compute/accelerator/README.md; torch
-# matmul, best of a brute-force shape search, mean of 100 runs): H100 SXM BF16 794.5 TFLOP/s (80.3% of 989;
-# "H200 is the same"), A100 SXM 271.2 (86.9% of 312). FP16 takes the BF16 figure (same tensor-core rate).
-# FP32 on H100/H200: 51 TFLOP/s (76% of 67), this project's own H200 run (benchmarks/gpu_check_h200.json: the
-# fp32 lm_head block, a 8192x768x50304 matmul, measured 37.4 ms fwd+bwd against 28.5 ms at the 67 TFLOP/s peak).
+# GEMM reaches the datasheet peak. H100 SXM / H200 (the same compute): this project's own H200 measurement,
+# benchmarks/gpu_check.md (benchmarks/gemm_efficiency.py, torch 2.11.0+cu130, 2026-12-04): the median over the
+# three training GEMMs (forward, input and weight gradient) of a transformer layer's four linears at hidden
+# 4096 and 8192 over 4096-16384 tokens, 72 GEMMs per dtype: BF16 700.5 TFLOP/s (70.8% of 989.5; best shape
+# 786, close to the 794.5 best-of-a-shape-search of S. Bekman's MAMF table), FP32 51.3 (76.6% of 67; TF32 off).
+# FP16 takes the BF16 figure (same tensor-core rate). A100 SXM BF16: the MAMF table of S. Bekman's Machine
+# Learning Engineering open book (github.com/stas00/ml-engineering, compute/accelerator/README.md; torch matmul,
+# best of a brute-force shape search, mean of 100 runs), 271.2 TFLOP/s (86.9% of 312), a best shape's figure.
 # V100 and H100 PCIe: no published figure found, so their matmuls stay at the peak (calibration measures them).
-H100_MATMUL_FLOPS = (("bfloat16", 794.5e12), ("float16", 794.5e12), ("float32", 51e12))
+H100_MATMUL_FLOPS = (("bfloat16", 700.5e12), ("float16", 700.5e12), ("float32", 51.3e12))
 A100_MATMUL_FLOPS = (("bfloat16", 271.2e12), ("float16", 271.2e12))
 
 # Tesla V100 SXM2 datasheet: FP32 15.7 TFLOPS, tensor (FP16) 125 TFLOPS, HBM2 16 GB at 900 GB/s.
