@@ -1,44 +1,120 @@
 #!/usr/bin/env bash
-# The GPU checks issues 12 and 24 leave for a lent device, as one run that fits the device budget (about 9 minutes,
-# up to 13 if the compiled rows use all their time).
+# The GPU checks of issue 36 as one run that fits a lent device's budget: about 8 minutes (DEADLINE below),
+# every step with its own timeout cut to what is left, so one that hangs does not take the others' time.
 #
-# Run on the device machine from the repository root: bash benchmarks/device_session.sh
-# Everything it measures lands under $OUT (the device tool brings that folder back):
-#   gpu.txt          the GPU, torch and CUDA versions
-#   suite.txt        the test suite with CUDA visible (issue 12 item 4), stopped after 240 s
-#   overhead-*.txt   a 1-stage fxpipe step against eager forward + backward, GPT-2 small (batch 8 x 1024) and
-#                    ResNet-50 (batch 64), fp32 and bf16 autocast (item 5)
-#   compiled-*.txt   the same GPT-2 small step with both sides compiled by inductor (fxpipe torch_compile=True vs
-#                    torch.compile(model)), fp32 and bf16, with each side's first (compiling) step (issue 24)
-#   plan-local.txt   what `fxpipe plan` predicts for gpt2-small on the visible GPU with measured costs (items 2, 6)
-#   gpu_check/       cost model, saved-activation bytes and overhead (benchmarks/gpu_check.py)
-# Each step has its own timeout, so one that hangs does not take the others' time.
+# Run on the device machine from the repository root: bash benchmarks/device_session.sh [STEP ...]
+# (no STEP: all of them, in this order: overhead suite gemm prediction compiled; a rerun names the ones it needs,
+# also gemm-bf16, prediction-fp32 or compiled-gpt2-fp32 alone).
+# The device tool brings back at most 8 files, so every figure lands in one archive, $OUT/session.tar.gz,
+# rewritten after each step (what finished is there even if the run is cut short), holding:
+#   gpu.txt              the GPU, driver, torch and CUDA versions; each step's start, end and exit status
+#   install.txt          fxpipe installed (non-editable, no dependencies) into a folder on PYTHONPATH
+#   overhead-M-P.txt     a 1-stage fxpipe step against eager forward + backward (benchmarks/overhead.py):
+#                        GPT-2 small (batch 8 x 1024) and ResNet-50 (batch 64), fp32 and bf16 autocast
+#   compiled-M-P.txt     the same with both sides compiled by inductor (fxpipe torch_compile=True against
+#                        torch.compile(model)), each side's first (compiling) step timed on its own
+#   suite.txt            the whole test suite with CUDA visible, no -x, pytest-xdist workers, one line per test
+#   gemm.txt, gemm_efficiency.json   bf16 / fp32 / TF32 GEMMs over transformer layer shapes, unsharded and
+#                        as a tensor-parallel member's share (benchmarks/gemm_efficiency.py)
+#   prediction-P.txt     what fxpipe.compile predicts for a local:1 plan of GPT-2 small against the training
+#                        iterations it runs, and the H200 preset's analytic prediction (prediction_fidelity.py)
+# The suite runs in the background beside gemm and prediction (GEMMs are timed with CUDA events, and the
+# prediction is a whole-iteration check); the overhead rows, the acceptance figures, run first on a quiet machine.
 set -u
 OUT=${OUT:-/tmp/fxpipe-device}
+WORK=$(mktemp -d)
+START=$SECONDS
+DEADLINE=${DEADLINE:-480}  # seconds of this script, leaving room under the device call's limit
+PYTHON=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
-python -m pip install -q -e . --no-deps > "$OUT/install.txt" 2>&1
+
+pack() { tar -C "$WORK" -czf "$OUT/session.tar.gz.part" . && mv "$OUT/session.tar.gz.part" "$OUT/session.tar.gz"; }
+
+left() { echo $((DEADLINE - (SECONDS - START))); }
+
+# step NAME CAP_SECONDS COMMAND...: run with a timeout of min(CAP, time left), output to $WORK/NAME.txt
+step() {
+    local name=$1 cap=$2 budget
+    shift 2
+    budget=$(left)
+    if [ "$budget" -lt 10 ]; then
+        echo "$name: skipped, ${budget}s left" >> "$WORK/gpu.txt"
+        return
+    fi
+    [ "$cap" -gt "$budget" ] && cap=$budget
+    echo "$name: start at $((SECONDS - START))s, timeout ${cap}s" >> "$WORK/gpu.txt"
+    timeout "$cap" "$@" > "$WORK/$name.txt" 2>&1
+    echo "$name: exit $? at $((SECONDS - START))s" >> "$WORK/gpu.txt"
+    pack
+}
 
 {
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available())"
-} > "$OUT/gpu.txt" 2>&1
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
+    nproc
+    $PYTHON -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available())"
+} > "$WORK/gpu.txt" 2>&1
 
-timeout 240 python -m pytest -q -x -p no:cacheprovider > "$OUT/suite.txt" 2>&1
-echo "exit $?" >> "$OUT/suite.txt"
+# fxpipe's package folders (fxpipe.passes lives in passes/) need an editable install: the benchmarks and the
+# tests put the repository first on sys.path, where only the editable finder maps fxpipe.passes to passes/.
+# The machine has no index: no build isolation, and no dependencies (the image has torch, sympy, tabulate, tqdm,
+# transformers, ...).
+$PYTHON -m pip install -q --no-deps --no-build-isolation -e . > "$WORK/install.txt" 2>&1
+echo "install exit $?" >> "$WORK/install.txt"
+$PYTHON -c "import fxpipe.passes, fxpipe.models; print('fxpipe imports from', fxpipe.__file__)" >> "$WORK/install.txt" 2>&1
+pack
 
-for autocast in none bf16; do
-    timeout 60 python benchmarks/overhead.py --device cuda --model gpt2-small --batch 8 --autocast "$autocast" \
-        --steps 12 > "$OUT/overhead-gpt2-small-$autocast.txt" 2>&1
-    timeout 45 python benchmarks/overhead.py --device cuda --model resnet-50 --batch 64 --autocast "$autocast" \
-        --steps 12 > "$OUT/overhead-resnet-50-$autocast.txt" 2>&1
+steps=${*:-overhead suite gemm prediction compiled}
+suite_pid=""
+for name in $steps; do
+    case $name in
+    overhead)
+        for autocast in none bf16; do
+            step "overhead-gpt2-small-$autocast" 50 $PYTHON benchmarks/overhead.py --device cuda --model gpt2-small \
+                --batch 8 --autocast "$autocast" --steps 12 --warmup 2
+            step "overhead-resnet-50-$autocast" 45 $PYTHON benchmarks/overhead.py --device cuda --model resnet-50 \
+                --batch 64 --autocast "$autocast" --steps 12 --warmup 2
+        done ;;
+    suite)
+        budget=$(left)
+        plugins=""  # pytest-xdist and pytest-timeout are in the device image; without them the suite runs plainly
+        $PYTHON -c "import xdist" 2>/dev/null && plugins="-n 12"
+        $PYTHON -c "import pytest_timeout" 2>/dev/null && plugins="$plugins --timeout 240"
+        echo "suite: start at $((SECONDS - START))s in the background, timeout $((budget - 15))s" >> "$WORK/gpu.txt"
+        (nice -n 10 timeout $((budget - 15)) $PYTHON -m pytest -v $plugins -p no:cacheprovider \
+            -o console_output_style=classic > "$WORK/suite.txt" 2>&1
+         echo "exit $?" >> "$WORK/suite.txt") &
+        suite_pid=$! ;;
+    gemm-bf16)  # bf16 alone, a few seconds, on a quiet GPU
+        step gemm-bf16 40 $PYTHON benchmarks/gemm_efficiency.py --out "$WORK/gemm-bf16" --warmup 2 --repeats 5 \
+            --dtypes bfloat16 ;;
+    prediction-fp32)
+        step prediction-fp32 70 $PYTHON benchmarks/prediction_fidelity.py --device cuda --rounds 1 --warmup 2 --steps 8 ;;
+    compiled-gpt2-fp32)
+        step compiled-gpt2-small-none 100 $PYTHON benchmarks/overhead.py --device cuda --model gpt2-small \
+            --batch 8 --autocast none --steps 12 --warmup 2 --torch-compile ;;
+    gemm)
+        step gemm 80 $PYTHON benchmarks/gemm_efficiency.py --out "$WORK" --warmup 2 --repeats 5 ;;
+    prediction)
+        step prediction-fp32 70 $PYTHON benchmarks/prediction_fidelity.py --device cuda --rounds 1 --warmup 2 --steps 8
+        step prediction-bf16 60 $PYTHON benchmarks/prediction_fidelity.py --device cuda --rounds 1 --warmup 2 --steps 8 \
+            --precision bf16 ;;
+    compiled)
+        for autocast in none bf16; do
+            step "compiled-gpt2-small-$autocast" 100 $PYTHON benchmarks/overhead.py --device cuda --model gpt2-small \
+                --batch 8 --autocast "$autocast" --steps 12 --warmup 2 --torch-compile
+        done
+        for autocast in none bf16; do
+            step "compiled-resnet-50-$autocast" 90 $PYTHON benchmarks/overhead.py --device cuda --model resnet-50 \
+                --batch 64 --autocast "$autocast" --steps 12 --warmup 2 --torch-compile
+        done ;;
+    *)
+        echo "unknown step $name" >> "$WORK/gpu.txt" ;;
+    esac
 done
-
-for autocast in none bf16; do
-    timeout 120 python benchmarks/overhead.py --device cuda --model gpt2-small --batch 8 --autocast "$autocast" \
-        --steps 12 --torch-compile > "$OUT/compiled-gpt2-small-$autocast.txt" 2>&1
-done
-
-timeout 60 python -m fxpipe plan gpt2-small --cluster local:1 --global-batch 8 --costs measured \
-    > "$OUT/plan-local.txt" 2>&1
-timeout 90 python benchmarks/gpu_check.py --out "$OUT/gpu_check" > "$OUT/gpu_check.txt" 2>&1
-echo "done" >> "$OUT/gpu.txt"
+if [ -n "$suite_pid" ]; then
+    wait "$suite_pid"
+    echo "suite: done at $((SECONDS - START))s" >> "$WORK/gpu.txt"
+fi
+echo "done at $((SECONDS - START))s" >> "$WORK/gpu.txt"
+pack

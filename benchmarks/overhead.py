@@ -7,8 +7,8 @@ Run: python benchmarks/overhead.py [--device cpu|cuda] [--model gpt-mini] [--bat
 ``torch.compile(model)`` with its defaults, the loss left eager on both); each side's first step, which
 compiles, is timed on its own, and the two are compared to float32 rounding (docs/compile.md).
 
-Both run in one forked process (``fxpipe.compile`` makes its own world of one: gloo on CPU with 1
-thread, NCCL on CUDA) on separately built copies of the same model with the same weights and batch,
+Both run in one forked process on the CPU, in this process on CUDA (``fxpipe.compile`` makes its own world of
+one: gloo on CPU with 1 thread, NCCL on CUDA) on separately built copies of the same model with the same weights and batch,
 gradients set to None before each step, alternating step by step (A B B A ...), each step timed between
 two device synchronisations. Before timing, the two sides' losses and gradients are compared (a
 mismatch raises). The fxpipe step is everything ``PipelinedModule.step`` does: batch check, schedule
@@ -155,9 +155,14 @@ def overhead_rank(rank: int, world_size: int, store_dir: str, workload: Workload
 
 def run(workload: Workload, *, device: str = "cpu", autocast: str = "none", num_warmup: int = 3,
         num_steps: int = 30, torch_compile: bool = False) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as store_dir:
-        result = run_forked(overhead_rank, 1, store_dir, workload, device, autocast, num_warmup, num_steps,
-                            torch_compile, timeout_s=1800.0)[0]
+    if torch.device(device).type == "cuda":  # in this process: a forked child cannot use CUDA once the parent
+        # touched it (torch 2.11's optimizer step does, through torch.accelerator), and fxpipe.compile makes its
+        # own world of one here all the same (NCCL)
+        result = overhead_rank(0, 1, "", workload, device, autocast, num_warmup, num_steps, torch_compile)
+    else:
+        with tempfile.TemporaryDirectory() as store_dir:
+            result = run_forked(overhead_rank, 1, store_dir, workload, device, autocast, num_warmup, num_steps,
+                                torch_compile, timeout_s=1800.0)[0]
     times = result["times"]
     return {"workload": workload, "device": device, "autocast": autocast, "num_steps": num_steps,
             "torch_compile": torch_compile, "first_s": result["first_s"],

@@ -1,6 +1,7 @@
 """The iteration time fxpipe.compile predicts by default against the training steps it then runs, on local CPU ranks.
 
 Run: python benchmarks/prediction_fidelity.py [--steps 8] [--warmup 2] [--rounds 3] [--precision bf16] [--write]
+On one GPU: python benchmarks/prediction_fidelity.py --device cuda [--model gpt2-small --batch 8]
 
 For each workload and rank count, every round is what a user's script does: ``fxpipe.compile(model, ...,
 plan="auto")`` with the default ``costs="auto"`` on N forked gloo ranks (1 thread each; every rank
@@ -17,6 +18,11 @@ median over ranks of wall seconds per CPU second while all ranks measured; the p
 training the ranks' median wall seconds per CPU second of the timed iterations (waits for other ranks
 count as wall time there). A round whose two differ ran under another load than the one it was
 predicted for.
+
+``--device cuda``: this process, in which ``fxpipe.compile`` makes its own world of one (NCCL on the
+visible GPU, a ``local:1`` cluster that takes the GPU's datasheet preset); the batch is moved to the GPU
+before the timed loop, and each iteration is timed between two device synchronisations. "analytic" there
+is the preset's prediction (its achievable matmul rate, ``DeviceSpec.matmul_flops``).
 """
 
 from __future__ import annotations
@@ -34,6 +40,12 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_common import Workload, machine_notes, median, run_ranks  # noqa: E402
 
+
+def gpu_notes() -> str:
+    """One line on the GPU the numbers come from."""
+    return (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+            "world of one (NCCL)")
+
 RESULTS = Path(__file__).with_suffix(".md")
 COMMAND = "python benchmarks/prediction_fidelity.py --write"
 PRECISIONS = ("fp32", "bf16")  # --precision bf16: compile(autocast_dtype=torch.bfloat16), costed and measured alike
@@ -41,6 +53,7 @@ TARGET_ERROR = 0.15
 VGG_CPU = (("base_width", 8), ("fc_width", 64), ("num_classes", 10), ("pool_size", 1), ("image_size", 32))
 DEFAULT_WORKLOADS = (Workload("gpt-mini", (), 32, 8), Workload("vgg-19", VGG_CPU, 32, 8))
 DEFAULT_RANKS = (2, 4)
+GPU_WORKLOAD = Workload("gpt2-small", (), 8, 1)
 
 
 @dataclass(frozen=True)
@@ -82,7 +95,7 @@ def compile_stretch(plan: Any) -> float:
 
 
 def fidelity_rank(rank: int, world_size: int, workload: Workload, num_rounds: int, num_warmup: int,
-                  num_steps: int, precision: str = "fp32") -> list[dict[str, Any]]:
+                  num_steps: int, precision: str = "fp32", device: str = "cpu") -> list[dict[str, Any]]:
     """Rounds of (compile with the defaults, train); rank 0 also prices each plan with the analytic model."""
     import torch.distributed as dist
 
@@ -90,6 +103,15 @@ def fidelity_rank(rank: int, world_size: int, workload: Workload, num_rounds: in
 
     rounds = []
     inputs, targets = workload.batch()
+    on_gpu = device == "cuda"
+    if on_gpu:
+        inputs = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs)
+        targets = targets.to(device) if isinstance(targets, torch.Tensor) else targets
+
+    def sync() -> None:
+        if on_gpu:
+            torch.cuda.synchronize()
+
     for _ in range(num_rounds):
         model, example_inputs = workload.build()
         pipe = fxpipe.compile(model, example_inputs, loss_fn=workload.loss_fn(),
@@ -99,11 +121,14 @@ def fidelity_rank(rank: int, world_size: int, workload: Workload, num_rounds: in
         steps, iterations, cpu_s = [], [], 0.0
         for index in range(num_warmup + num_steps):
             dist.barrier()
+            sync()
             start, cpu_start = time.perf_counter(), time.process_time()
             pipe.step(inputs, targets)
+            sync()
             stepped = time.perf_counter()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            sync()
             if index >= num_warmup:
                 steps.append(stepped - start)
                 iterations.append(time.perf_counter() - start)
@@ -120,11 +145,17 @@ def fidelity_rank(rank: int, world_size: int, workload: Workload, num_rounds: in
 
 
 def run(workloads: tuple[Workload, ...] = DEFAULT_WORKLOADS, ranks: tuple[int, ...] = DEFAULT_RANKS, *,
-        num_rounds: int = 3, num_warmup: int = 2, num_steps: int = 8, precision: str = "fp32") -> dict[str, Any]:
+        num_rounds: int = 3, num_warmup: int = 2, num_steps: int = 8, precision: str = "fp32",
+        device: str = "cpu") -> dict[str, Any]:
     rows = []
+    if device == "cuda" and tuple(ranks) != (1,):
+        raise ValueError(f"--device cuda runs a world of one on the visible GPU; got --ranks {list(ranks)}, use --ranks 1")
     for workload in workloads:
         for num_ranks in ranks:
-            by_rank = run_ranks(fidelity_rank, num_ranks, workload, num_rounds, num_warmup, num_steps, precision)
+            if device == "cuda":  # in this process (see benchmarks/overhead.py: no forked child after CUDA)
+                by_rank = [fidelity_rank(0, 1, workload, num_rounds, num_warmup, num_steps, precision, device="cuda")]
+            else:
+                by_rank = run_ranks(fidelity_rank, num_ranks, workload, num_rounds, num_warmup, num_steps, precision)
             rounds = by_rank[0]
             for index, round_result in enumerate(rounds):  # the ranks' median wall/CPU while training
                 round_result["train_stretch"] = median([r[index]["train_stretch"] for r in by_rank])
@@ -138,7 +169,7 @@ def run(workloads: tuple[Workload, ...] = DEFAULT_WORKLOADS, ranks: tuple[int, .
                          "errors": errors, "error": median(errors),
                          "analytic_ratio": median([r["iteration_s"] / r["analytic_s"] for r in rounds])})
     return {"workloads": workloads, "rows": rows, "num_rounds": num_rounds, "num_steps": num_steps,
-            "precision": precision}
+            "precision": precision, "device": device}
 
 
 def report(result: dict[str, Any]) -> str:
@@ -158,7 +189,7 @@ def report(result: dict[str, Any]) -> str:
         f"Command: `{COMMAND}" + ("" if result.get("precision", "fp32") == "fp32"
                                   else f" --precision {result['precision']}") + f" --rounds {result['num_rounds']}`", "",
         "Workloads: " + "; ".join(w.describe() for w in result["workloads"]) + ".", "",
-        f"Machine: {machine_notes()}.", "",
+        f"Machine: {gpu_notes() if result.get('device') == 'cuda' else machine_notes()}.", "",
         tabulate(table, ["case", "plan (auto)", "cost source", "predicted ms (default)", "measured step ms",
                          "measured iteration ms", "error (meas - pred) / meas", "per-round errors %",
                          f"within {TARGET_ERROR:.0%}", "analytic ms (same plan)", "measured / analytic",
@@ -179,8 +210,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
     parser.add_argument("--ranks", type=int, nargs="+", default=list(DEFAULT_RANKS))
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: a world of one on the visible GPU (--ranks 1 implied)")
+    parser.add_argument("--model", default=None, help=f"with --device cuda (default {GPU_WORKLOAD.model})")
+    parser.add_argument("--batch", type=int, default=None, help=f"with --device cuda (default {GPU_WORKLOAD.global_batch_size})")
     parser.add_argument("--write", action="store_true", help=f"write {RESULTS.name} (or _bf16.md)")
     args = parser.parse_args(argv)
+    if args.device == "cuda":
+        workload = Workload(args.model or GPU_WORKLOAD.model, (), args.batch or GPU_WORKLOAD.global_batch_size, 1)
+        result = run((workload,), (1,), num_rounds=args.rounds, num_warmup=args.warmup, num_steps=args.steps,
+                     precision=args.precision, device="cuda")
+        text = report(result)
+        print(text)
+        if args.write:
+            raise SystemExit("--write records the CPU-rank tables; GPU figures go to benchmarks/gpu_check.md")
+        return
     text = report(run(ranks=tuple(args.ranks), num_rounds=args.rounds, num_warmup=args.warmup, num_steps=args.steps,
                       precision=args.precision))
     print(text)
