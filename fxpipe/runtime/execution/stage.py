@@ -18,6 +18,7 @@ from fxpipe.runtime.autograd.split_backward import (
     backward_weights,
     weight_params,
 )
+from fxpipe.runtime.execution.device_constants import retarget_device_constants
 from fxpipe.runtime.faults.errors import BatchShapeError, PipelineSetupError
 from fxpipe.runtime.numerics.loss_probe import LossProbe
 from fxpipe.runtime.parallel.sharded_stage import gathered_params
@@ -109,6 +110,7 @@ class StageRunner:
         self.program = program
         self.device = device
         self.module = stage.module.to(device)
+        retarget_device_constants(self.module, device)  # a CPU trace's device constants (torch.export) follow
         self.loss_fn = loss_fn
         self.autocast_dtype = autocast_dtype
         self.loss_reduction = check_loss_reduction(loss_reduction)
@@ -135,6 +137,7 @@ class StageRunner:
     def use_module(self, module: torch.fx.GraphModule) -> None:
         """Run ``module`` from now on (a tensor-parallel shard of the stage, with the same attribute paths)."""
         self.module = module.to(self.device)
+        retarget_device_constants(self.module, self.device)
         self._copied_inputs = inputs_changed_in_place(self.module)
         self._trained = None
         self.compiled = self.split = None  # compiled for the module it replaces
