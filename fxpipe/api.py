@@ -17,7 +17,7 @@ from fxpipe.core.cluster import Cluster
 from fxpipe.core.plan import Plan
 from fxpipe.core.recompute import parse_recompute
 from fxpipe.core.sharding import ShardingError, check_request
-from fxpipe.pipe_inputs import positional_inputs
+from fxpipe.pipe_inputs import on_model_device, positional_inputs
 from fxpipe.pipe_lifecycle import PipeLifecycle
 from fxpipe.runtime.faults.errors import PipelineSetupError
 
@@ -302,6 +302,7 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
             if not options.stall_timeout_s > 0:
                 raise PipelineSetupError(f"stall_timeout_s={options.stall_timeout_s!r}; pass a positive number of "
                                          "seconds (default 5.0: longer than any call that holds the GIL)")
+        example_inputs = on_model_device(model, example_inputs)
         inputs = example_inputs if isinstance(example_inputs, tuple | dict) else (example_inputs,)
         with preserved_state(model):  # tracing, cost measurement and codegen's shape run use the real module
             with setup_phase("tracing", group):

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
 
 
 def positional_inputs(names: Sequence[str], inputs: Any, partial: bool = False) -> tuple[Any, ...]:
@@ -18,3 +22,22 @@ def positional_inputs(names: Sequence[str], inputs: Any, partial: bool = False) 
     if isinstance(inputs, tuple | list):
         return tuple(inputs)
     return (inputs,)
+
+
+def on_model_device(model: torch.nn.Module, example_inputs: Any, keep: tuple[str, ...] = ("cpu", "meta")) -> Any:
+    """``example_inputs`` with their CPU tensors moved to the accelerator the model's weights sit on, if they all
+    sit on one (a model a first ``compile`` moved to the GPU, compiled again with the same CPU inputs; issue 36's
+    device run failed in compile's row check there: "mat1 is on cpu, different from other tensors on cuda:0").
+
+    A model on a device of a type in ``keep`` (the CPU, the meta device), or spread over several devices, keeps
+    its inputs as given.
+    """
+    devices = {tensor.device for tensor in itertools.chain(model.parameters(), model.buffers())}
+    if len(devices) != 1:
+        return example_inputs
+    (device,) = devices
+    if device.type in keep:
+        return example_inputs
+    return pytree.tree_map(
+        lambda value: value.to(device) if isinstance(value, torch.Tensor) and value.device.type == "cpu" else value,
+        example_inputs)

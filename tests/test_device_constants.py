@@ -62,3 +62,18 @@ def test_hugging_face_gpt2_traced_on_the_cpu_has_its_constants_retargeted_in_eve
     changed = retarget_device_constants(gm, torch.device("meta"), from_types=("cpu",))
     assert changed >= 1 and torch.device("cpu") not in _devices(gm)
 
+
+def test_example_inputs_follow_a_model_already_on_an_accelerator() -> None:
+    """compile moves CPU example inputs to the one device a model's weights sit on, unless that is the CPU or
+    meta (checked here with meta standing in for a GPU: keep=("cpu",))."""
+    from fxpipe.pipe_inputs import on_model_device
+
+    inputs = (torch.zeros(2, 3), {"mask": torch.ones(2, dtype=torch.bool)}, 7)
+    on_cpu = nn.Linear(3, 3)
+    assert on_model_device(on_cpu, inputs) is inputs
+    on_meta = nn.Linear(3, 3, device="meta")
+    assert on_model_device(on_meta, inputs) is inputs  # planning a model on meta: inputs stay as given
+    moved = on_model_device(on_meta, inputs, keep=("cpu",))
+    assert moved[0].device.type == "meta" and moved[1]["mask"].device.type == "meta" and moved[2] == 7
+    split = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3, device="meta"))
+    assert on_model_device(split, inputs, keep=("cpu",)) is inputs  # several devices: left to the user
