@@ -207,11 +207,12 @@ def test_every_rank_measures_and_plans_alike(tmp_path: Path) -> None:
 def test_fxpipe_plan_measures_a_local_gpu_cluster_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     from dataclasses import replace
 
-    from fxpipe.core.cluster import H200_141GB
+    from fxpipe.core.cluster import H200_141GB, cpu_device
     from fxpipe.planning import measuring_device
 
-    local_cpu = parse_cluster("local:2", calibrate=False)
-    local_gpu = replace(local_cpu, device=H200_141GB)
+    local = parse_cluster("local:2", calibrate=False)  # a GPU machine's local: maps its GPUs to a preset
+    local_cpu = replace(local, device=cpu_device(local.device.memory_bytes))  # both built: CPU ranks and GPUs, anywhere
+    local_gpu = replace(local, device=H200_141GB)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert (measuring_device(local_gpu), measuring_device(local_cpu), measuring_device(parse_cluster("dgx-h100:1"))) \
         == ("cuda", "cpu", "cpu")
