@@ -127,7 +127,8 @@ def test_two_torchrun_launches_act_as_two_nodes(tmp_path: Path) -> None:
 
 
 def _two_launches(tmp_path: Path, port: int) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FXPIPE_CALIBRATE": "0", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FXPIPE_CALIBRATE": "0", "PYTHONPATH": str(ROOT),
+           "CUDA_VISIBLE_DEVICES": ""}  # CPU ranks even where a GPU is visible (two ranks cannot share one)
     env.pop(NODE_ENV, None)
     launches = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.core.row_slices import row_ranges, shared_rows
-from fxpipe.runtime.faults.errors import CommunicationError, MessageLayoutError
+from fxpipe.runtime.faults.errors import CommunicationError, MessageLayoutError, PipelineSetupError
 from fxpipe.runtime.faults.failures import FailureLog, root_cause_hint
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -234,10 +234,25 @@ def message_tag(kind: MessageKind, microbatch_index: int, value_index: int, num_
 
 
 def pick_backend() -> tuple[str, torch.device]:
-    """NCCL on CUDA (device = LOCAL_RANK), gloo on CPU."""
+    """NCCL on CUDA (device = LOCAL_RANK), gloo on CPU.
+
+    A host that launches more ranks than it shows GPUs, with every rank seeing the same GPUs (no
+    ``CUDA_VISIBLE_DEVICES``), fails here, on every one of its ranks, naming both counts: NCCL refuses two ranks
+    on one GPU only at the first collective ("Duplicate GPU detected", the H200 suite run's two-rank torchrun
+    test). Where ``CUDA_VISIBLE_DEVICES`` is set, a launcher may give each rank a GPU of its own (one visible
+    each), so LOCAL_RANK is taken modulo the visible count as before.
+    """
     if torch.cuda.is_available() and dist.is_nccl_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        return "nccl", torch.device("cuda", local_rank % torch.cuda.device_count())
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1)))
+        num_gpus = torch.cuda.device_count()
+        if max(local_ranks, local_rank + 1) > num_gpus and "CUDA_VISIBLE_DEVICES" not in os.environ:
+            raise PipelineSetupError(
+                f"rank {os.environ.get('RANK', '0')}: this host runs {max(local_ranks, local_rank + 1)} ranks "
+                f"(LOCAL_WORLD_SIZE) but shows {num_gpus} GPU(s), and NCCL needs a GPU of its own for each rank; "
+                f"launch at most {num_gpus} per host (torchrun --nproc-per-node {num_gpus}), or hide the GPUs "
+                "(CUDA_VISIBLE_DEVICES='') to train on CPU ranks with gloo")
+        return "nccl", torch.device("cuda", local_rank % num_gpus)
     return "gloo", torch.device("cpu")
 
 
