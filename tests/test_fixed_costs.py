@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from reference_sim import reference_run
 
 from fxpipe.core.chain import Block, CostChain
@@ -122,6 +123,7 @@ def test_a_cache_from_before_the_fixed_costs_is_measured_again(tmp_path: Path, m
     assert calibrate.calibrate_here().device == fresh  # measured once ...
     monkeypatch.setattr(calibrate, "measure_device", lambda device=None: pytest.fail("measured twice"))
     assert calibrate.calibrate_here().device == fresh  # ... then cached
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # local: CPU ranks, also on a GPU machine
     cluster = parse_cluster("local:1", calibrate=True)
     assert (cluster.action_overhead_s, cluster.step_overhead_s) == (6e-5, 3e-5)
 
