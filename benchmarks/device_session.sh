@@ -5,7 +5,8 @@
 # Run on the device machine from the repository root: bash benchmarks/device_session.sh [STEP ...]
 # Step caps: GPT-2 small's overhead row did not finish in 50 s on 2026-12-04 (ResNet-50's took 40 s), hence 90 s.
 # (no STEP: all of them, in this order: overhead suite gemm prediction compiled; a rerun names the ones it needs,
-# also gemm-bf16, prediction-fp32 or compiled-gpt2-fp32 alone).
+# also confirm, gemm-bf16, prediction-fp32 or compiled-gpt2-fp32 alone). The next session with a device:
+#   DEADLINE=480 bash benchmarks/device_session.sh confirm overhead suite prediction compiled
 # The device tool brings back at most 8 files, so every figure lands in one archive, $OUT/session.tar.gz,
 # rewritten after each step (what finished is there even if the run is cut short), holding:
 #   gpu.txt              the GPU, driver, torch and CUDA versions; each step's start, end and exit status
@@ -86,6 +87,12 @@ for name in $steps; do
             -o console_output_style=classic > "$WORK/suite.txt" 2>&1
          echo "exit $?" >> "$WORK/suite.txt") &
         suite_pid=$! ;;
+    confirm)  # the tests the 2026-12-04 run failed for CUDA-only reasons, fixed on the CPU side since
+        step confirm 120 $PYTHON -m pytest -q -p no:cacheprovider \
+            "tests/test_hf_models.py::test_wrapped_gpt2_compiles_and_steps_exactly_in_a_world_of_one" \
+            tests/test_preemption.py tests/test_measured_costs.py tests/test_fixed_costs.py tests/test_gpu_ranks.py \
+            tests/test_device_constants.py tests/test_moe_meta.py tests/test_sequence_columns.py \
+            "tests/test_multinode.py::test_two_torchrun_launches_act_as_two_nodes" ;;
     gemm-bf16)  # bf16 alone, a few seconds, on a quiet GPU
         step gemm-bf16 40 $PYTHON benchmarks/gemm_efficiency.py --out "$WORK/gemm-bf16" --warmup 2 --repeats 5 \
             --dtypes bfloat16 ;;
