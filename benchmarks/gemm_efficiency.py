@@ -34,8 +34,7 @@ import torch
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from fxpipe.core.cluster import H100_80GB, H200_141GB  # noqa: E402
-from fxpipe.core.hardware import DeviceSpec  # noqa: E402
+from fxpipe.core.hardware import H100_80GB, H200_141GB, DeviceSpec  # noqa: E402
 
 PRESETS = {"h100": H100_80GB, "h200": H200_141GB}
 LAYERS = (("qkv", 1, 3, "column"), ("proj", 1, 1, "row"), ("up", 1, 4, "column"), ("down", 4, 1, "row"))

@@ -70,7 +70,7 @@ def start_method() -> str:
     check asks torch.accelerator for the current stream; on torch 2.11 without ``torch.cuda.is_initialized()``
     saying so), and any backward starts autograd's device threads, after which a forked child's autograd
     refuses to run ("Unable to handle autograd's threading in combination with fork-based multiprocessing"):
-    so machines with a visible GPU spawn (the first device run of issue 36 failed 22 tests on both), CPU-only
+    so machines with a visible GPU spawn (the first device run of issue 36 failed 24 tests on both), CPU-only
     ones fork.
     """
     forced = os.environ.get("FXPIPE_TEST_START_METHOD", "")  # "spawn": try a CUDA machine's path on a CPU one

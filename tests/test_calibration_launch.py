@@ -165,7 +165,8 @@ def test_ranks_are_spawned_without_cuda_once_the_parent_initialised_it(tmp_path:
     """What a CUDA machine does when an earlier test touched the GPU: forked children would fail there."""
     monkeypatch.delenv("FXPIPE_TEST_START_METHOD", raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert mp_utils.start_method() == ("spawn" if torch.cuda.is_initialized() else "fork")
+    assert mp_utils.start_method() == ("spawn" if torch.cuda.is_initialized() or torch.cuda.is_available()
+                                       else "fork")  # a GPU machine spawns even before CUDA is initialised
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert mp_utils.start_method() == "spawn"
     assert run_ranks(_where_am_i, 2, tmp_path) == [("spawn", "", False)] * 2

@@ -244,11 +244,11 @@ def pick_backend() -> tuple[str, torch.device]:
     """
     if torch.cuda.is_available() and dist.is_nccl_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1)))
+        local_ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), local_rank + 1)
         num_gpus = torch.cuda.device_count()
-        if max(local_ranks, local_rank + 1) > num_gpus and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        if local_ranks > num_gpus and "CUDA_VISIBLE_DEVICES" not in os.environ:
             raise PipelineSetupError(
-                f"rank {os.environ.get('RANK', '0')}: this host runs {max(local_ranks, local_rank + 1)} ranks "
+                f"rank {os.environ.get('RANK', '0')}: this host runs {local_ranks} ranks "
                 f"(LOCAL_WORLD_SIZE) but shows {num_gpus} GPU(s), and NCCL needs a GPU of its own for each rank; "
                 f"launch at most {num_gpus} per host (torchrun --nproc-per-node {num_gpus}), or hide the GPUs "
                 "(CUDA_VISIBLE_DEVICES='') to train on CPU ranks with gloo")
