@@ -20,6 +20,7 @@ from fxpipe.passes.partition.dapple import (
     PlanningError,
     partition,
 )
+from fxpipe.passes.partition.scoring import apart, memory_unit
 from fxpipe.report import baseline_table
 
 torch.set_num_threads(1)
@@ -146,6 +147,17 @@ def test_memory_infeasible_explains_the_closest_attempt() -> None:
     message = str(error.value)
     assert "need GiB" in message and "capacity GiB" in message and "OVER" in message
     assert "more devices" in message and "optimizer" in message
+
+
+def test_memory_infeasible_reads_in_the_devices_unit_and_tells_need_from_capacity() -> None:
+    assert memory_unit(80 * GiB) == ("GiB", GiB) and memory_unit(2**20 - 1) == ("KiB", 1024)
+    assert memory_unit(8 * 2**20) == ("MiB", 2**20)
+    assert apart(17.49 * GiB, 16 * GiB, GiB) == ("17.49", "16.00")
+    assert apart(8 * 2**20 + 4096, 8 * 2**20 - 1, 2**20) == ("8.004", "8.000")  # 2 decimals would read 8.00 both
+    assert apart(GiB, GiB, GiB) == ("1.00", "1.00")
+    with pytest.raises(InfeasiblePlanError) as error:
+        partition(chain([1.0, 1.0], [2**20, 2**20]), cluster(1, 2, memory_gib=3 / 1024), 8)
+    assert "need MiB" in str(error.value) and "3.00 MiB per device" in str(error.value), str(error.value)
 
 
 def test_memory_limit_override_changes_the_plan() -> None:

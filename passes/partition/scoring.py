@@ -146,9 +146,28 @@ def finish(request: PlanRequest, best: Scored | None, dp: Scored | None, closest
     return best.plan.with_updates(predicted=replace(best.plan.predicted, dp_iteration_time_s=dp_time))
 
 
+def memory_unit(capacity_bytes: float) -> tuple[str, int]:
+    """The binary unit a device of ``capacity_bytes`` reads best in (GiB from 1 GiB up, else MiB or KiB)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if capacity_bytes >= scale:
+            return unit, scale
+    return "KiB", 2**10
+
+
+def apart(need: float, capacity: float, scale: int) -> tuple[str, str]:
+    """``need`` and ``capacity`` in units of ``scale``, with 2 decimals or as many more (up to 6) as keep two
+    different byte counts from reading the same."""
+    for decimals in range(2, 7):
+        shown = (f"{need / scale:.{decimals}f}", f"{capacity / scale:.{decimals}f}")
+        if need == capacity or shown[0] != shown[1]:
+            return shown
+    return shown
+
+
 def infeasible_error(request: PlanRequest, model: CandidateCosts, closest: Candidate | None) -> InfeasiblePlanError:
     capacity = request.memory_limit_bytes
-    head = (f"no plan for global batch {request.global_batch_size} fits in {capacity / 2**30:.2f} GiB per device "
+    unit, scale = memory_unit(capacity)
+    head = (f"no plan for global batch {request.global_batch_size} fits in {capacity / scale:.2f} {unit} per device "
             f"on cluster {request.cluster.name!r} ({request.cluster.num_devices} devices, optimizer "
             f"{request.optimizer!r})")
     if closest is None:
@@ -156,10 +175,11 @@ def infeasible_error(request: PlanRequest, model: CandidateCosts, closest: Candi
                                    "num_microbatches against the global batch and device count)")
     memory = model.memory(closest.spans, closest.microbatch_rows, "A")
     rows = [[index, f"{span.first}..{span.stop - 1}", span.replicas if span.tensor_parallel == 1 else
-             f"{span.replicas}x{span.tensor_parallel}", f"{need / 2**30:.2f}",
-             f"{capacity / 2**30:.2f}", "OVER" if need > capacity else "ok"]
+             f"{span.replicas}x{span.tensor_parallel}", *apart(need, capacity, scale),
+             "OVER" if need > capacity else "ok"]
             for index, (span, need) in enumerate(zip(closest.spans, memory, strict=True))]
-    table = tabulate(rows, headers=["stage", "blocks", "replicas", "need GiB", "capacity GiB", ""])
+    table = tabulate(rows, headers=["stage", "blocks", "replicas", f"need {unit}", f"capacity {unit}", ""],
+                     disable_numparse=True, colalign=("right", "left", "right", "right", "right", "left"))
     advice = ("fixes: use more devices (more stages split the weights), a smaller micro-batch "
               "(num_microbatches larger), an optimizer with less state (optimizer='sgd'), or a larger "
               "memory_limit_bytes if the device really has more memory"
