@@ -166,12 +166,21 @@ def block_member_seconds(net: Cluster, block, rows: int, tensor_parallel: int) -
     if not splits_over(block, tensor_parallel):
         return forward, backward
     keep = 1 - block.tp.time_share + block.tp.time_share / tensor_parallel
+    comm, again = member_collectives(net, block, rows, tensor_parallel)
+    return forward * keep + comm, backward * keep + comm + again
+
+
+def member_collectives(net: Cluster, block, rows: int, tensor_parallel: int) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """A split block's collectives on one member: the all-gather and reduce-scatter each way (forward's pair; backward
+    runs it in B), and backward's all-gather again of the column inputs (its W runs that); (0, 0) if it runs whole."""
+    if not splits_over(block, tensor_parallel):
+        return 0.0, 0.0
     moved = at(block.tp.comm_bytes, rows) * (tensor_parallel - 1) / tensor_parallel
     regathered = at(block.tp.regather_bytes, rows) * (tensor_parallel - 1) / tensor_parallel
     link = group_link(net, net.tensor_parallel_collective)  # lock-step figures, else the host's allreduce
     comm = 2 * ((tensor_parallel - 1) * link.latency_s + moved / link.bandwidth_bytes_per_s) if moved > 0 else 0.0
     again = (tensor_parallel - 1) * link.latency_s + regathered / link.bandwidth_bytes_per_s if regathered > 0 else 0.0
-    return forward * keep + comm, backward * keep + comm + again
+    return comm, again
 
 
 def leads(stage) -> tuple[int, ...]:  # type: ignore[no-untyped-def]
@@ -244,9 +253,14 @@ def stage_seconds(plan: Plan, chain: CostChain, net: Cluster, stage_index: int, 
     # split: FSDP2 reduces after W (ZeRO-2's per-micro-batch scatter in W; ZeRO-3 never runs split)
     if stage_index == 0:
         return {"F": forward + comm["F"] + action, "B": backward + action, "W": comm["B"]}
-    total = backward * (1 + net.split_backward_overhead)
-    return {"F": forward + comm["F"] + action, "B": total * (1 - weight_share) + action,
-            "W": total * weight_share + comm["B"]}
+    # the group's collectives stay whole where the runtime runs them (passes/tensor_parallel_ops.py): the pair, and
+    # those of every forward rerun, with the input gradients in B; the column inputs' gather again with W's
+    pairs = [member_collectives(net, b, rows, stage.tensor_parallel) for b in blocks]
+    in_b = sum(pair for pair, _ in pairs) * (2 if stage.recompute else 1) + rerun_comm
+    in_w = sum(again for _, again in pairs)
+    total = (backward - in_b - in_w) * (1 + net.split_backward_overhead)
+    return {"F": forward + comm["F"] + action, "B": total * (1 - weight_share) + in_b + action,
+            "W": total * weight_share + in_w + comm["B"]}
 
 
 def rerun_and_dropped(chain: CostChain, stage, rows: int, net: Cluster | None = None  # type: ignore[no-untyped-def]

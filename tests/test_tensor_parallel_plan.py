@@ -16,12 +16,13 @@ from fxpipe.core.costgraph import Affine
 from fxpipe.core.plan import Plan, StagePlan
 from fxpipe.passes.partition.block_partition import coarsen_chain
 from fxpipe.passes.partition.candidates import CandidateCosts
+from fxpipe.passes.partition.cut_scores import cut_scorer
 from fxpipe.passes.partition.dapple import LayoutError, PlanningError, parse_stage_layout, partition
-from fxpipe.passes.partition.latency import analytic_iteration_time
-from fxpipe.passes.partition.spans import Span
+from fxpipe.passes.partition.latency import analytic_iteration_time, stage_times
+from fxpipe.passes.partition.spans import Span, spans_from_stops
 from fxpipe.sim.simulate import simulate
-from fxpipe.sim.stagecost import allreduce_times, stage_cost, stage_memory_bytes
-from fxpipe.sim.tensor_parallel_cost import tensor_parallel_degrees
+from fxpipe.sim.stagecost import allreduce_times, split_backward_times, stage_cost, stage_memory_bytes
+from fxpipe.sim.tensor_parallel_cost import split_backward_collectives, tensor_parallel_degrees
 
 DEVICE = DeviceSpec("dev", 2**40, (("float32", 1e13),), 1e12)
 
@@ -57,6 +58,30 @@ def test_stage_cost_of_a_tensor_parallel_group_by_hand() -> None:
     assert (cost8.forward_s, cost8.backward_s, cost8.param_bytes) == (whole.forward_s, whole.backward_s, 1200)
     # received and sent values stay whole
     assert (cost.input_bytes, cost.output_bytes) == (whole.input_bytes, whole.output_bytes)
+
+
+def test_a_split_backward_keeps_each_collective_in_the_pass_that_runs_it_by_hand() -> None:
+    """Zero-bubble: B runs the input gradients with each split block's all-gather and reduce-scatter (and those of a
+    forward it reruns), W the weight gradients with the column inputs' all-gather again; compute alone is split."""
+    chain, net = _hand_chain(), _one_host()
+    regathering = replace(chain.blocks[0], tp=replace(chain.blocks[0].tp, regather_bytes=Affine(0, 500)))
+    chain = CostChain((regathering, chain.blocks[1]), chain.cut_bytes)
+    # T = 2, 4 rows: the pair 2 x (10 us + 2,000 B / 1 GB/s) = 24 us; again 10 us + 1,000 B / 1 GB/s = 11 us
+    assert split_backward_collectives(chain, net, 0, 2, 4, 2) == pytest.approx((24e-6, 11e-6), rel=1e-12)
+    assert split_backward_collectives(chain, net, 0, 2, 4, 2, recompute=True) == pytest.approx((48e-6, 11e-6))
+    assert split_backward_collectives(chain, net, 0, 2, 4, 2, block_recompute=("block", "keep")) == pytest.approx(
+        (48e-6, 11e-6))
+    assert split_backward_collectives(chain, net, 0, 2, 4, 2, block_recompute=("attention", "block")) == \
+        pytest.approx((24e-6, 11e-6))  # an attention core reruns no collective; "norm" does not split
+    assert split_backward_collectives(chain, net, 0, 2, 4, 1) == (0.0, 0.0)
+    backward = stage_cost(chain, 0, 2, 4, 1, tensor_parallel=2, cluster=net).backward_s
+    assert backward == pytest.approx(4.8e-3 + 4e-3 + 35e-6, rel=1e-12)
+    # compute 8.8 ms split half and half with 30% on top; the collectives whole, each in its pass
+    b, w = split_backward_times(backward, 1, 0.5, 0.3, (24e-6, 11e-6))
+    assert (b, w) == (pytest.approx(8.8e-3 * 1.3 / 2 + 24e-6, rel=1e-12), pytest.approx(8.8e-3 * 1.3 / 2 + 11e-6))
+    assert split_backward_times(backward, 0, 0.5, 0.3, (24e-6, 11e-6)) == (backward, 0.0)  # stage 0: fused, in B
+    with pytest.raises(ValueError, match="cannot hold collectives"):
+        split_backward_times(1e-5, 1, 0.5, 0.0, (24e-6, 11e-6))
 
 
 def test_memory_and_allreduce_of_tensor_parallel_replicas_by_hand() -> None:
@@ -174,20 +199,42 @@ def _spans(plan: Plan) -> tuple[Span, ...]:
     return tuple(Span(s.first_block, s.stop_block, s.devices, s.tensor_parallel) for s in plan.stages)
 
 
-def test_pivot_model_of_candidates_and_plans_agree_and_is_exact_on_one_stage() -> None:
+@pytest.mark.parametrize("schedule", ["early_backward", "zero_bubble"])
+def test_pivot_model_of_candidates_and_plans_agree_and_is_exact_on_one_stage(schedule: str) -> None:
     for seed in range(60):
         plan, chain, net, _ = tp_setup(seed)
         plan = plan.with_updates(allreduce_bucket_bytes=0, stages=tuple(
-            replace(s, sharding="none", recompute=False) for s in plan.stages), schedule="early_backward")
+            replace(s, sharding="none", recompute=False) for s in plan.stages), schedule=schedule)
         net = replace(net, optimizer_s_per_param_byte=0.0)  # the pivot model leaves the optimizer step out
-        model = CandidateCosts(chain, net, plan.global_batch_size, "adam", 2**40, recompute="never")
+        model = CandidateCosts(chain, net, plan.global_batch_size, "adam", 2**40, recompute="never", schedule=schedule)
         close = analytic_iteration_time(plan, chain, net) - model.latency(_spans(plan), plan.microbatch_size)
         assert close >= 0
+        split = schedule == "zero_bubble"  # the plan's steps and the candidate's: the same pipeline, B and W
+        assert stage_times(plan, chain, net).latency(plan.num_microbatches, split) == pytest.approx(
+            model.steps(_spans(plan), plan.microbatch_size).latency(plan.num_microbatches, split), rel=1e-12), seed
         assert analytic_iteration_time(replace(plan), chain, net) == pytest.approx(
             model.latency(_spans(plan), plan.microbatch_size) + close, rel=1e-12)
         if plan.num_stages == 1:  # M (F + B) + AR: exact
             assert analytic_iteration_time(plan, chain, net) == pytest.approx(
                 simulate(plan, chain, net).iteration_time_s, rel=1e-9), f"seed {seed}"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cut_scorer_equals_the_model_on_tensor_parallel_spans_under_zero_bubble(seed: int) -> None:
+    rng = random.Random(seed)
+    chain = _tp_chain(rng, 12)
+    net = Cluster("2x4", 2, 4, DEVICE, LinkSpec(25e9, 5e-6), LinkSpec(1e9, 2e-5),
+                  tensor_parallel_collective=LinkSpec(2e8, 7e-4), split_backward_overhead=0.3)
+    model = CandidateCosts(chain, net, 16, "adam", 2**40, recompute=rng.choice(["never", "always"]),
+                           schedule="zero_bubble")
+    devices = [(0, 1), (4, 5, 6, 7), (2, 3)]  # T = 2, 2 x T = 2, T = 2
+    degrees = (2, 2, 2)
+    stops = sorted(rng.sample(range(1, 12), 2)) + [12]
+    score = cut_scorer(model, spans_from_stops(stops, devices, degrees), 4)
+    assert score is not None
+    for _ in range(10):
+        stops = sorted(rng.sample(range(1, 12), 2)) + [12]
+        assert score(stops) == model.latency(spans_from_stops(stops, devices, degrees), 4)
 
 
 def _matmul_chain(comm_bytes_per_row: float) -> CostChain:

@@ -35,6 +35,7 @@ from fxpipe.sim.stagecost import (
     stage_cost,
     stage_memory_bytes,
     stage_param_bytes,
+    stage_split_collectives,
     step_close_time,
 )
 
@@ -211,7 +212,8 @@ def _replica_specs(plan: Plan, chain: CostChain, cluster: Cluster, slowdowns: Se
             weight_s = 0.0
             if weight_fraction is not None:
                 backward_s, weight_s = split_backward_times(backward_s, stage.stage_index, weight_fraction,
-                                                            cluster.split_backward_overhead)
+                                                            cluster.split_backward_overhead,
+                                                            stage_split_collectives(chain, cluster, stage, rows))
             comm = comms[stage.stage_index]
             # under split backward ZeRO-2's reduce-scatter follows W (fxpipe.runtime.parallel.sharded_stage.after_weights)
             in_b, after_w = (comm.backward_s, 0.0) if weight_fraction is None else (0.0, comm.backward_s)
@@ -382,7 +384,8 @@ def _busy(plan: Plan, chain: CostChain, cluster: Cluster, stage_index: int, repl
                                           recompute=stage.recompute, tensor_parallel=stage.tensor_parallel,
                                           cluster=cluster, block_recompute=stage.block_recompute)
     if split_overhead is not None:
-        backward_s = sum(split_backward_times(backward_s, stage_index, WEIGHT_GRAD_FRACTION, split_overhead))
+        backward_s = sum(split_backward_times(backward_s, stage_index, WEIGHT_GRAD_FRACTION, split_overhead,
+                                              stage_split_collectives(chain, cluster, stage, rows)))
     return plan.num_microbatches * (forward_s + backward_s)
 
 

@@ -16,6 +16,7 @@ from fxpipe.core.row_slices import shared_rows, split_rows
 from fxpipe.sim.recompute_cost import SelectiveRecompute, selective_seconds
 from fxpipe.sim.sharding_memory import model_state_bytes
 from fxpipe.sim.tensor_parallel_cost import (
+    split_backward_collectives,
     tensor_parallel_param_bytes,
     tensor_parallel_saved,
     tensor_parallel_times,
@@ -23,6 +24,7 @@ from fxpipe.sim.tensor_parallel_cost import (
 
 if TYPE_CHECKING:  # fxpipe.passes imports the planner, which imports this module
     from fxpipe.core.chain import CostChain
+    from fxpipe.core.plan import StagePlan
 
 # What the allreduce ending every step carries (fxpipe.runtime.execution.driver._broadcast_loss): float64 loss sum,
 # token count, preemption vote and four batch-check folds.
@@ -377,21 +379,31 @@ def step_close_time(cluster: Cluster, devices: Sequence[int], slowdown: float | 
 WEIGHT_GRAD_FRACTION = 0.5
 
 
+def stage_split_collectives(chain: CostChain, cluster: Cluster, stage: StagePlan, rows: float) -> tuple[float, float]:
+    """A planned stage's :func:`split_backward_collectives` on a slice of ``rows`` rows, with its recompute choices."""
+    return split_backward_collectives(chain, cluster, stage.first_block, stage.stop_block, rows, stage.tensor_parallel,
+                                      stage.recompute, stage.block_recompute)
+
+
 def split_backward_times(backward_s: float, stage_index: int, weight_fraction: float,
-                         overhead: float = 0.0) -> tuple[float, float]:
+                         overhead: float = 0.0, collectives: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
     """``(B, W)`` seconds of a stage whose backward of ``backward_s`` is split into input and weight gradients.
 
-    ``overhead`` (:attr:`Cluster.split_backward_overhead`) is what splitting costs on top, as a
-    fraction of the fused backward: B + W = ``backward_s * (1 + overhead)``, shared by B and W in
-    the ``weight_fraction`` proportion. Stage 0 sends no gradient upstream, so the runtime runs its
-    whole (fused) backward in B and W is empty.
+    ``collectives``: the seconds of ``backward_s`` that are a tensor-parallel group's collectives, (those B runs,
+    those W runs) (:func:`fxpipe.sim.tensor_parallel_cost.split_backward_collectives`); each stays whole in its
+    pass. The rest is compute: ``overhead`` (:attr:`Cluster.split_backward_overhead`) is what splitting costs on
+    top, as a fraction of it, and B and W share the result in the ``weight_fraction`` proportion. Stage 0 sends no
+    gradient upstream, so the runtime runs its whole (fused) backward in B and W is empty.
     """
     if not 0.0 <= weight_fraction <= 1.0:
         raise ValueError(f"weight_fraction must be in [0, 1] (the share of backward spent on parameter "
                          f"gradients), got {weight_fraction}")
     if not overhead >= 0.0:
         raise ValueError(f"split backward overhead must be >= 0 (a fraction of the fused backward), got {overhead}")
+    in_b, in_w = collectives
+    if not (in_b >= 0.0 and in_w >= 0.0 and in_b + in_w <= backward_s * (1 + 1e-9) + 1e-15):
+        raise ValueError(f"a backward of {backward_s} s cannot hold collectives of {in_b} s (B) and {in_w} s (W)")
     if stage_index == 0:
         return backward_s, 0.0
-    split_s = backward_s * (1.0 + overhead)
-    return split_s * (1.0 - weight_fraction), split_s * weight_fraction
+    split_s = max(0.0, backward_s - in_b - in_w) * (1.0 + overhead)
+    return split_s * (1.0 - weight_fraction) + in_b, split_s * weight_fraction + in_w

@@ -80,6 +80,30 @@ def block_collective_seconds(block: Block, cluster: Cluster, rows: float, tensor
     return comm, comm + regather
 
 
+def split_backward_collectives(chain: CostChain, cluster: Cluster, first: int, stop: int, rows: float,
+                               tensor_parallel: int, recompute: bool = False,
+                               block_recompute: Sequence[str] = ()) -> tuple[float, float]:
+    """A group member's collective seconds in one backward over blocks ``[first, stop)``, as a split backward
+    (zero-bubble) runs them: ``(in B, in W)``; ``(0, 0)`` for T = 1.
+
+    B computes the input gradients, and with them each splitting block's AG + RS (an all-reduce without sequence
+    parallelism) and the collectives of every forward it reruns (the stage's ``recompute``, a block's "block"
+    choice: :func:`fxpipe.sim.recompute_cost.member_saving`). W computes the weight gradients, for which a
+    sequence-parallel column linear gathers its input again (AG': passes/tensor_parallel_ops.py, ``_SequenceColumns``
+    skips it in B). Together they are the collectives in :func:`tensor_parallel_times`' backward plus the reruns'."""
+    in_b = in_w = 0.0
+    if tensor_parallel <= 1:
+        return in_b, in_w
+    for offset, block in enumerate(chain.blocks[first:stop]):
+        if not splits(block, tensor_parallel):
+            continue
+        forward, backward = block_collective_seconds(block, cluster, rows, tensor_parallel)
+        reruns = int(recompute) + int(offset < len(block_recompute) and block_recompute[offset] == "block")
+        in_b += forward * (1 + reruns)  # the backward's AG + RS are the forward's pair: block_collective_seconds
+        in_w += backward - forward
+    return in_b, in_w
+
+
 def tensor_parallel_times(chain: CostChain, cluster: Cluster, first: int, stop: int, rows: float, tensor_parallel: int,
                           slowdown: float = 1.0) -> tuple[float, float]:
     """Forward and backward seconds of one group member over blocks ``[first, stop)`` on ``rows`` rows (module

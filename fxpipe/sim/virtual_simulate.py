@@ -33,6 +33,7 @@ from fxpipe.sim.stagecost import (
     split_backward_times,
     stage_cost,
     stage_memory_bytes,
+    stage_split_collectives,
     step_close_time,
     tie_groups,
 )
@@ -116,7 +117,8 @@ def _chunk_costs(plan: Plan, chain: CostChain, cluster: Cluster, slowdowns: Sequ
             weight_s = 0.0
             if weight_fraction is not None:
                 backward_s, weight_s = split_backward_times(backward_s, stage.stage_index, weight_fraction,
-                                                            cluster.split_backward_overhead)
+                                                            cluster.split_backward_overhead,
+                                                            stage_split_collectives(chain, cluster, stage, rows))
             comm = comms[stage.stage_index]
             # under split backward ZeRO-2's reduce-scatter follows W (fxpipe.runtime.parallel.sharded_stage.after_weights)
             in_b, after_w = (comm.backward_s, 0.0) if weight_fraction is None else (0.0, comm.backward_s)

@@ -31,6 +31,7 @@ from fxpipe.sim.stagecost import (
     stage_memory_bytes,
     transfer_time,
 )
+from fxpipe.sim.tensor_parallel_cost import split_backward_collectives
 
 
 class CandidateCosts:
@@ -68,6 +69,7 @@ class CandidateCosts:
         self.allreduce = lru_cache(maxsize=None)(self._allreduce)
         self.allreduce_tail = lru_cache(maxsize=None)(self._allreduce_tail)
         self.stage_step = lru_cache(maxsize=None)(self._stage_step)
+        self.split_collectives = lru_cache(maxsize=None)(self._split_collectives)
         self.inflights = lru_cache(maxsize=None)(self._inflights)  # K_s of every stage at once
         self.stage_choice = lru_cache(maxsize=None)(self._stage_choice)
         self.comm = lru_cache(maxsize=None)(self._comm)
@@ -122,6 +124,23 @@ class CandidateCosts:
         else:
             own = self.allreduce(first, stop, devices, tensor_parallel)
         return cost.forward_s, backward_seconds(cost.forward_s, cost.backward_s, recompute), own
+
+    def _split_collectives(self, first: int, stop: int, rows: int, replicas: int, tensor_parallel: int,
+                           recompute: bool) -> tuple[float, float]:
+        """A stage's tensor-parallel collectives in B and in W under split backward on its slice of a micro-batch of
+        ``rows`` (:func:`split_backward_collectives`); (0, 0) for T = 1."""
+        if tensor_parallel <= 1:
+            return 0.0, 0.0
+        slice_rows = self.cost(first, stop, rows, replicas, tensor_parallel).rows
+        return split_backward_collectives(self.chain, self.cluster, first, stop, slice_rows, tensor_parallel, recompute)
+
+    def tensor_parallel_splits(self, spans: Sequence[Span], rows: int,
+                               recomputing: Sequence[bool]) -> list[tuple[float, float]] | None:
+        """Each stage's :meth:`split_collectives` (None when no stage is a tensor-parallel group)."""
+        if all(span.tensor_parallel <= 1 for span in spans):
+            return None
+        return [self.split_collectives(span.first, span.stop, rows, span.replicas, span.tensor_parallel, recompute)
+                for span, recompute in zip(spans, recomputing, strict=True)]
 
     def least_comm_seconds(self, span: Span, num_microbatches: int) -> float:
         """The least time any sharded level the request allows spends in a stage's collectives in one step
@@ -217,7 +236,8 @@ class CandidateCosts:
                 return pipeline_steps([self.stage_step(span.first, span.stop, rows, span.leads, recompute, "none",
                                                        span.tensor_parallel)
                                        for span, recompute in zip(spans, recomputing, strict=True)], hops, [],
-                                      split_overhead=self.cluster.split_backward_overhead)
+                                      split_overhead=self.cluster.split_backward_overhead,
+                                      tensor_parallel=self.tensor_parallel_splits(spans, rows, recomputing))
             choices = choices or self.stage_choices(spans, rows, "A")
             comms = [self.stage_comm(span.first, span.stop, span.leads, choice.sharding,
                                      self.cost(span.first, span.stop, 1, 1, span.tensor_parallel).param_bytes,
@@ -228,7 +248,9 @@ class CandidateCosts:
                                    for span, choice in zip(spans, choices, strict=True)],
                                   hops, [], split_overhead=self.cluster.split_backward_overhead,
                                   messages=[comm.backward_s for comm in comms], starts=[comm.start_s for comm in comms],
-                                  collectives=[comm.backward_s for comm in comms])
+                                  collectives=[comm.backward_s for comm in comms],
+                                  tensor_parallel=self.tensor_parallel_splits(spans, rows,
+                                                                              [c.recompute for c in choices]))
         return self._shared_steps(spans, rows, choices)
 
     def _shared_steps(self, spans: Sequence[Span], rows: int, choices: Sequence[StageChoice] | None) -> PipelineSteps:
@@ -261,7 +283,8 @@ class CandidateCosts:
         hops = [self.hop(before.stop - 1, rows, before.leads, after.leads)
                 for before, after in zip(spans, spans[1:], strict=False)]
         return pipeline_steps(stages, hops, ties, split_overhead=self.cluster.split_backward_overhead,
-                              messages=messages, starts=starts, collectives=collectives)
+                              messages=messages, starts=starts, collectives=collectives,
+                              tensor_parallel=self.tensor_parallel_splits(spans, rows, [c.recompute for c in choices]))
 
     def latency(self, spans: Sequence[Span], rows: int) -> float:
         return self.steps(spans, rows).latency(self.global_batch_size // rows, self.schedule == "zero_bubble")

@@ -26,18 +26,22 @@ def cut_scorer(model: CandidateCosts, spans: Sequence[Span], rows: int) -> Calla
     inflights = model.inflights(num_stages, num_microbatches, "A", None)  # policy A, as the search's memory check
     modes = model.stage_modes(model.resolved_recompute(num_stages), num_stages)
     leads = [span.leads for span in spans]
-    stages: dict[tuple[int, int, int], tuple[int, tuple[float, float, float]]] = {}
+    stages: dict[tuple[int, int, int], tuple[int, tuple[float, float, float], tuple[float, float]]] = {}
+    tensor_parallel = any(span.tensor_parallel > 1 for span in spans)
     hops: dict[tuple[int, int], float] = {}
 
-    def stage(index: int, first: int, stop: int) -> tuple[int, tuple[float, float, float]]:
-        """(peak bytes, (F, B, allreduce)) of stage ``index`` over blocks ``[first, stop)``."""
+    def stage(index: int, first: int, stop: int) -> tuple[int, tuple[float, float, float], tuple[float, float]]:
+        """(peak bytes, (F, B, allreduce), tensor-parallel collectives in B and W) of stage ``index`` over blocks
+        ``[first, stop)``."""
         key = (index, first, stop)
         if key not in stages:
             span = spans[index]
             choice = model.stage_choice(first, stop, rows, span.replicas, span.tensor_parallel, inflights[index],
                                         modes[index])
             stages[key] = (choice.memory, model.stage_step(first, stop, rows, leads[index], choice.recompute, "none",
-                                                           span.tensor_parallel))
+                                                           span.tensor_parallel),
+                           model.split_collectives(first, stop, rows, span.replicas, span.tensor_parallel,
+                                                   choice.recompute))
         return stages[key]
 
     def hop(index: int, stop: int) -> float:
@@ -48,10 +52,12 @@ def cut_scorer(model: CandidateCosts, spans: Sequence[Span], rows: int) -> Calla
 
     def score(stops: list[int]) -> float:
         parts = [stage(index, stops[index - 1] if index else 0, stop) for index, stop in enumerate(stops)]
-        if max(memory for memory, _ in parts) > model.memory_limit_bytes:
+        if max(memory for memory, _, _ in parts) > model.memory_limit_bytes:
             return float("inf")
-        steps = pipeline_steps([step for _, step in parts], [hop(index, stop) for index, stop in enumerate(stops[:-1])],
-                               [], split_overhead=cluster.split_backward_overhead)
+        steps = pipeline_steps([step for _, step, _ in parts],
+                               [hop(index, stop) for index, stop in enumerate(stops[:-1])], [],
+                               split_overhead=cluster.split_backward_overhead,
+                               tensor_parallel=[split for _, _, split in parts] if tensor_parallel else None)
         return steps.latency(num_microbatches, model.schedule == "zero_bubble")
 
     return score

@@ -55,6 +55,7 @@ from fxpipe.sim.stagecost import (
     replica_leads,
     split_backward_times,
     stage_cost,
+    stage_split_collectives,
     step_close_time,
     transfer_time,
 )
@@ -173,7 +174,8 @@ def pipeline_steps(stages: Sequence[tuple[float, float, float]], hops: Sequence[
                    ties: Sequence[tuple[tuple[int, ...], float]],
                    weight_fraction: float = WEIGHT_GRAD_FRACTION, split_overhead: float = 0.0,
                    messages: Sequence[float] | None = None, starts: Sequence[float] | None = None,
-                   collectives: Sequence[float] | None = None) -> PipelineSteps:
+                   collectives: Sequence[float] | None = None,
+                   tensor_parallel: Sequence[tuple[float, float]] | None = None) -> PipelineSteps:
     """The pivot model's steps from per-stage ``(F, B, own allreduce)``, the transfer time of each cut
     (``hops[s]`` between stages s and s+1) and tie allreduces over stage indices.
 
@@ -186,6 +188,9 @@ def pipeline_steps(stages: Sequence[tuple[float, float, float]], hops: Sequence[
     (:mod:`fxpipe.sim.sharding_cost`); the latency adds the longest wait for it (:func:`start_delay`).
     ``collectives[s]``: the part of ``messages[s]`` that is a sharded stage's per-micro-batch reduce-scatter,
     which under split backward runs after W (in W's share: off the gradient's path through the stage).
+    ``tensor_parallel[s]``: the tensor-parallel group's collectives in stage s's B, (those B runs, those W runs)
+    (:func:`fxpipe.sim.tensor_parallel_cost.split_backward_collectives`): splitting leaves each whole in its pass
+    (stage 0, which runs its backward whole in B: both in B).
     """
     steps = PipelineSteps([], [], [], [], [], [], weight_fraction, split_overhead)
     step_start: list[float] = []
@@ -202,12 +207,13 @@ def pipeline_steps(stages: Sequence[tuple[float, float, float]], hops: Sequence[
             after_weight.append(0.0)
         step_of_stage.append(len(steps.forward))
         step_start.append(starts[index] if starts is not None else 0.0)
-        after_weight.append(collectives[index] if collectives is not None else 0.0)
+        in_b, in_w = tensor_parallel[index] if tensor_parallel is not None else (0.0, 0.0)
+        after_weight.append((collectives[index] if collectives is not None else 0.0) + (in_w if index else 0.0))
         steps.forward.append(forward)
         steps.backward.append(backward)
         steps.allreduce.append(allreduce)
         steps.stage_index.append(index)
-        steps.message.append(messages[index] if messages is not None else 0.0)
+        steps.message.append((messages[index] if messages is not None else 0.0) + in_b + in_w)
     steps.group_allreduce.extend((tuple(step_of_stage[s] for s in group), seconds) for group, seconds in ties)
     if any(after_weight):
         steps = steps._replace(after_weight=tuple(after_weight))
@@ -229,7 +235,7 @@ def stage_times(plan: Plan, chain: CostChain, cluster: Cluster) -> PipelineSteps
     own_bytes = own_allreduce_bytes(chain, [(s.first_block, s.stop_block) for s in plan.stages], tensor_parallel=degrees)
     comms = plan_sharding_comms(plan, chain, cluster)
     replicas = [s.replicas for s in plan.stages]
-    stages, messages = [], []
+    stages, messages, splits = [], [], []
     for stage in plan.stages:
         cost = stage_cost(chain, stage.first_block, stage.stop_block, plan.microbatch_size, stage.replicas,
                           cluster.compute_slowdown, tensor_parallel=stage.tensor_parallel, cluster=cluster)
@@ -248,11 +254,13 @@ def stage_times(plan: Plan, chain: CostChain, cluster: Cluster) -> PipelineSteps
         fixed_s = message_s + action_seconds(cluster, cluster.compute_slowdown)
         stages.append((cost.forward_s + fixed_s + comm.forward_s, backward_s + fixed_s + comm.backward_s, tail))
         messages.append(fixed_s + comm.backward_s)
+        splits.append(stage_split_collectives(chain, cluster, stage, cost.rows))
     hops = [transfer_time(cluster, chain.cut_bytes[before.stop_block - 1], plan.microbatch_size, before_leads,
                           after_leads) for before, before_leads, after_leads in zip(plan.stages, leads, leads[1:],
                                                                                      strict=False)]
     return pipeline_steps(stages, hops, ties, split_overhead=cluster.split_backward_overhead, messages=messages,
-                          starts=[comm.start_s for comm in comms], collectives=[comm.backward_s for comm in comms])
+                          starts=[comm.start_s for comm in comms], collectives=[comm.backward_s for comm in comms],
+                          tensor_parallel=splits)
 
 
 def analytic_iteration_time(plan: Plan, chain: CostChain, cluster: Cluster) -> float:
