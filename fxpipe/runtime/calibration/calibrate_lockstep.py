@@ -28,7 +28,9 @@ from fxpipe.runtime.calibration.ring_fit import ring_fit
 LOCKSTEP_GAP_S = 1.5e-3
 LOCKSTEP_MATMUL_SIZE = 128
 LOCKSTEP_CALLS = 20
-LOCKSTEP_ROUNDS = 6
+# 18 rounds (2.3 s on the 2-core VM): the 128 KiB call's fitted time over six calibrations in a row spread 1.23x
+# (1.89-2.33 ms), against 1.89x (1.43-2.70 ms) with 6 rounds, 0.8 s (2026-12-04, interleaved in one world)
+LOCKSTEP_ROUNDS = 18
 # The two sizes: the per-call latency, and a tensor-parallel activation's order of size (gpt-mini's micro-batch
 # of 4 x 64 tokens x 128 channels in float32 is 128 KiB).
 LOCKSTEP_SMALL_BYTES = 8
