@@ -11,7 +11,8 @@ with the same batch and micro-batches. Each round forks 2 gloo ranks (1 thread e
    cost), the figures the simulator then runs on;
 2. compile the four plans;
 3. time, interleaved step by step, each level's step (``pipe.step`` with ``zero_grad``, no optimizer: a
-   step's collectives do not depend on it) and the bare collectives of the stage's byte counts on the same
+   step's collectives do not depend on it), the same step with FSDP2's collectives clocked (for (b) only: the
+   clock's barriers cost time of their own) and the bare collectives of the stage's byte counts on the same
    group: the allreduce of its gradient bytes G (what ``none`` sums), the reduce-scatter of G and the
    all-gather of its weight bytes W, as FSDP2 calls them (``reduce_scatter_single``/``all_gather_single``
    of one flat buffer); medians of the slower rank.
@@ -91,13 +92,19 @@ def bare_collectives(weight_bytes: int, gradient_bytes: int) -> dict[str, Any]:
 class CollectiveClock:
     """Seconds and calls of FSDP2's collectives inside the steps: ``torch.distributed.all_gather_single`` and
     ``reduce_scatter_single`` wrapped (FSDP2 calls both synchronously on CPU, one per unit and step), each
-    after a barrier on its group (not timed), so the time is the transfer, not a wait for the peer."""
+    after a barrier on its group (not timed), so the time is the transfer, not a wait for the peer.
+
+    Only while ``enabled``: the barriers cost a step time of their own (up to a millisecond or more each on
+    gloo after compute), so the steps (a) compares run with the clock off, and separate clocked steps of the
+    same levels, interleaved with them, give (b)'s in-step collectives. Until 2026-12-04 one set of steps did
+    both, and (a)'s measured extra included a barrier per FSDP2 collective."""
 
     NAMES = ("all_gather", "reduce_scatter")
 
     def __init__(self) -> None:
         import torch.distributed as dist
 
+        self.enabled = False
         self.seconds = dict.fromkeys(self.NAMES, 0.0)
         self.calls = dict.fromkeys(self.NAMES, 0)
         for name in self.NAMES:
@@ -107,6 +114,8 @@ class CollectiveClock:
         import torch.distributed as dist
 
         def timed_call(*args: Any, **kwargs: Any) -> Any:
+            if not self.enabled:
+                return call(*args, **kwargs)
             dist.barrier(group=kwargs.get("group"))
             start = time.perf_counter()
             work = call(*args, **kwargs)
@@ -142,13 +151,22 @@ def sharding_rank(rank: int, world_size: int, plans: dict[str, str], workload: W
         params = list(pipe.parameters())
         in_step[name] = []
 
-        def step(pipe: Any = pipe, params: list[Any] = params, record: list[Any] = in_step[name]) -> None:
+        def step(pipe: Any = pipe, params: list[Any] = params) -> None:  # as a user's step runs: no clock
+            zero_grads(params)
+            pipe.step(inputs, targets)
+
+        def clocked_step(pipe: Any = pipe, params: list[Any] = params, record: list[Any] = in_step[name]) -> None:
             zero_grads(params)
             clock.reset()
-            pipe.step(inputs, targets)
+            clock.enabled = True
+            try:
+                pipe.step(inputs, targets)
+            finally:
+                clock.enabled = False
             record.append((sum(clock.seconds.values()), dict(clock.calls)))
 
         steps[name] = step
+        steps[f"{name} clocked"] = clocked_step
     clock = CollectiveClock()  # after compile (its own collectives) and measuring: the steps' collectives only
     times = interleaved({**steps, **bare}, num_warmup, num_steps)
     return {"figures": figures, "collectives": {name: median(times[name]) for name in bare}, "times": times,
