@@ -307,7 +307,8 @@ def compile_module(model: torch.nn.Module, example_inputs: Any, options: Compile
         with preserved_state(model):  # tracing, cost measurement and codegen's shape run use the real module
             with setup_phase("tracing", group):
                 graph_module = trace(model, inputs, batch_dims=options.batch_dims)
-            resolved = resolve_plan(options, model, _keyword_inputs(graph_module, inputs), context, group)
+            resolved = resolve_plan(options, model, _keyword_inputs(graph_module, inputs), context, group,
+                                    traced=graph_module)
             if options.check_rows and (resolved.num_microbatches > 1 or any(s.replicas > 1 for s in resolved.stages)):
                 with setup_phase("checking that batch rows are independent", group):
                     check_rows_independent(model, _keyword_inputs(graph_module, inputs),

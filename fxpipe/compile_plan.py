@@ -26,11 +26,13 @@ if TYPE_CHECKING:
 
 
 def resolve_plan(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, context: DistContext,
-                 group: SetupGroup = None) -> Plan:
+                 group: SetupGroup = None, traced: torch.fx.GraphModule | None = None) -> Plan:
     """The Plan to run: given, loaded from a file, or made by the planner on rank 0 and broadcast.
 
     Collective: every rank of ``context``'s group calls it alike; ``group`` carries the setup phases
-    (:func:`fxpipe.runtime.faults.guard.setup_group`).
+    (:func:`fxpipe.runtime.faults.guard.setup_group`). ``traced``: ``model`` already traced on ``example_inputs``;
+    costing and planning start from it instead of tracing again (an export trace of a Hugging Face model takes
+    seconds).
     """
     from fxpipe.runtime.faults.guard import setup_phase
 
@@ -41,7 +43,7 @@ def resolve_plan(options: CompileOptions, model: torch.nn.Module, example_inputs
             _check_precision(plan, options)
             _check_sequence_parallel(plan, options)
             return apply_overrides(plan, options)
-    plan = _planned(options, model, example_inputs, context, group, markers=kind == "markers")
+    plan = _planned(options, model, example_inputs, context, group, markers=kind == "markers", traced=traced)
     with setup_phase("applying plan overrides", group):
         return apply_overrides(plan, options)
 
@@ -131,7 +133,7 @@ def _schedule_name(schedule: str) -> str:
 
 
 def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, context: DistContext,
-             group: SetupGroup, *, markers: bool = False) -> Plan:
+             group: SetupGroup, *, markers: bool = False, traced: torch.fx.GraphModule | None = None) -> Plan:
     """Plan for the launched world on rank 0 and broadcast it: every rank gets a role, plan devices land
     on the ranks of the nodes planned for. The cluster is resolved on every rank first (``local``
     calibrates over the process group, all ranks together), so rank 0 plans with agreed figures."""
@@ -145,7 +147,7 @@ def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: An
     cluster = _resolved_cluster(options, topology, context.device)
     costs = job_costs(options.costs, options.cluster is None, model, example_inputs, cluster, group,
                       batch_dims=options.batch_dims, device=context.device, loss_fn=options.loss_fn,
-                      precision=training_precision(options))
+                      precision=training_precision(options), traced=traced)
     cluster = costs.planning_cluster(cluster)
     text = None
     with setup_phase("planning", group):
@@ -153,7 +155,7 @@ def _planned(options: CompileOptions, model: torch.nn.Module, example_inputs: An
             raise PipelineSetupError("global_batch_size is missing; it is required unless a Plan is given")
         if context.rank == 0:
             run = _run_marker_planner if markers else _run_planner
-            plan = costs.label(run(options, model, example_inputs, topology, cluster, costs))
+            plan = costs.label(run(options, model, example_inputs, topology, cluster, costs, traced))
             text = _with_remeasured_note(plan, costs.source).to_json()
     return Plan.from_json(broadcast_text(text))
 
@@ -199,7 +201,7 @@ def _resolved_cluster(options: CompileOptions, topology: Topology, device: torch
 
 
 def _run_planner(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, topology: Topology,
-                 cluster: Cluster, costs: JobCosts) -> Plan:
+                 cluster: Cluster, costs: JobCosts, traced: torch.fx.GraphModule | None = None) -> Plan:
     """Cost the model and plan it (on rank 0) for ``cluster`` with every launched rank in a role."""
     from fxpipe.planning import costed_model, plan_chain
     from fxpipe.runtime.calibration.topology import check_cluster_size, placed_plan
@@ -208,7 +210,8 @@ def _run_planner(options: CompileOptions, model: torch.nn.Module, example_inputs
     precision = training_precision(options)
     costed = costed_model(model, example_inputs if isinstance(example_inputs, Mapping) else tuple(example_inputs),
                           cluster, batch_dims=options.batch_dims, costs=costs.source, measured=costs.measured,
-                          graph_module=costs.graph_module, loss_fn=options.loss_fn, precision=precision)
+                          graph_module=costs.graph_module, loss_fn=options.loss_fn, precision=precision,
+                          traced=traced)
     layout = None if options.plan == "auto" else str(options.plan)
     assert options.global_batch_size is not None
     plan = plan_chain(costed.chain, cluster, options.global_batch_size, layout=layout,
@@ -221,7 +224,7 @@ def _run_planner(options: CompileOptions, model: torch.nn.Module, example_inputs
 
 
 def _run_marker_planner(options: CompileOptions, model: torch.nn.Module, example_inputs: Any, topology: Topology,
-                        cluster: Cluster, costs: JobCosts) -> Plan:
+                        cluster: Cluster, costs: JobCosts, traced: torch.fx.GraphModule | None = None) -> Plan:
     """``plan="markers"``: cuts at the model's pipe_split() calls (on rank 0), every launched rank in a role."""
     from fxpipe.planning import plan_markers
     from fxpipe.runtime.calibration.topology import check_cluster_size, placed_plan
@@ -234,5 +237,6 @@ def _run_marker_planner(options: CompileOptions, model: torch.nn.Module, example
                            warmup_policy=options.warmup_policy, optimizer=options.optimizer, all_devices=True,
                            batch_dims=options.batch_dims, recompute=options.recompute, loss_fn=options.loss_fn,
                            precision=training_precision(options), sharding=options.sharding or "none",
-                           virtual_stages=options.virtual_stages, sequence_parallel=options.sequence_parallel)
+                           virtual_stages=options.virtual_stages, sequence_parallel=options.sequence_parallel,
+                           traced=traced)
     return placed_plan(plan, topology, cluster)

@@ -70,7 +70,8 @@ class JobCosts:
 
 def job_costs(costs: str, launched_cluster: bool, model: torch.nn.Module, example_inputs: Any, cluster: Cluster,
               group: SetupGroup, *, batch_dims: BatchDims = None, device: torch.device | None = None,
-              loss_fn: Callable[[Any, Any], Any] | None = None, precision: str = DEFAULT_PRECISION) -> JobCosts:
+              loss_fn: Callable[[Any, Any], Any] | None = None, precision: str = DEFAULT_PRECISION,
+              traced: torch.fx.GraphModule | None = None) -> JobCosts:
     """Measure block costs on every rank at once (the median agreed by all) unless analytic costs are asked for.
 
     A collective: every rank calls it alike. ``costs="auto"`` measures when the cluster is the launched
@@ -79,7 +80,8 @@ def job_costs(costs: str, launched_cluster: bool, model: torch.nn.Module, exampl
     ranks, it also times an allreduce over all of them on the default process group
     (:func:`fxpipe.runtime.calibration.calibrate_measure.measure_job_collective`). The traced graph costs the loss with
     ``loss_fn`` (:func:`fxpipe.passes.annotate_costs`); blocks are costed and timed under the autocast of
-    ``precision``, on the autocast op lists of the cluster's devices.
+    ``precision``, on the autocast op lists of the cluster's devices. ``traced``: the model already traced on
+    ``example_inputs`` (``fxpipe.compile`` traces first), costed instead of tracing again.
     """
     from fxpipe import passes
     from fxpipe.block_costs import measure_block_costs
@@ -93,7 +95,7 @@ def job_costs(costs: str, launched_cluster: bool, model: torch.nn.Module, exampl
         return JobCosts("analytic")
     dtype = autocast_dtype(precision)
     with setup_phase("tracing for cost measurement", group):
-        graph_module = passes.annotate_costs(passes.trace(model, example_inputs, batch_dims=batch_dims),
+        graph_module = passes.annotate_costs(traced or passes.trace(model, example_inputs, batch_dims=batch_dims),
                                              loss_fn=loss_fn, autocast_dtype=dtype,
                                              autocast_device=autocast_device_type(cluster.device))
     measured = measure_block_costs(graph_module, graph_module.meta[meta.EXAMPLE_INPUTS],

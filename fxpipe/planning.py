@@ -123,6 +123,7 @@ def costed_model(
     graph_module: torch.fx.GraphModule | None = None,
     loss_fn: LossFn | None = None,
     example_targets: Any = None,
+    traced: torch.fx.GraphModule | None = None,
 ) -> CostedModel:
     """Trace, annotate and chain a model. ``costs="measured"`` times every block on this machine.
 
@@ -135,7 +136,8 @@ def costed_model(
     autocast op lists of the cluster's devices, measured blocks included. ``measured`` gives block times
     measured already (e.g. agreed by every rank of a job, :func:`fxpipe.block_costs.measure_block_costs`)
     on ``graph_module``, the annotated graph they were measured on; ``"auto"`` resolves with
-    :func:`default_costs`.
+    :func:`default_costs`. ``traced``: ``model`` already traced on ``example_inputs`` (``fxpipe.passes.trace``,
+    as ``fxpipe.compile`` does first), annotated here instead of tracing again.
     """
     from fxpipe import passes
 
@@ -144,7 +146,7 @@ def costed_model(
         raise ValueError(f"costs={costs!r} is unknown; choose one of {COST_CHOICES}")
     dtype = autocast_dtype(precision)
     if graph_module is None:
-        graph_module = passes.annotate_costs(passes.trace(model, example_inputs, batch_dims=batch_dims),
+        graph_module = passes.annotate_costs(traced or passes.trace(model, example_inputs, batch_dims=batch_dims),
                                              loss_fn=loss_fn, example_targets=example_targets, autocast_dtype=dtype,
                                              autocast_device=autocast_device_type(cluster.device))
     if costs == "measured" and measured is None:
@@ -355,6 +357,7 @@ def plan_markers(
     measured: MeasuredCosts | None = None,
     precision: str = DEFAULT_PRECISION,
     sharding: ShardingRequest = DEFAULT_SHARDING,
+    traced: torch.fx.GraphModule | None = None,
     **options: Any,
 ) -> tuple[Plan, CostChain]:
     """Cut at the model's ``pipe_split()`` markers; DAPPLE picks replica counts, placement, micro-batches and,
@@ -363,7 +366,8 @@ def plan_markers(
     Returns the plan and the cost chain it is stated in. Every marked stage must hold parameters
     (otherwise the README's ``torch.optim.AdamW(pipe.parameters())`` fails on its ranks): a
     MarkerError names the stage to merge. ``batch_dims=`` among ``options`` goes to ``trace``,
-    ``precision`` to :func:`costed_model`, ``sequence_parallel`` as in :func:`plan_chain`.
+    ``precision`` to :func:`costed_model`, ``sequence_parallel`` as in :func:`plan_chain`. ``traced``: the model
+    already traced on ``example_inputs`` (as :func:`costed_model` takes it).
     """
     from fxpipe import passes
     from fxpipe.core.chain import without_sequence_parallel
@@ -374,10 +378,10 @@ def plan_markers(
     batch_dims: BatchDims = options.pop("batch_dims", None)  # trace's, not the planner's
     loss_fn: LossFn | None = options.pop("loss_fn", None)  # the cost pass's
     sequence_parallel: bool = options.pop("sequence_parallel", False)
-    graph_module = passes.trace(model, example_inputs, batch_dims=batch_dims)
+    graph_module = traced or passes.trace(model, example_inputs, batch_dims=batch_dims)
     groups = marker_stages(model, example_inputs, graph_module)
     chain = costed_model(model, example_inputs, cluster, costs=costs, max_blocks=None, batch_dims=batch_dims,
-                         measured=measured, loss_fn=loss_fn, precision=precision).chain
+                         measured=measured, loss_fn=loss_fn, precision=precision, traced=graph_module).chain
     chain = chain if sequence_parallel else without_sequence_parallel(chain)
     stops = marker_stops(chain, groups)
     marked = coarsen_chain(chain, stops)

@@ -251,3 +251,29 @@ def test_ring_allreduce_fit_inverts_the_ring_formula_and_job_costs_plan_with_it(
     assert planned.inter_host_collective == one_host.inter_host_collective
     assert costs.planning_cluster(base).inter_host_collective == LinkSpec(2e9, 5e-4)
     assert JobCosts("analytic").planning_cluster(base) == base
+
+
+@pytest.mark.parametrize("costs", ["analytic", "measured"])
+def test_compile_traces_the_model_once_for_costs_planning_and_codegen(costs: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The graph compile traces is the one costed, measured and planned (an export trace of a Hugging Face model
+    takes seconds; the planner traced it again, and the measured costs a third time)."""
+    import fxpipe.passes.tracing as tracing
+
+    calls: list[str] = []
+    frontends = tracing._run_frontends
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(costs)
+        return frontends(*args, **kwargs)
+
+    monkeypatch.setattr(tracing, "_run_frontends", counted)
+    model, example_inputs = _mlp()
+    pipe = fxpipe.compile(model, example_inputs, loss_fn=_loss, global_batch_size=BATCH, plan="dp", costs=costs)
+    try:
+        assert pipe.plan.predicted is not None and pipe.plan.predicted.cost_source == costs
+        assert len(calls) == 1, calls
+        loss = pipe.step((torch.randn(BATCH, 8),), torch.randint(0, 4, (BATCH,)))
+        assert loss > 0
+    finally:
+        pipe.close()
