@@ -19,6 +19,7 @@ from benchmarks import (
     sharding_study,
     small_fidelity,
     torch_pipelining_common,
+    tp_fidelity,
     virtual_schedules,
     vs_torch_pipelining,
     vs_torch_schedules,
@@ -279,6 +280,18 @@ def test_scale_study_smoke() -> None:
     assert float(scale_study.ratio(row)) <= 1.0 + 1e-9  # the planner's choice is no slower than a forced layout
     assert scale_study.describe(row.planned)[3].endswith("%")  # its MFU
     assert "| tiny " in scale_study.table([row]) and "no slower than published: met" in scale_study.summary([row])[0]
+
+
+@pytest.mark.multiprocess
+def test_tp_fidelity_smoke() -> None:
+    """Issue 33 item 7's benchmark end to end at 64 channels: a T=2 stage and its data-parallel control, each
+    compiled, stepped and predicted on two gloo ranks, and the table written."""
+    result = tp_fidelity.run(num_rounds=1, num_warmup=0, num_steps=1, widths=(64,))
+    assert [row["plan"] for row in result["rows"]] == ["1x2 M=2", "dp M=2"]
+    for row in result["rows"]:
+        assert row["predicted_s"] > 0 and row["iteration_s"] > 0 and len(row["errors"]) == 1
+    report = tp_fidelity.report(result)
+    assert "gpt-mini b=8 1x2 M=2 n_embd=64 local:2" in report and "--widths 64" in report
 
 
 @pytest.mark.multiprocess
