@@ -503,3 +503,25 @@ def test_achievable_matmul_rates_travel_in_cluster_json_and_stay_absent_without_
     data["device"]["matmul_flops"]["bfloat16"] = -1.0
     with pytest.raises(ClusterSpecError, match=r"matmul_flops\['bfloat16'\]"):
         Cluster.from_json(data)
+
+
+def test_cpu_peak_rates_are_timed_in_this_processs_cpu_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peak is what the device does when it runs: on CPU, other processes sharing the core must not lower it (a
+    wall-clock rate timed during a test suite once cached a float32 peak 10x low: the demo showed MFU above 100%)."""
+    from fxpipe.runtime.calibration import calibrate_measure
+
+    assert calibrate_measure.peak_clock(torch.device("cpu")) is time.process_time
+    assert calibrate_measure.peak_clock(torch.device("meta")) is time.perf_counter  # a GPU's: the wall clock
+    ticks = iter(range(100))
+    calls, elapsed = calibrate_measure._rate(lambda: None, 3.0, clock=lambda: float(next(ticks)))
+    assert (calls, elapsed) == (3, 3.0)  # counted on the clock given: 3 calls of one tick each
+    used: list[object] = []
+
+    def recording(work: Any, seconds: float, sync: Any = None, clock: Any = time.perf_counter) -> tuple[int, float]:
+        used.append(clock)
+        return 10, 1.0
+
+    monkeypatch.setattr(calibrate_measure, "_rate", recording)
+    assert calibrate_measure.measure_matmul_flops(torch.float32, size=4) == 2.0 * 4**3 * 10
+    assert calibrate_measure.measure_memory_bandwidth(num_bytes=64) == 2.0 * 64 * 10
+    assert used == [time.process_time, time.process_time]
