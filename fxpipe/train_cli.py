@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from fxpipe.core.schedule import schedule_names
-from fxpipe.core.utilization import utilization_text
+from fxpipe.core.utilization import utilization_text, utilization_warning
 
 DEMO_MODEL = "gpt-mini"
 
@@ -278,6 +278,9 @@ def run_train(args: argparse.Namespace) -> int:
               f"({num_steps * args.global_batch / elapsed:.0f} samples/s"
               + (f"; median step: {utilization}" if utilization else "") + ")", flush=True)
         print(prediction_check(pipe.plan, step_times, measuring=args.measure), flush=True)
+        warning = utilization_warning(pipe.plan, statistics.median(step_times)) if step_times else ""
+        if warning:
+            print(warning, flush=True)
         if args.trace and stats:
             _write_trace(args.trace, stats)
             print(f"wrote measured timeline {args.trace}", flush=True)

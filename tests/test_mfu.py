@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
 import fxpipe
 from fxpipe.core.plan import Plan
-from fxpipe.core.utilization import model_flops_utilization, tokens_per_s_per_device, utilization_text
+from fxpipe.core.utilization import (
+    model_flops_utilization,
+    tokens_per_s_per_device,
+    utilization_text,
+    utilization_warning,
+)
 from fxpipe.passes import annotate_costs, trace
 from fxpipe.passes.model_flops import model_flops_per_sample, tokens_per_sample
 from fxpipe.report import summary_lines
@@ -94,3 +100,19 @@ def test_the_plan_table_and_a_measured_step_show_mfu_and_tokens_per_device() -> 
     slower = 2 * plan.predicted.iteration_time_s  # a measured step twice the prediction: half the MFU
     assert model_flops_utilization(plan, slower) == pytest.approx(model_flops_utilization(plan) / 2)
     assert utilization_text(plan, slower).startswith(f"MFU {model_flops_utilization(plan) / 2:.1%}")
+
+
+def test_a_measured_step_above_100_percent_mfu_warns_and_names_the_fix() -> None:
+    plan = _planned()
+    assert plan.predicted is not None
+    mfu = model_flops_utilization(plan)
+    assert mfu is not None and 0 < mfu < 1
+    at_peak = plan.predicted.iteration_time_s * mfu  # the step time at exactly 100% MFU
+    assert utilization_warning(plan, at_peak * 1.001) == ""  # just under 100%: no warning
+    warning = utilization_warning(plan, at_peak / 1.5)  # 150%: the peak behind it is too low
+    assert "MFU 150%" in warning and "989,500.0 GFLOP/s" in warning and "1x4:h100" in warning
+    assert "peak_flops" in warning  # a preset: its datasheet figure is the suspect
+    local = replace(plan, cluster="local:2")
+    assert "fxpipe calibrate" in utilization_warning(local, at_peak / 1.5)
+    old = replace(plan, predicted=replace(plan.predicted, peak_flops_per_device=0.0))  # no peak recorded: no MFU
+    assert utilization_warning(old, at_peak / 1.5) == ""

@@ -30,6 +30,8 @@ class Plan(Protocol):
     def global_batch_size(self) -> int: ...
     @property
     def world_size(self) -> int: ...
+    @property
+    def cluster(self) -> str: ...
 
 
 def peak_flops_per_device(device: DeviceSpec, precision: str) -> float:
@@ -65,6 +67,26 @@ def tokens_per_s_per_device(plan: Plan, iteration_time_s: float | None = None) -
     if seconds <= 0:
         return None
     return predicted.tokens_per_sample * plan.global_batch_size / seconds / plan.world_size
+
+
+def utilization_warning(plan: Plan, iteration_time_s: float) -> str:
+    """A warning when a measured iteration's MFU is above 100%, which no device reaches, or ``""``.
+
+    Such a figure means the peak rate it is measured against is too low: a ``local`` cluster's peak comes
+    from the calibration cache, which ``fxpipe calibrate`` measures again; a preset's from its datasheet.
+    """
+    mfu = model_flops_utilization(plan, iteration_time_s)
+    predicted = plan.predicted
+    if mfu is None or mfu <= 1.0 or predicted is None:
+        return ""
+    name = plan.cluster or "the plan's cluster"
+    peak = predicted.peak_flops_per_device
+    fix = ("its peak comes from this machine's calibration cache (docs/clusters.md): run `fxpipe calibrate` on a "
+           "quiet machine to measure it again, then plan again" if name.startswith("local")
+           else f"check {name}'s device peak_flops, or plan on a cluster spec with the device's real peak")
+    return (f"warning: a measured step ran at MFU {mfu:.0%}, above 100%, against a peak of {peak / 1e9:,.1f} "
+            f"GFLOP/s per device on {name}: that peak is too low for these devices, so MFU figures of this plan "
+            f"are wrong; {fix}")
 
 
 def utilization_text(plan: Plan, iteration_time_s: float | None = None) -> str:
