@@ -11,8 +11,8 @@ import torch
 from fxpipe.core import meta
 from fxpipe.core.cluster import Cluster, LinkSpec
 from fxpipe.core.plan import Plan
-from fxpipe.core.precision import DEFAULT_PRECISION, autocast_device_type
-from fxpipe.planning import COST_CHOICES, autocast_dtype, default_costs, is_local, labelled
+from fxpipe.core.precision import DEFAULT_PRECISION
+from fxpipe.planning import COST_CHOICES, annotated_model, autocast_dtype, default_costs, is_local, labelled
 from fxpipe.runtime.faults.errors import PipelineSetupError
 
 if TYPE_CHECKING:
@@ -83,7 +83,6 @@ def job_costs(costs: str, launched_cluster: bool, model: torch.nn.Module, exampl
     ``precision``, on the autocast op lists of the cluster's devices. ``traced``: the model already traced on
     ``example_inputs`` (``fxpipe.compile`` traces first), costed instead of tracing again.
     """
-    from fxpipe import passes
     from fxpipe.block_costs import measure_block_costs
     from fxpipe.runtime.calibration.measure_together import job_collective
     from fxpipe.runtime.faults.guard import setup_phase
@@ -95,9 +94,8 @@ def job_costs(costs: str, launched_cluster: bool, model: torch.nn.Module, exampl
         return JobCosts("analytic")
     dtype = autocast_dtype(precision)
     with setup_phase("tracing for cost measurement", group):
-        graph_module = passes.annotate_costs(traced or passes.trace(model, example_inputs, batch_dims=batch_dims),
-                                             loss_fn=loss_fn, autocast_dtype=dtype,
-                                             autocast_device=autocast_device_type(cluster.device))
+        graph_module = annotated_model(model, example_inputs, cluster, precision, batch_dims=batch_dims,
+                                       loss_fn=loss_fn, traced=traced)
     measured = measure_block_costs(graph_module, graph_module.meta[meta.EXAMPLE_INPUTS],
                                    slowdown=cluster.compute_slowdown, group=group, autocast_dtype=dtype)
     if measured is None:

@@ -110,6 +110,19 @@ def measuring_device(cluster: Cluster) -> str:
     return "cpu"
 
 
+def annotated_model(model: torch.nn.Module, example_inputs: Any, cluster: Cluster, precision: str, *,
+                    batch_dims: BatchDims = None, loss_fn: LossFn | None = None, example_targets: Any = None,
+                    traced: torch.fx.GraphModule | None = None) -> torch.fx.GraphModule:
+    """``model`` traced on ``example_inputs`` (``traced``: already traced, not again) and annotated with its costs
+    (:func:`fxpipe.passes.annotate_costs`: the loss costed with ``loss_fn`` on ``example_targets``) under the
+    autocast of ``precision``, on the autocast op lists of the cluster's devices."""
+    from fxpipe import passes
+
+    return passes.annotate_costs(traced or passes.trace(model, example_inputs, batch_dims=batch_dims),
+                                 loss_fn=loss_fn, example_targets=example_targets, autocast_dtype=autocast_dtype(precision),
+                                 autocast_device=autocast_device_type(cluster.device))
+
+
 def costed_model(
     model: torch.nn.Module,
     example_inputs: Any,
@@ -146,9 +159,8 @@ def costed_model(
         raise ValueError(f"costs={costs!r} is unknown; choose one of {COST_CHOICES}")
     dtype = autocast_dtype(precision)
     if graph_module is None:
-        graph_module = passes.annotate_costs(traced or passes.trace(model, example_inputs, batch_dims=batch_dims),
-                                             loss_fn=loss_fn, example_targets=example_targets, autocast_dtype=dtype,
-                                             autocast_device=autocast_device_type(cluster.device))
+        graph_module = annotated_model(model, example_inputs, cluster, precision, batch_dims=batch_dims,
+                                       loss_fn=loss_fn, example_targets=example_targets, traced=traced)
     if costs == "measured" and measured is None:
         measured = passes.measure_costs(graph_module, graph_module.meta[meta.EXAMPLE_INPUTS], autocast_dtype=dtype)
     graph = passes.to_cost_graph(graph_module, device=cluster.device, measured=measured if costs == "measured"
