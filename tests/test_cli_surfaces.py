@@ -189,6 +189,7 @@ def test_demo_trains_on_local_ranks(capfd: pytest.CaptureFixture[str], monkeypat
     assert main(["demo", "--nproc", "2", "--steps", "2", "--layout", "1:1"]) == 0
     out = capfd.readouterr().out
     assert "plan 1:1 " in out and "micro-batches=8 x 4 rows" in out, out[-3000:]
+    assert "above 100%" not in out, out[-3000:]  # the measured MFU is against a sound peak (utilization_warning)
     match = TRAINED.search(out)
     assert match is not None, out[-3000:]
     demo_args = ["gpt-mini", "--global-batch", "32", "--steps", "2", "--data", "stdlib"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 
 import pytest
@@ -116,3 +117,25 @@ def test_a_measured_step_above_100_percent_mfu_warns_and_names_the_fix() -> None
     assert "fxpipe calibrate" in utilization_warning(local, at_peak / 1.5)
     old = replace(plan, predicted=replace(plan.predicted, peak_flops_per_device=0.0))  # no peak recorded: no MFU
     assert utilization_warning(old, at_peak / 1.5) == ""
+
+
+def test_no_mfu_against_an_uncalibrated_cpus_default_rates_and_the_flag_round_trips() -> None:
+    """An uncalibrated CPU rank's rates are guesses set below the machine (the demo once showed MFU 274% against
+    them): plans are costed at them, but carry no peak, so no MFU is predicted or measured; calibrated ones do."""
+    from fxpipe.core.cluster import Cluster, parse_cluster
+    from fxpipe.core.hardware import cpu_device
+    from fxpipe.core.utilization import peak_flops_per_device
+
+    assert os.environ.get("FXPIPE_CALIBRATE") == "0"  # tests/conftest.py: `local` uses the defaults
+    cluster = parse_cluster("local:2")
+    assert cluster.device.default_rates and peak_flops_per_device(cluster.device, "fp32") == 0.0
+    model, inputs = hf_examples.gpt2(n_layer=L, n_embd=H, n_head=HEADS, vocab_size=V, seq_len=S)
+    plan = fxpipe.plan(model, inputs, cluster="local:2", global_batch_size=8, costs="analytic")
+    assert plan.predicted is not None and plan.predicted.iteration_time_s > 0  # costed at the defaults all the same
+    assert model_flops_utilization(plan) is None and "MFU" not in utilization_text(plan)
+    assert utilization_warning(plan, plan.predicted.iteration_time_s / 100) == ""
+    assert Cluster.from_json(cluster.to_json()) == cluster and cluster.to_json()["device"]["default_rates"] is True
+    calibrated = cpu_device(2**30, calibrated={"float32": 9e10})
+    assert not calibrated.default_rates and peak_flops_per_device(calibrated, "fp32") == 9e10
+    preset = parse_cluster("1x4:h100")
+    assert "default_rates" not in preset.to_json()["device"]  # files of every other device keep their bytes

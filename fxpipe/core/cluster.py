@@ -203,6 +203,8 @@ class Cluster:
             data["device"]["matmul_flops"] = {dtype: flops for dtype, flops in self.device.matmul_flops}
         else:
             del data["device"]["matmul_flops"]
+        if not self.device.default_rates:  # written only when set: files written before keep their bytes
+            del data["device"]["default_rates"]
         return {"format_version": CLUSTER_FORMAT_VERSION, **data}
 
     @staticmethod

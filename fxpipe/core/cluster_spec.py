@@ -163,6 +163,7 @@ def device_from_json(data: Any) -> DeviceSpec:
         memory_bandwidth_bytes_per_s=json_field(data, "memory_bandwidth_bytes_per_s", float, "device", "positive"),
         kernel_launch_s=json_field(data, "kernel_launch_s", float, "device", "non-negative"),
         matmul_flops=tuple(sorted(matmul.items())),
+        default_rates=json_field(data, "default_rates", bool, "device") if "default_rates" in data else False,
     )
 
 

@@ -18,6 +18,9 @@ class DeviceSpec:
     the fixed cost of one kernel/op. ``matmul_flops``: what dense matmuls achieve per dtype (published GEMM
     measurements on the GPU presets; :func:`fxpipe.core.precision.matmul_flops_per_s` costs matmuls at it);
     a dtype it lacks runs matmuls at the peak (CPU ranks: the peak is itself a measured matmul rate).
+    ``default_rates``: the rates are conservative defaults, guessed below what the device does (an uncalibrated CPU
+    rank, :func:`cpu_device`), not a datasheet or measured peak: plans are costed at them, but no MFU is measured
+    against them (:func:`fxpipe.core.utilization.peak_flops_per_device` gives 0).
     """
 
     name: str
@@ -26,6 +29,7 @@ class DeviceSpec:
     memory_bandwidth_bytes_per_s: float
     kernel_launch_s: float = 5e-6
     matmul_flops: tuple[tuple[str, float], ...] = ()
+    default_rates: bool = False
 
     def flops_per_s(self, dtype: str = "float32") -> float:
         table = dict(self.peak_flops)
@@ -156,7 +160,9 @@ def measured_device(name: str, memory_bytes: int, figures: dict[str, float]) -> 
 
 
 def cpu_device(memory_bytes: int, *, calibrated: dict[str, float] | None = None) -> DeviceSpec:
-    """One CPU rank (one thread). Without ``calibrated`` figures: conservative defaults.
+    """One CPU rank (one thread). Without ``calibrated`` figures: conservative defaults (``default_rates``: no MFU
+    is measured against them; they sat 10x below this machine's float32 matmul rate, and `fxpipe demo` showed
+    MFU 274% against them).
 
     The defaults sit at or below what one thread measured here (``fxpipe.runtime.calibration.calibrate``
     on a shared 2-core x86 VM with torch 2.13: 15-41 GFLOP/s float32 matmul, 0.4-1.4 GFLOP/s
@@ -166,7 +172,8 @@ def cpu_device(memory_bytes: int, *, calibrated: dict[str, float] | None = None)
     figures = {"float32": 10e9, "bfloat16": 0.3e9, "float16": 0.3e9,
                "memory_bandwidth": 2e9, "kernel_launch": 20e-6}
     figures.update(calibrated or {})
-    return measured_device("CPU" if calibrated is None else "CPU(calibrated)", memory_bytes, figures)
+    device = measured_device("CPU" if calibrated is None else "CPU(calibrated)", memory_bytes, figures)
+    return device if calibrated is not None else replace(device, default_rates=True)
 
 
 def host_memory_bytes() -> int:

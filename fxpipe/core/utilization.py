@@ -36,7 +36,10 @@ class Plan(Protocol):
 
 def peak_flops_per_device(device: DeviceSpec, precision: str) -> float:
     """The datasheet peak MFU is measured against: the device's rate for the precision's dtype (fp32: float32);
-    0 when the device lists no rate for it."""
+    0 when the device lists no rate for it, or only conservative defaults (``DeviceSpec.default_rates``: an
+    uncalibrated CPU rank, whose guessed rates are no peak)."""
+    if device.default_rates:
+        return 0.0
     return dict(device.peak_flops).get(autocast_dtype_name(precision) or "float32", 0.0)
 
 
