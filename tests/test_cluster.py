@@ -444,7 +444,10 @@ def test_an_unknown_gpu_is_measured_or_gets_conservative_defaults(monkeypatch: p
     assert cluster.intra_host == LinkSpec(3e9, 4e-5) and cluster.intra_host_collective == LinkSpec(1.5e9, 6e-5)
     with pytest.warns(RuntimeWarning, match="'NVIDIA GeForce RTX 4090' has no preset and was not measured"):
         guessed = local_cluster(2, calibrate=False)
-    assert guessed.device == measured_device("NVIDIA GeForce RTX 4090", 24 * GiB, GPU_DEFAULT_FIGURES)
+    # the defaults are guesses, not a peak: the plan is costed at them but shows no MFU (DeviceSpec.default_rates)
+    assert guessed.device == replace(measured_device("NVIDIA GeForce RTX 4090", 24 * GiB, GPU_DEFAULT_FIGURES),
+                                     default_rates=True)
+    assert not cluster.device.default_rates  # measured rates: MFU against them
     assert guessed.intra_host == PCIE_GPU_P2P
     _fake_gpus(monkeypatch, "NVIDIA H200", 141 * GiB, 8)  # a known model: only its links are measured
     known = local_cluster(calibrate=True, collective=True)
