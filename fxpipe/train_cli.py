@@ -273,12 +273,13 @@ def run_train(args: argparse.Namespace) -> int:
     if leader and losses:
         elapsed = time.perf_counter() - start
         num_steps = last_step - first_step
-        utilization = utilization_text(pipe.plan, statistics.median(step_times)) if step_times else ""
+        median_step_s = statistics.median(step_times) if step_times else None
+        utilization = utilization_text(pipe.plan, median_step_s) if median_step_s is not None else ""
         print(f"trained {num_steps} steps in {elapsed:.1f} s: loss {losses[0]:.3f} -> {losses[-1]:.3f} "
               f"({num_steps * args.global_batch / elapsed:.0f} samples/s"
               + (f"; median step: {utilization}" if utilization else "") + ")", flush=True)
         print(prediction_check(pipe.plan, step_times, measuring=args.measure), flush=True)
-        warning = utilization_warning(pipe.plan, statistics.median(step_times)) if step_times else ""
+        warning = utilization_warning(pipe.plan, median_step_s) if median_step_s is not None else ""
         if warning:
             print(warning, flush=True)
         if args.trace and stats:

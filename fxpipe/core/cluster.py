@@ -359,7 +359,7 @@ def _local_gpu_cluster(name: str, ranks: int, model: str, memory: int, measured:
     else:
         warnings.warn(f"fxpipe: GPU model {model!r} has no preset and was not measured; planning with "
                       f"conservative default figures {GPU_DEFAULT_FIGURES}", RuntimeWarning, stacklevel=3)
-        device = replace(measured_device(model, memory, GPU_DEFAULT_FIGURES), default_rates=True)  # no MFU on guesses
+        device = measured_device(model, memory, GPU_DEFAULT_FIGURES, default_rates=True)  # no MFU on guesses
         link, source = PCIE_GPU_P2P, "defaults"
     links = measured_links(measured)
     collective_link = None

@@ -148,14 +148,17 @@ GPU_OVERLAP_SLOWDOWNS = (0.19, 0.1)
 REFERENCE_ACTION_OVERHEAD_S = 60e-6
 
 
-def measured_device(name: str, memory_bytes: int, figures: dict[str, float]) -> DeviceSpec:
-    """A DeviceSpec from measured (or default) ``figures``: the keys of ``GPU_DEFAULT_FIGURES``."""
+def measured_device(name: str, memory_bytes: int, figures: dict[str, float], *,
+                    default_rates: bool = False) -> DeviceSpec:
+    """A DeviceSpec from measured (or default) ``figures``: the keys of ``GPU_DEFAULT_FIGURES``;
+    ``default_rates``: they are conservative defaults, not measured (no MFU against them)."""
     return DeviceSpec(
         name=name,
         memory_bytes=int(memory_bytes),
         peak_flops=tuple(sorted((d, float(figures[d])) for d in ("bfloat16", "float16", "float32"))),
         memory_bandwidth_bytes_per_s=float(figures["memory_bandwidth"]),
         kernel_launch_s=float(figures["kernel_launch"]),
+        default_rates=default_rates,
     )
 
 
@@ -172,8 +175,8 @@ def cpu_device(memory_bytes: int, *, calibrated: dict[str, float] | None = None)
     figures = {"float32": 10e9, "bfloat16": 0.3e9, "float16": 0.3e9,
                "memory_bandwidth": 2e9, "kernel_launch": 20e-6}
     figures.update(calibrated or {})
-    device = measured_device("CPU" if calibrated is None else "CPU(calibrated)", memory_bytes, figures)
-    return device if calibrated is not None else replace(device, default_rates=True)
+    return measured_device("CPU" if calibrated is None else "CPU(calibrated)", memory_bytes, figures,
+                           default_rates=calibrated is None)
 
 
 def host_memory_bytes() -> int:
