@@ -7,6 +7,7 @@ import json
 from dataclasses import replace
 
 import pytest
+import torch
 from reference_sim import reference_run
 from test_tensor_parallel_plan import _hand_chain
 
@@ -20,7 +21,13 @@ from fxpipe.core.fsdp_calls import (
 )
 from fxpipe.core.plan import Plan, StagePlan
 from fxpipe.passes.partition.latency import analytic_iteration_time
-from fxpipe.runtime.calibration.calibrate_fsdp import per_call_excess, two_size_fit
+from fxpipe.runtime.calibration.calibrate_fsdp import (
+    FSDP_UNITS,
+    FSDP_WIDTHS,
+    block_units,
+    per_call_excess,
+    two_size_fit,
+)
 from fxpipe.sim.sharding_cost import sharding_comm, unit_collectives
 from fxpipe.sim.simulate import simulate
 from fxpipe.sim.stagecost import num_units, stage_param_bytes
@@ -82,6 +89,23 @@ def test_per_call_excess_subtracts_the_whole_step_and_each_units_bare_collective
     assert per_call_excess(whole, whole, whole, 2e-3, 3e-3, 4) == (0.0, 0.0)  # faster than its collectives: 0
     with pytest.raises(ValueError, match="at least one FSDP unit"):
         per_call_excess(whole, zero2, zero3, 2e-3, 3e-3, 0)
+
+
+def test_calibration_times_units_with_a_transformer_blocks_tensors_at_both_sizes() -> None:
+    # FSDP2's host time grows with a unit's parameter tensors as well as its bytes: each unit holds GPT-2 block's 12
+    # (two layer norms, four linears with biases), 4 w^2 + 8 w floats: 17.4 KB and 2.37 MB at the two widths
+    sizes = []
+    for width in FSDP_WIDTHS:
+        units = block_units(width)
+        assert len(units) == FSDP_UNITS
+        for unit in units:
+            params = list(unit.parameters())
+            assert len(params) == 12
+            assert sum(param.numel() for param in params) == 4 * width**2 + 8 * width
+        sizes.append(4 * sum(param.numel() for param in units[0].parameters()))
+        assert units(torch.randn(3, width)).shape == (3, width)
+    assert sizes == [17_408, 2_371_584]
+    assert all(torch.equal(a, b) for a, b in zip(block_units(32).parameters(), block_units(32).parameters(), strict=True))
 
 
 def test_two_size_fit_goes_through_both_sizes_and_never_below_zero() -> None:

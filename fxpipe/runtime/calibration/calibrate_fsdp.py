@@ -3,8 +3,9 @@
 Each FSDP2 unit of a ZeRO-3 step all-gathers its weights before its forward and again before its backward and
 reduce-scatters its gradients after it; under ZeRO-2 (weights kept gathered) it only reduce-scatters. Around each
 call FSDP2 copies into and out of flat buffers, allocates and frees them and runs its hooks in Python: on CPU
-ranks milliseconds per call, growing with the unit's bytes (benchmarks/sharding_fidelity.md). Both ranks (call on
-both; ``group`` holds just them) time the forward and backward of ``FSDP_UNITS`` linear layers of each width in
+ranks milliseconds per call, growing with the unit's bytes and with its parameter tensors (its hooks and copies
+work tensor by tensor). Both ranks (call on both; ``group`` holds just them) time the forward and backward of
+``FSDP_UNITS`` units shaped like a transformer block (:class:`BlockUnit`: 12 parameter tensors) of each width in
 ``FSDP_WIDTHS``: whole; each ``fully_shard``-ed keeping its weights gathered (ZeRO-2: one reduce-scatter per unit);
 resharding after forward (ZeRO-3: two all-gathers and a reduce-scatter per unit); kept gathered with gradient sync
 off (ZeRO-1's micro-batches before the last: no collective, FSDP2's hooks and unsynced accumulation only); and each
@@ -29,10 +30,12 @@ import torch.distributed as dist
 from fxpipe.core.fsdp_calls import FIGURE_KEYS
 from fxpipe.runtime.transport.comm import all_gather_flat, reduce_scatter_flat
 
-# Two unit sizes (a Linear of width x width, bias included): 16.6 KB, and 2.36 MB near gpt-mini's blocks (2.6 MB
-# per unit in benchmarks/sharding_fidelity.py), so such units are charged by interpolation: with 1.05 MB units the
-# slope's noise under load was extrapolated 2.5x (benchmarks/sharding_fidelity.md, 16:33).
-FSDP_UNITS, FSDP_WIDTHS, FSDP_ROWS, FSDP_REPEATS = 4, (64, 768), 8, 5
+# Two unit sizes (a BlockUnit of width w holds 4 w^2 + 8 w floats): 17.4 KB, and 2.37 MB near gpt-mini's blocks
+# (2.6 MB per unit in benchmarks/sharding_fidelity.py), so such units are charged by interpolation: with 1.05 MB
+# units the slope's noise under load was extrapolated 2.5x (benchmarks/sharding_fidelity.md, 16:33). 15 rounds: six
+# calibrations in a row on the quiet 2-core VM put gpt-mini's ZeRO-2 collectives (5 all-gathers, 20 reduce-scatters)
+# at 69-134 ms with 5 rounds, 85-130 ms with 15 (2026-12-04, scratch; about 2 s more per calibration).
+FSDP_UNITS, FSDP_WIDTHS, FSDP_ROWS, FSDP_REPEATS = 4, (32, 384), 8, 15
 # per unit and step under reshard-after-forward: an all-gather in forward, one in backward, a reduce-scatter
 CALLS_PER_UNIT = 3
 
@@ -80,12 +83,36 @@ def interleaved_medians(calls: Sequence[Callable[[], object]], group: dist.Proce
     return [statistics.median(timed[2:]) for timed in times]
 
 
+class BlockUnit(torch.nn.Module):
+    """A unit with a transformer block's parameter tensors: GPT-2's 12 (two layer norms, four linears with biases;
+    a Llama block has 9). FSDP2's hooks and copies work tensor by tensor, so its host time per call grows with the
+    tensors as well as the bytes: beside its reduce-scatter, units of 12 tensors took 0.2-0.3 ms more per call than
+    single linears of the same bytes (2 tensors; two scratch runs on gloo ranks of the 2-core VM, 2026-12-04), and
+    calibrated on single linears the model under-charged gpt-mini's ZeRO-2 step (benchmarks/sharding_fidelity.md). Two residual two-layer
+    MLPs, each behind a layer norm."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm_1, self.norm_2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+        self.up_1, self.down_1 = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+        self.up_2, self.down_2 = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.down_1(torch.relu(self.up_1(self.norm_1(x))))
+        return x + self.down_2(torch.relu(self.up_2(self.norm_2(x))))
+
+
+def block_units(width: int) -> torch.nn.Sequential:
+    """FSDP_UNITS :class:`BlockUnit` of ``width``, the same weights each call."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(BlockUnit(width) for _ in range(FSDP_UNITS)))
+
+
 def _sharded(width: int, mesh: Any, reshard_after_forward: bool) -> torch.nn.Module:
-    """FSDP_UNITS linears, each its own unit with the runtime's prefetch, under a parameter-free root."""
+    """FSDP_UNITS block units, each its own FSDP unit with the runtime's prefetch, under a parameter-free root."""
     from torch.distributed.fsdp import fully_shard
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(FSDP_UNITS)))
+    model = block_units(width)
     units: list[Any] = [fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward) for layer in model]
     for before, after in zip(units, units[1:], strict=False):
         before.set_modules_to_forward_prefetch([after])
@@ -110,11 +137,10 @@ def _unsynced(width: int, mesh: Any) -> torch.nn.Module:
 def _unit_excess(width: int, mesh: Any, group: dist.ProcessGroup | None) -> tuple[float, float, float, float]:
     """(unit bytes, all-gather s, reduce-scatter s, pass s) of host time per call (per unit for the pass) on units
     of ``width``."""
-    torch.manual_seed(0)
-    whole = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(FSDP_UNITS)))
+    whole = block_units(width)
     zero2, zero3, unsynced = _sharded(width, mesh, False), _sharded(width, mesh, True), _unsynced(width, mesh)
     inputs = torch.randn(FSDP_ROWS, width)
-    unit_numel = width * width + width
+    unit_numel = sum(param.numel() for param in whole[0].parameters())
     num_ranks = dist.get_world_size(group)
     shard = torch.zeros(-(-unit_numel // num_ranks))
     flat = torch.zeros(shard.numel() * num_ranks)
