@@ -119,7 +119,8 @@ def annotated_model(model: torch.nn.Module, example_inputs: Any, cluster: Cluste
     from fxpipe import passes
 
     return passes.annotate_costs(traced or passes.trace(model, example_inputs, batch_dims=batch_dims),
-                                 loss_fn=loss_fn, example_targets=example_targets, autocast_dtype=autocast_dtype(precision),
+                                 loss_fn=loss_fn, example_targets=example_targets,
+                                 autocast_dtype=autocast_dtype(precision),
                                  autocast_device=autocast_device_type(cluster.device))
 
 

@@ -88,8 +88,8 @@ class BlockUnit(torch.nn.Module):
     a Llama block has 9). FSDP2's hooks and copies work tensor by tensor, so its host time per call grows with the
     tensors as well as the bytes: beside its reduce-scatter, units of 12 tensors took 0.2-0.3 ms more per call than
     single linears of the same bytes (2 tensors; two scratch runs on gloo ranks of the 2-core VM, 2026-12-04), and
-    calibrated on single linears the model under-charged gpt-mini's ZeRO-2 step (benchmarks/sharding_fidelity.md). Two residual two-layer
-    MLPs, each behind a layer norm."""
+    calibrated on single linears the model under-charged gpt-mini's ZeRO-2 step (benchmarks/sharding_fidelity.md).
+    Two residual two-layer MLPs, each behind a layer norm."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
